@@ -1,0 +1,300 @@
+"""Opt-in CPU/gloo runtime for Megatron-Core 0.16.1.
+
+Megatron-Core assumes a CUDA device in a handful of places that have nothing to
+do with the maths: stream bookkeeping in the all-to-all dispatcher, the RNG
+tracker, buffer allocation with ``device='cuda'`` literals, optimizer type checks
+against ``'torch.cuda.FloatTensor'``. On a machine without CUDA this module makes
+those places behave as they would on one GPU, so that Megatron's own GPTModel,
+MoE layers, schedules, optimizers and dist_checkpointing train on CPU with gloo.
+
+Rules this module keeps:
+
+* ``enable_cpu_runtime()`` is explicit. Importing this module changes nothing;
+  the launcher calls it when no CUDA device exists, the test harness calls it.
+* It is a no-op when CUDA is available: GPU runs are untouched Megatron.
+* It refuses to run against an untested megatron-core version, since every fix
+  below is tied to how 0.16.1 is written.
+* Each fix is one named function with the reason next to it. Where Megatron has
+  no hook, the patch lives here and nowhere else.
+
+The fixes (see ``FIXES``):
+
+``inert_cuda_streams``
+    ``MoEAlltoAllTokenDispatcher.__init__`` creates ``torch.cuda.Stream()`` and
+    ``_maybe_dtoh_and_synchronize`` records and waits on events; p2p
+    communication calls ``torch.cuda.synchronize()``. On CPU every operation is
+    synchronous, so inert stand-ins are exact.
+``cpu_current_device``
+    ``torch.cuda.current_device()`` picks the device of buffers (router
+    weights, all-to-all outputs, GlobalMemoryBuffer); it answers the CPU.
+``cpu_rng_for_megatron_tracker``
+    Megatron's ``CudaRNGStatesTracker`` swaps CUDA generator states. On CPU
+    every random op (dropout, init) draws from the CPU default generator, so
+    the tracker swaps that one instead. Its "CPU RNG state changed within GPU
+    RNG context" warning is then meaningless and is filtered.
+``te_general_gemm_placeholder``
+    ``moe_utils`` imports ``te_general_gemm`` from Transformer Engine inside a
+    try block and refers to it unconditionally in ``RouterGatingLinearFunction``;
+    without TE that is a NameError. ``None`` selects Megatron's own torch path.
+``numpy_split_sizes_for_gloo``
+    On GPU the dispatcher's device-to-host step turns the all-to-all split sizes
+    into numpy arrays. For CPU tensors Megatron skips that step, and gloo's
+    ``all_to_all_single`` rejects tensor split sizes. We make the CPU path do
+    what the GPU path does.
+``cpu_device_mode``
+    A single ``TorchFunctionMode`` that maps ``device='cuda'`` (and ``.cuda()``,
+    ``.to('cuda')``) to the CPU and makes the no-argument ``Tensor.type()``
+    answer the CUDA type name that Megatron's optimizer and gradient clipping
+    compare against. It replaces a dozen literal-site patches (grad scaler,
+    optimizer, clip_grads, schedules' token counter, DDP warm-up). It costs one
+    Python call per torch call: every benchmark policy pays the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from packaging.version import Version
+from torch.overrides import TorchFunctionMode
+
+SUPPORTED_MEGATRON_CORE = Version("0.16.1")
+
+logger = logging.getLogger(__name__)
+
+_enabled_fixes: list[str] = []
+_device_mode: TorchFunctionMode | None = None
+
+
+class UnsupportedMegatronVersion(RuntimeError):
+    """Raised when the installed megatron-core is not the version the fixes target."""
+
+
+def check_megatron_core_version() -> Version:
+    """Return the installed megatron-core version, refusing any but the tested one."""
+    from megatron.core import package_info
+
+    installed = Version(package_info.__version__)
+    if installed != SUPPORTED_MEGATRON_CORE:
+        raise UnsupportedMegatronVersion(
+            f"megatron_lrmoe's CPU runtime was written and tested against megatron-core "
+            f"{SUPPORTED_MEGATRON_CORE}, but {installed} is installed. Its fixes patch "
+            f"version-specific internals; install megatron-core=={SUPPORTED_MEGATRON_CORE} "
+            f"(bash scripts/setup.sh does) or run on a CUDA machine, where the CPU runtime "
+            f"is not used."
+        )
+    return installed
+
+
+# ---------------------------------------------------------------------------
+# inert_cuda_streams
+# ---------------------------------------------------------------------------
+
+
+class _InertEvent:
+    """A CUDA event stand-in: CPU work is complete when the call returns."""
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end_event: Any) -> float:
+        raise RuntimeError("CUDA event timing is not available on the CPU runtime")
+
+
+class _InertStream:
+    """A CUDA stream stand-in whose every operation is already complete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _InertEvent:
+        return event if event is not None else _InertEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = _InertStream()
+
+
+def _fix_inert_cuda_streams() -> None:
+    torch.cuda.Stream = _InertStream  # type: ignore[misc, assignment]
+    torch.cuda.Event = _InertEvent  # type: ignore[misc, assignment]
+    torch.cuda.current_stream = lambda device=None: _CURRENT_STREAM  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda device=None: _CURRENT_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------------
+# cpu_current_device
+# ---------------------------------------------------------------------------
+
+
+def _fix_cpu_current_device() -> None:
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------------
+# cpu_rng_for_megatron_tracker
+# ---------------------------------------------------------------------------
+
+
+def _get_cpu_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False):
+    torch.set_rng_state(new_state)
+
+
+class _DropTrackerCpuStateWarning(logging.Filter):
+    """The tracker's fork() warns when the CPU generator moved inside a "GPU" fork.
+
+    On the CPU runtime the tracked generator *is* the CPU generator, so it always
+    moves when dropout runs inside a fork; the warning carries no information.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _fix_cpu_rng_for_megatron_tracker() -> None:
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    megatron_random._get_cuda_rng_state = _get_cpu_rng_state
+    megatron_random._set_cuda_rng_state = _set_cpu_rng_state
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)  # type: ignore
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)  # type: ignore
+    torch.cuda.manual_seed_all = torch.cuda.manual_seed  # type: ignore[assignment]
+    logging.getLogger(megatron_random.__name__).addFilter(_DropTrackerCpuStateWarning())
+
+
+# ---------------------------------------------------------------------------
+# te_general_gemm_placeholder
+# ---------------------------------------------------------------------------
+
+
+def _fix_te_general_gemm_placeholder() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+# ---------------------------------------------------------------------------
+# numpy_split_sizes_for_gloo
+# ---------------------------------------------------------------------------
+
+
+def _fix_numpy_split_sizes_for_gloo() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    move_to_cpu: Callable[..., Any] = moe_utils.maybe_move_tensor_to_cpu
+
+    def move_to_cpu_as_on_gpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False):
+        # Same result types as the GPU path: numpy split sizes, which gloo accepts.
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu_as_on_gpu
+
+
+# ---------------------------------------------------------------------------
+# cpu_device_mode
+# ---------------------------------------------------------------------------
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int names a CUDA ordinal in torch's factory functions.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CpuDeviceMode(TorchFunctionMode):
+    """Redirect CUDA device requests to the CPU and report CUDA tensor type names."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device=torch.device("cpu"))
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], torch.device("cpu"), *args[2:])
+        return func(*args, **kwargs)
+
+
+def _fix_cpu_device_mode() -> None:
+    global _device_mode
+    _device_mode = CpuDeviceMode()
+    # Process-wide on purpose: Megatron's 'cuda' literals sit inside the schedules,
+    # the optimizer and DDP, which the training loop calls on every step.
+    _device_mode.__enter__()
+
+
+FIXES: dict[str, Callable[[], None]] = {
+    "inert_cuda_streams": _fix_inert_cuda_streams,
+    "cpu_current_device": _fix_cpu_current_device,
+    "cpu_rng_for_megatron_tracker": _fix_cpu_rng_for_megatron_tracker,
+    "te_general_gemm_placeholder": _fix_te_general_gemm_placeholder,
+    "numpy_split_sizes_for_gloo": _fix_numpy_split_sizes_for_gloo,
+    "cpu_device_mode": _fix_cpu_device_mode,
+}
+
+
+def enable_cpu_runtime() -> bool:
+    """Make Megatron-Core 0.16.1 runnable on CPU with gloo. Idempotent.
+
+    Returns True when the CPU runtime is active, False when CUDA is available (in
+    which case nothing is changed).
+    """
+    if torch.cuda.is_available():
+        return False
+    if _enabled_fixes:
+        return True
+    check_megatron_core_version()
+    for name, fix in FIXES.items():
+        fix()
+        _enabled_fixes.append(name)
+    logger.info("megatron_lrmoe CPU runtime enabled: %s", ", ".join(_enabled_fixes))
+    return True
+
+
+def cpu_runtime_active() -> bool:
+    """Whether ``enable_cpu_runtime()`` has patched this process."""
+    return bool(_enabled_fixes)
+
+
+def enabled_fixes() -> tuple[str, ...]:
+    """Names of the fixes applied in this process, in order."""
+    return tuple(_enabled_fixes)

@@ -1,0 +1,186 @@
+"""A pool of gloo worker processes kept alive across tests.
+
+Importing torch and megatron.core costs about 4 s per process on the CI
+machine; a suite that starts fresh process groups per test spends most of its
+time starting. ``GlooPool(world_size)`` starts ``world_size`` processes once,
+each with the CPU runtime enabled and one gloo process group over loopback, and
+then runs test functions on all ranks:
+
+    pool = GlooPool(2)
+    results = pool.run(my_module.my_task, arg, timeout=120)   # one result per rank
+
+Tasks are module-level functions (the workers import them by module name, so
+they must live in an importable module: a test file under ``tests/`` is fine).
+A task owns Megatron's parallel state: the pool destroys it after each task so
+the next one starts clean, but the process group survives.
+
+Time is bounded: a task that exceeds its timeout (or a rank that dies, or a
+rank that raises while the others wait in a collective) kills the pool; it is
+restarted on the next ``run`` and the caller gets ``TaskFailed`` with every
+traceback that arrived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["GlooPool", "TaskFailed", "free_port"]
+
+
+class TaskFailed(RuntimeError):
+    """A task raised on some rank, timed out, or a worker died."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve(module_name: str, qualname: str, search_paths: list[str]) -> Callable:
+    for path in search_paths:
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _cleanup_megatron_state() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from megatron_lrmoe.runtime.cpu import enable_cpu_runtime
+
+    enable_cpu_runtime()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    results.put((rank, "ready", None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, module_name, qualname, search_paths, args, kwargs = task
+        try:
+            fn = _resolve(module_name, qualname, search_paths)
+            results.put((rank, task_id, (True, fn(*args, **kwargs))))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the caller
+            results.put((rank, task_id, (False, traceback.format_exc())))
+        finally:
+            _cleanup_megatron_state()
+    dist.destroy_process_group()
+
+
+class GlooPool:
+    """``world_size`` long-lived gloo ranks that run module-level functions."""
+
+    def __init__(self, world_size: int, start_timeout: float = 120.0) -> None:
+        self.world_size = world_size
+        self.start_timeout = start_timeout
+        self._ctx = mp.get_context("spawn")
+        self._procs: list = []
+        self._task_queues: list = []
+        self._results = None
+        self._next_task = 0
+
+    # -- lifecycle -----------------------------------------------------------
+    def _start(self) -> None:
+        port = free_port()
+        self._results = self._ctx.Queue()
+        self._task_queues = [self._ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            self._ctx.Process(
+                target=_worker,
+                args=(rank, self.world_size, port, self._task_queues[rank], self._results),
+                daemon=True,
+            )
+            for rank in range(self.world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        ready = self._collect("ready", self.start_timeout)
+        failed = [r for r, v in ready.items() if v is not None]
+        if failed or len(ready) != self.world_size:
+            self.close()
+            raise TaskFailed(f"gloo pool of {self.world_size} failed to start")
+
+    def close(self) -> None:
+        for q in self._task_queues:
+            with contextlib.suppress(OSError, ValueError):
+                q.put(None)
+        deadline = time.monotonic() + 5
+        for proc in self._procs:
+            proc.join(timeout=max(deadline - time.monotonic(), 0.1))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs, self._task_queues, self._results = [], [], None
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    # -- running tasks ---------------------------------------------------------
+    def _collect(self, task_id: Any, timeout: float) -> dict[int, Any]:
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, tid, payload = self._results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                if not all(p.is_alive() for p in self._procs):
+                    break
+                continue
+            if tid == task_id:
+                got[rank] = payload
+                if isinstance(payload, tuple) and payload and payload[0] is False:
+                    # One rank failed: give the others a moment to report, then stop.
+                    deadline = min(deadline, time.monotonic() + 5)
+        return got
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results by rank."""
+        if not self.alive:
+            self.close()
+            self._start()
+        self._next_task += 1
+        task_id = self._next_task
+        module = sys.modules.get(fn.__module__)
+        search = [os.path.dirname(os.path.abspath(module.__file__))] if module else []
+        for q in self._task_queues:
+            q.put((task_id, fn.__module__, fn.__qualname__, search, args, kwargs))
+        got = self._collect(task_id, timeout)
+        errors = [f"--- rank {r} ---\n{v[1]}" for r, v in sorted(got.items()) if not v[0]]
+        if errors or len(got) != self.world_size:
+            missing = sorted(set(range(self.world_size)) - set(got))
+            self.close()  # ranks may be stuck in a collective: restart on next use
+            reason = f"ranks {missing} did not finish within {timeout:.0f} s\n" if missing else ""
+            raise TaskFailed(f"{fn.__qualname__} failed on {self.world_size} ranks:\n"
+                             f"{reason}" + "\n".join(errors))
+        return [got[r][1] for r in range(self.world_size)]

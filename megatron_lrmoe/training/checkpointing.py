@@ -1,0 +1,150 @@
+"""Atomic dist_checkpointing save/load for the launcher.
+
+Layout (Megatron-LM's, so a user recognises it)::
+
+    SAVE/latest_checkpointed_iteration.txt   iteration of the newest complete checkpoint
+    SAVE/iter_0000100/                        dist_checkpointing directory
+
+Atomicity: every rank writes into ``iter_XXXXXXX.tmp``; after a barrier, global
+rank 0 renames it to ``iter_XXXXXXX`` and only then rewrites the tracker file
+(write to a temporary file, ``os.replace``). A crash at any point leaves the
+tracker on the previous complete checkpoint and, at worst, a ``.tmp`` folder
+that loading never reads and the next save removes. This assumes a shared
+filesystem visible to rank 0, as dist_checkpointing does.
+
+What a checkpoint holds: the model's sharded state dict, the optimizer's (built
+from the model's, so it reshards with Megatron), the scheduler, the iteration
+and consumed samples, and every rank's RNG states (CPU generator, CUDA generator
+when present, Megatron's tracker) so a resumed run draws the same dropout masks
+as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.utils import unwrap_model
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+@dataclass
+class TrainingProgress:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    """Iteration of the newest complete checkpoint under ``root``, or None."""
+    path = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise RuntimeError(f"--load {root}: {TRACKER_FILE} holds {text!r}, not an iteration")
+    return int(text)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state_dict(
+    model, optimizer, scheduler, progress, include_optimizer, include_rng, is_loading=False
+):
+    # Keys of the bare GPTModel (no DDP/Float16Module prefix), as Megatron-LM saves them.
+    model_sd = unwrap_model(model[0]).sharded_state_dict()
+    state: dict[str, Any] = {
+        "model": model_sd,
+        "iteration": progress.iteration,
+        "consumed_train_samples": progress.consumed_train_samples,
+    }
+    if include_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if include_rng:
+        # One object per global rank: each rank resumes its own generators.
+        state["rng_state"] = ShardedObject(
+            "rng_state", _rng_state(), (dist.get_world_size(),), (dist.get_rank(),), replica_id=0
+        )
+    return state
+
+
+def save_checkpoint(root: str, model, optimizer, scheduler, progress: TrainingProgress) -> str:
+    """Save atomically; returns the final checkpoint directory."""
+    final = checkpoint_dir(root, progress.iteration)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    state = _sharded_state_dict(model, optimizer, scheduler, progress, True, True)
+    dist_checkpointing.save(state, tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if os.path.exists(final):
+            # Re-saving the same iteration: move the old one out of the way first.
+            stale = final + ".old"
+            shutil.rmtree(stale, ignore_errors=True)
+            os.rename(final, stale)
+            os.rename(tmp, final)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        tracker_tmp = os.path.join(root, TRACKER_FILE + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(progress.iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker_tmp, os.path.join(root, TRACKER_FILE))
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(
+    root: str, model, optimizer, scheduler, load_optimizer: bool = True, load_rng: bool = True
+) -> TrainingProgress | None:
+    """Load the newest complete checkpoint under ``root``; None when there is none."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        return None
+    path = checkpoint_dir(root, iteration)
+    if not os.path.isdir(path):
+        raise RuntimeError(
+            f"--load {root}: tracker names iteration {iteration} but {path} is missing"
+        )
+    template = _sharded_state_dict(
+        model, optimizer, scheduler, TrainingProgress(), load_optimizer, load_rng, is_loading=True
+    )
+    state = dist_checkpointing.load(template, path)
+    unwrap_model(model[0]).load_state_dict(state["model"])
+    if load_optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    if load_rng:
+        _set_rng_state(state["rng_state"])
+    return TrainingProgress(state["iteration"], state["consumed_train_samples"])

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The CPU demo: a tiny GPT-MoE (configs/tiny_moe.yaml) trained with Megatron-Core,
+# expert parallel over 2 processes (gloo), on the CPython standard library sources.
+#   bash scripts/demo.sh [extra launcher flags, e.g. --train-iters 50]
+# Bootstraps .venv and prepares the corpus (both once), then trains for a few minutes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export OMP_NUM_THREADS=1   # one thread per rank: 2 ranks on 2 cores (see README, timing)
+
+.venv/bin/python -m megatron_lrmoe.data.prepare --output-prefix data/stdlib
+
+run=runs/demo
+mkdir -p "$run"
+exec .venv/bin/torchrun --nproc-per-node 2 --master-port "${MASTER_PORT:-29512}" \
+  -m megatron_lrmoe.pretrain --config configs/tiny_moe.yaml \
+  --data-path data/stdlib --data-cache-path data/cache \
+  --tensorboard-dir "$run/tensorboard" --log-json "$run/log.jsonl" "$@"

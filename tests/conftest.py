@@ -1,0 +1,42 @@
+"""Shared fixtures: long-lived gloo worker pools and a small prepared corpus."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatron_lrmoe.testing.gloo_pool import GlooPool
+
+# The main pytest process stays free of the CPU runtime (it patches torch
+# process-wide); everything that runs Megatron goes through a pool.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+_pools: dict[int, GlooPool] = {}
+
+
+def _pool(world_size: int) -> GlooPool:
+    if world_size not in _pools:
+        _pools[world_size] = GlooPool(world_size)
+    return _pools[world_size]
+
+
+@pytest.fixture(scope="session")
+def gloo1() -> GlooPool:
+    return _pool(1)
+
+
+@pytest.fixture(scope="session")
+def gloo2() -> GlooPool:
+    return _pool(2)
+
+
+@pytest.fixture(scope="session")
+def gloo4() -> GlooPool:
+    return _pool(4)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()

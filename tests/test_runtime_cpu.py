@@ -1,0 +1,244 @@
+"""The CPU/gloo runtime: each blocker fails without it, each fix works with it.
+
+Blockers are shown in a fresh interpreter without the runtime; fixes are
+exercised in the gloo pool, where the runtime is on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_lrmoe.runtime import cpu as runtime
+
+# ---------------------------------------------------------------------------
+# Without the runtime: the blockers are real
+# ---------------------------------------------------------------------------
+
+_BLOCKERS = textwrap.dedent(
+    """
+    import json, os, torch, torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel()
+    out = {}
+    def probe(name, fn):
+        try:
+            fn(); out[name] = "ok"
+        except Exception as exc:
+            out[name] = type(exc).__name__ + ": " + str(exc)[:200]
+    probe("stream", lambda: torch.cuda.Stream())
+    probe("current_device", lambda: torch.cuda.current_device())
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    probe("rng_tracker", lambda: model_parallel_cuda_manual_seed(1))
+    probe("cuda_literal", lambda: torch.zeros(1, device="cuda"))
+    from megatron.core.transformer.moe import moe_utils
+    probe("te_general_gemm", lambda: moe_utils.te_general_gemm)
+    probe("tensor_splits", lambda: dist.all_to_all_single(
+        torch.empty(2), torch.ones(2), output_split_sizes=torch.tensor([2]),
+        input_split_sizes=torch.tensor([2])))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_blockers_exist_without_runtime():
+    from megatron_lrmoe.testing.gloo_pool import free_port
+
+    env = {"PORT": str(free_port()), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _BLOCKERS], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(value != "ok" for value in out.values()), out
+    assert out["te_general_gemm"].startswith("AttributeError"), out
+    assert out["tensor_splits"].startswith("TypeError"), out
+
+
+# ---------------------------------------------------------------------------
+# Version guard and no-op on CUDA (in-process: nothing gets patched)
+# ---------------------------------------------------------------------------
+
+
+def test_refuses_untested_megatron_version(monkeypatch):
+    from megatron.core import package_info
+
+    monkeypatch.setattr(package_info, "__version__", "0.17.0")
+    with pytest.raises(runtime.UnsupportedMegatronVersion, match="0.16.1.*0.17.0"):
+        runtime.check_megatron_core_version()
+
+
+def test_accepts_tested_megatron_version():
+    assert str(runtime.check_megatron_core_version()) == "0.16.1"
+
+
+def test_noop_when_cuda_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    stream_before = torch.cuda.Stream
+    assert runtime.enable_cpu_runtime() is False
+    assert torch.cuda.Stream is stream_before
+    assert not runtime.cpu_runtime_active()
+
+
+# ---------------------------------------------------------------------------
+# With the runtime (gloo pool): every fix, by name
+# ---------------------------------------------------------------------------
+
+
+def _all_fixes_enabled():
+    return runtime.enabled_fixes()
+
+
+def test_every_fix_enabled_in_workers(gloo1):
+    (fixes,) = gloo1.run(_all_fixes_enabled)
+    assert fixes == tuple(runtime.FIXES)
+
+
+def _streams_are_inert():
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        x = torch.ones(3) * 2
+    event = stream.record_event()
+    event.synchronize()
+    torch.cuda.synchronize()
+    return x.sum().item(), event.query(), torch.cuda.current_stream() is torch.cuda.current_stream()
+
+
+def test_fix_inert_cuda_streams(gloo1):
+    (result,) = gloo1.run(_streams_are_inert)
+    assert result == (6.0, True, True)
+
+
+def _current_device_allocations():
+    a = torch.empty(2, device=torch.cuda.current_device())
+    b = torch.ones(2).to(device=torch.cuda.current_device())
+    return a.device.type, b.device.type
+
+
+def test_fix_cpu_current_device(gloo1):
+    (result,) = gloo1.run(_current_device_allocations)
+    assert result == ("cpu", "cpu")
+
+
+def _tracker_behaviour():
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel()
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("megatron.core.tensor_parallel.random").addHandler(handler)
+    model_parallel_cuda_manual_seed(1234)
+    default_draw = torch.rand(4)
+    with get_cuda_rng_tracker().fork():
+        forked_1 = torch.rand(4)
+    after_fork = torch.rand(4)
+    model_parallel_cuda_manual_seed(1234)
+    torch.rand(4)
+    with get_cuda_rng_tracker().fork():
+        forked_2 = torch.rand(4)
+    # The default stream continues as if the fork never happened.
+    model_parallel_cuda_manual_seed(1234)
+    expected_default = torch.rand(8)[4:]
+    return default_draw, forked_1, forked_2, after_fork, expected_default, warnings
+
+
+def test_fix_cpu_rng_for_megatron_tracker(gloo1):
+    ((default, forked_1, forked_2, after, expected, warnings),) = gloo1.run(_tracker_behaviour)
+    assert torch.equal(forked_1, forked_2), "tracked state must be reproducible"
+    assert not torch.equal(forked_1, default), "tracked state must differ from the default one"
+    assert torch.equal(after, expected), "fork() must restore the default generator"
+    assert not any("CPU RNG state changed" in w for w in warnings)
+
+
+def _router_gating_gradients():
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 8, requires_grad=True)
+    w = torch.randn(4, 8, requires_grad=True)
+    out = router_gating_linear(x, w, None, torch.float32)
+    out.square().sum().backward()
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (x_ref @ w_ref.t()).square().sum().backward()
+    return torch.allclose(x.grad, x_ref.grad), torch.allclose(w.grad, w_ref.grad)
+
+
+def test_fix_te_general_gemm_placeholder(gloo1):
+    (result,) = gloo1.run(_router_gating_gradients)
+    assert result == (True, True)
+
+
+def _alltoall_round_trip(num_experts: int, topk: int):
+    """Dispatch then combine with identity experts: every token comes back topk times."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    ep = dist.get_world_size()
+    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(7)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=num_experts,
+        moe_router_topk=topk, moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep, add_bias_linear=False,
+    )
+    local = num_experts // ep
+    experts = list(range(dist.get_rank() * local, (dist.get_rank() + 1) * local))
+    dispatcher = MoEAlltoAllTokenDispatcher(
+        local, experts, config=config, pg_collection=get_default_pg_collection()
+    )
+    tokens = 6 + 3 * dist.get_rank()  # uneven token counts: uneven split sizes
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    hidden = torch.randn(tokens, 8, generator=generator)
+    choice = torch.stack([torch.randperm(num_experts, generator=generator)[:topk]
+                          for _ in range(tokens)])
+    routing_map = torch.zeros(tokens, num_experts, dtype=torch.bool).scatter_(1, choice, True)
+    probs = routing_map.float() / topk
+    h, p = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+    h, p = dispatcher.token_dispatch(h, p)
+    h, counts, p = dispatcher.dispatch_postprocess(h, p)
+    received = int(counts.sum())
+    h = dispatcher.combine_preprocess(h)
+    h = dispatcher.token_combine(h)
+    out = dispatcher.combine_postprocess(h)
+    return torch.allclose(out, topk * hidden), received
+
+
+@pytest.mark.parametrize("num_experts,topk", [(4, 2), (8, 3)])
+def test_fix_numpy_split_sizes_for_gloo(gloo2, num_experts, topk):
+    results = gloo2.run(_alltoall_round_trip, num_experts, topk)
+    assert all(ok for ok, _ in results), results
+    # Every routed pair is received by exactly one rank.
+    assert sum(received for _, received in results) == (6 + 9) * topk
+
+
+def _device_mode_behaviour():
+    t = torch.ones(2)
+    return (
+        torch.zeros(1, device="cuda").device.type,
+        torch.tensor([1.0], device="cuda:0").device.type,
+        t.cuda() is t,
+        t.to("cuda").device.type,
+        t.type(),
+        t.to(torch.bfloat16).type(),
+        t.type(torch.float64).dtype == torch.float64,  # conversions still work
+    )
+
+
+def test_fix_cpu_device_mode(gloo1):
+    (result,) = gloo1.run(_device_mode_behaviour)
+    assert result == ("cpu", "cpu", True, "cpu", "torch.cuda.FloatTensor",
+                      "torch.cuda.BFloat16Tensor", True)
