@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, with --save) when the iteration is a multiple")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
@@ -280,7 +282,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
               "micro_batch_size", "train_iters", "global_batch_size", "log_interval",
               "eval_interval", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              "expert_model_parallel_size", "num_experts", "moe_router_topk", "save_interval")
+              "expert_model_parallel_size", "num_experts", "moe_router_topk", "save_interval",
+              "exit_interval")
     if args.eval_iters < 0:
         raise ConfigError(f"--eval-iters must be >= 0, got {args.eval_iters}")
 

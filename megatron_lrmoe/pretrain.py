@@ -17,6 +17,7 @@ The file reads top to bottom: setup, then the training loop, then the summary.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -180,9 +181,9 @@ class Logger:
         return log
 
     def write(self, record: dict) -> None:
+        self.history.append(record)  # every rank: the records are reduced globally
         if dist.get_rank() != 0:
             return
-        self.history.append(record)
         if self.json_file:
             self.json_file.write(json.dumps(record) + "\n")
             self.json_file.flush()
@@ -214,6 +215,22 @@ class Logger:
 # -----------------------------------------------------------------------------
 # Evaluation
 # -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def params_gathered(args: argparse.Namespace, model):
+    """With --overlap-param-gather, parameters are gathered lazily by forward pre-hooks;
+    evaluation and checkpointing need them complete first (as in Megatron-LM)."""
+    if not args.overlap_param_gather:
+        yield
+        return
+    for chunk in model:
+        chunk.disable_forward_pre_hook()
+    try:
+        yield
+    finally:
+        for chunk in model:
+            chunk.enable_forward_pre_hook()
 
 
 def evaluate(args, model, forward_backward, valid_dataset, device, moe_timer) -> float:
@@ -386,18 +403,24 @@ def train(args: argparse.Namespace) -> dict:
         if args.eval_iters > 0 and (
             progress.iteration % args.eval_interval == 0 or progress.iteration == args.train_iters
         ):
-            val_loss = evaluate(args, model, forward_backward, valid_ds, device, moe_timer)
+            with params_gathered(args, model):
+                val_loss = evaluate(args, model, forward_backward, valid_ds, device, moe_timer)
             record["validation-loss"] = val_loss
             logger.line(f"iter {progress.iteration:6d} | validation loss {val_loss:.4f}")
         logger.write(record)
 
-        if args.save and args.save_interval and progress.iteration % args.save_interval == 0:
-            path = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress)
+        exiting = bool(args.exit_interval) and progress.iteration % args.exit_interval == 0
+        last = exiting or progress.iteration == args.train_iters
+        periodic = bool(args.save_interval) and progress.iteration % args.save_interval == 0
+        if args.save and (periodic or last):
+            with params_gathered(args, model):
+                path = checkpointing.save_checkpoint(
+                    args.save, model, optimizer, scheduler, progress
+                )
             logger.line(f"saved checkpoint {path}")
-
-    if args.save and (not args.save_interval or progress.iteration % args.save_interval):
-        path = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress)
-        logger.line(f"saved checkpoint {path}")
+        if exiting:
+            logger.line(f"exiting at iteration {progress.iteration} (--exit-interval)")
+            break
     logger.close()
     wall = time.perf_counter() - train_start
 

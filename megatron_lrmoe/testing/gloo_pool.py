@@ -22,6 +22,7 @@ traceback that arrived.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import os
@@ -79,8 +80,14 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     enable_cpu_runtime()
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     results.put((rank, "ready", None))
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process is gone: do not linger
+                break
+            continue
         if task is None:
             break
         task_id, module_name, qualname, search_paths, args, kwargs = task
@@ -115,12 +122,16 @@ class GlooPool:
             self._ctx.Process(
                 target=_worker,
                 args=(rank, self.world_size, port, self._task_queues[rank], self._results),
-                daemon=True,
+                # Not daemonic: dist_checkpointing's writer starts a multiprocessing
+                # Manager, which daemonic processes may not do. Workers exit on
+                # close(), at interpreter exit, or when their parent disappears.
+                daemon=False,
             )
             for rank in range(self.world_size)
         ]
         for proc in self._procs:
             proc.start()
+        atexit.register(self.close)
         ready = self._collect("ready", self.start_timeout)
         failed = [r for r, v in ready.items() if v is not None]
         if failed or len(ready) != self.world_size:

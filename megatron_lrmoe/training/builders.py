@@ -19,17 +19,16 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_decoder_block_spec,
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from megatron_lrmoe.arguments import data_blend
 from megatron_lrmoe.data.tokenizers import build_tokenizer
+from megatron_lrmoe.models.norms import SequenceParallelTorchNorm
+from megatron_lrmoe.spec_utils import replace_module
 
 # A layer-spec transform: Megatron spec in, spec out. The identity for plain
 # Megatron runs; the LRMoE spec converter plugs in here.
@@ -109,18 +108,18 @@ def transformer_config_from_args(
 
 
 def layer_spec_from_args(args: argparse.Namespace, config: TransformerConfig):
-    """Megatron's own GPT spec for these flags (a decoder-block spec for MoE models)."""
+    """Megatron's own GPT decoder-block spec for these flags.
+
+    The block spec honours ``--moe-layer-freq`` (dense layers where it says 0, and
+    every layer for a dense model) and holds only this pipeline stage's layers.
+    """
     use_te = args.transformer_impl == "transformer_engine"
-    if config.num_moe_experts is not None:
-        # The block spec honours --moe-layer-freq and picks this stage's layers.
-        return get_gpt_decoder_block_spec(
-            config, use_transformer_engine=use_te, normalization=args.normalization
-        )
-    if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
-    return get_gpt_layer_local_spec(
-        qk_layernorm=args.qk_layernorm, normalization=args.normalization
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization=args.normalization
     )
+    if config.sequence_parallel and not use_te:
+        spec = replace_module(spec, WrappedTorchNorm, SequenceParallelTorchNorm)
+    return spec
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:

@@ -33,6 +33,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+# The distributed optimizer's default sharding ("fully_sharded_model_space") relies on
+# ShardedTensor.flattened_range, which megatron-core 0.16.1's dist_checkpointing refuses;
+# "dp_reshardable" is what Megatron-LM 0.16 saves by default.
+SHARDED_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 @dataclass
@@ -83,7 +87,9 @@ def _sharded_state_dict(
         "consumed_train_samples": progress.consumed_train_samples,
     }
     if include_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=SHARDED_METADATA
+        )
         state["opt_param_scheduler"] = scheduler.state_dict()
     if include_rng:
         # One object per global rank: each rank resumes its own generators.
@@ -91,6 +97,44 @@ def _sharded_state_dict(
             "rng_state", _rng_state(), (dist.get_world_size(),), (dist.get_rank(),), replica_id=0
         )
     return state
+
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """Give every optimizer parameter its (zero) state before building a load template.
+
+    The template must have the structure of a trained optimizer. Megatron's
+    ``init_state_fn`` creates Adam's moments but not torch's per-parameter
+    ``step``, which the distributed optimizer reads when TE/apex optimizers are
+    absent; the loaded values replace all of it.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if opt.init_state_fn is None:
+            continue
+        opt.init_state_fn(opt.optimizer, opt.config)
+        for group in opt.optimizer.param_groups:
+            for param in group["params"]:
+                opt.optimizer.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def _restore_step_counters(optimizer) -> None:
+    """Give each parameter its own, correct Adam ``step`` after a load.
+
+    Without TE/apex, megatron-core 0.16.1's DistributedOptimizer keeps torch
+    Adam's per-parameter ``step`` out of the checkpointed parameter state (a
+    non-persistent local object: the load template's value comes back) and saves
+    the count once, in the param groups. Its load_state_dict also hands one
+    shared tensor to every parameter, which torch's Adam would then advance once
+    per parameter per iteration. We set a private tensor from the param group's
+    saved count, which is torch's own semantics.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in opt.optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                param_state = opt.optimizer.state.get(param)
+                if param_state is not None and torch.is_tensor(param_state.get("step")):
+                    param_state["step"] = torch.tensor(float(group["step"]))
 
 
 def save_checkpoint(root: str, model, optimizer, scheduler, progress: TrainingProgress) -> str:
@@ -137,13 +181,19 @@ def load_checkpoint(
         raise RuntimeError(
             f"--load {root}: tracker names iteration {iteration} but {path} is missing"
         )
+    if load_optimizer:
+        _materialize_optimizer_state(optimizer)
     template = _sharded_state_dict(
         model, optimizer, scheduler, TrainingProgress(), load_optimizer, load_rng, is_loading=True
     )
     state = dist_checkpointing.load(template, path)
     unwrap_model(model[0]).load_state_dict(state["model"])
     if load_optimizer:
-        optimizer.load_state_dict(state["optimizer"])
+        # Without mixed precision the distributed optimizer's main params are views of
+        # the model's leaf parameters; writing them must not be recorded by autograd.
+        with torch.no_grad():
+            optimizer.load_state_dict(state["optimizer"])
+        _restore_step_counters(optimizer)
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if load_rng:
         _set_rng_state(state["rng_state"])

@@ -1,0 +1,32 @@
+"""Data tier: offline tokenizers, corpus harvesting, and the indexed-dataset prepare tool.
+
+build_tokenizer("ByteLevelTokenizer")        -> a tokenizer GPTDatasetConfig accepts
+prepare_dataset(inputs, "data/stdlib")       -> data/stdlib.{bin,idx,meta.json}
+python -m megatron_lrmoe.data.prepare ...    -> the same, from the shell
+"""
+
+from megatron_lrmoe.data.corpus import Corpus, CorpusFile, DataPrepError, harvest, stdlib_corpus
+from megatron_lrmoe.data.prepare import load_meta, prepare_dataset, unigram_entropy_nats
+from megatron_lrmoe.data.tokenizers import (
+    TOKENIZER_TYPES,
+    ByteLevelTokenizer,
+    SentencePieceTokenizer,
+    build_tokenizer,
+    train_sentencepiece,
+)
+
+__all__ = [
+    "TOKENIZER_TYPES",
+    "ByteLevelTokenizer",
+    "Corpus",
+    "CorpusFile",
+    "DataPrepError",
+    "SentencePieceTokenizer",
+    "build_tokenizer",
+    "harvest",
+    "load_meta",
+    "prepare_dataset",
+    "stdlib_corpus",
+    "train_sentencepiece",
+    "unigram_entropy_nats",
+]
