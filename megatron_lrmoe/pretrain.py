@@ -271,11 +271,23 @@ def evaluate(args, model, forward_backward, valid_dataset, device, moe_timer) ->
 def main(argv: list[str] | None = None) -> dict:
     try:
         args = parse_args(argv)
+        check_megatron_accepts(args)
     except ConfigError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     return train(args)
+
+
+def check_megatron_accepts(args: argparse.Namespace) -> None:
+    """Build the TransformerConfig once before any process group exists, so that
+    Megatron-Core's own refusals (its __post_init__ checks) surface as a clean error."""
+    from megatron_lrmoe.training.builders import transformer_config_from_args
+
+    try:
+        transformer_config_from_args(args)
+    except (ValueError, AssertionError) as exc:
+        raise ConfigError(f"Megatron-Core refuses this configuration: {exc}") from exc
 
 
 def train(args: argparse.Namespace) -> dict:

@@ -1,0 +1,24 @@
+"""Ops tier: functional wrappers over the compiled kernels, with pure-torch fallbacks.
+
+Modules call these functions; the functions pick a backend through
+``megatron_lrmoe.ops.backend`` (the only importer of the compiled extension).
+"""
+
+from megatron_lrmoe.ops.backend import (
+    BACKEND_CHOICES,
+    cuda_kernels_available,
+    describe_backend,
+    kernels_available,
+    resolve_backend,
+)
+from megatron_lrmoe.ops.scatter_add_rows import scatter_add_rows, scatter_add_rows_reference
+
+__all__ = [
+    "BACKEND_CHOICES",
+    "cuda_kernels_available",
+    "describe_backend",
+    "kernels_available",
+    "resolve_backend",
+    "scatter_add_rows",
+    "scatter_add_rows_reference",
+]

@@ -1,0 +1,143 @@
+"""Kernel backend selection: the one place that decides which implementation runs.
+
+Backends
+  "cpu"    compiled extension ``megatron_lrmoe._kernels``, C++ CPU code (kernels/*.cpp)
+  "cuda"   the same extension's CUDA code (kernels/*.cu); present only when it was
+           built against a CUDA torch with the CUDA toolkit available (setup.py)
+  "torch"  pure-torch implementations in megatron_lrmoe/ops; always available,
+           slower, and the same maths as the tests' oracles
+
+Requests (``--moe-lrmoe-kernels``): "auto", "cpu", "cuda", "torch".
+  auto         the compiled backend of the tensors' device when it exists, else
+               "torch" with a warning logged once per reason
+  cpu / cuda   that compiled backend, or a ValueError saying why it cannot be used
+  torch        always "torch"
+
+Ops call ``resolve_backend`` and, for a compiled backend, ``kernels_module``;
+nothing else imports the extension.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKEND_CHOICES: tuple[str, ...] = ("auto", "cpu", "cuda", "torch")
+BUILD_HINT = "bash scripts/setup.sh (or: pip install --no-build-isolation -e .)"
+_FLAG = "--moe-lrmoe-kernels"
+
+# Imported once at module import; a failed import is remembered (with its
+# reason) instead of raised, so a checkout without a build still runs on the
+# torch backend.
+_kernels: ModuleType | None
+_kernels_import_error: str | None
+try:
+    from megatron_lrmoe import _kernels
+except ImportError as exc:  # not built, or built against another torch (ABI)
+    _kernels = None
+    _kernels_import_error = f"{type(exc).__name__}: {exc}"
+else:
+    _kernels_import_error = None
+
+# Reasons already warned about, so "auto" logs its fallback once, not per call.
+_warned: set[str] = set()
+
+
+def kernels_available() -> bool:
+    """True when the compiled extension ``megatron_lrmoe._kernels`` imported."""
+    return _kernels is not None
+
+
+def cuda_kernels_available() -> bool:
+    """True when the compiled extension imported and includes the CUDA backend."""
+    return _kernels is not None and bool(_kernels.built_with_cuda())
+
+
+def kernels_module() -> ModuleType:
+    """The compiled extension; only for ops that resolved a compiled backend."""
+    if _kernels is None:
+        raise RuntimeError(
+            f"megatron_lrmoe._kernels is not available ({_kernels_import_error}); "
+            f"build it with {BUILD_HINT}"
+        )
+    return _kernels
+
+
+def _compiled_backend(device_type: str) -> tuple[str | None, str]:
+    """(backend, reason): the compiled backend for a device type, or None and why not."""
+    if _kernels is None:
+        why = f"megatron_lrmoe._kernels did not import ({_kernels_import_error})"
+        return None, why
+    if device_type == "cpu":
+        return "cpu", "compiled CPU kernels (megatron_lrmoe._kernels)"
+    if device_type == "cuda":
+        if not _kernels.built_with_cuda():
+            return None, (
+                "megatron_lrmoe._kernels was built without CUDA support (torch without CUDA, "
+                "or no CUDA toolkit at build time)"
+            )
+        return "cuda", "compiled CUDA kernels (megatron_lrmoe._kernels)"
+    return None, f"no compiled kernels exist for device type {device_type!r}"
+
+
+def _resolve(requested: str, device: torch.device) -> tuple[str, str]:
+    """(backend, reason) for a request, without logging; ValueError when impossible."""
+    if requested not in BACKEND_CHOICES:
+        raise ValueError(
+            f"unknown kernel backend {requested!r} ({_FLAG}); choose one of "
+            f"{', '.join(BACKEND_CHOICES)}"
+        )
+    if requested == "torch":
+        return "torch", "pure-torch ops requested explicitly"
+    backend, why = _compiled_backend(device.type)
+    if requested == "auto":
+        if backend is None:
+            return "torch", f"fallback: {why}"
+        return backend, why
+    if device.type != requested:
+        raise ValueError(
+            f"{_FLAG} {requested} was requested but the tensors are on {device}; "
+            f"use {_FLAG} auto to follow the tensors' device"
+        )
+    if backend is None:
+        raise ValueError(
+            f"{_FLAG} {requested} is unavailable: {why}. Build the kernels with {BUILD_HINT}, "
+            f"or pass {_FLAG} auto (falls back to pure torch) or {_FLAG} torch"
+        )
+    return backend, why
+
+
+def resolve_backend(requested: str = "auto", device: torch.device | str = "cpu") -> str:
+    """Backend ("cpu", "cuda" or "torch") that serves ``requested`` for tensors on ``device``.
+
+    ``requested`` is one of "auto", "cpu", "cuda", "torch" (the values of
+    ``--moe-lrmoe-kernels``). "auto" falls back to "torch", logging a warning
+    once, when no compiled backend serves the device; an explicit "cpu" or
+    "cuda" that cannot be served raises ValueError naming the fix.
+    """
+    device = torch.device(device)
+    backend, why = _resolve(requested, device)
+    if requested == "auto" and backend == "torch" and why not in _warned:
+        _warned.add(why)
+        logger.warning(
+            "LRMoE kernels: using the pure-torch backend for %s tensors (slower): %s. "
+            "Build the compiled kernels with %s.",
+            device.type,
+            why,
+            BUILD_HINT,
+        )
+    return backend
+
+
+def describe_backend(requested: str = "auto", device: torch.device | str = "cpu") -> str:
+    """One line for logs: which backend serves ``requested`` on ``device``, and why."""
+    device = torch.device(device)
+    try:
+        backend, why = _resolve(requested, device)
+    except ValueError as exc:
+        return f"LRMoE kernels ({_FLAG} {requested}, {device.type} tensors): unavailable: {exc}"
+    return f"LRMoE kernels ({_FLAG} {requested}, {device.type} tensors): backend {backend!r}: {why}"

@@ -1,0 +1,195 @@
+"""scatter_add_rows: add rows of ``src`` into the rows of ``out`` that ``index`` names.
+
+This is the "scatter" kernel of DESIGN.md section 5: in the backward pass,
+returned expert-output gradients are added into token gradients by index (the
+unpermute). Dropped pairs simply have no row in ``src``, so their tokens get
+nothing from them (zero fill for free).
+
+Notation
+  N  rows of ``out`` (e.g. tokens of the micro-batch)
+  M  rows of ``src`` (e.g. returned token-expert pairs); M = len(index)
+  H  hidden size, the row length of ``out`` and ``src``
+
+Shapes and dtypes
+  out    [N, H]  float32, float64, float16 or bfloat16; contiguous; updated in place
+  index  [M]     int64 or int32, every value in [0, N); repeats allowed
+  src    [M, H]  out's dtype
+  scale  [M]     optional; src's dtype or float32 (e.g. fp32 routing probabilities)
+
+Semantics
+  out[index[i], :] += scale[i] * src[i, :]        for i = 0, 1, ..., M-1
+
+Rounding (all backends): the product is formed in the op-math type (fp32 for
+16-bit dtypes, the dtype itself otherwise) and rounded to out's dtype; the
+sum into a destination row is formed in the op-math type, starting from the
+row's value, and rounded to out's dtype once. For fp32/fp64 that is exactly
+``out[index[i]] += p[i]`` in a loop; for fp16/bf16 it avoids a rounding per
+add. Exception: the "cuda" kernel adds with atomics in the dtype itself, so
+16-bit results there round after every add.
+
+Order of repeated destinations: "cpu" (and "torch" on CPU) sums in index
+order, so results are bitwise reproducible and equal to
+``scatter_add_rows_reference``. "cuda" (and "torch" on CUDA) uses atomic
+adds, whose order is not fixed: the last bits may vary run to run.
+
+No autograd yet: call it where grad mode is off (inside an autograd
+Function's forward or backward, or under ``torch.no_grad()``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lrmoe.ops.backend import kernels_module, resolve_backend
+
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic dtype of the kernels: fp32 for 16-bit floats, else the dtype."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scaled_rows(src: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """scale[:, None] * src [M, H], rounded to src's dtype as the kernels do."""
+    if scale is None:
+        return src
+    opmath = _opmath(src.dtype)
+    return (src.to(opmath) * scale.to(opmath).unsqueeze(1)).to(src.dtype)
+
+
+def scatter_add_rows_reference(
+    out: torch.Tensor,
+    index: torch.Tensor,
+    src: torch.Tensor,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Test oracle: a new tensor equal to ``out`` after ``scatter_add_rows`` on CPU.
+
+    ``out`` itself is not modified. ``index_add_`` in the op-math dtype on a
+    copy (CPU index_add_ adds in index order), without the real op's checks.
+    """
+    opmath = _opmath(out.dtype)
+    acc = out.to(opmath, copy=True).index_add_(0, index, _scaled_rows(src, scale).to(opmath))
+    return acc.to(out.dtype)
+
+
+def _check_args(
+    out: torch.Tensor, index: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None
+) -> None:
+    """The checks of kernels/bindings.cpp, for the torch backend (same errors)."""
+    if out.dim() != 2:
+        raise ValueError(f"scatter_add_rows: out must be 2-D [N, H], got shape {tuple(out.shape)}")
+    if src.dim() != 2:
+        raise ValueError(f"scatter_add_rows: src must be 2-D [M, H], got shape {tuple(src.shape)}")
+    if index.dim() != 1:
+        raise ValueError(f"scatter_add_rows: index must be 1-D [M], got shape {tuple(index.shape)}")
+    if src.shape[1] != out.shape[1]:
+        raise ValueError(
+            f"scatter_add_rows: src [M, H] = {tuple(src.shape)} and out [N, H] = "
+            f"{tuple(out.shape)} differ in H"
+        )
+    if index.shape[0] != src.shape[0]:
+        raise ValueError(
+            f"scatter_add_rows: index has {index.shape[0]} entries but src has {src.shape[0]} rows"
+        )
+    if out.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"scatter_add_rows: out must be float32, float64, float16 or bfloat16, got {out.dtype}"
+        )
+    if src.dtype != out.dtype:
+        raise TypeError(
+            f"scatter_add_rows: src dtype {src.dtype} differs from out dtype {out.dtype}"
+        )
+    if index.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"scatter_add_rows: index must be int64 or int32, got {index.dtype}")
+    if src.device != out.device or index.device != out.device:
+        raise ValueError(
+            f"scatter_add_rows: all tensors must be on one device; out is on {out.device}, "
+            f"src on {src.device}, index on {index.device}"
+        )
+    # Same contract as the compiled backends: out is updated in place.
+    if not out.is_contiguous():
+        raise ValueError("scatter_add_rows: out must be contiguous")
+    if scale is not None:
+        if scale.dim() != 1 or scale.shape[0] != src.shape[0]:
+            raise ValueError(
+                f"scatter_add_rows: scale must be 1-D [M] with M = {src.shape[0]}, "
+                f"got shape {tuple(scale.shape)}"
+            )
+        if scale.dtype not in (src.dtype, torch.float32):
+            raise TypeError(
+                f"scatter_add_rows: scale must have src's dtype ({src.dtype}) or float32, "
+                f"got {scale.dtype}"
+            )
+        if scale.device != out.device:
+            raise ValueError(f"scatter_add_rows: scale is on {scale.device}, out on {out.device}")
+
+
+def _check_index_range(index: torch.Tensor, n_out: int) -> None:
+    """IndexError unless every index value is in [0, n_out); one reduction, one sync."""
+    if index.numel() == 0:
+        return
+    lo, hi = torch.stack(torch.aminmax(index)).tolist()  # host sync
+    if lo < 0 or hi >= n_out:
+        bad = lo if lo < 0 else hi
+        raise IndexError(
+            f"scatter_add_rows: index holds {bad}, outside [0, N) with N = {n_out} (rows of out)"
+        )
+
+
+def _scatter_add_rows_torch(
+    out: torch.Tensor, index: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None
+) -> None:
+    _check_args(out, index, src, scale)
+    if src.shape[0] == 0 or src.shape[1] == 0:
+        return
+    # Checked before writing so that a bad index leaves out untouched.
+    _check_index_range(index, out.shape[0])
+    rows = _scaled_rows(src, scale)
+    opmath = _opmath(out.dtype)
+    if opmath == out.dtype:
+        out.index_add_(0, index, rows)
+    else:
+        # Sum in fp32 and round once, like the compiled CPU backend; costs an
+        # fp32 copy of out.
+        out.copy_(out.to(opmath).index_add_(0, index, rows.to(opmath)))
+
+
+def scatter_add_rows(
+    out: torch.Tensor,
+    index: torch.Tensor,
+    src: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``out[index[i], :] += scale[i] * src[i, :]`` in place; returns ``out``.
+
+    Shapes, dtypes and order of summation: see the module docstring.
+    ``backend`` is a ``--moe-lrmoe-kernels`` value ("auto", "cpu", "cuda",
+    "torch"), resolved by ``megatron_lrmoe.ops.backend.resolve_backend``.
+
+    Raises IndexError for an index value outside [0, N) (``out`` is then left
+    unchanged), TypeError for a wrong dtype, ValueError for a wrong shape,
+    mixed devices or a non-contiguous ``out``. ``index``, ``src`` and
+    ``scale`` may be strided views: they are made contiguous (a copy).
+    """
+    if torch.is_grad_enabled() and (
+        out.requires_grad or src.requires_grad or (scale is not None and scale.requires_grad)
+    ):
+        raise RuntimeError(
+            "scatter_add_rows has no autograd support: call it with grad mode off "
+            "(torch.no_grad(), or inside an autograd Function)"
+        )
+    chosen = resolve_backend(backend, out.device)
+    if chosen == "torch":
+        _scatter_add_rows_torch(out, index, src, scale)
+        return out
+    kernels_module().scatter_add_rows(
+        out,
+        index.contiguous(),
+        src.contiguous(),
+        None if scale is None else scale.contiguous(),
+    )
+    return out

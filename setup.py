@@ -1,0 +1,109 @@
+"""Build and install megatron-lrmoe with its compiled kernels (megatron_lrmoe._kernels).
+
+Install into an environment that already has the torch you will run with:
+
+    pip install --no-build-isolation -e .
+
+--no-build-isolation matters: the extension must be compiled against the
+installed torch (its headers and C++ ABI), not against a second torch that an
+isolated build environment would download.
+
+Which backends get built:
+- torch without CUDA (e.g. the CPU wheel): a CppExtension from kernels/*.cpp
+  (the CPU backend only).
+- torch with CUDA (torch.version.cuda set) and a CUDA toolkit found
+  (CUDA_HOME): a CUDAExtension that adds kernels/*.cu and defines WITH_CUDA.
+  Target GPUs follow TORCH_CUDA_ARCH_LIST, else the visible GPUs.
+
+Environment: MAX_JOBS limits parallel compile jobs (ninja);
+MEGATRON_LRMOE_DEBUG=1 builds with -O0 -g instead of -O3.
+"""
+
+import glob
+import os
+import re
+import sys
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def read_version() -> str:
+    # Parsed, not imported: importing the package would need the extension
+    # that this very build produces.
+    with open(os.path.join(ROOT, "megatron_lrmoe", "__init__.py"), encoding="utf-8") as f:
+        match = re.search(r'^__version__\s*=\s*["\']([^"\']+)["\']', f.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError("__version__ not found in megatron_lrmoe/__init__.py")
+    return match.group(1)
+
+
+def kernel_extension():
+    # setuptools wants source paths relative to setup.py.
+    cpp_sources = sorted(glob.glob("kernels/*.cpp"))
+    cu_sources = sorted(glob.glob("kernels/*.cu"))
+    debug = os.environ.get("MEGATRON_LRMOE_DEBUG", "0") == "1"
+    opt = ["-O0", "-g"] if debug else ["-O3"]
+    # -ffp-contract=off: no FMA contraction, so the CPU backend rounds the
+    # scaled product exactly where the torch reference does (bitwise tests).
+    cxx = [*opt, "-ffp-contract=off"]
+    link = []
+    if sys.platform.startswith("linux"):
+        # at::parallel_for only runs in parallel when the caller is compiled
+        # with OpenMP; the soname resolves to the libgomp that torch ships.
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
+
+    with_cuda = torch.version.cuda is not None and CUDA_HOME is not None
+    if with_cuda:
+        return CUDAExtension(
+            name="megatron_lrmoe._kernels",
+            sources=cpp_sources + cu_sources,
+            include_dirs=[os.path.join(ROOT, "kernels")],
+            define_macros=[("WITH_CUDA", None)],
+            extra_compile_args={"cxx": cxx, "nvcc": opt},
+            extra_link_args=link,
+        )
+    return CppExtension(
+        name="megatron_lrmoe._kernels",
+        sources=cpp_sources,
+        include_dirs=[os.path.join(ROOT, "kernels")],
+        extra_compile_args={"cxx": cxx},
+        extra_link_args=link,
+    )
+
+
+setup(
+    name="megatron-lrmoe",
+    version=read_version(),
+    description="Load-recalibrated Mixture-of-Experts training for Megatron-Core",
+    packages=find_packages(exclude=["tests", "tests.*"]),
+    python_requires=">=3.10",
+    # Ranges, not pins: a GPU machine keeps its own CUDA build of torch.
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core==0.16.1",
+        "pybind11>=2.12",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+        "tensorboard",
+        "matplotlib",
+        "psutil",
+        "packaging",
+        "sentencepiece",
+    ],
+    extras_require={
+        "dev": ["pytest==9.2.0", "hypothesis==6.170.17", "ruff==0.17.6"],
+        # NVIDIA apex is optional and not on PyPI (the PyPI "apex" is an
+        # unrelated package): build it from NVIDIA's apex repository when
+        # wanted. Nothing here requires it.
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    ext_modules=[kernel_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    zip_safe=False,
+)
