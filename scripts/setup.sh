@@ -32,7 +32,7 @@ PY=.venv/bin/python
 fingerprint=$(cat requirements/*.txt setup.py pyproject.toml kernels/* 2>/dev/null | sha256sum | cut -c1-16)
 stamp=.venv/.lrmoe-setup-${LRMOE_GPU:-0}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ] \
-   && "$PY" -c 'import megatron_lrmoe._kernels' 2>/dev/null; then
+   && "$PY" -c 'import torch, megatron_lrmoe._kernels' 2>/dev/null; then
   exit 0
 fi
 
@@ -50,6 +50,6 @@ else
 fi
 # --no-build-isolation: compile against the torch installed above, never a second one.
 "$PY" -m pip install -q --no-build-isolation -e ".[dev]"
-"$PY" -c 'import megatron_lrmoe._kernels' || { echo "error: kernel extension did not build" >&2; exit 1; }
+"$PY" -c 'import torch, megatron_lrmoe._kernels' || { echo "error: kernel extension did not build" >&2; exit 1; }
 echo "$fingerprint" > "$stamp"
 echo "setup: done ($("$PY" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"

@@ -115,6 +115,18 @@ def test_distributed_optimizer_matches_plain_optimizer(gloo2, corpus):
     assert sharded == pytest.approx(plain, rel=1e-4)
 
 
+def test_overlapped_grad_reduce_and_param_gather_match(gloo2, corpus):
+    base = TINY + ["--data-path", corpus, "--train-iters", "6", "--expert-model-parallel-size",
+                   "2", "--hidden-dropout", "0", "--attention-dropout", "0",
+                   "--use-distributed-optimizer", "--eval-iters", "1", "--eval-interval", "3"]
+    plain = gloo2.run(_train, base, timeout=300)[0]
+    overlapped = gloo2.run(
+        _train, base + ["--overlap-grad-reduce", "--overlap-param-gather"], timeout=300
+    )[0]
+    assert overlapped["losses"] == pytest.approx(plain["losses"], rel=1e-4)
+    assert overlapped["validation-loss"] == pytest.approx(plain["validation-loss"], rel=1e-4)
+
+
 @pytest.mark.parametrize("optimizer_flags", [[], ["--use-distributed-optimizer"]],
                          ids=["optimizer", "distributed-optimizer"])
 def test_checkpoint_resume_is_bitwise_exact(gloo2, corpus, tmp_path, optimizer_flags):

@@ -52,7 +52,42 @@ def _sha256_file(path: str) -> str:
         return hashlib.sha256(fh.read()).hexdigest()
 
 
-class ByteLevelTokenizer(MegatronLegacyTokenizer):
+class _OfflineTokenizer(MegatronLegacyTokenizer):
+    """What GPTDataset reads of a tokenizer; subclasses set the underscored fields."""
+
+    _vocab: dict[str, int]
+    _inv_vocab: dict[int, str]
+    _vocab_size: int
+    _eod: int
+    _pad: int
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return self._inv_vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def eos(self) -> int:
+        # A GPT corpus has one end marker; Megatron checks pad against both names.
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        return self._pad
+
+
+class ByteLevelTokenizer(_OfflineTokenizer):
     """UTF-8 bytes as tokens: no training, no files, exact round trip for any str."""
 
     NUM_BYTES = 256
@@ -61,6 +96,7 @@ class ByteLevelTokenizer(MegatronLegacyTokenizer):
         super().__init__()
         self._eod = self.NUM_BYTES
         self._pad = self.NUM_BYTES + 1
+        self._vocab_size = self.NUM_BYTES + 2
         self._vocab = {f"<0x{b:02X}>": b for b in range(self.NUM_BYTES)}
         self._vocab.update({"<eod>": self._eod, "<pad>": self._pad})
         self._inv_vocab = {i: piece for piece, i in self._vocab.items()}
@@ -98,30 +134,6 @@ class ByteLevelTokenizer(MegatronLegacyTokenizer):
             "pad": self.pad,
         }
 
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
-
-    @property
-    def vocab_size(self) -> int:
-        return self.NUM_BYTES + 2
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def eos(self) -> int:
-        # A GPT corpus has one end marker; Megatron checks pad against both names.
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
 
 
 # SentencePiece writes spaces as this meta symbol and turns it back into a
@@ -129,7 +141,7 @@ class ByteLevelTokenizer(MegatronLegacyTokenizer):
 _SP_SPACE = "\u2581"
 
 
-class SentencePieceTokenizer(MegatronLegacyTokenizer):
+class SentencePieceTokenizer(_OfflineTokenizer):
     """A local sentencepiece model (`--tokenizer-model`), with dedicated eod and pad ids."""
 
     def __init__(self, model_path: str) -> None:
@@ -192,29 +204,6 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
             "pad": self.pad,
         }
 
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def eos(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
 
 
 def _nonblank_lines(path: str) -> list[str]:
