@@ -6,7 +6,6 @@ python -m megatron_lrmoe.data.prepare ...    -> the same, from the shell
 """
 
 from megatron_lrmoe.data.corpus import Corpus, CorpusFile, DataPrepError, harvest, stdlib_corpus
-from megatron_lrmoe.data.prepare import load_meta, prepare_dataset, unigram_entropy_nats
 from megatron_lrmoe.data.tokenizers import (
     TOKENIZER_TYPES,
     ByteLevelTokenizer,
@@ -30,3 +29,16 @@ __all__ = [
     "train_sentencepiece",
     "unigram_entropy_nats",
 ]
+
+
+# The prepare tool is imported lazily: ``python -m megatron_lrmoe.data.prepare`` would
+# otherwise find its own module already imported by this package (a runpy warning).
+_PREPARE_NAMES = ("load_meta", "prepare_dataset", "unigram_entropy_nats")
+
+
+def __getattr__(name: str):
+    if name in _PREPARE_NAMES:
+        from megatron_lrmoe.data import prepare
+
+        return getattr(prepare, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
