@@ -115,6 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-grouped-gemm", action="store_true")
     g.add_argument("--moe-permute-fusion", action="store_true")
 
+    g = p.add_argument_group("LRMoE (megatron_lrmoe)")
+    g.add_argument("--moe-lrmoe", action="store_true",
+                   help="use the LRMoE MoE layer (off: Megatron's own classes, untouched)")
+    g.add_argument("--moe-lrmoe-bwd-capacity-factor", type=float, default=1.0,
+                   help="backward capacity gamma per EP rank; inf drops nothing")
+    g.add_argument("--moe-lrmoe-min-retention", type=float, default=0.0,
+                   help="fraction of each expert's pairs always kept in backward")
+    g.add_argument("--moe-lrmoe-metric", default="grad_act",
+                   choices=["grad_act", "grad", "prob", "random"])
+    g.add_argument("--moe-lrmoe-selection", default="topk", choices=["topk", "sample"])
+    g.add_argument("--moe-lrmoe-kernels", default="auto", choices=["auto", "cpu", "cuda", "torch"])
+    g.add_argument("--moe-lrmoe-log-interval", type=int, default=None,
+                   help="steps between LRMoE statistics (default --log-interval)")
+
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -339,6 +353,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             )
         if args.moe_permute_fusion and args.transformer_impl != "transformer_engine":
             raise ConfigError("--moe-permute-fusion needs Transformer Engine on CUDA")
+        if args.moe_lrmoe:
+            _validate_lrmoe_args(args)
+    elif args.moe_lrmoe:
+        raise ConfigError("--moe-lrmoe needs an MoE model: set --num-experts")
     elif args.expert_model_parallel_size > 1:
         raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
 
@@ -432,6 +450,27 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--save-interval needs --save DIR")
     if args.tokenizer_type == "SentencePieceTokenizer" and not args.tokenizer_model:
         raise ConfigError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
+
+
+def _validate_lrmoe_args(args: argparse.Namespace) -> None:
+    """What the LRMoE region does not support, in flag names (the config class
+    repeats these checks in field names for other entry points)."""
+    if args.moe_token_dispatcher_type != "alltoall":
+        raise ConfigError("--moe-lrmoe needs --moe-token-dispatcher-type alltoall")
+    if not args.disable_bias_linear:
+        raise ConfigError("--moe-lrmoe needs --disable-bias-linear (expert biases unsupported)")
+    if args.moe_expert_capacity_factor is not None:
+        raise ConfigError("--moe-lrmoe keeps the forward exact: drop --moe-expert-capacity-factor")
+    if args.expert_tensor_parallel_size != 1:
+        raise ConfigError("--moe-lrmoe needs --expert-tensor-parallel-size 1")
+    gamma = args.moe_lrmoe_bwd_capacity_factor
+    if math.isnan(gamma) or gamma <= 0:
+        raise ConfigError(f"--moe-lrmoe-bwd-capacity-factor must be > 0 or inf, got {gamma}")
+    if not 0.0 <= args.moe_lrmoe_min_retention <= 1.0:
+        raise ConfigError(f"--moe-lrmoe-min-retention must be in [0, 1], "
+                          f"got {args.moe_lrmoe_min_retention}")
+    if args.moe_lrmoe_log_interval is not None and args.moe_lrmoe_log_interval <= 0:
+        raise ConfigError("--moe-lrmoe-log-interval must be positive")
 
 
 def _data_prefixes(data_path: list[str]) -> list[str]:

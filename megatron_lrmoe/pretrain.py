@@ -315,7 +315,9 @@ def train(args: argparse.Namespace) -> dict:
     # ---- model, optimizer, scheduler ----------------------------------------
     tokenizer = builders.build_tokenizer_from_args(args)
     config = builders.transformer_config_from_args(args)
-    model = builders.build_model(args, config, tokenizer.vocab_size)
+    model = builders.build_model(
+        args, config, tokenizer.vocab_size, spec_transform=builders.lrmoe_spec_transform(args)
+    )
     optimizer = builders.build_optimizer(args, model)
     scheduler = builders.build_scheduler(args, optimizer)
     model_config = get_model_config(model[0])
@@ -324,6 +326,8 @@ def train(args: argparse.Namespace) -> dict:
     if args.overlap_grad_reduce:
         model_config.no_sync_func = model[0].no_sync
         model_config.grad_sync_func = model[0].start_grad_sync
+    if args.moe_lrmoe:
+        from megatron_lrmoe.lrmoe.telemetry import collect_lrmoe_stats
     moe_timer = MoETimer(sync_cuda=torch.cuda.is_available())
     moe_layers = 0 if args.no_moe_timing else attach_moe_timer(model[0], moe_timer)
     n_params = sum(p.numel() for p in model[0].parameters())
@@ -411,6 +415,21 @@ def train(args: argparse.Namespace) -> dict:
             )
             interval = StepStats()
             interval_steps, interval_time = 0, 0.0
+
+        lrmoe_interval = args.moe_lrmoe_log_interval or args.log_interval
+        if args.moe_lrmoe and (
+            progress.iteration % lrmoe_interval == 0 or progress.iteration == args.train_iters
+        ):
+            lrmoe_stats = collect_lrmoe_stats(model, args.num_layers)
+            record.update(lrmoe_stats)
+            if "lrmoe/retained-fraction" in lrmoe_stats:
+                logger.line(
+                    f"iter {progress.iteration:6d} | LRMoE retained "
+                    f"{lrmoe_stats['lrmoe/retained-fraction']:.3f} | dropped contribution "
+                    f"{lrmoe_stats['lrmoe/dropped-contribution-fraction']:.3f} | backward "
+                    f"bytes saved {lrmoe_stats['lrmoe/backward-bytes-saved'] / 2**20:.2f} MiB | "
+                    f"routed load max/mean {lrmoe_stats['lrmoe/load-max-over-mean']:.2f}"
+                )
 
         if args.eval_iters > 0 and (
             progress.iteration % args.eval_interval == 0 or progress.iteration == args.train_iters

@@ -28,7 +28,7 @@ def map_spec_modules(spec: Any, fn: ModuleMap) -> Any:
         )
     if isinstance(spec, type):
         return fn(spec)
-    if dataclasses.is_dataclass(spec):
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         changes = {
             f.name: map_spec_modules(getattr(spec, f.name), fn)
             for f in dataclasses.fields(spec)
@@ -37,6 +37,27 @@ def map_spec_modules(spec: Any, fn: ModuleMap) -> Any:
         return dataclasses.replace(spec, **changes)
     if isinstance(spec, list | tuple):
         return type(spec)(map_spec_modules(item, fn) for item in spec)
+    return spec
+
+
+def map_module_specs(spec: Any, fn: Callable[[ModuleSpec], ModuleSpec]) -> Any:
+    """Copy of ``spec`` in which every ``ModuleSpec`` went through ``fn`` (outermost
+    first). Where ``fn`` returns a new spec, that spec is taken as is (not descended
+    into); where it returns its argument, the walk continues into its submodules."""
+    if isinstance(spec, ModuleSpec):
+        new = fn(spec)
+        if new is not spec:
+            return new
+        return dataclasses.replace(spec, submodules=map_module_specs(spec.submodules, fn))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {
+            f.name: map_module_specs(getattr(spec, f.name), fn)
+            for f in dataclasses.fields(spec)
+            if f.init
+        }
+        return dataclasses.replace(spec, **changes)
+    if isinstance(spec, list | tuple):
+        return type(spec)(map_module_specs(item, fn) for item in spec)
     return spec
 
 

@@ -49,3 +49,87 @@ def test_sequence_parallel_norm_without_sp_equals_megatron_norm():
     assert not any(getattr(p, "sequence_parallel", False) for p in ours.parameters())
     x = torch.randn(3, 16)
     torch.testing.assert_close(ours(x), theirs(x))
+
+
+# -----------------------------------------------------------------------------
+# The LRMoE spec converter
+# -----------------------------------------------------------------------------
+
+
+def _moe_positions(spec):
+    """(module, experts module) of every MoE position in a spec tree."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_lrmoe.spec_utils import map_module_specs
+
+    found = []
+
+    def visit(ms: ModuleSpec) -> ModuleSpec:
+        if isinstance(ms.module, type) and issubclass(ms.module, MoELayer):
+            found.append((ms.module, ms.submodules.experts.module, ms.submodules))
+        return ms
+
+    map_module_specs(spec, visit)
+    return found
+
+
+def test_converter_on_block_spec_with_layer_freq_and_shared_experts():
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    from megatron_lrmoe.lrmoe.experts import LRMoESequentialMLP
+    from megatron_lrmoe.lrmoe.moe_layer import LRMoELayer
+    from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
+
+    config = _config(num_layers=4, moe_layer_freq=[0, 1, 0, 1],
+                     moe_shared_expert_intermediate_size=32)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)
+    before = _moe_positions(block)
+    assert [m for m, _, _ in before] == [MoELayer, MoELayer]
+    converted = to_lrmoe_spec(block)
+    after = _moe_positions(converted)
+    assert [(m, e) for m, e, _ in after] == [(LRMoELayer, LRMoESequentialMLP)] * 2
+    assert all(sub.shared_experts.module is SharedExpertMLP for _, _, sub in after)
+    # Dense layers and everything outside the MoE positions are untouched.
+    assert converted.layer_specs[0] == block.layer_specs[0]
+    assert converted.layer_specs[2] == block.layer_specs[2]
+    assert _moe_positions(block) == before, "the input spec must not change"
+
+
+def test_converter_on_te_flavoured_layer_spec():
+    """A Transformer-Engine-flavoured MoE position (TEGroupedMLP experts) converts too;
+    the TE spec functions need TE, so the position is built by hand as they build it."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    from megatron_lrmoe.lrmoe.experts import LRMoESequentialMLP
+    from megatron_lrmoe.lrmoe.moe_layer import LRMoELayer
+    from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
+
+    te_experts = ModuleSpec(module=TEGroupedMLP, submodules=MLPSubmodules())
+    layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        mlp=ModuleSpec(module=MoELayer,
+                       submodules=MoESubmodules(router=TopKRouter, experts=te_experts))))
+    converted = to_lrmoe_spec(layer)
+    mlp = converted.submodules.mlp
+    assert mlp.module is LRMoELayer
+    assert mlp.submodules.experts.module is LRMoESequentialMLP
+    assert mlp.submodules.router is TopKRouter
+    assert layer.submodules.mlp.module is MoELayer
+
+
+def test_converter_leaves_dense_specs_alone():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
+
+    dense = get_gpt_layer_local_spec()
+    assert to_lrmoe_spec(dense) == dense

@@ -9,6 +9,7 @@ would build from the same flags.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -44,9 +45,15 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
 
 
 def transformer_config_from_args(
-    args: argparse.Namespace, config_class: type[TransformerConfig] = TransformerConfig
+    args: argparse.Namespace, config_class: type[TransformerConfig] | None = None
 ) -> TransformerConfig:
-    """Map launcher flags to a (subclass of) Megatron's TransformerConfig."""
+    """Map launcher flags to a (subclass of) Megatron's TransformerConfig.
+
+    With ``--moe-lrmoe`` the class is LRMoETransformerConfig and every ``moe_lrmoe*``
+    field takes the same-named flag, as Megatron-LM's config builder does.
+    """
+    if config_class is None:
+        config_class = _lrmoe_config_class() if args.moe_lrmoe else TransformerConfig
     dtype = params_dtype(args)
     moe = args.num_experts is not None
     kwargs = dict(
@@ -104,7 +111,28 @@ def transformer_config_from_args(
             moe_grouped_gemm=args.moe_grouped_gemm,
             moe_permute_fusion=args.moe_permute_fusion,
         )
+    kwargs.update(
+        (f.name, getattr(args, f.name))
+        for f in dataclasses.fields(config_class)
+        if f.name.startswith("moe_lrmoe") and hasattr(args, f.name)
+    )
     return config_class(**kwargs)
+
+
+def _lrmoe_config_class() -> type[TransformerConfig]:
+    # Imported only when asked for: without --moe-lrmoe nothing of LRMoE is loaded.
+    from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
+
+    return LRMoETransformerConfig
+
+
+def lrmoe_spec_transform(args: argparse.Namespace) -> SpecTransform | None:
+    """The LRMoE spec converter with --moe-lrmoe, else None (Megatron's spec untouched)."""
+    if not args.moe_lrmoe:
+        return None
+    from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
+
+    return to_lrmoe_spec
 
 
 def layer_spec_from_args(args: argparse.Namespace, config: TransformerConfig):

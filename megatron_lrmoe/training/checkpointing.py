@@ -61,19 +61,37 @@ def read_tracker(root: str) -> int | None:
     return int(text)
 
 
-def _rng_state() -> dict[str, Any]:
+def _module_states(model) -> dict[str, Any]:
+    """Rank-local state of modules that keep some (``rank_local_state()``), by name.
+
+    LRMoE layers keep a call counter there that seeds their random draws, so that a
+    resumed run draws what an uninterrupted one would.
+    """
+    return {
+        name: module.rank_local_state()
+        for name, module in unwrap_model(model[0]).named_modules()
+        if hasattr(module, "rank_local_state")
+    }
+
+
+def _rank_state(model) -> dict[str, Any]:
     return {
         "cpu": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "modules": _module_states(model),
     }
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rank_state(state: dict[str, Any], model) -> None:
     torch.set_rng_state(state["cpu"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    saved = state.get("modules", {})
+    for name, module in unwrap_model(model[0]).named_modules():
+        if hasattr(module, "load_rank_local_state") and name in saved:
+            module.load_rank_local_state(saved[name])
 
 
 def _sharded_state_dict(
@@ -94,7 +112,8 @@ def _sharded_state_dict(
     if include_rng:
         # One object per global rank: each rank resumes its own generators.
         state["rng_state"] = ShardedObject(
-            "rng_state", _rng_state(), (dist.get_world_size(),), (dist.get_rank(),), replica_id=0
+            "rng_state", _rank_state(model), (dist.get_world_size(),), (dist.get_rank(),),
+            replica_id=0,
         )
     return state
 
@@ -196,5 +215,5 @@ def load_checkpoint(
         _restore_step_counters(optimizer)
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if load_rng:
-        _set_rng_state(state["rng_state"])
+        _set_rank_state(state["rng_state"], model)
     return TrainingProgress(state["iteration"], state["consumed_train_samples"])

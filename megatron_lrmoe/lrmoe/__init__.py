@@ -1,0 +1,1 @@
+"""LRMoE core: retention planner, autograd region and configuration."""

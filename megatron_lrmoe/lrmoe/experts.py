@@ -1,0 +1,38 @@
+"""LRMoE's expert MLP: Megatron's SequentialMLP, read by the region as plain weights.
+
+Storing the experts exactly as SequentialMLP does (``local_experts.<i>.linear_fc1/2``)
+keeps the dist-checkpoint keys of SequentialMLP and TEGroupedMLP, so model and
+optimizer state move between plain Megatron runs and LRMoE runs in both directions.
+The region computes the experts itself (it needs the rows of every pair, and the
+backward over retained rows only), so this class only adds ``expert_weights()``.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from megatron_lrmoe.lrmoe.region import ExpertWeights
+
+
+class LRMoESequentialMLP(SequentialMLP):
+    """SequentialMLP whose weights the LRMoE region reads directly."""
+
+    def _activation(self, z: torch.Tensor) -> torch.Tensor:
+        """fc1 output [N, F1] -> h [N, F], as Megatron's MLP (unfused path) computes it."""
+        config = self.config
+        if config.gated_linear_unit:
+            z_glu, z_linear = torch.chunk(z, 2, dim=-1)
+            if (clamp := config.activation_func_clamp_value) is not None:
+                z_glu = z_glu.clamp(max=clamp)
+                z_linear = z_linear.clamp(min=-clamp, max=clamp)
+            return config.activation_func(z_glu) * (z_linear + config.glu_linear_offset)
+        return config.activation_func(z)
+
+    def expert_weights(self) -> ExpertWeights:
+        return ExpertWeights(
+            w1=tuple(expert.linear_fc1.weight for expert in self.local_experts),
+            w2=tuple(expert.linear_fc2.weight for expert in self.local_experts),
+            activation=self._activation,
+            gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
+        )

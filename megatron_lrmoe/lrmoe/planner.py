@@ -1,0 +1,425 @@
+"""Retention-quota planner: how many routed pairs each (source, instance) cell keeps in backward.
+
+This is DESIGN.md section 3, step 4, the default policy "backward capacity
+water-filling", without replicas yet: every expert has exactly one instance, its
+home under Megatron's expert-parallel layout. The planner is pure: a function of
+the gathered counts and two numbers, with no process group and no config object,
+and every rank computes the same plan from the same counts.
+
+Notation (DESIGN.md section 2)
+  R        ranks of the expert-parallel group
+  E        experts; Megatron's layout puts expert e on rank e // (E / R)
+  I        instances (copies of an expert's weights). Without replicas I == E,
+           instance i is expert i on its home rank, and ``instance_rank`` /
+           ``instance_expert`` are the identity layout. Columns of every [R, I]
+           matrix are indexed by instance.
+  E_loc    E / R, instances per rank
+  n[s, i]  routed pairs from source rank s to instance i (``counts``)
+  N_i      sum_s n[s, i], routed pairs of instance i
+  L_r      sum of N_i over the instances on rank r, the routed load of rank r
+  gamma    the backward capacity factor; m the minimum retention
+  C_r      ceil(gamma * sum_r L_r / R), backward capacity of rank r (the same for all)
+  f_i      ceil(m * N_i), the floor of instance i (pairs it always keeps)
+  T_r      backward target of rank r: L_r if L_r <= C_r, else max(C_r, sum_i f_i)
+  tau_r    water level of rank r: sum over its instances of clamp(tau_r, f_i, N_i) = T_r
+  Q_i      pairs of instance i kept in backward, sum over rank r's instances = T_r
+  q[s, i]  pairs of cell (s, i) kept in backward (``quotas``), sum_s q[s, i] = Q_i
+
+Semantics
+  * Ranks with L_r <= C_r keep every pair: q[s, i] = n[s, i].
+  * On a rank with L_r > C_r, the quotas are the water-filling of T_r over the
+    rank's instances with box constraints f_i <= Q_i <= N_i: Q_i = clamp(tau_r, f_i, N_i).
+    Only instances above the level lose pairs; an instance whose floor is above
+    the level keeps exactly its floor. This is the unique allocation that makes
+    the largest instance quota as small as possible, then the second largest,
+    and so on (the backward load is as flat as the floors allow). With m = 0 it
+    is plain water-filling: sum_i min(N_i, tau_r) = C_r.
+  * Floors win over capacity: when sum_i f_i > C_r the rank keeps exactly its
+    floors, more than its capacity, and ``over_capacity`` reports it.
+  * Integers: t_r = floor(tau_r) is the largest integer level with
+    sum_i clamp(t_r, f_i, N_i) <= T_r; the T_r - sum_i clamp(t_r, f_i, N_i) units
+    left over (fewer than the instances at the level that could take one) go one
+    each to instances with f_i <= t_r < N_i, largest N_i first, ties by lower
+    instance index. So Q_i <= N_i and the sum is exactly T_r.
+  * Q_i is split across sources in proportion to n[s, i] with largest-remainder
+    rounding (ties by lower source index): sum_s q[s, i] = Q_i exactly,
+    q[s, i] <= n[s, i] and |q[s, i] - Q_i * n[s, i] / N_i| < 1.
+  * gamma = inf drops nothing (floors are moot); ``capacity`` is then
+    ``UNLIMITED_CAPACITY`` (the int64 maximum), so comparisons such as
+    ``retained <= capacity`` hold without a special case.
+  * gamma and m are read as the decimal their ``repr`` shows (1.1 means 11/10,
+    0.1 means 1/10) and C_r and f_i are computed exactly in integers, so
+    gamma = 1.1 on a mean load of 100 gives C_r = 110, not 111.
+
+Tensors: every tensor in and out is a torch int64 tensor on the CPU. ``counts``
+on another device is copied to the host (a device sync): gather the counts and
+bring them to the host once per layer and micro-batch, then call the planner.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import cached_property
+from typing import Final
+
+import torch
+
+__all__ = [
+    "UNLIMITED_CAPACITY",
+    "RetentionPlan",
+    "dropped_fraction",
+    "plan_retention",
+]
+
+UNLIMITED_CAPACITY: Final[int] = torch.iinfo(torch.int64).max
+"""``capacity`` of every rank when gamma = inf: nothing is dropped."""
+
+
+@dataclass(frozen=True, eq=False)
+class RetentionPlan:
+    """The retention plan of one layer and micro-batch: routed counts and backward quotas.
+
+    A value (STYLE lesson 2): the region's forward and backward receive it
+    explicitly. Tensors are int64 on the CPU and must not be modified. Equality
+    is identity (``eq=False``): compare tensors with ``torch.equal``.
+    """
+
+    counts: torch.Tensor
+    """[R, I] n[s, i]: routed pairs from source rank s to instance i."""
+    quotas: torch.Tensor
+    """[R, I] q[s, i] <= n[s, i]: pairs of cell (s, i) kept in backward."""
+    capacity: torch.Tensor
+    """[R] C_r, backward capacity per rank; ``UNLIMITED_CAPACITY`` when gamma = inf."""
+    water_level: torch.Tensor
+    """[R] floor(tau_r) on ranks over capacity; on the others the largest N_i of the
+    rank (a level nothing is above). On every rank: Q_i < N_i implies Q_i >= level,
+    and N_i <= level implies Q_i = N_i."""
+    instance_rank: tuple[int, ...]
+    """instance -> rank hosting it (home rank e // E_loc without replicas)."""
+    instance_expert: tuple[int, ...]
+    """instance -> expert whose weights it holds (identity without replicas)."""
+    capacity_factor: float = math.inf
+    """gamma the plan was made with (for logs)."""
+    min_retention: float = 0.0
+    """m the plan was made with (for logs)."""
+
+    def __post_init__(self) -> None:
+        r, i = self.counts.shape
+        if self.quotas.shape != (r, i):
+            raise ValueError(
+                f"quotas must have counts' shape {(r, i)}, got {tuple(self.quotas.shape)}")
+        for name in ("capacity", "water_level"):
+            if getattr(self, name).shape != (r,):
+                raise ValueError(f"{name} must have shape ({r},), got {getattr(self, name).shape}")
+        if len(self.instance_rank) != i or len(self.instance_expert) != i:
+            raise ValueError(f"instance_rank and instance_expert must have {i} entries")
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_ranks(self) -> int:
+        """R."""
+        return self.counts.shape[0]
+
+    @property
+    def num_instances(self) -> int:
+        """I (== E without replicas)."""
+        return self.counts.shape[1]
+
+    # ---------------------------------------------------------- per instance
+    @cached_property
+    def routed_per_instance(self) -> torch.Tensor:
+        """[I] N_i, routed pairs of each instance."""
+        return self.counts.sum(0)
+
+    @cached_property
+    def retained_per_instance(self) -> torch.Tensor:
+        """[I] Q_i, retained pairs of each instance."""
+        return self.quotas.sum(0)
+
+    # --------------------------------------------------------------- per rank
+    @cached_property
+    def _rank_index(self) -> torch.Tensor:
+        return torch.tensor(self.instance_rank, dtype=torch.int64)
+
+    @cached_property
+    def routed_matrix(self) -> torch.Tensor:
+        """[R, R] routed pairs from source rank (row) to destination rank (column)."""
+        out = torch.zeros(self.num_ranks, self.num_ranks, dtype=torch.int64)
+        return out.index_add_(1, self._rank_index, self.counts)
+
+    @cached_property
+    def retained_matrix(self) -> torch.Tensor:
+        """[R, R] retained pairs from source rank (row) to destination rank (column)."""
+        out = torch.zeros(self.num_ranks, self.num_ranks, dtype=torch.int64)
+        return out.index_add_(1, self._rank_index, self.quotas)
+
+    @property
+    def routed_per_rank(self) -> torch.Tensor:
+        """[R] L_r, routed pairs each rank's instances receive (forward load)."""
+        return self.routed_matrix.sum(0)
+
+    @property
+    def retained_per_rank(self) -> torch.Tensor:
+        """[R] retained pairs each rank's instances receive (backward load)."""
+        return self.retained_matrix.sum(0)
+
+    @property
+    def overloaded(self) -> torch.Tensor:
+        """[R] bool, ranks whose routed load exceeds their capacity (water-filled)."""
+        return self.routed_per_rank > self.capacity
+
+    @property
+    def over_capacity(self) -> torch.Tensor:
+        """[R] bool, ranks that keep more than their capacity because floors win."""
+        return self.retained_per_rank > self.capacity
+
+    # ----------------------------------------------------------------- totals
+    @property
+    def routed(self) -> int:
+        """Total routed pairs (host value)."""
+        return int(self.counts.sum())
+
+    @property
+    def retained(self) -> int:
+        """Total retained pairs (host value)."""
+        return int(self.quotas.sum())
+
+    @property
+    def retained_fraction(self) -> float:
+        """retained / routed; 1.0 when nothing was routed."""
+        routed = self.routed
+        return self.retained / routed if routed else 1.0
+
+    # ----------------------------------------------------- all-to-all splits
+    def forward_send_splits(self, source: int) -> list[int]:
+        """Routed rows ``source`` sends to each rank, by destination rank (forward dispatch)."""
+        return self.routed_matrix[source].tolist()
+
+    def forward_recv_splits(self, dest: int) -> list[int]:
+        """Routed rows ``dest`` receives from each rank, by source rank (forward dispatch)."""
+        return self.routed_matrix[:, dest].tolist()
+
+    def send_splits(self, source: int) -> list[int]:
+        """Retained rows ``source`` sends to each rank, by destination rank (backward)."""
+        return self.retained_matrix[source].tolist()
+
+    def recv_splits(self, dest: int) -> list[int]:
+        """Retained rows ``dest`` receives from each rank, by source rank (backward)."""
+        return self.retained_matrix[:, dest].tolist()
+
+    # ------------------------------------------------------------------- logs
+    def describe(self) -> str:
+        """One line for logs: totals, capacity, ranks cut, ranks over capacity, peak loads."""
+        cap = int(self.capacity[0]) if self.num_ranks else 0
+        cap_text = "inf" if cap == UNLIMITED_CAPACITY else str(cap)
+        return (
+            f"retention plan R={self.num_ranks} I={self.num_instances} "
+            f"gamma={self.capacity_factor:g} m={self.min_retention:g}: "
+            f"kept {self.retained}/{self.routed} pairs ({self.retained_fraction:.1%}), "
+            f"C={cap_text}, cut ranks {int(self.overloaded.sum())}/{self.num_ranks}, "
+            f"over capacity {int(self.over_capacity.sum())}, "
+            f"max rank load fwd {int(self.routed_per_rank.max())} "
+            f"bwd {int(self.retained_per_rank.max())}"
+        )
+
+
+def dropped_fraction(plan: RetentionPlan) -> float:
+    """Share of routed pairs dropped from backward: 1 - retained / routed (0.0 if none routed)."""
+    return 1.0 - plan.retained_fraction
+
+
+def plan_retention(
+    counts: torch.Tensor,
+    num_ranks: int,
+    capacity_factor: float = 1.0,
+    min_retention: float = 0.0,
+) -> RetentionPlan:
+    """Plan backward retention quotas by capacity water-filling (DESIGN.md 3.4).
+
+    Args:
+        counts: [R, E] integer tensor, n[s, e] routed pairs from source rank s to
+            expert e; E must be a multiple of R. Copied to CPU int64.
+        num_ranks: R, the expert-parallel group size; must equal ``counts.shape[0]``.
+        capacity_factor: gamma > 0, or ``math.inf`` to drop nothing.
+        min_retention: m in [0, 1], the share of each instance's pairs always kept.
+
+    Returns:
+        The plan; see the module docstring for the exact semantics.
+
+    Raises:
+        TypeError: ``counts`` is not a tensor.
+        ValueError: a malformed argument; the message names it.
+    """
+    n = _check_counts(counts, num_ranks)
+    gamma = _check_capacity_factor(capacity_factor)
+    floor_share = _check_min_retention(min_retention)
+
+    num_instances = n.shape[1]
+    per_rank = num_instances // num_ranks
+    instance_rank = tuple(i // per_rank for i in range(num_instances))
+    instance_expert = tuple(range(num_instances))
+
+    routed = n.sum(0)                                  # [I] N_i
+    routed_loc = routed.view(num_ranks, per_rank)      # [R, E_loc], static layout only
+    load = routed_loc.sum(1)                           # [R] L_r
+
+    if gamma is None:
+        capacity = torch.full((num_ranks,), UNLIMITED_CAPACITY, dtype=torch.int64)
+        kept = routed
+        level = routed_loc.max(1).values
+    else:
+        total = int(load.sum())
+        cap = min(_ceil_div(gamma.numerator * total, gamma.denominator * num_ranks),
+                  UNLIMITED_CAPACITY)
+        capacity = torch.full((num_ranks,), cap, dtype=torch.int64)
+        floors = _floors(routed, floor_share).view(num_ranks, per_rank)   # [R, E_loc] f_i
+        target = torch.minimum(load, torch.maximum(capacity, floors.sum(1)))  # [R] T_r
+        kept_loc, level = _water_fill(routed_loc, floors, target)
+        kept = kept_loc.reshape(num_instances)
+
+    return RetentionPlan(
+        counts=n,
+        quotas=_split_by_source(n, routed, kept),
+        capacity=capacity,
+        water_level=level,
+        instance_rank=instance_rank,
+        instance_expert=instance_expert,
+        capacity_factor=float(capacity_factor),
+        min_retention=float(min_retention),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Steps
+# ---------------------------------------------------------------------------
+
+
+def _water_fill(
+    routed: torch.Tensor, floors: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer water-filling with floors, every rank at once.
+
+    Args:
+        routed: [R, E_loc] N_i of each rank's instances.
+        floors: [R, E_loc] f_i, 0 <= f_i <= N_i.
+        target: [R] T_r with sum_i f_i <= T_r <= L_r.
+
+    Returns:
+        ([R, E_loc] Q_i, [R] level): Q_i = N_i on ranks with T_r == L_r.
+
+    S(t) = sum_i clamp(t, f_i, N_i) is piecewise linear and nondecreasing in t, with
+    breaks only at the values f_i and N_i. The last break b with S(b) <= T_r and
+    the slope after it (the instances with f_i <= b < N_i) give the largest
+    integer level t with S(t) <= T_r in closed form, without a search.
+    """
+    cut = target < routed.sum(1)                                     # [R]
+    breaks = torch.cat([floors, routed], dim=1).sort(dim=1).values   # [R, 2 E_loc]
+    s_at = torch.maximum(floors[:, None, :],
+                         torch.minimum(routed[:, None, :], breaks[:, :, None])).sum(2)
+    last = (s_at <= target[:, None]).sum(1, keepdim=True) - 1       # >= 0: S(min f) = sum f
+    b = breaks.gather(1, last)                                       # [R, 1]
+    slope = ((floors <= b) & (b < routed)).sum(1)                    # > 0 on cut ranks
+    level = b[:, 0] + (target - s_at.gather(1, last)[:, 0]) // slope.clamp(min=1)
+    kept = torch.maximum(floors, torch.minimum(routed, level[:, None]))
+
+    # Leftover units (fewer than the instances that can take one): one each to
+    # instances at the level with room, largest N_i first, ties by lower index.
+    leftover = target - kept.sum(1)                                  # [R]
+    room = (floors <= level[:, None]) & (level[:, None] < routed)    # [R, E_loc]
+    key = torch.where(room, routed, torch.full_like(routed, -1))
+    kept = kept + (room & (_rank_in_order(key, dim=1) < leftover[:, None])).to(torch.int64)
+
+    kept = torch.where(cut[:, None], kept, routed)
+    level = torch.where(cut, level, routed.max(1).values)
+    return kept, level
+
+
+def _split_by_source(counts: torch.Tensor, routed: torch.Tensor,
+                     kept: torch.Tensor) -> torch.Tensor:
+    """Split Q_i over sources in proportion to n[s, i], largest remainder first.
+
+    Args:
+        counts: [R, I] n[s, i].
+        routed: [I] N_i.
+        kept: [I] Q_i <= N_i.
+
+    Returns:
+        [R, I] q[s, i] with sum_s q[s, i] = Q_i and q[s, i] <= n[s, i].
+    """
+    share = counts * kept                        # [R, I] Q_i * n[s, i], exact in int64
+    denom = routed.clamp(min=1)
+    base = share // denom                        # floor of the proportional share
+    remainder = share - base * denom             # numerators over the same N_i: comparable
+    leftover = kept - base.sum(0)                # [I], < number of nonzero remainders
+    bonus = _rank_in_order(remainder, dim=0) < leftover
+    return base + bonus.to(torch.int64)
+
+
+def _rank_in_order(key: torch.Tensor, dim: int) -> torch.Tensor:
+    """Position of each entry when sorted by ``key`` descending along ``dim``, ties by index."""
+    order = torch.sort(key, dim=dim, descending=True, stable=True).indices
+    shape = [1] * key.dim()
+    shape[dim] = key.shape[dim]
+    positions = torch.arange(key.shape[dim], dtype=torch.int64).view(shape).expand_as(order)
+    return torch.empty_like(order).scatter_(dim, order, positions)
+
+
+def _floors(routed: torch.Tensor, share: Fraction) -> torch.Tensor:
+    """[I] f_i = ceil(m * N_i), exact (Python integers over I values, not over pairs)."""
+    if share == 0:
+        return torch.zeros_like(routed)
+    p, q = share.numerator, share.denominator
+    return torch.tensor([_ceil_div(p * v, q) for v in routed.tolist()], dtype=torch.int64)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _as_decimal_fraction(x: float) -> Fraction:
+    """The decimal ``repr`` shows for x, exactly: 1.1 -> 11/10 (not the binary double)."""
+    return Fraction(repr(float(x)))
+
+
+# ---------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------
+
+
+def _check_counts(counts: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    if not isinstance(counts, torch.Tensor):
+        raise TypeError(f"counts must be a torch.Tensor, got {type(counts).__name__}")
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+    if counts.dim() != 2:
+        raise ValueError(f"counts must be 2-D [R, E], got shape {tuple(counts.shape)}")
+    if counts.dtype == torch.bool or counts.is_floating_point() or counts.is_complex():
+        raise ValueError(f"counts must be an integer tensor, got dtype {counts.dtype}")
+    ranks, experts = counts.shape
+    if ranks != num_ranks:
+        raise ValueError(f"counts has {ranks} rows but num_ranks is {num_ranks}")
+    if experts == 0 or experts % num_ranks:
+        raise ValueError(
+            f"counts has E={experts} columns: E must be a positive multiple of "
+            f"num_ranks={num_ranks}")
+    n = counts.detach().to(device="cpu", dtype=torch.int64)   # device sync if not on CPU
+    if bool((n < 0).any()):
+        raise ValueError("counts must be non-negative")
+    return n
+
+
+def _check_capacity_factor(capacity_factor: float) -> Fraction | None:
+    """gamma as an exact fraction, or None for inf."""
+    gamma = float(capacity_factor)
+    if math.isnan(gamma) or gamma <= 0:
+        raise ValueError(f"capacity_factor must be > 0 or inf, got {capacity_factor!r}")
+    return None if math.isinf(gamma) else _as_decimal_fraction(gamma)
+
+
+def _check_min_retention(min_retention: float) -> Fraction:
+    m = float(min_retention)
+    if not 0.0 <= m <= 1.0:  # also rejects nan
+        raise ValueError(f"min_retention must be in [0, 1], got {min_retention!r}")
+    return _as_decimal_fraction(m)

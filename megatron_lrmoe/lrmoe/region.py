@@ -1,0 +1,288 @@
+"""The LRMoE region: dispatch -> experts -> combine as one autograd function.
+
+Notation (DESIGN section 2), per MoE layer and micro-batch, on source rank s:
+  R   ranks of the expert-parallel group; E experts, L = E / R local experts per rank
+  T   tokens of this rank; H hidden size; F expert FFN size (2F rows of W1 when gated)
+  P   routed pairs of this rank (sum of its routing map); pairs are kept in
+      "expert-major" order: sorted by expert, then by token. Experts of a rank are
+      contiguous, so this is also (destination rank, local expert) order.
+  Pr  pairs this rank's experts receive, held "source-major" as they arrive
+      (source rank, local expert, token) and "expert-major" for the GEMMs.
+  n[s, e], q[s, e]  routed and retained pairs (the RetentionPlan)
+
+Forward (exact): every pair is dispatched and computed; each expert returns its
+unweighted output row o(t, e) and, riding along the combine all-to-all as one extra
+column, the side statistic a(t, e) = ||h(t, e)||, h the input of the second linear
+layer. The routing probability p is applied by the caller after the region
+(y = sum_e p * o), so autograd gives the exact router gradient <dy, o> for every
+pair and hands the region g = p * dy per pair.
+
+Backward (recalibrated): on the source, the metric per pair, the selection of
+q[s, e] pairs per (s, e) cell, compaction of the kept gradient rows (scaled by
+1/pi for sampled rules) with their int32 row positions; one all-to-all with the
+retained split sizes for the rows and one for the positions; the experts
+backward (dX, dW1, dW2) over the retained rows only; dX back with the retained
+splits; scatter-add into the token gradients. A dropped pair contributes nothing
+to dX or dW; its router gradient is untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_lrmoe.lrmoe.planner import RetentionPlan
+from megatron_lrmoe.ops import compact_rows, scatter_add_rows, select_rows
+
+__all__ = ["ExpertWeights", "RegionContext", "RegionStats", "lrmoe_region"]
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """The local experts' weights and activation, as the region computes them.
+
+    w1[l]: [F1, H] (F1 = 2F when gated), w2[l]: [H, F]; activation maps the fc1
+    output [N, F1] to h [N, F].
+    """
+
+    w1: tuple[torch.Tensor, ...]
+    w2: tuple[torch.Tensor, ...]
+    activation: Callable[[torch.Tensor], torch.Tensor]
+    gradient_accumulation_fusion: bool = False
+
+
+@dataclass
+class RegionStats:
+    """What one region call did, filled in forward (routing) and backward (drop)."""
+
+    routed_pairs: int = 0
+    retained_pairs: int = 0
+    metric_total: float = 0.0
+    metric_dropped: float = 0.0
+    backward_bytes_sent: int = 0
+    backward_bytes_dense: int = 0
+    expert_backward_rows: int = 0
+
+
+@dataclass
+class RegionContext:
+    """Everything the region needs besides tensors: the plan and the run's options."""
+
+    plan: RetentionPlan
+    group: dist.ProcessGroup | None
+    rank: int
+    num_local_experts: int
+    metric: str = "grad_act"
+    selection: str = "topk"
+    seed: int = 0
+    kernels: str = "auto"
+    stats: RegionStats = field(default_factory=RegionStats)
+
+
+# -----------------------------------------------------------------------------
+# Communication and layout helpers
+# -----------------------------------------------------------------------------
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Variable-size all-to-all along dim 0 (identity on a single rank)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x.clone() if sum(send) else x.new_empty((0, *x.shape[1:]))
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv,
+                           input_split_sizes=send, group=group)
+    return out
+
+
+def _source_to_expert_order(chunk_sizes: torch.Tensor) -> torch.Tensor:
+    """Permutation from source-major to expert-major row order.
+
+    chunk_sizes[s, l]: rows from source s for local expert l, stored source-major.
+    Returns idx with expert_major = source_major[idx].
+    """
+    R, L = chunk_sizes.shape
+    flat = chunk_sizes.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat  # start of chunk (s, l) in source-major order
+    order = starts.reshape(R, L).t().reshape(-1)  # chunk starts visited expert-major
+    sizes = chunk_sizes.t().reshape(-1)
+    if int(sizes.sum()) == 0:
+        return torch.zeros(0, dtype=torch.long)
+    offsets = torch.repeat_interleave(order - (torch.cumsum(sizes, 0) - sizes), sizes)
+    return torch.arange(int(sizes.sum())) + offsets
+
+
+def _pair_metric(name: str, g: torch.Tensor, a: torch.Tensor, p: torch.Tensor,
+                 seed: int) -> torch.Tensor:
+    """m(t, e) per pair, float32 (DESIGN section 4.2)."""
+    if name == "grad_act":
+        return torch.linalg.vector_norm(g.float(), dim=1) * a.float()
+    if name == "grad":
+        return torch.linalg.vector_norm(g.float(), dim=1)
+    if name == "prob":
+        return p.float()
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(g.shape[0], generator=generator).to(g.device)
+
+
+# -----------------------------------------------------------------------------
+# The autograd region
+# -----------------------------------------------------------------------------
+
+
+class _LRMoERegion(torch.autograd.Function):
+    """Inputs: tokens x [T, H], pair_token [P], pair_prob [P] (detached, for the prob
+    metric), ctx_obj, then w1[0..L), w2[0..L). Outputs: o [P, H] (unweighted expert
+    outputs, expert-major pair order) and a [P] (side statistic, no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, pair_token, pair_prob, rc: RegionContext, experts: ExpertWeights,
+                *weights):
+        plan, group, s = rc.plan, rc.group, rc.rank
+        L = rc.num_local_experts
+        # ---- dispatch every pair ------------------------------------------------
+        send, recv = plan.forward_send_splits(s), plan.forward_recv_splits(s)
+        x_recv = _all_to_all(x[pair_token], send, recv, group)            # [Pr, H] src-major
+        my_experts = slice(s * L, (s + 1) * L)
+        chunk_sizes = plan.counts[:, my_experts]                          # [R, L]
+        to_expert = _source_to_expert_order(chunk_sizes)
+        x_exp = x_recv[to_expert]                                         # [Pr, H] exp-major
+        rows_per_expert = chunk_sizes.sum(0).tolist()
+
+        # ---- experts on every pair -------------------------------------------------
+        z_parts, o_parts, a_parts = [], [], []
+        for e, x_l in enumerate(torch.split(x_exp, rows_per_expert)):
+            z_l = x_l @ experts.w1[e].t()
+            h_l = experts.activation(z_l)
+            o_parts.append(h_l @ experts.w2[e].t())
+            a_parts.append(torch.linalg.vector_norm(h_l.float(), dim=1))
+            z_parts.append(z_l)
+        o_exp = torch.cat(o_parts) if o_parts else x_exp.new_empty((0, x.shape[1]))
+        a_exp = torch.cat(a_parts) if a_parts else x_exp.new_empty((0,), dtype=torch.float32)
+
+        # ---- combine: back to the sources, a(t, e) riding as one extra column ------
+        back = torch.empty_like(to_expert)
+        back[to_expert] = torch.arange(to_expert.numel())
+        payload = torch.cat([o_exp, a_exp.to(o_exp.dtype).unsqueeze(1)], dim=1)[back]
+        returned = _all_to_all(payload, recv, send, group)                # [P, H + 1]
+        o, a = returned[:, :-1].contiguous(), returned[:, -1].float()
+
+        ctx.rc, ctx.experts = rc, experts
+        ctx.to_expert, ctx.rows_per_expert = to_expert, rows_per_expert
+        ctx.save_for_backward(x_exp, torch.cat(z_parts) if z_parts else x_exp[:, :0],
+                              pair_token, pair_prob, a)
+        ctx.num_tokens = x.shape[0]
+        rc.stats.routed_pairs = int(pair_token.numel())
+        ctx.mark_non_differentiable(a)
+        return o, a
+
+    @staticmethod
+    def backward(ctx, g, _grad_a):
+        rc, experts = ctx.rc, ctx.experts
+        plan, group, s, L = rc.plan, rc.group, rc.rank, rc.num_local_experts
+        x_exp, z_exp, pair_token, pair_prob, a = ctx.saved_tensors
+        g = g.contiguous()
+
+        # ---- source side: metric, selection per (s, e) cell, compaction -----------
+        metric = _pair_metric(rc.metric, g, a, pair_prob, rc.seed)
+        counts_s = plan.counts[s]
+        cell_offsets = torch.cat([counts_s.new_zeros(1), torch.cumsum(counts_s, 0)])
+        kept, scale, _ = select_rows(metric, cell_offsets, plan.quotas[s].clone(),
+                                     rule=rc.selection, seed=rc.seed, backend=rc.kernels)
+        g_kept = compact_rows(g, kept, None if rc.selection == "topk" else scale,
+                              backend=rc.kernels)
+        # Row positions inside the destination's forward receive buffer: position within
+        # this source's chunk there; the receiver adds where that chunk starts.
+        fwd_send = plan.forward_send_splits(s)
+        send_start = torch.tensor([0] + fwd_send[:-1]).cumsum(0)
+        dest_of_kept = torch.repeat_interleave(
+            torch.arange(len(fwd_send)), torch.tensor(plan.send_splits(s)))
+        pos_kept = (kept - send_start[dest_of_kept]).to(torch.int32)
+
+        # ---- retained all-to-all: rows and their positions -------------------------
+        send, recv = plan.send_splits(s), plan.recv_splits(s)
+        g_recv = _all_to_all(g_kept, send, recv, group)                   # [Kr, H]
+        pos_recv = _all_to_all(pos_kept.unsqueeze(1), send, recv, group).squeeze(1).long()
+        fwd_recv = plan.forward_recv_splits(s)
+        recv_start = torch.tensor([0] + fwd_recv[:-1]).cumsum(0)
+        src_of_row = torch.repeat_interleave(torch.arange(len(recv)), torch.tensor(recv))
+        src_major_pos = pos_recv + recv_start[src_of_row]
+        expert_pos = torch.empty_like(ctx.to_expert)
+        expert_pos[ctx.to_expert] = torch.arange(ctx.to_expert.numel())
+        rows = expert_pos[src_major_pos] if src_major_pos.numel() else src_major_pos
+        order = torch.argsort(rows, stable=True)
+        rows, g_rows = rows[order], g_recv[order]
+
+        # ---- expert backward over retained rows only ------------------------------
+        bounds = torch.tensor([0, *ctx.rows_per_expert]).cumsum(0)
+        kept_per_expert = torch.bucketize(rows, bounds[1:], right=True).bincount(
+            minlength=L).tolist() if rows.numel() else [0] * L
+        dx_parts, dw1, dw2 = [], [], []
+        for e, (idx, g_l) in enumerate(zip(torch.split(rows, kept_per_expert),
+                                           torch.split(g_rows, kept_per_expert), strict=True)):
+            x_l, z_l = x_exp[idx], z_exp[idx].detach()
+            with torch.enable_grad():
+                z_l.requires_grad_(True)
+                h_l = experts.activation(z_l)
+            w1, w2 = experts.w1[e], experts.w2[e]
+            dw2.append(g_l.t() @ h_l.detach())                            # [H, F]
+            dh = g_l @ w2                                                 # [K, F]
+            (dz,) = torch.autograd.grad(h_l, z_l, dh)                     # [K, F1]
+            dw1.append(dz.t() @ x_l)                                      # [F1, H]
+            dx_parts.append(dz @ w1)                                      # [K, H]
+        dx_rows = torch.cat(dx_parts) if dx_parts else g_rows
+        unsort = torch.empty_like(order)
+        unsort[order] = torch.arange(order.numel())
+        dx_back = _all_to_all(dx_rows[unsort], recv, send, group)        # [K, H] kept order
+
+        # ---- source side: scatter-add into token gradients ------------------------
+        dx = torch.zeros((ctx.num_tokens, g.shape[1]), dtype=g.dtype, device=g.device)
+        scatter_add_rows(dx, pair_token[kept], dx_back, backend=rc.kernels)
+
+        _record_backward_stats(rc, metric, kept, g, pos_kept, sum(kept_per_expert))
+        grads = [_weight_grad(w, d, experts.gradient_accumulation_fusion)
+                 for w, d in zip((*experts.w1, *experts.w2), (*dw1, *dw2), strict=True)]
+        return (dx, None, None, None, None, *grads)
+
+
+def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, fuse: bool):
+    """Hand a weight gradient to Megatron the way its own linear layers do."""
+    if fuse and hasattr(weight, "main_grad"):
+        # gradient_accumulation_fusion: accumulate straight into the fp32 main grad.
+        weight.main_grad.add_(grad.to(weight.main_grad.dtype))
+        if hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True
+            # DDP's hook needs a grad to fire; it skips the add when flagged.
+            return torch.zeros_like(weight)
+        return None
+    return grad
+
+
+def _record_backward_stats(rc: RegionContext, metric, kept, g, pos_kept, expert_rows) -> None:
+    stats = rc.stats
+    stats.retained_pairs = int(kept.numel())
+    total = float(metric.sum())
+    stats.metric_total = total
+    stats.metric_dropped = total - float(metric[kept].sum())
+    row_bytes = g.shape[1] * g.element_size()
+    stats.backward_bytes_sent = kept.numel() * row_bytes + pos_kept.numel() * 4
+    stats.backward_bytes_dense = g.shape[0] * row_bytes
+    stats.expert_backward_rows = expert_rows
+
+
+def lrmoe_region(
+    x: torch.Tensor,
+    pair_token: torch.Tensor,
+    pair_prob: torch.Tensor,
+    rc: RegionContext,
+    experts: ExpertWeights,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unweighted expert outputs o [P, H] and side statistic a [P] for every routed pair.
+
+    ``pair_token`` [P] lists each pair's token in expert-major order; ``pair_prob`` [P]
+    is only read by the ``prob`` metric (the caller applies p after the region).
+    """
+    return _LRMoERegion.apply(x, pair_token, pair_prob.detach(), rc, experts,
+                              *experts.w1, *experts.w2)

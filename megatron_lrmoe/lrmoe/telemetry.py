@@ -1,0 +1,47 @@
+"""Per-layer LRMoE statistics, reduced over all ranks for the launcher's logs.
+
+Each LRMoELayer records what its region calls did (``LRMoELayerStats``); at a log
+interval every rank contributes its raw sums per global layer number, one
+all_reduce adds them up (pairs and bytes add over data-, tensor- and
+expert-parallel ranks, each of which routes its own tokens) and one takes the
+maximum routed-load imbalance. Host syncs happen here, off the training path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_lrmoe.lrmoe.moe_layer import TOTAL_FIELDS, LRMoELayer, summarize
+
+
+def lrmoe_layers(model_chunks) -> list[LRMoELayer]:
+    return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, LRMoELayer)]
+
+
+def collect_lrmoe_stats(model_chunks, num_layers: int) -> dict[str, float]:
+    """Reduce and reset every LRMoE layer's statistics; keys ``lrmoe/...`` for logging.
+
+    Collective: every rank must call it at the same step.
+    """
+    width = len(TOTAL_FIELDS)
+    totals = torch.zeros(num_layers + 1, width, dtype=torch.float64)
+    load = torch.zeros(num_layers + 1, dtype=torch.float64)
+    for layer in lrmoe_layers(model_chunks):
+        n = layer.layer_number or 0
+        totals[n] += torch.tensor(layer.lrmoe_stats.totals(), dtype=torch.float64)
+        load[n] = max(layer.lrmoe_stats.load_max_over_mean, default=0.0)
+        layer.lrmoe_stats.reset()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+        dist.all_reduce(load, op=dist.ReduceOp.MAX)
+    out: dict[str, float] = {}
+    present = [n for n in range(num_layers + 1) if totals[n, 0] > 0]
+    for n in present:
+        for key, value in summarize(totals[n].tolist(), float(load[n])).items():
+            out[f"lrmoe/layer{n}/{key}"] = value
+    if present:
+        for key, value in summarize(totals[present].sum(0).tolist(),
+                                    float(load[present].max())).items():
+            out[f"lrmoe/{key}"] = value
+    return out

@@ -1,0 +1,314 @@
+"""select_rows: choose, per cell, which pairs keep their gradient in backward.
+
+This is the "select" kernel of DESIGN.md section 5 (selection rules of
+section 4, step 3): given a per-pair metric and a quota per (source, instance)
+cell, return the kept rows, grouped by cell and in forward order, with the
+scale that multiplies each kept pair's output gradient.
+
+Notation
+  P  pairs (rows of the per-pair arrays), in forward-dispatch order
+  C  cells; cell c is the contiguous rows [cell_offsets[c], cell_offsets[c + 1])
+  n  a cell's size; q its quota; m the metric (larger = more important)
+  K  kept rows, K = sum over cells of min(q, n)
+
+Shapes and dtypes
+  metric       [P]      float32, finite and >= 0
+  cell_offsets [C + 1]  int64, 0 = off[0] <= off[1] <= ... <= off[C] = P
+  quotas       [C]      int64, >= 0 (a quota above the cell size keeps the cell)
+  -> kept_index  [K]  int64, kept row positions: cells in order, ascending inside a cell
+     scale       [K]  float32, 1 for "topk" and for rows with pi = 1; 1/pi otherwise
+     kept_counts [C]  int64, min(quota, cell size)
+
+Rules
+  "topk"    keep the q rows of largest metric; ties go to the lower position.
+  "sample"  systematic sampling with inclusion probability pi proportional to
+            the metric, capped at 1, and sum of pi = q exactly, so exactly q
+            rows are kept and sum over kept rows of x_i / pi_i is an unbiased
+            estimate of sum over the cell of x_i (Horvitz-Thompson).
+  Both: q >= n keeps the whole cell (scale 1), q = 0 keeps nothing.
+
+The "sample" recipe. Every backend follows it operation for operation, in
+double precision and in the summation orders named here, so results are
+bitwise identical on every backend for the same inputs and seed. "TopK order"
+is metric descending, then position ascending; v_(j) is the j-th metric in it
+(from 0). For a cell with 0 < q < n:
+  1. n_pos = rows with m > 0.
+     If n_pos <= q: the positive rows are capped (pi = 1) and the remaining
+     quota r = q - n_pos is spread uniformly: pi = r / (n - n_pos) on each
+     zero row; k* = n_pos.
+     Else: B = sum of the metrics of TopK ranks >= q, in position order;
+     T_q = B and T_k = T_(k+1) + v_(k) for k = q-1 down to 0 (T_k is the sum
+     of ranks >= k). k* = the smallest k in [0, q) with (q - k) * v_(k) < T_k,
+     or q if none (the top q then have pi = 1 in double). The ranks < k* are
+     capped; lambda = (q - k*) / T_(k*) and pi = min(lambda * m, 1) for the
+     others. This is the fixed point of the iterative capping "rows with
+     lambda * m >= 1 get pi = 1, the rest share the remaining quota".
+  2. u = the cell's uniform draw in [0, 1) (below). Systematic sampling over
+     the uncapped rows in position order: S = running sum of their pi,
+     b = min(floor(S - u), floor(-u) + r), starting from b = floor(-u); a
+     row is drawn iff its b exceeds the previous row's. The capped rows are
+     kept and left out of S: in exact arithmetic each would add exactly 1 to
+     S and the same rows would be drawn; leaving them out keeps rounding away
+     from them. The clamp caps the draws at r = q - k*.
+  3. If rounding left fewer than r rows drawn (S ends a hair under r and u
+     lies within that hair of 1: a chance of order n * r * 1e-16 per cell),
+     the first undrawn uncapped rows in TopK order are drawn (largest pi
+     first; never a row with pi = 0).
+  4. scale = float32(1 / pi) of each drawn row (1 for capped rows).
+
+Random numbers: u = (splitmix64(splitmix64(seed) + c) >> 11) * 2^-53 for cell
+c, a counter-based generator (a pure function of seed and cell index, defined
+once in kernels/select_rows.h and repeated in ``cell_uniform`` here), so every
+backend and thread layout draws the same numbers. ``seed`` is any int; only
+seed mod 2^64 matters. Callers vary it per layer and micro-batch.
+
+Invalid input is refused, never silently kept: a NaN, +inf, -inf or negative
+metric raises ValueError naming the first offending row (-0.0 counts as 0);
+so do negative quotas and cell offsets that do not run from 0 to P without
+decreasing. Strided inputs are accepted and copied to contiguous memory (the
+compiled binding itself refuses them).
+
+Backends ("auto", "cpu", "cuda", "torch"; megatron_lrmoe.ops.backend): "cpu"
+and "cuda" are kernels/select_rows.{cpp,cu}; "torch" validates and runs
+``select_rows_reference``, which computes on the host (CPU cumsum is the
+sequential sum the recipe needs) and returns tensors on the input's device.
+The CUDA backend syncs the host once per call (to validate and learn K).
+No gradient flows through the selection.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from megatron_lrmoe.ops.backend import kernels_module, resolve_backend
+
+RULES: tuple[str, ...] = ("topk", "sample")
+
+_MASK64 = (1 << 64) - 1
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+# ---------------------------------------------------------------------------
+# The counter-based generator (same constants as kernels/select_rows.h)
+# ---------------------------------------------------------------------------
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64's output function of x + golden gamma, on Python ints mod 2^64."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def cell_uniform(seed: int, cell: int) -> float:
+    """The systematic-sampling offset u in [0, 1) of ``cell`` under ``seed``."""
+    z = splitmix64((splitmix64(seed & _MASK64) + cell) & _MASK64)
+    return (z >> 11) * 2.0**-53  # 53 random bits, exact in double
+
+
+# ---------------------------------------------------------------------------
+# Reference (the tests' oracle, and the "torch" backend after validation)
+# ---------------------------------------------------------------------------
+
+
+def _topk_rank(m: torch.Tensor, off: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Rank [P] of every row within its cell in TopK order (0 = largest metric)."""
+    n_rows = m.numel()
+    cell = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)  # [P]
+    # Two stable sorts: by metric (ties keep position order), then by cell.
+    by_metric = torch.sort(m, descending=True, stable=True).indices
+    order = by_metric[torch.sort(cell[by_metric], stable=True).indices]
+    rank = torch.empty(n_rows, dtype=torch.int64)
+    rank[order] = torch.arange(n_rows) - off[:-1][cell[order]]
+    return rank
+
+
+def _sample_cell(v: torch.Tensor, q: int, u: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep [n] bool, scale [n] float32) of one cell with 0 < q < n: the recipe above."""
+    n = v.numel()
+    vd = v.double()
+    order = torch.sort(v, descending=True, stable=True).indices  # TopK order
+    rank = torch.empty(n, dtype=torch.int64)
+    rank[order] = torch.arange(n)
+    n_pos = int((v > 0).sum())
+    if n_pos <= q:
+        k_star = n_pos
+        pi = torch.full((n,), (q - n_pos) / (n - n_pos), dtype=torch.float64)
+    else:
+        top = vd[order[:q]]
+        # torch.cumsum on CPU adds sequentially in index order: the recipe's
+        # sums, bitwise. Masked rows add 0, which leaves a sum unchanged.
+        rest = torch.cumsum(torch.where(rank >= q, vd, 0.0), 0)[-1:]
+        tail = torch.cumsum(torch.cat([rest, top.flip(0)]), 0).flip(0)  # tail[k] = T_k
+        ks = torch.arange(q)
+        hits = ((q - ks).double() * top < tail[:q]).nonzero()
+        k_star = int(hits[0]) if hits.numel() else q
+        lam = (q - k_star) / float(tail[k_star])
+        pi = torch.clamp(vd * lam, max=1.0)
+
+    capped = rank < k_star
+    keep = capped.clone()
+    scale = torch.ones(n, dtype=torch.float32)
+    r = q - k_star
+    if r > 0:
+        cum = torch.cumsum(torch.where(capped, 0.0, pi), 0)
+        b_start = -1.0 if u > 0.0 else 0.0
+        b = torch.clamp(torch.floor(cum - u), max=b_start + r)
+        b_prev = torch.cat([torch.tensor([b_start], dtype=torch.float64), b[:-1]])
+        drawn = ~capped & (b > b_prev)
+        missing = r - int(drawn.sum())
+        if missing > 0:  # rounding fix-up, step 3
+            tail_rows = order[k_star:]
+            drawn[tail_rows[~drawn[tail_rows]][:missing]] = True
+        keep |= drawn
+        scale[drawn] = (1.0 / pi[drawn]).float()
+    return keep, scale
+
+
+def select_rows_reference(
+    metric: torch.Tensor,
+    cell_offsets: torch.Tensor,
+    quotas: torch.Tensor,
+    rule: str = "topk",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Test oracle: ``select_rows`` in plain torch, without its checks.
+
+    Expects valid input (see the module docstring). Computes on the host,
+    returns (kept_index, scale, kept_counts) on ``metric``'s device. ``topk``
+    is vectorised; ``sample`` loops over the cells in Python.
+    """
+    device = metric.device
+    m = metric.detach().to("cpu", torch.float32)
+    off = cell_offsets.to("cpu", torch.int64)
+    sizes = off[1:] - off[:-1]
+    kept_counts = torch.minimum(quotas.to("cpu", torch.int64), sizes)
+    if rule == "topk":
+        keep = _topk_rank(m, off, sizes) < torch.repeat_interleave(kept_counts, sizes)
+        scale_rows = torch.ones(m.numel(), dtype=torch.float32)
+    else:
+        keep = torch.zeros(m.numel(), dtype=torch.bool)
+        scale_rows = torch.ones(m.numel(), dtype=torch.float32)
+        cells = zip(off[:-1].tolist(), sizes.tolist(), kept_counts.tolist(), strict=True)
+        for c, (a, n, k) in enumerate(cells):
+            if k == n:
+                keep[a : a + n] = True
+            elif k > 0:
+                keep[a : a + n], scale_rows[a : a + n] = _sample_cell(
+                    m[a : a + n], k, cell_uniform(seed, c)
+                )
+    kept_index = keep.nonzero().flatten()  # ascending: grouped by cell, forward order
+    scale = scale_rows[kept_index]
+    return kept_index.to(device), scale.to(device), kept_counts.to(device)
+
+
+# ---------------------------------------------------------------------------
+# Checks (the messages of kernels/bindings.cpp and kernels/select_rows.cpp)
+# ---------------------------------------------------------------------------
+
+
+def _check_args(metric: torch.Tensor, cell_offsets: torch.Tensor, quotas: torch.Tensor) -> None:
+    if metric.dim() != 1:
+        raise ValueError(f"select_rows: metric must be 1-D [P], got shape {tuple(metric.shape)}")
+    if cell_offsets.dim() != 1 or cell_offsets.shape[0] < 1:
+        raise ValueError(
+            "select_rows: cell_offsets must be 1-D [C + 1] with at least one entry, got shape "
+            f"{tuple(cell_offsets.shape)}"
+        )
+    n_cells = cell_offsets.shape[0] - 1
+    if quotas.dim() != 1 or quotas.shape[0] != n_cells:
+        raise ValueError(
+            f"select_rows: quotas must be 1-D [C] with C = {n_cells} (len(cell_offsets) - 1), "
+            f"got shape {tuple(quotas.shape)}"
+        )
+    if metric.dtype != torch.float32:
+        raise TypeError(f"select_rows: metric must be float32, got {metric.dtype}")
+    if cell_offsets.dtype != torch.int64:
+        raise TypeError(f"select_rows: cell_offsets must be int64, got {cell_offsets.dtype}")
+    if quotas.dtype != torch.int64:
+        raise TypeError(f"select_rows: quotas must be int64, got {quotas.dtype}")
+    if cell_offsets.device != metric.device or quotas.device != metric.device:
+        raise ValueError(
+            f"select_rows: all tensors must be on one device; metric is on {metric.device}, "
+            f"cell_offsets on {cell_offsets.device}, quotas on {quotas.device}"
+        )
+
+
+def _first(mask: torch.Tensor) -> int | None:
+    """Index of the first True of a 1-D bool tensor, or None."""
+    hits = mask.nonzero()
+    return int(hits[0]) if hits.numel() else None
+
+
+def _check_values(metric: torch.Tensor, cell_offsets: torch.Tensor, quotas: torch.Tensor) -> None:
+    """ValueError naming the first invalid offset, quota or metric row (host sync)."""
+    off = cell_offsets.cpu()
+    n_cells = off.numel() - 1
+    if int(off[0]) != 0:
+        raise ValueError(f"select_rows: cell_offsets[0] = {int(off[0])} but must be 0")
+    c = _first(off[1:] < off[:-1])
+    if c is not None:
+        raise ValueError(
+            f"select_rows: cell_offsets[{c + 1}] = {int(off[c + 1])} is less than "
+            f"cell_offsets[{c}] = {int(off[c])} (offsets must be non-decreasing)"
+        )
+    if int(off[-1]) != metric.numel():
+        raise ValueError(
+            f"select_rows: cell_offsets[{n_cells}] = {int(off[-1])} but metric has "
+            f"P = {metric.numel()} rows (the last offset must be P)"
+        )
+    q = quotas.cpu()
+    c = _first(q < 0)
+    if c is not None:
+        raise ValueError(f"select_rows: quotas[{c}] = {int(q[c])} is negative")
+    m = metric.detach().cpu()
+    i = _first(~((m >= 0) & (m <= _FLOAT32_MAX)))  # NaN fails both comparisons
+    if i is not None:
+        raise ValueError(
+            f"select_rows: metric[{i}] = {float(m[i])} is not finite and non-negative "
+            "(NaN, inf and negative metrics are refused)"
+        )
+
+
+def _seed_bits(seed: int) -> int:
+    """``seed`` mod 2^64 as a signed int64 (the binding's argument type)."""
+    bits = operator.index(seed) & _MASK64
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+# ---------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------
+
+
+def select_rows(
+    metric: torch.Tensor,
+    cell_offsets: torch.Tensor,
+    quotas: torch.Tensor,
+    rule: str = "topk",
+    seed: int = 0,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kept rows of every cell: (kept_index [K] int64, scale [K] float32, kept_counts [C] int64).
+
+    Shapes, rules, the sampling recipe, the generator and the error policy:
+    see the module docstring. ``backend`` is a ``--moe-lrmoe-kernels`` value
+    ("auto", "cpu", "cuda", "torch"). Raises ValueError for an unknown rule,
+    invalid values (naming the first offending entry), wrong shapes or mixed
+    devices, TypeError for wrong dtypes or a non-integer seed.
+    """
+    if rule not in RULES:
+        raise ValueError(f"select_rows: rule must be 'topk' or 'sample', got {rule!r}")
+    seed64 = _seed_bits(seed)
+    metric = metric.detach()
+    chosen = resolve_backend(backend, metric.device)
+    if chosen == "torch":
+        _check_args(metric, cell_offsets, quotas)
+        _check_values(metric, cell_offsets, quotas)
+        return select_rows_reference(metric, cell_offsets, quotas, rule, seed64)
+    return kernels_module().select_rows(
+        metric.contiguous(), cell_offsets.contiguous(), quotas.contiguous(), rule, seed64
+    )
