@@ -40,3 +40,17 @@ def pytest_sessionfinish(session, exitstatus):
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> str:
+    """A small real corpus (a few stdlib packages), byte-level, prepared once."""
+    import sysconfig
+
+    from megatron_lrmoe.data import prepare_dataset
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    prefix = str(tmp_path_factory.mktemp("corpus") / "stdlib_small")
+    inputs = [os.path.join(stdlib, name) for name in ("json", "email", "logging")]
+    prepare_dataset(inputs, prefix, extensions=".py")
+    return prefix

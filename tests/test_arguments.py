@@ -153,3 +153,74 @@ def test_megatron_core_refusal_is_reported_cleanly():
     assert "error: Megatron-Core refuses this configuration" in proc.stderr
     assert "moe-router-pre-softmax" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+LRMOE_INVALID = [
+    (["--moe-lrmoe"], "--moe-lrmoe needs --moe-token-dispatcher-type alltoall"),
+    (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall"],
+     "--moe-lrmoe needs --disable-bias-linear"),
+    (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
+      "--moe-expert-capacity-factor", "1.0"], "drop --moe-expert-capacity-factor"),
+    (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
+      "--moe-lrmoe-bwd-capacity-factor", "0"], "--moe-lrmoe-bwd-capacity-factor must be > 0"),
+    (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
+      "--moe-lrmoe-min-retention", "1.5"], "--moe-lrmoe-min-retention must be in [0, 1]"),
+]
+
+
+@pytest.mark.parametrize("extra,message", LRMOE_INVALID, ids=[m for _, m in LRMOE_INVALID])
+def test_invalid_lrmoe_flags(world, extra, message):
+    with pytest.raises(ConfigError) as err:
+        parse_args(BASE + extra)
+    assert message in str(err.value)
+
+
+def test_lrmoe_needs_experts(world):
+    argv = BASE[:]
+    del argv[argv.index("--num-experts"):argv.index("--num-experts") + 2]
+    with pytest.raises(ConfigError, match="--moe-lrmoe needs an MoE model"):
+        parse_args(argv + ["--moe-lrmoe"])
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("moe_token_dispatcher_type", "allgather", "moe_token_dispatcher_type"),
+    ("moe_expert_capacity_factor", 1.0, "moe_expert_capacity_factor"),
+    ("add_bias_linear", True, "add_bias_linear"),
+    ("recompute_granularity", "full", "recompute_granularity"),
+    ("moe_lrmoe_selection", "best", "moe_lrmoe_selection"),
+    ("moe_lrmoe_metric", "loss", "moe_lrmoe_metric"),
+    ("moe_lrmoe_bwd_capacity_factor", -1.0, "moe_lrmoe_bwd_capacity_factor"),
+])
+def test_lrmoe_config_refuses_unsupported_fields(field, value, message):
+    """The config class names the field, for entry points that bypass the launcher."""
+    from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
+
+    kwargs = dict(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=4,
+                  moe_router_topk=2, moe_token_dispatcher_type="alltoall", add_bias_linear=False,
+                  moe_lrmoe=True)
+    kwargs[field] = value
+    if field == "recompute_granularity":
+        kwargs["recompute_method"] = "uniform"
+        kwargs["recompute_num_layers"] = 1
+    with pytest.raises(ValueError, match=message):
+        LRMoETransformerConfig(**kwargs)
+
+
+def test_without_moe_lrmoe_nothing_of_the_plugin_is_built(world):
+    """No --moe-lrmoe: Megatron's TransformerConfig and an untouched spec."""
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_lrmoe.training.builders import (
+        lrmoe_spec_transform,
+        transformer_config_from_args,
+    )
+
+    args = parse_args(BASE + ["--moe-token-dispatcher-type", "alltoall"])
+    assert type(transformer_config_from_args(args)) is TransformerConfig
+    assert lrmoe_spec_transform(args) is None
+    args = parse_args(BASE + ["--moe-token-dispatcher-type", "alltoall", "--moe-lrmoe",
+                              "--disable-bias-linear", "--moe-lrmoe-selection", "sample"])
+    config = transformer_config_from_args(args)
+    assert type(config).__name__ == "LRMoETransformerConfig"
+    assert config.moe_lrmoe and config.moe_lrmoe_selection == "sample"
+    assert lrmoe_spec_transform(args) is not None

@@ -32,20 +32,6 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> str:
-    """A small real corpus (a few stdlib packages), byte-level, prepared once."""
-    import sysconfig
-
-    from megatron_lrmoe.data import prepare_dataset
-
-    stdlib = sysconfig.get_paths()["stdlib"]
-    prefix = str(tmp_path_factory.mktemp("corpus") / "stdlib_small")
-    inputs = [os.path.join(stdlib, name) for name in ("json", "email", "logging")]
-    prepare_dataset(inputs, prefix, extensions=".py")
-    return prefix
-
-
 def _train(argv: list[str]) -> dict:
     from megatron_lrmoe.arguments import parse_args
     from megatron_lrmoe.pretrain import train

@@ -37,7 +37,7 @@ class LRMoELayerStats:
         """Raw sums over the completed calls, in ``TOTAL_FIELDS`` order (summable
         over ranks): routed and retained pairs, metric total and dropped, backward
         bytes sent and dense, expert backward rows."""
-        done = [c for c in self.calls if c.backward_bytes_dense > 0]
+        done = [c for c in self.calls if c.backward_done]
         return [float(sum(getattr(c, name) for c in done)) for name in TOTAL_FIELDS]
 
     def summary(self) -> dict[str, float]:

@@ -65,6 +65,7 @@ class RegionStats:
     backward_bytes_sent: int = 0
     backward_bytes_dense: int = 0
     expert_backward_rows: int = 0
+    backward_done: bool = False
 
 
 @dataclass
@@ -241,7 +242,7 @@ class _LRMoERegion(torch.autograd.Function):
         dx = torch.zeros((ctx.num_tokens, g.shape[1]), dtype=g.dtype, device=g.device)
         scatter_add_rows(dx, pair_token[kept], dx_back, backend=rc.kernels)
 
-        _record_backward_stats(rc, metric, kept, g, pos_kept, sum(kept_per_expert))
+        _record_backward_stats(rc, metric, kept, g, (g_kept, pos_kept), sum(kept_per_expert))
         grads = [_weight_grad(w, d, experts.gradient_accumulation_fusion)
                  for w, d in zip((*experts.w1, *experts.w2), (*dw1, *dw2), strict=True)]
         return (dx, None, None, None, None, *grads)
@@ -260,16 +261,19 @@ def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, fuse: bool):
     return grad
 
 
-def _record_backward_stats(rc: RegionContext, metric, kept, g, pos_kept, expert_rows) -> None:
+def _record_backward_stats(rc: RegionContext, metric, kept, g, sent: tuple[torch.Tensor, ...],
+                           expert_rows: int) -> None:
+    """Bytes are those of the buffers handed to the backward all-to-all (``sent``),
+    against the dense gradient a dropless backward would send."""
     stats = rc.stats
     stats.retained_pairs = int(kept.numel())
     total = float(metric.sum())
     stats.metric_total = total
     stats.metric_dropped = total - float(metric[kept].sum())
-    row_bytes = g.shape[1] * g.element_size()
-    stats.backward_bytes_sent = kept.numel() * row_bytes + pos_kept.numel() * 4
-    stats.backward_bytes_dense = g.shape[0] * row_bytes
+    stats.backward_bytes_sent = sum(t.numel() * t.element_size() for t in sent)
+    stats.backward_bytes_dense = g.numel() * g.element_size()
     stats.expert_backward_rows = expert_rows
+    stats.backward_done = True
 
 
 def lrmoe_region(
