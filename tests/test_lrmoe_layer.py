@@ -131,7 +131,8 @@ def _gather_expert_weights(lrmoe):
     return torch.cat(out1), torch.cat(out2)
 
 
-def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret: float):
+def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret: float,
+                                  grouped: bool | None = None):
     import torch.distributed as dist
 
     from megatron_lrmoe.lrmoe.moe_layer import _mix_seed
@@ -140,6 +141,7 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
 
     megatron, lrmoe = _build(ep, gamma, selection=selection, aux=0.0, min_retention=min_ret)
     router_ref = megatron.router  # same weights, separate parameters
+    lrmoe.grouped_gemm = grouped
     x, dy = _inputs(14)
     out_l, dx_l, grads_l = _run(lrmoe, x, dy)
 
@@ -195,13 +197,14 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
     return ok
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
 @pytest.mark.parametrize("selection", ["topk", "sample"])
 @pytest.mark.parametrize("pool_name,ep", [("gloo1", 1), ("gloo2", 2), ("gloo4", 4)])
-def test_drops_equal_dense_reference(request, pool_name, ep, selection):
+def test_drops_equal_dense_reference(request, pool_name, ep, selection, grouped):
     pool = request.getfixturevalue(pool_name)
     gamma = 0.6 if ep > 1 else 0.5  # one rank: capacity below 1 still drops (C < load)
     for rank, result in enumerate(pool.run(_compare_with_dense_reference, ep, gamma,
-                                           selection, 0.1)):
+                                           selection, 0.1, grouped)):
         assert result.pop("dropped"), "the setting must actually drop pairs"
         assert all(result.values()), (rank, result)
 

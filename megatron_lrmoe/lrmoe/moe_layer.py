@@ -79,6 +79,8 @@ class LRMoELayer(MoELayer):
         self._seed_base = torch.initial_seed()
         self._calls = 0
         self.lrmoe_stats = LRMoELayerStats()
+        # Expert backward GEMMs: None = grouped_mm wherever it applies, else the loop.
+        self.grouped_gemm: bool | None = None
 
     def rank_local_state(self) -> dict[str, int]:
         """Saved per rank by the launcher's checkpoints: the draw counter."""
@@ -123,6 +125,7 @@ class LRMoELayer(MoELayer):
             selection=config.moe_lrmoe_selection,
             seed=_mix_seed(self._seed_base, self.layer_number or 0, self._calls),
             kernels=config.moe_lrmoe_kernels,
+            grouped_gemm=self.grouped_gemm,
         )
         if self.training and torch.is_grad_enabled():
             self._calls += 1

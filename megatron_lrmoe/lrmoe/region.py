@@ -80,6 +80,7 @@ class RegionContext:
     selection: str = "topk"
     seed: int = 0
     kernels: str = "auto"
+    grouped_gemm: bool | None = None
     stats: RegionStats = field(default_factory=RegionStats)
 
 
@@ -148,7 +149,9 @@ class _LRMoERegion(torch.autograd.Function):
         x_recv = _all_to_all(x[pair_token], send, recv, group)            # [Pr, H] src-major
         my_experts = slice(s * L, (s + 1) * L)
         chunk_sizes = plan.counts[:, my_experts]                          # [R, L]
-        to_expert = _source_to_expert_order(chunk_sizes)
+        # Index tensors are built on the host from the plan, then moved to x's device.
+        device = x.device
+        to_expert = _source_to_expert_order(chunk_sizes).to(device)
         x_exp = x_recv[to_expert]                                         # [Pr, H] exp-major
         rows_per_expert = chunk_sizes.sum(0).tolist()
 
@@ -165,7 +168,7 @@ class _LRMoERegion(torch.autograd.Function):
 
         # ---- combine: back to the sources, a(t, e) riding as one extra column ------
         back = torch.empty_like(to_expert)
-        back[to_expert] = torch.arange(to_expert.numel())
+        back[to_expert] = torch.arange(to_expert.numel(), device=device)
         payload = torch.cat([o_exp, a_exp.to(o_exp.dtype).unsqueeze(1)], dim=1)[back]
         returned = _all_to_all(payload, recv, send, group)                # [P, H + 1]
         o, a = returned[:, :-1].contiguous(), returned[:, -1].float()
@@ -185,6 +188,7 @@ class _LRMoERegion(torch.autograd.Function):
         plan, group, s, L = rc.plan, rc.group, rc.rank, rc.num_local_experts
         x_exp, z_exp, pair_token, pair_prob, a = ctx.saved_tensors
         g = g.contiguous()
+        device = g.device
 
         # ---- source side: metric, selection per (s, e) cell, compaction -----------
         metric = _pair_metric(rc.metric, g, a, pair_prob, rc.seed)
@@ -197,9 +201,10 @@ class _LRMoERegion(torch.autograd.Function):
         # Row positions inside the destination's forward receive buffer: position within
         # this source's chunk there; the receiver adds where that chunk starts.
         fwd_send = plan.forward_send_splits(s)
-        send_start = torch.tensor([0] + fwd_send[:-1]).cumsum(0)
+        send_start = torch.tensor([0] + fwd_send[:-1], device=device).cumsum(0)
         dest_of_kept = torch.repeat_interleave(
-            torch.arange(len(fwd_send)), torch.tensor(plan.send_splits(s)))
+            torch.arange(len(fwd_send), device=device),
+            torch.tensor(plan.send_splits(s), device=device))
         pos_kept = (kept - send_start[dest_of_kept]).to(torch.int32)
 
         # ---- retained all-to-all: rows and their positions -------------------------
@@ -207,35 +212,25 @@ class _LRMoERegion(torch.autograd.Function):
         g_recv = _all_to_all(g_kept, send, recv, group)                   # [Kr, H]
         pos_recv = _all_to_all(pos_kept.unsqueeze(1), send, recv, group).squeeze(1).long()
         fwd_recv = plan.forward_recv_splits(s)
-        recv_start = torch.tensor([0] + fwd_recv[:-1]).cumsum(0)
-        src_of_row = torch.repeat_interleave(torch.arange(len(recv)), torch.tensor(recv))
+        recv_start = torch.tensor([0] + fwd_recv[:-1], device=device).cumsum(0)
+        src_of_row = torch.repeat_interleave(torch.arange(len(recv), device=device),
+                                             torch.tensor(recv, device=device))
         src_major_pos = pos_recv + recv_start[src_of_row]
         expert_pos = torch.empty_like(ctx.to_expert)
-        expert_pos[ctx.to_expert] = torch.arange(ctx.to_expert.numel())
+        expert_pos[ctx.to_expert] = torch.arange(ctx.to_expert.numel(), device=device)
         rows = expert_pos[src_major_pos] if src_major_pos.numel() else src_major_pos
         order = torch.argsort(rows, stable=True)
         rows, g_rows = rows[order], g_recv[order]
 
         # ---- expert backward over retained rows only ------------------------------
-        bounds = torch.tensor([0, *ctx.rows_per_expert]).cumsum(0)
+        bounds = torch.tensor([0, *ctx.rows_per_expert], device=device).cumsum(0)
         kept_per_expert = torch.bucketize(rows, bounds[1:], right=True).bincount(
             minlength=L).tolist() if rows.numel() else [0] * L
-        dx_parts, dw1, dw2 = [], [], []
-        for e, (idx, g_l) in enumerate(zip(torch.split(rows, kept_per_expert),
-                                           torch.split(g_rows, kept_per_expert), strict=True)):
-            x_l, z_l = x_exp[idx], z_exp[idx].detach()
-            with torch.enable_grad():
-                z_l.requires_grad_(True)
-                h_l = experts.activation(z_l)
-            w1, w2 = experts.w1[e], experts.w2[e]
-            dw2.append(g_l.t() @ h_l.detach())                            # [H, F]
-            dh = g_l @ w2                                                 # [K, F]
-            (dz,) = torch.autograd.grad(h_l, z_l, dh)                     # [K, F1]
-            dw1.append(dz.t() @ x_l)                                      # [F1, H]
-            dx_parts.append(dz @ w1)                                      # [K, H]
-        dx_rows = torch.cat(dx_parts) if dx_parts else g_rows
+        dx_rows, dw1, dw2 = _expert_backward(
+            x_exp[rows], z_exp[rows], g_rows, kept_per_expert, experts,
+            _use_grouped_mm(rc.grouped_gemm, g_rows, experts))
         unsort = torch.empty_like(order)
-        unsort[order] = torch.arange(order.numel())
+        unsort[order] = torch.arange(order.numel(), device=device)
         dx_back = _all_to_all(dx_rows[unsort], recv, send, group)        # [K, H] kept order
 
         # ---- source side: scatter-add into token gradients ------------------------
@@ -246,6 +241,53 @@ class _LRMoERegion(torch.autograd.Function):
         grads = [_weight_grad(w, d, experts.gradient_accumulation_fusion)
                  for w, d in zip((*experts.w1, *experts.w2), (*dw1, *dw2), strict=True)]
         return (dx, None, None, None, None, *grads)
+
+
+def _use_grouped_mm(requested: bool | None, g: torch.Tensor, experts: ExpertWeights) -> bool:
+    """grouped_mm needs 16-byte aligned rows (H, F, F1 multiples of 16 / element size).
+
+    ``requested`` None picks it wherever it applies; True demands it; False uses the loop.
+    """
+    align = 16 // g.element_size()
+    aligned = all(d % align == 0 for d in (*experts.w1[0].shape, *experts.w2[0].shape))
+    applies = hasattr(torch.nn.functional, "grouped_mm") and aligned and g.dtype in (
+        torch.float32, torch.bfloat16)
+    if requested and not applies:
+        raise ValueError("grouped_mm does not apply here (needs fp32/bf16 and dims that are "
+                         f"multiples of {align}); use the per-expert loop")
+    return applies if requested is None else requested
+
+
+def _expert_backward(x, z, g, rows_per_expert: list[int], experts: ExpertWeights,
+                     grouped: bool):
+    """dX [K, H], dW1[l] [F1, H], dW2[l] [H, F] over the retained rows only.
+
+    x, z, g: [K, .] rows grouped by local expert (rows_per_expert[l] rows each).
+    """
+    z = z.detach()
+    with torch.enable_grad():
+        z.requires_grad_(True)
+        h = experts.activation(z)                                         # [K, F]
+    if grouped:
+        offs = torch.tensor(rows_per_expert, device=g.device).cumsum(0).to(torch.int32)
+        w1, w2 = torch.stack(experts.w1), torch.stack(experts.w2)         # [L, F1, H], [L, H, F]
+        grouped_mm = torch.nn.functional.grouped_mm
+        dw2 = grouped_mm(g.t(), h.detach(), offs=offs)                    # [L, H, F]
+        (dz,) = torch.autograd.grad(h, z, grouped_mm(g, w2, offs=offs))   # [K, F1]
+        dw1 = grouped_mm(dz.t(), x, offs=offs)                            # [L, F1, H]
+        return grouped_mm(dz, w1, offs=offs), list(dw1.unbind(0)), list(dw2.unbind(0))
+    dh = torch.cat([g_l @ w for g_l, w in zip(torch.split(g, rows_per_expert), experts.w2,
+                                              strict=True)])             # [K, F]
+    (dz,) = torch.autograd.grad(h, z, dh)
+    dx, dw1, dw2 = [], [], []
+    for w1, x_l, dz_l, g_l, h_l in zip(
+        experts.w1, *(torch.split(t, rows_per_expert) for t in (x, dz, g, h.detach())),
+        strict=True,
+    ):
+        dw2.append(g_l.t() @ h_l)
+        dw1.append(dz_l.t() @ x_l)
+        dx.append(dz_l @ w1)
+    return torch.cat(dx), dw1, dw2
 
 
 def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, fuse: bool):

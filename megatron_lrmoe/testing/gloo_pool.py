@@ -60,10 +60,21 @@ def _resolve(module_name: str, qualname: str, search_paths: list[str]) -> Callab
 
 
 def _cleanup_megatron_state() -> None:
+    """Forget Megatron's parallel state and destroy the groups it created.
+
+    ``destroy_model_parallel`` only drops Megatron's references; every gloo group keeps
+    its threads until destroyed, and a long-lived worker that initialises parallel
+    state once per task would otherwise accumulate thousands of threads.
+    """
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    world = dist.group.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
