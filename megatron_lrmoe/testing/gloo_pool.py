@@ -68,9 +68,13 @@ def _cleanup_megatron_state() -> None:
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    # Process-global in Megatron: a scale left by one task (a 0-d tensor when a bare
+    # MoELayer ran backward) would clash with the next task's schedule ([1]).
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     world = dist.group.WORLD
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not world:
