@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The CPU demo: a tiny GPT-MoE (configs/tiny_moe.yaml) trained with Megatron-Core,
-# expert parallel over 2 processes (gloo), on the CPython standard library sources.
+# The CPU demo: a tiny GPT-MoE (configs/tiny_moe.yaml) trained with Megatron-Core and
+# the LRMoE layer (--moe-lrmoe, backward capacity 1.0), expert parallel over 2 processes
+# (gloo), on the CPython standard library sources.
 #   bash scripts/demo.sh [extra launcher flags, e.g. --train-iters 50]
+#   LRMOE=0 bash scripts/demo.sh     # the same run with Megatron's own MoE layer
 # Bootstraps .venv and prepares the corpus (both once), then trains for a few minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,8 +13,10 @@ export OMP_NUM_THREADS=1   # one thread per rank: 2 ranks on 2 cores (see README
 .venv/bin/python -m megatron_lrmoe.data.prepare --output-prefix data/stdlib
 
 run=runs/demo
+lrmoe=(--moe-lrmoe)
+if [ "${LRMOE:-1}" = 0 ]; then lrmoe=(); run=runs/demo_megatron; fi
 mkdir -p "$run"
 exec .venv/bin/torchrun --nproc-per-node 2 --master-port "${MASTER_PORT:-29512}" \
   -m megatron_lrmoe.pretrain --config configs/tiny_moe.yaml \
   --data-path data/stdlib --data-cache-path data/cache \
-  --tensorboard-dir "$run/tensorboard" --log-json "$run/log.jsonl" "$@"
+  --tensorboard-dir "$run/tensorboard" --log-json "$run/log.jsonl" "${lrmoe[@]}" "$@"
