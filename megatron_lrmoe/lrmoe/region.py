@@ -193,8 +193,8 @@ class _LRMoERegion(torch.autograd.Function):
         # ---- source side: metric, selection per (s, e) cell, compaction -----------
         metric = _pair_metric(rc.metric, g, a, pair_prob, rc.seed)
         counts_s = plan.counts[s]
-        cell_offsets = torch.cat([counts_s.new_zeros(1), torch.cumsum(counts_s, 0)])
-        kept, scale, _ = select_rows(metric, cell_offsets, plan.quotas[s].clone(),
+        cell_offsets = torch.cat([counts_s.new_zeros(1), torch.cumsum(counts_s, 0)]).to(device)
+        kept, scale, _ = select_rows(metric, cell_offsets, plan.quotas[s].to(device),
                                      rule=rc.selection, seed=rc.seed, backend=rc.kernels)
         g_kept = compact_rows(g, kept, None if rc.selection == "topk" else scale,
                               backend=rc.kernels)
@@ -246,7 +246,8 @@ class _LRMoERegion(torch.autograd.Function):
 def _use_grouped_mm(requested: bool | None, g: torch.Tensor, experts: ExpertWeights) -> bool:
     """grouped_mm needs 16-byte aligned rows (H, F, F1 multiples of 16 / element size).
 
-    ``requested`` None picks it wherever it applies; True demands it; False uses the loop.
+    ``requested`` None picks it on CUDA where it applies (on CPU the per-expert loop is as
+    fast and needs no stacked copy of the weights); True demands it; False uses the loop.
     """
     align = 16 // g.element_size()
     aligned = all(d % align == 0 for d in (*experts.w1[0].shape, *experts.w2[0].shape))
@@ -255,7 +256,7 @@ def _use_grouped_mm(requested: bool | None, g: torch.Tensor, experts: ExpertWeig
     if requested and not applies:
         raise ValueError("grouped_mm does not apply here (needs fp32/bf16 and dims that are "
                          f"multiples of {align}); use the per-expert loop")
-    return applies if requested is None else requested
+    return applies and g.is_cuda if requested is None else requested
 
 
 def _expert_backward(x, z, g, rows_per_expert: list[int], experts: ExpertWeights,

@@ -198,10 +198,9 @@ def _fix_cpu_rng_for_megatron_tracker() -> None:
 
 
 def _fix_te_general_gemm_placeholder() -> None:
-    from megatron.core.transformer.moe import moe_utils
+    from megatron_lrmoe.runtime.compat import define_te_general_gemm_when_te_absent
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    define_te_general_gemm_when_te_absent()
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,229 @@
+#!/usr/bin/env bash
+# GPU check for megatron-lrmoe, on one CUDA machine (written for an H200), within ~8 minutes:
+#
+#   1. environment: LRMOE_GPU=1 bash scripts/setup.sh (a .venv that sees the machine's own
+#      CUDA torch; builds megatron_lrmoe._kernels with the CUDA backend)
+#   2. the CUDA backend of scatter_add_rows, select_rows and compact_rows against their
+#      pure-torch references on random inputs (inline below: the kernel test files have
+#      no CUDA-parametrised cases)
+#   3. scripts/bench_moe_layer.py on a Qwen3-30B-A3B-shaped MoE layer (H=2048, F=768,
+#      128 experts, top-8, bf16, EP=1, one process): Megatron vs LRMoE at capacity
+#      inf (dropless), 0.75 and 0.5
+#   4. with what is left of the budget, the kernel test files (tests/test_kernels.py,
+#      tests/test_compaction_kernels.py: CPU backend and the nvcc compile check)
+#
+# Everything printed goes to benchmarks/results/gpu_check_<date>.txt (the benchmark's own
+# markdown table also to benchmarks/results/bench_moe_layer_cuda_<date>.md). Every step
+# runs even when an earlier one failed (except when there is no usable interpreter); the
+# summary at the end lists each step's exit status, and the script exits non-zero if any
+# step failed.
+#
+#   bash scripts/gpu_check.sh
+#   PY=/path/to/python bash scripts/gpu_check.sh   # skip setup.sh: use an interpreter that
+#                                                  # already has CUDA torch, megatron-core
+#                                                  # 0.16.1 and pytest (offline machines);
+#                                                  # the kernels are built in place with it
+# Environment: TORCH_CUDA_ARCH_LIST (default 9.0: H100/H200), MAX_JOBS (compile jobs),
+# GPU_CHECK_BUDGET_S (default 480: total seconds; each step gets at most what is left).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+STAMP=$(date +%Y%m%d-%H%M%S)
+RESULTS=benchmarks/results
+LOG=$RESULTS/gpu_check_$STAMP.txt
+BENCH_MD=$RESULTS/bench_moe_layer_cuda_$STAMP.md
+BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+START_S=$SECONDS
+# Import the package from this checkout also when it is not pip-installed (PY=... mode).
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+SUMMARY=()
+FAILED=0
+
+log() { printf '\n===== %s (t=%ds) =====\n' "$*" "$((SECONDS - START_S))"; }
+
+# run_step NAME LIMIT_S CMD...: run CMD with at most LIMIT_S seconds (and never past the
+# budget), record its exit status.
+run_step() {
+  local name=$1 limit=$2 left rc t0
+  shift 2
+  left=$((BUDGET_S - (SECONDS - START_S)))
+  if ((left < 10)); then
+    SUMMARY+=("$name: SKIPPED (budget of ${BUDGET_S}s spent)")
+    FAILED=1
+    return 1
+  fi
+  ((limit > left)) && limit=$left
+  log "$name (limit ${limit}s)"
+  t0=$SECONDS
+  timeout --kill-after=15 "$limit" "$@"
+  rc=$?
+  if ((rc == 124 || rc == 137)); then
+    SUMMARY+=("$name: TIMED OUT after ${limit}s")
+  else
+    SUMMARY+=("$name: rc=$rc ($((SECONDS - t0))s)")
+  fi
+  ((rc == 0)) || FAILED=1
+  return "$rc"
+}
+
+# shellcheck disable=SC2329  # invoked through bash -c (export -f) under timeout
+setup_env() {
+  if [[ -n ${PY:-} ]]; then
+    echo "PY=$PY given: skipping setup.sh, building the kernels in place"
+    "$PY" setup.py build_ext --inplace
+    return
+  fi
+  if [[ -x .venv/bin/python ]] \
+     && ! .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    echo "error: .venv exists but its torch sees no CUDA (a CPU venv?). Move it aside" \
+         "(mv .venv .venv-cpu) and rerun, or pass PY=/path/to/cuda/python." >&2
+    return 2
+  fi
+  LRMOE_GPU=1 bash scripts/setup.sh
+}
+
+# shellcheck disable=SC2329  # invoked through bash -c (export -f) under timeout
+cuda_kernel_check() {
+  "$PY" - <<'PYEOF'
+"""CUDA backend of the three compaction kernels vs their pure-torch references."""
+import sys
+
+import torch
+
+from megatron_lrmoe.ops import (
+    compact_rows, compact_rows_reference, cuda_kernels_available, describe_backend,
+    scatter_add_rows, scatter_add_rows_reference, select_rows, select_rows_reference,
+)
+
+assert torch.cuda.is_available(), "no CUDA device"
+print(describe_backend("cuda", "cuda"))
+if not cuda_kernels_available():
+    sys.exit("megatron_lrmoe._kernels has no CUDA backend (built without CUDA_HOME/nvcc?)")
+dev = torch.device("cuda")
+g = torch.Generator().manual_seed(0)
+failures = []
+
+
+def check(name, ok, detail=""):
+    print(f"{'ok  ' if ok else 'FAIL'} {name} {detail}")
+    if not ok:
+        failures.append(name)
+
+
+# compact_rows: bitwise (one rounding of scale x row in op-math, every backend).
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for p, k, h in ((0, 0, 8), (7, 3, 1), (1000, 613, 2048), (4096, 4096, 2048)):
+        src = torch.randn(p, h, generator=g).to(dtype)
+        idx = torch.randint(0, max(p, 1), (k,), generator=g) if p else torch.zeros(0, dtype=torch.long)
+        for scale in (None, torch.rand(k, generator=g), torch.rand(k, generator=g).to(dtype)):
+            ref = compact_rows_reference(src, idx, scale)
+            out = compact_rows(src.to(dev), idx.to(dev), None if scale is None else scale.to(dev),
+                               backend="cuda")
+            tag = "none" if scale is None else str(scale.dtype)
+            check(f"compact_rows {dtype} P={p} K={k} H={h} scale={tag}",
+                  out.is_cuda and torch.equal(out.cpu(), ref))
+
+# select_rows: bitwise for both rules (the recipe is fixed operation for operation).
+for rule in ("topk", "sample"):
+    for seed in range(3):
+        sizes = torch.randint(0, 300, (64,), generator=g)
+        sizes[:3] = torch.tensor([0, 1, 5000])
+        off = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+        metric = torch.rand(int(off[-1]), generator=g)
+        metric[::7] = 0.0
+        metric[1::5] = metric[0]  # ties
+        quotas = (sizes.double() * torch.rand(64, generator=g)).long()
+        quotas[3], quotas[4] = 0, 10**6
+        ref = select_rows_reference(metric, off, quotas, rule=rule, seed=seed)
+        got = select_rows(metric.to(dev), off.to(dev), quotas.to(dev), rule=rule, seed=seed,
+                          backend="cuda")
+        same = all(a.is_cuda and torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, ref))
+        check(f"select_rows {rule} seed={seed} P={int(off[-1])}", same)
+
+# scatter_add_rows: unique destinations are bitwise; repeated ones use atomics (order
+# not fixed): fp32 close, 16-bit within the per-add rounding bound.
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for n, m, h in ((8, 0, 4), (4096, 4096, 2048), (2048, 16384, 2048), (3, 500, 33)):
+        out0 = torch.randn(n, h, generator=g).to(dtype)
+        src = torch.randn(m, h, generator=g).to(dtype)
+        for unique in (True, False):
+            if unique and m > n:
+                continue
+            idx = torch.randperm(n, generator=g)[:m] if unique else torch.randint(0, n, (m,), generator=g)
+            for scale in (None, torch.rand(m, generator=g)):
+                ref = scatter_add_rows_reference(out0, idx, src, scale)
+                out = out0.to(dev)
+                scatter_add_rows(out, idx.to(dev), src.to(dev),
+                                 None if scale is None else scale.to(dev), backend="cuda")
+                out = out.cpu()
+                name = (f"scatter_add_rows {dtype} N={n} M={m} H={h} "
+                        f"{'unique' if unique else 'repeated'} scale={scale is not None}")
+                if unique:
+                    check(name, torch.equal(out, ref))
+                    continue
+                terms = src.double().abs() * (1.0 if scale is None else scale.double()[:, None])
+                mag = out0.double().abs().index_add(0, idx, terms)
+                adds = torch.bincount(idx, minlength=n).double()[:, None] + 1
+                eps = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+                bound = adds * eps[dtype] * mag + 1e-30
+                err = (out.double() - ref.double()).abs()
+                check(name, bool((err <= 2 * bound).all()),
+                      f"(max err / bound {float((err / bound).max()):.3g})")
+
+print(f"\n{len(failures)} failure(s)")
+sys.exit(1 if failures else 0)
+PYEOF
+}
+
+main() {
+  log "gpu_check $STAMP"
+  echo "host: $(hostname)  repo: $(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
+       "(uncommitted changes: $(git status --porcelain 2>/dev/null | wc -l))"
+  echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST  budget=${BUDGET_S}s  log=$LOG"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
+  command -v nvcc >/dev/null && nvcc --version | tail -n 2
+
+  export -f setup_env cuda_kernel_check
+  run_step "1 setup (LRMOE_GPU=1 scripts/setup.sh)" 300 bash -c setup_env
+  PY=${PY:-.venv/bin/python}
+  export PY
+  if ! "$PY" -c 'import torch, megatron.core' 2>/dev/null; then
+    echo "error: $PY cannot import torch and megatron.core; nothing else can run" >&2
+    SUMMARY+=("environment: UNUSABLE ($PY)")
+    FAILED=1
+    return 1
+  fi
+  "$PY" - <<'PYEOF'
+import torch
+import megatron.core as mc
+from megatron_lrmoe.ops import cuda_kernels_available, describe_backend
+print("torch", torch.__version__, "CUDA", torch.version.cuda, "megatron-core", mc.__version__)
+print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA")
+print(describe_backend("auto", "cuda"), "| CUDA kernels built:", cuda_kernels_available())
+PYEOF
+
+  run_step "2 CUDA kernels vs references" 90 bash -c cuda_kernel_check
+  run_step "3 layer benchmark (Qwen3-30B-A3B-shaped, bf16, EP=1)" 240 \
+    "$PY" scripts/bench_moe_layer.py --device cuda --ep 1 --hidden 2048 --ffn 768 \
+      --experts 128 --topk 8 --dtype bf16 --tokens 8192 --capacities inf,0.75,0.5 \
+      --warmup 3 --reps 10 --profile 0.5 --out "$BENCH_MD"
+  # CPU-backend tests and the nvcc compile check, with what is left of the budget.
+  run_step "4 kernel test files (CPU backend, nvcc compile check)" 150 \
+    "$PY" -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_compaction_kernels.py
+}
+
+mkdir -p "$RESULTS"
+{
+  main
+  log "summary"
+  printf '%s\n' "${SUMMARY[@]}"
+  if ((FAILED == 0)); then
+    echo "gpu_check: all steps passed"
+  else
+    echo "gpu_check: FAILED (see the steps above)"
+  fi
+  echo "output: $LOG"
+  exit "$FAILED"
+} 2>&1 | tee "$LOG"
+exit "${PIPESTATUS[0]}"
