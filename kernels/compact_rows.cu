@@ -20,44 +20,14 @@
 #include <cstdint>
 
 #include "compact_rows.h"
+#include "opmath.cuh"
 
 namespace lrmoe {
 namespace {
 
-// The op-math conversions of kernels/scatter_add_rows.cu (repeated, not
-// shared: each .cu keeps its helpers in an anonymous namespace). Explicit
-// intrinsics, since torch builds with __CUDA_NO_HALF_CONVERSIONS__ and
-// __CUDA_NO_BFLOAT16_CONVERSIONS__.
-template <typename T>
-struct AccType {
-  using type = T;
-};
-template <>
-struct AccType<__half> {
-  using type = float;
-};
-template <>
-struct AccType<__nv_bfloat16> {
-  using type = float;
-};
-
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ double to_acc(double v) { return v; }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_acc(typename AccType<T>::type v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+using opmath::AccType;
+using opmath::from_acc;
+using opmath::to_acc;
 
 template <typename T, typename S, typename I>
 __global__ void compact_rows_kernel(T* __restrict__ out, const T* __restrict__ src,

@@ -22,46 +22,15 @@
 
 #include <cstdint>
 
+#include "opmath.cuh"
 #include "scatter_add_rows.h"
 
 namespace lrmoe {
 namespace {
 
-// Products are formed in fp32 for 16-bit types (and in the type itself
-// otherwise), then rounded to the output type before the atomic add, as the
-// CPU backend and the torch reference round them.
-template <typename T>
-struct AccType {
-  using type = T;
-};
-template <>
-struct AccType<__half> {
-  using type = float;
-};
-template <>
-struct AccType<__nv_bfloat16> {
-  using type = float;
-};
-
-// Explicit intrinsics, since torch builds with __CUDA_NO_HALF_CONVERSIONS__
-// and __CUDA_NO_BFLOAT16_CONVERSIONS__ (implicit conversions are disabled).
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ double to_acc(double v) { return v; }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_acc(typename AccType<T>::type v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+using opmath::AccType;
+using opmath::from_acc;
+using opmath::to_acc;
 
 template <typename T, typename S, typename I>
 __global__ void scatter_add_rows_kernel(T* __restrict__ out, const I* __restrict__ index,

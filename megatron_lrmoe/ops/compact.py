@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_lrmoe.ops._checks import check_row_scale
 from megatron_lrmoe.ops.backend import kernels_module, resolve_backend
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -74,18 +75,8 @@ def _check_args(src: torch.Tensor, kept_index: torch.Tensor, scale: torch.Tensor
     if kept_index.device != src.device:
         raise ValueError(f"compact_rows: kept_index is on {kept_index.device}, src on {src.device}")
     if scale is not None:
-        if scale.dim() != 1 or scale.shape[0] != kept_index.shape[0]:
-            raise ValueError(
-                f"compact_rows: scale must be 1-D [K] with K = {kept_index.shape[0]}, "
-                f"got shape {tuple(scale.shape)}"
-            )
-        if scale.dtype not in (src.dtype, torch.float32):
-            raise TypeError(
-                f"compact_rows: scale must have src's dtype ({src.dtype}) or float32, "
-                f"got {scale.dtype}"
-            )
-        if scale.device != src.device:
-            raise ValueError(f"compact_rows: scale is on {scale.device}, src on {src.device}")
+        check_row_scale("compact_rows", scale, kept_index.shape[0], "K", src.dtype, src.device,
+                        "src")
 
 
 def _check_index_range(kept_index: torch.Tensor, n_src: int) -> None:

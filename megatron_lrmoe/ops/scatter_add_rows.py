@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_lrmoe.ops._checks import check_row_scale
 from megatron_lrmoe.ops.backend import kernels_module, resolve_backend
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -113,18 +114,8 @@ def _check_args(
     if not out.is_contiguous():
         raise ValueError("scatter_add_rows: out must be contiguous")
     if scale is not None:
-        if scale.dim() != 1 or scale.shape[0] != src.shape[0]:
-            raise ValueError(
-                f"scatter_add_rows: scale must be 1-D [M] with M = {src.shape[0]}, "
-                f"got shape {tuple(scale.shape)}"
-            )
-        if scale.dtype not in (src.dtype, torch.float32):
-            raise TypeError(
-                f"scatter_add_rows: scale must have src's dtype ({src.dtype}) or float32, "
-                f"got {scale.dtype}"
-            )
-        if scale.device != out.device:
-            raise ValueError(f"scatter_add_rows: scale is on {scale.device}, out on {out.device}")
+        check_row_scale("scatter_add_rows", scale, src.shape[0], "M", src.dtype, out.device,
+                        "out")
 
 
 def _check_index_range(index: torch.Tensor, n_out: int) -> None:

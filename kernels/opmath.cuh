@@ -1,0 +1,47 @@
+// Op-math conversions shared by the CUDA kernels (device code only; include from .cu).
+//
+// Products and sums are formed in fp32 for 16-bit types (and in the type itself
+// otherwise), then rounded to the output type, as the CPU backends and the torch
+// references round them. Explicit intrinsics, since torch builds with
+// __CUDA_NO_HALF_CONVERSIONS__ and __CUDA_NO_BFLOAT16_CONVERSIONS__.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace lrmoe {
+namespace opmath {
+
+template <typename T>
+struct AccType {
+  using type = T;
+};
+template <>
+struct AccType<__half> {
+  using type = float;
+};
+template <>
+struct AccType<__nv_bfloat16> {
+  using type = float;
+};
+
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_acc(typename AccType<T>::type v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_acc<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+}  // namespace opmath
+}  // namespace lrmoe
