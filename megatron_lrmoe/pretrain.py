@@ -423,7 +423,7 @@ def train(args: argparse.Namespace) -> dict:
         if args.moe_lrmoe and (
             progress.iteration % lrmoe_interval == 0 or progress.iteration == args.train_iters
         ):
-            lrmoe_stats = collect_lrmoe_stats(model, args.num_layers)
+            lrmoe_stats = collect_lrmoe_stats(model, args.num_layers, args.num_experts)
             record.update(lrmoe_stats)
             if "lrmoe/retained-fraction" in lrmoe_stats:
                 logger.line(

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import math
 import os
 import platform
@@ -123,6 +124,40 @@ def skewed_routing(tokens: int, experts: int, topk: int, zipf_s: float, seed: in
         order = torch.randperm(experts, generator=torch.Generator().manual_seed(seed))
     popularity = torch.empty(experts)
     popularity[order] = torch.arange(1, experts + 1, dtype=torch.float32).pow(-zipf_s)
+    g = torch.Generator().manual_seed(seed + 7919 * (rank + 1))
+    chosen = torch.multinomial(popularity.expand(tokens, experts), topk, replacement=False,
+                               generator=g)
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool)
+    routing_map.scatter_(1, chosen, True)
+    logits = torch.randn(tokens, experts, generator=g).masked_fill(~routing_map, -math.inf)
+    return torch.softmax(logits, dim=1).to(dtype), routing_map
+
+
+def recorded_popularity(log_path: str, layer: int, experts: int) -> torch.Tensor:
+    """Per-expert popularity [experts] from a launcher JSON-lines log (``--moe-lrmoe``
+    runs record ``lrmoe/layer<N>/expert-load``), summed over the whole run. A log with
+    fewer experts than the benchmark is stretched: each recorded expert becomes
+    experts / recorded equally popular benchmark experts (same per-rank shape)."""
+    key = f"lrmoe/layer{layer}/expert-load"
+    total = None
+    with open(log_path) as f:
+        for line in f:
+            loads = json.loads(line).get(key)
+            if loads is not None:
+                t = torch.tensor(loads, dtype=torch.float64)
+                total = t if total is None else total + t
+    if total is None:
+        raise SystemExit(f"--recorded-log {log_path}: no {key!r} records (run with --moe-lrmoe)")
+    if experts % total.numel():
+        raise SystemExit(f"--experts {experts} must be a multiple of the recorded experts "
+                         f"({total.numel()})")
+    return (total / total.sum()).repeat_interleave(experts // total.numel()).float()
+
+
+def popularity_routing(tokens: int, popularity: torch.Tensor, topk: int, seed: int,
+                       rank: int, dtype: torch.dtype):
+    """(probs, routing_map) with top-k experts drawn without replacement by popularity."""
+    experts = popularity.numel()
     g = torch.Generator().manual_seed(seed + 7919 * (rank + 1))
     chosen = torch.multinomial(popularity.expand(tokens, experts), topk, replacement=False,
                                generator=g)
@@ -217,10 +252,15 @@ def run_benchmark(cfg: dict) -> dict:
     for routing in cfg["routings"]:
         for layer in layers.values():
             layer.__dict__.pop("route", None)  # back to the class's route (Megatron's router)
-        if routing == "skewed":
-            probs, routing_map = skewed_routing(cfg["tokens"], cfg["experts"], cfg["topk"],
-                                                cfg["zipf"], cfg["seed"], rank, dtype,
-                                                cfg["popularity"] == "shuffled")
+        if routing in ("skewed", "recorded"):
+            if routing == "skewed":
+                probs, routing_map = skewed_routing(
+                    cfg["tokens"], cfg["experts"], cfg["topk"], cfg["zipf"], cfg["seed"], rank,
+                    dtype, cfg["popularity"] == "shuffled")
+            else:
+                probs, routing_map = popularity_routing(
+                    cfg["tokens"], torch.tensor(cfg["recorded_popularity"]), cfg["topk"],
+                    cfg["seed"], rank, dtype)
             probs, routing_map = probs.to(device), routing_map.to(device)
 
             def fixed_route(hidden_states, padding_mask=None, _r=(probs, routing_map)):
@@ -458,6 +498,10 @@ ROUTING_TEXT = {
                "without replacement, expert popularity Zipf(s={zipf}) ({popularity_text}), "
                "probs = softmax of random logits over the chosen experts; the router is "
                "bypassed in both layers"),
+    "recorded": ("recorded routing: expert popularity of layer {recorded_layer} of a launcher "
+                 "run ({recorded_log}), summed over the run, each recorded expert split into "
+                 "equally popular benchmark experts; top-{topk} drawn without replacement by "
+                 "popularity, probs = softmax of random logits over the chosen experts"),
     "router": ("untrained router (near-uniform): Megatron's own TopKRouter (softmax top-"
                "{topk}, no aux loss), same weights in both layers, on Gaussian inputs"),
 }
@@ -671,7 +715,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capacities", type=_capacities, default=_capacities("inf,1.5,1.0,0.75"),
                    help="LRMoE backward capacity factors, comma-separated (inf = dropless)")
     p.add_argument("--routings", default="skewed,router",
-                   help="comma-separated subset of: skewed, router")
+                   help="comma-separated subset of: skewed, router, recorded")
+    p.add_argument("--recorded-log", default=None,
+                   help="launcher JSON-lines log of a --moe-lrmoe run, for --routings recorded")
+    p.add_argument("--recorded-layer", type=int, default=1)
     p.add_argument("--zipf", type=float, default=1.2, help="Zipf exponent of the skewed routing")
     p.add_argument("--popularity", choices=tuple(POPULARITY_TEXT), default="index",
                    help="skewed routing: hottest experts first (index) or shuffled")
@@ -698,6 +745,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.hidden, args.ffn, args.experts, args.topk = 64, 32, 8, 2
         args.tokens, args.warmup, args.reps = 64, 1, 2
     args.routings = [r.strip() for r in args.routings.split(",") if r.strip()]
+    args.recorded_popularity = None
+    if "recorded" in args.routings:
+        if not args.recorded_log:
+            p.error("--routings recorded needs --recorded-log FILE")
+        args.recorded_popularity = recorded_popularity(
+            args.recorded_log, args.recorded_layer, args.experts).tolist()
     if bad := set(args.routings) - set(ROUTING_TEXT):
         p.error(f"unknown routing {sorted(bad)}; choose from {sorted(ROUTING_TEXT)}")
     if args.experts % args.ep:

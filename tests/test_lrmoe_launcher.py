@@ -20,16 +20,6 @@ def test_lrmoe_ep2_trains_and_reports(gloo2, corpus):
     assert results[1]["losses"] == summary["losses"]
 
 
-def _train_and_collect_records(argv):
-    """Train; return the per-step records (LRMoE statistics included)."""
-    from megatron_lrmoe.arguments import parse_args
-    from megatron_lrmoe.pretrain import train
-
-    args = parse_args(argv)
-    summary = train(args)
-    return summary
-
-
 def test_lrmoe_statistics_in_the_log(gloo2, corpus, tmp_path):
     import json
 
@@ -47,6 +37,9 @@ def test_lrmoe_statistics_in_the_log(gloo2, corpus, tmp_path):
         assert r["lrmoe/backward-bytes-saved"] > 0
         assert r["lrmoe/load-max-over-mean"] >= 1.0
         assert "lrmoe/layer1/retained-fraction" in r and "lrmoe/layer2/retained-fraction" in r
+        # Routed pairs per expert over all ranks: 2 steps x 8 samples x 64 tokens x top-2.
+        assert len(r["lrmoe/layer1/expert-load"]) == 4
+        assert sum(r["lrmoe/layer1/expert-load"]) == 2 * 8 * 64 * 2
 
 
 def test_lrmoe_without_drops_matches_megatron_end_to_end(gloo2, corpus):

@@ -28,10 +28,16 @@ class LRMoELayerStats:
 
     calls: list[RegionStats] = field(default_factory=list)
     load_max_over_mean: list[float] = field(default_factory=list)
+    expert_load: torch.Tensor | None = None  # [E] pairs this rank routed to each expert
 
     def reset(self) -> None:
         self.calls.clear()
         self.load_max_over_mean.clear()
+        self.expert_load = None
+
+    def add_expert_load(self, routed: torch.Tensor) -> None:
+        routed = routed.to(torch.float64)
+        self.expert_load = routed if self.expert_load is None else self.expert_load + routed
 
     def totals(self) -> list[float]:
         """Raw sums over the completed calls, in ``TOTAL_FIELDS`` order (summable
@@ -130,6 +136,7 @@ class LRMoELayer(MoELayer):
         if self.training and torch.is_grad_enabled():
             self._calls += 1
             self.lrmoe_stats.calls.append(rc.stats)
+            self.lrmoe_stats.add_expert_load(counts[rc.rank])
             per_rank = plan.routed_per_rank.double()
             if float(per_rank.mean()) > 0:
                 self.lrmoe_stats.load_max_over_mean.append(

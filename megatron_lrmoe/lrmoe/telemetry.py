@@ -19,27 +19,37 @@ def lrmoe_layers(model_chunks) -> list[LRMoELayer]:
     return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, LRMoELayer)]
 
 
-def collect_lrmoe_stats(model_chunks, num_layers: int) -> dict[str, float]:
+def collect_lrmoe_stats(model_chunks, num_layers: int, num_experts: int) -> dict[str, float]:
     """Reduce and reset every LRMoE layer's statistics; keys ``lrmoe/...`` for logging.
 
     Collective: every rank must call it at the same step.
     """
     width = len(TOTAL_FIELDS)
+    layers = lrmoe_layers(model_chunks)
     totals = torch.zeros(num_layers + 1, width, dtype=torch.float64)
     load = torch.zeros(num_layers + 1, dtype=torch.float64)
-    for layer in lrmoe_layers(model_chunks):
+    # Same shapes on every rank, also on pipeline stages without LRMoE layers.
+    expert_load = torch.zeros(num_layers + 1, num_experts, dtype=torch.float64)
+    for layer in layers:
         n = layer.layer_number or 0
-        totals[n] += torch.tensor(layer.lrmoe_stats.totals(), dtype=torch.float64)
-        load[n] = max(layer.lrmoe_stats.load_max_over_mean, default=0.0)
-        layer.lrmoe_stats.reset()
+        stats = layer.lrmoe_stats
+        totals[n] += torch.tensor(stats.totals(), dtype=torch.float64)
+        load[n] = max(stats.load_max_over_mean, default=0.0)
+        if stats.expert_load is not None:
+            expert_load[n] += stats.expert_load
+        stats.reset()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(totals)
         dist.all_reduce(load, op=dist.ReduceOp.MAX)
+        dist.all_reduce(expert_load)
     out: dict[str, float] = {}
     present = [n for n in range(num_layers + 1) if totals[n, 0] > 0]
     for n in present:
         for key, value in summarize(totals[n].tolist(), float(load[n])).items():
             out[f"lrmoe/layer{n}/{key}"] = value
+        # Routed pairs per expert (all ranks): a list, kept in the JSON-lines log only;
+        # scripts/bench_moe_layer.py replays it as a recorded routing popularity.
+        out[f"lrmoe/layer{n}/expert-load"] = [int(v) for v in expert_load[n].tolist()]
     if present:
         for key, value in summarize(totals[present].sum(0).tolist(),
                                     float(load[present].max())).items():
