@@ -112,6 +112,19 @@ def _build_layers(cfg: dict):
     return megatron.to(device).train(), lrmoe.to(device).train()
 
 
+def popularity_routing(tokens: int, popularity: torch.Tensor, topk: int, seed: int,
+                       rank: int, dtype: torch.dtype):
+    """(probs, routing_map) with top-k experts drawn without replacement by popularity."""
+    experts = popularity.numel()
+    g = torch.Generator().manual_seed(seed + 7919 * (rank + 1))
+    chosen = torch.multinomial(popularity.expand(tokens, experts), topk, replacement=False,
+                               generator=g)
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool)
+    routing_map.scatter_(1, chosen, True)
+    logits = torch.randn(tokens, experts, generator=g).masked_fill(~routing_map, -math.inf)
+    return torch.softmax(logits, dim=1).to(dtype), routing_map
+
+
 def skewed_routing(tokens: int, experts: int, topk: int, zipf_s: float, seed: int,
                    rank: int, dtype: torch.dtype, shuffle: bool = False):
     """(probs [T, E], routing_map [T, E] bool): top-k experts per token drawn without
@@ -124,13 +137,7 @@ def skewed_routing(tokens: int, experts: int, topk: int, zipf_s: float, seed: in
         order = torch.randperm(experts, generator=torch.Generator().manual_seed(seed))
     popularity = torch.empty(experts)
     popularity[order] = torch.arange(1, experts + 1, dtype=torch.float32).pow(-zipf_s)
-    g = torch.Generator().manual_seed(seed + 7919 * (rank + 1))
-    chosen = torch.multinomial(popularity.expand(tokens, experts), topk, replacement=False,
-                               generator=g)
-    routing_map = torch.zeros(tokens, experts, dtype=torch.bool)
-    routing_map.scatter_(1, chosen, True)
-    logits = torch.randn(tokens, experts, generator=g).masked_fill(~routing_map, -math.inf)
-    return torch.softmax(logits, dim=1).to(dtype), routing_map
+    return popularity_routing(tokens, popularity, topk, seed, rank, dtype)
 
 
 def recorded_popularity(log_path: str, layer: int, experts: int) -> torch.Tensor:
@@ -152,19 +159,6 @@ def recorded_popularity(log_path: str, layer: int, experts: int) -> torch.Tensor
         raise SystemExit(f"--experts {experts} must be a multiple of the recorded experts "
                          f"({total.numel()})")
     return (total / total.sum()).repeat_interleave(experts // total.numel()).float()
-
-
-def popularity_routing(tokens: int, popularity: torch.Tensor, topk: int, seed: int,
-                       rank: int, dtype: torch.dtype):
-    """(probs, routing_map) with top-k experts drawn without replacement by popularity."""
-    experts = popularity.numel()
-    g = torch.Generator().manual_seed(seed + 7919 * (rank + 1))
-    chosen = torch.multinomial(popularity.expand(tokens, experts), topk, replacement=False,
-                               generator=g)
-    routing_map = torch.zeros(tokens, experts, dtype=torch.bool)
-    routing_map.scatter_(1, chosen, True)
-    logits = torch.randn(tokens, experts, generator=g).masked_fill(~routing_map, -math.inf)
-    return torch.softmax(logits, dim=1).to(dtype), routing_map
 
 
 def _settings(cfg: dict) -> list[tuple[str, float | None]]:

@@ -127,6 +127,7 @@ class GlooPool:
         self._task_queues: list = []
         self._results = None
         self._next_task = 0
+        atexit.register(self.close)  # idempotent; workers also exit when we disappear
 
     # -- lifecycle -----------------------------------------------------------
     def _start(self) -> None:
@@ -146,7 +147,6 @@ class GlooPool:
         ]
         for proc in self._procs:
             proc.start()
-        atexit.register(self.close)
         ready = self._collect("ready", self.start_timeout)
         failed = [r for r, v in ready.items() if v is not None]
         if failed or len(ready) != self.world_size:
