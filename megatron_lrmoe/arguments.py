@@ -54,6 +54,69 @@ def _moe_layer_freq(value: Any) -> int | list[int]:
     return pattern
 
 
+LRMOE_PLACEMENTS = ("static", "popularity", "memory-aware")
+
+
+def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--moe-lrmoe*`` flags (DESIGN section 8) to ``parser``.
+
+    Shared by this launcher and the Megatron-LM wrapper (as its
+    ``extra_args_provider``): each flag fills the same-named field of
+    ``LRMoETransformerConfig``.
+    """
+    g = parser.add_argument_group("LRMoE (megatron_lrmoe)")
+    g.add_argument("--moe-lrmoe", action="store_true",
+                   help="use the LRMoE MoE layer (off: Megatron's own classes, untouched)")
+    g.add_argument("--moe-lrmoe-bwd-capacity-factor", type=float, default=1.0,
+                   help="backward capacity gamma per EP rank; inf drops nothing")
+    g.add_argument("--moe-lrmoe-min-retention", type=float, default=0.0,
+                   help="fraction of each expert's pairs always kept in backward")
+    g.add_argument("--moe-lrmoe-metric", default="grad_act",
+                   choices=["grad_act", "grad", "prob", "random"])
+    g.add_argument("--moe-lrmoe-selection", default="topk", choices=["topk", "sample"])
+    g.add_argument("--moe-lrmoe-kernels", default="auto", choices=["auto", "cpu", "cuda", "torch"])
+    g.add_argument("--moe-lrmoe-log-interval", type=int, default=None,
+                   help="steps between LRMoE statistics (default --log-interval)")
+    g.add_argument("--moe-lrmoe-placement", default="static", choices=list(LRMOE_PLACEMENTS),
+                   help="expert replicas: static (none), popularity (SYMI-style), "
+                        "memory-aware (LRMoE planner)")
+    g.add_argument("--moe-lrmoe-slots-per-rank", type=int, default=None,
+                   help="instance slots per EP rank for popularity (default: experts per rank)")
+    g.add_argument("--moe-lrmoe-memory-budget-gb", type=float, default=None,
+                   help="per-rank memory budget of the MoE layers (replicas + buffers), GB")
+    g.add_argument("--moe-lrmoe-load-smoothing", type=float, default=0.5,
+                   help="EMA factor of the expert loads that drive placement")
+    g.add_argument("--moe-lrmoe-calibration", default=None,
+                   help="JSON of machine constants from python -m megatron_lrmoe.calibrate")
+    return parser
+
+
+def validate_lrmoe_flags(args: argparse.Namespace) -> None:
+    """Check the values of the ``--moe-lrmoe*`` flags, naming the flag (any entry point)."""
+    gamma = args.moe_lrmoe_bwd_capacity_factor
+    if math.isnan(gamma) or gamma <= 0:
+        raise ConfigError(f"--moe-lrmoe-bwd-capacity-factor must be > 0 or inf, got {gamma}")
+    if not 0.0 <= args.moe_lrmoe_min_retention <= 1.0:
+        raise ConfigError(f"--moe-lrmoe-min-retention must be in [0, 1], "
+                          f"got {args.moe_lrmoe_min_retention}")
+    if args.moe_lrmoe_log_interval is not None and args.moe_lrmoe_log_interval <= 0:
+        raise ConfigError("--moe-lrmoe-log-interval must be positive")
+    if args.moe_lrmoe_slots_per_rank is not None and args.moe_lrmoe_slots_per_rank < 1:
+        raise ConfigError("--moe-lrmoe-slots-per-rank must be >= 1")
+    budget = args.moe_lrmoe_memory_budget_gb
+    if budget is not None and not (budget > 0 and math.isfinite(budget)):
+        raise ConfigError(f"--moe-lrmoe-memory-budget-gb must be a positive number, got {budget}")
+    if not 0.0 <= args.moe_lrmoe_load_smoothing < 1.0:
+        raise ConfigError("--moe-lrmoe-load-smoothing must be in [0, 1) (weight of the old "
+                          f"loads), got {args.moe_lrmoe_load_smoothing}")
+    if args.moe_lrmoe_calibration is not None and not os.path.isfile(args.moe_lrmoe_calibration):
+        raise ConfigError(f"--moe-lrmoe-calibration {args.moe_lrmoe_calibration}: no such file; "
+                          "write one with python -m megatron_lrmoe.calibrate")
+    if args.moe_lrmoe_placement == "memory-aware" and budget is None:
+        raise ConfigError("--moe-lrmoe-placement memory-aware needs --moe-lrmoe-memory-budget-gb")
+
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's parser. Defaults follow Megatron-LM's unless noted."""
     p = argparse.ArgumentParser(
@@ -115,19 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-grouped-gemm", action="store_true")
     g.add_argument("--moe-permute-fusion", action="store_true")
 
-    g = p.add_argument_group("LRMoE (megatron_lrmoe)")
-    g.add_argument("--moe-lrmoe", action="store_true",
-                   help="use the LRMoE MoE layer (off: Megatron's own classes, untouched)")
-    g.add_argument("--moe-lrmoe-bwd-capacity-factor", type=float, default=1.0,
-                   help="backward capacity gamma per EP rank; inf drops nothing")
-    g.add_argument("--moe-lrmoe-min-retention", type=float, default=0.0,
-                   help="fraction of each expert's pairs always kept in backward")
-    g.add_argument("--moe-lrmoe-metric", default="grad_act",
-                   choices=["grad_act", "grad", "prob", "random"])
-    g.add_argument("--moe-lrmoe-selection", default="topk", choices=["topk", "sample"])
-    g.add_argument("--moe-lrmoe-kernels", default="auto", choices=["auto", "cpu", "cuda", "torch"])
-    g.add_argument("--moe-lrmoe-log-interval", type=int, default=None,
-                   help="steps between LRMoE statistics (default --log-interval)")
+    add_lrmoe_args(p)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -463,14 +514,7 @@ def _validate_lrmoe_args(args: argparse.Namespace) -> None:
         raise ConfigError("--moe-lrmoe keeps the forward exact: drop --moe-expert-capacity-factor")
     if args.expert_tensor_parallel_size != 1:
         raise ConfigError("--moe-lrmoe needs --expert-tensor-parallel-size 1")
-    gamma = args.moe_lrmoe_bwd_capacity_factor
-    if math.isnan(gamma) or gamma <= 0:
-        raise ConfigError(f"--moe-lrmoe-bwd-capacity-factor must be > 0 or inf, got {gamma}")
-    if not 0.0 <= args.moe_lrmoe_min_retention <= 1.0:
-        raise ConfigError(f"--moe-lrmoe-min-retention must be in [0, 1], "
-                          f"got {args.moe_lrmoe_min_retention}")
-    if args.moe_lrmoe_log_interval is not None and args.moe_lrmoe_log_interval <= 0:
-        raise ConfigError("--moe-lrmoe-log-interval must be positive")
+    validate_lrmoe_flags(args)
 
 
 def _data_prefixes(data_path: list[str]) -> list[str]:

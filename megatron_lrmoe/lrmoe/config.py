@@ -15,6 +15,7 @@ from megatron.core.transformer import TransformerConfig
 LRMOE_METRICS = ("grad_act", "grad", "prob", "random")
 LRMOE_SELECTIONS = ("topk", "sample")
 LRMOE_KERNELS = ("auto", "cpu", "cuda", "torch")
+LRMOE_PLACEMENTS = ("static", "popularity", "memory-aware")
 
 
 @dataclass
@@ -43,6 +44,24 @@ class LRMoETransformerConfig(TransformerConfig):
     moe_lrmoe_log_interval: int | None = None
     """Steps between LRMoE statistics in the logs (None: the launcher's log interval)."""
 
+    moe_lrmoe_placement: str = "static"
+    """Expert replicas: static (none, Megatron's layout), popularity (SYMI-style slots),
+    memory-aware (replicas where the memory budget leaves room, chosen with the quotas)."""
+
+    moe_lrmoe_slots_per_rank: int | None = None
+    """Instance slots per EP rank for ``popularity`` (None: experts per rank, no replicas
+    beyond what the budget converts to)."""
+
+    moe_lrmoe_memory_budget_gb: float | None = None
+    """Per-rank budget (GB) for what the MoE layers hold at peak: replicas of every layer
+    plus the execution buffers of every micro-batch in flight (DESIGN section 7)."""
+
+    moe_lrmoe_load_smoothing: float = 0.5
+    """EMA weight of the previous smoothed loads when planning the next step's placement."""
+
+    moe_lrmoe_calibration: str | None = None
+    """JSON of measured machine constants (``python -m megatron_lrmoe.calibrate``)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.moe_lrmoe:
@@ -70,6 +89,18 @@ def _validate_lrmoe(c: LRMoETransformerConfig) -> None:
         _fail("moe_lrmoe_kernels", f"{c.moe_lrmoe_kernels!r} is not one of {LRMOE_KERNELS}")
     if c.moe_lrmoe_log_interval is not None and c.moe_lrmoe_log_interval <= 0:
         _fail("moe_lrmoe_log_interval", "must be positive")
+    if c.moe_lrmoe_placement not in LRMOE_PLACEMENTS:
+        _fail("moe_lrmoe_placement",
+              f"{c.moe_lrmoe_placement!r} is not one of {LRMOE_PLACEMENTS}")
+    if c.moe_lrmoe_slots_per_rank is not None and c.moe_lrmoe_slots_per_rank < 1:
+        _fail("moe_lrmoe_slots_per_rank", "must be >= 1")
+    budget = c.moe_lrmoe_memory_budget_gb
+    if budget is not None and not (budget > 0 and math.isfinite(budget)):
+        _fail("moe_lrmoe_memory_budget_gb", f"must be a positive number, got {budget}")
+    if c.moe_lrmoe_placement == "memory-aware" and budget is None:
+        _fail("moe_lrmoe_memory_budget_gb", "memory-aware placement needs a budget")
+    if not 0.0 <= c.moe_lrmoe_load_smoothing < 1.0:
+        _fail("moe_lrmoe_load_smoothing", f"must be in [0, 1), got {c.moe_lrmoe_load_smoothing}")
     if c.num_moe_experts is None:
         _fail("moe_lrmoe", "needs an MoE model (num_moe_experts)")
     unsupported = {

@@ -59,6 +59,7 @@ bring them to the host once per layer and micro-batch, then call the planner.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property
@@ -235,34 +236,43 @@ def plan_retention(
     num_ranks: int,
     capacity_factor: float = 1.0,
     min_retention: float = 0.0,
+    instance_rank: Sequence[int] | None = None,
+    instance_expert: Sequence[int] | None = None,
 ) -> RetentionPlan:
     """Plan backward retention quotas by capacity water-filling (DESIGN.md 3.4).
 
     Args:
-        counts: [R, E] integer tensor, n[s, e] routed pairs from source rank s to
-            expert e; E must be a multiple of R. Copied to CPU int64.
+        counts: [R, I] integer tensor, n[s, i] routed pairs from source rank s to
+            instance i. Without ``instance_rank`` the columns are experts in Megatron's
+            layout (I = E, a multiple of R). Copied to CPU int64.
         num_ranks: R, the expert-parallel group size; must equal ``counts.shape[0]``.
         capacity_factor: gamma > 0, or ``math.inf`` to drop nothing.
         min_retention: m in [0, 1], the share of each instance's pairs always kept.
+        instance_rank: [I] rank hosting each instance (a placement with replicas);
+            None for Megatron's layout, instance i on rank i // (I / R).
+        instance_expert: [I] expert of each instance (for logs and the caller); None
+            for the identity.
 
     Returns:
-        The plan; see the module docstring for the exact semantics.
+        The plan; see the module docstring for the exact semantics. Water-filling
+        runs over each rank's instances, whatever their experts.
 
     Raises:
         TypeError: ``counts`` is not a tensor.
         ValueError: a malformed argument; the message names it.
     """
-    n = _check_counts(counts, num_ranks)
+    n = _check_counts(counts, num_ranks, layout_given=instance_rank is not None)
     gamma = _check_capacity_factor(capacity_factor)
     floor_share = _check_min_retention(min_retention)
-
     num_instances = n.shape[1]
-    per_rank = num_instances // num_ranks
-    instance_rank = tuple(i // per_rank for i in range(num_instances))
-    instance_expert = tuple(range(num_instances))
+    instance_rank, instance_expert = _check_layout(
+        num_instances, num_ranks, instance_rank, instance_expert)
 
+    slots = _rank_slots(instance_rank, num_ranks)     # [R, K] instance ids, -1 = padding
+    valid = slots >= 0
+    index = slots.clamp(min=0)
     routed = n.sum(0)                                  # [I] N_i
-    routed_loc = routed.view(num_ranks, per_rank)      # [R, E_loc], static layout only
+    routed_loc = torch.where(valid, routed[index], 0)  # [R, K] N_i of each rank's instances
     load = routed_loc.sum(1)                           # [R] L_r
 
     if gamma is None:
@@ -274,10 +284,10 @@ def plan_retention(
         cap = min(_ceil_div(gamma.numerator * total, gamma.denominator * num_ranks),
                   UNLIMITED_CAPACITY)
         capacity = torch.full((num_ranks,), cap, dtype=torch.int64)
-        floors = _floors(routed, floor_share).view(num_ranks, per_rank)   # [R, E_loc] f_i
+        floors = torch.where(valid, _floors(routed, floor_share)[index], 0)  # [R, K] f_i
         target = torch.minimum(load, torch.maximum(capacity, floors.sum(1)))  # [R] T_r
         kept_loc, level = _water_fill(routed_loc, floors, target)
-        kept = kept_loc.reshape(num_instances)
+        kept = torch.zeros_like(routed).index_put_((index[valid],), kept_loc[valid])
 
     return RetentionPlan(
         counts=n,
@@ -289,6 +299,19 @@ def plan_retention(
         capacity_factor=float(capacity_factor),
         min_retention=float(min_retention),
     )
+
+
+def _rank_slots(instance_rank: tuple[int, ...], num_ranks: int) -> torch.Tensor:
+    """[R, K] the instance ids of each rank in ascending order, padded with -1."""
+    ranks = torch.tensor(instance_rank, dtype=torch.int64)
+    per_rank = torch.bincount(ranks, minlength=num_ranks)
+    width = max(int(per_rank.max()), 1)
+    order = torch.sort(ranks, stable=True).indices                 # instances by rank, then id
+    starts = torch.cumsum(per_rank, 0) - per_rank
+    column = torch.arange(len(instance_rank)) - starts[ranks[order]]
+    slots = torch.full((num_ranks, width), -1, dtype=torch.int64)
+    slots[ranks[order], column] = order
+    return slots
 
 
 # ---------------------------------------------------------------------------
@@ -388,7 +411,7 @@ def _as_decimal_fraction(x: float) -> Fraction:
 # ---------------------------------------------------------------------------
 
 
-def _check_counts(counts: torch.Tensor, num_ranks: int) -> torch.Tensor:
+def _check_counts(counts: torch.Tensor, num_ranks: int, layout_given: bool = False) -> torch.Tensor:
     if not isinstance(counts, torch.Tensor):
         raise TypeError(f"counts must be a torch.Tensor, got {type(counts).__name__}")
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
@@ -400,7 +423,7 @@ def _check_counts(counts: torch.Tensor, num_ranks: int) -> torch.Tensor:
     ranks, experts = counts.shape
     if ranks != num_ranks:
         raise ValueError(f"counts has {ranks} rows but num_ranks is {num_ranks}")
-    if experts == 0 or experts % num_ranks:
+    if experts == 0 or (experts % num_ranks and not layout_given):
         raise ValueError(
             f"counts has E={experts} columns: E must be a positive multiple of "
             f"num_ranks={num_ranks}")
@@ -408,6 +431,28 @@ def _check_counts(counts: torch.Tensor, num_ranks: int) -> torch.Tensor:
     if bool((n < 0).any()):
         raise ValueError("counts must be non-negative")
     return n
+
+
+def _check_layout(
+    num_instances: int, num_ranks: int, instance_rank: Sequence[int] | None,
+    instance_expert: Sequence[int] | None,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if instance_rank is None:
+        per_rank = num_instances // num_ranks
+        instance_rank = tuple(i // per_rank for i in range(num_instances))
+    instance_rank = tuple(int(r) for r in instance_rank)
+    if len(instance_rank) != num_instances:
+        raise ValueError(f"instance_rank has {len(instance_rank)} entries, counts has "
+                         f"{num_instances} instance columns")
+    if any(not 0 <= r < num_ranks for r in instance_rank):
+        raise ValueError(f"instance_rank entries must be in [0, {num_ranks})")
+    if instance_expert is None:
+        instance_expert = range(num_instances)
+    instance_expert = tuple(int(e) for e in instance_expert)
+    if len(instance_expert) != num_instances:
+        raise ValueError(f"instance_expert has {len(instance_expert)} entries, counts has "
+                         f"{num_instances} instance columns")
+    return instance_rank, instance_expert
 
 
 def _check_capacity_factor(capacity_factor: float) -> Fraction | None:
