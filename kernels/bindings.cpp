@@ -49,7 +49,8 @@ void compact_rows_cpu(const at::Tensor& out, const at::Tensor& src, const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows_cpu(const at::Tensor& metric,
                                                                const at::Tensor& cell_offsets,
                                                                const at::Tensor& quotas,
-                                                               SelectRule rule, uint64_t seed);
+                                                               SelectRule rule, uint64_t seed,
+                                                               double hybrid_fraction);
 
 namespace {
 
@@ -186,9 +187,17 @@ SelectRule parse_rule(const std::string& rule) {
   if (rule == "topk") {
     return SelectRule::kTopK;
   }
-  TORCH_CHECK_VALUE(rule == "sample", "select_rows: rule must be 'topk' or 'sample', got '", rule,
-                    "'");
-  return SelectRule::kSample;
+  if (rule == "sample") {
+    return SelectRule::kSample;
+  }
+  if (rule == "uniform") {
+    return SelectRule::kUniform;
+  }
+  TORCH_CHECK_VALUE(rule == "hybrid",
+                    "select_rows: rule must be one of 'topk', 'sample', 'uniform', 'hybrid', "
+                    "got '",
+                    rule, "'");
+  return SelectRule::kHybrid;
 }
 
 void check_select_args(const at::Tensor& metric, const at::Tensor& cell_offsets,
@@ -286,21 +295,26 @@ at::Tensor compact_rows(const at::Tensor& src, const at::Tensor& kept_index,
 #endif
 }
 
-// Per-cell row selection (topk or sample); returns (kept_index [K] int64,
-// scale [K] fp32, kept_counts [C] int64) on the inputs' device.
+// Per-cell row selection (topk, sample, uniform or hybrid); returns
+// (kept_index [K] int64, scale [K] fp32, kept_counts [C] int64) on the
+// inputs' device.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows(const at::Tensor& metric,
                                                            const at::Tensor& cell_offsets,
                                                            const at::Tensor& quotas,
-                                                           const std::string& rule,
-                                                           int64_t seed) {
+                                                           const std::string& rule, int64_t seed,
+                                                           double hybrid_fraction) {
   check_select_args(metric, cell_offsets, quotas);
   const SelectRule select_rule = parse_rule(rule);
+  // Written so that NaN fails too.
+  TORCH_CHECK_VALUE(hybrid_fraction >= 0.0 && hybrid_fraction <= 1.0,
+                    "select_rows: hybrid_fraction must be in [0, 1], got ", hybrid_fraction);
   // The seed's two's-complement bits: Python passes any int64, the generator
   // works on uint64.
   const uint64_t seed_bits = static_cast<uint64_t>(seed);
 
   if (metric.device().is_cpu()) {
-    return select_rows_cpu(metric, cell_offsets, quotas, select_rule, seed_bits);
+    return select_rows_cpu(metric, cell_offsets, quotas, select_rule, seed_bits,
+                           hybrid_fraction);
   }
 
 #ifdef WITH_CUDA
@@ -324,7 +338,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows(const at::Tensor& met
   const at::Tensor summary =
       at::stack({valid.to(at::kLong), kept_counts.sum()}).cpu();  // host sync
   if (summary[0].item<int64_t>() == 0) {
-    select_rows_cpu(metric.cpu(), cell_offsets.cpu(), quotas.cpu(), select_rule, seed_bits);
+    select_rows_cpu(metric.cpu(), cell_offsets.cpu(), quotas.cpu(), select_rule, seed_bits,
+                    hybrid_fraction);
     TORCH_CHECK(false, "select_rows: the device found invalid input that the host check accepted");
   }
   const int64_t n_kept = summary[1].item<int64_t>();
@@ -343,7 +358,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows(const at::Tensor& met
                                    metric.options().dtype(at::kByte));
   err = select_rows_cuda(metric.const_data_ptr<float>(), cell_offsets.const_data_ptr<int64_t>(),
                          kept_counts.const_data_ptr<int64_t>(), n_rows, n_cells, n_kept,
-                         select_rule, seed_bits, kept_index.data_ptr<int64_t>(),
+                         select_rule, seed_bits, hybrid_fraction,
+                         kept_index.data_ptr<int64_t>(),
                          scale.data_ptr<float>(), workspace.data_ptr(), workspace_bytes,
                          c10::cuda::getCurrentCUDAStream(metric.device().index()).stream());
   TORCH_CHECK(err == nullptr, "select_rows: CUDA launch failed: ", err);
@@ -377,10 +393,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("src"), py::arg("kept_index"), py::arg("scale") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("select_rows", &lrmoe::select_rows,
-        "per-cell row selection (rule 'topk' or 'sample'); returns (kept_index, scale, "
-        "kept_counts)",
+        "per-cell row selection (rule 'topk', 'sample', 'uniform' or 'hybrid'); returns "
+        "(kept_index, scale, kept_counts)",
         py::arg("metric"), py::arg("cell_offsets"), py::arg("quotas"), py::arg("rule"),
-        py::arg("seed"), py::call_guard<py::gil_scoped_release>());
+        py::arg("seed"), py::arg("hybrid_fraction") = 0.5,
+        py::call_guard<py::gil_scoped_release>());
   m.def("built_with_cuda", &lrmoe::built_with_cuda,
         "True when this build includes the CUDA backend");
 }

@@ -28,6 +28,7 @@
 #include <limits>
 #include <numeric>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "select_rows.h"
@@ -50,13 +51,14 @@ struct TopKOrder {
 
 // Row states while a cell is processed.
 constexpr uint8_t kDropped = 0;
-constexpr uint8_t kKept = 1;      // topk keep, or sample row with pi = 1 (capped)
-constexpr uint8_t kSampled = 2;   // sample row with pi < 1 that the systematic pass drew
+constexpr uint8_t kKept = 1;      // topk keep, sample row with pi = 1, hybrid top row
+constexpr uint8_t kSampled = 2;   // sample row with pi < 1 drawn; uniform/hybrid key draw
 
 // Scratch reused across the cells of one thread's chunk.
 struct Scratch {
   std::vector<int64_t> order;  // cell positions, the first entries in TopKOrder
   std::vector<uint8_t> state;  // [n] kDropped / kKept / kSampled
+  std::vector<std::pair<uint64_t, int64_t>> keys;  // uniform/hybrid: (key, position)
 };
 
 // Positions 0..n-1, with order[0..q) the q first rows of TopKOrder, in
@@ -77,6 +79,35 @@ void topk_cell(const float* v, int64_t n, int64_t q, Scratch& s) {
   s.state.assign(n, kDropped);
   for (int64_t j = 0; j < q; ++j) {
     s.state[s.order[j]] = kKept;
+  }
+}
+
+// uniform (q_top = 0) and hybrid, 0 < q < n: the q_top first rows of TopKOrder
+// are kept (kKept), then the r = q - q_top other rows of smallest key
+// (kSampled). Keys are distinct within a cell, so no tie-break is ever used
+// (pairs compare the position second only to make the order total).
+void uniform_cell(const float* v, int64_t n, int64_t q, int64_t q_top, uint64_t key_base,
+                  Scratch& s) {
+  s.state.assign(n, kDropped);
+  if (q_top > 0) {
+    top_rows(v, n, q_top, /*sorted=*/false, s.order);
+    for (int64_t j = 0; j < q_top; ++j) {
+      s.state[s.order[j]] = kKept;
+    }
+  }
+  const int64_t r = q - q_top;
+  if (r == 0) {
+    return;
+  }
+  s.keys.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    if (s.state[i] == kDropped) {
+      s.keys.emplace_back(row_key(key_base, i), i);
+    }
+  }
+  std::nth_element(s.keys.begin(), s.keys.begin() + (r - 1), s.keys.end());
+  for (int64_t j = 0; j < r; ++j) {
+    s.state[s.keys[j].second] = kSampled;
   }
 }
 
@@ -232,12 +263,14 @@ void check_values(const int64_t* off, const int64_t* quotas, const float* metric
 
 // Declared in kernels/bindings.cpp, which has checked: 1-D contiguous CPU
 // tensors, metric fp32 [P], cell_offsets int64 [C + 1] with C + 1 >= 1,
-// quotas int64 [C]. The values are checked here, before anything is written.
+// quotas int64 [C], hybrid_fraction in [0, 1]. The values are checked here,
+// before anything is written.
 // Returns (kept_index [K] int64, scale [K] fp32, kept_counts [C] int64).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows_cpu(const at::Tensor& metric,
                                                                const at::Tensor& cell_offsets,
                                                                const at::Tensor& quotas,
-                                                               SelectRule rule, uint64_t seed) {
+                                                               SelectRule rule, uint64_t seed,
+                                                               double hybrid_fraction) {
   const int64_t n_rows = metric.size(0);
   const int64_t n_cells = quotas.size(0);
   const float* m = metric.const_data_ptr<float>();
@@ -283,11 +316,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows_cpu(const at::Tensor&
       }
       const float* v = m + begin;
       SampleParams p{false, 0.0, 0.0};
+      float uniform_scale = 1.0f;  // uniform/hybrid: scale of the key-drawn rows
       if (rule == SelectRule::kTopK) {
         topk_cell(v, n, k, s);
-      } else {
+      } else if (rule == SelectRule::kSample) {
         p = sample_cell(v, n, k, cell_uniform(seed, c), s);
+      } else {
+        const int64_t q_top =
+            rule == SelectRule::kHybrid ? hybrid_top_count(hybrid_fraction, k) : 0;
+        uniform_cell(v, n, k, q_top, cell_key_base(seed, c), s);
+        if (k > q_top) {
+          // (n - q_top) / r in double, rounded once to fp32.
+          uniform_scale = static_cast<float>(static_cast<double>(n - q_top) /
+                                             static_cast<double>(k - q_top));
+        }
       }
+      const bool by_pi = rule == SelectRule::kSample;
       int64_t w = 0;  // position order: the compaction keeps the forward order
       for (int64_t i = 0; i < n; ++i) {
         const uint8_t st = s.state[i];
@@ -295,8 +339,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows_cpu(const at::Tensor&
           continue;
         }
         idx[w] = begin + i;
-        // 1/pi in double, rounded once to fp32.
-        scl[w] = st == kKept ? 1.0f : static_cast<float>(1.0 / p.pi(v[i]));
+        // sample: 1/pi in double, rounded once to fp32.
+        scl[w] = st == kKept  ? 1.0f
+                 : by_pi      ? static_cast<float>(1.0 / p.pi(v[i]))
+                              : uniform_scale;
         ++w;
       }
       TORCH_INTERNAL_ASSERT(w == k, "select_rows: cell ", c, " kept ", w, " rows, not ", k);

@@ -25,6 +25,17 @@
 //   4. cub::DeviceSelect::Flagged compacts the positions whose flag is set;
 //      it is order-preserving, so the kept rows come out grouped by cell in
 //      cell order and in ascending position inside a cell.
+// uniform and hybrid replace steps 2-3 (hybrid runs step 1 and a step 2 that
+// marks the q_top first rows of each cell instead of the q first; uniform
+// skips step 1):
+//   U1. key[i] = row_key of row i (64 bits, distinct within a cell); one
+//       radix sort of (key, position) over all rows.
+//   U2. A second, stable radix sort of that order by (cell << 1 | not top)
+//       (cell_bits + 1 bits): least-significant-digit order, so every cell's
+//       rows come out top rows first, then the others by ascending key.
+//   U3. For sorted slot j of cell c: keep iff j - off[c] < q[c]; scale 1 for
+//       top rows and whole cells, float32((n - q_top) / (q - q_top)) for the
+//       others, written at the row's position. Then step 4.
 // One thread per cell in step 3 is simple and exact but serial within a
 // cell. If very large cells make it a bottleneck, a block per cell needs a
 // fixed-tree scan, and the recipe (CPU and torch too) must then name that
@@ -65,9 +76,14 @@ int cell_bits(int64_t n_cells) {
 
 // Byte offsets of the workspace's arrays.
 struct Layout {
-  size_t keys_in, keys_out, pos_in, pos_out, flags, rank, scale_full, n_selected, temp;
+  size_t keys_in, keys_out, pos_in, pos_out, pos_tmp, flags, rank, is_top, scale_full,
+      n_selected, temp;
   size_t temp_bytes, total;
 };
+
+bool is_uniform_family(SelectRule rule) {
+  return rule == SelectRule::kUniform || rule == SelectRule::kHybrid;
+}
 
 const char* make_layout(int64_t n_rows, int64_t n_cells, SelectRule rule, Layout* l) {
   if (n_cells >= (int64_t{1} << 32)) {
@@ -75,6 +91,8 @@ const char* make_layout(int64_t n_rows, int64_t n_cells, SelectRule rule, Layout
   }
   const size_t n = static_cast<size_t>(n_rows);
   const bool sample = rule == SelectRule::kSample;
+  const bool keyed = is_uniform_family(rule);
+  const bool hybrid = rule == SelectRule::kHybrid;
   size_t at = 0;
   auto take = [&](size_t bytes) {
     const size_t start = at;
@@ -85,25 +103,32 @@ const char* make_layout(int64_t n_rows, int64_t n_cells, SelectRule rule, Layout
   l->keys_out = take(n * sizeof(uint64_t));
   l->pos_in = take(n * sizeof(int64_t));
   l->pos_out = take(n * sizeof(int64_t));
+  l->pos_tmp = take(keyed ? n * sizeof(int64_t) : 0);
   l->flags = take(n * sizeof(uint8_t));
   l->rank = take(sample ? n * sizeof(int64_t) : 0);
-  l->scale_full = take(sample ? n * sizeof(float) : 0);
+  l->is_top = take(hybrid ? n * sizeof(uint8_t) : 0);
+  l->scale_full = take(sample || keyed ? n * sizeof(float) : 0);
   l->n_selected = take(sizeof(int64_t));
 
-  // Size queries only (null temp storage): nothing is launched.
+  // Size queries only (null temp storage): nothing is launched. The three
+  // sorts (metric, row key, cell + top flag) differ only in their bit ranges.
   size_t sort_bytes = 0;
-  cudaError_t err = cub::DeviceRadixSort::SortPairs(
-      nullptr, sort_bytes, static_cast<const uint64_t*>(nullptr), static_cast<uint64_t*>(nullptr),
-      static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr), n_rows, 0,
-      32 + cell_bits(n_cells));
-  if (err != cudaSuccess) {
-    return cudaGetErrorString(err);
+  const int bit_ranges[3] = {32 + cell_bits(n_cells), 64, cell_bits(n_cells) + 1};
+  for (int end_bit : bit_ranges) {
+    size_t bytes = 0;
+    cudaError_t e = cub::DeviceRadixSort::SortPairs(
+        nullptr, bytes, static_cast<const uint64_t*>(nullptr), static_cast<uint64_t*>(nullptr),
+        static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr), n_rows, 0, end_bit);
+    if (e != cudaSuccess) {
+      return cudaGetErrorString(e);
+    }
+    sort_bytes = bytes > sort_bytes ? bytes : sort_bytes;
   }
   size_t select_bytes = 0;
-  err = cub::DeviceSelect::Flagged(nullptr, select_bytes, static_cast<const int64_t*>(nullptr),
-                                   static_cast<const uint8_t*>(nullptr),
-                                   static_cast<int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
-                                   n_rows);
+  const cudaError_t err = cub::DeviceSelect::Flagged(
+      nullptr, select_bytes, static_cast<const int64_t*>(nullptr),
+      static_cast<const uint8_t*>(nullptr), static_cast<int64_t*>(nullptr),
+      static_cast<int64_t*>(nullptr), n_rows);
   if (err != cudaSuccess) {
     return cudaGetErrorString(err);
   }
@@ -279,6 +304,78 @@ __global__ void sample_cells_kernel(const float* __restrict__ metric,
   }
 }
 
+// hybrid, after step 1: is_top[p] = 1 for the q_top first rows of TopK order.
+__global__ void mark_top_kernel(const uint64_t* __restrict__ keys, const int64_t* __restrict__ pos,
+                                const int64_t* __restrict__ off,
+                                const int64_t* __restrict__ kept_counts, int64_t n_rows,
+                                double hybrid_fraction, uint8_t* __restrict__ is_top) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n_rows;
+       j += stride) {
+    const int64_t c = static_cast<int64_t>(keys[j] >> 32);
+    is_top[pos[j]] = j - off[c] < hybrid_top_count(hybrid_fraction, kept_counts[c]) ? 1 : 0;
+  }
+}
+
+// U1: the row keys (pos[i] = i is already there from build_keys_kernel or
+// set here).
+__global__ void build_row_keys_kernel(const int64_t* __restrict__ off, int64_t n_rows,
+                                      int64_t n_cells, uint64_t seed, uint64_t* __restrict__ keys,
+                                      int64_t* __restrict__ pos) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n_rows;
+       i += stride) {
+    const int64_t c = cell_of_row(off, n_cells, i);
+    keys[i] = row_key(cell_key_base(seed, c), i - off[c]);
+    pos[i] = i;
+  }
+}
+
+// U2's key for sorted slot j: (cell << 1) | (row is not a top row).
+__global__ void build_group_keys_kernel(const int64_t* __restrict__ off,
+                                        const int64_t* __restrict__ pos,
+                                        const uint8_t* __restrict__ is_top, int64_t n_rows,
+                                        int64_t n_cells, uint64_t* __restrict__ keys) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n_rows;
+       j += stride) {
+    const int64_t p = pos[j];
+    const uint64_t not_top = (is_top != nullptr && is_top[p] != 0) ? 0u : 1u;
+    keys[j] = (static_cast<uint64_t>(cell_of_row(off, n_cells, p)) << 1) | not_top;
+  }
+}
+
+// U3: the position-in-segment test on the (cell, not top, key) order, with
+// the scale of each kept row.
+__global__ void mark_uniform_kernel(const uint64_t* __restrict__ keys,
+                                    const int64_t* __restrict__ pos,
+                                    const int64_t* __restrict__ off,
+                                    const int64_t* __restrict__ kept_counts, int64_t n_rows,
+                                    bool hybrid, double hybrid_fraction,
+                                    uint8_t* __restrict__ flags, float* __restrict__ scale_full) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n_rows;
+       j += stride) {
+    const uint64_t key = keys[j];
+    const int64_t c = static_cast<int64_t>(key >> 1);
+    const int64_t q = kept_counts[c];
+    const int64_t p = pos[j];
+    const bool keep = j - off[c] < q;
+    flags[p] = keep ? 1 : 0;
+    if (!keep) {
+      continue;
+    }
+    const int64_t n = off[c + 1] - off[c];
+    const int64_t q_top = hybrid ? hybrid_top_count(hybrid_fraction, q) : 0;
+    float sc = 1.0f;
+    if ((key & 1u) != 0 && q < n) {  // a key-drawn row of a partial cell: q > q_top
+      sc = __double2float_rn(
+          __ddiv_rn(static_cast<double>(n - q_top), static_cast<double>(q - q_top)));
+    }
+    scale_full[p] = sc;
+  }
+}
+
 __global__ void fill_ones_kernel(float* __restrict__ out, int64_t n) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -314,9 +411,9 @@ const char* select_rows_cuda_workspace_bytes(int64_t n_rows, int64_t n_cells, Se
 
 const char* select_rows_cuda(const float* metric, const int64_t* cell_offsets,
                              const int64_t* kept_counts, int64_t n_rows, int64_t n_cells,
-                             int64_t n_kept, SelectRule rule, uint64_t seed, int64_t* kept_index,
-                             float* scale, void* workspace, size_t workspace_bytes,
-                             CUstream_st* stream) {
+                             int64_t n_kept, SelectRule rule, uint64_t seed,
+                             double hybrid_fraction, int64_t* kept_index, float* scale,
+                             void* workspace, size_t workspace_bytes, CUstream_st* stream) {
   if (n_rows <= 0 || n_cells <= 0 || n_kept <= 0) {
     return nullptr;  // nothing kept; a zero-sized grid would be a launch error
   }
@@ -339,17 +436,58 @@ const char* select_rows_cuda(const float* metric, const int64_t* cell_offsets,
   float* scale_full = sample ? at_offset<float>(workspace, l.scale_full) : nullptr;
 
   const dim3 rows_grid = grid_for(n_rows);
-  build_keys_kernel<<<rows_grid, kThreads, 0, stream>>>(metric, cell_offsets, n_rows, n_cells,
-                                                        keys_in, pos_in);
   size_t temp_bytes = l.temp_bytes;
-  cudaError_t err =
-      cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, pos_in, pos_out, n_rows,
-                                      0, 32 + cell_bits(n_cells), stream);
-  if (err != cudaSuccess) {
-    return cudaGetErrorString(err);
+  cudaError_t err = cudaSuccess;
+  if (is_uniform_family(rule)) {
+    const bool hybrid = rule == SelectRule::kHybrid;
+    uint8_t* is_top = hybrid ? at_offset<uint8_t>(workspace, l.is_top) : nullptr;
+    int64_t* pos_tmp = at_offset<int64_t>(workspace, l.pos_tmp);
+    scale_full = at_offset<float>(workspace, l.scale_full);
+    if (hybrid) {  // steps 1 and 2 with q_top: which rows are top rows
+      build_keys_kernel<<<rows_grid, kThreads, 0, stream>>>(metric, cell_offsets, n_rows,
+                                                            n_cells, keys_in, pos_in);
+      err = cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, pos_in, pos_out,
+                                            n_rows, 0, 32 + cell_bits(n_cells), stream);
+      if (err != cudaSuccess) {
+        return cudaGetErrorString(err);
+      }
+      mark_top_kernel<<<rows_grid, kThreads, 0, stream>>>(keys_out, pos_out, cell_offsets,
+                                                          kept_counts, n_rows, hybrid_fraction,
+                                                          is_top);
+    }
+    // U1: rows by key (pos_in = 0..P-1 again).
+    build_row_keys_kernel<<<rows_grid, kThreads, 0, stream>>>(cell_offsets, n_rows, n_cells,
+                                                              seed, keys_in, pos_in);
+    temp_bytes = l.temp_bytes;
+    err = cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, pos_in, pos_out,
+                                          n_rows, 0, 64, stream);
+    if (err != cudaSuccess) {
+      return cudaGetErrorString(err);
+    }
+    // U2: stable by (cell, not top); the key order survives inside each group.
+    build_group_keys_kernel<<<rows_grid, kThreads, 0, stream>>>(cell_offsets, pos_out, is_top,
+                                                                n_rows, n_cells, keys_in);
+    temp_bytes = l.temp_bytes;
+    err = cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, pos_out, pos_tmp,
+                                          n_rows, 0, cell_bits(n_cells) + 1, stream);
+    if (err != cudaSuccess) {
+      return cudaGetErrorString(err);
+    }
+    // U3.
+    mark_uniform_kernel<<<rows_grid, kThreads, 0, stream>>>(keys_out, pos_tmp, cell_offsets,
+                                                            kept_counts, n_rows, hybrid,
+                                                            hybrid_fraction, flags, scale_full);
+  } else {
+    build_keys_kernel<<<rows_grid, kThreads, 0, stream>>>(metric, cell_offsets, n_rows, n_cells,
+                                                          keys_in, pos_in);
+    err = cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, pos_in, pos_out,
+                                          n_rows, 0, 32 + cell_bits(n_cells), stream);
+    if (err != cudaSuccess) {
+      return cudaGetErrorString(err);
+    }
+    mark_kept_kernel<<<rows_grid, kThreads, 0, stream>>>(keys_out, pos_out, cell_offsets,
+                                                         kept_counts, n_rows, flags, rank);
   }
-  mark_kept_kernel<<<rows_grid, kThreads, 0, stream>>>(keys_out, pos_out, cell_offsets,
-                                                       kept_counts, n_rows, flags, rank);
   if (sample) {
     sample_cells_kernel<<<grid_for(n_cells), kThreads, 0, stream>>>(
         metric, cell_offsets, kept_counts, pos_out, rank, n_cells, seed, flags, scale_full);
@@ -361,7 +499,7 @@ const char* select_rows_cuda(const float* metric, const int64_t* cell_offsets,
   if (err != cudaSuccess) {
     return cudaGetErrorString(err);
   }
-  if (sample) {
+  if (scale_full != nullptr) {  // sample, uniform, hybrid
     gather_scale_kernel<<<grid_for(n_kept), kThreads, 0, stream>>>(scale_full, kept_index, n_kept,
                                                                    scale);
   } else {

@@ -28,7 +28,7 @@ struct CUstream_st;  // cudaStream_t without the CUDA headers (see scatter_add_r
 
 namespace lrmoe {
 
-enum class SelectRule : int32_t { kTopK = 0, kSample = 1 };
+enum class SelectRule : int32_t { kTopK = 0, kSample = 1, kUniform = 2, kHybrid = 3 };
 
 // SplitMix64's output function applied to x + golden gamma (Steele, Lea and
 // Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014): a
@@ -48,13 +48,37 @@ LRMOE_HOST_DEVICE inline double cell_uniform(uint64_t seed, int64_t cell) {
   return static_cast<double>(z >> 11) * 0x1.0p-53;
 }
 
+// The uniform/hybrid key base of one cell: h_c = splitmix64(splitmix64(seed) + cell).
+LRMOE_HOST_DEVICE inline uint64_t cell_key_base(uint64_t seed, int64_t cell) {
+  return splitmix64(splitmix64(seed) + static_cast<uint64_t>(cell));
+}
+
+// The uniform/hybrid key of row j (position in its cell) given its cell's
+// base: splitmix64(h_c + j). Distinct within a cell (splitmix64 is a
+// bijection), so the "smallest keys" of the recipe never tie.
+LRMOE_HOST_DEVICE inline uint64_t row_key(uint64_t cell_base, int64_t j) {
+  return splitmix64(cell_base + static_cast<uint64_t>(j));
+}
+
+// hybrid's q_top = floor(f * q), the product rounded once in double (the
+// explicit-rounding intrinsic on the device keeps nvcc from changing it).
+LRMOE_HOST_DEVICE inline int64_t hybrid_top_count(double fraction, int64_t q) {
+#if defined(__CUDA_ARCH__)
+  const double p = __dmul_rn(fraction, static_cast<double>(q));
+#else
+  const double p = fraction * static_cast<double>(q);
+#endif
+  return static_cast<int64_t>(p);  // 0 <= p <= q: truncation is floor
+}
+
 // Bytes of device scratch space select_rows_cuda needs for n_rows rows and
 // n_cells cells (a query of cub's temporary-storage sizes; launches nothing).
 // Returns nullptr on success, otherwise a static error description.
 const char* select_rows_cuda_workspace_bytes(int64_t n_rows, int64_t n_cells, SelectRule rule,
                                              size_t* bytes);
 
-// Enqueues the selection on `stream`. Device pointers: metric [P] fp32,
+// Enqueues the selection on `stream` (`hybrid_fraction` in [0, 1] is used by
+// kHybrid only). Device pointers: metric [P] fp32,
 // cell_offsets [C + 1], kept_counts [C] (= min(quota, cell size)), and the
 // outputs kept_index [K] int64 and scale [K] fp32; workspace holds
 // workspace_bytes (at least what select_rows_cuda_workspace_bytes reported).
@@ -65,8 +89,8 @@ const char* select_rows_cuda_workspace_bytes(int64_t n_rows, int64_t n_cells, Se
 // Returns nullptr on success, otherwise a static error description.
 const char* select_rows_cuda(const float* metric, const int64_t* cell_offsets,
                              const int64_t* kept_counts, int64_t n_rows, int64_t n_cells,
-                             int64_t n_kept, SelectRule rule, uint64_t seed, int64_t* kept_index,
-                             float* scale, void* workspace, size_t workspace_bytes,
-                             CUstream_st* stream);
+                             int64_t n_kept, SelectRule rule, uint64_t seed,
+                             double hybrid_fraction, int64_t* kept_index, float* scale,
+                             void* workspace, size_t workspace_bytes, CUstream_st* stream);
 
 }  // namespace lrmoe

@@ -73,7 +73,12 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="fraction of each expert's pairs always kept in backward")
     g.add_argument("--moe-lrmoe-metric", default="grad_act",
                    choices=["grad_act", "grad", "prob", "random"])
-    g.add_argument("--moe-lrmoe-selection", default="topk", choices=["topk", "sample"])
+    g.add_argument("--moe-lrmoe-selection", default="topk",
+                   choices=["topk", "sample", "uniform", "hybrid"],
+                   help="per-cell backward selection: topk, sample (1/pi-scaled), uniform "
+                        "(n/q-scaled), hybrid (top share + uniform rest)")
+    g.add_argument("--moe-lrmoe-hybrid-fraction", type=float, default=0.5,
+                   help="share of each cell's quota that hybrid keeps by top metric, in [0, 1]")
     g.add_argument("--moe-lrmoe-kernels", default="auto", choices=["auto", "cpu", "cuda", "torch"])
     g.add_argument("--moe-lrmoe-log-interval", type=int, default=None,
                    help="steps between LRMoE statistics (default --log-interval)")
@@ -99,6 +104,9 @@ def validate_lrmoe_flags(args: argparse.Namespace) -> None:
     if not 0.0 <= args.moe_lrmoe_min_retention <= 1.0:
         raise ConfigError(f"--moe-lrmoe-min-retention must be in [0, 1], "
                           f"got {args.moe_lrmoe_min_retention}")
+    if not 0.0 <= args.moe_lrmoe_hybrid_fraction <= 1.0:  # NaN fails too
+        raise ConfigError(f"--moe-lrmoe-hybrid-fraction must be in [0, 1], "
+                          f"got {args.moe_lrmoe_hybrid_fraction}")
     if args.moe_lrmoe_log_interval is not None and args.moe_lrmoe_log_interval <= 0:
         raise ConfigError("--moe-lrmoe-log-interval must be positive")
     if args.moe_lrmoe_slots_per_rank is not None and args.moe_lrmoe_slots_per_rank < 1:
@@ -144,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="bias in the QKV projection only (e.g. GLM-4.5)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -353,10 +363,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(f"--eval-iters must be >= 0, got {args.eval_iters}")
 
     # Model shape.
-    if args.hidden_size % args.num_attention_heads:
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         raise ConfigError(
             f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
-            f"({args.num_attention_heads})"
+            f"({args.num_attention_heads}), or give --kv-channels (as Megatron-LM)"
         )
     if args.num_query_groups is not None:
         if not args.group_query_attention:

@@ -296,6 +296,7 @@ def check_megatron_accepts(args: argparse.Namespace) -> None:
 def train(args: argparse.Namespace) -> dict:
     device, owns_process_group = initialize_distributed(args)
 
+    from megatron.core import num_microbatches_calculator
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -308,6 +309,11 @@ def train(args: argparse.Namespace) -> dict:
     args.num_microbatches = args.global_batch_size // (
         args.micro_batch_size * ps.get_data_parallel_world_size()
     )
+    # Megatron's own micro-batch bookkeeping, as Megatron-LM sets it up: LRMoE layers
+    # read it to know a step's last backward (replica gradient reduction).
+    num_microbatches_calculator.init_num_microbatches_calculator(
+        dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
+        ps.get_data_parallel_world_size())
     log0(
         f"megatron_lrmoe.pretrain: world {dist.get_world_size()} ({dist.get_backend()}), "
         f"TP {args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size} "
@@ -318,6 +324,16 @@ def train(args: argparse.Namespace) -> dict:
     # ---- model, optimizer, scheduler ----------------------------------------
     tokenizer = builders.build_tokenizer_from_args(args)
     config = builders.transformer_config_from_args(args)
+    if args.moe_lrmoe:
+        from megatron_lrmoe.lrmoe.planner_settings import check_memory_budget
+
+        tokens = args.micro_batch_size * args.seq_length // (
+            args.tensor_model_parallel_size if args.sequence_parallel else 1)
+        try:
+            check_memory_budget(config, args.expert_model_parallel_size, tokens,
+                                args.num_microbatches, device.type)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     model = builders.build_model(
         args, config, tokenizer.vocab_size, spec_transform=builders.lrmoe_spec_transform(args)
     )
@@ -472,6 +488,7 @@ def train(args: argparse.Namespace) -> dict:
     if history and dist.get_rank() == 0:
         print_summary(args, summary, wall)
     dist.barrier()
+    num_microbatches_calculator.destroy_num_microbatches_calculator()
     ps.destroy_model_parallel()
     if owns_process_group:
         dist.destroy_process_group()

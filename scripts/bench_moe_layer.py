@@ -70,8 +70,11 @@ GLIBC_CACHING_TUNABLES = ("glibc.malloc.mmap_max=0", "glibc.malloc.trim_threshol
 # -----------------------------------------------------------------------------
 
 
-def _build_layers(cfg: dict):
-    """Megatron's MoELayer and an LRMoELayer with the same weights, on this rank."""
+def _build_layers(cfg: dict, variants: dict[str, dict] | None = None):
+    """Megatron's MoELayer and an LRMoELayer with the same weights, on this rank.
+
+    ``variants``: more LRMoE layers (name -> extra LRMoETransformerConfig fields), same
+    weights, returned as a third value (a dict) when given."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -109,7 +112,16 @@ def _build_layers(cfg: dict):
     lrmoe.load_state_dict(megatron.state_dict())  # same keys: interchangeable experts
     lrmoe.grouped_gemm = {"auto": None, "on": True, "off": False}[cfg["grouped_gemm"]]
     device = torch.device(cfg["device"])
-    return megatron.to(device).train(), lrmoe.to(device).train()
+    if variants is None:
+        return megatron.to(device).train(), lrmoe.to(device).train()
+    extra = {}
+    for name, fields in variants.items():
+        layer = build_module(to_lrmoe_spec(spec), config=LRMoETransformerConfig(
+            **common, moe_lrmoe=True, moe_lrmoe_kernels=cfg["kernels"], **fields))
+        layer.load_state_dict(megatron.state_dict())
+        layer.grouped_gemm = lrmoe.grouped_gemm
+        extra[name] = layer.to(device).train()
+    return megatron.to(device).train(), lrmoe.to(device).train(), extra
 
 
 def popularity_routing(tokens: int, popularity: torch.Tensor, topk: int, seed: int,
@@ -278,6 +290,7 @@ def run_benchmark(cfg: dict) -> dict:
                     continue
                 if gamma is not None:
                     lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
+                    lrmoe.placement_planner = None   # rebuilt from the config at the call
                 try:
                     t_f, t_b, st, cpu, flt = _one_step(layers[name], x, dy, sync, barrier)
                 except Exception:

@@ -124,8 +124,9 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
             check(f"compact_rows {dtype} P={p} K={k} H={h} scale={tag}",
                   out.is_cuda and torch.equal(out.cpu(), ref))
 
-# select_rows: bitwise for both rules (the recipe is fixed operation for operation).
-for rule in ("topk", "sample"):
+# select_rows: bitwise for every rule (the recipes are fixed operation for operation).
+for rule, fraction in (("topk", 0.5), ("sample", 0.5), ("uniform", 0.5), ("hybrid", 0.5),
+                       ("hybrid", 0.29), ("hybrid", 1.0)):
     for seed in range(3):
         sizes = torch.randint(0, 300, (64,), generator=g)
         sizes[:3] = torch.tensor([0, 1, 5000])
@@ -135,11 +136,12 @@ for rule in ("topk", "sample"):
         metric[1::5] = metric[0]  # ties
         quotas = (sizes.double() * torch.rand(64, generator=g)).long()
         quotas[3], quotas[4] = 0, 10**6
-        ref = select_rows_reference(metric, off, quotas, rule=rule, seed=seed)
+        ref = select_rows_reference(metric, off, quotas, rule=rule, seed=seed,
+                                    hybrid_fraction=fraction)
         got = select_rows(metric.to(dev), off.to(dev), quotas.to(dev), rule=rule, seed=seed,
-                          backend="cuda")
+                          backend="cuda", hybrid_fraction=fraction)
         same = all(a.is_cuda and torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, ref))
-        check(f"select_rows {rule} seed={seed} P={int(off[-1])}", same)
+        check(f"select_rows {rule} f={fraction} seed={seed} P={int(off[-1])}", same)
 
 # scatter_add_rows: unique destinations are bitwise; repeated ones use atomics (order
 # not fixed): fp32 close, 16-bit within the per-add rounding bound.

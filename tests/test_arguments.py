@@ -165,6 +165,11 @@ LRMOE_INVALID = [
       "--moe-lrmoe-bwd-capacity-factor", "0"], "--moe-lrmoe-bwd-capacity-factor must be > 0"),
     (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
       "--moe-lrmoe-min-retention", "1.5"], "--moe-lrmoe-min-retention must be in [0, 1]"),
+    (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
+      "--moe-lrmoe-selection", "hybrid", "--moe-lrmoe-hybrid-fraction", "1.5"],
+     "--moe-lrmoe-hybrid-fraction must be in [0, 1]"),
+    (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
+      "--moe-lrmoe-hybrid-fraction", "nan"], "--moe-lrmoe-hybrid-fraction must be in [0, 1]"),
 ]
 
 
@@ -190,6 +195,8 @@ def test_lrmoe_needs_experts(world):
     ("moe_lrmoe_selection", "best", "moe_lrmoe_selection"),
     ("moe_lrmoe_metric", "loss", "moe_lrmoe_metric"),
     ("moe_lrmoe_bwd_capacity_factor", -1.0, "moe_lrmoe_bwd_capacity_factor"),
+    ("moe_lrmoe_hybrid_fraction", -0.5, "moe_lrmoe_hybrid_fraction"),
+    ("moe_lrmoe_hybrid_fraction", float("nan"), "moe_lrmoe_hybrid_fraction"),
 ])
 def test_lrmoe_config_refuses_unsupported_fields(field, value, message):
     """The config class names the field, for entry points that bypass the launcher."""
@@ -223,4 +230,17 @@ def test_without_moe_lrmoe_nothing_of_the_plugin_is_built(world):
     config = transformer_config_from_args(args)
     assert type(config).__name__ == "LRMoETransformerConfig"
     assert config.moe_lrmoe and config.moe_lrmoe_selection == "sample"
+    assert config.moe_lrmoe_hybrid_fraction == 0.5  # DESIGN section 8 default
     assert lrmoe_spec_transform(args) is not None
+
+
+@pytest.mark.parametrize("selection", ["uniform", "hybrid"])
+def test_new_selection_rules_reach_the_config(world, selection):
+    from megatron_lrmoe.training.builders import transformer_config_from_args
+
+    args = parse_args(BASE + ["--moe-token-dispatcher-type", "alltoall", "--moe-lrmoe",
+                              "--disable-bias-linear", "--moe-lrmoe-selection", selection,
+                              "--moe-lrmoe-hybrid-fraction", "0.25"])
+    config = transformer_config_from_args(args)
+    assert config.moe_lrmoe_selection == selection
+    assert config.moe_lrmoe_hybrid_fraction == 0.25

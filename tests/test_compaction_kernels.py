@@ -28,7 +28,7 @@ from megatron_lrmoe.ops import (
 )
 from megatron_lrmoe.ops.select import _sample_cell, cell_uniform, splitmix64
 
-RULES = ["topk", "sample"]
+RULES = ["topk", "sample", "uniform", "hybrid"]  # hybrid at its default fraction 0.5
 CPU_BACKENDS = ["cpu", "torch"]
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 INDEX_DTYPES = [torch.int32, torch.int64]
@@ -437,8 +437,8 @@ def test_select_bad_arguments_raise(kernels, backend, exc, pattern, args):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_select_bad_rule_and_seed(kernels, backend):
     m, off, q = torch.rand(4), offsets_of([4]), torch.tensor([2])
-    with pytest.raises(ValueError, match="rule must be 'topk' or 'sample'"):
-        select_rows(m, off, q, rule="uniform", backend=backend)
+    with pytest.raises(ValueError, match="rule must be one of 'topk', 'sample', 'uniform'"):
+        select_rows(m, off, q, rule="best", backend=backend)
     with pytest.raises(TypeError):
         select_rows(m, off, q, rule="sample", seed=1.5, backend=backend)
     assert_same(

@@ -16,7 +16,8 @@ HIDDEN, FFN, EXPERTS = 16, 24, 8
 
 
 def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
-           swiglu: bool = True, shared: int | None = None, min_retention: float = 0.0):
+           swiglu: bool = True, shared: int | None = None, min_retention: float = 0.0,
+           hybrid_fraction: float = 0.5):
     """Megatron's MoELayer and an LRMoELayer with the same weights, on this rank."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
@@ -45,7 +46,8 @@ def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
     megatron = build_module(spec, config=TransformerConfig(**common))
     lrmoe_config = LRMoETransformerConfig(
         **common, moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=gamma,
-        moe_lrmoe_selection=selection, moe_lrmoe_min_retention=min_retention)
+        moe_lrmoe_selection=selection, moe_lrmoe_min_retention=min_retention,
+        moe_lrmoe_hybrid_fraction=hybrid_fraction)
     lrmoe = build_module(to_lrmoe_spec(spec), config=lrmoe_config)
     lrmoe.load_state_dict(megatron.state_dict())  # same keys: interchangeable experts
     return megatron, lrmoe
@@ -139,7 +141,9 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
     from megatron_lrmoe.lrmoe.planner import plan_retention
     from megatron_lrmoe.ops import select_rows_reference
 
-    megatron, lrmoe = _build(ep, gamma, selection=selection, aux=0.0, min_retention=min_ret)
+    # hybrid at a non-default fraction: the layer must pass its config's value on.
+    megatron, lrmoe = _build(ep, gamma, selection=selection, aux=0.0, min_retention=min_ret,
+                             hybrid_fraction=0.3 if selection == "hybrid" else 0.5)
     router_ref = megatron.router  # same weights, separate parameters
     lrmoe.grouped_gemm = grouped
     x, dy = _inputs(14)
@@ -170,8 +174,9 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
     rank = dist.get_rank(lrmoe.ep_group) if ep > 1 else 0
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts[rank].cumsum(0)])
     seed = _mix_seed(lrmoe._seed_base, lrmoe.layer_number or 0, 0)
-    kept, scale, _ = select_rows_reference(metric, offsets, plan.quotas[rank].clone(),
-                                           rule=selection, seed=seed)
+    kept, scale, _ = select_rows_reference(
+        metric, offsets, plan.quotas[rank].clone(), rule=selection, seed=seed,
+        hybrid_fraction=lrmoe.config.moe_lrmoe_hybrid_fraction)
     factor = torch.zeros(p.shape[0])
     factor[kept] = scale if selection != "topk" else 1.0
     o_eff = o.detach() + factor.unsqueeze(1) * (o - o.detach())
@@ -198,7 +203,7 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
-@pytest.mark.parametrize("selection", ["topk", "sample"])
+@pytest.mark.parametrize("selection", ["topk", "sample", "uniform", "hybrid"])
 @pytest.mark.parametrize("pool_name,ep", [("gloo1", 1), ("gloo2", 2), ("gloo4", 4)])
 def test_drops_equal_dense_reference(request, pool_name, ep, selection, grouped):
     pool = request.getfixturevalue(pool_name)
@@ -207,6 +212,31 @@ def test_drops_equal_dense_reference(request, pool_name, ep, selection, grouped)
                                            selection, 0.1, grouped)):
         assert result.pop("dropped"), "the setting must actually drop pairs"
         assert all(result.values()), (rank, result)
+
+
+def _selection_arguments(selection: str, fraction: float):
+    """The rule and fraction the region hands select_rows (captured on the way)."""
+    from unittest import mock
+
+    from megatron_lrmoe.lrmoe import region
+
+    _, lrmoe = _build(1, 0.5, selection=selection, aux=0.0, hybrid_fraction=fraction)
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["rule"], kwargs["hybrid_fraction"]))
+        return real(*args, **kwargs)
+
+    real = region.select_rows
+    with mock.patch.object(region, "select_rows", spy):
+        _run(lrmoe, *_inputs(8))
+    return seen
+
+
+@pytest.mark.parametrize("selection,fraction", [("hybrid", 0.3), ("uniform", 0.0)])
+def test_selection_and_fraction_reach_the_kernel(gloo1, selection, fraction):
+    (seen,) = gloo1.run(_selection_arguments, selection, fraction)
+    assert seen == [(selection, fraction)]
 
 
 # -----------------------------------------------------------------------------

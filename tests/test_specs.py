@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer import TransformerConfig
@@ -133,3 +134,81 @@ def test_converter_leaves_dense_specs_alone():
 
     dense = get_gpt_layer_local_spec()
     assert to_lrmoe_spec(dense) == dense
+
+
+def _mtp_conversion() -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
+
+    ps.initialize_model_parallel()  # the MTP spec asks for the pipeline stage
+    config = _config(mtp_num_layers=1)
+    last = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                      pp_rank=0).layer_specs[-1]
+    mtp = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, pp_rank=0)
+    before = _moe_positions(mtp)
+    converted = _moe_positions(to_lrmoe_spec(mtp))
+    names = [(m.__name__, e.__name__) for m, e, _ in converted]
+    return {"before": [(m.__name__, e.__name__) for m, e, _ in before], "after": names,
+            "unchanged": _moe_positions(mtp) == before}
+
+
+def test_converter_on_mtp_block_spec(gloo1):
+    """Megatron-LM's gpt_builder builds an MTP block from the last decoder layer's spec
+    (an MoE layer for these models): its MoE position converts like the decoder's."""
+    (result,) = gloo1.run(_mtp_conversion, timeout=120)
+    assert result["before"] == [("MoELayer", "SequentialMLP")]
+    assert result["after"] == [("LRMoELayer", "LRMoESequentialMLP")]
+    assert result["unchanged"], "the input spec must not change"
+
+
+def test_converter_is_the_identity_without_moe():
+    from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
+
+    dense_block = get_gpt_decoder_block_spec(_config(num_moe_experts=None),
+                                             use_transformer_engine=False, pp_rank=0)
+    assert to_lrmoe_spec(dense_block) == dense_block
+    assert to_lrmoe_spec([dense_block, None]) == [dense_block, None]
+
+
+def _build_both(layer_freq: list[int], shared: int | None) -> dict:
+    """GPTModel from Megatron's local block spec and from its conversion: module classes."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
+    from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
+
+    ps.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1)
+    base = dict(num_layers=len(layer_freq), hidden_size=16, num_attention_heads=2,
+                num_moe_experts=4, moe_router_topk=2, normalization="RMSNorm",
+                add_bias_linear=False, moe_layer_freq=layer_freq,
+                moe_shared_expert_intermediate_size=shared,
+                moe_token_dispatcher_type="alltoall")
+    out = {}
+    for name, lrmoe in (("megatron", False), ("lrmoe", True)):
+        config = LRMoETransformerConfig(**base, moe_lrmoe=lrmoe)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)
+        model = GPTModel(config, to_lrmoe_spec(spec) if lrmoe else spec, vocab_size=64,
+                         max_sequence_length=8)
+        out[name] = [(n, type(m).__name__) for n, m in model.named_modules()]
+    return out
+
+
+@pytest.mark.parametrize("layer_freq, shared", [([1, 1], None), ([0, 1, 0, 1], 32)])
+def test_converted_spec_builds_a_model_with_lrmoe_only_in_moe_positions(gloo1, layer_freq,
+                                                                         shared):
+    (built,) = gloo1.run(_build_both, layer_freq, shared, timeout=120)
+    renamed = {"MoELayer": "LRMoELayer", "SequentialMLP": "LRMoESequentialMLP"}
+    megatron, lrmoe = dict(built["megatron"]), dict(built["lrmoe"])
+    assert sum(v == "LRMoELayer" for v in lrmoe.values()) == sum(layer_freq)
+    # Same module tree; only the MoE layers and their expert containers change class
+    # (the LRMoE dispatcher is not a module).
+    assert megatron.keys() == lrmoe.keys()
+    for name, cls in megatron.items():
+        assert lrmoe[name] == renamed.get(cls, cls), name
+    if shared:
+        assert "SharedExpertMLP" in lrmoe.values()

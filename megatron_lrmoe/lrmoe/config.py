@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from megatron.core.transformer import TransformerConfig
 
 LRMOE_METRICS = ("grad_act", "grad", "prob", "random")
-LRMOE_SELECTIONS = ("topk", "sample")
+LRMOE_SELECTIONS = ("topk", "sample", "uniform", "hybrid")
 LRMOE_KERNELS = ("auto", "cpu", "cuda", "torch")
 LRMOE_PLACEMENTS = ("static", "popularity", "memory-aware")
 
@@ -36,7 +36,13 @@ class LRMoETransformerConfig(TransformerConfig):
     """Per-pair contribution metric: grad_act (||g|| x ||h||), grad (||g||), prob, random."""
 
     moe_lrmoe_selection: str = "topk"
-    """How each (source, expert) cell keeps its quota: topk or sample (1/pi-scaled)."""
+    """How each (source, expert) cell keeps its quota: topk, sample (1/pi-scaled),
+    uniform (a uniform subset, n/q-scaled) or hybrid (a share by top metric, the rest
+    uniform and scaled to stay unbiased)."""
+
+    moe_lrmoe_hybrid_fraction: float = 0.5
+    """Share of each cell's quota that ``hybrid`` keeps by top metric (floor of f x q);
+    0 is ``uniform``, 1 is ``topk``."""
 
     moe_lrmoe_kernels: str = "auto"
     """Compaction kernel backend: auto, cpu, cuda, torch."""
@@ -85,6 +91,9 @@ def _validate_lrmoe(c: LRMoETransformerConfig) -> None:
     if c.moe_lrmoe_selection not in LRMOE_SELECTIONS:
         _fail("moe_lrmoe_selection",
               f"{c.moe_lrmoe_selection!r} is not one of {LRMOE_SELECTIONS}")
+    if not 0.0 <= c.moe_lrmoe_hybrid_fraction <= 1.0:  # NaN fails too
+        _fail("moe_lrmoe_hybrid_fraction",
+              f"must be in [0, 1], got {c.moe_lrmoe_hybrid_fraction}")
     if c.moe_lrmoe_kernels not in LRMOE_KERNELS:
         _fail("moe_lrmoe_kernels", f"{c.moe_lrmoe_kernels!r} is not one of {LRMOE_KERNELS}")
     if c.moe_lrmoe_log_interval is not None and c.moe_lrmoe_log_interval <= 0:

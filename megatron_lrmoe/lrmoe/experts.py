@@ -30,6 +30,15 @@ class LRMoESequentialMLP(SequentialMLP):
         return config.activation_func(z)
 
     def expert_weights(self) -> ExpertWeights:
+        """The home experts' weights, after the forward pre-hooks their linears would run.
+
+        The region never calls the linears, so hooks registered on them (Megatron DDP's
+        wait for the overlapped parameter all-gather) are run here, once per forward.
+        """
+        for expert in self.local_experts:
+            for linear in (expert.linear_fc1, expert.linear_fc2):
+                for hook in tuple(linear._forward_pre_hooks.values()):
+                    hook(linear, ())
         return ExpertWeights(
             w1=tuple(expert.linear_fc1.weight for expert in self.local_experts),
             w2=tuple(expert.linear_fc2.weight for expert in self.local_experts),

@@ -10,16 +10,23 @@ sequence parallelism); T = S x B tokens; E experts; P routed pairs.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core import num_microbatches_calculator
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
 from megatron_lrmoe.lrmoe.dispatcher import LRMoEAlltoAllTokenDispatcher
-from megatron_lrmoe.lrmoe.planner import plan_retention
+from megatron_lrmoe.lrmoe.placement import MicroBatchPlan, Placement, PlacementPlanner
+from megatron_lrmoe.lrmoe.planner_settings import planner_settings
 from megatron_lrmoe.lrmoe.region import RegionContext, RegionStats, lrmoe_region
+from megatron_lrmoe.lrmoe.replicas import ExpertReplicas
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,11 +36,13 @@ class LRMoELayerStats:
     calls: list[RegionStats] = field(default_factory=list)
     load_max_over_mean: list[float] = field(default_factory=list)
     expert_load: torch.Tensor | None = None  # [E] pairs this rank routed to each expert
+    replicas: int = 0                        # most replicas of any step since the reset
 
     def reset(self) -> None:
         self.calls.clear()
         self.load_max_over_mean.clear()
         self.expert_load = None
+        self.replicas = 0
 
     def add_expert_load(self, routed: torch.Tensor) -> None:
         routed = routed.to(torch.float64)
@@ -42,33 +51,50 @@ class LRMoELayerStats:
     def totals(self) -> list[float]:
         """Raw sums over the completed calls, in ``TOTAL_FIELDS`` order (summable
         over ranks): routed and retained pairs, metric total and dropped, backward
-        bytes sent and dense, expert backward rows."""
+        bytes sent and dense, expert backward rows, forward routing overflow, planner
+        seconds, calls."""
         done = [c for c in self.calls if c.backward_done]
-        return [float(sum(getattr(c, name) for c in done)) for name in TOTAL_FIELDS]
+        return [float(len(done)) if name == "calls" else
+                float(sum(getattr(c, name) for c in done)) for name in TOTAL_FIELDS]
 
     def summary(self) -> dict[str, float]:
         """This rank's figures since the last reset."""
-        return summarize(self.totals(), max(self.load_max_over_mean, default=0.0))
+        return summarize(self.totals(), max(self.load_max_over_mean, default=0.0),
+                         self.replicas)
 
 
 TOTAL_FIELDS = ("routed_pairs", "retained_pairs", "metric_total", "metric_dropped",
-                "backward_bytes_sent", "backward_bytes_dense", "expert_backward_rows")
+                "backward_bytes_sent", "backward_bytes_dense", "expert_backward_rows",
+                "routing_overflow", "planner_s", "budget_adjusted", "calls")
 
 
-def summarize(totals: list[float], load_max_over_mean: float) -> dict[str, float]:
+def summarize(totals: list[float], load_max_over_mean: float,
+              replicas: float = 0.0) -> dict[str, float]:
     """Logged figures from ``totals`` (possibly summed over ranks)."""
-    routed, retained, metric, dropped, sent, dense, rows = totals
+    (routed, retained, metric, dropped, sent, dense, rows, overflow, planner_s, adjusted,
+     calls) = totals
     return {
         "load-max-over-mean": load_max_over_mean,
         "retained-fraction": retained / routed if routed else 1.0,
         "dropped-contribution-fraction": dropped / metric if metric > 0 else 0.0,
         "backward-bytes-saved": dense - sent,
         "expert-backward-rows": rows,
+        "replicas": replicas,
+        "routing-overflow-pairs": overflow,
+        "planner-ms-per-call": 1e3 * planner_s / calls if calls else 0.0,
+        "budget-adjusted-calls": adjusted,
     }
 
 
 class LRMoELayer(MoELayer):
-    """MoELayer with an exact forward and a metric-driven, compacted backward."""
+    """MoELayer with an exact forward and a metric-driven, compacted backward.
+
+    Placement (DESIGN 6): a ``PlacementPlanner`` (pure, identical on every EP rank)
+    chooses the expert instances of each step from the smoothed routed counts and,
+    per micro-batch, the capacity-aware routing of pairs to instances and the
+    retention quotas. Replicas are refreshed at the layer's first forward of a step
+    and their gradients reduced into the homes in the step's last backward.
+    """
 
     def __init__(self, config: LRMoETransformerConfig, submodules: MoESubmodules | None = None,
                  layer_number: int | None = None, pg_collection=None) -> None:
@@ -87,14 +113,61 @@ class LRMoELayer(MoELayer):
         self.lrmoe_stats = LRMoELayerStats()
         # Expert backward GEMMs: None = grouped_mm wherever it applies, else the loop.
         self.grouped_gemm: bool | None = None
+        ep_size = self.ep_group.size()
+        self.replicas = ExpertReplicas(self.token_dispatcher.ep_rank,
+                                       self.ep_group if ep_size > 1 else None)
+        # Built now unless the cost model needs the tokens per micro-batch (a budget or
+        # memory-aware placement): then at the first forward.
+        self.placement_planner: PlacementPlanner | None = None
+        self._pending_planner_state: dict | None = None
+        if (config.moe_lrmoe_memory_budget_gb is None
+                and config.moe_lrmoe_placement != "memory-aware"):
+            self._build_planner(tokens_per_rank=1)
+        self._needs_refresh = True       # replicas must be refreshed before the next forward
+        self.last_plan: MicroBatchPlan | None = None
+        self._noted: set[str] = set()
+        self._backwards_in_step = 0
 
-    def rank_local_state(self) -> dict[str, int]:
-        """Saved per rank by the launcher's checkpoints: the draw counter."""
-        return {"calls": self._calls}
+    def _build_planner(self, tokens_per_rank: int) -> PlacementPlanner:
+        ep_size = self.ep_group.size()
+        settings = planner_settings(
+            self.config, ep_size, tokens_per_rank, _microbatches_per_step(),
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"), self.ep_group if ep_size > 1 else None)
+        self.placement_planner = PlacementPlanner(settings)
+        if self._pending_planner_state is not None:
+            self._load_planner_state(self._pending_planner_state)
+            self._pending_planner_state = None
+        return self.placement_planner
 
-    def load_rank_local_state(self, state: dict[str, int]) -> None:
+    # -------------------------------------------------------------- checkpoints
+    def rank_local_state(self) -> dict:
+        """Saved per rank by the launcher's checkpoints: the draw counter and the
+        planner's state (smoothed loads, step, placement), so a resume is exact."""
+        planner = self.placement_planner
+        state = planner.state_dict() if planner is not None else self._pending_planner_state
+        return {"calls": self._calls, "planner": state}
+
+    def load_rank_local_state(self, state: dict) -> None:
         self._calls = int(state["calls"])
+        if state.get("planner") is not None:
+            if self.placement_planner is None:
+                self._pending_planner_state = state["planner"]
+            else:
+                self._load_planner_state(state["planner"])
+        self._needs_refresh = True
+        self._backwards_in_step = 0
 
+    def _load_planner_state(self, state: dict) -> None:
+        planner = self.placement_planner
+        planner.load_state_dict(state)
+        if self.config.moe_lrmoe_placement == "static" and planner.placement.replicas:
+            # Checkpoints hold home weights only: a run resumed with another policy
+            # simply starts from its own layout.
+            planner.placement = Placement.static(planner.placement.num_ranks,
+                                                 self.config.num_moe_experts)
+
+    # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
                 padding_mask: torch.Tensor | None = None):
         if intermediate_tensors is not None:
@@ -115,36 +188,112 @@ class LRMoELayer(MoELayer):
         """y(t) = sum_e p(t, e) o(t, e) with o from the region (p applied here, after it)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])                          # [T, H]
-        # Pairs in expert-major order (by expert, then token): destination-rank order.
+        # Pairs in expert-major order (by expert, then token).
         pair_expert, pair_token = routing_map.t().nonzero(as_tuple=True)   # [P], [P]
         pair_prob = probs[pair_token, pair_expert]                        # [P]
         counts = self.token_dispatcher.gather_counts(routing_map)         # [R, E]
-        config = self.config
-        plan = plan_retention(counts, counts.shape[0], config.moe_lrmoe_bwd_capacity_factor,
-                              config.moe_lrmoe_min_retention)
+        training = self.training and torch.is_grad_enabled()
+        planner = self.placement_planner or self._build_planner(x.shape[0])
+        experts = self.experts.expert_weights()
+        if self._needs_refresh:
+            self.replicas.refresh(planner.placement, experts.w1, experts.w2)
+            self._needs_refresh = False
+        started = time.perf_counter()
+        if training:
+            planner.observe(counts)
+        mb_plan = planner.plan(counts)
+        self.last_plan = mb_plan   # routing and quotas of the latest call (for tools)
+        planner_s = time.perf_counter() - started
+        plan, rank = mb_plan.retention, self.token_dispatcher.ep_rank
+        if self.replicas.experts:
+            experts = experts.with_replicas(self.replicas.w1, self.replicas.w2)
+        # Pairs to instances: within each expert's pairs (token order) the routing's
+        # counts for that source, instance by instance; then instance-major order,
+        # which is destination-rank order since instances are rank-major.
+        order = _instance_order(mb_plan.routing.counts[rank], planner.placement, pair_expert)
+        if order is not None:
+            pair_token, pair_prob = pair_token[order], pair_prob[order]
         rc = RegionContext(
             plan=plan,
             group=self.ep_group if counts.shape[0] > 1 else None,
-            rank=self.token_dispatcher.ep_rank,
-            num_local_experts=self.num_local_experts,
-            metric=config.moe_lrmoe_metric,
-            selection=config.moe_lrmoe_selection,
+            rank=rank,
+            metric=self.config.moe_lrmoe_metric,
+            selection=self.config.moe_lrmoe_selection,
+            hybrid_fraction=self.config.moe_lrmoe_hybrid_fraction,
             seed=_mix_seed(self._seed_base, self.layer_number or 0, self._calls),
-            kernels=config.moe_lrmoe_kernels,
+            kernels=self.config.moe_lrmoe_kernels,
             grouped_gemm=self.grouped_gemm,
+            on_replica_grads=self._after_backward,
         )
-        if self.training and torch.is_grad_enabled():
+        rc.stats.planner_s = planner_s
+        rc.stats.routing_overflow = mb_plan.routing.overflow
+        rc.stats.budget_adjusted = bool(mb_plan.notes)
+        if mb_plan.notes and training:
+            self._log_notes(mb_plan.notes)
+        if training:
             self._calls += 1
-            self.lrmoe_stats.calls.append(rc.stats)
-            self.lrmoe_stats.add_expert_load(counts[rc.rank])
+            stats = self.lrmoe_stats
+            stats.calls.append(rc.stats)
+            stats.add_expert_load(counts[rank])
+            stats.replicas = max(stats.replicas, len(planner.placement.replicas))
             per_rank = plan.routed_per_rank.double()
             if float(per_rank.mean()) > 0:
-                self.lrmoe_stats.load_max_over_mean.append(
-                    float(per_rank.max() / per_rank.mean()))
-        o, _a = lrmoe_region(x, pair_token, pair_prob, rc, self.experts.expert_weights())
+                stats.load_max_over_mean.append(float(per_rank.max() / per_rank.mean()))
+        o, _a = lrmoe_region(x, pair_token, pair_prob, rc, experts)
         weighted = o * pair_prob.unsqueeze(1).to(o.dtype)
         y = torch.zeros_like(x).index_add(0, pair_token, weighted)
         return y.view(shape)
+
+    def _log_notes(self, notes: tuple[str, ...]) -> None:
+        """What the planner did to fit the budget or capacity, once per kind of note
+        (the statistics count every call: ``lrmoe/budget-adjusted-calls``)."""
+        if self.token_dispatcher.ep_rank != 0:
+            return
+        for note in notes:
+            kind = note.split(":", 1)[0]
+            if kind not in self._noted:
+                self._noted.add(kind)
+                _LOG.warning("LRMoE layer %s: %s (further %r notes are counted, not logged)",
+                             self.layer_number, note, kind)
+
+    # ----------------------------------------------------------------- backward
+    def _after_backward(self, dw1: list[torch.Tensor], dw2: list[torch.Tensor]
+                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Region backward hook: accumulate replica gradients; in the step's last
+        backward reduce them into the homes, close the step and plan the next one."""
+        self.replicas.accumulate(dw1, dw2)
+        self._backwards_in_step += 1
+        if self._backwards_in_step < _microbatches_per_step():
+            return [], []
+        additions = self.replicas.reduce_into_home(self.num_local_experts)
+        self.placement_planner.next_step()
+        self._backwards_in_step = 0
+        self._needs_refresh = True
+        return additions
+
+
+def _microbatches_per_step() -> int:
+    """Megatron's micro-batches per step; 1 (every backward ends a step) without the
+    calculator, e.g. a layer driven by hand."""
+    if num_microbatches_calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
+        return 1
+    return num_microbatches_calculator.get_num_microbatches()
+
+
+def _instance_order(source_counts: torch.Tensor, placement: Placement,
+                    pair_expert: torch.Tensor) -> torch.Tensor | None:
+    """Permutation of this source's expert-major pairs into instance-major order
+    (None without replicas: instance i is expert i).
+
+    source_counts: [I] pairs this source sends to each instance.
+    """
+    if not placement.replicas:
+        return None
+    cells = [i for e in range(placement.num_experts) for i in placement.instances_of(e)]
+    cell_instance = torch.tensor(cells, dtype=torch.int64)
+    sizes = source_counts[cell_instance]
+    pair_instance = torch.repeat_interleave(cell_instance, sizes).to(pair_expert.device)
+    return torch.sort(pair_instance, stable=True).indices
 
 
 def _mix_seed(base: int, layer: int, call: int) -> int:

@@ -54,6 +54,13 @@ Semantics
 Tensors: every tensor in and out is a torch int64 tensor on the CPU. ``counts``
 on another device is copied to the host (a device sync): gather the counts and
 bring them to the host once per layer and micro-batch, then call the planner.
+
+Speed: the planner runs once per layer and micro-batch on one CPU thread, so it
+works in numpy int64 (a small op costs ~1 us, a torch op ~10 us), only on the ranks
+and instances that lose pairs, and caches what depends on the layout alone (the
+validated ``instance_rank`` / ``instance_expert`` tuples and their index arrays) and
+the decimal parsing of gamma and m. The results are those of the integer rules
+above, to the unit; tests compare them with the earlier torch implementation.
 """
 
 from __future__ import annotations
@@ -62,9 +69,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Final
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -264,54 +272,113 @@ def plan_retention(
     n = _check_counts(counts, num_ranks, layout_given=instance_rank is not None)
     gamma = _check_capacity_factor(capacity_factor)
     floor_share = _check_min_retention(min_retention)
-    num_instances = n.shape[1]
-    instance_rank, instance_expert = _check_layout(
-        num_instances, num_ranks, instance_rank, instance_expert)
+    layout = _layout(n.shape[1], num_ranks, _layout_key(instance_rank),
+                     _layout_key(instance_expert))
 
-    slots = _rank_slots(instance_rank, num_ranks)     # [R, K] instance ids, -1 = padding
-    valid = slots >= 0
-    index = slots.clamp(min=0)
-    routed = n.sum(0)                                  # [I] N_i
-    routed_loc = torch.where(valid, routed[index], 0)  # [R, K] N_i of each rank's instances
-    load = routed_loc.sum(1)                           # [R] L_r
+    # The arithmetic runs in numpy int64 on [R, K] and [R, I] arrays of a few thousand
+    # entries: a numpy op costs ~1 us there, a torch op ~10 us, and this runs once per
+    # layer and micro-batch. Integer results are identical (same int64 operations).
+    # Per-rank arrays are [K, R] (ranks last, contiguous), and reductions call
+    # ufunc.reduce: the .sum / .max methods' Python wrappers cost more than the work.
+    cells = n.numpy()                                   # [R, I] n[s, i], a view
+    routed = np.add.reduce(cells, axis=0)               # [I] N_i
+    routed_loc = layout.per_rank(routed)                # [K, R] N_i of each rank's instances
+    load = np.add.reduce(routed_loc, axis=0)            # [R] L_r
+    bound = int(np.maximum.reduce(routed))              # max N_i
 
     if gamma is None:
-        capacity = torch.full((num_ranks,), UNLIMITED_CAPACITY, dtype=torch.int64)
+        capacity = np.full(num_ranks, UNLIMITED_CAPACITY, dtype=np.int64)
         kept = routed
-        level = routed_loc.max(1).values
+        level = np.maximum.reduce(routed_loc, axis=0)
     else:
-        total = int(load.sum())
+        total = int(np.add.reduce(load))
         cap = min(_ceil_div(gamma.numerator * total, gamma.denominator * num_ranks),
                   UNLIMITED_CAPACITY)
-        capacity = torch.full((num_ranks,), cap, dtype=torch.int64)
-        floors = torch.where(valid, _floors(routed, floor_share)[index], 0)  # [R, K] f_i
-        target = torch.minimum(load, torch.maximum(capacity, floors.sum(1)))  # [R] T_r
-        kept_loc, level = _water_fill(routed_loc, floors, target)
-        kept = torch.zeros_like(routed).index_put_((index[valid],), kept_loc[valid])
+        capacity = np.full(num_ranks, cap, dtype=np.int64)
+        if floor_share:
+            floors = layout.per_rank(_floors(routed, floor_share))       # [K, R] f_i
+            floor_sum = np.add.reduce(floors, axis=0)
+            target = np.minimum(load, np.maximum(capacity, floor_sum))  # [R] T_r
+        else:                                           # m = 0: no floors, T_r = min(L_r, C)
+            floors = np.zeros_like(routed_loc)
+            target = np.minimum(load, capacity)
+        kept_loc, level = _water_fill(routed_loc, floors, target, load, bound)
+        kept = kept_loc.reshape(-1)[layout.position]    # each instance sits in one slot
 
     return RetentionPlan(
         counts=n,
-        quotas=_split_by_source(n, routed, kept),
-        capacity=capacity,
-        water_level=level,
-        instance_rank=instance_rank,
-        instance_expert=instance_expert,
+        quotas=torch.from_numpy(_split_by_source(cells, routed, kept, bound)),
+        capacity=torch.from_numpy(capacity),
+        water_level=torch.from_numpy(level),
+        instance_rank=layout.instance_rank,
+        instance_expert=layout.instance_expert,
         capacity_factor=float(capacity_factor),
         min_retention=float(min_retention),
     )
 
 
-def _rank_slots(instance_rank: tuple[int, ...], num_ranks: int) -> torch.Tensor:
-    """[R, K] the instance ids of each rank in ascending order, padded with -1."""
-    ranks = torch.tensor(instance_rank, dtype=torch.int64)
-    per_rank = torch.bincount(ranks, minlength=num_ranks)
+# ---------------------------------------------------------------------------
+# Layout (cached: a placement is reused for every layer call of a training step)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class _Layout:
+    """A validated instance layout and the index arrays the planner derives from it."""
+
+    instance_rank: tuple[int, ...]
+    instance_expert: tuple[int, ...]
+    slots: np.ndarray
+    """[K, R] the instance ids of each rank (a column) in ascending order; padding slots
+    (ranks with fewer than K instances) hold 0 and are masked by ``filled``. Ranks are
+    the last, contiguous axis: numpy's inner loops then run over R, not over a short K."""
+    filled: np.ndarray | None
+    """[K, R] int64 1 on real slots, 0 on padding; None when no rank has padding."""
+    position: np.ndarray
+    """[I] flat index into [K, R] of each instance's slot (the inverse of ``slots``)."""
+
+    def per_rank(self, values: np.ndarray) -> np.ndarray:
+        """[K, R] values[i] of each rank's instances, 0 in the padding slots."""
+        out = values[self.slots]
+        if self.filled is not None:
+            out *= self.filled
+        return out
+
+
+def _layout_key(values: Sequence[int] | None) -> tuple[int, ...] | None:
+    """A hashable cache key: tuples as given (no copy), anything else as a tuple of ints."""
+    if values is None or type(values) is tuple:
+        return values
+    return tuple(int(v) for v in values)
+
+
+# Bounded by the number of distinct placements alive at once: one per MoE layer and
+# step (a few hundred entries of a few KB each). A layer loop over more layers than
+# this would evict on every call and only lose the speed-up, never correctness.
+@lru_cache(maxsize=1024)
+def _layout(
+    num_instances: int, num_ranks: int, instance_rank: tuple[int, ...] | None,
+    instance_expert: tuple[int, ...] | None,
+) -> _Layout:
+    # Equal keys give equal results: entries are compared with ==, and int() of equal
+    # numbers is equal, so a cached entry is what the uncached call would return.
+    # Exceptions are not cached.
+    ranks, experts = _check_layout(num_instances, num_ranks, instance_rank, instance_expert)
+    rank_of = np.asarray(ranks, dtype=np.int64)
+    per_rank = np.bincount(rank_of, minlength=num_ranks)
     width = max(int(per_rank.max()), 1)
-    order = torch.sort(ranks, stable=True).indices                 # instances by rank, then id
-    starts = torch.cumsum(per_rank, 0) - per_rank
-    column = torch.arange(len(instance_rank)) - starts[ranks[order]]
-    slots = torch.full((num_ranks, width), -1, dtype=torch.int64)
-    slots[ranks[order], column] = order
-    return slots
+    order = np.argsort(rank_of, kind="stable")          # instances by rank, then id
+    starts = np.cumsum(per_rank) - per_rank
+    column = np.arange(num_instances) - starts[rank_of[order]]
+    slots = np.zeros((width, num_ranks), dtype=np.int64)
+    slots[column, rank_of[order]] = order
+    filled = np.zeros((width, num_ranks), dtype=np.int64)
+    filled[column, rank_of[order]] = 1
+    position = np.empty(num_instances, dtype=np.int64)
+    position[order] = column * num_ranks + rank_of[order]
+    for array in (slots, filled, position):
+        array.setflags(write=False)
+    return _Layout(ranks, experts, slots, None if filled.all() else filled, position)
 
 
 # ---------------------------------------------------------------------------
@@ -320,89 +387,135 @@ def _rank_slots(instance_rank: tuple[int, ...], num_ranks: int) -> torch.Tensor:
 
 
 def _water_fill(
-    routed: torch.Tensor, floors: torch.Tensor, target: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    routed: np.ndarray, floors: np.ndarray, target: np.ndarray, load: np.ndarray, bound: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Integer water-filling with floors, every rank at once.
 
     Args:
-        routed: [R, E_loc] N_i of each rank's instances.
-        floors: [R, E_loc] f_i, 0 <= f_i <= N_i.
+        routed: [K, R] N_i of each rank's instances (0 in padding slots).
+        floors: [K, R] f_i, 0 <= f_i <= N_i.
         target: [R] T_r with sum_i f_i <= T_r <= L_r.
+        load: [R] L_r = sum_i N_i.
+        bound: max N_i.
 
     Returns:
-        ([R, E_loc] Q_i, [R] level): Q_i = N_i on ranks with T_r == L_r.
+        ([K, R] Q_i, [R] level): Q_i = N_i and level = max N_i on ranks with T_r == L_r.
 
     S(t) = sum_i clamp(t, f_i, N_i) is piecewise linear and nondecreasing in t, with
     breaks only at the values f_i and N_i. The last break b with S(b) <= T_r and
     the slope after it (the instances with f_i <= b < N_i) give the largest
     integer level t with S(t) <= T_r in closed form, without a search.
     """
-    cut = target < routed.sum(1)                                     # [R]
-    breaks = torch.cat([floors, routed], dim=1).sort(dim=1).values   # [R, 2 E_loc]
-    s_at = torch.maximum(floors[:, None, :],
-                         torch.minimum(routed[:, None, :], breaks[:, :, None])).sum(2)
-    last = (s_at <= target[:, None]).sum(1, keepdim=True) - 1       # >= 0: S(min f) = sum f
-    b = breaks.gather(1, last)                                       # [R, 1]
-    slope = ((floors <= b) & (b < routed)).sum(1)                    # > 0 on cut ranks
-    level = b[:, 0] + (target - s_at.gather(1, last)[:, 0]) // slope.clamp(min=1)
-    kept = torch.maximum(floors, torch.minimum(routed, level[:, None]))
+    level = np.maximum.reduce(routed, axis=0)
+    cut = np.flatnonzero(target < load)
+    if not cut.size:
+        return routed, level
+    kept = routed.copy()                         # fill in the cut ranks' columns only
+    routed, floors, target = routed[:, cut], floors[:, cut], target[cut]
+    breaks = np.concatenate([floors, routed], axis=0)
+    breaks.sort(axis=0)                                              # [2K, R_cut]
+    s_at = np.add.reduce(np.maximum(floors[None, :, :],
+                                    np.minimum(routed[None, :, :], breaks[:, None, :])),
+                         axis=1)                                     # [2K, R_cut] S(b)
+    last = np.add.reduce(s_at <= target, axis=0) - 1                 # >= 0: S(min f) = sum f
+    ranks = np.arange(cut.size)
+    b = breaks[last, ranks]                                          # [R_cut]
+    slope = np.add.reduce((floors <= b) & (b < routed), axis=0)      # > 0 on cut ranks
+    cut_level = b + (target - s_at[last, ranks]) // np.maximum(slope, 1)
+    cut_kept = np.maximum(floors, np.minimum(routed, cut_level))
 
     # Leftover units (fewer than the instances that can take one): one each to
     # instances at the level with room, largest N_i first, ties by lower index.
-    leftover = target - kept.sum(1)                                  # [R]
-    room = (floors <= level[:, None]) & (level[:, None] < routed)    # [R, E_loc]
-    key = torch.where(room, routed, torch.full_like(routed, -1))
-    kept = kept + (room & (_rank_in_order(key, dim=1) < leftover[:, None])).to(torch.int64)
-
-    kept = torch.where(cut[:, None], kept, routed)
-    level = torch.where(cut, level, routed.max(1).values)
+    leftover = target - np.add.reduce(cut_kept, axis=0)              # [R_cut], >= 0
+    if np.add.reduce(leftover):
+        room = (floors <= cut_level) & (cut_level < routed)
+        key = np.where(room, routed, -1)
+        cut_kept += room & _first_in_order(key, leftover, bound)
+    kept[:, cut] = cut_kept
+    level[cut] = cut_level
     return kept, level
 
 
-def _split_by_source(counts: torch.Tensor, routed: torch.Tensor,
-                     kept: torch.Tensor) -> torch.Tensor:
+def _split_by_source(counts: np.ndarray, routed: np.ndarray, kept: np.ndarray,
+                     bound: int) -> np.ndarray:
     """Split Q_i over sources in proportion to n[s, i], largest remainder first.
 
     Args:
         counts: [R, I] n[s, i].
         routed: [I] N_i.
         kept: [I] Q_i <= N_i.
+        bound: max N_i.
 
     Returns:
-        [R, I] q[s, i] with sum_s q[s, i] = Q_i and q[s, i] <= n[s, i].
+        [R, I] q[s, i] with sum_s q[s, i] = Q_i and q[s, i] <= n[s, i] (a new array).
     """
-    share = counts * kept                        # [R, I] Q_i * n[s, i], exact in int64
-    denom = routed.clamp(min=1)
-    base = share // denom                        # floor of the proportional share
-    remainder = share - base * denom             # numerators over the same N_i: comparable
-    leftover = kept - base.sum(0)                # [I], < number of nonzero remainders
-    bonus = _rank_in_order(remainder, dim=0) < leftover
-    return base + bonus.to(torch.int64)
+    quotas = counts.copy()                       # Q_i = N_i splits exactly: q = n
+    cut = np.flatnonzero(kept < routed)          # only these columns lost pairs (N_i >= 1)
+    if cut.size:
+        kept_cut = kept[cut]
+        # floor of the proportional share Q_i * n[s, i] / N_i (exact in int64) and its
+        # remainder; remainders of one column share the denominator N_i: comparable.
+        base, remainder = np.divmod(counts[:, cut] * kept_cut, routed[cut])
+        leftover = kept_cut - np.add.reduce(base, axis=0)   # [cut], < nonzero remainders
+        base += _first_in_order(remainder, leftover, bound)
+        quotas[:, cut] = base
+    return quotas
 
 
-def _rank_in_order(key: torch.Tensor, dim: int) -> torch.Tensor:
-    """Position of each entry when sorted by ``key`` descending along ``dim``, ties by index."""
-    order = torch.sort(key, dim=dim, descending=True, stable=True).indices
-    shape = [1] * key.dim()
-    shape[dim] = key.shape[dim]
-    positions = torch.arange(key.shape[dim], dtype=torch.int64).view(shape).expand_as(order)
-    return torch.empty_like(order).scatter_(dim, order, positions)
+def _first_in_order(key: np.ndarray, count: np.ndarray, bound: int) -> np.ndarray:
+    """[A, B] bool: the first ``count[b]`` entries of column b in the order ``key``
+    descending, ties by lower row index (torch's stable descending sort).
+
+    Args:
+        key: [A, B] int64 in [-1, bound].
+        count: [B] how many entries of each column to mark (<= 0: none, >= A: all).
+        bound: an upper bound of ``key``.
+    """
+    rows, cols = key.shape
+    if bound < _INT64_MAX // (rows + 1) - 2:
+        # (key + 1) * A + (A - 1 - a) is unique in its column and orders entries as
+        # (key descending, index ascending) read from the top: the first count[b] are
+        # those at or above the count[b]-th largest (a stable argsort and its inverse
+        # permutation would cost ~5x more).
+        unique = key * rows
+        unique += np.arange(2 * rows - 1, rows - 1, -1)[:, None]
+        if rows <= 16:   # few candidates (a rank's instances): count those ahead of each
+            ahead = np.add.reduce(unique[None, :, :] > unique[:, None, :], axis=1)
+            return ahead < count
+        pick = np.minimum(np.maximum(rows - count, 0), rows - 1)
+        threshold = np.sort(unique, axis=0)[pick, np.arange(cols)]
+        return (unique >= threshold) & (count > 0)
+    # Keys near the int64 limit: a stable sort of -key keeps ties in index order.
+    order = np.argsort(-key, axis=0, kind="stable")
+    first = np.zeros(key.shape, dtype=bool)
+    np.put_along_axis(first, order, np.arange(rows)[:, None] < count, axis=0)
+    return first
 
 
-def _floors(routed: torch.Tensor, share: Fraction) -> torch.Tensor:
-    """[I] f_i = ceil(m * N_i), exact (Python integers over I values, not over pairs)."""
+_INT64_MAX: Final[int] = np.iinfo(np.int64).max
+
+
+def _floors(routed: np.ndarray, share: Fraction) -> np.ndarray:
+    """[I] f_i = ceil(m * N_i), exact: int64 when p * max N_i fits, else Python ints."""
     if share == 0:
-        return torch.zeros_like(routed)
+        return np.zeros_like(routed)
     p, q = share.numerator, share.denominator
-    return torch.tensor([_ceil_div(p * v, q) for v in routed.tolist()], dtype=torch.int64)
+    if p * max(int(routed.max()), 1) <= _INT64_MAX and q <= _INT64_MAX:
+        return -((-p * routed) // q)             # p * N_i exact, floor division exact
+    # A long decimal m (0.123456789012345, 1e-20) or millions of pairs overflow int64.
+    return np.array([_ceil_div(p * v, q) for v in routed.tolist()], dtype=np.int64)
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@lru_cache(maxsize=256)
 def _as_decimal_fraction(x: float) -> Fraction:
-    """The decimal ``repr`` shows for x, exactly: 1.1 -> 11/10 (not the binary double)."""
+    """The decimal ``repr`` shows for x, exactly: 1.1 -> 11/10 (not the binary double).
+
+    Cached: gamma and m take few distinct values and parsing costs ~10 us per call.
+    """
     return Fraction(repr(float(x)))
 
 
@@ -427,8 +540,10 @@ def _check_counts(counts: torch.Tensor, num_ranks: int, layout_given: bool = Fal
         raise ValueError(
             f"counts has E={experts} columns: E must be a positive multiple of "
             f"num_ranks={num_ranks}")
-    n = counts.detach().to(device="cpu", dtype=torch.int64)   # device sync if not on CPU
-    if bool((n < 0).any()):
+    n = counts.detach()
+    if n.dtype != torch.int64 or n.device.type != "cpu":
+        n = n.to(device="cpu", dtype=torch.int64)   # device sync if not on CPU
+    if np.minimum.reduce(n.numpy(), axis=None) < 0:
         raise ValueError("counts must be non-negative")
     return n
 

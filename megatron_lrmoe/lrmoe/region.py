@@ -19,15 +19,16 @@ pair and hands the region g = p * dy per pair.
 
 Backward (recalibrated): on the source, the metric per pair, the selection of
 q[s, e] pairs per (s, e) cell, compaction of the kept gradient rows (scaled by
-1/pi for sampled rules) with their int32 row positions; one all-to-all with the
-retained split sizes for the rows and one for the positions; the experts
-backward (dX, dW1, dW2) over the retained rows only; dX back with the retained
-splits; scatter-add into the token gradients. A dropped pair contributes nothing
-to dX or dW; its router gradient is untouched.
+the selection's scale for every rule but topk) with their int32 row positions;
+one all-to-all with the retained split sizes for the rows and one for the
+positions; the experts backward (dX, dW1, dW2) over the retained rows only; dX
+back with the retained splits; scatter-add into the token gradients. A dropped
+pair contributes nothing to dX or dW; its router gradient is untouched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,14 +45,29 @@ __all__ = ["ExpertWeights", "RegionContext", "RegionStats", "lrmoe_region"]
 class ExpertWeights:
     """The local experts' weights and activation, as the region computes them.
 
-    w1[l]: [F1, H] (F1 = 2F when gated), w2[l]: [H, F]; activation maps the fc1
-    output [N, F1] to h [N, F].
+    One entry per local instance, in the plan's instance order on this rank: the
+    home experts (Megatron's parameters, the region's autograd inputs) first, then
+    the replicas this rank hosts (plain tensors; their gradients go to
+    ``RegionContext.on_replica_grads``). w1[l]: [F1, H] (F1 = 2F when gated),
+    w2[l]: [H, F]; activation maps the fc1 output [N, F1] to h [N, F].
     """
 
     w1: tuple[torch.Tensor, ...]
     w2: tuple[torch.Tensor, ...]
     activation: Callable[[torch.Tensor], torch.Tensor]
     gradient_accumulation_fusion: bool = False
+    num_home: int | None = None
+    """How many leading entries are home experts (None: all)."""
+
+    @property
+    def homes(self) -> int:
+        return len(self.w1) if self.num_home is None else self.num_home
+
+    def with_replicas(self, w1: tuple[torch.Tensor, ...],
+                      w2: tuple[torch.Tensor, ...]) -> ExpertWeights:
+        """These home experts followed by replica weights ``w1``, ``w2``."""
+        return dataclasses.replace(self, w1=self.w1[: self.homes] + tuple(w1),
+                                   w2=self.w2[: self.homes] + tuple(w2), num_home=self.homes)
 
 
 @dataclass
@@ -65,6 +81,12 @@ class RegionStats:
     backward_bytes_sent: int = 0
     backward_bytes_dense: int = 0
     expert_backward_rows: int = 0
+    routing_overflow: int = 0
+    """Pairs routed beyond a rank's buffer capacity (to the home instance; forward exact)."""
+    planner_s: float = 0.0
+    """Host seconds the placement planner took for this call (routing + quotas)."""
+    budget_adjusted: bool = False
+    """The planner lowered quotas or could not fit the budget for this call (its notes)."""
     backward_done: bool = False
 
 
@@ -75,13 +97,32 @@ class RegionContext:
     plan: RetentionPlan
     group: dist.ProcessGroup | None
     rank: int
-    num_local_experts: int
     metric: str = "grad_act"
     selection: str = "topk"
+    hybrid_fraction: float = 0.5
+    """Share of each cell's quota that ``selection="hybrid"`` keeps by top metric."""
     seed: int = 0
     kernels: str = "auto"
     grouped_gemm: bool | None = None
     stats: RegionStats = field(default_factory=RegionStats)
+    on_replica_grads: ReplicaGradHook | None = None
+    """Called in backward with the replicas' (dW1, dW2); returns additions to the home
+    experts' gradients (empty lists: none this micro-batch). Required with replicas."""
+
+
+# (replica dW1s, replica dW2s) -> (home dW1 additions, home dW2 additions)
+ReplicaGradHook = Callable[[list[torch.Tensor], list[torch.Tensor]],
+                           tuple[list[torch.Tensor], list[torch.Tensor]]]
+
+
+def _local_instances(plan: RetentionPlan, rank: int) -> range:
+    """This rank's instance columns: contiguous, since instances are rank-major."""
+    ids = [i for i, r in enumerate(plan.instance_rank) if r == rank]
+    ranks = list(plan.instance_rank)
+    if not ids or ranks != sorted(ranks):
+        raise ValueError("the region needs instances in rank-major order with at least one "
+                         f"on every rank (rank {rank} has instances {ids})")
+    return range(ids[0], ids[-1] + 1)
 
 
 # -----------------------------------------------------------------------------
@@ -143,12 +184,14 @@ class _LRMoERegion(torch.autograd.Function):
     def forward(ctx, x, pair_token, pair_prob, rc: RegionContext, experts: ExpertWeights,
                 *weights):
         plan, group, s = rc.plan, rc.group, rc.rank
-        L = rc.num_local_experts
+        local = _local_instances(plan, s)
+        if len(local) != len(experts.w1):
+            raise ValueError(f"rank {s} hosts {len(local)} instances but got weights for "
+                             f"{len(experts.w1)}")
         # ---- dispatch every pair ------------------------------------------------
         send, recv = plan.forward_send_splits(s), plan.forward_recv_splits(s)
         x_recv = _all_to_all(x[pair_token], send, recv, group)            # [Pr, H] src-major
-        my_experts = slice(s * L, (s + 1) * L)
-        chunk_sizes = plan.counts[:, my_experts]                          # [R, L]
+        chunk_sizes = plan.counts[:, local.start:local.stop]              # [R, L]
         # Index tensors are built on the host from the plan, then moved to x's device.
         device = x.device
         to_expert = _source_to_expert_order(chunk_sizes).to(device)
@@ -185,7 +228,7 @@ class _LRMoERegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, _grad_a):
         rc, experts = ctx.rc, ctx.experts
-        plan, group, s, L = rc.plan, rc.group, rc.rank, rc.num_local_experts
+        plan, group, s, L = rc.plan, rc.group, rc.rank, len(experts.w1)
         x_exp, z_exp, pair_token, pair_prob, a = ctx.saved_tensors
         g = g.contiguous()
         device = g.device
@@ -195,7 +238,8 @@ class _LRMoERegion(torch.autograd.Function):
         counts_s = plan.counts[s]
         cell_offsets = torch.cat([counts_s.new_zeros(1), torch.cumsum(counts_s, 0)]).to(device)
         kept, scale, _ = select_rows(metric, cell_offsets, plan.quotas[s].to(device),
-                                     rule=rc.selection, seed=rc.seed, backend=rc.kernels)
+                                     rule=rc.selection, seed=rc.seed, backend=rc.kernels,
+                                     hybrid_fraction=rc.hybrid_fraction)
         g_kept = compact_rows(g, kept, None if rc.selection == "topk" else scale,
                               backend=rc.kernels)
         # Row positions inside the destination's forward receive buffer: position within
@@ -238,8 +282,16 @@ class _LRMoERegion(torch.autograd.Function):
         scatter_add_rows(dx, pair_token[kept], dx_back, backend=rc.kernels)
 
         _record_backward_stats(rc, metric, kept, g, (g_kept, pos_kept), sum(kept_per_expert))
-        grads = [_weight_grad(w, d, experts.gradient_accumulation_fusion)
-                 for w, d in zip((*experts.w1, *experts.w2), (*dw1, *dw2), strict=True)]
+        homes = experts.homes
+        extra1, extra2 = [], []
+        if rc.on_replica_grads is not None:
+            extra1, extra2 = rc.on_replica_grads(dw1[homes:], dw2[homes:])
+        elif homes < L:
+            raise RuntimeError("replicas need RegionContext.on_replica_grads")
+        extra = (*extra1, *extra2) or (None,) * (2 * homes)
+        weights = (*experts.w1[:homes], *experts.w2[:homes])
+        grads = [_weight_grad(w, d, experts.gradient_accumulation_fusion, e)
+                 for w, d, e in zip(weights, (*dw1[:homes], *dw2[:homes]), extra, strict=True)]
         return (dx, None, None, None, None, *grads)
 
 
@@ -291,17 +343,21 @@ def _expert_backward(x, z, g, rows_per_expert: list[int], experts: ExpertWeights
     return torch.cat(dx), dw1, dw2
 
 
-def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, fuse: bool):
-    """Hand a weight gradient to Megatron the way its own linear layers do."""
+def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, fuse: bool,
+                 extra: torch.Tensor | None = None):
+    """Hand a weight gradient (plus its replicas' ``extra``) to Megatron the way its own
+    linear layers do."""
     if fuse and hasattr(weight, "main_grad"):
         # gradient_accumulation_fusion: accumulate straight into the fp32 main grad.
         weight.main_grad.add_(grad.to(weight.main_grad.dtype))
+        if extra is not None:
+            weight.main_grad.add_(extra.to(weight.main_grad.dtype))
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
             # DDP's hook needs a grad to fire; it skips the add when flagged.
             return torch.zeros_like(weight)
         return None
-    return grad
+    return grad if extra is None else grad + extra.to(grad.dtype)
 
 
 def _record_backward_stats(rc: RegionContext, metric, kept, g, sent: tuple[torch.Tensor, ...],
@@ -331,5 +387,6 @@ def lrmoe_region(
     ``pair_token`` [P] lists each pair's token in expert-major order; ``pair_prob`` [P]
     is only read by the ``prob`` metric (the caller applies p after the region).
     """
+    homes = experts.homes
     return _LRMoERegion.apply(x, pair_token, pair_prob.detach(), rc, experts,
-                              *experts.w1, *experts.w2)
+                              *experts.w1[:homes], *experts.w2[:homes])

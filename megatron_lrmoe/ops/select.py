@@ -17,6 +17,7 @@ Shapes and dtypes
   quotas       [C]      int64, >= 0 (a quota above the cell size keeps the cell)
   -> kept_index  [K]  int64, kept row positions: cells in order, ascending inside a cell
      scale       [K]  float32, 1 for "topk" and for rows with pi = 1; 1/pi otherwise
+                      (n / q for "uniform"; see "hybrid")
      kept_counts [C]  int64, min(quota, cell size)
 
 Rules
@@ -25,7 +26,16 @@ Rules
             the metric, capped at 1, and sum of pi = q exactly, so exactly q
             rows are kept and sum over kept rows of x_i / pi_i is an unbiased
             estimate of sum over the cell of x_i (Horvitz-Thompson).
-  Both: q >= n keeps the whole cell (scale 1), q = 0 keeps nothing.
+  "uniform" a uniform random subset of exactly q rows (each of the C(n, q)
+            subsets equally likely), every kept row scaled by n / q. The
+            metric is ignored (but still validated).
+  "hybrid"  with f = ``hybrid_fraction`` in [0, 1]: the q_top = floor(f * q)
+            first rows of TopK order (below) are kept with scale 1, and the
+            other r = q - q_top kept rows are a uniform subset of the n - q_top
+            remaining rows, each scaled by (n - q_top) / r, so the estimate of
+            the cell's sum stays unbiased. f = 0 is "uniform" and f = 1 is
+            "topk", bitwise (scale 1 everywhere).
+  All: q >= n keeps the whole cell (scale 1), q = 0 keeps nothing.
 
 The "sample" recipe. Every backend follows it operation for operation, in
 double precision and in the summation orders named here, so results are
@@ -56,16 +66,34 @@ is metric descending, then position ascending; v_(j) is the j-th metric in it
      first; never a row with pi = 0).
   4. scale = float32(1 / pi) of each drawn row (1 for capped rows).
 
+The "uniform" and "hybrid" recipe (uniform is hybrid with f = 0), for a cell
+c with 0 < q < n, again identical on every backend:
+  1. q_top = floor(f * q), the product rounded once in double (f = 0.29 and
+     q = 100 give 28, since 0.29 * 100 = 28.999999999999996 in double);
+     0 <= q_top <= q. The q_top first rows of TopK order are kept, scale 1.
+  2. Every row gets the 64-bit key k_j = splitmix64(h_c + j) (j = position in
+     the cell, from 0; h_c = splitmix64(splitmix64(seed) + c); all mod 2^64).
+     splitmix64 is a bijection and h_c + j differ within a cell, so keys
+     within a cell are distinct: no ties. Among the rows not kept in step 1,
+     the r = q - q_top of smallest key (as unsigned integers) are kept, with
+     scale float32((n - q_top) / r), the quotient rounded once in double and
+     then to float32 (for "uniform": float32 of the double n / q).
+  Which rows are kept, given q_top, is a uniform subset as far as splitmix64
+  is indistinguishable from a random function; the keys do not depend on the
+  metric, so the rows kept in step 1 never bias the draw among the others.
+
 Random numbers: u = (splitmix64(splitmix64(seed) + c) >> 11) * 2^-53 for cell
-c, a counter-based generator (a pure function of seed and cell index, defined
-once in kernels/select_rows.h and repeated in ``cell_uniform`` here), so every
-backend and thread layout draws the same numbers. ``seed`` is any int; only
-seed mod 2^64 matters. Callers vary it per layer and micro-batch.
+c, and the row keys above: a counter-based generator (a pure function of
+seed, cell index and row position, defined once in kernels/select_rows.h and
+repeated in ``cell_uniform`` and ``row_keys`` here), so every backend and
+thread layout draws the same numbers. ``seed`` is any int; only seed mod 2^64
+matters. Callers vary it per layer and micro-batch.
 
 Invalid input is refused, never silently kept: a NaN, +inf, -inf or negative
 metric raises ValueError naming the first offending row (-0.0 counts as 0);
-so do negative quotas and cell offsets that do not run from 0 to P without
-decreasing. Strided inputs are accepted and copied to contiguous memory (the
+so do negative quotas, cell offsets that do not run from 0 to P without
+decreasing, and a ``hybrid_fraction`` outside [0, 1] (checked for every
+rule). Strided inputs are accepted and copied to contiguous memory (the
 compiled binding itself refuses them).
 
 Backends ("auto", "cpu", "cuda", "torch"; megatron_lrmoe.ops.backend): "cpu"
@@ -84,7 +112,7 @@ import torch
 
 from megatron_lrmoe.ops.backend import kernels_module, resolve_backend
 
-RULES: tuple[str, ...] = ("topk", "sample")
+RULES: tuple[str, ...] = ("topk", "sample", "uniform", "hybrid")
 
 _MASK64 = (1 << 64) - 1
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -107,6 +135,46 @@ def cell_uniform(seed: int, cell: int) -> float:
     """The systematic-sampling offset u in [0, 1) of ``cell`` under ``seed``."""
     z = splitmix64((splitmix64(seed & _MASK64) + cell) & _MASK64)
     return (z >> 11) * 2.0**-53  # 53 random bits, exact in double
+
+
+def row_key(seed: int, cell: int, j: int) -> int:
+    """The uniform/hybrid key (an unsigned 64-bit int) of row ``j`` of ``cell``."""
+    h = splitmix64((splitmix64(seed & _MASK64) + cell) & _MASK64)
+    return splitmix64((h + j) & _MASK64)
+
+
+def _signed(x: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mul64(z: torch.Tensor, m: int) -> torch.Tensor:
+    """z * m mod 2^64 on int64 bit patterns (multiplied as uint64, which wraps)."""
+    return (z.view(torch.uint64) * torch.tensor(m, dtype=torch.uint64)).view(torch.int64)
+
+
+def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """``splitmix64`` of every int64 bit pattern in ``x`` (two's-complement wrap-around)."""
+    z = x + _signed(0x9E3779B97F4A7C15)
+    z = _mul64(z ^ _lsr(z, 30), 0xBF58476D1CE4E5B9)
+    z = _mul64(z ^ _lsr(z, 27), 0x94D049BB133111EB)
+    return z ^ _lsr(z, 31)
+
+
+def row_keys(seed: int, cell_offsets: torch.Tensor) -> torch.Tensor:
+    """Keys [P] of every row (``row_key``), as int64 tensors holding the uint64 bits."""
+    off = cell_offsets.to("cpu", torch.int64)
+    sizes = off[1:] - off[:-1]
+    n_cells = sizes.numel()
+    cell = torch.repeat_interleave(torch.arange(n_cells), sizes)
+    base = torch.full((n_cells,), _signed(splitmix64(seed & _MASK64)), dtype=torch.int64)
+    h = _splitmix64_tensor(base + torch.arange(n_cells))  # [C]
+    return _splitmix64_tensor(h[cell] + (torch.arange(cell.numel()) - off[:-1][cell]))
 
 
 # ---------------------------------------------------------------------------
@@ -168,18 +236,52 @@ def _sample_cell(v: torch.Tensor, q: int, u: float) -> tuple[torch.Tensor, torch
     return keep, scale
 
 
+def _uniform_keep(m: torch.Tensor, off: torch.Tensor, sizes: torch.Tensor,
+                  kept_counts: torch.Tensor, fraction: float,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep [P] bool, scale [P] float32) of "hybrid" with ``fraction`` (0: "uniform")."""
+    n_rows = m.numel()
+    cell = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)  # [P]
+    # q_top = floor(f * q): one double product per cell, like the compiled backends.
+    q_top = torch.floor(kept_counts.double() * fraction).to(torch.int64)
+    if bool((q_top > 0).any()):
+        is_top = _topk_rank(m, off, sizes) < q_top[cell]
+    else:
+        is_top = torch.zeros(n_rows, dtype=torch.bool)
+    # Order rows by (cell, not top, key): flipping the sign bit makes signed
+    # int64 order the keys' unsigned order. Keys are distinct within a cell.
+    keys = row_keys(seed, off) ^ (-(1 << 63))
+    by_key = torch.sort(keys, stable=True).indices
+    group = cell * 2 + (~is_top).to(torch.int64)
+    order = by_key[torch.sort(group[by_key], stable=True).indices]
+    rank = torch.empty(n_rows, dtype=torch.int64)
+    rank[order] = torch.arange(n_rows) - off[:-1][cell[order]]
+    keep = rank < kept_counts[cell]
+    # Scale per cell: (n - q_top) / (q - q_top) in double, then float32; 1 for
+    # whole cells and for the top rows.
+    r = kept_counts - q_top
+    partial = (kept_counts < sizes) & (r > 0)
+    cell_scale = torch.ones(sizes.numel(), dtype=torch.float64)
+    cell_scale[partial] = (sizes - q_top)[partial].double() / r[partial].double()
+    scale = torch.where(is_top, 1.0, cell_scale.float()[cell])
+    return keep, scale
+
+
 def select_rows_reference(
     metric: torch.Tensor,
     cell_offsets: torch.Tensor,
     quotas: torch.Tensor,
     rule: str = "topk",
     seed: int = 0,
+    *,
+    hybrid_fraction: float = 0.5,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Test oracle: ``select_rows`` in plain torch, without its checks.
 
     Expects valid input (see the module docstring). Computes on the host,
-    returns (kept_index, scale, kept_counts) on ``metric``'s device. ``topk``
-    is vectorised; ``sample`` loops over the cells in Python.
+    returns (kept_index, scale, kept_counts) on ``metric``'s device. ``topk``,
+    ``uniform`` and ``hybrid`` are vectorised; ``sample`` loops over the cells
+    in Python.
     """
     device = metric.device
     m = metric.detach().to("cpu", torch.float32)
@@ -189,6 +291,9 @@ def select_rows_reference(
     if rule == "topk":
         keep = _topk_rank(m, off, sizes) < torch.repeat_interleave(kept_counts, sizes)
         scale_rows = torch.ones(m.numel(), dtype=torch.float32)
+    elif rule in ("uniform", "hybrid"):
+        fraction = float(hybrid_fraction) if rule == "hybrid" else 0.0
+        keep, scale_rows = _uniform_keep(m, off, sizes, kept_counts, fraction, seed)
     else:
         keep = torch.zeros(m.numel(), dtype=torch.bool)
         scale_rows = torch.ones(m.numel(), dtype=torch.float32)
@@ -284,6 +389,17 @@ def _seed_bits(seed: int) -> int:
 # ---------------------------------------------------------------------------
 
 
+def _check_fraction(hybrid_fraction: float) -> float:
+    if isinstance(hybrid_fraction, bool) or not isinstance(hybrid_fraction, (int, float)):
+        raise TypeError(
+            f"select_rows: hybrid_fraction must be a float, got {type(hybrid_fraction).__name__}"
+        )
+    f = float(hybrid_fraction)
+    if not 0.0 <= f <= 1.0:  # NaN fails too
+        raise ValueError(f"select_rows: hybrid_fraction must be in [0, 1], got {f}")
+    return f
+
+
 def select_rows(
     metric: torch.Tensor,
     cell_offsets: torch.Tensor,
@@ -291,24 +407,36 @@ def select_rows(
     rule: str = "topk",
     seed: int = 0,
     backend: str = "auto",
+    *,
+    hybrid_fraction: float = 0.5,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kept rows of every cell: (kept_index [K] int64, scale [K] float32, kept_counts [C] int64).
 
-    Shapes, rules, the sampling recipe, the generator and the error policy:
+    Shapes, rules, the sampling recipes, the generator and the error policy:
     see the module docstring. ``backend`` is a ``--moe-lrmoe-kernels`` value
-    ("auto", "cpu", "cuda", "torch"). Raises ValueError for an unknown rule,
-    invalid values (naming the first offending entry), wrong shapes or mixed
-    devices, TypeError for wrong dtypes or a non-integer seed.
+    ("auto", "cpu", "cuda", "torch"); ``hybrid_fraction`` is the share f of
+    the quota that "hybrid" keeps by top metric (validated for every rule,
+    used by "hybrid" only). Raises ValueError for an unknown rule, invalid
+    values (naming the first offending entry), a fraction outside [0, 1],
+    wrong shapes or mixed devices, TypeError for wrong dtypes, a non-integer
+    seed or a non-numeric fraction.
     """
     if rule not in RULES:
-        raise ValueError(f"select_rows: rule must be 'topk' or 'sample', got {rule!r}")
+        raise ValueError(
+            "select_rows: rule must be one of 'topk', 'sample', 'uniform', 'hybrid', "
+            f"got {rule!r}"
+        )
     seed64 = _seed_bits(seed)
+    fraction = _check_fraction(hybrid_fraction)
     metric = metric.detach()
     chosen = resolve_backend(backend, metric.device)
     if chosen == "torch":
         _check_args(metric, cell_offsets, quotas)
         _check_values(metric, cell_offsets, quotas)
-        return select_rows_reference(metric, cell_offsets, quotas, rule, seed64)
+        return select_rows_reference(
+            metric, cell_offsets, quotas, rule, seed64, hybrid_fraction=fraction
+        )
     return kernels_module().select_rows(
-        metric.contiguous(), cell_offsets.contiguous(), quotas.contiguous(), rule, seed64
+        metric.contiguous(), cell_offsets.contiguous(), quotas.contiguous(), rule, seed64,
+        fraction,
     )

@@ -67,11 +67,12 @@ def _cleanup_megatron_state() -> None:
     state once per task would otherwise accumulate thousands of threads.
     """
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import num_microbatches_calculator, parallel_state
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    num_microbatches_calculator.destroy_num_microbatches_calculator()
     # Process-global in Megatron: a scale left by one task (a 0-d tensor when a bare
     # MoELayer ran backward) would clash with the next task's schedule ([1]).
     MoEAuxLossAutoScaler.main_loss_backward_scale = None

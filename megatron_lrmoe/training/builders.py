@@ -70,6 +70,7 @@ def transformer_config_from_args(
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=args.qk_layernorm,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,

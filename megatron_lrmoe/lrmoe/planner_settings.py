@@ -1,0 +1,133 @@
+"""From Megatron's config to the pure planner's inputs (PlannerSettings, MoEShape, machine).
+
+The planner is a function of plain numbers; this module is the one place that reads
+them off an ``LRMoETransformerConfig`` and the run's layout, for the layer (at its
+first forward, when the tokens per micro-batch are known) and for the launchers'
+start-up budget check (from the command line, before any model exists).
+
+Budget unit: ``--moe-lrmoe-memory-budget-gb`` is in GiB (2**30 bytes), the unit
+``torch.cuda.memory_allocated`` and ``nvidia-smi`` figures are usually read in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+
+from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
+from megatron_lrmoe.lrmoe.placement import PlannerSettings
+
+__all__ = ["GIB", "machine_constants", "moe_layers_per_stage", "moe_shape", "planner_settings"]
+
+GIB = 2**30
+
+
+def moe_layers_per_stage(num_layers: int, moe_layer_freq, pipeline_size: int) -> int:
+    """MoE layers one pipeline stage holds (the most of any stage, with an even split)."""
+    if isinstance(moe_layer_freq, int):
+        moe = sum(1 for i in range(num_layers) if i % moe_layer_freq == 0)
+    else:
+        moe = sum(1 for flag in moe_layer_freq if flag)
+    return max(1, -(-moe // max(1, pipeline_size)))
+
+
+def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1) -> MoEShape:
+    """The MoE layer's shape on one EP rank for the cost model."""
+    dtype = config.params_dtype
+    pp = config.pipeline_model_parallel_size or 1
+    return MoEShape(
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
+        num_experts=config.num_moe_experts,
+        topk=config.moe_router_topk,
+        gated=bool(config.gated_linear_unit),
+        dtype_bytes=torch.empty(0, dtype=dtype).element_size(),
+        tokens_per_rank=max(1, int(tokens_per_rank)),
+        num_layers=moe_layers_per_stage(config.num_layers, config.moe_layer_freq, pp),
+        # 1F1B keeps up to PP micro-batches' activations alive on the first stage.
+        microbatches_in_flight=pp,
+        microbatches_per_step=max(1, int(microbatches_per_step)),
+        grad_dtype_bytes=4 if dtype in (torch.bfloat16, torch.float16) else None,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def machine_constants(calibration: str | None, device_type: str) -> MachineConstants:
+    """Measured constants: the calibration JSON if given, else a quick in-process
+    measurement (labelled as such in ``source``); cached per process."""
+    from megatron_lrmoe.calibrate import default_machine_constants
+
+    if calibration:
+        return MachineConstants.from_json(calibration)
+    return default_machine_constants(device_type)
+
+
+def agreed_machine_constants(calibration: str | None, device: torch.device,
+                             group=None) -> MachineConstants:
+    """``machine_constants``, identical on every rank of ``group``.
+
+    Every EP rank must plan from the same numbers (the planner's outputs must agree
+    without communication). A calibration file is the same everywhere; an in-process
+    measurement is not, so the ranks average theirs (one all-reduce, at planner build).
+    """
+    constants = machine_constants(calibration, device.type)
+    if calibration or group is None or dist.get_world_size(group) == 1:
+        return constants
+    values = torch.tensor([constants.gemm_flops_per_s, constants.alltoall_bytes_per_s,
+                           constants.alltoall_latency_s], dtype=torch.float64, device=device)
+    dist.all_reduce(values, group=group)
+    gemm, bandwidth, latency = (values / dist.get_world_size(group)).tolist()
+    return dataclasses.replace(constants, gemm_flops_per_s=gemm, alltoall_bytes_per_s=bandwidth,
+                               alltoall_latency_s=latency,
+                               source=constants.source + " (averaged over the EP group)")
+
+
+def planner_settings(config, ep_size: int, tokens_per_rank: int,
+                     microbatches_per_step: int = 1, device: torch.device | None = None,
+                     group=None) -> PlannerSettings:
+    """PlannerSettings of one LRMoE layer (raises ValueError naming the setting).
+
+    Collective over ``group`` (the EP group) when the cost model needs measured machine
+    constants and no calibration file is given."""
+    needs_cost = (config.moe_lrmoe_memory_budget_gb is not None
+                  or config.moe_lrmoe_placement == "memory-aware")
+    cost = None
+    if needs_cost:
+        machine = agreed_machine_constants(config.moe_lrmoe_calibration,
+                                           device or torch.device("cpu"), group)
+        cost = CostModel(moe_shape(config, tokens_per_rank, microbatches_per_step), machine)
+    budget = config.moe_lrmoe_memory_budget_gb
+    return PlannerSettings(
+        policy=config.moe_lrmoe_placement,
+        num_ranks=ep_size,
+        num_experts=config.num_moe_experts,
+        capacity_factor=config.moe_lrmoe_bwd_capacity_factor,
+        min_retention=config.moe_lrmoe_min_retention,
+        slots_per_rank=config.moe_lrmoe_slots_per_rank,
+        budget_bytes=None if budget is None else budget * GIB,
+        load_smoothing=config.moe_lrmoe_load_smoothing,
+        cost=cost,
+    )
+
+
+def check_memory_budget(config, ep_size: int, tokens_per_rank: int,
+                        microbatches_per_step: int = 1, device_type: str = "cpu") -> None:
+    """Start-up check of ``--moe-lrmoe-memory-budget-gb`` against the balanced dropless need
+    of the configured shapes (DESIGN 7); raises ValueError naming the flag and the
+    number needed. A no-op without a budget."""
+    budget = config.moe_lrmoe_memory_budget_gb
+    if not config.moe_lrmoe or budget is None:
+        return
+    shape = moe_shape(config, tokens_per_rank, microbatches_per_step)
+    cost = CostModel(shape, machine_constants(config.moe_lrmoe_calibration, device_type))
+    need = cost.balanced_dropless_need()
+    if budget * GIB < need:
+        raise ValueError(
+            f"--moe-lrmoe-memory-budget-gb {budget:g} is below what the MoE layers need per "
+            f"rank with perfectly balanced routing and nothing dropped: {need / GIB:.4g} GiB "
+            f"({shape.num_layers} MoE layer(s) x {shape.microbatches_in_flight} micro-batch(es) "
+            f"in flight, {shape.tokens_per_rank} tokens x top-{shape.topk} per rank); raise it "
+            "to at least that")

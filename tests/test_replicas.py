@@ -1,0 +1,147 @@
+"""Expert replicas inside the LRMoE layer (DESIGN section 6): exactness and consistency.
+
+With nothing dropped, a layer whose placement has replicas must give the forward
+output and every gradient of the no-replica layer (and so of Megatron's MoELayer):
+replicas only move where a pair is computed. Replica weights are refreshed from
+the homes at each step's first forward and must stay bitwise equal to them;
+replica gradients accumulate over micro-batches and reach the homes in the step's
+last backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_lrmoe_layer import ATOL, EXPERTS, RTOL, _build, _inputs
+
+
+def _pin(layer, replicas):
+    """Fix the layer's placement to ``replicas`` ((expert, rank) pairs) for every step."""
+    from megatron_lrmoe.lrmoe.placement import Placement
+
+    planner = layer.placement_planner
+    placement = Placement(planner.placement.num_ranks, EXPERTS, tuple(sorted(
+        replicas, key=lambda er: (er[1], er[0]))))
+    planner.placement = placement
+    planner.next_step = lambda: placement
+    layer._needs_refresh = True
+    return placement
+
+
+def _replica_layout(ep: int) -> list[tuple[int, int]]:
+    """Replicas of hot-ish experts on every other rank, and two on one rank."""
+    per_rank = EXPERTS // ep
+    out = []
+    for r in range(ep):
+        out.append(((r * per_rank + 1) % EXPERTS, (r + 1) % ep))   # neighbour's expert
+    out.append((0, ep - 1) if ep > 1 else None)
+    out.append((per_rank * (ep - 1), 0) if ep > 1 else None)
+    return sorted({x for x in out if x is not None and x[0] // per_rank != x[1]})
+
+
+def _micro_batches(layer, xs, dys, after_backward=None):
+    """Forward and backward of each micro-batch; (outputs, input grads, param grads)."""
+    outs, dxs = [], []
+    for x, dy in zip(xs, dys, strict=True):
+        x = x.clone().requires_grad_(True)
+        out, _ = layer(x)
+        out.backward(dy)
+        outs.append(out.detach())
+        dxs.append(x.grad.clone())
+        if after_backward is not None:
+            after_backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return outs, dxs, grads
+
+
+def _replicas_equal_static(ep: int, microbatches: int):
+    import torch.distributed as dist
+    from megatron.core import num_microbatches_calculator as nmc
+
+    megatron, static = _build(ep, math.inf)
+    _, replicated = _build(ep, math.inf)
+    replicated.load_state_dict(static.state_dict())
+    placement = _pin(replicated, _replica_layout(ep))
+    nmc.init_num_microbatches_calculator(dist.get_rank(), None, microbatches, 1, 1)
+    try:
+        inputs = [_inputs(9 + k) for k in range(microbatches)]
+        xs, dys = [x for x, _ in inputs], [dy for _, dy in inputs]
+        ref = _micro_batches(megatron, xs, dys)
+        got_static = _micro_batches(static, xs, dys)
+        # Replica gradients stay local until the last micro-batch's backward.
+        pending = []
+        outs, dxs, grads = _micro_batches(
+            replicated, xs, dys, lambda: pending.append(replicated.replicas.has_grads))
+    finally:
+        nmc.destroy_num_microbatches_calculator()
+    close = dict(rtol=RTOL, atol=ATOL)
+    hosted = len(replicated.replicas.experts)
+    routed_to_replicas = sum(
+        int(c.routed_pairs) for c in replicated.lrmoe_stats.calls) if hosted else 0
+    return {
+        "replicas": len(placement.replicas),
+        "hosted": hosted,
+        "routed": routed_to_replicas,
+        "forward": all(torch.allclose(a, b, **close) for a, b in zip(outs, ref[0], strict=True)),
+        "forward-vs-static": all(torch.allclose(a, b, **close)
+                                 for a, b in zip(outs, got_static[0], strict=True)),
+        "dx": all(torch.allclose(a, b, **close) for a, b in zip(dxs, ref[1], strict=True)),
+        "same-params": sorted(grads) == sorted(ref[2]),
+        "grads": {n: torch.allclose(grads[n], g, **close) for n, g in ref[2].items()},
+        "pending": pending,
+    }
+
+
+@pytest.mark.parametrize("pool_name,ep", [("gloo2", 2), ("gloo4", 4)])
+def test_replicas_without_drops_equal_megatron(request, pool_name, ep):
+    pool = request.getfixturevalue(pool_name)
+    results = pool.run(_replicas_equal_static, ep, 3)
+    assert results[0]["replicas"] >= ep
+    assert any(r["hosted"] for r in results)
+    for rank, r in enumerate(results):
+        assert r["forward"] and r["forward-vs-static"] and r["dx"], (rank, r)
+        assert r["same-params"] and all(r["grads"].values()), (rank, r["grads"])
+        if r["hosted"]:
+            # accumulated after micro-batches 1 and 2, reduced in the third's backward
+            assert r["pending"] == [True, True, False], (rank, r["pending"])
+
+
+def _replicas_track_home_weights(ep: int, steps: int):
+    """SGD steps with replicas: after every refresh the replicas equal the homes bitwise."""
+    import torch.distributed as dist
+
+    _, layer = _build(ep, math.inf)
+    _pin(layer, _replica_layout(ep))
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+    local = layer.num_local_experts
+    mismatches, checked, changed = 0, 0, 0
+    before = None
+    for step in range(steps):
+        x, dy = _inputs(8 + step)
+        optimizer.zero_grad()
+        out, _ = layer(x.requires_grad_(True))   # refresh happens in this forward
+        homes = torch.stack([e.linear_fc1.weight.detach().clone()
+                             for e in layer.experts.local_experts])
+        everyone = [torch.empty_like(homes) for _ in range(ep)]
+        dist.all_gather(everyone, homes, group=layer.ep_group)
+        all_w1 = torch.cat(everyone)
+        for expert, w1 in zip(layer.replicas.experts, layer.replicas.w1, strict=True):
+            checked += 1
+            mismatches += not torch.equal(w1, all_w1[expert])
+        if before is not None and not torch.equal(before, all_w1):
+            changed += 1
+        before = all_w1
+        out.backward(dy)
+        optimizer.step()
+    del local
+    return {"checked": checked, "mismatches": mismatches, "changed": changed}
+
+
+def test_replica_weights_stay_bitwise_equal_to_homes(gloo2):
+    results = gloo2.run(_replicas_track_home_weights, 2, 6)
+    assert sum(r["checked"] for r in results) >= 6
+    for r in results:
+        assert r["mismatches"] == 0, r
+        assert r["changed"] == 5, "the optimizer must move the home weights every step"
