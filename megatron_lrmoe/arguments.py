@@ -469,9 +469,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
             f"({args.data_parallel_size})"
         )
-    if args.lr_warmup_iters > args.train_iters:
+    if args.lr_warmup_iters and args.lr_warmup_iters >= args.train_iters:
+        # Megatron's scheduler needs warm-up strictly shorter than the decay.
         raise ConfigError(
-            f"--lr-warmup-iters ({args.lr_warmup_iters}) exceeds --train-iters "
+            f"--lr-warmup-iters ({args.lr_warmup_iters}) must be below --train-iters "
             f"({args.train_iters})"
         )
     if args.min_lr > args.lr:

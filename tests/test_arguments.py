@@ -83,7 +83,7 @@ INVALID = [
     (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
     (["--sequence-parallel"], 2, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (["--max-position-embeddings", "32"], 2, "--seq-length (64) exceeds --max-position-embeddings"),
-    (["--lr-warmup-iters", "11"], 2, "--lr-warmup-iters (11) exceeds --train-iters (10)"),
+    (["--lr-warmup-iters", "11"], 2, "--lr-warmup-iters (11) must be below --train-iters (10)"),
     (["--save-interval", "5"], 2, "--save-interval needs --save"),
     (["--moe-grouped-gemm"], 2, "--moe-grouped-gemm needs Transformer Engine"),
     (["--num-query-groups", "2"], 2, "--num-query-groups needs --group-query-attention"),

@@ -10,7 +10,9 @@ from __future__ import annotations
 import itertools
 import math
 import pickle
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,11 +20,18 @@ from hypothesis import strategies as st
 
 from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
 from megatron_lrmoe.lrmoe.placement import (
+    MicroBatchPlan,
     Placement,
     PlacementPlanner,
     PlannerSettings,
+    Routing,
+    _capacity_for_factor,
+    _factor_for_capacity,
+    _greedy_replicas,
+    _popularity_placement,
     route_pairs,
 )
+from megatron_lrmoe.lrmoe.planner import UNLIMITED_CAPACITY, plan_retention
 
 # ---------------------------------------------------------------------------
 # Placement
@@ -456,3 +465,621 @@ def test_budget_below_balanced_need_is_refused_with_the_number():
     with pytest.raises(ValueError, match=f"{need:.6g}"):
         PlannerSettings("static", 4, 8, budget_bytes=need * 0.99, cost=cost)
     PlannerSettings("static", 4, 8, budget_bytes=need, cost=cost)   # exactly enough: fine
+
+
+# ---------------------------------------------------------------------------
+# Frozen oracle: route_pairs and _greedy_replicas as they were before the speed-up
+# (megatron_lrmoe/lrmoe/placement.py at commit 02ac288 + its uncommitted changes of
+# 2026-11-29). The optimised code must give exactly the same results.
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class _OracleLayout:
+    """Index arrays ``_oracle_route_pairs`` needs, built once per placement."""
+
+    replicated: np.ndarray          # [K] experts with replicas, ascending
+    instance_table: np.ndarray      # [K, J] their instance ids, home first; -1 padding
+    rank_table: np.ndarray          # [K, J] the ranks hosting them; -1 padding
+    ranks_of: tuple[tuple[int, ...], ...]   # rank_table rows without padding
+    single: np.ndarray              # [E - K] experts without replicas
+    single_rank: np.ndarray         # [E - K] their home rank
+    single_instance: np.ndarray     # [E - K] their home instance
+    rank_incidence: tuple[tuple[tuple[int, int], ...], ...]  # [R] (k, j) hosted on r
+    involved_ranks: tuple[int, ...]  # ranks hosting an instance of a replicated expert
+    involved_set: frozenset[int]
+    rank_degree: np.ndarray          # [R] replicated-expert instances on each rank
+    valid_index: tuple[np.ndarray, np.ndarray]   # nonzero(instance_table >= 0)
+
+    @classmethod
+    def build(cls, placement: Placement) -> _OracleLayout:
+        per_expert = placement.replicas_per_expert()
+        replicated = [e for e, c in enumerate(per_expert) if c]
+        single = [e for e, c in enumerate(per_expert) if not c]
+        width = max((c + 1 for c in per_expert), default=1)
+        instance_table = np.full((len(replicated), width), -1, dtype=np.int64)
+        rank_table = np.full((len(replicated), width), -1, dtype=np.int64)
+        incidence: list[list[tuple[int, int]]] = [[] for _ in range(placement.num_ranks)]
+        ranks_of = []
+        for k, e in enumerate(replicated):
+            instances = placement.instances_of(e)
+            ranks = tuple(placement.instance_rank[i] for i in instances)
+            instance_table[k, :len(instances)] = instances
+            rank_table[k, :len(instances)] = ranks
+            ranks_of.append(ranks)
+            for j, r in enumerate(ranks):
+                incidence[r].append((k, j))
+        return cls(
+            replicated=np.asarray(replicated, dtype=np.int64),
+            instance_table=instance_table,
+            rank_table=rank_table,
+            ranks_of=tuple(ranks_of),
+            single=np.asarray(single, dtype=np.int64),
+            single_rank=np.asarray([placement.home_rank(e) for e in single], dtype=np.int64),
+            single_instance=np.asarray([placement.home_instance[e] for e in single],
+                                       dtype=np.int64),
+            rank_incidence=tuple(tuple(v) for v in incidence),
+            involved_ranks=tuple(r for r in range(placement.num_ranks) if incidence[r]),
+            involved_set=frozenset(r for r in range(placement.num_ranks) if incidence[r]),
+            valid_index=np.nonzero(instance_table >= 0),
+            rank_degree=np.asarray([len(v) for v in incidence], dtype=np.float64),
+        )
+
+
+
+def _oracle_route_pairs(counts: torch.Tensor, placement: Placement, capacity=None) -> Routing:
+    """Assign every routed pair to an instance of its expert (DESIGN.md 3.3).
+
+    Args:
+        counts: [R, E] integer n[s, e] (copied to CPU int64).
+        placement: the instances; R and E must match ``counts``.
+        capacity: [R] most pairs each rank can receive, or None for no limit.
+
+    Returns:
+        The routing; the module docstring states the semantics (overflow first,
+        then the most loaded rank, then locality, then a fixed fill order).
+    """
+    n = counts.to(torch.int64).numpy()
+    cap = None if capacity is None else np.asarray(capacity, dtype=np.int64)
+    layout = _OracleLayout.build(placement)
+    num_ranks = placement.num_ranks
+    routed = n.sum(0)                                               # [E] N_e
+    out = np.zeros((num_ranks, placement.num_instances), dtype=np.int64)
+    out[:, layout.single_instance] = n[:, layout.single]
+    base = np.bincount(layout.single_rank, weights=routed[layout.single],
+                       minlength=num_ranks).astype(np.int64)        # [R] fixed loads
+    overflow = 0
+    if len(layout.replicated):
+        x = _oracle_balance(base.tolist(), None if cap is None else cap.tolist(),
+                     routed[layout.replicated], layout)
+        x = np.asarray(x, dtype=np.int64)                            # [K, J]
+        split = _oracle_split_sources(n[:, layout.replicated].T, x, layout.rank_table)  # [K, R, J]
+        kk, jj = layout.valid_index
+        out[:, layout.instance_table[kk, jj]] = split[kk, :, jj].T
+    if cap is not None:
+        load = np.zeros(num_ranks, dtype=np.int64)
+        np.add.at(load, np.asarray(placement.instance_rank), out.sum(0))
+        overflow = int(np.maximum(load - cap, 0).sum())
+    return Routing(counts=torch.from_numpy(out), overflow=overflow, placement=placement)
+
+
+def _oracle_balance(
+    base: list[int], cap: list[int] | None, totals: np.ndarray, layout: _OracleLayout,
+) -> list[list[int]]:
+    """Per-instance totals x[k][j] of the replicated experts: min overflow, then min max.
+
+    A transportation problem with an integral optimum, solved by augmenting paths in
+    the transfer graph (rank r -> rank r' when an expert with pairs on r also has an
+    instance on r'), moving whole blocks of pairs at a time:
+      0. start from an even split of each expert over its instances;
+      1. with capacities, push the pairs above capacity to ranks with room until no
+         over-full rank reaches one (a maximum flow: overflow is minimal), then move
+         replica pairs still above capacity to their homes (the overflow stays equal,
+         every home on the way being full);
+      2. repair towards a level M that is a proven lower bound of the max load: push
+         load above M to ranks below M (and below capacity). When a rank above M
+         reaches no such rank, the ranks it reaches, T, hold every pair of the experts
+         they touch, so any assignment puts load(T) on T: the least M' that fits it
+         is a larger lower bound; raise M to it and go on. When no rank is above M,
+         M is optimal.
+    """
+    num_ranks = len(base)
+    ranks_of, incidence = layout.ranks_of, layout.rank_incidence
+    valid = layout.rank_table >= 0
+    # Lower bounds of the max load: every set of ranks holds at least the pairs of the
+    # experts confined to it: all involved ranks, and each expert's own ranks.
+    rank_index = np.where(valid, layout.rank_table, 0)
+    base_arr = np.asarray(base, dtype=np.int64)
+    involved = np.asarray(layout.involved_ranks)
+    own = totals + np.where(valid, base_arr[rank_index], 0).sum(1)
+    bound = max(int(np.max(-(-own // valid.sum(1)))),
+                -(-int(base_arr[involved].sum() + totals.sum()) // len(involved)))
+    # Start: split each expert in proportion to its ranks' room under that bound,
+    # shared among the replicated experts on the rank (close to the optimum, so few
+    # augmenting paths remain).
+    room = np.maximum(bound - base_arr, 1.0) / np.maximum(layout.rank_degree, 1)
+    weight = np.where(valid, room[rank_index], 0.0)
+    ideal = totals[:, None] * weight / weight.sum(1, keepdims=True)
+    x_arr = np.floor(ideal).astype(np.int64)
+    x_arr[:, 0] += totals - x_arr.sum(1)
+    load_arr = np.asarray(base, dtype=np.int64) + np.bincount(
+        layout.rank_table[valid], weights=x_arr[valid], minlength=num_ranks).astype(np.int64)
+    x = x_arr.tolist()
+    load = load_arr.tolist()
+    involved = layout.involved_ranks
+    stuck: set[int] = set()
+    if cap is None:
+        limit = [math.inf] * num_ranks
+    else:
+        limit = list(cap)
+        for u in involved:
+            while load[u] > limit[u]:
+                path = _oracle_augmenting_path(u, lambda r: load[r] < limit[r], x,
+                                               ranks_of, incidence)
+                if path[0] is None:
+                    break
+                end, hops = path
+                delta = min(load[u] - limit[u], limit[end] - load[end],
+                            *(x[k][j] for k, j, _ in hops))
+                _oracle_shift(x, hops, delta)
+                load[u] -= delta
+                load[end] += delta
+        _oracle_overflow_home(x, load, limit, ranks_of, incidence)
+        stuck = {r for r in range(num_ranks) if load[r] > limit[r]}      # overflow stays
+        limit = [max(c, ld) for c, ld in zip(limit, load, strict=True)]
+
+    fixed = [load[r] for r in range(num_ranks) if r not in layout.involved_set or r in stuck]
+    level = max(max(fixed, default=0), bound,
+                _oracle_least_level(sum(load[r] for r in involved), [limit[r] for r in involved]))
+    while True:
+        over = [r for r in involved if load[r] > level]
+        if not over:
+            return x
+        raised = False
+        for u in over:
+            while load[u] > level:
+                end, found = _oracle_augmenting_path(
+                    u, lambda r, m=level: load[r] < m and load[r] < limit[r],
+                    x, ranks_of, incidence)
+                if end is None:                      # found = the ranks u reaches
+                    bound = _oracle_least_level(sum(load[r] for r in found),
+                                                [limit[r] for r in found])
+                    if bound is None or bound <= level:   # no certificate: stop here
+                        return x
+                    level, raised = bound, True
+                    break
+                delta = min(load[u] - level, min(level, limit[end]) - load[end],
+                            *(x[k][j] for k, j, _ in found))
+                _oracle_shift(x, found, delta)
+                load[u] -= delta
+                load[end] += delta
+            if raised:
+                break
+
+
+def _oracle_augmenting_path(start, is_target, x, ranks_of, incidence):
+    """Breadth-first search of the transfer graph from rank ``start``.
+
+    Returns (end rank, hops) with hops the (k, j_from, j_to) moves of a path to the
+    first rank found with ``is_target``, or (None, ranks reached) when there is none.
+    Deterministic: ranks in the order found, incidences in (k, j) order.
+    """
+    parent = {start: None}
+    queue = [start]
+    for r in queue:
+        for k, j in incidence[r]:
+            if not x[k][j]:
+                continue
+            for j2, r2 in enumerate(ranks_of[k]):
+                if r2 in parent:
+                    continue
+                parent[r2] = (r, k, j, j2)
+                if is_target(r2):
+                    hops = []
+                    node = r2
+                    while parent[node] is not None:
+                        prev, hk, hj, hj2 = parent[node]
+                        hops.append((hk, hj, hj2))
+                        node = prev
+                    return r2, hops
+                queue.append(r2)
+    return None, queue
+
+
+def _oracle_overflow_home(x, load, limit, ranks_of, incidence) -> None:
+    """Move replica pairs above capacity to their homes (no augmenting path is left,
+    so every home reached is full and the overflow stays the same)."""
+    work = [r for r in range(len(load)) if load[r] > limit[r]]
+    while work:
+        u = work.pop()
+        for k, j in incidence[u]:
+            if load[u] <= limit[u]:
+                break
+            if j == 0 or not x[k][j]:
+                continue
+            delta = min(x[k][j], load[u] - limit[u])
+            home = ranks_of[k][0]
+            x[k][j] -= delta
+            x[k][0] += delta
+            load[u] -= delta
+            load[home] += delta
+            work.append(home)
+
+
+def _oracle_least_level(total: int, limits: list) -> int | None:
+    """Least integer M with sum_r min(M, limit_r) >= total; None if no M is enough."""
+    if not limits:
+        return 0
+    ordered = sorted(limits)
+    used = 0
+    for i, lim in enumerate(ordered):
+        level = -(-(total - used) // (len(ordered) - i))
+        if level <= lim:
+            return max(level, 0)
+        used += lim
+    return None
+
+
+def _oracle_shift(x: list[list[int]], hops, delta: int) -> None:
+    for k, j_from, j_to in hops:
+        x[k][j_from] -= delta
+        x[k][j_to] += delta
+
+
+def _oracle_split_sources(n_rep: np.ndarray, x: np.ndarray, rank_table: np.ndarray) -> np.ndarray:
+    """[K, R, J] pairs from source s to instance j of replicated expert k.
+
+    n_rep: [K, R] n[s, e] of the replicated experts; x: [K, J] instance totals (sum_j =
+    sum_s); rank_table: [K, J] instance ranks, -1 padding. A source on an instance's
+    rank sends min(n, x) there first; the rest is a north-west-corner fill.
+    """
+    num_k, num_ranks = n_rep.shape
+    valid = rank_table >= 0
+    rank_index = np.where(valid, rank_table, 0)
+    own = np.take_along_axis(n_rep, rank_index, axis=1)              # [K, J] n[r_j, e]
+    local = np.where(valid, np.minimum(own, x), 0)                    # [K, J]
+    source_left = n_rep.copy()
+    kk, jj = np.nonzero(valid)
+    source_left[kk, rank_index[kk, jj]] -= local[kk, jj]
+    instance_left = x - local
+    s_hi = np.cumsum(source_left, axis=1)                             # [K, R]
+    s_lo = s_hi - source_left
+    i_hi = np.cumsum(instance_left, axis=1)                           # [K, J]
+    i_lo = i_hi - instance_left
+    split = np.minimum(s_hi[:, :, None], i_hi[:, None, :]) - np.maximum(
+        s_lo[:, :, None], i_lo[:, None, :])
+    split = np.maximum(split, 0)                                      # [K, R, J]
+    split[kk, rank_index[kk, jj], jj] += local[kk, jj]
+    return split
+
+
+
+def _oracle_greedy_replicas(routed: list[int], base: MicroBatchPlan,
+                     settings: PlannerSettings) -> list[tuple[int, int]]:
+    """Replicas in the order a greedy search adds them, on a fluid load estimate.
+
+    State: each expert's pairs spread over its instances' ranks (starting from
+    Megatron's layout). A move takes the most loaded rank u, an expert with pairs on u
+    (largest share first, up to four tried), and adds a replica of it on the least
+    loaded rank not hosting it; the expert's pairs are then water-filled over its
+    ranks with the other loads fixed. A move is allowed if u's load drops, no rank
+    rises above the old maximum, and no rank whose load rises ends over the layer share
+    unless it already was. The estimated time (``CostModel.load_time`` at the maximum
+    load, retained load capped at the base plan's backward capacity, all-to-all pairs
+    estimated as (R - 1) / R of the load; plus the amortised replica refresh) decides
+    which prefix of moves to keep: the one with the lowest time. Ties between ranks at
+    the maximum are why single moves are not judged alone: the maximum only falls once
+    every rank at it has been relieved.
+    """
+    cost, share = settings.cost, settings.layer_share
+    shape = cost.shape
+    num_ranks, num_experts = settings.num_ranks, settings.num_experts
+    per_rank = num_experts // num_ranks
+    cap_count = int(base.retention.capacity[0])
+    retained_cap = math.inf if cap_count == UNLIMITED_CAPACITY else float(cap_count)
+    off_rank = (num_ranks - 1) / num_ranks
+    mif, layers = shape.microbatches_in_flight, shape.num_layers
+    fixed = cost.rank_memory(torch.zeros(1), torch.zeros(1), torch.zeros(1))[0].item()
+    saved, fwd_t = shape.saved_bytes_per_routed_pair, shape.forward_transient_bytes_per_routed_pair
+    bwd_t, inst = shape.backward_transient_bytes_per_retained_pair, shape.instance_bytes
+
+    def capacity(replicas: int) -> float:
+        """Largest load whose memory (backward at the base plan's capacity) fits."""
+        if share is None:
+            return math.inf
+        room = max(0.0, share - fixed - replicas * inst)
+        load = room / (mif * saved + max(fwd_t, bwd_t) / layers)       # retained = load
+        if load <= retained_cap:
+            return load
+        load = (room - bwd_t * retained_cap / layers) / (mif * saved)  # retained = C
+        if fwd_t * load <= bwd_t * retained_cap:
+            return load
+        return room / (mif * saved + fwd_t / layers)                   # forward dominates
+
+    def memory(load: float, replicas: int) -> float:
+        transient = max(fwd_t * load, bwd_t * min(load, retained_cap))
+        return fixed + replicas * inst + mif * saved * load + transient / layers
+
+    weight = shape.weight_elements * (shape.dtype_bytes + (shape.grad_dtype_bytes
+                                                            or shape.dtype_bytes))
+
+    def est_time(top: float, busiest_sync: int) -> float:
+        ret = min(top, retained_cap)
+        sync = (busiest_sync * weight / cost.machine.alltoall_bytes_per_s
+                + (2 * cost.machine.alltoall_latency_s if busiest_sync else 0.0))
+        return (cost.load_time(top, ret, top * off_rank, ret * off_rank)
+                + sync / shape.microbatches_per_step)
+
+    load = [0.0] * num_ranks
+    spread: list[dict[int, float]] = []        # expert -> {hosting rank: its pairs}
+    on_rank: list[list[int]] = [[] for _ in range(num_ranks)]
+    for e, n in enumerate(routed):
+        spread.append({e // per_rank: float(n)})
+        load[e // per_rank] += n
+        on_rank[e // per_rank].append(e)
+    reps_on = [0] * num_ranks
+    sync_sent, sync_recv = [0] * num_ranks, [0] * num_ranks
+    busiest = 0
+    added: list[tuple[int, int]] = []
+    best_time, best_len = est_time(max(load), 0), 0
+    max_moves = num_ranks * (num_experts - per_rank)
+    while len(added) < max_moves and len(added) - best_len <= num_ranks:
+        top = max(load)
+        u = load.index(top)
+        move = None
+        candidates = sorted(on_rank[u], key=lambda e: (-spread[e][u], e))[:4]
+        for e in candidates:
+            hosts = spread[e]
+            if len(hosts) >= num_ranks:
+                continue
+            v = min((r for r in range(num_ranks) if r not in hosts), key=lambda r: (load[r], r))
+            ranks = [*hosts, v]
+            others = [load[r] - hosts.get(r, 0.0) for r in ranks]
+            limits = [capacity(reps_on[r] + (r == v)) for r in ranks]
+            new = dict(zip(ranks, _oracle_fluid_fill(float(routed[e]), others, limits),
+                           strict=True))
+            if new[u] >= hosts[u] - 1e-9:
+                continue
+            ok = True
+            for r, o in zip(ranks, others, strict=True):
+                after = o + new[r]
+                if r == u or after <= load[r]:
+                    continue
+                if after > top or (share is not None and memory(after, reps_on[r] + (r == v))
+                                   > max(share, memory(load[r], reps_on[r]))):
+                    ok = False
+                    break
+            if ok:
+                move = (e, v, ranks, others, new)
+                break
+        if move is None:
+            break
+        e, v, ranks, others, new = move
+        for r, o in zip(ranks, others, strict=True):
+            load[r] = o + new[r]
+        spread[e] = new
+        on_rank[v].append(e)
+        reps_on[v] += 1
+        sync_sent[e // per_rank] += 1
+        sync_recv[v] += 1
+        busiest = max(busiest, sync_sent[e // per_rank], sync_recv[v])
+        added.append((e, v))
+        t = est_time(max(load), busiest)
+        if t < best_time * (1 - 1e-12):
+            best_time, best_len = t, len(added)
+    return added[:best_len]
+
+
+def _oracle_fluid_fill(amount: float, others: list[float], limits: list[float]) -> list[float]:
+    """Continuous water-filling of ``amount`` over ranks with loads ``others``, each up
+    to its limit; what fits nowhere stays on the first rank (the home)."""
+    give = [0.0] * len(others)
+    active = [j for j in range(len(others)) if limits[j] > others[j]]
+    left = amount
+    while active and left > 0:
+        order = sorted(active, key=lambda j: others[j])
+        prefix, level = 0.0, 0.0
+        for m, j in enumerate(order):
+            prefix += others[j]
+            level = (left + prefix) / (m + 1)
+            if m + 1 == len(order) or level <= others[order[m + 1]]:
+                break
+        capped = [j for j in order if others[j] < level and limits[j] <= level]
+        if not capped:
+            for j in order:
+                give[j] = max(level - others[j], 0.0)
+            return give
+        for j in capped:
+            give[j] = limits[j] - others[j]
+            left -= give[j]
+            active.remove(j)
+    give[0] += max(left, 0.0)
+    return give
+
+
+
+def _oracle_fluid_fill(amount: float, others: list[float], limits: list[float]) -> list[float]:
+    """Continuous water-filling of ``amount`` over ranks with loads ``others``, each up
+    to its limit; what fits nowhere stays on the first rank (the home)."""
+    give = [0.0] * len(others)
+    active = [j for j in range(len(others)) if limits[j] > others[j]]
+    left = amount
+    while active and left > 0:
+        order = sorted(active, key=lambda j: others[j])
+        prefix, level = 0.0, 0.0
+        for m, j in enumerate(order):
+            prefix += others[j]
+            level = (left + prefix) / (m + 1)
+            if m + 1 == len(order) or level <= others[order[m + 1]]:
+                break
+        capped = [j for j in order if others[j] < level and limits[j] <= level]
+        if not capped:
+            for j in order:
+                give[j] = max(level - others[j], 0.0)
+            return give
+        for j in capped:
+            give[j] = limits[j] - others[j]
+            left -= give[j]
+            active.remove(j)
+    give[0] += max(left, 0.0)
+    return give
+
+
+def _oracle_plan(planner: PlacementPlanner, counts: torch.Tensor,
+                 placement: Placement) -> tuple[MicroBatchPlan, tuple[float, float] | None]:
+    """PlacementPlanner._plan and ._score of commit 4e3fe41 (torch), for one placement."""
+    s = planner.settings
+    replicas = torch.tensor(placement.replicas_per_rank(), dtype=torch.int64)
+    share = s.layer_share
+    capacity = None if share is None else s.cost.routing_capacity(share, replicas)
+    routing = _oracle_route_pairs(counts, placement, capacity)
+    notes = []
+    if routing.overflow:
+        notes.append(f"overflow: {routing.overflow} pairs above the ranks' buffer "
+                     f"capacity went to home instances")
+    gamma = float(s.capacity_factor)
+    if share is not None and math.isfinite(gamma):
+        routed = torch.zeros(s.num_ranks, dtype=torch.int64).index_add_(
+            0, torch.tensor(placement.instance_rank), routing.counts.sum(0))
+        limit = s.cost.retained_limit(share, replicas, routed)
+        short = (routed > limit) & (limit > 0)
+        total = int(routed.sum())
+        if bool(short.any()) and total:
+            needed = max(int(limit[short].min()), 1)
+            if needed < _capacity_for_factor(gamma, total, s.num_ranks):
+                gamma = _factor_for_capacity(needed, total, s.num_ranks)
+                notes.append(f"budget: backward capacity factor lowered from "
+                             f"{s.capacity_factor:g} to {gamma:.4g} (C={needed})")
+    retention = plan_retention(routing.counts, s.num_ranks, gamma, s.min_retention,
+                               instance_rank=placement.instance_rank,
+                               instance_expert=placement.instance_expert)
+    score = None
+    if share is not None:
+        memory = s.cost.plan_memory(retention, replicas)
+        over = memory > share
+        if bool(over.any()):
+            notes.append(f"over budget on {int(over.sum())} rank(s) by up to "
+                         f"{float((memory - share).max()) / 2**20:.1f} MiB "
+                         f"(the forward is never dropped)")
+        excess = max(0.0, float((memory - share).max()))
+        fwd, bwd = s.cost.layer_time(retention)
+        sync = s.cost.replica_sync_time(placement.replicas, s.num_ranks,
+                                        placement.experts_per_rank)
+        score = (excess, fwd + bwd + sync / s.cost.shape.microbatches_per_step)
+    plan = MicroBatchPlan(routing=routing, retention=retention, capacity_factor_used=gamma,
+                          notes=tuple(notes))
+    return plan, score
+
+
+# ---------------------------------------------------------------------------
+# The optimised planner against the frozen oracle: exactly the same results
+# ---------------------------------------------------------------------------
+
+
+def _random_placement(gen: torch.Generator, num_ranks: int, num_experts: int,
+                      replicas: int) -> Placement:
+    per_rank = num_experts // num_ranks
+    candidates = [(e, r) for e in range(num_experts) for r in range(num_ranks)
+                  if r != e // per_rank]
+    # Hot experts replicated more (a few with many instances: long augmenting paths).
+    weight = torch.tensor([1.0 + 8.0 * (e % 5 == 0) for e, _ in candidates])
+    chosen = torch.multinomial(weight, min(replicas, len(candidates)), replacement=False,
+                               generator=gen) if candidates and replicas else []
+    return Placement(num_ranks, num_experts, tuple(candidates[int(i)] for i in chosen))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_route_pairs_matches_frozen_oracle(data):
+    num_ranks = data.draw(st.integers(1, 12))
+    num_experts = num_ranks * data.draw(st.integers(1, 3))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    placement = _random_placement(gen, num_ranks, num_experts,
+                                  data.draw(st.integers(0, 3 * num_experts)))
+    skew = torch.rand(num_experts, generator=gen) ** data.draw(st.sampled_from([1, 3, 6]))
+    scale = data.draw(st.sampled_from([1, 5, 40, 400]))
+    counts = torch.poisson((skew * scale).expand(num_ranks, -1), generator=gen).to(torch.int64)
+    mean = max(1, int(counts.sum()) // num_ranks)
+    capacity = data.draw(st.one_of(
+        st.none(),
+        st.lists(st.integers(0, 3 * mean), min_size=num_ranks, max_size=num_ranks),
+        st.integers(mean, 2 * mean).map(lambda c: [c] * num_ranks)))
+    routing = route_pairs(counts, placement, capacity)
+    oracle = _oracle_route_pairs(counts, placement, capacity)
+    assert torch.equal(routing.counts, oracle.counts)
+    assert routing.overflow == oracle.overflow
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_route_pairs_matches_frozen_oracle_at_scale(seed):
+    # The benchmark's size: 64 ranks, 128 experts, skewed counts; popularity-style
+    # placements (up to 192 replicas) and random ones, with and without capacities.
+    gen = torch.Generator().manual_seed(seed)
+    counts = _skewed_counts(64, 128, 2048, seed, zipf=1.0)
+    popularity = _popularity_placement(counts.sum(0).double().numpy(), 64, 128,
+                                       2 + 1 + seed)[0]
+    for placement in (popularity, _random_placement(gen, 64, 128, 40 + 30 * seed)):
+        mean = int(counts.sum()) // 64
+        for capacity in (None, [mean + mean // 50] * 64, [mean + mean // 4] * 64):
+            routing = route_pairs(counts, placement, capacity)
+            oracle = _oracle_route_pairs(counts, placement, capacity)
+            assert torch.equal(routing.counts, oracle.counts)
+            assert routing.overflow == oracle.overflow
+
+
+@pytest.mark.parametrize("policy, gamma", [("static", 1.0), ("static", 0.75),
+                                           ("popularity", math.inf),
+                                           ("memory-aware", 1.0), ("memory-aware", math.inf)])
+@pytest.mark.parametrize("seed", range(3))
+def test_planner_matches_frozen_oracle(policy, gamma, seed):
+    # plan (numpy) and the memory-aware score and greedy against their torch originals.
+    num_ranks, num_experts = 8, 16
+    cost = _cost(num_experts, tokens=256, topk=2)
+    budget = cost.balanced_dropless_need() * (1.0 + 0.5 * seed)
+    planner = PlacementPlanner(PlannerSettings(policy, num_ranks, num_experts,
+                                               capacity_factor=gamma, budget_bytes=budget,
+                                               cost=cost))
+    batches = [_skewed_counts(num_ranks, num_experts, 512, 10 * seed + i, zipf=1.4)
+               for i in range(4)]
+    gen = torch.Generator().manual_seed(seed)
+    for step, counts in enumerate(batches):
+        planner.observe(counts)
+        planner.next_step()
+        for placement in (planner.placement, _random_placement(gen, num_ranks, num_experts,
+                                                               4 * step)):
+            got, memory = planner._plan(counts, planner._context(placement))
+            want, score = _oracle_plan(planner, counts, placement)
+            assert torch.equal(got.routing.counts, want.routing.counts)
+            assert got.routing.overflow == want.routing.overflow
+            assert torch.equal(got.retention.quotas, want.retention.quotas)
+            assert got.capacity_factor_used == want.capacity_factor_used
+            assert got.notes == want.notes
+            assert planner._score(got, memory, placement) == score
+        if policy == "memory-aware":
+            smoothed = torch.round(planner.smoothed_counts).to(torch.int64)
+            base = planner._plan(smoothed, planner._context(Placement.static(
+                num_ranks, num_experts)))[0]
+            routed = smoothed.sum(0).tolist()
+            assert (_greedy_replicas(routed, base, planner.settings)
+                    == _oracle_greedy_replicas(routed, base, planner.settings))
+
+
+def test_cost_model_numpy_twins_are_identical():
+    cost = _cost(16, tokens=256)
+    gen = torch.Generator().manual_seed(0)
+    share = cost.memory_share(cost.balanced_dropless_need() * 1.3)
+    for _ in range(20):
+        replicas = torch.randint(0, 4, (8,), generator=gen)
+        routed = torch.randint(0, 4000, (8,), generator=gen)
+        retained = torch.minimum(routed, torch.randint(0, 4000, (8,), generator=gen))
+        assert np.array_equal(cost.rank_memory_np(replicas.numpy(), routed.numpy(),
+                                                  retained.numpy()),
+                              cost.rank_memory(replicas, routed, retained).numpy())
+        assert np.array_equal(cost.retained_limit_np(share, replicas.numpy(), routed.numpy()),
+                              cost.retained_limit(share, replicas, routed).numpy())
+        assert np.array_equal(cost.routing_capacity_np(share, replicas.numpy()),
+                              cost.routing_capacity(share, replicas).numpy())
+        counts = torch.randint(0, 50, (8, 16), generator=gen)
+        plan = plan_retention(counts, 8, 0.9)
+        assert cost.layer_time_np(plan.routed_matrix.numpy(),
+                                  plan.retained_matrix.numpy()) == cost.layer_time(plan)

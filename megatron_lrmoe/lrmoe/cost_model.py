@@ -60,6 +60,7 @@ import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from megatron_lrmoe.lrmoe.planner import RetentionPlan
@@ -308,6 +309,46 @@ class CostModel:
         fwd_fits = routed * s.forward_transient_bytes_per_routed_pair <= room * s.num_layers
         return torch.where(fwd_fits, limit, 0.0).clamp(min=0).to(torch.int64)
 
+    # The per-rank formulas above in numpy: the same float64 operations in the same
+    # order, so the results are identical. The planner calls these once per layer and
+    # micro-batch, where a torch op on [R] costs ~10 us and a numpy op ~1 us.
+    def _fixed_bytes_np(self, num_replicas: np.ndarray) -> np.ndarray:
+        s = self.shape
+        return (np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
+                + s.microbatches_in_flight * s.source_pairs * s.saved_bytes_per_source_pair
+                + s.source_pairs * s.source_transient_bytes_per_pair / s.num_layers)
+
+    def rank_memory_np(self, num_replicas: np.ndarray, routed: np.ndarray,
+                       retained: np.ndarray) -> np.ndarray:
+        """``rank_memory`` on numpy arrays: [R] float64, identical values."""
+        s = self.shape
+        routed = np.asarray(routed, dtype=np.float64)
+        retained = np.asarray(retained, dtype=np.float64)
+        transient = np.maximum(routed * s.forward_transient_bytes_per_routed_pair,
+                               retained * s.backward_transient_bytes_per_retained_pair)
+        return (self._fixed_bytes_np(num_replicas)
+                + s.microbatches_in_flight * s.saved_bytes_per_routed_pair * routed
+                + transient / s.num_layers)
+
+    def routing_capacity_np(self, share: float, num_replicas: np.ndarray) -> np.ndarray:
+        """``routing_capacity`` on numpy arrays: [R] int64, identical values."""
+        s = self.shape
+        per_pair = (s.microbatches_in_flight * s.saved_bytes_per_routed_pair
+                    + s.forward_transient_bytes_per_routed_pair / s.num_layers)
+        room = share - self._fixed_bytes_np(num_replicas)
+        return np.maximum(np.floor(room / per_pair), 0.0).astype(np.int64)
+
+    def retained_limit_np(self, share: float, num_replicas: np.ndarray,
+                          routed: np.ndarray) -> np.ndarray:
+        """``retained_limit`` on numpy arrays: [R] int64, identical values."""
+        s = self.shape
+        routed = np.asarray(routed, dtype=np.float64)
+        room = (share - self._fixed_bytes_np(num_replicas)
+                - s.microbatches_in_flight * s.saved_bytes_per_routed_pair * routed)
+        limit = np.floor(room * s.num_layers / s.backward_transient_bytes_per_retained_pair)
+        fwd_fits = routed * s.forward_transient_bytes_per_routed_pair <= room * s.num_layers
+        return np.maximum(np.where(fwd_fits, limit, 0.0), 0.0).astype(np.int64)
+
     def balanced_dropless_need(self) -> float:
         """Bytes per rank for all layers and micro-batches in flight when every rank
         receives exactly its P source pairs, with no replicas and no drop. A budget
@@ -319,13 +360,29 @@ class CostModel:
     # ------------------------------------------------------------------- time
     def layer_time(self, plan: RetentionPlan) -> tuple[float, float]:
         """Estimated (forward_s, backward_s) of one layer and micro-batch under ``plan``."""
+        return self._phase_times(float(plan.routed_per_rank.max()),
+                                 _alltoall_pairs(plan.routed_matrix),
+                                 float(plan.retained_per_rank.max()),
+                                 _alltoall_pairs(plan.retained_matrix))
+
+    def layer_time_np(self, routed_matrix: np.ndarray,
+                      retained_matrix: np.ndarray) -> tuple[float, float]:
+        """``layer_time`` from a plan's [R, R] routed and retained matrices (source rank
+        x destination rank) as numpy arrays: the same numbers, without torch."""
+        return self._phase_times(float(np.maximum.reduce(np.add.reduce(routed_matrix, axis=0))),
+                                 _alltoall_pairs_np(routed_matrix),
+                                 float(np.maximum.reduce(np.add.reduce(retained_matrix, axis=0))),
+                                 _alltoall_pairs_np(retained_matrix))
+
+    def _phase_times(self, max_routed: float, alltoall_routed: float, max_retained: float,
+                     alltoall_retained: float) -> tuple[float, float]:
         s, m = self.shape, self.machine
-        fwd = (float(plan.routed_per_rank.max()) * s.forward_flops_per_pair / m.gemm_flops_per_s
-               + _alltoall_pairs(plan.routed_matrix) * s.forward_alltoall_bytes_per_pair
+        fwd = (max_routed * s.forward_flops_per_pair / m.gemm_flops_per_s
+               + alltoall_routed * s.forward_alltoall_bytes_per_pair
                / m.alltoall_bytes_per_s + 2 * m.alltoall_latency_s)
-        bwd = (float(plan.retained_per_rank.max()) * s.backward_flops_per_pair
+        bwd = (max_retained * s.backward_flops_per_pair
                / m.gemm_flops_per_s
-               + _alltoall_pairs(plan.retained_matrix) * s.backward_alltoall_bytes_per_pair
+               + alltoall_retained * s.backward_alltoall_bytes_per_pair
                / m.alltoall_bytes_per_s + 2 * m.alltoall_latency_s)
         return fwd, bwd
 
@@ -363,3 +420,12 @@ def _alltoall_pairs(matrix: torch.Tensor) -> float:
     """max over ranks of max(pairs sent to, received from other ranks)."""
     off = matrix - torch.diag(torch.diagonal(matrix))
     return float(torch.maximum(off.sum(1), off.sum(0)).max()) if off.numel() else 0.0
+
+
+def _alltoall_pairs_np(matrix: np.ndarray) -> float:
+    """``_alltoall_pairs`` of a numpy [R, R] integer matrix (the same number)."""
+    if not matrix.size:
+        return 0.0
+    diagonal = np.diagonal(matrix)
+    return float(max(np.maximum.reduce(np.add.reduce(matrix, axis=1) - diagonal),
+                     np.maximum.reduce(np.add.reduce(matrix, axis=0) - diagonal)))

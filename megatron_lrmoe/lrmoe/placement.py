@@ -197,40 +197,45 @@ class Placement:
 
 @dataclass(frozen=True, eq=False)
 class _RoutingLayout:
-    """Index arrays ``route_pairs`` needs, built once per placement."""
+    """Index arrays ``route_pairs`` needs, built once per placement (read-only).
+
+    K replicated experts, J = most instances of one (padding where fewer); "valid"
+    entries are the real (k, j) slots, in row-major order.
+    """
 
     replicated: np.ndarray          # [K] experts with replicas, ascending
     instance_table: np.ndarray      # [K, J] their instance ids, home first; -1 padding
     rank_table: np.ndarray          # [K, J] the ranks hosting them; -1 padding
     ranks_of: tuple[tuple[int, ...], ...]   # rank_table rows without padding
+    instance_count: tuple[int, ...]  # [K] len(ranks_of[k])
     single: np.ndarray              # [E - K] experts without replicas
-    single_rank: np.ndarray         # [E - K] their home rank
     single_instance: np.ndarray     # [E - K] their home instance
     rank_incidence: tuple[tuple[tuple[int, int], ...], ...]  # [R] (k, j) hosted on r
     involved_ranks: tuple[int, ...]  # ranks hosting an instance of a replicated expert
     involved_set: frozenset[int]
-    rank_degree: np.ndarray          # [R] replicated-expert instances on each rank
-    valid_index: tuple[np.ndarray, np.ndarray]   # nonzero(instance_table >= 0)
-    valid: np.ndarray                # [K, J] instance_table >= 0
-    rank_index: np.ndarray           # [K, J] rank_table with padding read as rank 0
-    width_of: np.ndarray             # [K] instances of each replicated expert
-    valid_ranks: np.ndarray          # rank_table[valid]
     involved_array: np.ndarray       # involved_ranks as an array
-    valid_instances: np.ndarray      # instance_table[valid] (valid_index order)
-    valid_ranks_kj: np.ndarray       # rank_table[valid] (valid_index order)
-    flat_instance: np.ndarray        # [K * J] instance_table flattened (-1 padding)
+    rank_degree: np.ndarray          # [R] replicated-expert instances on each rank
     rank_starts: np.ndarray          # [R] first instance of each rank (rank-major order)
-    instance_count: tuple[int, ...]  # [K] len(ranks_of[k])
+    width_of: np.ndarray             # [K] instances of each replicated expert
+    rank_or_sentinel: np.ndarray     # [K, J] rank_table with R in the padding
+    valid_flat: np.ndarray           # [V] flat k * J + j of the valid slots
+    valid_ranks: np.ndarray          # [V] their ranks
+    valid_experts: np.ndarray        # [V] their experts
+    valid_instances: np.ndarray      # [V] their instances
+    valid_source_flat: np.ndarray    # [V] flat k * R + rank (into [K, R])
+    flat_instance: np.ndarray        # [K * J] instance_table flattened (-1 padding)
+    source_row_offset: np.ndarray    # [K * R] (flat % R) * I: row offset into [R, I]
 
     @classmethod
     def build(cls, placement: Placement) -> _RoutingLayout:
+        num_ranks = placement.num_ranks
         per_expert = placement.replicas_per_expert()
         replicated = [e for e, c in enumerate(per_expert) if c]
         single = [e for e, c in enumerate(per_expert) if not c]
         width = max((c + 1 for c in per_expert), default=1)
         instance_table = np.full((len(replicated), width), -1, dtype=np.int64)
         rank_table = np.full((len(replicated), width), -1, dtype=np.int64)
-        incidence: list[list[tuple[int, int]]] = [[] for _ in range(placement.num_ranks)]
+        incidence: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
         ranks_of = []
         for k, e in enumerate(replicated):
             instances = placement.instances_of(e)
@@ -241,31 +246,33 @@ class _RoutingLayout:
             for j, r in enumerate(ranks):
                 incidence[r].append((k, j))
         valid = instance_table >= 0
-        involved = tuple(r for r in range(placement.num_ranks) if incidence[r])
+        kk, jj = np.nonzero(valid)
+        involved = tuple(r for r in range(num_ranks) if incidence[r])
         layout = cls(
             replicated=np.asarray(replicated, dtype=np.int64),
             instance_table=instance_table,
             rank_table=rank_table,
             ranks_of=tuple(ranks_of),
+            instance_count=tuple(len(v) for v in ranks_of),
             single=np.asarray(single, dtype=np.int64),
-            single_rank=np.asarray([placement.home_rank(e) for e in single], dtype=np.int64),
             single_instance=np.asarray([placement.home_instance[e] for e in single],
                                        dtype=np.int64),
             rank_incidence=tuple(tuple(v) for v in incidence),
             involved_ranks=involved,
             involved_set=frozenset(involved),
-            valid_index=np.nonzero(valid),
-            rank_degree=np.asarray([len(v) for v in incidence], dtype=np.float64),
-            valid=valid,
-            rank_index=np.where(valid, rank_table, 0),
-            width_of=valid.sum(1),
-            valid_ranks=rank_table[valid],
             involved_array=np.asarray(involved, dtype=np.int64),
-            valid_instances=instance_table[valid],
-            valid_ranks_kj=rank_table[valid],
-            flat_instance=instance_table.reshape(-1),
+            rank_degree=np.asarray([len(v) for v in incidence], dtype=np.float64),
             rank_starts=np.asarray(placement._rank_starts[:-1], dtype=np.int64),
-            instance_count=tuple(len(v) for v in ranks_of),
+            width_of=valid.sum(1),
+            rank_or_sentinel=np.where(valid, rank_table, num_ranks),
+            valid_flat=kk * width + jj,
+            valid_ranks=rank_table[kk, jj],
+            valid_experts=np.asarray(replicated, dtype=np.int64)[kk],
+            valid_instances=instance_table[kk, jj],
+            valid_source_flat=kk * num_ranks + rank_table[kk, jj],
+            flat_instance=instance_table.reshape(-1),
+            source_row_offset=np.tile(np.arange(num_ranks) * placement.num_instances,
+                                      len(replicated)),
         )
         for value in vars(layout).values():
             if isinstance(value, np.ndarray):
@@ -318,36 +325,42 @@ def route_pairs(
     """
     n = _check_route_counts(counts, placement)
     cap = _check_route_capacity(capacity, placement.num_ranks)
-    layout = placement._layout
-    num_ranks = placement.num_ranks
-    routed = n.sum(0)                                               # [E] N_e
-    out = np.zeros((num_ranks, placement.num_instances), dtype=np.int64)
-    out[:, layout.single_instance] = n[:, layout.single]
-    base = np.bincount(layout.single_rank, weights=routed[layout.single],
-                       minlength=num_ranks).astype(np.int64)        # [R] fixed loads
-    overflow = 0
-    if len(layout.replicated):
-        x = _balance(base.tolist(), None if cap is None else cap.tolist(),
-                     routed[layout.replicated], layout)
-        x = np.asarray(x, dtype=np.int64)                            # [K, J]
-        split = _split_sources(n[:, layout.replicated].T, x, layout.rank_table)  # [K, R, J]
-        kk, jj = layout.valid_index
-        out[:, layout.instance_table[kk, jj]] = split[kk, :, jj].T
-    if cap is not None:
-        load = np.zeros(num_ranks, dtype=np.int64)
-        np.add.at(load, np.asarray(placement.instance_rank), out.sum(0))
-        overflow = int(np.maximum(load - cap, 0).sum())
+    out, load = _route(n, placement, None if cap is None else cap.tolist())
+    overflow = 0 if cap is None else int(np.add.reduce(np.maximum(load - cap, 0)))
     return Routing(counts=torch.from_numpy(out), overflow=overflow, placement=placement)
 
 
-def _balance(
-    base: list[int], cap: list[int] | None, totals: np.ndarray, layout: _RoutingLayout,
-) -> list[list[int]]:
-    """Per-instance totals x[k][j] of the replicated experts: min overflow, then min max.
+def _route(n: np.ndarray, placement: Placement,
+           cap: list[int] | None) -> tuple[np.ndarray, np.ndarray]:
+    """``route_pairs`` on checked input: ([R, I] routed counts, [R] load per rank).
 
-    A transportation problem with an integral optimum, solved by augmenting paths in
-    the transfer graph (rank r -> rank r' when an expert with pairs on r also has an
-    instance on r'), moving whole blocks of pairs at a time:
+    Numpy and plain Python only: this runs once per layer and micro-batch, and a torch
+    op costs ~10 us on these small arrays, a numpy op ~1 us. ``n`` is not modified.
+    """
+    layout = placement._layout
+    num_ranks = placement.num_ranks
+    routed = np.add.reduce(n, axis=0)                               # [E] N_e
+    if not len(layout.replicated):                                  # instance i = expert i
+        return n.copy(), np.add.reduce(routed.reshape(num_ranks, -1), axis=1)
+    out = np.zeros((num_ranks, placement.num_instances), dtype=np.int64)
+    out[:, layout.single_instance] = n[:, layout.single]
+    column = np.zeros(placement.num_instances, dtype=np.int64)
+    column[layout.single_instance] = routed[layout.single]
+    base = np.add.reduceat(column, layout.rank_starts)             # [R] fixed loads
+    x, load = _balance(base, cap, routed[layout.replicated], layout)
+    _fill_replicated(out, n, x, layout)
+    return out, np.asarray(load, dtype=np.int64)
+
+
+def _balance(
+    base: np.ndarray, cap: list[int] | None, totals: np.ndarray, layout: _RoutingLayout,
+) -> tuple[np.ndarray, list[int]]:
+    """Per-instance totals x[k, j] of the replicated experts: min overflow, then min max.
+
+    Returns x ([K, J] int64, 0 in the padding) and the rank loads with it. A transportation
+    problem with an integral optimum, solved by augmenting paths in the transfer graph
+    (rank r -> rank r' when an expert with pairs on r also has an instance on r'),
+    moving whole blocks of pairs at a time:
       0. start from an even split of each expert over its instances;
       1. with capacities, push the pairs above capacity to ranks with room until no
          over-full rank reaches one (a maximum flow: overflow is minimal), then move
@@ -359,48 +372,41 @@ def _balance(
          they touch, so any assignment puts load(T) on T: the least M' that fits it
          is a larger lower bound; raise M to it and go on. When no rank is above M,
          M is optimal.
+    The paths are those of a breadth-first search (``_Flow``).
     """
     num_ranks = len(base)
-    ranks_of, incidence = layout.ranks_of, layout.rank_incidence
-    valid = layout.rank_table >= 0
+    sentinel = layout.rank_or_sentinel                  # padding reads the appended 0
     # Lower bounds of the max load: every set of ranks holds at least the pairs of the
     # experts confined to it: all involved ranks, and each expert's own ranks.
-    rank_index = np.where(valid, layout.rank_table, 0)
-    base_arr = np.asarray(base, dtype=np.int64)
-    involved = np.asarray(layout.involved_ranks)
-    own = totals + np.where(valid, base_arr[rank_index], 0).sum(1)
-    bound = max(int(np.max(-(-own // valid.sum(1)))),
-                -(-int(base_arr[involved].sum() + totals.sum()) // len(involved)))
+    own = totals + np.add.reduce(np.append(base, 0)[sentinel], axis=1)
+    involved_arr = layout.involved_array
+    bound = max(int(np.maximum.reduce(-(-own // layout.width_of))),
+                -(-int(np.add.reduce(base[involved_arr]) + np.add.reduce(totals))
+                  // len(involved_arr)))
     # Start: split each expert in proportion to its ranks' room under that bound,
     # shared among the replicated experts on the rank (close to the optimum, so few
     # augmenting paths remain).
-    room = np.maximum(bound - base_arr, 1.0) / np.maximum(layout.rank_degree, 1)
-    weight = np.where(valid, room[rank_index], 0.0)
+    room = np.maximum(bound - base, 1.0) / np.maximum(layout.rank_degree, 1)
+    weight = np.append(room, 0.0)[sentinel]                           # [K, J]
     ideal = totals[:, None] * weight / weight.sum(1, keepdims=True)
     x_arr = np.floor(ideal).astype(np.int64)
-    x_arr[:, 0] += totals - x_arr.sum(1)
-    load_arr = np.asarray(base, dtype=np.int64) + np.bincount(
-        layout.rank_table[valid], weights=x_arr[valid], minlength=num_ranks).astype(np.int64)
+    x_arr[:, 0] += totals - np.add.reduce(x_arr, axis=1)
+    load_arr = base + np.bincount(sentinel.reshape(-1), weights=x_arr.reshape(-1),
+                                  minlength=num_ranks + 1)[:num_ranks].astype(np.int64)
     x = x_arr.tolist()
     load = load_arr.tolist()
     involved = layout.involved_ranks
+    flow = _Flow(x, load, layout)
     stuck: set[int] = set()
     if cap is None:
         limit = [math.inf] * num_ranks
     else:
         limit = list(cap)
+        flow.set_ceiling(limit)
         for u in involved:
-            while load[u] > limit[u]:
-                path = _augmenting_path(u, lambda r: load[r] < limit[r], x, ranks_of, incidence)
-                if path[0] is None:
-                    break
-                end, hops = path
-                delta = min(load[u] - limit[u], limit[end] - load[end],
-                            *(x[k][j] for k, j, _ in hops))
-                _shift(x, hops, delta)
-                load[u] -= delta
-                load[end] += delta
-        _overflow_home(x, load, limit, ranks_of, incidence)
+            if load[u] > limit[u]:
+                flow.drain(u, limit[u])
+        _overflow_home(x, load, limit, layout.ranks_of, layout.rank_incidence, flow.moved)
         stuck = {r for r in range(num_ranks) if load[r] > limit[r]}      # overflow stays
         limit = [max(c, ld) for c, ld in zip(limit, load, strict=True)]
 
@@ -410,60 +416,177 @@ def _balance(
     while True:
         over = [r for r in involved if load[r] > level]
         if not over:
-            return x
-        raised = False
+            return _patched(x_arr, x, flow.moved), load
+        flow.set_ceiling([min(level, lim) for lim in limit])
         for u in over:
-            while load[u] > level:
-                end, found = _augmenting_path(
-                    u, lambda r, m=level: load[r] < m and load[r] < limit[r],
-                    x, ranks_of, incidence)
-                if end is None:                      # found = the ranks u reaches
-                    bound = _least_level(sum(load[r] for r in found), [limit[r] for r in found])
-                    if bound is None or bound <= level:   # no certificate: stop here
-                        return x
-                    level, raised = bound, True
-                    break
-                delta = min(load[u] - level, min(level, limit[end]) - load[end],
-                            *(x[k][j] for k, j, _ in found))
-                _shift(x, found, delta)
-                load[u] -= delta
-                load[end] += delta
-            if raised:
+            found = flow.drain(u, level)
+            if found is not None:                    # the ranks u reaches: all full
+                bound = _least_level(sum(load[r] for r in found), [limit[r] for r in found])
+                if bound is None or bound <= level:   # no certificate: stop here
+                    return _patched(x_arr, x, flow.moved), load
+                level = bound
                 break
 
 
-def _augmenting_path(start, is_target, x, ranks_of, incidence):
-    """Breadth-first search of the transfer graph from rank ``start``.
+def _patched(x_arr: np.ndarray, x: list[list[int]], moved: list[tuple[int, int]]) -> np.ndarray:
+    """x_arr with the entries listed in ``moved`` set from x (cheaper than converting
+    all of x back: few entries change)."""
+    if moved:
+        kk, jj = zip(*moved, strict=True)
+        x_arr[kk, jj] = [x[k][j] for k, j in moved]
+    return x_arr
 
-    Returns (end rank, hops) with hops the (k, j_from, j_to) moves of a path to the
-    first rank found with ``is_target``, or (None, ranks reached) when there is none.
-    Deterministic: ranks in the order found, incidences in (k, j) order.
+
+class _Flow:
+    """Augmenting paths in the transfer graph: x and the loads, updated in place.
+
+    A rank is a target while its load is below its ceiling. ``drain(u, stop)`` moves
+    pairs from rank u along paths to targets until u's load is at ``stop`` (or no
+    target is reachable). Each path is what a breadth-first search from u finds first:
+    ranks in the order found; from each rank r, its incidences (k, j) in order, those
+    with pairs (x[k][j] > 0); from each, expert k's ranks in instance order, skipping
+    ranks already found; the first target ends it. The path carries
+    min(load_u - stop, ceiling_end - load_end, x along the path).
+
+    Found cheaply: ``first[k]`` is the position of the first target among expert k's
+    ranks, kept up to date as loads change; from u itself the path is then the first
+    incidence with pairs whose expert has a target (one hop, the usual case), and an
+    expert already scanned without a target is not scanned again (its ranks were all
+    found then).
     """
-    parent = {start: None}
-    queue = [start]
-    for r in queue:
-        for k, j in incidence[r]:
-            if not x[k][j]:
-                continue
-            for j2, r2 in enumerate(ranks_of[k]):
-                if r2 in parent:
+
+    __slots__ = ("ceiling", "count", "done", "first", "incidence", "load", "moved",
+                 "ranks_of", "seen", "stamp", "x")
+
+    def __init__(self, x: list[list[int]], load: list[int], layout: _RoutingLayout):
+        self.x, self.load = x, load
+        self.ranks_of = layout.ranks_of
+        self.incidence = layout.rank_incidence
+        self.count = layout.instance_count
+        self.ceiling: list = []
+        self.first: list[int] = []
+        self.seen = [0] * len(load)
+        self.done = [0] * len(x)
+        self.stamp = 0
+        self.moved: list[tuple[int, int]] = []    # (k, j) of every x changed
+
+    def set_ceiling(self, ceiling: list) -> None:
+        """Targets from now on: the ranks whose load is below ``ceiling``."""
+        self.ceiling = ceiling
+        load, first = self.load, []
+        for ranks in self.ranks_of:
+            f = 0
+            for r in ranks:
+                if load[r] < ceiling[r]:
+                    break
+                f += 1
+            first.append(f)
+        self.first = first
+
+    def drain(self, u: int, stop) -> list[int] | None:
+        """Move load from u to targets until load[u] <= stop. None when done, else the
+        ranks u reaches (none of them a target)."""
+        x, load, ceiling, first = self.x, self.load, self.ceiling, self.first
+        count, ranks_of, incidence, moved = self.count, self.ranks_of, self.incidence, self.moved
+        # u is no target (load[u] >= its ceiling) and no path enters it, so its x only
+        # fall, and targets only fill up: an incidence of u without a one-hop path
+        # stays without one; scan them once.
+        own, i = incidence[u], 0
+        search = None
+        while load[u] > stop:
+            while i < len(own):
+                k, j = own[i]
+                f = first[k]
+                if f < count[k] and x[k][j]:
+                    break
+                i += 1
+            if i < len(own):                                     # one hop: k from j to f
+                end = ranks_of[k][f]
+                xk = x[k]
+                delta = min(load[u] - stop, ceiling[end] - load[end], xk[j])
+                xk[j] -= delta
+                xk[f] += delta
+                moved.append((k, j))
+                moved.append((k, f))
+            else:
+                if search is None:
+                    search = self._search(u)
+                end, hops = next(search)
+                if end is None:
+                    return hops
+                delta = min(load[u] - stop, ceiling[end] - load[end],
+                            *(x[k][j] for k, j, _ in hops))
+                for k, j_from, j_to in hops:
+                    x[k][j_from] -= delta
+                    x[k][j_to] += delta
+                    moved.append((k, j_from))
+                    moved.append((k, j_to))
+                    if not x[k][j_from]:
+                        search = None    # an edge of the search tree is gone: search anew
+            load[u] -= delta             # still >= stop: u does not become a target
+            load[end] += delta
+            if load[end] >= ceiling[end]:                        # end is full now
+                for k, j in incidence[end]:
+                    if first[k] == j:
+                        ranks = ranks_of[k]
+                        f, size = j + 1, count[k]
+                        while f < size and load[ranks[f]] >= ceiling[ranks[f]]:
+                            f += 1
+                        first[k] = f
+            else:
+                search = None
+        return None
+
+    def _search(self, start: int):
+        """Breadth-first search from ``start``, a generator: yields (end, hops (k, j_from,
+        j_to) from end back to start) for the first target found, and at the end (None,
+        the ranks reached in the order found).
+
+        Resumable: if the caller then fills ``end`` (no target any more) and no x on the
+        path fell to 0, the search so far is exactly what a new search from ``start``
+        would do up to finding ``end``: the same ranks found in the same order with the
+        same parents (x only changed on the path, and each expert on it was already
+        scanned where the path enters it; no expert scanned before hosts ``end``, or the
+        search would have stopped there). ``next`` then goes on from ``end`` as a new
+        search would, instead of redoing it all.
+        """
+        x, first, count, ranks_of = self.x, self.first, self.count, self.ranks_of
+        incidence = self.incidence
+        self.stamp += 1
+        stamp, seen, done = self.stamp, self.seen, self.done
+        seen[start] = stamp
+        parent = {start: None}
+        queue = [start]
+        for r in queue:
+            for k, j in incidence[r]:
+                if not x[k][j] or done[k] == stamp:
                     continue
-                parent[r2] = (r, k, j, j2)
-                if is_target(r2):
-                    hops = []
-                    node = r2
-                    while parent[node] is not None:
-                        prev, hk, hj, hj2 = parent[node]
+                done[k] = stamp
+                ranks, position = ranks_of[k], 0
+                while True:
+                    f = first[k]
+                    for j2 in range(position, f):    # no target before position f
+                        r2 = ranks[j2]
+                        if seen[r2] != stamp:
+                            seen[r2] = stamp
+                            parent[r2] = (r, k, j, j2)
+                            queue.append(r2)
+                    if f >= count[k]:
+                        break
+                    hops = [(k, j, f)]
+                    node = r
+                    while node != start:
+                        node, hk, hj, hj2 = parent[node]
                         hops.append((hk, hj, hj2))
-                        node = prev
-                    return r2, hops
-                queue.append(r2)
-    return None, queue
+                    yield ranks[f], hops
+                    position = f                     # resumed: ranks[f] is full now
+        yield None, queue
 
 
-def _overflow_home(x, load, limit, ranks_of, incidence) -> None:
+def _overflow_home(x, load, limit, ranks_of, incidence, moved) -> None:
     """Move replica pairs above capacity to their homes (no augmenting path is left,
-    so every home reached is full and the overflow stays the same)."""
+    so every home reached is full and the overflow stays the same). Appends the (k, j)
+    of the x changed to ``moved``."""
     work = [r for r in range(len(load)) if load[r] > limit[r]]
     while work:
         u = work.pop()
@@ -476,6 +599,8 @@ def _overflow_home(x, load, limit, ranks_of, incidence) -> None:
             home = ranks_of[k][0]
             x[k][j] -= delta
             x[k][0] += delta
+            moved.append((k, j))
+            moved.append((k, 0))
             load[u] -= delta
             load[home] += delta
             work.append(home)
@@ -501,31 +626,44 @@ def _shift(x: list[list[int]], hops, delta: int) -> None:
         x[k][j_to] += delta
 
 
-def _split_sources(n_rep: np.ndarray, x: np.ndarray, rank_table: np.ndarray) -> np.ndarray:
-    """[K, R, J] pairs from source s to instance j of replicated expert k.
+_ZERO = np.zeros(1, dtype=np.int64)
+_ZERO.setflags(write=False)
 
-    n_rep: [K, R] n[s, e] of the replicated experts; x: [K, J] instance totals (sum_j =
-    sum_s); rank_table: [K, J] instance ranks, -1 padding. A source on an instance's
-    rank sends min(n, x) there first; the rest is a north-west-corner fill.
+
+def _fill_replicated(out: np.ndarray, n: np.ndarray, x: np.ndarray,
+                     layout: _RoutingLayout) -> None:
+    """Write the replicated experts' columns of ``out`` ([R, I] C-contiguous, zero there).
+
+    n: [R, E] n[s, e]; x: [K, J] instance totals (sum_j = sum_s, 0 in the padding). A
+    source on an instance's rank sends min(n, x) there first; the rest is a
+    north-west-corner fill. Computed as intervals: lay the remaining source pairs of
+    expert 0 (sources in rank order), then of expert 1, ... on a line, and the
+    remaining instance totals (instances in order) likewise on a second copy of it; a
+    cell (s, i) gets the overlap of s's and i's intervals. The end points of all the
+    intervals cut the line into segments, each within one cell, and a cell with pairs
+    is exactly one segment: O(K (R + J)) work, not O(K R J).
     """
-    num_k, num_ranks = n_rep.shape
-    valid = rank_table >= 0
-    rank_index = np.where(valid, rank_table, 0)
-    own = np.take_along_axis(n_rep, rank_index, axis=1)              # [K, J] n[r_j, e]
-    local = np.where(valid, np.minimum(own, x), 0)                    # [K, J]
-    source_left = n_rep.copy()
-    kk, jj = np.nonzero(valid)
-    source_left[kk, rank_index[kk, jj]] -= local[kk, jj]
-    instance_left = x - local
-    s_hi = np.cumsum(source_left, axis=1)                             # [K, R]
-    s_lo = s_hi - source_left
-    i_hi = np.cumsum(instance_left, axis=1)                           # [K, J]
-    i_lo = i_hi - instance_left
-    split = np.minimum(s_hi[:, :, None], i_hi[:, None, :]) - np.maximum(
-        s_lo[:, :, None], i_lo[:, None, :])
-    split = np.maximum(split, 0)                                      # [K, R, J]
-    split[kk, rank_index[kk, jj], jj] += local[kk, jj]
-    return split
+    local = np.minimum(n[layout.valid_ranks, layout.valid_experts],
+                       x.reshape(-1)[layout.valid_flat])              # [V]
+    source_left = n.T[layout.replicated]                              # [K, R], a copy
+    source_left.reshape(-1)[layout.valid_source_flat] -= local
+    instance_left = x.reshape(-1).copy()
+    instance_left[layout.valid_flat] -= local
+    s_end = np.cumsum(source_left.reshape(-1))                        # interval ends
+    ends = np.concatenate((s_end, np.cumsum(instance_left)))
+    order = ends.argsort(kind="stable")       # two sorted runs: a merge; sources first on ties
+    points = np.concatenate((_ZERO, ends[order]))                     # the line's cut points
+    ahead = np.concatenate((_ZERO, np.cumsum(order < s_end.size)))    # source ends up to each
+    length = points[1:] - points[:-1]
+    cut = np.flatnonzero(length)              # segment [points[m], points[m + 1]) has pairs
+    # The cell of the segment starting at points[m] (the last point of its value): the
+    # sources and instances ending at or before it are those before it in the order.
+    source = ahead[cut]                                               # flat k * R + s
+    instance = cut - source                                           # flat k * J + j
+    length = length[cut]
+    flat = out.reshape(-1)
+    flat[layout.source_row_offset[source] + layout.flat_instance[instance]] = length
+    flat[layout.valid_ranks * out.shape[1] + layout.valid_instances] += local
 
 
 def _check_route_counts(counts: torch.Tensor, placement: Placement) -> np.ndarray:
@@ -679,7 +817,10 @@ class _PlacementContext:
     placement: Placement
     replicas_per_rank: torch.Tensor     # [R] int64
     routing_capacity: torch.Tensor | None
-    instance_rank: torch.Tensor         # [I] int64
+    replicas: np.ndarray                # [R] int64, replicas_per_rank
+    capacity: np.ndarray | None         # [R] int64, routing_capacity
+    capacity_list: list[int] | None
+    rank_starts: np.ndarray             # [R] first instance of each rank
 
 
 class PlacementPlanner:
@@ -716,28 +857,34 @@ class PlacementPlanner:
         minus its replicas), and gamma is lowered until the backward buffers fit; the
         forward never drops. What was done is in ``notes``.
         """
-        return self._plan(counts, self._context(self.placement))
+        return self._plan(counts, self._context(self.placement))[0]
 
-    def _plan(self, counts: torch.Tensor, ctx: _PlacementContext) -> MicroBatchPlan:
+    def _plan(self, counts: torch.Tensor,
+              ctx: _PlacementContext) -> tuple[MicroBatchPlan, np.ndarray | None]:
+        """(the plan, [R] CostModel.plan_memory of it or None without a budget)."""
+        # numpy on [R] arrays (a torch op costs ~10 us here); the same numbers as
+        # route_pairs, CostModel.retained_limit and CostModel.plan_memory.
         s = self.settings
         placement = ctx.placement
-        routing = route_pairs(counts, placement, ctx.routing_capacity)
+        out, routed = _route(_check_route_counts(counts, placement), placement,
+                             ctx.capacity_list)                 # routed: [R] load per rank
+        overflow = (0 if ctx.capacity is None
+                    else int(np.add.reduce(np.maximum(routed - ctx.capacity, 0))))
+        routing = Routing(counts=torch.from_numpy(out), overflow=overflow, placement=placement)
         notes = []
-        if routing.overflow:
-            notes.append(f"overflow: {routing.overflow} pairs above the ranks' buffer "
+        if overflow:
+            notes.append(f"overflow: {overflow} pairs above the ranks' buffer "
                          f"capacity went to home instances")
         gamma = float(s.capacity_factor)
         share = s.layer_share
         if share is not None and math.isfinite(gamma):
-            routed = torch.zeros(s.num_ranks, dtype=torch.int64).index_add_(
-                0, ctx.instance_rank, routing.counts.sum(0))
-            limit = s.cost.retained_limit(share, ctx.replicas_per_rank, routed)
+            limit = s.cost.retained_limit_np(share, ctx.replicas, routed)
             # Ranks whose forward buffers alone exceed the share (limit 0) stay over
             # budget whatever gamma is: they do not drag every rank's capacity to 1.
             short = (routed > limit) & (limit > 0)
-            total = int(routed.sum())
-            if bool(short.any()) and total:
-                needed = max(int(limit[short].min()), 1)
+            total = int(np.add.reduce(routed))
+            if short.any() and total:
+                needed = max(int(np.minimum.reduce(limit[short])), 1)
                 if needed < _capacity_for_factor(gamma, total, s.num_ranks):
                     gamma = _factor_for_capacity(needed, total, s.num_ranks)
                     notes.append(f"budget: backward capacity factor lowered from "
@@ -745,27 +892,33 @@ class PlacementPlanner:
         retention = plan_retention(routing.counts, s.num_ranks, gamma, s.min_retention,
                                    instance_rank=placement.instance_rank,
                                    instance_expert=placement.instance_expert)
+        memory = None
         if share is not None:
-            memory = s.cost.plan_memory(retention, ctx.replicas_per_rank)
+            retained = np.add.reduceat(np.add.reduce(retention.quotas.numpy(), axis=0),
+                                       ctx.rank_starts)         # [R] retained per rank
+            memory = s.cost.rank_memory_np(ctx.replicas, routed, retained)
             over = memory > share
-            if bool(over.any()):
-                notes.append(f"over budget on {int(over.sum())} rank(s) by up to "
-                             f"{float((memory - share).max()) / 2**20:.1f} MiB "
+            if over.any():
+                notes.append(f"over budget on {int(np.add.reduce(over))} rank(s) by up to "
+                             f"{float(np.maximum.reduce(memory - share)) / 2**20:.1f} MiB "
                              f"(the forward is never dropped)")
         return MicroBatchPlan(routing=routing, retention=retention,
-                              capacity_factor_used=gamma, notes=tuple(notes))
+                              capacity_factor_used=gamma, notes=tuple(notes)), memory
 
     def _context(self, placement: Placement) -> _PlacementContext:
         ctx = self._contexts.get(placement)
         if ctx is None:
             if len(self._contexts) >= 8:
                 self._contexts.clear()
-            replicas = torch.tensor(placement.replicas_per_rank(), dtype=torch.int64)
+            replicas = np.asarray(placement.replicas_per_rank(), dtype=np.int64)
             share = self.settings.layer_share
-            capacity = (None if share is None
-                        else self.settings.cost.routing_capacity(share, replicas))
-            ctx = _PlacementContext(placement, replicas, capacity,
-                                    torch.tensor(placement.instance_rank, dtype=torch.int64))
+            cap = (None if share is None
+                   else self.settings.cost.routing_capacity_np(share, replicas))
+            ctx = _PlacementContext(
+                placement, torch.from_numpy(replicas),
+                None if cap is None else torch.from_numpy(cap), replicas, cap,
+                None if cap is None else cap.tolist(),
+                np.asarray(placement._rank_starts[:-1], dtype=np.int64))
             self._contexts[placement] = ctx
         return ctx
 
@@ -810,8 +963,8 @@ class PlacementPlanner:
         s = self.settings
         counts = torch.round(self.smoothed_counts).to(torch.int64)
         static = Placement.static(s.num_ranks, s.num_experts)
-        base = self._plan(counts, self._context(static))
-        base_score = self._score(base, static)
+        base, memory = self._plan(counts, self._context(static))
+        base_score = self._score(base, memory, static)
         replicas = _greedy_replicas(counts.sum(0).tolist(), base, s)
         tried = []
         n = len(replicas)
@@ -820,8 +973,8 @@ class PlacementPlanner:
                 continue
             tried.append(size)
             candidate = Placement(s.num_ranks, s.num_experts, tuple(replicas[:size]))
-            planned = self._plan(counts, self._context(candidate))
-            score = self._score(planned, candidate)
+            planned, memory = self._plan(counts, self._context(candidate))
+            score = self._score(planned, memory, candidate)
             if (score[0] <= base_score[0] and score[1] <= base_score[1]
                     and planned.capacity_factor_used >= base.capacity_factor_used):
                 return candidate, (
@@ -831,14 +984,20 @@ class PlacementPlanner:
                 f"greedy proposed {len(replicas)})")
         return static, (note,)
 
-    def _score(self, plan: MicroBatchPlan, placement: Placement) -> tuple[float, float]:
-        """(largest memory excess over the share, estimated fwd + bwd + amortised refresh)."""
+    def _score(self, plan: MicroBatchPlan, memory: np.ndarray,
+               placement: Placement) -> tuple[float, float]:
+        """(largest memory excess over the share, estimated fwd + bwd + amortised refresh).
+
+        ``memory``: [R] ``CostModel.plan_memory`` of the plan, from ``_plan``. The numbers
+        of ``CostModel.layer_time`` are computed in numpy (the same values).
+        """
         s = self.settings
         cost = s.cost
-        ctx = self._context(placement)
-        excess = max(0.0, float((cost.plan_memory(plan.retention, ctx.replicas_per_rank)
-                                 - s.layer_share).max()))
-        fwd, bwd = cost.layer_time(plan.retention)
+        excess = max(0.0, float(np.maximum.reduce(memory - s.layer_share)))
+        starts = self._context(placement).rank_starts
+        routed = np.add.reduceat(plan.routing.counts.numpy(), starts, axis=1)     # [R, R]
+        retained = np.add.reduceat(plan.retention.quotas.numpy(), starts, axis=1)
+        fwd, bwd = cost.layer_time_np(routed, retained)
         sync = cost.replica_sync_time(placement.replicas, s.num_ranks,
                                       placement.experts_per_rank)
         return excess, fwd + bwd + sync / cost.shape.microbatches_per_step
@@ -958,11 +1117,20 @@ def _greedy_replicas(routed: list[int], base: MicroBatchPlan,
     retained_cap = math.inf if cap_count == UNLIMITED_CAPACITY else float(cap_count)
     off_rank = (num_ranks - 1) / num_ranks
     mif, layers = shape.microbatches_in_flight, shape.num_layers
-    fixed = cost.rank_memory(torch.zeros(1), torch.zeros(1), torch.zeros(1))[0].item()
+    fixed = float(cost.rank_memory_np(np.zeros(1), np.zeros(1), np.zeros(1))[0])
     saved, fwd_t = shape.saved_bytes_per_routed_pair, shape.forward_transient_bytes_per_routed_pair
     bwd_t, inst = shape.backward_transient_bytes_per_retained_pair, shape.instance_bytes
 
+    capacities: dict[int, float] = {}
+
     def capacity(replicas: int) -> float:
+        """``_capacity(replicas)``, memoised (called for every rank of every move tried)."""
+        value = capacities.get(replicas)
+        if value is None:
+            value = capacities[replicas] = _capacity(replicas)
+        return value
+
+    def _capacity(replicas: int) -> float:
         """Largest load whose memory (backward at the base plan's capacity) fits."""
         if share is None:
             return math.inf
@@ -1007,14 +1175,22 @@ def _greedy_replicas(routed: list[int], base: MicroBatchPlan,
         u = load.index(top)
         move = None
         candidates = sorted(on_rank[u], key=lambda e: (-spread[e][u], e))[:4]
+        least = None
         for e in candidates:
             hosts = spread[e]
             if len(hosts) >= num_ranks:
                 continue
-            v = min((r for r in range(num_ranks) if r not in hosts), key=lambda r: (load[r], r))
+            # v: the least loaded rank not hosting e, the lowest on ties (min keeps the
+            # first of equal keys)
+            if least is None:
+                least = min(range(num_ranks), key=load.__getitem__)
+            v = least if least not in hosts else min(
+                (r for r in range(num_ranks) if r not in hosts), key=load.__getitem__)
             ranks = [*hosts, v]
-            others = [load[r] - hosts.get(r, 0.0) for r in ranks]
-            limits = [capacity(reps_on[r] + (r == v)) for r in ranks]
+            others = [load[r] - h for r, h in hosts.items()]
+            others.append(load[v])
+            limits = [capacity(reps_on[r]) for r in hosts]
+            limits.append(capacity(reps_on[v] + 1))
             new = dict(zip(ranks, _fluid_fill(float(routed[e]), others, limits), strict=True))
             if new[u] >= hosts[u] - 1e-9:
                 continue
@@ -1055,7 +1231,7 @@ def _fluid_fill(amount: float, others: list[float], limits: list[float]) -> list
     active = [j for j in range(len(others)) if limits[j] > others[j]]
     left = amount
     while active and left > 0:
-        order = sorted(active, key=lambda j: others[j])
+        order = sorted(active, key=others.__getitem__)
         prefix, level = 0.0, 0.0
         for m, j in enumerate(order):
             prefix += others[j]
