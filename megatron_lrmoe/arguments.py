@@ -67,13 +67,14 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("LRMoE (megatron_lrmoe)")
     g.add_argument("--moe-lrmoe", action="store_true",
                    help="use the LRMoE MoE layer (off: Megatron's own classes, untouched)")
-    g.add_argument("--moe-lrmoe-bwd-capacity-factor", type=float, default=1.0,
+    # Defaults chosen by the time-to-loss study (docs/benchmarks.md, "Decision").
+    g.add_argument("--moe-lrmoe-bwd-capacity-factor", type=float, default=0.75,
                    help="backward capacity gamma per EP rank; inf drops nothing")
     g.add_argument("--moe-lrmoe-min-retention", type=float, default=0.0,
                    help="fraction of each expert's pairs always kept in backward")
     g.add_argument("--moe-lrmoe-metric", default="grad_act",
                    choices=["grad_act", "grad", "prob", "random"])
-    g.add_argument("--moe-lrmoe-selection", default="topk",
+    g.add_argument("--moe-lrmoe-selection", default="uniform",
                    choices=["topk", "sample", "uniform", "hybrid"],
                    help="per-cell backward selection: topk, sample (1/pi-scaled), uniform "
                         "(n/q-scaled), hybrid (top share + uniform rest)")

@@ -172,7 +172,12 @@ def analyse_run(records: list[dict], targets: dict[float, float], steps: int,
             "step": train[hit]["iteration"], "moe_s": moe[hit]}
     val = {r["iteration"]: r["validation-loss"] for r in records if "validation-loss" in r}
     lrmoe = [r for r in records if "lrmoe/retained-fraction" in r]
+    steady = train[len(train) // 10:] or train     # past warm-up and first-call costs
     return {
+        "moe_fwd_ms": 1e3 * statistics.median(r["moe-forward-s"] for r in steady)
+        if steady else None,
+        "moe_bwd_ms": 1e3 * statistics.median(r["moe-backward-s"] for r in steady)
+        if steady else None,
         "steps_run": len(train),
         "reached": reached,
         "val_at_steps": val[max(i for i in val if i <= steps)] if any(
@@ -211,7 +216,8 @@ def summarize(per_run: dict[tuple[str, int], dict]) -> list[dict]:
             ratios = [h["moe_s"] / ref[seed]["reached"][fraction]["moe_s"] for seed, h in hits
                       if seed in ref and ref[seed]["reached"][fraction]]
             row[f"moe_vs_dropless_{fraction}"] = _median(ratios)
-        for key in ("val_at_steps", "val_final", "moe_s_per_step", "retained",
+        for key in ("val_at_steps", "val_final", "moe_s_per_step", "moe_fwd_ms", "moe_bwd_ms",
+                    "retained",
                     "bwd_bytes_saved", "load_max_over_mean"):
             row[key] = _median([a[key] for _, a in runs if a[key] is not None])
         rows.append(row)
@@ -232,7 +238,8 @@ def _policy_order(name: str) -> tuple[int, str]:
 
 COLUMNS = ("policy", "seeds", "steps to 50/75/100%", "MoE s to 50/75/100%",
            "MoE s vs dropless at 100%", "val loss @ steps", "val loss @ end",
-           "MoE s / step", "retained", "bwd MiB saved", "load max/mean")
+           "MoE s / step", "MoE fwd/bwd ms per step", "retained", "bwd MiB saved",
+           "load max/mean")
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -246,7 +253,9 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append("| " + " | ".join([
             r["policy"], str(r["seeds"]), steps, moe, fmt(r["moe_vs_dropless_1.0"], ".2f"),
             fmt(r["val_at_steps"], ".4f"), fmt(r["val_final"], ".4f"),
-            fmt(r["moe_s_per_step"], ".3f"), fmt(r["retained"], ".3f"),
+            fmt(r["moe_s_per_step"], ".3f"),
+            fmt(r["moe_fwd_ms"], ".1f") + "/" + fmt(r["moe_bwd_ms"], ".1f"),
+            fmt(r["retained"], ".3f"),
             fmt(None if r["bwd_bytes_saved"] is None else r["bwd_bytes_saved"] / 2**20, ".1f"),
             fmt(r["load_max_over_mean"], ".2f"),
         ]) + " |")

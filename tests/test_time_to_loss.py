@@ -25,7 +25,8 @@ def test_smoothed_is_a_trailing_mean():
 def _records(losses, moe_per_step=0.5, val=None):
     out = []
     for i, loss in enumerate(losses, start=1):
-        r = {"iteration": i, "lm-loss": loss, "moe-cumulative-s": moe_per_step * i}
+        r = {"iteration": i, "lm-loss": loss, "moe-cumulative-s": moe_per_step * i,
+             "moe-forward-s": moe_per_step / 3, "moe-backward-s": 2 * moe_per_step / 3}
         if val and i in val:
             r["validation-loss"] = val[i]
         out.append(r)
@@ -41,6 +42,8 @@ def test_targets_and_time_to_target():
     assert slower["reached"][0.5] == {"step": 3, "moe_s": 0.75}
     assert slower["reached"][1.0] == {"step": 5, "moe_s": 1.25}
     assert slower["val_at_steps"] == 6.5
+    assert slower["moe_fwd_ms"] == pytest.approx(1e3 * 0.25 / 3)
+    assert slower["moe_bwd_ms"] == pytest.approx(2e3 * 0.25 / 3)
     never = ttl.analyse_run(_records([9, 9, 9, 9, 9, 9]), targets, steps=4, window=1)
     assert never["reached"][1.0] is None
     rows = ttl.summarize({("megatron-dropless", 1): ttl.analyse_run(reference, targets, 4, 1),

@@ -2,7 +2,9 @@
 
 Each field maps to the same-named command-line flag (dashes for underscores), which is
 how Megatron-LM's ``core_transformer_config_from_args`` fills a config class. Defaults
-are the agreed first defaults of DESIGN section 8; they change only by measurement.
+are DESIGN section 8's, except the backward capacity (0.75) and the selection (uniform),
+which the time-to-loss study chose (docs/benchmarks.md, "Decision"); they change only
+by measurement.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class LRMoETransformerConfig(TransformerConfig):
     moe_lrmoe: bool = False
     """Use the LRMoE MoE layer: exact forward, metric-driven backward drop with compaction."""
 
-    moe_lrmoe_bwd_capacity_factor: float = 1.0
+    moe_lrmoe_bwd_capacity_factor: float = 0.75
     """gamma: each EP rank keeps at most ceil(gamma x mean routed pairs per rank) pairs in
     backward; ``inf`` drops nothing."""
 
@@ -35,7 +37,7 @@ class LRMoETransformerConfig(TransformerConfig):
     moe_lrmoe_metric: str = "grad_act"
     """Per-pair contribution metric: grad_act (||g|| x ||h||), grad (||g||), prob, random."""
 
-    moe_lrmoe_selection: str = "topk"
+    moe_lrmoe_selection: str = "uniform"
     """How each (source, expert) cell keeps its quota: topk, sample (1/pi-scaled),
     uniform (a uniform subset, n/q-scaled) or hybrid (a share by top metric, the rest
     uniform and scaled to stay unbiased)."""

@@ -11,6 +11,7 @@ sequence parallelism); T = S x B tokens; E experts; P routed pairs.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -250,11 +251,11 @@ class LRMoELayer(MoELayer):
         if self.token_dispatcher.ep_rank != 0:
             return
         for note in notes:
-            kind = note.split(":", 1)[0]
+            kind = re.sub(r"[0-9][0-9.]*", "#", note)   # the same note with other numbers
             if kind not in self._noted:
                 self._noted.add(kind)
-                _LOG.warning("LRMoE layer %s: %s (further %r notes are counted, not logged)",
-                             self.layer_number, note, kind)
+                _LOG.warning("LRMoE layer %s: %s (repeats are counted in "
+                             "lrmoe/budget-adjusted-calls, not logged)", self.layer_number, note)
 
     # ----------------------------------------------------------------- backward
     def _after_backward(self, dw1: list[torch.Tensor], dw2: list[torch.Tensor]
