@@ -70,12 +70,28 @@ GLIBC_CACHING_TUNABLES = ("glibc.malloc.mmap_max=0", "glibc.malloc.trim_threshol
 # -----------------------------------------------------------------------------
 
 
+def layer_config_kwargs(cfg: dict) -> dict:
+    """TransformerConfig fields of the benchmarked MoE layer (shared by the siblings)."""
+    import torch.nn.functional as F
+
+    dtype = DTYPES[cfg["dtype"]]
+    return dict(
+        num_layers=1, hidden_size=cfg["hidden"], num_attention_heads=16,
+        ffn_hidden_size=cfg["ffn"], moe_ffn_hidden_size=cfg["ffn"],
+        num_moe_experts=cfg["experts"], moe_router_topk=cfg["topk"],
+        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="none", expert_model_parallel_size=cfg["ep"],
+        add_bias_linear=False, bias_activation_fusion=False, gated_linear_unit=True,
+        activation_func=F.silu, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+    )
+
+
 def _build_layers(cfg: dict, variants: dict[str, dict] | None = None):
     """Megatron's MoELayer and an LRMoELayer with the same weights, on this rank.
 
     ``variants``: more LRMoE layers (name -> extra LRMoETransformerConfig fields), same
     weights, returned as a third value (a dict) when given."""
-    import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -93,17 +109,7 @@ def _build_layers(cfg: dict, variants: dict[str, dict] | None = None):
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(expert_model_parallel_size=cfg["ep"])
     model_parallel_cuda_manual_seed(cfg["seed"])
-    dtype = DTYPES[cfg["dtype"]]
-    common = dict(
-        num_layers=1, hidden_size=cfg["hidden"], num_attention_heads=16,
-        ffn_hidden_size=cfg["ffn"], moe_ffn_hidden_size=cfg["ffn"],
-        num_moe_experts=cfg["experts"], moe_router_topk=cfg["topk"],
-        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
-        moe_router_load_balancing_type="none", expert_model_parallel_size=cfg["ep"],
-        add_bias_linear=False, bias_activation_fusion=False, gated_linear_unit=True,
-        activation_func=F.silu, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-    )
+    common = layer_config_kwargs(cfg)
     spec = get_gpt_layer_local_spec(num_experts=cfg["experts"]).submodules.mlp
     megatron = build_module(spec, config=TransformerConfig(**common))
     lrmoe = build_module(to_lrmoe_spec(spec), config=LRMoETransformerConfig(

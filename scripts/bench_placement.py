@@ -51,6 +51,7 @@ from bench_moe_layer import (  # noqa: E402  (sibling script)
     _build_layers,
     _gather_counts,
     _one_step,
+    layer_config_kwargs,
     skewed_routing,
 )
 
@@ -141,17 +142,9 @@ def _cost_model(cfg: dict):
 
 
 def _config(cfg: dict):
-    import torch.nn.functional as F
-
     from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
 
-    return LRMoETransformerConfig(
-        num_layers=1, hidden_size=cfg["hidden"], num_attention_heads=16,
-        ffn_hidden_size=cfg["ffn"], moe_ffn_hidden_size=cfg["ffn"],
-        num_moe_experts=cfg["experts"], moe_router_topk=cfg["topk"],
-        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=cfg["ep"],
-        add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
-        params_dtype=DTYPES[cfg["dtype"]], moe_lrmoe=True)
+    return LRMoETransformerConfig(**layer_config_kwargs(cfg), moe_lrmoe=True)
 
 
 def summarize(cfg: dict, per_rank: list[dict]) -> list[dict]:

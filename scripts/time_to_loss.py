@@ -73,16 +73,14 @@ def study_budget_gb(base_flags: list[str], extra_instances: float) -> float:
     """Balanced dropless need of the configured shape plus ``extra_instances`` expert
     instances per layer and rank (GiB), from the cost model (memory only)."""
     from megatron_lrmoe.arguments import parse_args
-    from megatron_lrmoe.lrmoe.cost_model import CostModel, MoEShape
-    from megatron_lrmoe.lrmoe.planner_settings import GIB, machine_constants
+    from megatron_lrmoe.lrmoe.cost_model import CostModel
+    from megatron_lrmoe.lrmoe.planner_settings import GIB, machine_constants, moe_shape
+    from megatron_lrmoe.training.builders import transformer_config_from_args
 
     os.environ.setdefault("WORLD_SIZE", "2")    # validate as the 2-rank runs will be
-    args = parse_args(base_flags)
-    shape = MoEShape(
-        hidden_size=args.hidden_size, ffn_hidden_size=args.moe_ffn_hidden_size,
-        num_experts=args.num_experts, topk=args.moe_router_topk, gated=bool(args.swiglu),
-        dtype_bytes=4, tokens_per_rank=args.micro_batch_size * args.seq_length,
-        num_layers=args.num_layers)
+    args = parse_args(base_flags + ["--moe-lrmoe"])
+    shape = moe_shape(transformer_config_from_args(args),
+                      args.micro_batch_size * args.seq_length)
     cost = CostModel(shape, machine_constants(None, "cpu"))
     extra = extra_instances * shape.instance_bytes * shape.num_layers
     return (cost.balanced_dropless_need() + extra) / GIB

@@ -54,3 +54,17 @@ def corpus(tmp_path_factory) -> str:
     inputs = [os.path.join(stdlib, name) for name in ("json", "email", "logging")]
     prepare_dataset(inputs, prefix, extensions=".py")
     return prefix
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The compiled extension; its absence is a failure, not a skip (CI builds it)."""
+    from megatron_lrmoe.ops import backend as backend_mod
+    from megatron_lrmoe.ops import kernels_available
+
+    if not kernels_available():
+        pytest.fail(
+            "megatron_lrmoe._kernels did not import "
+            f"({backend_mod._kernels_import_error}); build it with bash scripts/setup.sh"
+        )
+    return backend_mod.kernels_module()

@@ -16,11 +16,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_lrmoe.ops import backend as backend_mod
 from megatron_lrmoe.ops import (
     compact_rows,
     compact_rows_reference,
-    kernels_available,
     retained_splits,
     scatter_add_rows,
     select_rows,
@@ -32,17 +30,6 @@ RULES = ["topk", "sample", "uniform", "hybrid"]  # hybrid at its default fractio
 CPU_BACKENDS = ["cpu", "torch"]
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 INDEX_DTYPES = [torch.int32, torch.int64]
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    """The compiled extension; its absence is a failure, not a skip (CI builds it)."""
-    if not kernels_available():
-        pytest.fail(
-            "megatron_lrmoe._kernels did not import "
-            f"({backend_mod._kernels_import_error}); build it with bash scripts/setup.sh"
-        )
-    return backend_mod.kernels_module()
 
 
 def offsets_of(sizes: list[int]) -> torch.Tensor:

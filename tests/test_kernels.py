@@ -45,17 +45,6 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    """The compiled extension; its absence is a failure, not a skip (CI builds it)."""
-    if not kernels_available():
-        pytest.fail(
-            "megatron_lrmoe._kernels did not import "
-            f"({backend_mod._kernels_import_error}); build it with bash scripts/setup.sh"
-        )
-    return backend_mod.kernels_module()
-
-
 def make_inputs(n, m, h, dtype, index_dtype, scale_dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = torch.randn(n, h, generator=g).to(dtype)

@@ -898,33 +898,6 @@ def _oracle_fluid_fill(amount: float, others: list[float], limits: list[float]) 
 
 
 
-def _oracle_fluid_fill(amount: float, others: list[float], limits: list[float]) -> list[float]:
-    """Continuous water-filling of ``amount`` over ranks with loads ``others``, each up
-    to its limit; what fits nowhere stays on the first rank (the home)."""
-    give = [0.0] * len(others)
-    active = [j for j in range(len(others)) if limits[j] > others[j]]
-    left = amount
-    while active and left > 0:
-        order = sorted(active, key=lambda j: others[j])
-        prefix, level = 0.0, 0.0
-        for m, j in enumerate(order):
-            prefix += others[j]
-            level = (left + prefix) / (m + 1)
-            if m + 1 == len(order) or level <= others[order[m + 1]]:
-                break
-        capped = [j for j in order if others[j] < level and limits[j] <= level]
-        if not capped:
-            for j in order:
-                give[j] = max(level - others[j], 0.0)
-            return give
-        for j in capped:
-            give[j] = limits[j] - others[j]
-            left -= give[j]
-            active.remove(j)
-    give[0] += max(left, 0.0)
-    return give
-
-
 def _oracle_plan(planner: PlacementPlanner, counts: torch.Tensor,
                  placement: Placement) -> tuple[MicroBatchPlan, tuple[float, float] | None]:
     """PlacementPlanner._plan and ._score of commit 4e3fe41 (torch), for one placement."""

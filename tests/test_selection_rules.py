@@ -21,28 +21,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_compaction_kernels import offsets_of
 
-from megatron_lrmoe.ops import backend as backend_mod
-from megatron_lrmoe.ops import kernels_available, select_rows, select_rows_reference
+from megatron_lrmoe.ops import select_rows, select_rows_reference
 from megatron_lrmoe.ops.select import row_key, row_keys, splitmix64
 
 CPU_BACKENDS = ["cpu", "torch"]
 FRACTIONS = [0.0, 0.1, 0.29, 0.5, 0.75, 1.0]
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    """The compiled extension; its absence is a failure, not a skip (CI builds it)."""
-    if not kernels_available():
-        pytest.fail(
-            "megatron_lrmoe._kernels did not import "
-            f"({backend_mod._kernels_import_error}); build it with bash scripts/setup.sh"
-        )
-    return backend_mod.kernels_module()
-
-
-def offsets_of(sizes: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *sizes], dtype=torch.int64).cumsum(0)
 
 
 def assert_same(a, b) -> None:

@@ -10,6 +10,7 @@ sequence parallelism); T = S x B tokens; E experts; P routed pairs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -281,6 +282,14 @@ def _microbatches_per_step() -> int:
     return num_microbatches_calculator.get_num_microbatches()
 
 
+@functools.lru_cache(maxsize=64)
+def _cell_instances(placement: Placement) -> torch.Tensor:
+    """Instances expert by expert (home first): the cell order of a source's pairs.
+    Per placement (fixed for a step), not per forward."""
+    cells = [i for e in range(placement.num_experts) for i in placement.instances_of(e)]
+    return torch.tensor(cells, dtype=torch.int64)
+
+
 def _instance_order(source_counts: torch.Tensor, placement: Placement,
                     pair_expert: torch.Tensor) -> torch.Tensor | None:
     """Permutation of this source's expert-major pairs into instance-major order
@@ -290,8 +299,7 @@ def _instance_order(source_counts: torch.Tensor, placement: Placement,
     """
     if not placement.replicas:
         return None
-    cells = [i for e in range(placement.num_experts) for i in placement.instances_of(e)]
-    cell_instance = torch.tensor(cells, dtype=torch.int64)
+    cell_instance = _cell_instances(placement)
     sizes = source_counts[cell_instance]
     pair_instance = torch.repeat_interleave(cell_instance, sizes).to(pair_expert.device)
     return torch.sort(pair_instance, stable=True).indices

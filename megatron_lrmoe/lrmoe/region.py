@@ -29,6 +29,7 @@ pair contributes nothing to dX or dW; its router gradient is untouched.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -117,8 +118,14 @@ ReplicaGradHook = Callable[[list[torch.Tensor], list[torch.Tensor]],
 
 def _local_instances(plan: RetentionPlan, rank: int) -> range:
     """This rank's instance columns: contiguous, since instances are rank-major."""
-    ids = [i for i, r in enumerate(plan.instance_rank) if r == rank]
-    ranks = list(plan.instance_rank)
+    return _rank_columns(plan.instance_rank, rank)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_columns(instance_rank: tuple[int, ...], rank: int) -> range:
+    """Checked once per placement (and rank), not on every forward."""
+    ids = [i for i, r in enumerate(instance_rank) if r == rank]
+    ranks = list(instance_rank)
     if not ids or ranks != sorted(ranks):
         raise ValueError("the region needs instances in rank-major order with at least one "
                          f"on every rank (rank {rank} has instances {ids})")
@@ -130,7 +137,7 @@ def _local_instances(plan: RetentionPlan, rank: int) -> range:
 # -----------------------------------------------------------------------------
 
 
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
     """Variable-size all-to-all along dim 0 (identity on a single rank)."""
     if group is None or dist.get_world_size(group) == 1:
         return x.clone() if sum(send) else x.new_empty((0, *x.shape[1:]))
@@ -190,7 +197,7 @@ class _LRMoERegion(torch.autograd.Function):
                              f"{len(experts.w1)}")
         # ---- dispatch every pair ------------------------------------------------
         send, recv = plan.forward_send_splits(s), plan.forward_recv_splits(s)
-        x_recv = _all_to_all(x[pair_token], send, recv, group)            # [Pr, H] src-major
+        x_recv = all_to_all_rows(x[pair_token], send, recv, group)            # [Pr, H] src-major
         chunk_sizes = plan.counts[:, local.start:local.stop]              # [R, L]
         # Index tensors are built on the host from the plan, then moved to x's device.
         device = x.device
@@ -213,7 +220,7 @@ class _LRMoERegion(torch.autograd.Function):
         back = torch.empty_like(to_expert)
         back[to_expert] = torch.arange(to_expert.numel(), device=device)
         payload = torch.cat([o_exp, a_exp.to(o_exp.dtype).unsqueeze(1)], dim=1)[back]
-        returned = _all_to_all(payload, recv, send, group)                # [P, H + 1]
+        returned = all_to_all_rows(payload, recv, send, group)                # [P, H + 1]
         o, a = returned[:, :-1].contiguous(), returned[:, -1].float()
 
         ctx.rc, ctx.experts = rc, experts
@@ -253,8 +260,8 @@ class _LRMoERegion(torch.autograd.Function):
 
         # ---- retained all-to-all: rows and their positions -------------------------
         send, recv = plan.send_splits(s), plan.recv_splits(s)
-        g_recv = _all_to_all(g_kept, send, recv, group)                   # [Kr, H]
-        pos_recv = _all_to_all(pos_kept.unsqueeze(1), send, recv, group).squeeze(1).long()
+        g_recv = all_to_all_rows(g_kept, send, recv, group)                   # [Kr, H]
+        pos_recv = all_to_all_rows(pos_kept.unsqueeze(1), send, recv, group).squeeze(1).long()
         fwd_recv = plan.forward_recv_splits(s)
         recv_start = torch.tensor([0] + fwd_recv[:-1], device=device).cumsum(0)
         src_of_row = torch.repeat_interleave(torch.arange(len(recv), device=device),
@@ -275,7 +282,7 @@ class _LRMoERegion(torch.autograd.Function):
             _use_grouped_mm(rc.grouped_gemm, g_rows, experts))
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=device)
-        dx_back = _all_to_all(dx_rows[unsort], recv, send, group)        # [K, H] kept order
+        dx_back = all_to_all_rows(dx_rows[unsort], recv, send, group)        # [K, H] kept order
 
         # ---- source side: scatter-add into token gradients ------------------------
         dx = torch.zeros((ctx.num_tokens, g.shape[1]), dtype=g.dtype, device=g.device)

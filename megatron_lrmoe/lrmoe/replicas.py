@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrmoe.lrmoe.placement import Placement
+from megatron_lrmoe.lrmoe.region import all_to_all_rows
 
 __all__ = ["ExpertReplicas"]
 
@@ -86,7 +87,7 @@ class ExpertReplicas:
         recv = _counts_by_rank(homes, placement.num_ranks, per_expert)
         reference = home_w1[0]
         flat = torch.cat(send_parts) if send_parts else reference.new_empty(0)
-        got = _all_to_all(flat, send, recv, self.group).view(len(hosted), per_expert)
+        got = all_to_all_rows(flat, send, recv, self.group).view(len(hosted), per_expert)
         self.w1 = tuple(row[: shape1.numel()].view(shape1) for row in got)
         self.w2 = tuple(row[shape1.numel():].view(shape2) for row in got)
         self.grad1 = tuple(torch.zeros(shape1, dtype=self._grad_dtype, device=reference.device)
@@ -122,7 +123,7 @@ class ExpertReplicas:
                  for g1, g2 in zip(self.grad1, self.grad2, strict=True)]
         dtype, device = self._grad_dtype, self._device
         flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
-        got = _all_to_all(flat, send, recv, self.group).view(len(served), per_expert)
+        got = all_to_all_rows(flat, send, recv, self.group).view(len(served), per_expert)
         add1 = [torch.zeros(shape1, dtype=dtype, device=device) for _ in home_experts]
         add2 = [torch.zeros(shape2, dtype=dtype, device=device) for _ in home_experts]
         for (_, e), row in zip(served, got, strict=True):
@@ -150,12 +151,3 @@ def _counts_by_rank(ranks: list[int], num_ranks: int, per_item: int) -> list[int
     for r in ranks:
         sizes[r] += per_item
     return sizes
-
-
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    if group is None or dist.get_world_size(group) == 1:
-        return x.clone()
-    out = x.new_empty(sum(recv))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv,
-                           input_split_sizes=send, group=group)
-    return out
