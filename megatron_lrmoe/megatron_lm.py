@@ -215,7 +215,7 @@ def _check_memory_budget(args: argparse.Namespace, config) -> None:
         return
     from megatron.core import num_microbatches_calculator as nmc
 
-    from megatron_lrmoe.lrmoe.planner_settings import check_memory_budget
+    from megatron_lrmoe.lrmoe.planner_config import check_memory_budget
 
     tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
     microbatches = (nmc.get_num_microbatches()

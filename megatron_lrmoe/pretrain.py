@@ -325,7 +325,7 @@ def train(args: argparse.Namespace) -> dict:
     tokenizer = builders.build_tokenizer_from_args(args)
     config = builders.transformer_config_from_args(args)
     if args.moe_lrmoe:
-        from megatron_lrmoe.lrmoe.planner_settings import check_memory_budget
+        from megatron_lrmoe.lrmoe.planner_config import check_memory_budget
 
         tokens = args.micro_batch_size * args.seq_length // (
             args.tensor_model_parallel_size if args.sequence_parallel else 1)

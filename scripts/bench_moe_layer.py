@@ -394,8 +394,8 @@ def buffer_bytes(plan, rank: int, hidden: int, elem: int, positions: bool) -> in
 
 def summarize_routing(cfg: dict, per_rank: list[dict], routing: str) -> list[dict]:
     """One row per setting: medians of the slowest rank, exact counts, target check."""
-    from megatron_lrmoe.lrmoe.moe_layer import TOTAL_FIELDS
-    from megatron_lrmoe.lrmoe.planner import plan_retention
+    from megatron_lrmoe.lrmoe.retention import plan_retention
+    from megatron_lrmoe.lrmoe.telemetry import TOTAL_FIELDS
 
     data = [r["routings"][routing] for r in per_rank]
     counts = torch.tensor(data[0]["counts"], dtype=torch.int64)

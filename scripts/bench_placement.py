@@ -74,7 +74,7 @@ def run_worker(cfg: dict) -> dict:
     """Every setting on this rank: per-repetition times, the last plan's loads, memory."""
     import torch.distributed as dist
 
-    from megatron_lrmoe.lrmoe.planner import plan_retention
+    from megatron_lrmoe.lrmoe.retention import plan_retention
 
     rank = dist.get_rank()
     megatron, _, extra = _build_layers(cfg, _variants(cfg))
@@ -135,7 +135,7 @@ def _replicas_per_rank(plan) -> list[int]:
 def _cost_model(cfg: dict):
     """The cost model of the benchmarked shape (memory estimates; no timing used)."""
     from megatron_lrmoe.lrmoe.cost_model import CostModel
-    from megatron_lrmoe.lrmoe.planner_settings import machine_constants, moe_shape
+    from megatron_lrmoe.lrmoe.planner_config import machine_constants, moe_shape
 
     config = _config(cfg)
     return CostModel(moe_shape(config, cfg["tokens"]), machine_constants(None, "cpu"))

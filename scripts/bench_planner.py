@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_planner.py                  # 64 ranks, 128 experts
     .venv/bin/python scripts/bench_planner.py --repeats 50 --out benchmarks/results/bench_planner.md
 
-Targets (issue 4): ``PlacementPlanner.plan`` (capacity-aware routing + retention quotas
+Targets (issue 4): ``LayerPlanner.plan`` (capacity-aware routing + retention quotas
 for one layer and micro-batch) under 1 ms median; ``next_step`` (the placement of one
 step) under 10 ms median; for each policy. Counts: every source rank routes
 tokens_per_rank * top-k pairs, expert popularity Zipf(s) over a random permutation of
@@ -34,14 +34,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_lrmoe.calibrate import default_machine_constants  # noqa: E402
 from megatron_lrmoe.lrmoe.cost_model import CostModel, MoEShape  # noqa: E402
-from megatron_lrmoe.lrmoe.placement import (  # noqa: E402
-    PlacementPlanner,
-    PlannerSettings,
-    route_pairs,
-)
-from megatron_lrmoe.lrmoe.planner import plan_retention  # noqa: E402
+from megatron_lrmoe.lrmoe.machine import default_machine_constants  # noqa: E402
+from megatron_lrmoe.lrmoe.planner import LayerPlanner, PlannerSettings  # noqa: E402
+from megatron_lrmoe.lrmoe.retention import plan_retention  # noqa: E402
+from megatron_lrmoe.lrmoe.routing import route_pairs  # noqa: E402
 
 
 def skewed_counts(num_ranks: int, num_experts: int, pairs: int, zipf: float,
@@ -98,7 +95,7 @@ def main() -> None:
     for policy, gamma in policies:
         settings = PlannerSettings(policy, args.ranks, args.experts, capacity_factor=gamma,
                                    budget_bytes=budget, cost=cost)
-        planner = PlacementPlanner(settings)
+        planner = LayerPlanner(settings)
         for counts in batches[:2]:
             planner.observe(counts)
         planner.next_step()
@@ -177,7 +174,7 @@ def main() -> None:
             f"machine: {machine.source}",
             f"- budget: per layer the balanced dropless need + {args.budget_replicas:g} "
             f"replica(s) ({budget / 2**30:.2f} GiB per rank for 48 layers)",
-            "- plan = PlacementPlanner.plan (route_pairs + gamma under the budget + "
+            "- plan = LayerPlanner.plan (route_pairs + gamma under the budget + "
             "plan_retention + memory check); route_pairs and plan_retention timed alone "
             "on the same placement; next_step timed on its own (observe excluded)",
             "- targets: plan < 1 ms, next_step < 10 ms (medians)",

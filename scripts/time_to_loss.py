@@ -74,7 +74,7 @@ def study_budget_gb(base_flags: list[str], extra_instances: float) -> float:
     instances per layer and rank (GiB), from the cost model (memory only)."""
     from megatron_lrmoe.arguments import parse_args
     from megatron_lrmoe.lrmoe.cost_model import CostModel
-    from megatron_lrmoe.lrmoe.planner_settings import GIB, machine_constants, moe_shape
+    from megatron_lrmoe.lrmoe.planner_config import GIB, machine_constants, moe_shape
     from megatron_lrmoe.training.builders import transformer_config_from_args
 
     os.environ.setdefault("WORLD_SIZE", "2")    # validate as the 2-rank runs will be

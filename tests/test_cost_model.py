@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_lrmoe.calibrate import default_machine_constants
 from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
-from megatron_lrmoe.lrmoe.planner import plan_retention
+from megatron_lrmoe.lrmoe.machine import default_machine_constants
+from megatron_lrmoe.lrmoe.retention import plan_retention
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE = MachineConstants(gemm_flops_per_s=2e9, alltoall_bytes_per_s=1e8,

@@ -138,7 +138,7 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
     import torch.distributed as dist
 
     from megatron_lrmoe.lrmoe.moe_layer import _mix_seed
-    from megatron_lrmoe.lrmoe.planner import plan_retention
+    from megatron_lrmoe.lrmoe.retention import plan_retention
     from megatron_lrmoe.ops import select_rows_reference
 
     # hybrid at a non-default fraction: the layer must pass its config's value on.

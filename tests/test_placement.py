@@ -19,19 +19,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
-from megatron_lrmoe.lrmoe.placement import (
-    MicroBatchPlan,
-    Placement,
-    PlacementPlanner,
-    PlannerSettings,
-    Routing,
-    _capacity_for_factor,
-    _factor_for_capacity,
-    _greedy_replicas,
-    _popularity_placement,
-    route_pairs,
+from megatron_lrmoe.lrmoe.placement import Placement
+from megatron_lrmoe.lrmoe.placement_policies import _greedy_replicas, _popularity_placement
+from megatron_lrmoe.lrmoe.planner import LayerPlanner, MicroBatchPlan, PlannerSettings
+from megatron_lrmoe.lrmoe.retention import (
+    UNLIMITED_CAPACITY,
+    capacity_for_factor,
+    factor_for_capacity,
+    plan_retention,
 )
-from megatron_lrmoe.lrmoe.planner import UNLIMITED_CAPACITY, plan_retention
+from megatron_lrmoe.lrmoe.routing import Routing, route_pairs
 
 # ---------------------------------------------------------------------------
 # Placement
@@ -258,9 +255,9 @@ def _skewed_counts(num_ranks: int, num_experts: int, pairs: int, seed: int,
     return torch.stack([torch.bincount(d, minlength=num_experts) for d in draws])
 
 
-def _planner(policy: str, counts: torch.Tensor, **kwargs) -> PlacementPlanner:
+def _planner(policy: str, counts: torch.Tensor, **kwargs) -> LayerPlanner:
     num_ranks, num_experts = counts.shape
-    planner = PlacementPlanner(PlannerSettings(policy, num_ranks, num_experts, **kwargs))
+    planner = LayerPlanner(PlannerSettings(policy, num_ranks, num_experts, **kwargs))
     planner.observe(counts)
     planner.next_step()
     return planner
@@ -325,7 +322,7 @@ def test_static_policy_never_replicates():
 # ---------------------------------------------------------------------------
 
 
-def _excess(planner: PlacementPlanner, plan) -> float:
+def _excess(planner: LayerPlanner, plan) -> float:
     s = planner.settings
     memory = s.cost.plan_memory(plan.retention, torch.tensor(
         planner.placement.replicas_per_rank()))
@@ -380,7 +377,7 @@ def test_budget_lowers_gamma_not_forward():
     cost = _cost(4, tokens=64, topk=2, layers=1)
     counts = torch.tensor([[40, 40, 24, 24], [40, 40, 24, 24]])
     budget = cost.balanced_dropless_need() * 1.1
-    planner = PlacementPlanner(PlannerSettings("static", 2, 4, capacity_factor=2.0,
+    planner = LayerPlanner(PlannerSettings("static", 2, 4, capacity_factor=2.0,
                                                budget_bytes=budget, cost=cost))
     plan = planner.plan(counts)
     assert plan.capacity_factor_used < 2.0
@@ -389,7 +386,7 @@ def test_budget_lowers_gamma_not_forward():
     memory = cost.plan_memory(plan.retention, torch.zeros(2))
     assert float(memory.max()) <= planner.settings.layer_share
     # gamma = inf means "no drop": the budget does not lower it.
-    inf = PlacementPlanner(PlannerSettings("static", 2, 4, capacity_factor=math.inf,
+    inf = LayerPlanner(PlannerSettings("static", 2, 4, capacity_factor=math.inf,
                                            budget_bytes=budget, cost=cost))
     assert inf.plan(counts).capacity_factor_used == math.inf
 
@@ -402,7 +399,7 @@ def test_budget_lowers_gamma_not_forward():
 def test_smoothing_and_eval_steps():
     counts_a = _skewed_counts(2, 4, 50, seed=1)
     counts_b = _skewed_counts(2, 4, 50, seed=2)
-    planner = PlacementPlanner(PlannerSettings("popularity", 2, 4, slots_per_rank=3,
+    planner = LayerPlanner(PlannerSettings("popularity", 2, 4, slots_per_rank=3,
                                                load_smoothing=0.25))
     planner.observe(counts_a)
     planner.observe(counts_b)                # mean over the step's micro-batches
@@ -423,13 +420,13 @@ def test_state_dict_resume_is_exact():
     s = PlannerSettings("memory-aware", 4, 8, budget_bytes=cost.balanced_dropless_need() * 3,
                         cost=cost, load_smoothing=0.5)
     batches = [_skewed_counts(4, 8, 128, seed=i) for i in range(6)]
-    ref = PlacementPlanner(s)
+    ref = LayerPlanner(s)
     for counts in batches[:3]:
         ref.observe(counts)
         ref.next_step()
     ref.observe(batches[3])                  # mid-step observation is part of the state
     state = pickle.loads(pickle.dumps(ref.state_dict()))
-    resumed = PlacementPlanner(s)
+    resumed = LayerPlanner(s)
     resumed.load_state_dict(state)
     for planner in (ref, resumed):
         planner.next_step()
@@ -441,7 +438,7 @@ def test_state_dict_resume_is_exact():
     assert torch.equal(resumed.plan(batches[0]).retention.quotas,
                        ref.plan(batches[0]).retention.quotas)
     with pytest.raises(ValueError, match=r"\(R, E\)"):
-        PlacementPlanner(PlannerSettings("static", 2, 8)).load_state_dict(state)
+        LayerPlanner(PlannerSettings("static", 2, 8)).load_state_dict(state)
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -898,9 +895,9 @@ def _oracle_fluid_fill(amount: float, others: list[float], limits: list[float]) 
 
 
 
-def _oracle_plan(planner: PlacementPlanner, counts: torch.Tensor,
+def _oracle_plan(planner: LayerPlanner, counts: torch.Tensor,
                  placement: Placement) -> tuple[MicroBatchPlan, tuple[float, float] | None]:
-    """PlacementPlanner._plan and ._score of commit 4e3fe41 (torch), for one placement."""
+    """LayerPlanner._plan and ._score of commit 4e3fe41 (torch), for one placement."""
     s = planner.settings
     replicas = torch.tensor(placement.replicas_per_rank(), dtype=torch.int64)
     share = s.layer_share
@@ -919,8 +916,8 @@ def _oracle_plan(planner: PlacementPlanner, counts: torch.Tensor,
         total = int(routed.sum())
         if bool(short.any()) and total:
             needed = max(int(limit[short].min()), 1)
-            if needed < _capacity_for_factor(gamma, total, s.num_ranks):
-                gamma = _factor_for_capacity(needed, total, s.num_ranks)
+            if needed < capacity_for_factor(gamma, total, s.num_ranks):
+                gamma = factor_for_capacity(needed, total, s.num_ranks)
                 notes.append(f"budget: backward capacity factor lowered from "
                              f"{s.capacity_factor:g} to {gamma:.4g} (C={needed})")
     retention = plan_retention(routing.counts, s.num_ranks, gamma, s.min_retention,
@@ -1009,7 +1006,7 @@ def test_planner_matches_frozen_oracle(policy, gamma, seed):
     num_ranks, num_experts = 8, 16
     cost = _cost(num_experts, tokens=256, topk=2)
     budget = cost.balanced_dropless_need() * (1.0 + 0.5 * seed)
-    planner = PlacementPlanner(PlannerSettings(policy, num_ranks, num_experts,
+    planner = LayerPlanner(PlannerSettings(policy, num_ranks, num_experts,
                                                capacity_factor=gamma, budget_bytes=budget,
                                                cost=cost))
     batches = [_skewed_counts(num_ranks, num_experts, 512, 10 * seed + i, zipf=1.4)

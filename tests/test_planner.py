@@ -22,11 +22,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_lrmoe.lrmoe import planner as planner_module
-from megatron_lrmoe.lrmoe.planner import (
+from megatron_lrmoe.lrmoe import retention as planner_module
+from megatron_lrmoe.lrmoe.retention import (
     UNLIMITED_CAPACITY,
     RetentionPlan,
-    dropped_fraction,
     plan_retention,
 )
 
@@ -204,7 +203,7 @@ def test_gamma_inf_keeps_everything(case):
     assert torch.equal(plan.quotas, plan.counts)
     assert plan.capacity.tolist() == [UNLIMITED_CAPACITY] * len(counts)
     assert not bool(plan.over_capacity.any()) and not bool(plan.overloaded.any())
-    assert dropped_fraction(plan) == 0.0
+    assert plan.retained_fraction == 1.0
     assert "C=inf" in plan.describe()
 
 
@@ -238,7 +237,7 @@ def test_worked_example():
     assert plan.forward_send_splits(0) == [10, 4] and plan.send_splits(0) == [5, 4]
     assert plan.forward_recv_splits(0) == [10, 25] and plan.recv_splits(0) == [5, 15]
     assert plan.retained_fraction == pytest.approx(25 / 40)
-    assert dropped_fraction(plan) == pytest.approx(15 / 40)
+    assert plan.retained_fraction == pytest.approx(1 - 15 / 40)
     assert "kept 25/40" in plan.describe() and "cut ranks 1/2" in plan.describe()
 
 
@@ -303,7 +302,7 @@ def test_zero_counts():
     plan = _plan([[0, 0, 0, 0], [0, 0, 0, 0]], 1.0, 0.5)
     assert plan.capacity.tolist() == [0, 0]
     assert plan.quotas.tolist() == [[0] * 4] * 2
-    assert plan.retained_fraction == 1.0 and dropped_fraction(plan) == 0.0
+    assert plan.retained_fraction == 1.0
     assert plan.send_splits(1) == [0, 0] and plan.recv_splits(0) == [0, 0]
 
 

@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 
 import megatron.core
 import numpy
-import torch
 from megatron.core.datasets.indexed_dataset import (
     IndexedDatasetBuilder,
     get_bin_path,
@@ -49,19 +48,12 @@ from megatron_lrmoe.data.corpus import (
     stdlib_corpus,
 )
 from megatron_lrmoe.data.tokenizers import build_tokenizer, train_sentencepiece
-from megatron_lrmoe.ops import scatter_add_rows
 
 META_FORMAT = "megatron-lrmoe-dataset/1"
 
-# Text handed to the worker pool per round; with its tokens and the histogram's
-# buffers this keeps the peak near 100 MB for any corpus size.
+# Text handed to the worker pool per round; with its tokens this keeps the peak
+# near 100 MB for any corpus size.
 CHUNK_BYTES = 8 << 20
-
-# Tokens per scatter_add_rows call; counts live in float32 between flushes, and
-# float32 counts stay exact below 2**24.
-_HIST_SLICE = 1 << 22
-_F32_EXACT = 1 << 24
-
 
 # Tokenizers that run at memory speed: shipping their ids back from a worker
 # costs more than encoding them in place (31 MB of stdlib: 0.9 s with 2
@@ -86,13 +78,7 @@ def default_workers() -> int:
 
 
 class UnigramHistogram:
-    """Token counts over the whole corpus, accumulated chunk by chunk.
-
-    Counting is scatter_add_rows(out[V, 1], index=tokens[M], src=ones[M, 1])
-    on CPU (the op sums in index order, so counts are reproducible). The
-    float32 accumulator is flushed into exact int64 counts before any row
-    could pass 2**24, so counts are exact for corpora of any size.
-    """
+    """Token counts over the whole corpus, accumulated chunk by chunk (exact int64)."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -100,27 +86,12 @@ class UnigramHistogram:
 
     def reset(self) -> None:
         self.counts = numpy.zeros(self.vocab_size, dtype=numpy.int64)
-        self._acc = torch.zeros(self.vocab_size, 1, dtype=torch.float32)  # [V, 1]
-        self._ones = torch.ones(_HIST_SLICE, 1, dtype=torch.float32)  # [slice, 1]
-        self._pending = 0  # tokens in _acc since the last flush
 
     def add(self, tokens: numpy.ndarray) -> None:
-        for start in range(0, tokens.size, _HIST_SLICE):
-            part = tokens[start : start + _HIST_SLICE]
-            if self._pending + part.size >= _F32_EXACT:
-                self._flush()
-            index = torch.from_numpy(part.astype(numpy.int32))  # [M]
-            scatter_add_rows(self._acc, index, self._ones[: part.size])
-            self._pending += part.size
-
-    def _flush(self) -> None:
-        self.counts += self._acc[:, 0].to(torch.int64).numpy()
-        self._acc.zero_()
-        self._pending = 0
+        self.counts += numpy.bincount(tokens, minlength=self.vocab_size)[: self.vocab_size]
 
     def entropy_nats(self) -> float:
         """-sum p log p over the unigram distribution (0 for an empty histogram)."""
-        self._flush()
         return unigram_entropy_nats(self.counts)
 
 

@@ -3,7 +3,7 @@
 Pure: a model shape and measured machine constants in, bytes and seconds out. No
 timing constant lives here: GEMM rate and all-to-all bandwidth come from a
 calibration file (``python -m megatron_lrmoe.calibrate``) or, without one, from
-``megatron_lrmoe.calibrate.default_machine_constants``, which measures quickly.
+``megatron_lrmoe.lrmoe.machine.default_machine_constants``, which measures quickly.
 
 Notation (DESIGN.md section 2): H hidden size, F expert FFN size, F1 = 2F with a
 gated (SwiGLU) first layer else F, k top-k, b bytes per element of the parameters and
@@ -63,7 +63,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_lrmoe.lrmoe.planner import RetentionPlan
+from megatron_lrmoe.lrmoe.retention import RetentionPlan
 
 __all__ = ["CostModel", "MachineConstants", "MoEShape"]
 

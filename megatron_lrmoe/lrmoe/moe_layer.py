@@ -14,7 +14,6 @@ import functools
 import logging
 import re
 import time
-from dataclasses import dataclass, field
 
 import torch
 from megatron.core import num_microbatches_calculator
@@ -22,76 +21,21 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
-from megatron_lrmoe.lrmoe.dispatcher import LRMoEAlltoAllTokenDispatcher
-from megatron_lrmoe.lrmoe.placement import MicroBatchPlan, Placement, PlacementPlanner
-from megatron_lrmoe.lrmoe.planner_settings import planner_settings
-from megatron_lrmoe.lrmoe.region import RegionContext, RegionStats, lrmoe_region
+from megatron_lrmoe.lrmoe.counts_exchange import RoutedCountsExchange
+from megatron_lrmoe.lrmoe.placement import Placement
+from megatron_lrmoe.lrmoe.planner import LayerPlanner, MicroBatchPlan
+from megatron_lrmoe.lrmoe.planner_config import planner_settings
+from megatron_lrmoe.lrmoe.region import RegionContext, lrmoe_region
 from megatron_lrmoe.lrmoe.replicas import ExpertReplicas
+from megatron_lrmoe.lrmoe.telemetry import LRMoELayerStats
 
 _LOG = logging.getLogger(__name__)
-
-
-@dataclass
-class LRMoELayerStats:
-    """Region statistics of one layer since the last ``reset()`` (host numbers)."""
-
-    calls: list[RegionStats] = field(default_factory=list)
-    load_max_over_mean: list[float] = field(default_factory=list)
-    expert_load: torch.Tensor | None = None  # [E] pairs this rank routed to each expert
-    replicas: int = 0                        # most replicas of any step since the reset
-
-    def reset(self) -> None:
-        self.calls.clear()
-        self.load_max_over_mean.clear()
-        self.expert_load = None
-        self.replicas = 0
-
-    def add_expert_load(self, routed: torch.Tensor) -> None:
-        routed = routed.to(torch.float64)
-        self.expert_load = routed if self.expert_load is None else self.expert_load + routed
-
-    def totals(self) -> list[float]:
-        """Raw sums over the completed calls, in ``TOTAL_FIELDS`` order (summable
-        over ranks): routed and retained pairs, metric total and dropped, backward
-        bytes sent and dense, expert backward rows, forward routing overflow, planner
-        seconds, calls."""
-        done = [c for c in self.calls if c.backward_done]
-        return [float(len(done)) if name == "calls" else
-                float(sum(getattr(c, name) for c in done)) for name in TOTAL_FIELDS]
-
-    def summary(self) -> dict[str, float]:
-        """This rank's figures since the last reset."""
-        return summarize(self.totals(), max(self.load_max_over_mean, default=0.0),
-                         self.replicas)
-
-
-TOTAL_FIELDS = ("routed_pairs", "retained_pairs", "metric_total", "metric_dropped",
-                "backward_bytes_sent", "backward_bytes_dense", "expert_backward_rows",
-                "routing_overflow", "planner_s", "budget_adjusted", "calls")
-
-
-def summarize(totals: list[float], load_max_over_mean: float,
-              replicas: float = 0.0) -> dict[str, float]:
-    """Logged figures from ``totals`` (possibly summed over ranks)."""
-    (routed, retained, metric, dropped, sent, dense, rows, overflow, planner_s, adjusted,
-     calls) = totals
-    return {
-        "load-max-over-mean": load_max_over_mean,
-        "retained-fraction": retained / routed if routed else 1.0,
-        "dropped-contribution-fraction": dropped / metric if metric > 0 else 0.0,
-        "backward-bytes-saved": dense - sent,
-        "expert-backward-rows": rows,
-        "replicas": replicas,
-        "routing-overflow-pairs": overflow,
-        "planner-ms-per-call": 1e3 * planner_s / calls if calls else 0.0,
-        "budget-adjusted-calls": adjusted,
-    }
 
 
 class LRMoELayer(MoELayer):
     """MoELayer with an exact forward and a metric-driven, compacted backward.
 
-    Placement (DESIGN 6): a ``PlacementPlanner`` (pure, identical on every EP rank)
+    Placement (DESIGN 6): a ``LayerPlanner`` (pure, identical on every EP rank)
     chooses the expert instances of each step from the smoothed routed counts and,
     per micro-batch, the capacity-aware routing of pairs to instances and the
     retention quotas. Replicas are refreshed at the layer's first forward of a step
@@ -104,7 +48,7 @@ class LRMoELayer(MoELayer):
             raise ValueError("LRMoELayer needs an LRMoETransformerConfig with moe_lrmoe=True")
         pg_collection = pg_collection or get_default_pg_collection()
         super().__init__(config, submodules, layer_number, pg_collection)
-        self.token_dispatcher = LRMoEAlltoAllTokenDispatcher(
+        self.token_dispatcher = RoutedCountsExchange(
             self.num_local_experts, self.local_expert_indices, config=self.config,
             pg_collection=pg_collection,
         )
@@ -120,7 +64,7 @@ class LRMoELayer(MoELayer):
                                        self.ep_group if ep_size > 1 else None)
         # Built now unless the cost model needs the tokens per micro-batch (a budget or
         # memory-aware placement): then at the first forward.
-        self.placement_planner: PlacementPlanner | None = None
+        self.placement_planner: LayerPlanner | None = None
         self._pending_planner_state: dict | None = None
         if (config.moe_lrmoe_memory_budget_gb is None
                 and config.moe_lrmoe_placement != "memory-aware"):
@@ -130,13 +74,13 @@ class LRMoELayer(MoELayer):
         self._noted: set[str] = set()
         self._backwards_in_step = 0
 
-    def _build_planner(self, tokens_per_rank: int) -> PlacementPlanner:
+    def _build_planner(self, tokens_per_rank: int) -> LayerPlanner:
         ep_size = self.ep_group.size()
         settings = planner_settings(
             self.config, ep_size, tokens_per_rank, _microbatches_per_step(),
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
             else torch.device("cpu"), self.ep_group if ep_size > 1 else None)
-        self.placement_planner = PlacementPlanner(settings)
+        self.placement_planner = LayerPlanner(settings)
         if self._pending_planner_state is not None:
             self._load_planner_state(self._pending_planner_state)
             self._pending_planner_state = None

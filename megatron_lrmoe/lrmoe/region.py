@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_lrmoe.lrmoe.planner import RetentionPlan
+from megatron_lrmoe.lrmoe.comm import all_to_all_rows
+from megatron_lrmoe.lrmoe.retention import RetentionPlan
 from megatron_lrmoe.ops import compact_rows, scatter_add_rows, select_rows
 
 __all__ = ["ExpertWeights", "RegionContext", "RegionStats", "lrmoe_region"]
@@ -133,18 +134,8 @@ def _rank_columns(instance_rank: tuple[int, ...], rank: int) -> range:
 
 
 # -----------------------------------------------------------------------------
-# Communication and layout helpers
+# Layout helpers
 # -----------------------------------------------------------------------------
-
-
-def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    """Variable-size all-to-all along dim 0 (identity on a single rank)."""
-    if group is None or dist.get_world_size(group) == 1:
-        return x.clone() if sum(send) else x.new_empty((0, *x.shape[1:]))
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv,
-                           input_split_sizes=send, group=group)
-    return out
 
 
 def _source_to_expert_order(chunk_sizes: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_lrmoe.lrmoe.comm import all_to_all_rows
 from megatron_lrmoe.lrmoe.placement import Placement
-from megatron_lrmoe.lrmoe.region import all_to_all_rows
 
 __all__ = ["ExpertReplicas"]
 

@@ -9,14 +9,77 @@ maximum routed-load imbalance. Host syncs happen here, off the training path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
-from megatron_lrmoe.lrmoe.moe_layer import TOTAL_FIELDS, LRMoELayer, summarize
+from megatron_lrmoe.lrmoe.region import RegionStats
+
+__all__ = ["TOTAL_FIELDS", "LRMoELayerStats", "collect_lrmoe_stats", "lrmoe_layers", "summarize"]
 
 
-def lrmoe_layers(model_chunks) -> list[LRMoELayer]:
-    return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, LRMoELayer)]
+@dataclass
+class LRMoELayerStats:
+    """Region statistics of one layer since the last ``reset()`` (host numbers)."""
+
+    calls: list[RegionStats] = field(default_factory=list)
+    load_max_over_mean: list[float] = field(default_factory=list)
+    expert_load: torch.Tensor | None = None  # [E] pairs this rank routed to each expert
+    replicas: int = 0                        # most replicas of any step since the reset
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.load_max_over_mean.clear()
+        self.expert_load = None
+        self.replicas = 0
+
+    def add_expert_load(self, routed: torch.Tensor) -> None:
+        routed = routed.to(torch.float64)
+        self.expert_load = routed if self.expert_load is None else self.expert_load + routed
+
+    def totals(self) -> list[float]:
+        """Raw sums over the completed calls, in ``TOTAL_FIELDS`` order (summable
+        over ranks): routed and retained pairs, metric total and dropped, backward
+        bytes sent and dense, expert backward rows, forward routing overflow, planner
+        seconds, calls."""
+        done = [c for c in self.calls if c.backward_done]
+        return [float(len(done)) if name == "calls" else
+                float(sum(getattr(c, name) for c in done)) for name in TOTAL_FIELDS]
+
+    def summary(self) -> dict[str, float]:
+        """This rank's figures since the last reset."""
+        return summarize(self.totals(), max(self.load_max_over_mean, default=0.0),
+                         self.replicas)
+
+
+TOTAL_FIELDS = ("routed_pairs", "retained_pairs", "metric_total", "metric_dropped",
+                "backward_bytes_sent", "backward_bytes_dense", "expert_backward_rows",
+                "routing_overflow", "planner_s", "budget_adjusted", "calls")
+
+
+def summarize(totals: list[float], load_max_over_mean: float,
+              replicas: float = 0.0) -> dict[str, float]:
+    """Logged figures from ``totals`` (possibly summed over ranks)."""
+    (routed, retained, metric, dropped, sent, dense, rows, overflow, planner_s, adjusted,
+     calls) = totals
+    return {
+        "load-max-over-mean": load_max_over_mean,
+        "retained-fraction": retained / routed if routed else 1.0,
+        "dropped-contribution-fraction": dropped / metric if metric > 0 else 0.0,
+        "backward-bytes-saved": dense - sent,
+        "expert-backward-rows": rows,
+        "replicas": replicas,
+        "routing-overflow-pairs": overflow,
+        "planner-ms-per-call": 1e3 * planner_s / calls if calls else 0.0,
+        "budget-adjusted-calls": adjusted,
+    }
+
+
+def lrmoe_layers(model_chunks) -> list:
+    """The LRMoE layers of the model chunks (the modules that keep ``LRMoELayerStats``)."""
+    return [m for chunk in model_chunks for m in chunk.modules()
+            if isinstance(getattr(m, "lrmoe_stats", None), LRMoELayerStats)]
 
 
 def collect_lrmoe_stats(model_chunks, num_layers: int, num_experts: int) -> dict[str, float]:

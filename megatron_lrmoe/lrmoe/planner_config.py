@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
-from megatron_lrmoe.lrmoe.placement import PlannerSettings
+from megatron_lrmoe.lrmoe.machine import default_machine_constants
+from megatron_lrmoe.lrmoe.planner import PlannerSettings
 
 __all__ = ["GIB", "machine_constants", "moe_layers_per_stage", "moe_shape", "planner_settings"]
 
@@ -58,8 +59,6 @@ def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1) -> M
 def machine_constants(calibration: str | None, device_type: str) -> MachineConstants:
     """Measured constants: the calibration JSON if given, else a quick in-process
     measurement (labelled as such in ``source``); cached per process."""
-    from megatron_lrmoe.calibrate import default_machine_constants
-
     if calibration:
         return MachineConstants.from_json(calibration)
     return default_machine_constants(device_type)

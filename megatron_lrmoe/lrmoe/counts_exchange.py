@@ -1,9 +1,11 @@
-"""LRMoE's all-to-all token dispatcher.
+"""The routed-counts exchange of the LRMoE layer.
 
-Megatron's MoEAlltoAllTokenDispatcher owns the expert-parallel groups and the
-routing metadata. The LRMoE region moves the tokens itself (its backward sends
-retained rows only), so this subclass keeps Megatron's groups and adds the one
-collective the plan needs: every rank's per-expert counts, n[s, e].
+Megatron's MoEAlltoAllTokenDispatcher owns the expert-parallel groups. The LRMoE
+region moves the tokens itself (its backward sends retained rows only), so the
+dispatcher's own dispatch and combine are never called: this subclass is what the
+layer keeps of it, the groups, plus the one collective the plan needs, every rank's
+per-expert counts n[s, e]. It stays a dispatcher subclass so Megatron code that
+reads ``MoELayer.token_dispatcher`` (groups, sizes) keeps working.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 
-class LRMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
-    """All-to-all dispatcher whose dispatch and combine are done by the LRMoE region."""
+class RoutedCountsExchange(MoEAlltoAllTokenDispatcher):
+    """Megatron's all-to-all dispatcher used only for its EP groups and the counts exchange."""
 
     @property
     def ep_rank(self) -> int:

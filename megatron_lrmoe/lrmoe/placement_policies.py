@@ -1,0 +1,226 @@
+"""Placement policies: which replicas a layer hosts next step.
+
+``popularity`` is the SYMI-style baseline (instances in proportion to popularity,
+within a fixed number of slots per rank); ``memory-aware`` is LRMoE's greedy search on
+a fluid load estimate, judged by the cost model under the memory budget. Both are pure
+functions of the smoothed loads; ``planner.LayerPlanner`` calls them at a step boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from megatron_lrmoe.lrmoe.placement import Placement
+from megatron_lrmoe.lrmoe.retention import UNLIMITED_CAPACITY
+
+if TYPE_CHECKING:
+    from megatron_lrmoe.lrmoe.planner import MicroBatchPlan, PlannerSettings
+
+
+
+def _popularity_placement(popularity: np.ndarray, num_ranks: int, num_experts: int,
+                          slots: int) -> tuple[Placement, tuple[str, ...]]:
+    """SYMI-style: R * slots instances, shared in proportion to popularity.
+
+    Instances per expert c_e by the divisor (D'Hondt) method with c_e >= 1 (the home)
+    and c_e <= R: the extra instances go one at a time to the expert with the largest
+    expected load per instance P_e / c_e (ties: lower expert). This is proportional
+    allocation that makes the largest load per instance as small as possible. Replicas
+    are then placed hottest expert first (more instances first, then popularity), each
+    on the rank not yet hosting that expert with a free slot and the least expected
+    load (sum of P_e / c_e over its instances; ties: lower rank). An instance that finds
+    no such rank is skipped (noted).
+    """
+    per_rank = num_experts // num_ranks
+    extra = num_ranks * slots - num_experts
+    pop = np.maximum(np.asarray(popularity, dtype=np.float64), 0.0)
+    if extra <= 0 or num_ranks == 1 or pop.sum() <= 0:
+        return Placement.static(num_ranks, num_experts), ()
+    quotients = (pop[:, None] / np.arange(2, num_ranks + 1)[None, :]).ravel()   # [E * (R-1)]
+    order = np.argsort(-quotients, kind="stable")[:extra]
+    order = order[quotients[order] > 0]
+    instances = 1 + np.bincount(order // (num_ranks - 1), minlength=num_experts)
+    per_instance = pop / instances
+    rank_load = per_instance.reshape(num_ranks, per_rank).sum(1)
+    free = np.full(num_ranks, slots - per_rank)
+    hosts = np.zeros((num_experts, num_ranks), dtype=bool)
+    hosts[np.arange(num_experts), np.arange(num_experts) // per_rank] = True
+    replicas, skipped = [], 0
+    for e in sorted(np.nonzero(instances > 1)[0].tolist(),
+                    key=lambda e: (-instances[e], -pop[e], e)):
+        for _ in range(int(instances[e]) - 1):
+            eligible = (free > 0) & ~hosts[e]
+            if not eligible.any():
+                skipped += int(instances[e]) - 1 - sum(1 for p in replicas if p[0] == e)
+                break
+            r = int(np.argmin(np.where(eligible, rank_load, np.inf)))
+            replicas.append((e, r))
+            hosts[e, r] = True
+            free[r] -= 1
+            rank_load[r] += per_instance[e]
+    notes = (f"popularity: {len(replicas)} replicas in {slots} slots per rank",)
+    if skipped:
+        notes += (f"popularity: {skipped} replica(s) found no free rank",)
+    return Placement(num_ranks, num_experts, tuple(replicas)), notes
+
+
+def _greedy_replicas(routed: list[int], base: MicroBatchPlan,
+                     settings: PlannerSettings) -> list[tuple[int, int]]:
+    """Replicas in the order a greedy search adds them, on a fluid load estimate.
+
+    State: each expert's pairs spread over its instances' ranks (starting from
+    Megatron's layout). A move takes the most loaded rank u, an expert with pairs on u
+    (largest share first, up to four tried), and adds a replica of it on the least
+    loaded rank not hosting it; the expert's pairs are then water-filled over its
+    ranks with the other loads fixed. A move is allowed if u's load drops, no rank
+    rises above the old maximum, and no rank whose load rises ends over the layer share
+    unless it already was. The estimated time (``CostModel.load_time`` at the maximum
+    load, retained load capped at the base plan's backward capacity, all-to-all pairs
+    estimated as (R - 1) / R of the load; plus the amortised replica refresh) decides
+    which prefix of moves to keep: the one with the lowest time. Ties between ranks at
+    the maximum are why single moves are not judged alone: the maximum only falls once
+    every rank at it has been relieved.
+    """
+    cost, share = settings.cost, settings.layer_share
+    shape = cost.shape
+    num_ranks, num_experts = settings.num_ranks, settings.num_experts
+    per_rank = num_experts // num_ranks
+    cap_count = int(base.retention.capacity[0])
+    retained_cap = math.inf if cap_count == UNLIMITED_CAPACITY else float(cap_count)
+    off_rank = (num_ranks - 1) / num_ranks
+    mif, layers = shape.microbatches_in_flight, shape.num_layers
+    fixed = float(cost.rank_memory_np(np.zeros(1), np.zeros(1), np.zeros(1))[0])
+    saved, fwd_t = shape.saved_bytes_per_routed_pair, shape.forward_transient_bytes_per_routed_pair
+    bwd_t, inst = shape.backward_transient_bytes_per_retained_pair, shape.instance_bytes
+
+    capacities: dict[int, float] = {}
+
+    def capacity(replicas: int) -> float:
+        """``_capacity(replicas)``, memoised (called for every rank of every move tried)."""
+        value = capacities.get(replicas)
+        if value is None:
+            value = capacities[replicas] = _capacity(replicas)
+        return value
+
+    def _capacity(replicas: int) -> float:
+        """Largest load whose memory (backward at the base plan's capacity) fits."""
+        if share is None:
+            return math.inf
+        room = max(0.0, share - fixed - replicas * inst)
+        load = room / (mif * saved + max(fwd_t, bwd_t) / layers)       # retained = load
+        if load <= retained_cap:
+            return load
+        load = (room - bwd_t * retained_cap / layers) / (mif * saved)  # retained = C
+        if fwd_t * load <= bwd_t * retained_cap:
+            return load
+        return room / (mif * saved + fwd_t / layers)                   # forward dominates
+
+    def memory(load: float, replicas: int) -> float:
+        transient = max(fwd_t * load, bwd_t * min(load, retained_cap))
+        return fixed + replicas * inst + mif * saved * load + transient / layers
+
+    weight = shape.weight_elements * (shape.dtype_bytes + (shape.grad_dtype_bytes
+                                                            or shape.dtype_bytes))
+
+    def est_time(top: float, busiest_sync: int) -> float:
+        ret = min(top, retained_cap)
+        sync = (busiest_sync * weight / cost.machine.alltoall_bytes_per_s
+                + (2 * cost.machine.alltoall_latency_s if busiest_sync else 0.0))
+        return (cost.load_time(top, ret, top * off_rank, ret * off_rank)
+                + sync / shape.microbatches_per_step)
+
+    load = [0.0] * num_ranks
+    spread: list[dict[int, float]] = []        # expert -> {hosting rank: its pairs}
+    on_rank: list[list[int]] = [[] for _ in range(num_ranks)]
+    for e, n in enumerate(routed):
+        spread.append({e // per_rank: float(n)})
+        load[e // per_rank] += n
+        on_rank[e // per_rank].append(e)
+    reps_on = [0] * num_ranks
+    sync_sent, sync_recv = [0] * num_ranks, [0] * num_ranks
+    busiest = 0
+    added: list[tuple[int, int]] = []
+    best_time, best_len = est_time(max(load), 0), 0
+    max_moves = num_ranks * (num_experts - per_rank)
+    while len(added) < max_moves and len(added) - best_len <= num_ranks:
+        top = max(load)
+        u = load.index(top)
+        move = None
+        candidates = sorted(on_rank[u], key=lambda e: (-spread[e][u], e))[:4]
+        least = None
+        for e in candidates:
+            hosts = spread[e]
+            if len(hosts) >= num_ranks:
+                continue
+            # v: the least loaded rank not hosting e, the lowest on ties (min keeps the
+            # first of equal keys)
+            if least is None:
+                least = min(range(num_ranks), key=load.__getitem__)
+            v = least if least not in hosts else min(
+                (r for r in range(num_ranks) if r not in hosts), key=load.__getitem__)
+            ranks = [*hosts, v]
+            others = [load[r] - h for r, h in hosts.items()]
+            others.append(load[v])
+            limits = [capacity(reps_on[r]) for r in hosts]
+            limits.append(capacity(reps_on[v] + 1))
+            new = dict(zip(ranks, _fluid_fill(float(routed[e]), others, limits), strict=True))
+            if new[u] >= hosts[u] - 1e-9:
+                continue
+            ok = True
+            for r, o in zip(ranks, others, strict=True):
+                after = o + new[r]
+                if r == u or after <= load[r]:
+                    continue
+                if after > top or (share is not None and memory(after, reps_on[r] + (r == v))
+                                   > max(share, memory(load[r], reps_on[r]))):
+                    ok = False
+                    break
+            if ok:
+                move = (e, v, ranks, others, new)
+                break
+        if move is None:
+            break
+        e, v, ranks, others, new = move
+        for r, o in zip(ranks, others, strict=True):
+            load[r] = o + new[r]
+        spread[e] = new
+        on_rank[v].append(e)
+        reps_on[v] += 1
+        sync_sent[e // per_rank] += 1
+        sync_recv[v] += 1
+        busiest = max(busiest, sync_sent[e // per_rank], sync_recv[v])
+        added.append((e, v))
+        t = est_time(max(load), busiest)
+        if t < best_time * (1 - 1e-12):
+            best_time, best_len = t, len(added)
+    return added[:best_len]
+
+
+def _fluid_fill(amount: float, others: list[float], limits: list[float]) -> list[float]:
+    """Continuous water-filling of ``amount`` over ranks with loads ``others``, each up
+    to its limit; what fits nowhere stays on the first rank (the home)."""
+    give = [0.0] * len(others)
+    active = [j for j in range(len(others)) if limits[j] > others[j]]
+    left = amount
+    while active and left > 0:
+        order = sorted(active, key=others.__getitem__)
+        prefix, level = 0.0, 0.0
+        for m, j in enumerate(order):
+            prefix += others[j]
+            level = (left + prefix) / (m + 1)
+            if m + 1 == len(order) or level <= others[order[m + 1]]:
+                break
+        capped = [j for j in order if others[j] < level and limits[j] <= level]
+        if not capped:
+            for j in order:
+                give[j] = max(level - others[j], 0.0)
+            return give
+        for j in capped:
+            give[j] = limits[j] - others[j]
+            left -= give[j]
+            active.remove(j)
+    give[0] += max(left, 0.0)
+    return give
