@@ -10,7 +10,10 @@ leading dashes; ``num-layers`` and ``num_layers`` both work) to values; flags on
 the command line override it. ``true``/``false`` switch store-true flags.
 
 Every check that can be made before any process group exists lives in
-``validate_args`` and raises ``ConfigError`` naming the flag and the fix.
+``validate_args`` and raises ``ConfigError`` naming the flag and the fix. The
+``--moe-lrmoe*`` flags and their checks are generated from the one option table,
+``OPTIONS`` in ``megatron_lrmoe/lrmoe/options.py`` (``add_lrmoe_args``,
+``validate_lrmoe_flags``; the Megatron-LM entry point uses the same two).
 """
 
 from __future__ import annotations
@@ -18,10 +21,19 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import warnings
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import yaml
+
+from megatron_lrmoe.lrmoe.options import (
+    OPTIONS,
+    LRMoEConfigError,
+    unused_options,
+    validate_lrmoe,
+)
 
 
 class ConfigError(ValueError):
@@ -54,76 +66,60 @@ def _moe_layer_freq(value: Any) -> int | list[int]:
     return pattern
 
 
-LRMOE_PLACEMENTS = ("static", "popularity", "memory-aware")
-
-
 def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--moe-lrmoe*`` flags (DESIGN section 8) to ``parser``.
+    """Add the ``--moe-lrmoe*`` flags to ``parser``, generated from the option table
+    (``OPTIONS`` in megatron_lrmoe/lrmoe/options.py; docs/design.md, "Flags").
 
     Shared by this launcher and the Megatron-LM wrapper (as its
     ``extra_args_provider``): each flag fills the same-named field of
-    ``LRMoETransformerConfig``.
+    ``LRMoETransformerConfig``. Values are checked by ``validate_lrmoe_flags``.
     """
     g = parser.add_argument_group("LRMoE (megatron_lrmoe)")
-    g.add_argument("--moe-lrmoe", action="store_true",
-                   help="use the LRMoE MoE layer (off: Megatron's own classes, untouched)")
-    # Defaults chosen by the time-to-loss study (docs/benchmarks.md, "Decision").
-    g.add_argument("--moe-lrmoe-bwd-capacity-factor", type=float, default=0.75,
-                   help="backward capacity gamma per EP rank; inf drops nothing")
-    g.add_argument("--moe-lrmoe-min-retention", type=float, default=0.0,
-                   help="fraction of each expert's pairs always kept in backward")
-    g.add_argument("--moe-lrmoe-metric", default="grad_act",
-                   choices=["grad_act", "grad", "prob", "random"])
-    g.add_argument("--moe-lrmoe-selection", default="uniform",
-                   choices=["topk", "sample", "uniform", "hybrid"],
-                   help="per-cell backward selection: topk, sample (1/pi-scaled), uniform "
-                        "(n/q-scaled), hybrid (top share + uniform rest)")
-    g.add_argument("--moe-lrmoe-hybrid-fraction", type=float, default=0.5,
-                   help="share of each cell's quota that hybrid keeps by top metric, in [0, 1]")
-    g.add_argument("--moe-lrmoe-kernels", default="auto", choices=["auto", "cpu", "cuda", "torch"])
-    g.add_argument("--moe-lrmoe-log-interval", type=int, default=None,
-                   help="steps between LRMoE statistics (default --log-interval)")
-    g.add_argument("--moe-lrmoe-placement", default="static", choices=list(LRMOE_PLACEMENTS),
-                   help="expert replicas: static (none), popularity (SYMI-style), "
-                        "memory-aware (LRMoE planner)")
-    g.add_argument("--moe-lrmoe-slots-per-rank", type=int, default=None,
-                   help="instance slots per EP rank for popularity (default: experts per rank)")
-    g.add_argument("--moe-lrmoe-memory-budget-gb", type=float, default=None,
-                   help="per-rank memory budget of the MoE layers (replicas + buffers), GB")
-    g.add_argument("--moe-lrmoe-load-smoothing", type=float, default=0.5,
-                   help="EMA factor of the expert loads that drive placement")
-    g.add_argument("--moe-lrmoe-calibration", default=None,
-                   help="JSON of machine constants from python -m megatron_lrmoe.calibrate")
+    for o in OPTIONS:
+        if o.type is bool:
+            g.add_argument(o.flag, action="store_true", default=o.default, help=o.help)
+            continue
+        shown = "" if o.default is None else " (default: %(default)s)"
+        g.add_argument(o.flag, type=o.type, default=o.default, choices=o.choices,
+                       help=o.help + shown)
     return parser
 
 
-def validate_lrmoe_flags(args: argparse.Namespace) -> None:
-    """Check the values of the ``--moe-lrmoe*`` flags, naming the flag (any entry point)."""
-    gamma = args.moe_lrmoe_bwd_capacity_factor
-    if math.isnan(gamma) or gamma <= 0:
-        raise ConfigError(f"--moe-lrmoe-bwd-capacity-factor must be > 0 or inf, got {gamma}")
-    if not 0.0 <= args.moe_lrmoe_min_retention <= 1.0:
-        raise ConfigError(f"--moe-lrmoe-min-retention must be in [0, 1], "
-                          f"got {args.moe_lrmoe_min_retention}")
-    if not 0.0 <= args.moe_lrmoe_hybrid_fraction <= 1.0:  # NaN fails too
-        raise ConfigError(f"--moe-lrmoe-hybrid-fraction must be in [0, 1], "
-                          f"got {args.moe_lrmoe_hybrid_fraction}")
-    if args.moe_lrmoe_log_interval is not None and args.moe_lrmoe_log_interval <= 0:
-        raise ConfigError("--moe-lrmoe-log-interval must be positive")
-    if args.moe_lrmoe_slots_per_rank is not None and args.moe_lrmoe_slots_per_rank < 1:
-        raise ConfigError("--moe-lrmoe-slots-per-rank must be >= 1")
-    budget = args.moe_lrmoe_memory_budget_gb
-    if budget is not None and not (budget > 0 and math.isfinite(budget)):
-        raise ConfigError(f"--moe-lrmoe-memory-budget-gb must be a positive number, got {budget}")
-    if not 0.0 <= args.moe_lrmoe_load_smoothing < 1.0:
-        raise ConfigError("--moe-lrmoe-load-smoothing must be in [0, 1) (weight of the old "
-                          f"loads), got {args.moe_lrmoe_load_smoothing}")
-    if args.moe_lrmoe_calibration is not None and not os.path.isfile(args.moe_lrmoe_calibration):
-        raise ConfigError(f"--moe-lrmoe-calibration {args.moe_lrmoe_calibration}: no such file; "
-                          "write one with python -m megatron_lrmoe.calibrate")
-    if args.moe_lrmoe_placement == "memory-aware" and budget is None:
-        raise ConfigError("--moe-lrmoe-placement memory-aware needs --moe-lrmoe-memory-budget-gb")
+class UnusedLRMoEOptionWarning(UserWarning):
+    """``--moe-lrmoe-*`` values given without ``--moe-lrmoe``: they have no effect."""
 
+
+def validate_lrmoe_flags(view: Any) -> None:
+    """Check the ``--moe-lrmoe*`` flags of either entry point, naming the flag.
+
+    ``view`` holds the parsed flags under ``LRMoETransformerConfig``'s field names (each
+    entry point maps its own flags: ``_lrmoe_view`` here, ``megatron_lm._lrmoe_view``).
+    The checks are the config's (``validate_lrmoe``): every option's value always, the
+    combinations with ``--moe-lrmoe``. Valid values given without ``--moe-lrmoe`` only
+    warn (rank 0): they have no effect, and dropping ``--moe-lrmoe`` alone is how a
+    baseline run is made from an LRMoE command line (docs/decisions.md).
+    """
+    try:
+        validate_lrmoe(view)
+    except LRMoEConfigError as exc:
+        raise ConfigError(str(exc)) from exc
+    unused = unused_options(view)
+    if unused and os.environ.get("RANK", "0") == "0":
+        warnings.warn(f"{', '.join(o.flag for o in unused)} given without --moe-lrmoe: no "
+                      "effect (Megatron's own MoE layer runs)", UnusedLRMoEOptionWarning,
+                      stacklevel=2)
+
+
+def _lrmoe_view(args: argparse.Namespace) -> SimpleNamespace:
+    """The launcher's parsed flags that LRMoE checks, under the config's field names."""
+    return SimpleNamespace(
+        **{o.field: getattr(args, o.field) for o in OPTIONS},
+        num_moe_experts=args.num_experts,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        add_bias_linear=not args.disable_bias_linear,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -415,12 +411,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             )
         if args.moe_permute_fusion and args.transformer_impl != "transformer_engine":
             raise ConfigError("--moe-permute-fusion needs Transformer Engine on CUDA")
-        if args.moe_lrmoe:
-            _validate_lrmoe_args(args)
-    elif args.moe_lrmoe:
-        raise ConfigError("--moe-lrmoe needs an MoE model: set --num-experts")
-    elif args.expert_model_parallel_size > 1:
+    elif args.expert_model_parallel_size > 1 and not args.moe_lrmoe:
         raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
+    validate_lrmoe_flags(_lrmoe_view(args))
 
     # Parallel layout.
     tp, pp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -513,20 +506,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--save-interval needs --save DIR")
     if args.tokenizer_type == "SentencePieceTokenizer" and not args.tokenizer_model:
         raise ConfigError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
-
-
-def _validate_lrmoe_args(args: argparse.Namespace) -> None:
-    """What the LRMoE region does not support, in flag names (the config class
-    repeats these checks in field names for other entry points)."""
-    if args.moe_token_dispatcher_type != "alltoall":
-        raise ConfigError("--moe-lrmoe needs --moe-token-dispatcher-type alltoall")
-    if not args.disable_bias_linear:
-        raise ConfigError("--moe-lrmoe needs --disable-bias-linear (expert biases unsupported)")
-    if args.moe_expert_capacity_factor is not None:
-        raise ConfigError("--moe-lrmoe keeps the forward exact: drop --moe-expert-capacity-factor")
-    if args.expert_tensor_parallel_size != 1:
-        raise ConfigError("--moe-lrmoe needs --expert-tensor-parallel-size 1")
-    validate_lrmoe_flags(args)
 
 
 def _data_prefixes(data_path: list[str]) -> list[str]:

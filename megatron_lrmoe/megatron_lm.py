@@ -39,6 +39,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 from megatron_lrmoe.arguments import (
@@ -48,20 +49,13 @@ from megatron_lrmoe.arguments import (
     load_yaml_config,
     validate_lrmoe_flags,
 )
+from megatron_lrmoe.lrmoe.options import OPTIONS, LRMoEConfigError
 
 MEGATRON_LM_TAG = "core_v0.16.1"
 MEGATRON_LM_VERSION = "0.16.1"
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 Builder = Callable[..., Any]
-
-# Config fields whose Megatron-LM flag is not the field name with dashes.
-_FIELD_FLAGS = {
-    "add_bias_linear": "--disable-bias-linear",
-    "num_moe_experts": "--num-experts",
-    "fp8": "--fp8-format",
-    "moe_lrmoe": "--moe-lrmoe",
-}
 
 
 # -----------------------------------------------------------------------------
@@ -150,12 +144,20 @@ def _check_when_parsed(parser: argparse.ArgumentParser) -> None:
 def check_megatron_lm_args(args: argparse.Namespace) -> None:
     """Refuse, naming the flag, what Megatron-LM accepts but LRMoE cannot run.
 
-    Only with ``--moe-lrmoe``. What depends on values Megatron derives later
-    (recompute, FP8, CUDA graphs, context parallelism ...) is refused by
-    ``LRMoETransformerConfig`` when the config is built (``lrmoe_config_from_args``).
+    The ``--moe-lrmoe*`` values are checked with or without ``--moe-lrmoe`` (the
+    config's checks, ``arguments.validate_lrmoe_flags``); Megatron-LM paths that bypass
+    the LRMoE config, and the combinations, only with it. What depends on values
+    Megatron derives later (recompute, FP8, CUDA graphs, context parallelism ...) is
+    refused by ``LRMoETransformerConfig`` when the config is built
+    (``lrmoe_config_from_args``).
     """
-    if not getattr(args, "moe_lrmoe", False):
-        return
+    if getattr(args, "moe_lrmoe", False):
+        _refuse_bypassing_paths(args)
+    validate_lrmoe_flags(_lrmoe_view(args))
+
+
+def _refuse_bypassing_paths(args: argparse.Namespace) -> None:
+    """Megatron-LM options under which the LRMoE config or spec would not be used."""
     if getattr(args, "yaml_cfg", None) is not None:
         raise ConfigError(
             "--yaml-cfg builds a plain TransformerConfig and would drop the --moe-lrmoe* "
@@ -174,34 +176,34 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
     for dest, why in refused.items():
         if getattr(args, dest, None):
             raise ConfigError(why)
-    if getattr(args, "num_experts", None) is None:
-        raise ConfigError("--moe-lrmoe needs an MoE model: set --num-experts")
-    if args.moe_token_dispatcher_type != "alltoall":
-        raise ConfigError("--moe-lrmoe needs --moe-token-dispatcher-type alltoall "
-                          f"(got {args.moe_token_dispatcher_type})")
-    if getattr(args, "add_bias_linear", False):
-        raise ConfigError("--moe-lrmoe needs --disable-bias-linear (expert biases unsupported)")
-    if getattr(args, "moe_expert_capacity_factor", None) is not None:
-        raise ConfigError("--moe-lrmoe keeps the forward exact: drop --moe-expert-capacity-factor")
+
+
+def _lrmoe_view(args: argparse.Namespace) -> SimpleNamespace:
+    """Megatron-LM's parsed args that LRMoE checks at parse time, under the config's
+    field names (what the namespace lacks is left out, and checked on the config)."""
+    names = [o.field for o in OPTIONS] + ["moe_token_dispatcher_type", "add_bias_linear",
+                                          "moe_expert_capacity_factor"]
+    view = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    view["num_moe_experts"] = getattr(args, "num_experts", None)
     etp = getattr(args, "expert_tensor_parallel_size", None)
-    tp = getattr(args, "tensor_model_parallel_size", 1)
-    if (etp if etp is not None else tp) != 1:
-        raise ConfigError("--moe-lrmoe needs --expert-tensor-parallel-size 1 (Megatron-LM "
-                          "defaults it to --tensor-model-parallel-size)")
-    validate_lrmoe_flags(args)
+    # Megatron-LM's validate_args sets it to --tensor-model-parallel-size when not given.
+    view["expert_tensor_parallel_size"] = (
+        etp if etp is not None else getattr(args, "tensor_model_parallel_size", 1))
+    return SimpleNamespace(**view)
 
 
 def lrmoe_config_from_args(args: argparse.Namespace):
     """``LRMoETransformerConfig`` from Megatron-LM's args, the way Megatron-LM builds
-    its TransformerConfig; the config's refusals come back naming the flag."""
+    its TransformerConfig. LRMoE's refusals come back as ``ConfigError`` naming the
+    flag; Megatron's own errors pass through unchanged."""
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
 
     try:
         config = core_transformer_config_from_args(args, LRMoETransformerConfig)
-    except ValueError as exc:
-        raise ConfigError(_flag_message(str(exc))) from exc
+    except LRMoEConfigError as exc:
+        raise ConfigError(str(exc)) from exc
     if not isinstance(config, LRMoETransformerConfig):
         raise ConfigError(f"Megatron-LM built a {type(config).__name__} for these flags, which "
                           "cannot carry --moe-lrmoe")
@@ -228,15 +230,6 @@ def _check_memory_budget(args: argparse.Namespace, config) -> None:
                             "cuda" if torch.cuda.is_available() else "cpu")
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-
-
-def _flag_message(message: str) -> str:
-    """``field: why`` (LRMoETransformerConfig's refusals) in flag names."""
-    field, sep, why = message.partition(": ")
-    if not sep or not re.fullmatch(r"[a-z0-9_]+", field):
-        return f"--moe-lrmoe: {message}"
-    flag = _FIELD_FLAGS.get(field, "--" + field.replace("_", "-"))
-    return f"{flag}: {why}"
 
 
 # -----------------------------------------------------------------------------

@@ -73,6 +73,13 @@ def initialize_distributed(args: argparse.Namespace) -> tuple[torch.device, bool
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
+    # Explicitly, as Megatron-LM's initialize_megatron does (its default --rerun-mode
+    # disabled); otherwise the schedule's first call warns of an implicit initialization.
+    # Fresh for each run (a process that trains twice, like the test harness, re-creates it).
+    from megatron.core import rerun_state_machine as rsm
+
+    rsm.destroy_rerun_state_machine()
+    rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.DISABLED)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return device, created
@@ -272,6 +279,13 @@ def evaluate(args, model, forward_backward, valid_dataset, device, moe_timer) ->
 
 
 def main(argv: list[str] | None = None) -> dict:
+    # On CPU, before anything imports megatron.core (most of its known benign warnings
+    # fire at import): hide those, and say in one line what they were about.
+    cpu_note = None
+    if not torch.cuda.is_available():
+        from megatron_lrmoe.runtime.cpu import quiet_known_cpu_warnings
+
+        cpu_note = quiet_known_cpu_warnings()
     try:
         args = parse_args(argv)
         check_megatron_accepts(args)
@@ -279,16 +293,21 @@ def main(argv: list[str] | None = None) -> dict:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    if cpu_note and int(os.environ.get("RANK", "0")) == 0:
+        print(cpu_note, flush=True)
     return train(args)
 
 
 def check_megatron_accepts(args: argparse.Namespace) -> None:
     """Build the TransformerConfig once before any process group exists, so that
     Megatron-Core's own refusals (its __post_init__ checks) surface as a clean error."""
+    from megatron_lrmoe.lrmoe.options import LRMoEConfigError
     from megatron_lrmoe.training.builders import transformer_config_from_args
 
     try:
         transformer_config_from_args(args)
+    except LRMoEConfigError as exc:  # ours: already names the flag
+        raise ConfigError(str(exc)) from exc
     except (ValueError, AssertionError) as exc:
         raise ConfigError(f"Megatron-Core refuses this configuration: {exc}") from exc
 

@@ -15,7 +15,8 @@ VERSION=0.16.1
 PATCH="$(cd "$(dirname "$0")/.." && pwd)/patches/megatron_lm_${TAG}.patch"
 
 usage() { echo "usage: $0 [--revert] <megatron-lm-dir>" >&2; exit 2; }
-die() { echo "error: $*" >&2; exit "${2:-1}"; }
+# die MESSAGE [STATUS]: print MESSAGE (only) and exit with STATUS (default 1).
+die() { echo "error: $1" >&2; exit "${2:-1}"; }
 
 revert=0
 if [ "${1:-}" = "--revert" ]; then revert=1; shift; fi

@@ -24,7 +24,7 @@ backward (barriers around each), median over repetitions, settings rotated every
 repetition; one gloo process per rank, one thread each. Loads are exact counts from
 the plans; "replica MiB" is what the layer's replicas hold (weights + gradient
 buffers, measured tensors); "buffers MiB" is the cost model's execution-buffer
-estimate at the routed and retained loads of the hottest rank (DESIGN section 7).
+estimate at the routed and retained loads of the hottest rank (docs/design.md, "Cost model").
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ def summarize(cfg: dict, per_rank: list[dict]) -> list[dict]:
         routed = torch.tensor(plan["routed"], dtype=torch.float64)
         retained = torch.tensor(plan["retained"], dtype=torch.float64)
         replicas = torch.tensor(plan["replicas_per_rank"], dtype=torch.float64)
-        buffers = cost.rank_memory(torch.zeros_like(replicas), routed, retained)
+        buffers = torch.from_numpy(cost.rank_memory(
+            torch.zeros_like(replicas).numpy(), routed.numpy(), retained.numpy()))
         row = {
             "setting": name, "fwd_ms": 1e3 * statistics.median(fwd),
             "bwd_ms": 1e3 * statistics.median(bwd), "fwd_reps": fwd, "bwd_reps": bwd,

@@ -137,7 +137,8 @@ def main() -> None:
 
         retention_ms, _ = median_ms(one_retention, args.repeats)
         load = mb.retention.routed_per_rank.double()
-        fwd, bwd = cost.layer_time(mb.retention)
+        fwd, bwd = cost.layer_time(mb.retention.routed_matrix.numpy(),
+                                   mb.retention.retained_matrix.numpy())
         rows.append((policy, "inf" if math.isinf(gamma) else f"{gamma:g}", len(placement.replicas),
                      plan_ms, plan_p90, route_ms, retention_ms, step_ms,
                      float(load.max() / load.mean()), (fwd + bwd) * 1e3,

@@ -3,6 +3,9 @@ Megatron-LM checkout ($MEGATRON_LM, core_v0.16.1); prints one JSON line per chec
 
     python tests/_megatron_lm_probe.py parse  -- <pretrain_gpt.py flags>
     python tests/_megatron_lm_probe.py build  -- <flags>   # model on the meta device
+        # (adds --use-cpu-initialization: without it Megatron's layers allocate on
+        # torch.cuda.current_device(), which the CPU runtime answers with the CPU, so
+        # most weights would land in CPU memory despite torch.device("meta"))
     python tests/_megatron_lm_probe.py train  PATCHED_DIR -- <flags>
         # runs PATCHED_DIR/pretrain_gpt.py's __main__ with Megatron's pretrain() replaced by
         # a CPU stand-in (parse, build with the CPU runtime, one forward/backward step)
@@ -52,7 +55,8 @@ def _describe(model) -> dict:
     moe = [type(m).__name__ for m in model.modules() if isinstance(m, MoELayer)]
     experts = sorted({type(m.experts).__name__ for m in model.modules() if isinstance(m, MoELayer)})
     return {"moe_layers": moe, "experts": experts,
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": sum(p.numel() for p in model.parameters()),
+            "devices": sorted({p.device.type for p in model.parameters()})}
 
 
 def parse(argv: list[str]) -> dict:
@@ -80,6 +84,10 @@ def build(argv: list[str]) -> dict:
 
     from megatron_lrmoe.megatron_lm import lrmoe_builder
 
+    if "--use-cpu-initialization" not in argv:
+        # Megatron's layers then create weights without a device argument, so the
+        # meta default device below applies to all of them (checked by _describe's devices).
+        argv = [*argv, "--use-cpu-initialization"]
     args = _parse(argv)
     args.padded_vocab_size = args.vocab_size
     _init_world()
@@ -87,7 +95,10 @@ def build(argv: list[str]) -> dict:
                                  lrmoe_builder(pretrain_gpt.gpt_builder))
     with torch.device("meta"):
         model = provider(True, True)
-    return _describe(model)
+    import resource
+
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # Linux: KiB
+    return {**_describe(model), "peak_rss_mib": peak_mib}
 
 
 def train(patched_dir: str, argv: list[str]) -> dict:

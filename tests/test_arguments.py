@@ -3,13 +3,24 @@ must fail fast with a message naming the flag."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import subprocess
 import sys
+import types
+import warnings
 
 import pytest
 
-from megatron_lrmoe.arguments import ConfigError, parse_args
+from megatron_lrmoe import megatron_lm
+from megatron_lrmoe.arguments import (
+    ConfigError,
+    UnusedLRMoEOptionWarning,
+    build_parser,
+    parse_args,
+)
+from megatron_lrmoe.lrmoe.options import OPTIONS, option
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -155,25 +166,29 @@ def test_megatron_core_refusal_is_reported_cleanly():
     assert "Traceback" not in proc.stderr
 
 
+# -----------------------------------------------------------------------------
+# LRMoE options: one table (lrmoe/config.py OPTIONS), the flags of both entry points
+# generated from it, every check naming the flag whichever path raised it.
+# -----------------------------------------------------------------------------
+
+LRMOE_OK = ["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear"]
+
 LRMOE_INVALID = [
-    (["--moe-lrmoe"], "--moe-lrmoe needs --moe-token-dispatcher-type alltoall"),
+    (["--moe-lrmoe"], "--moe-token-dispatcher-type: --moe-lrmoe needs "
+                      "--moe-token-dispatcher-type alltoall"),
     (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall"],
-     "--moe-lrmoe needs --disable-bias-linear"),
-    (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
-      "--moe-expert-capacity-factor", "1.0"], "drop --moe-expert-capacity-factor"),
-    (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
-      "--moe-lrmoe-bwd-capacity-factor", "0"], "--moe-lrmoe-bwd-capacity-factor must be > 0"),
-    (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
-      "--moe-lrmoe-min-retention", "1.5"], "--moe-lrmoe-min-retention must be in [0, 1]"),
-    (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
-      "--moe-lrmoe-selection", "hybrid", "--moe-lrmoe-hybrid-fraction", "1.5"],
-     "--moe-lrmoe-hybrid-fraction must be in [0, 1]"),
-    (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
-      "--moe-lrmoe-hybrid-fraction", "nan"], "--moe-lrmoe-hybrid-fraction must be in [0, 1]"),
+     "--disable-bias-linear: --moe-lrmoe needs --disable-bias-linear"),
+    (LRMOE_OK + ["--moe-expert-capacity-factor", "1.0"],
+     "--moe-expert-capacity-factor: --moe-lrmoe keeps the forward exact"),
+    (LRMOE_OK + ["--moe-lrmoe-placement", "memory-aware"],
+     "--moe-lrmoe-memory-budget-gb: --moe-lrmoe-placement memory-aware needs a budget"),
+    (LRMOE_OK + ["--moe-lrmoe-bwd-capacity-factor", "-1"],
+     "--moe-lrmoe-bwd-capacity-factor: must be > 0 or inf, got -1"),
 ]
 
 
-@pytest.mark.parametrize("extra,message", LRMOE_INVALID, ids=[m for _, m in LRMOE_INVALID])
+@pytest.mark.parametrize("extra,message", LRMOE_INVALID, ids=[m.split(":")[0]
+                                                                for _, m in LRMOE_INVALID])
 def test_invalid_lrmoe_flags(world, extra, message):
     with pytest.raises(ConfigError) as err:
         parse_args(BASE + extra)
@@ -183,34 +198,269 @@ def test_invalid_lrmoe_flags(world, extra, message):
 def test_lrmoe_needs_experts(world):
     argv = BASE[:]
     del argv[argv.index("--num-experts"):argv.index("--num-experts") + 2]
-    with pytest.raises(ConfigError, match="--moe-lrmoe needs an MoE model"):
+    with pytest.raises(ConfigError, match="--num-experts: --moe-lrmoe needs an MoE model"):
         parse_args(argv + ["--moe-lrmoe"])
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("moe_token_dispatcher_type", "allgather", "moe_token_dispatcher_type"),
-    ("moe_expert_capacity_factor", 1.0, "moe_expert_capacity_factor"),
-    ("add_bias_linear", True, "add_bias_linear"),
-    ("recompute_granularity", "full", "recompute_granularity"),
-    ("moe_lrmoe_selection", "best", "moe_lrmoe_selection"),
-    ("moe_lrmoe_metric", "loss", "moe_lrmoe_metric"),
-    ("moe_lrmoe_bwd_capacity_factor", -1.0, "moe_lrmoe_bwd_capacity_factor"),
-    ("moe_lrmoe_hybrid_fraction", -0.5, "moe_lrmoe_hybrid_fraction"),
-    ("moe_lrmoe_hybrid_fraction", float("nan"), "moe_lrmoe_hybrid_fraction"),
-])
-def test_lrmoe_config_refuses_unsupported_fields(field, value, message):
-    """The config class names the field, for entry points that bypass the launcher."""
-    from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
+# Bad values of every option, as command-line text; each must be refused naming its flag.
+BAD_VALUES = {
+    "moe_lrmoe": [],  # a switch: no value to get wrong on a command line (see the config test)
+    "moe_lrmoe_bwd_capacity_factor": ["-1", "0", "nan", "x"],
+    "moe_lrmoe_min_retention": ["-0.1", "1.5", "nan"],
+    "moe_lrmoe_metric": ["loss"],
+    "moe_lrmoe_selection": ["best"],
+    "moe_lrmoe_hybrid_fraction": ["1.5", "-0.5", "nan"],
+    "moe_lrmoe_kernels": ["gpu"],
+    "moe_lrmoe_log_interval": ["0", "-3", "1.5"],
+    "moe_lrmoe_placement": ["symi"],
+    "moe_lrmoe_slots_per_rank": ["0"],
+    "moe_lrmoe_memory_budget_gb": ["0", "-1", "inf", "nan"],
+    "moe_lrmoe_load_smoothing": ["1", "-0.5", "nan"],
+    "moe_lrmoe_calibration": ["/nonexistent/machine.json"],
+}
+BAD_FLAGS = [(field, text) for field, texts in BAD_VALUES.items() for text in texts]
 
-    kwargs = dict(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=4,
-                  moe_router_topk=2, moe_token_dispatcher_type="alltoall", add_bias_linear=False,
-                  moe_lrmoe=True)
+
+def _id(field: str, text: str) -> str:
+    return f"{field.removeprefix('moe_lrmoe_')}={text}"
+
+
+def _typed(opt, text: str):
+    """``text`` as argparse would hand it over, or None where argparse itself refuses it."""
+    try:
+        return opt.type(text)
+    except ValueError:
+        return None
+
+
+def test_every_option_has_bad_values_to_test():
+    assert list(BAD_VALUES) == [o.field for o in OPTIONS]
+
+
+def _assert_flag_error(opt, message: str) -> None:
+    assert message.startswith(f"{opt.flag}: "), message
+
+
+@pytest.mark.parametrize("lrmoe", [True, False], ids=["with-moe-lrmoe", "without"])
+@pytest.mark.parametrize("field,text", BAD_FLAGS, ids=[_id(f, t) for f, t in BAD_FLAGS])
+def test_bad_option_value_names_the_flag_in_the_lean_launcher(world, capsys, field, text,
+                                                              lrmoe):
+    opt = option(field)
+    argv = BASE + (LRMOE_OK if lrmoe else []) + [opt.flag, text]
+    if _typed(opt, text) is None or opt.choices:  # argparse's own refusal (type, choices)
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert f"argument {opt.flag}: invalid" in capsys.readouterr().err
+        return
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    _assert_flag_error(opt, str(err.value))
+
+
+def _megatron_lm_args(**overrides) -> argparse.Namespace:
+    """What Megatron-LM's parser hands the LRMoE check (its dests, plus our flags)."""
+    args = argparse.Namespace(
+        **{o.field: o.default for o in OPTIONS}, num_experts=4,
+        moe_token_dispatcher_type="alltoall", add_bias_linear=False,
+        moe_expert_capacity_factor=None, expert_tensor_parallel_size=None,
+        tensor_model_parallel_size=1, yaml_cfg=None)
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.mark.parametrize("lrmoe", [True, False], ids=["with-moe-lrmoe", "without"])
+@pytest.mark.parametrize("field,text", BAD_FLAGS, ids=[_id(f, t) for f, t in BAD_FLAGS])
+def test_bad_option_value_names_the_flag_in_megatron_lm(field, text, lrmoe):
+    """Megatron-LM's path: the provider's check on the parsed namespace."""
+    opt = option(field)
+    value = _typed(opt, text)
+    if value is None:
+        return  # argparse refuses it first: test_megatron_lm_provider_parser_refuses_...
+    with pytest.raises(ConfigError) as err:
+        megatron_lm.check_megatron_lm_args(_megatron_lm_args(moe_lrmoe=lrmoe, **{field: value}))
+    _assert_flag_error(opt, str(err.value))
+
+
+@pytest.mark.parametrize("field,text", BAD_FLAGS, ids=[_id(f, t) for f, t in BAD_FLAGS])
+def test_megatron_lm_provider_parser_refuses_bad_values(capsys, field, text):
+    """The provider's parser (generated flags + the check when parsed) exits with
+    argparse's one-line error naming the flag."""
+    opt = option(field)
+    parser = megatron_lm.lrmoe_args_provider()(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+    with pytest.raises(SystemExit):
+        parser.parse_args([opt.flag, text])
+    err = capsys.readouterr().err
+    assert f"argument {opt.flag}: invalid" in err or f"error: {opt.flag}: " in err, err
+
+
+@pytest.mark.parametrize("field,text", BAD_FLAGS + [("moe_lrmoe", "yes")],
+                         ids=[_id(f, t) for f, t in BAD_FLAGS + [("moe_lrmoe", "yes")]])
+def test_bad_option_value_names_the_flag_in_the_config(field, text):
+    from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
+    from megatron_lrmoe.lrmoe.options import LRMoEConfigError
+
+    opt = option(field)
+    value = text if opt.type is bool else _typed(opt, text)
+    value = text if value is None else value  # the constructor takes any Python value
+    for lrmoe in (True, False):
+        kwargs = dict(LRMOE_CONFIG, moe_lrmoe=lrmoe)
+        kwargs[field] = value
+        with pytest.raises(LRMoEConfigError) as err:
+            LRMoETransformerConfig(**kwargs)
+        _assert_flag_error(opt, str(err.value))
+
+
+LRMOE_CONFIG = dict(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=4,
+                    moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+                    add_bias_linear=False, moe_lrmoe=True)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("moe_token_dispatcher_type", "allgather", "--moe-token-dispatcher-type: "),
+    ("moe_expert_capacity_factor", 1.0, "--moe-expert-capacity-factor: "),
+    ("add_bias_linear", True, "--disable-bias-linear: "),
+    ("recompute_granularity", "full", "--recompute-granularity: recompute would re-plan"),
+    ("num_moe_experts", None, "--num-experts: --moe-lrmoe needs an MoE model"),
+    ("moe_lrmoe_placement", "memory-aware", "--moe-lrmoe-memory-budget-gb: "),
+])
+def test_lrmoe_config_refuses_unsupported_combinations(field, value, message):
+    """The config class names the flag, for entry points that bypass the launcher."""
+    from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
+    from megatron_lrmoe.lrmoe.options import LRMoEConfigError
+
+    kwargs = dict(LRMOE_CONFIG)
     kwargs[field] = value
     if field == "recompute_granularity":
         kwargs["recompute_method"] = "uniform"
         kwargs["recompute_num_layers"] = 1
-    with pytest.raises(ValueError, match=message):
+    if field == "num_moe_experts":
+        kwargs.pop("moe_router_topk")
+    with pytest.raises(LRMoEConfigError) as err:
         LRMoETransformerConfig(**kwargs)
+    assert str(err.value).startswith(message)
+    kwargs["moe_lrmoe"] = False  # the combinations only matter with LRMoE on
+    if field != "num_moe_experts":
+        LRMoETransformerConfig(**kwargs)
+
+
+def _lrmoe_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {s: a for a in parser._actions for s in a.option_strings
+            if s.startswith("--moe-lrmoe")}
+
+
+@pytest.mark.parametrize("entry", ["launcher", "megatron-lm"])
+def test_generated_flags_equal_the_table(entry):
+    parser = (build_parser() if entry == "launcher" else
+              megatron_lm.lrmoe_args_provider()(argparse.ArgumentParser()))
+    actions = _lrmoe_actions(parser)
+    assert list(actions) == [o.flag for o in OPTIONS]
+    for o in OPTIONS:
+        action = actions[o.flag]
+        assert action.dest == o.field
+        assert action.default == o.default
+        assert action.help.startswith(o.help)
+        if o.type is bool:
+            assert isinstance(action, argparse._StoreTrueAction)
+        else:
+            assert action.type is o.type
+            assert action.choices == o.choices
+    assert "GiB" in actions["--moe-lrmoe-memory-budget-gb"].help
+
+
+def test_config_fields_equal_the_table():
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
+
+    assert issubclass(LRMoETransformerConfig, TransformerConfig)
+    fields = [f for f in dataclasses.fields(LRMoETransformerConfig)
+              if f.name.startswith("moe_lrmoe")]
+    assert [(f.name, f.default) for f in fields] == [(o.field, o.default) for o in OPTIONS]
+    assert LRMoETransformerConfig(**LRMOE_CONFIG).moe_lrmoe_bwd_capacity_factor == 0.75
+
+
+def test_lrmoe_values_without_moe_lrmoe_are_checked(world, monkeypatch):
+    """Invalid: an error, as with --moe-lrmoe. Valid but unused: a warning (rank 0)."""
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match=r"^--moe-lrmoe-bwd-capacity-factor: must be > 0 or "
+                                          r"inf, got -1$"):
+        parse_args(BASE + ["--moe-lrmoe-bwd-capacity-factor", "-1"])
+    with pytest.raises(ConfigError, match="^--moe-lrmoe-bwd-capacity-factor: "):
+        megatron_lm.check_megatron_lm_args(_megatron_lm_args(moe_lrmoe_bwd_capacity_factor=-1.0))
+    message = ("--moe-lrmoe-bwd-capacity-factor, --moe-lrmoe-selection given without "
+               "--moe-lrmoe: no effect")
+    with pytest.warns(UnusedLRMoEOptionWarning, match=message):
+        args = parse_args(BASE + ["--moe-lrmoe-bwd-capacity-factor", "0.5",
+                                  "--moe-lrmoe-selection", "topk"])
+    assert not args.moe_lrmoe
+    with pytest.warns(UnusedLRMoEOptionWarning, match=message):
+        megatron_lm.check_megatron_lm_args(_megatron_lm_args(moe_lrmoe_bwd_capacity_factor=0.5,
+                                                             moe_lrmoe_selection="topk"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnusedLRMoEOptionWarning)
+        parse_args(BASE)  # defaults only: silent
+        megatron_lm.check_megatron_lm_args(_megatron_lm_args())
+        parse_args(BASE + LRMOE_OK + ["--moe-lrmoe-bwd-capacity-factor", "0.5"])
+        monkeypatch.setenv("RANK", "1")  # other ranks stay quiet
+        parse_args(BASE + ["--moe-lrmoe-bwd-capacity-factor", "0.5"])
+
+
+def test_megatron_lm_combination_checks_name_the_flag():
+    check = megatron_lm.check_megatron_lm_args
+    for overrides, message in [
+        (dict(moe_token_dispatcher_type="allgather"), "--moe-token-dispatcher-type: "),
+        (dict(add_bias_linear=True), "--disable-bias-linear: "),
+        (dict(tensor_model_parallel_size=2), "--expert-tensor-parallel-size: --moe-lrmoe needs "
+                                             "--expert-tensor-parallel-size 1"),
+        (dict(num_experts=None), "--num-experts: --moe-lrmoe needs an MoE model"),
+        (dict(yaml_cfg="x.yaml"), "--yaml-cfg builds a plain TransformerConfig"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            check(_megatron_lm_args(moe_lrmoe=True, **overrides))
+        assert str(err.value).startswith(message), err.value
+        check(_megatron_lm_args(moe_lrmoe=False, **overrides))  # Megatron's own run: fine
+    check(_megatron_lm_args(moe_lrmoe=True, tensor_model_parallel_size=2,
+                            expert_tensor_parallel_size=1))
+
+
+@pytest.fixture
+def fake_megatron_training(monkeypatch):
+    """A stand-in for Megatron-LM's ``megatron.training.arguments`` (no checkout here)."""
+    def install(builder):
+        training = types.ModuleType("megatron.training")
+        arguments = types.ModuleType("megatron.training.arguments")
+        arguments.core_transformer_config_from_args = builder
+        training.arguments = arguments
+        monkeypatch.setitem(sys.modules, "megatron.training", training)
+        monkeypatch.setitem(sys.modules, "megatron.training.arguments", arguments)
+
+    return install
+
+
+def test_unrelated_megatron_error_is_not_blamed_on_lrmoe(fake_megatron_training):
+    text = "apply_rope_fusion is not available. Please install TE >= 1.4."
+
+    def refuse(args, config_class):
+        raise ValueError(text)
+
+    fake_megatron_training(refuse)
+    with pytest.raises(ValueError) as err:
+        megatron_lm.lrmoe_config_from_args(_megatron_lm_args(moe_lrmoe=True))
+    assert str(err.value) == text and not isinstance(err.value, ConfigError)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(moe_lrmoe_min_retention=1.5), "--moe-lrmoe-min-retention: must be in [0, 1], got 1.5"),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+     "--recompute-granularity: recompute would re-plan the region"),
+])
+def test_lrmoe_config_refusal_names_the_flag_in_megatron_lm(fake_megatron_training, fields,
+                                                            message):
+    fake_megatron_training(lambda args, cls: cls(**dict(LRMOE_CONFIG, **fields)))
+    with pytest.raises(ConfigError) as err:
+        megatron_lm.lrmoe_config_from_args(_megatron_lm_args(moe_lrmoe=True))
+    assert str(err.value).startswith(message)
 
 
 def test_without_moe_lrmoe_nothing_of_the_plugin_is_built(world):
@@ -230,7 +480,7 @@ def test_without_moe_lrmoe_nothing_of_the_plugin_is_built(world):
     config = transformer_config_from_args(args)
     assert type(config).__name__ == "LRMoETransformerConfig"
     assert config.moe_lrmoe and config.moe_lrmoe_selection == "sample"
-    assert config.moe_lrmoe_hybrid_fraction == 0.5  # DESIGN section 8 default
+    assert config.moe_lrmoe_hybrid_fraction == 0.5  # docs/design.md, "Flags"
     assert lrmoe_spec_transform(args) is not None
 
 

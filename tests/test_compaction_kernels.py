@@ -1,29 +1,27 @@
-"""Compaction kernels: select_rows and compact_rows vs their oracles, statistics, round trip.
+"""Compaction kernels: select_rows and compact_rows vs brute force, statistics, round trip.
 
-Oracles: ``select_rows_reference`` and ``compact_rows_reference`` (pure torch,
-same recipe: the compiled CPU backend must equal them bitwise), plus checks
-written from the spec alone: a naive per-cell sort for topk, the iterative
-capping of the inclusion probabilities in plain Python floats for sample,
-and statistical tests of the sampling design with fixed seeds.
+Oracles, all written from the specs in the ops' docstrings and independent of
+the ops' code: ``brute_select`` below (per cell, in plain Python: topk by
+sorting on (-metric, position); sample by the documented recipe step by step in
+Python floats; uniform/hybrid by the documented splitmix64 keys, computed by
+this file's own splitmix64 on Python ints, checked against SplitMix64's known
+outputs); a per-row loop for compact_rows; the iterative capping of the
+inclusion probabilities; and statistical tests of the sampling design with
+fixed seeds. Every CPU backend ("cpu" = compiled, "torch") must equal the
+brute force bitwise.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_lrmoe.ops import (
-    compact_rows,
-    compact_rows_reference,
-    retained_splits,
-    scatter_add_rows,
-    select_rows,
-    select_rows_reference,
-)
+from megatron_lrmoe.ops import compact_rows, scatter_add_rows, select_rows
 from megatron_lrmoe.ops.select import _sample_cell, cell_uniform, splitmix64
 
 RULES = ["topk", "sample", "uniform", "hybrid"]  # hybrid at its default fraction 0.5
@@ -40,6 +38,146 @@ def assert_same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> Non
     for name, x, y in zip(("kept_index", "scale", "kept_counts"), a, b, strict=True):
         assert x.dtype == y.dtype, name
         assert torch.equal(x, y), f"{name} differs:\n{x}\n{y}"
+
+
+# ---------------------------------------------------------------------------
+# Brute-force select_rows, from the module docstring of megatron_lrmoe/ops/select.py
+# ---------------------------------------------------------------------------
+
+MASK64 = 2**64 - 1
+
+
+def sm64(x: int) -> int:
+    """SplitMix64's output function of x + golden gamma (Vigna's splitmix64.c)."""
+    z = (x + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def brute_cell_hash(seed: int, c: int) -> int:
+    """h_c = splitmix64(splitmix64(seed) + c), seed mod 2^64."""
+    return sm64((sm64(seed & MASK64) + c) & MASK64)
+
+
+def brute_u(seed: int, c: int) -> float:
+    """The cell's systematic-sampling offset: the top 53 bits of h_c times 2^-53."""
+    return (brute_cell_hash(seed, c) >> 11) * 2.0**-53
+
+
+def brute_keys(seed: int, c: int, n: int) -> list[int]:
+    """Row keys k_j = splitmix64(h_c + j) of a cell of n rows."""
+    h = brute_cell_hash(seed, c)
+    return [sm64((h + j) & MASK64) for j in range(n)]
+
+
+def f32(x: float) -> float:
+    """x rounded to float32 (nearest even), as a Python float; inf past float32's range."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.inf
+
+
+def topk_order(m: list[float]) -> list[int]:
+    """Positions in TopK order: metric descending, then position ascending."""
+    return sorted(range(len(m)), key=lambda j: (-m[j], j))
+
+
+def brute_sample_cell(m: list[float], q: int, u: float) -> dict[int, float]:
+    """{kept position: scale} of one "sample" cell with 0 < q < n: steps 1-4 of the recipe."""
+    n = len(m)
+    order = topk_order(m)
+    n_pos = sum(1 for v in m if v > 0)
+    if n_pos <= q:
+        k_star = n_pos
+        pi = [(q - n_pos) / (n - n_pos)] * n
+    else:
+        rank = {j: k for k, j in enumerate(order)}
+        t = 0.0
+        for j in range(n):  # B: ranks >= q, in position order
+            if rank[j] >= q:
+                t += m[j]
+        tails = [0.0] * (q + 1)
+        tails[q] = t
+        for k in range(q - 1, -1, -1):
+            tails[k] = tails[k + 1] + m[order[k]]
+        k_star = next((k for k in range(q) if (q - k) * m[order[k]] < tails[k]), q)
+        lam = (q - k_star) / tails[k_star]
+        pi = [min(lam * v, 1.0) for v in m]
+    capped = set(order[:k_star])
+    kept = {j: 1.0 for j in capped}
+    r = q - k_star
+    if r > 0:
+        b_start = math.floor(-u)
+        s, b_prev, drawn = 0.0, b_start, []
+        for j in range(n):  # uncapped rows, position order
+            if j in capped:
+                continue
+            s += pi[j]
+            b = min(math.floor(s - u), b_start + r)
+            if b > b_prev:
+                drawn.append(j)
+            b_prev = b
+        missing = r - len(drawn)
+        for j in order[k_star:]:  # step 3: first undrawn uncapped rows in TopK order
+            if missing <= 0:
+                break
+            if j not in drawn:
+                drawn.append(j)
+                missing -= 1
+        kept.update({j: f32(1.0 / pi[j]) for j in drawn})
+    return kept
+
+
+def brute_hybrid_cell(m: list[float], q: int, f: float, seed: int, c: int) -> dict[int, float]:
+    """{kept position: scale} of one "hybrid" cell (f = 0: "uniform") with 0 < q < n."""
+    n = len(m)
+    q_top = math.floor(f * q)
+    top = set(topk_order(m)[:q_top])
+    keys = brute_keys(seed, c, n)
+    assert len(set(keys)) == n, "keys within a cell are distinct"
+    r = q - q_top
+    rest = sorted((j for j in range(n) if j not in top), key=keys.__getitem__)[:r]
+    kept = {j: 1.0 for j in top}
+    if r:
+        kept.update({j: f32((n - q_top) / r) for j in rest})
+    return kept
+
+
+def brute_select(metric: torch.Tensor, sizes: list[int], quotas: list[int], rule: str,
+                 seed: int, fraction: float = 0.5):
+    """(kept_index, scale, kept_counts) of select_rows, one cell at a time in Python."""
+    values = [float(v) for v in metric.tolist()]  # float32 -> double, exact
+    kept, scales, counts, start = [], [], [], 0
+    for c, (n, q) in enumerate(zip(sizes, quotas, strict=True)):
+        m, k = values[start : start + n], min(q, n)
+        if k == n:
+            cell = {j: 1.0 for j in range(n)}
+        elif k == 0:
+            cell = {}
+        elif rule == "topk":
+            cell = {j: 1.0 for j in topk_order(m)[:k]}
+        elif rule == "sample":
+            cell = brute_sample_cell(m, k, brute_u(seed, c))
+        else:
+            cell = brute_hybrid_cell(m, k, fraction if rule == "hybrid" else 0.0, seed, c)
+        for j in sorted(cell):
+            kept.append(start + j)
+            scales.append(cell[j])
+        counts.append(k)
+        start += n
+    return (torch.tensor(kept, dtype=torch.int64), torch.tensor(scales, dtype=torch.float32),
+            torch.tensor(counts, dtype=torch.int64))
+
+
+def test_brute_force_generator_is_splitmix64():
+    # The first outputs of SplitMix64 seeded with 0 (Vigna's reference
+    # implementation): the output function of gamma, 2 gamma, 3 gamma.
+    gamma = 0x9E3779B97F4A7C15
+    assert sm64(0) == 0xE220A8397B1DCDAF
+    assert sm64(gamma) == 0x6E789E6AA1B965F4
+    assert sm64(2 * gamma & MASK64) == 0x06C45D188009454F
 
 
 def check_invariants(result, sizes: list[int], quotas: list[int]) -> None:
@@ -104,25 +242,31 @@ def test_splitmix64_known_answer_and_uniform_range():
     assert cell_uniform(-1, 5) == cell_uniform(2**64 - 1, 5), "only seed mod 2^64 matters"
 
 
-def test_compiled_generator_matches_python(kernels):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_generator_matches_the_documented_draw(kernels, backend):
     # Equal metrics, q = 1 of n: pi = 1/n and systematic sampling draws row
-    # ceil(u * n) - 1, so each cell's draw reveals its u from the C++
-    # generator, independently of the reference implementation.
+    # ceil(u * n) - 1, so each cell's draw reveals the backend's u, compared
+    # with this file's u (and the module's cell_uniform) away from rounding.
     n, cells, seed = 1000, 300, 12345
     metric = torch.ones(n * cells)
     result = select_rows(
-        metric, offsets_of([n] * cells), torch.ones(cells, dtype=torch.int64), "sample", seed
+        metric, offsets_of([n] * cells), torch.ones(cells, dtype=torch.int64), "sample", seed,
+        backend,
     )
     drawn = (result[0] - torch.arange(cells) * n).tolist()
+    checked = 0
     for c, row in enumerate(drawn):
-        u = cell_uniform(seed, c)
+        u = brute_u(seed, c)
+        assert cell_uniform(seed, c) == u
         if abs(u * n - round(u * n)) > 1e-6:  # away from a rounding boundary
             assert row == math.ceil(u * n) - 1, (c, u)
+            checked += 1
+    assert checked > cells // 2
     assert bool((result[1] == 1000.0).all())
 
 
 # ---------------------------------------------------------------------------
-# select_rows: compiled CPU backend == reference, bitwise
+# select_rows: every CPU backend == brute force, bitwise
 # ---------------------------------------------------------------------------
 
 
@@ -151,14 +295,13 @@ def selection_problems(draw):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=selection_problems(), rule=st.sampled_from(RULES), seed=st.integers(-(2**63), 2**64))
-def test_select_cpu_matches_reference(kernels, problem, rule, seed):
+def test_select_matches_brute_force(kernels, problem, rule, seed):
     metric, sizes, quotas = problem
     off, q = offsets_of(sizes), torch.tensor(quotas, dtype=torch.int64)
-    expected = select_rows_reference(metric, off, q, rule, seed)
-    result = select_rows(metric, off, q, rule, seed, backend="cpu")
-    assert_same(result, expected)
-    assert_same(select_rows(metric, off, q, rule, seed, backend="torch"), expected)
-    check_invariants(result, sizes, quotas)
+    expected = brute_select(metric, sizes, quotas, rule, seed)
+    check_invariants(expected, sizes, quotas)
+    for backend in CPU_BACKENDS:
+        assert_same(select_rows(metric, off, q, rule, seed, backend=backend), expected)
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -175,11 +318,12 @@ def test_select_cpu_matches_reference(kernels, problem, rule, seed):
     ],
     ids=["C0", "empty-cells", "q0", "q=n", "q>n", "one-cell", "mixed"],
 )
-def test_select_degenerate_layouts(kernels, rule, sizes, quotas):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_select_degenerate_layouts(kernels, backend, rule, sizes, quotas):
     metric = torch.rand(sum(sizes), generator=torch.Generator().manual_seed(1))
     off, q = offsets_of(sizes), torch.tensor(quotas, dtype=torch.int64)
-    result = select_rows(metric, off, q, rule, seed=3, backend="cpu")
-    assert_same(result, select_rows_reference(metric, off, q, rule, seed=3))
+    result = select_rows(metric, off, q, rule, seed=3, backend=backend)
+    assert_same(result, brute_select(metric, sizes, quotas, rule, seed=3))
     check_invariants(result, sizes, quotas)
     full = [i for i, (n, k) in enumerate(zip(sizes, quotas, strict=True)) if k >= n]
     kept_cells = torch.searchsorted(off, result[0], right=True) - 1
@@ -200,9 +344,10 @@ def test_select_large_cells(kernels, rule, kind):
     }[kind]
     off, q = offsets_of(sizes), torch.tensor(quotas)
     for seed in (0, 1, 99):
-        result = select_rows(metric, off, q, rule, seed, backend="cpu")
-        assert_same(result, select_rows_reference(metric, off, q, rule, seed))
-        check_invariants(result, sizes, quotas)
+        expected = brute_select(metric, sizes, quotas, rule, seed)
+        check_invariants(expected, sizes, quotas)
+        for backend in CPU_BACKENDS:
+            assert_same(select_rows(metric, off, q, rule, seed, backend=backend), expected)
 
 
 def test_select_bitwise_independent_of_thread_count(kernels):
@@ -347,12 +492,11 @@ def test_sample_is_deterministic_per_seed(kernels):
 def test_sample_rounding_fix_up_draws_exactly_q():
     # The fix-up (step 3 of the recipe) only runs when u lies within rounding
     # of 1, which no seed reaches in practice, so it is driven here through
-    # the reference's per-cell function with the largest u below 1. On a
+    # the torch backend's per-cell function with the largest u below 1. On a
     # zero-metric cell pi = r / n, and for many (n, r) the running sum of n
     # such values ends a hair under r: the floor rule then draws r - 1 rows
     # and the fix-up adds the first undrawn row (zero rows: position order).
-    # The compiled backends share the recipe and equal the reference bitwise
-    # in the tests above.
+    # The compiled backend cannot be driven there (u comes from the seed).
     u = 1.0 - 2.0**-53
     exercised = 0
     for n in range(2, 40):
@@ -368,6 +512,7 @@ def test_sample_rounding_fix_up_draws_exactly_q():
             extra = [i for i in range(n) if i not in drawn][: r - len(drawn)]
             assert keep.nonzero().flatten().tolist() == sorted(drawn + extra), (n, r)
             assert bool((scale[keep] == torch.tensor(1.0 / pi, dtype=torch.float32)).all())
+            assert brute_sample_cell([0.0] * n, r, u) == dict.fromkeys(drawn + extra, f32(1 / pi))
             exercised += len(drawn) < r
     assert exercised > 10, "the fix-up path was exercised"
 
@@ -448,7 +593,7 @@ def test_select_accepts_strided_inputs_by_copying(kernels, backend):
     for rule in RULES:
         assert_same(
             select_rows(metric_s, off_s, q_s, rule, 5, backend),
-            select_rows_reference(metric, off, q, rule, 5),
+            brute_select(metric, [10, 30], [4, 11], rule, 5),
         )
 
 
@@ -479,6 +624,16 @@ COMPACT_SHAPES = [
 ]
 
 
+def naive_compact(src: torch.Tensor, index: torch.Tensor,
+                  scale: torch.Tensor | None) -> torch.Tensor:
+    """The spec as a loop: row by row, the product in op-math, rounded to the dtype once."""
+    acc = torch.float64 if src.dtype == torch.float64 else torch.float32
+    out = torch.empty(index.numel(), src.shape[1], dtype=src.dtype)
+    for j, i in enumerate(index.tolist()):
+        out[j] = src[i] if scale is None else (src[i].to(acc) * scale[j].to(acc)).to(src.dtype)
+    return out
+
+
 def make_compact_inputs(p, k, h, dtype, index_dtype, scale_dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     src = torch.randn(p, h, generator=g).to(dtype)
@@ -492,23 +647,17 @@ def make_compact_inputs(p, k, h, dtype, index_dtype, scale_dtype, seed=0):
 @pytest.mark.parametrize("scale_kind", ["none", "same", "fp32"])
 @pytest.mark.parametrize("index_dtype", INDEX_DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_compact_matches_reference(kernels, backend, shape, scale_kind, index_dtype, dtype):
+def test_compact_matches_naive_loop(kernels, backend, shape, scale_kind, index_dtype, dtype):
     p, k, h = shape
     scale_dtype = {"none": None, "same": dtype, "fp32": torch.float32}[scale_kind]
     src, index, scale = make_compact_inputs(p, k, h, dtype, index_dtype, scale_dtype)
     src_before = src.clone()
     out = compact_rows(src, index, scale, backend=backend)
-    expected = compact_rows_reference(src, index, scale)
     assert out.shape == (k, h) and out.dtype == dtype and out.is_contiguous()
-    assert torch.equal(out, expected)
+    assert torch.equal(out, naive_compact(src, index, scale))
     assert torch.equal(src, src_before)
     if k and h:
         assert out.data_ptr() != src.data_ptr()
-    # The spec as a loop: the product in op-math, rounded to the dtype once.
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    for j, i in enumerate(index.tolist()):
-        row = src[i] if scale is None else (src[i].to(acc) * scale[j].to(acc)).to(dtype)
-        assert torch.equal(out[j], row)
 
 
 @settings(max_examples=40, deadline=None)
@@ -524,7 +673,9 @@ def test_compact_random_shapes(kernels, p, k, h, dtype, scaled, seed):
     src, index, scale = make_compact_inputs(
         p, k, h, dtype, torch.int64, torch.float32 if scaled else None, seed
     )
-    assert torch.equal(compact_rows(src, index, scale), compact_rows_reference(src, index, scale))
+    expected = naive_compact(src, index, scale)
+    for backend in CPU_BACKENDS:
+        assert torch.equal(compact_rows(src, index, scale, backend=backend), expected)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -569,7 +720,7 @@ def test_compact_accepts_strided_inputs_by_copying(kernels, backend):
     index_s = torch.stack([index, index], 1)[:, 0]
     scale_s = torch.stack([scale, scale], 1)[:, 0]
     out = compact_rows(src_t, index_s, scale_s, backend=backend)
-    assert torch.equal(out, compact_rows_reference(src, index, scale))
+    assert torch.equal(out, naive_compact(src, index, scale))
 
 
 def test_compact_binding_refuses_strided_inputs(kernels):
@@ -618,32 +769,3 @@ def test_round_trip_compact_then_scatter(kernels, rule, dtype):
     expected = torch.zeros(p, h, dtype=dtype)
     expected[kept] = (src[kept].float() * scale[:, None]).to(dtype)
     assert torch.equal(out, expected)
-
-
-# ---------------------------------------------------------------------------
-# retained_splits
-# ---------------------------------------------------------------------------
-
-
-def test_retained_splits():
-    counts = torch.tensor([3, 0, 2, 5, 1, 1, 0, 0])
-    assert retained_splits(counts, 2) == [3, 7, 2, 0]
-    assert retained_splits(counts, 4) == [10, 2]
-    assert retained_splits(counts, 8) == [12]
-    assert retained_splits(torch.zeros(0, dtype=torch.int64), 3) == []
-    assert all(isinstance(v, int) for v in retained_splits(counts, 1))
-    with pytest.raises(ValueError, match="do not split into groups of 3"):
-        retained_splits(counts, 3)
-    with pytest.raises(ValueError, match=">= 1"):
-        retained_splits(counts, 0)
-    with pytest.raises(ValueError, match="integer tensor"):
-        retained_splits(counts.float(), 2)
-
-
-def test_retained_splits_of_a_selection(kernels):
-    # 2 destination ranks x 3 local experts, cells in (rank, expert) order.
-    sizes = [4, 0, 7, 3, 9, 2]
-    quotas = [2, 1, 7, 5, 4, 0]
-    metric = torch.rand(sum(sizes), generator=torch.Generator().manual_seed(0))
-    _, _, counts = select_rows(metric, offsets_of(sizes), torch.tensor(quotas), "topk")
-    assert retained_splits(counts, 3) == [2 + 0 + 7, 3 + 4 + 0]

@@ -1,4 +1,4 @@
-"""Tests of the planner's cost model (DESIGN.md 7) and the calibration tool."""
+"""Tests of the planner's cost model (docs/design.md, "Cost model") and the calibration tool."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import math
 import os
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ MACHINE = MachineConstants(gemm_flops_per_s=2e9, alltoall_bytes_per_s=1e8,
 
 
 def test_shape_numbers_match_the_design_reference():
-    # DESIGN.md section 11: Qwen3-30B-A3B per pair (bf16): 9.4 MFLOP forward, 18.9
+    # docs/design.md, "Reference shapes": Qwen3-30B-A3B per pair (bf16): 9.4 MFLOP forward, 18.9
     # backward, 4 KiB per all-to-all direction.
     qwen = MoEShape(2048, 768, 128, 8, gated=True, dtype_bytes=2, tokens_per_rank=4096)
     assert qwen.forward_flops_per_pair == 2 * 2048 * (1536 + 768) == 9_437_184
@@ -42,58 +44,115 @@ def _model(layers: int = 3, in_flight: int = 2) -> CostModel:
     return CostModel(shape, MACHINE)
 
 
+# Hand-computed constants of _model() (H=8, F=F1=4, b=2, P=10*2=20, Lyr=3, MiF=2):
+#   instance   (F1 + F) * H * (b + b)                 = 8 * 8 * 4           = 256
+#   fixed      MiF * P * (H b + 16) + P * 3 H b / Lyr = 2*20*32 + 20*48/3   = 1600
+#   saved      MiF * (H + F1) * b                     = 2 * 12 * 2          = 48 per routed
+#   fwd_t      (4H + F1) * b                          = 36 * 2              = 72 per routed
+#   bwd_t      (4H + 2 F1 + 2F) * b                   = 48 * 2              = 96 per retained
+def _hand_memory(replicas: int, routed: int, retained: int, layers: int = 3) -> Fraction:
+    """Bytes of one layer on one rank by the documented formula, exactly."""
+    fixed = 2 * 20 * 32 + Fraction(20 * 48, layers)
+    return (256 * replicas + fixed + 48 * routed
+            + Fraction(max(72 * routed, 96 * retained), layers))
+
+
 def test_rank_memory_by_hand():
     cost = _model()
-    h, f, b, p = 8, 4, 2, 20                   # F1 = F (not gated); P = 10 tokens * top-2
-    reps, routed, retained = torch.tensor([1, 0]), torch.tensor([30, 10]), torch.tensor([5, 10])
-    memory = cost.rank_memory(reps, routed, retained)
-    instance = (f * h + h * f) * (b + b)
-    source = 2 * p * (h * b + 16) + p * 3 * h * b / 3
-    fwd_t, bwd_t = (4 * h + f) * b, (4 * h + 2 * f + 2 * f) * b
-    expected = [instance + source + 2 * 30 * (h + f) * b + max(30 * fwd_t, 5 * bwd_t) / 3,
-                source + 2 * 10 * (h + f) * b + max(10 * fwd_t, 10 * bwd_t) / 3]
-    assert memory.tolist() == pytest.approx(expected)
+    memory = cost.rank_memory(np.array([1, 0]), np.array([30, 10]), np.array([5, 10]))
+    # rank 0: 256 + 1600 + 48*30 + max(72*30, 96*5)/3 = 256 + 1600 + 1440 + 720
+    # rank 1:   0 + 1600 + 48*10 + max(72*10, 96*10)/3 =       1600 +  480 + 320
+    assert memory.dtype == np.float64
+    assert memory.tolist() == [4016.0, 2400.0]
+    assert [_hand_memory(1, 30, 5), _hand_memory(0, 10, 10)] == [4016, 2400]
+    # Balanced dropless: routed = retained = P = 20, no replicas, times Lyr = 3 layers.
+    # 1600 + 48*20 + max(72*20, 96*20)/3 = 1600 + 960 + 640 = 3200 per layer.
+    assert cost.balanced_dropless_need() == 3 * 3200.0
+    # Non-integer thirds (Lyr = 5): against the exact value.
+    five = _model(layers=5)
+    got = five.rank_memory(np.array([2]), np.array([7]), np.array([11]))[0]
+    assert math.isclose(got, _hand_memory(2, 7, 11, layers=5), rel_tol=1e-15)
+    plan = plan_retention(torch.tensor([[6, 0, 2, 2], [4, 0, 0, 6]]), 2, 0.5)
+    # plan_memory reads the plan's loads: routed (10, 10), retained (5, 5).
+    assert plan.routed_per_rank.tolist() == [10, 10]
+    assert plan.retained_per_rank.tolist() == [5, 5]
+    assert cost.plan_memory(plan, np.array([0, 1])).tolist() == [
+        float(_hand_memory(0, 10, 5)), float(_hand_memory(1, 10, 5))]
 
 
-def test_balanced_need_and_capacities_are_consistent():
+def _largest(fits) -> int:
+    """The largest n >= 0 with fits(n) (0 if none), by scanning: fits is monotone."""
+    n = 0
+    while fits(n + 1):
+        n += 1
+    return n
+
+
+# share = 8850: room after the fixed bytes 7250 (no replica) and 6738 (two replicas).
+# The third share puts rank 0's forward at exactly the share: 1600 + 72 * 100 = 8800.
+@pytest.mark.parametrize("share", [8850, 8849.5, 8800, 1600, 2000])
+def test_capacity_and_retained_limit_against_brute_force(share):
     cost = _model()
-    p = cost.shape.source_pairs
-    need = cost.balanced_dropless_need()
-    layer = float(cost.rank_memory(torch.zeros(1), torch.tensor([p]), torch.tensor([p]))[0])
-    assert need == pytest.approx(layer * cost.shape.num_layers)
-    share = cost.memory_share(need * 1.5)
-    reps = torch.tensor([0, 2])
+    assert cost.memory_share(3 * share) == share
+    reps = np.array([0, 2])
     cap = cost.routing_capacity(share, reps)
-    # At the capacity, with nothing retained, the forward buffers fit; one more does not.
-    fits = cost.rank_memory(reps, cap, torch.zeros(2))
-    over = cost.rank_memory(reps, cap + 1, torch.zeros(2))
-    assert bool((fits <= share).all()) and bool((over > share).all())
-    routed = torch.tensor([p, p])
-    keep = cost.retained_limit(share, reps, routed)
-    assert bool((cost.rank_memory(reps, routed, keep) <= share).all())
-    assert bool((cost.rank_memory(reps, routed, keep + 1) > share).all())
+    assert cap.dtype == np.int64
+    # Most routed pairs whose forward fits with nothing retained (0 when even 0 does not).
+    assert cap.tolist() == [_largest(lambda n, r=r: _hand_memory(r, n, 0) <= share)
+                            for r in reps.tolist()]
+    for routed in ([100, 10], [110, 0], [93, 93], [0, 0]):
+        limit = cost.retained_limit(share, reps, np.array(routed))
+        expected = []
+        for r, n in zip(reps.tolist(), routed, strict=True):
+            fwd_fits = _hand_memory(r, n, 0) <= share
+            expected.append(_largest(lambda k, r=r, n=n: _hand_memory(r, n, k) <= share)
+                            if fwd_fits else 0)
+        assert limit.tolist() == expected, (routed, share)
+    if share == 8850:       # the numbers by hand
+        assert cap.tolist() == [100, 93]       # 7250 // 72, 6738 // 72
+        # rank 0: room 8850 - 1600 - 48*100 = 2450, 2450 * 3 // 96 = 76
+        # rank 1: room 8850 - 2112 - 48*10 = 6258, 6258 * 3 // 96 = 195
+        assert cost.retained_limit(share, reps, np.array([100, 10])).tolist() == [76, 195]
+
+
+MATRIX_ROUTED = [[5, 2, 1], [0, 4, 6], [3, 0, 7]]     # source rank x destination rank
+MATRIX_RETAINED = [[4, 1, 1], [0, 3, 2], [2, 0, 5]]
 
 
 def test_layer_time_by_hand():
     cost = _model()
-    counts = torch.tensor([[6, 0, 2, 2], [4, 0, 0, 6]])    # R=2, E=4 (2 per rank)
-    plan = plan_retention(counts, 2, capacity_factor=1.0)
-    fwd, bwd = cost.layer_time(plan)
-    s = cost.shape
-    routed = plan.routed_per_rank.tolist()                  # [10, 10]
-    retained = plan.retained_per_rank.tolist()
-    off = plan.routed_matrix.tolist()                       # [[6, 4], [4, 6]]
-    a2a = max(off[0][1], off[1][0])
-    assert fwd == pytest.approx(max(routed) * 2 * (4 + 4) * 8 / 2e9
-                                + a2a * (2 * 8 + 1) * 2 / 1e8 + 2e-5)
-    kept = plan.retained_matrix.tolist()
-    a2a_kept = max(kept[0][1], kept[1][0])      # R=2: rank 0 sends [0][1], receives [1][0]
-    assert bwd == pytest.approx(max(retained) * s.backward_flops_per_pair / 2e9
-                                + a2a_kept * (2 * 8 * 2 + 4) / 1e8 + 2e-5)
-    # Dropping lowers the backward estimate, never the forward.
-    no_drop = plan_retention(counts, 2, capacity_factor=math.inf)
-    assert cost.layer_time(no_drop)[0] == fwd
-    assert cost.layer_time(no_drop)[1] >= bwd
+    # Per pair: weights (F1 + F) H = 64 elements, forward 2 * 64 = 128 FLOP, backward 256;
+    # all-to-all forward (2H + 1) b = 34 bytes, backward 2 H b + 4 = 36 bytes.
+    # Routed: columns (8, 6, 14) -> 14; off-diagonal sent (3, 6, 3), received (3, 2, 7) -> 7.
+    # Retained: columns (6, 4, 8) -> 8; sent (2, 2, 2), received (2, 1, 3) -> 3.
+    fwd, bwd = cost.layer_time(np.array(MATRIX_ROUTED), np.array(MATRIX_RETAINED))
+    latency = Fraction(2, 10**5)                       # 2 * 1e-5
+    want_fwd = Fraction(14 * 128, 2 * 10**9) + Fraction(7 * 34, 10**8) + latency
+    want_bwd = Fraction(8 * 256, 2 * 10**9) + Fraction(3 * 36, 10**8) + latency
+    assert math.isclose(fwd, want_fwd, rel_tol=1e-14)
+    assert math.isclose(bwd, want_bwd, rel_tol=1e-14)
+    # load_time from the same maxima is their sum.
+    assert math.isclose(cost.load_time(14, 8, 7, 3), want_fwd + want_bwd, rel_tol=1e-14)
+    # One rank: nothing crosses a link.
+    one = cost.layer_time(np.array([[9]]), np.array([[4]]))
+    assert math.isclose(one[0], Fraction(9 * 128, 2 * 10**9) + latency, rel_tol=1e-14)
+    assert math.isclose(one[1], Fraction(4 * 256, 2 * 10**9) + latency, rel_tol=1e-14)
+    # Dropping lowers the backward estimate, never the forward (a plan's matrices).
+    counts = torch.tensor([[6, 0, 2, 2], [4, 0, 0, 6]])
+    cut, full = plan_retention(counts, 2, 0.5), plan_retention(counts, 2, math.inf)
+    t_cut = cost.layer_time(cut.routed_matrix.numpy(), cut.retained_matrix.numpy())
+    t_full = cost.layer_time(full.routed_matrix.numpy(), full.retained_matrix.numpy())
+    assert t_cut[0] == t_full[0] and t_cut[1] < t_full[1]
+
+
+def test_replica_sync_time_by_hand():
+    cost = _model()
+    assert cost.replica_sync_time((), 2, 2) == 0.0
+    # Experts 0, 1 (home rank 0) to rank 1 and expert 2 (home rank 1) to rank 0: rank 0
+    # sends 2 and receives 1, rank 1 sends 1 and receives 2 -> busiest 2. Per replica:
+    # weights 64 * 2 bytes + gradient 64 * 2 bytes = 256 bytes.
+    got = cost.replica_sync_time(((0, 1), (1, 1), (2, 0)), 2, 2)
+    assert math.isclose(got, Fraction(2 * 256, 10**8) + Fraction(2, 10**5), rel_tol=1e-14)
 
 
 def test_machine_constants_json_round_trip(tmp_path):

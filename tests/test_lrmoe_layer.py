@@ -1,6 +1,6 @@
 """LRMoELayer against Megatron-Core's MoELayer and against a dense drop reference.
 
-"Equal" as DESIGN section 4 defines it: fp32, rtol 1e-5, atol 1e-6 against
+"Equal" as docs/design.md, "Exactness", defines it: fp32, rtol 1e-5, atol 1e-6 against
 Megatron; bitwise between LRMoE settings in forward.
 """
 

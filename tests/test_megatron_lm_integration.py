@@ -100,6 +100,28 @@ def test_bad_switch_values_are_refused():
     assert out.returncode == 2 and "LAYOUT must be 80gb or 40gb" in out.stderr
 
 
+def test_patch_script_refusals_are_exactly_one_message(tmp_path):
+    """Exit 2 with the message alone (no stray status code after it), before touching git."""
+    script = os.path.join(REPO, "scripts", "apply_megatron_patch.sh")
+
+    def refuse(target) -> str:
+        out = subprocess.run(["bash", script, str(target)], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and out.stdout == "", out
+        return out.stderr
+
+    missing = tmp_path / "nowhere"
+    assert refuse(missing) == f"error: {missing}: no such directory\n"
+    old = tmp_path / "mlm-0.15"
+    (old / "megatron" / "core").mkdir(parents=True)
+    (old / "pretrain_gpt.py").write_text("")
+    assert refuse(old) == (f"error: {old}: no megatron/core/package_info.py; "
+                           f"is this Megatron-LM?\n")
+    (old / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 15\nPATCH = 0\n")
+    assert refuse(old) == (f"error: {old} is megatron-core 0.15.0, the patch is for 0.16.1; "
+                           f"run: git -C {old} checkout core_v0.16.1\n")
+
+
 # -----------------------------------------------------------------------------
 # The configs on the lean launcher
 # -----------------------------------------------------------------------------
@@ -279,8 +301,8 @@ def test_megatron_lm_parser_gives_the_lrmoe_config():
 
 @needs_megatron_lm
 @pytest.mark.parametrize("bad, message", [
-    (["--moe-lrmoe-bwd-capacity-factor", "0"], "--moe-lrmoe-bwd-capacity-factor must be > 0"),
-    (["--moe-lrmoe-min-retention", "1.5"], "--moe-lrmoe-min-retention must be in [0, 1]"),
+    (["--moe-lrmoe-bwd-capacity-factor", "0"], "--moe-lrmoe-bwd-capacity-factor: must be > 0"),
+    (["--moe-lrmoe-min-retention", "1.5"], "--moe-lrmoe-min-retention: must be in [0, 1]"),
     (["--moe-token-dispatcher-type", "allgather"], "needs --moe-token-dispatcher-type alltoall"),
     (["--yaml-cfg", "x.yaml"], "--yaml-cfg builds a plain TransformerConfig"),
     (["--tensor-model-parallel-size", "2"], "--expert-tensor-parallel-size 1"),
@@ -299,9 +321,20 @@ def test_wrapper_builds_qwen3_with_lrmoe_layers_on_the_meta_device():
     built = _probe_result(_probe("build", "--", *argv))
     assert built["moe_layers"] == ["LRMoELayer", "LRMoELayer"]
     assert built["experts"] == ["LRMoESequentialMLP"]
+    assert built["devices"] == ["meta"], "every parameter on the meta device, none in memory"
     baseline = _probe_result(_probe("build", "--", *QWEN3_ARGS, "--num-layers", "2"))
     assert baseline["moe_layers"] == ["MoELayer", "MoELayer"]
+    assert baseline["devices"] == ["meta"]
     assert baseline["params"] == built["params"], "same parameters with and without LRMoE"
+
+
+@needs_megatron_lm
+def test_wrapper_builds_full_qwen3_30b_a3b_on_the_meta_device():
+    """All 48 layers, 30.5 B parameters, without allocating their memory."""
+    built = _probe_result(_probe("build", "--", *QWEN3_ARGS, *LRMOE_ARGS))
+    assert built["moe_layers"] == ["LRMoELayer"] * 48 and built["devices"] == ["meta"]
+    assert 30.0e9 < built["params"] < 31.0e9, built["params"]
+    assert built["peak_rss_mib"] < 8 * 1024, built  # the weights alone would be 61 GB in bf16
 
 
 @needs_megatron_lm

@@ -1,4 +1,4 @@
-"""Expert replicas inside the LRMoE layer (DESIGN section 6): exactness and consistency.
+"""Expert replicas inside the LRMoE layer (docs/design.md, "Placement"): exactness and consistency.
 
 With nothing dropped, a layer whose placement has replicas must give the forward
 output and every gradient of the no-replica layer (and so of Megatron's MoELayer):

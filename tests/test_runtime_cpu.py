@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -85,6 +86,75 @@ def test_noop_when_cuda_available(monkeypatch):
     assert runtime.enable_cpu_runtime() is False
     assert torch.cuda.Stream is stream_before
     assert not runtime.cpu_runtime_active()
+
+
+# ---------------------------------------------------------------------------
+# Quieter output: the known benign warnings, and only those, are hidden
+# ---------------------------------------------------------------------------
+
+_WARNINGS = textwrap.dedent(
+    """
+    import os, sys, warnings
+    if sys.argv[1] == "quiet":
+        from megatron_lrmoe.runtime.cpu import quiet_known_cpu_warnings
+        print("NOTE", quiet_known_cpu_warnings(), flush=True)
+    import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs  # import time
+    import torch, torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.all_gather_into_tensor(torch.empty(1), torch.ones(1))
+    # Other warnings from the same modules, and a known message from another module:
+    for module in ("megatron.core.optimizer", "megatron.core.models.backends",
+                   "torch.distributed.c10d_logger"):
+        warnings.warn_explicit("UNRELATED from " + module, UserWarning, "x.py", 1, module)
+    warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning,
+                           "y.py", 1, "megatron_lrmoe.elsewhere")
+    dist.destroy_process_group()
+    """
+)
+
+
+def _run_warnings_script(mode: str) -> subprocess.CompletedProcess:
+    from megatron_lrmoe.testing.gloo_pool import free_port
+
+    env = {"PORT": str(free_port()), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _WARNINGS, mode], capture_output=True,
+                          text=True, env=env, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_known_cpu_warnings_are_hidden_and_nothing_else():
+    known = [f"{category.__name__}: {message}\n"
+             for category, message, _module in runtime.KNOWN_CPU_WARNINGS]
+    loud = _run_warnings_script("loud").stderr
+    quiet = _run_warnings_script("quiet")
+    # Without the filters every known warning is printed (so the list matches megatron-core
+    # 0.16.1 and torch as installed) ...
+    for text in known:
+        assert text in loud, (text, loud)
+    # ... with them none is (but the one sent from another module below), and one line
+    # says what is absent instead.
+    elsewhere = "y.py:1: UserWarning: Apex is not installed. Falling back to Torch Norm\n"
+    assert quiet.stderr.count(elsewhere) == 1, quiet.stderr
+    for text in known:
+        assert text not in quiet.stderr.replace(elsewhere, ""), (text, quiet.stderr)
+    assert quiet.stdout.splitlines()[0] == (
+        "NOTE cpu runtime: Transformer Engine and Apex not installed; "
+        "using megatron-core's local implementations")
+    # Not a blanket filter: other warnings of the same modules still show, and a known
+    # message from a different module still shows.
+    for module in ("megatron.core.optimizer", "megatron.core.models.backends",
+                   "torch.distributed.c10d_logger"):
+        assert f"UserWarning: UNRELATED from {module}" in quiet.stderr, quiet.stderr
+
+
+def test_known_cpu_warnings_left_alone_with_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime, "_warnings_quieted", False)
+    before = list(warnings.filters)
+    assert runtime.quiet_known_cpu_warnings() is None
+    assert list(warnings.filters) == before
 
 
 # ---------------------------------------------------------------------------

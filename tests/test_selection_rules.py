@@ -1,10 +1,12 @@
-"""The selection rules "uniform" and "hybrid" of select_rows (DESIGN section 4, step 3).
+"""The selection rules "uniform" and "hybrid" of select_rows (docs/design.md, "Selection rules").
 
-Oracles: ``select_rows_reference`` (bitwise, for the compiled CPU backend),
-the Python generator ``row_key`` (for the keys themselves), a naive top-k
-and plain statistics (uniformity and unbiasedness over many independent
-cells; every draw is a pure function of (seed, cell, row), so these tests are
-deterministic and their bounds are checked once, not flaky).
+Oracles: ``brute_select`` of tests/test_compaction_kernels.py (per cell in
+plain Python from the documented recipe, with its own splitmix64; every CPU
+backend must equal it bitwise), the same file's ``brute_keys`` (for the
+keys themselves), a naive top-k and plain statistics (uniformity and
+unbiasedness over many independent cells; every draw is a pure function of
+(seed, cell, row), so these tests are deterministic and their bounds are
+checked once, not flaky).
 
 The generic layouts (empty cells, q = 0, q >= n, large cells, strided input,
 the compact/scatter round trip) run for every rule in
@@ -21,10 +23,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_compaction_kernels import offsets_of
+from test_compaction_kernels import MASK64, brute_keys, brute_select, f32, offsets_of
 
-from megatron_lrmoe.ops import select_rows, select_rows_reference
-from megatron_lrmoe.ops.select import row_key, row_keys, splitmix64
+from megatron_lrmoe.ops import select_rows
+from megatron_lrmoe.ops.select import row_key, row_keys
 
 CPU_BACKENDS = ["cpu", "torch"]
 FRACTIONS = [0.0, 0.1, 0.29, 0.5, 0.75, 1.0]
@@ -57,34 +59,33 @@ def naive_top(metric: list[float], k: int) -> set[int]:
 # ---------------------------------------------------------------------------
 
 
-def test_row_keys_match_the_python_generator():
+def test_row_keys_match_the_documented_generator():
+    sizes = [3, 0, 17, 1]
     for seed in (0, 1, -1, 2**63 + 12345):
-        off = offsets_of([3, 0, 17, 1])
-        keys = [k & (2**64 - 1) for k in row_keys(seed, off).tolist()]
-        expected = [row_key(seed, c, j) for c, n in enumerate([3, 0, 17, 1]) for j in range(n)]
+        expected = [k for c, n in enumerate(sizes) for k in brute_keys(seed, c, n)]
+        keys = [k & MASK64 for k in row_keys(seed, offsets_of(sizes)).tolist()]
         assert keys == expected
-    h = splitmix64((splitmix64(7) + 3) & (2**64 - 1))
-    assert row_key(7, 3, 5) == splitmix64((h + 5) & (2**64 - 1))
+        assert [row_key(seed, c, j) for c, n in enumerate(sizes) for j in range(n)] == expected
     assert row_key(-1, 2, 0) == row_key(2**64 - 1, 2, 0), "only seed mod 2^64 matters"
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_uniform_keeps_the_smallest_keys(kernels, backend):
-    """Checks the compiled generator independently of the reference: with q
-    rows kept per cell, they are the q smallest row keys (unsigned)."""
+    """With q rows kept per cell, they are the q smallest row keys (unsigned),
+    the keys computed by the test's own splitmix64."""
     n, q, cells, seed = 50, 3, 200, 2**64 - 99
     metric = torch.rand(n * cells)
     off = offsets_of([n] * cells)
     result = select_rows(metric, off, torch.full((cells,), q), "uniform", seed, backend)
     for c, (rows, scales) in enumerate(cells_of(result, off)):
-        keys = [row_key(seed, c, j) for j in range(n)]
+        keys = brute_keys(seed, c, n)
         assert len(set(keys)) == n, "keys are distinct within a cell"
         assert rows == sorted(sorted(range(n), key=keys.__getitem__)[:q])
-        assert scales == [float(torch.tensor(n / q, dtype=torch.float32))] * q
+        assert scales == [f32(n / q)] * q
 
 
 # ---------------------------------------------------------------------------
-# Compiled CPU backend == reference, bitwise, over fractions
+# Every CPU backend == brute force, bitwise, over fractions
 # ---------------------------------------------------------------------------
 
 
@@ -112,14 +113,13 @@ def problems(draw):
     fraction=st.one_of(st.sampled_from(FRACTIONS), st.floats(0.0, 1.0)),
     seed=st.integers(-(2**63), 2**64),
 )
-def test_cpu_matches_reference(kernels, problem, rule, fraction, seed):
+def test_backends_match_brute_force(kernels, problem, rule, fraction, seed):
     metric, sizes, quotas = problem
     off, q = offsets_of(sizes), torch.tensor(quotas, dtype=torch.int64)
-    expected = select_rows_reference(metric, off, q, rule, seed, hybrid_fraction=fraction)
-    assert_same(select_rows(metric, off, q, rule, seed, "cpu", hybrid_fraction=fraction),
-                expected)
-    assert_same(select_rows(metric, off, q, rule, seed, "torch", hybrid_fraction=fraction),
-                expected)
+    expected = brute_select(metric, sizes, quotas, rule, seed, fraction)
+    for backend in CPU_BACKENDS:
+        assert_same(select_rows(metric, off, q, rule, seed, backend, hybrid_fraction=fraction),
+                    expected)
     kept, scale, counts = expected
     assert counts.tolist() == [min(a, b) for a, b in zip(quotas, sizes, strict=True)]
     assert bool((kept[1:] > kept[:-1]).all()), "grouped by cell, ascending inside a cell"
@@ -133,7 +133,8 @@ def test_large_cells_and_thread_count(kernels, rule):
     quotas = [4999, 1, 3, 6999, 0]
     metric = torch.exp(torch.randn(sum(sizes), generator=g) * 3)
     off, q = offsets_of(sizes), torch.tensor(quotas)
-    expected = select_rows_reference(metric, off, q, rule, 5, hybrid_fraction=0.3)
+    expected = brute_select(metric, sizes, quotas, rule, 5, 0.3)
+    assert_same(select_rows(metric, off, q, rule, 5, "torch", hybrid_fraction=0.3), expected)
     threads = torch.get_num_threads()
     try:
         for n_threads in (1, 2):

@@ -1,11 +1,11 @@
-"""The planner's memory and time model (DESIGN.md section 7).
+"""The planner's memory and time model (docs/design.md, "Cost model").
 
 Pure: a model shape and measured machine constants in, bytes and seconds out. No
 timing constant lives here: GEMM rate and all-to-all bandwidth come from a
 calibration file (``python -m megatron_lrmoe.calibrate``) or, without one, from
 ``megatron_lrmoe.lrmoe.machine.default_machine_constants``, which measures quickly.
 
-Notation (DESIGN.md section 2): H hidden size, F expert FFN size, F1 = 2F with a
+Notation (docs/design.md, "Notation"): H hidden size, F expert FFN size, F1 = 2F with a
 gated (SwiGLU) first layer else F, k top-k, b bytes per element of the parameters and
 activations, P = tokens_per_rank * k pairs each rank sends per micro-batch (its
 source pairs), Lyr the MoE layers of this rank, MiF micro-batches in flight.
@@ -32,7 +32,7 @@ Memory accounting of one layer on one rank (``rank_memory``), bytes:
              over layers that is the mean transient, which equals the peak when the
              layers are alike.
 
-A per-rank budget covers all layers (DESIGN.md 7); one layer's planner compares
+A per-rank budget covers all layers (docs/design.md, "Memory budget"); one layer's planner compares
 ``rank_memory`` with its share, budget / Lyr. ``balanced_dropless_need`` is Lyr times
 the layer's memory at perfectly balanced routing (every rank receives P pairs), no
 replicas, nothing dropped.
@@ -61,7 +61,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from megatron_lrmoe.lrmoe.retention import RetentionPlan
 
@@ -264,86 +263,50 @@ class CostModel:
         """One layer's share of a per-rank budget covering all Lyr layers."""
         return float(budget_bytes) / self.shape.num_layers
 
-    def _fixed_bytes(self, num_replicas: torch.Tensor) -> torch.Tensor:
-        s = self.shape
-        return (num_replicas.to(torch.float64) * s.instance_bytes
-                + s.microbatches_in_flight * s.source_pairs * s.saved_bytes_per_source_pair
-                + s.source_pairs * s.source_transient_bytes_per_pair / s.num_layers)
-
-    def rank_memory(self, num_replicas: torch.Tensor, routed: torch.Tensor,
-                    retained: torch.Tensor) -> torch.Tensor:
-        """[R] float64 bytes one layer holds on each rank: its replicas, the saved
-        buffers of MiF micro-batches routed like this one, and 1/Lyr of its transient
-        buffers (module docstring). Compare with ``memory_share(budget)``."""
-        s = self.shape
-        routed = torch.as_tensor(routed).to(torch.float64)
-        retained = torch.as_tensor(retained).to(torch.float64)
-        transient = torch.maximum(routed * s.forward_transient_bytes_per_routed_pair,
-                                  retained * s.backward_transient_bytes_per_retained_pair)
-        return (self._fixed_bytes(torch.as_tensor(num_replicas))
-                + s.microbatches_in_flight * s.saved_bytes_per_routed_pair * routed
-                + transient / s.num_layers)
-
-    def plan_memory(self, plan: RetentionPlan, num_replicas: torch.Tensor) -> torch.Tensor:
-        """[R] ``rank_memory`` at a retention plan's routed and retained loads."""
-        return self.rank_memory(num_replicas, plan.routed_per_rank, plan.retained_per_rank)
-
-    def routing_capacity(self, share: float, num_replicas: torch.Tensor) -> torch.Tensor:
-        """[R] int64: the most routed pairs a rank can receive within ``share`` when
-        backward drops as much as it may (the forward buffers set the limit)."""
-        s = self.shape
-        per_pair = (s.microbatches_in_flight * s.saved_bytes_per_routed_pair
-                    + s.forward_transient_bytes_per_routed_pair / s.num_layers)
-        room = share - self._fixed_bytes(torch.as_tensor(num_replicas))
-        return torch.floor(room / per_pair).clamp(min=0).to(torch.int64)
-
-    def retained_limit(self, share: float, num_replicas: torch.Tensor,
-                       routed: torch.Tensor) -> torch.Tensor:
-        """[R] int64: the most retained pairs a rank can keep within ``share`` at its
-        routed load (0 where the forward buffers alone do not fit)."""
-        s = self.shape
-        routed = torch.as_tensor(routed).to(torch.float64)
-        room = (share - self._fixed_bytes(torch.as_tensor(num_replicas))
-                - s.microbatches_in_flight * s.saved_bytes_per_routed_pair * routed)
-        limit = torch.floor(room * s.num_layers / s.backward_transient_bytes_per_retained_pair)
-        fwd_fits = routed * s.forward_transient_bytes_per_routed_pair <= room * s.num_layers
-        return torch.where(fwd_fits, limit, 0.0).clamp(min=0).to(torch.int64)
-
-    # The per-rank formulas above in numpy: the same float64 operations in the same
-    # order, so the results are identical. The planner calls these once per layer and
-    # micro-batch, where a torch op on [R] costs ~10 us and a numpy op ~1 us.
-    def _fixed_bytes_np(self, num_replicas: np.ndarray) -> np.ndarray:
+    # numpy on [R] arrays: the planner calls these once per layer and micro-batch,
+    # where a torch op costs ~10 us and a numpy op ~1 us. Torch CPU tensors are accepted
+    # too (``np.asarray`` reads them), but callers should pass ``tensor.numpy()``.
+    def _fixed_bytes(self, num_replicas: np.ndarray) -> np.ndarray:
         s = self.shape
         return (np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
                 + s.microbatches_in_flight * s.source_pairs * s.saved_bytes_per_source_pair
                 + s.source_pairs * s.source_transient_bytes_per_pair / s.num_layers)
 
-    def rank_memory_np(self, num_replicas: np.ndarray, routed: np.ndarray,
-                       retained: np.ndarray) -> np.ndarray:
-        """``rank_memory`` on numpy arrays: [R] float64, identical values."""
+    def rank_memory(self, num_replicas: np.ndarray, routed: np.ndarray,
+                    retained: np.ndarray) -> np.ndarray:
+        """[R] float64 bytes one layer holds on each rank: its replicas, the saved
+        buffers of MiF micro-batches routed like this one, and 1/Lyr of its transient
+        buffers (module docstring). Compare with ``memory_share(budget)``."""
         s = self.shape
         routed = np.asarray(routed, dtype=np.float64)
         retained = np.asarray(retained, dtype=np.float64)
         transient = np.maximum(routed * s.forward_transient_bytes_per_routed_pair,
                                retained * s.backward_transient_bytes_per_retained_pair)
-        return (self._fixed_bytes_np(num_replicas)
+        return (self._fixed_bytes(num_replicas)
                 + s.microbatches_in_flight * s.saved_bytes_per_routed_pair * routed
                 + transient / s.num_layers)
 
-    def routing_capacity_np(self, share: float, num_replicas: np.ndarray) -> np.ndarray:
-        """``routing_capacity`` on numpy arrays: [R] int64, identical values."""
+    def plan_memory(self, plan: RetentionPlan, num_replicas: np.ndarray) -> np.ndarray:
+        """[R] ``rank_memory`` at a retention plan's routed and retained loads."""
+        return self.rank_memory(num_replicas, plan.routed_per_rank.numpy(),
+                                plan.retained_per_rank.numpy())
+
+    def routing_capacity(self, share: float, num_replicas: np.ndarray) -> np.ndarray:
+        """[R] int64: the most routed pairs a rank can receive within ``share`` when
+        backward drops as much as it may (the forward buffers set the limit)."""
         s = self.shape
         per_pair = (s.microbatches_in_flight * s.saved_bytes_per_routed_pair
                     + s.forward_transient_bytes_per_routed_pair / s.num_layers)
-        room = share - self._fixed_bytes_np(num_replicas)
+        room = share - self._fixed_bytes(num_replicas)
         return np.maximum(np.floor(room / per_pair), 0.0).astype(np.int64)
 
-    def retained_limit_np(self, share: float, num_replicas: np.ndarray,
-                          routed: np.ndarray) -> np.ndarray:
-        """``retained_limit`` on numpy arrays: [R] int64, identical values."""
+    def retained_limit(self, share: float, num_replicas: np.ndarray,
+                       routed: np.ndarray) -> np.ndarray:
+        """[R] int64: the most retained pairs a rank can keep within ``share`` at its
+        routed load (0 where the forward buffers alone do not fit)."""
         s = self.shape
         routed = np.asarray(routed, dtype=np.float64)
-        room = (share - self._fixed_bytes_np(num_replicas)
+        room = (share - self._fixed_bytes(num_replicas)
                 - s.microbatches_in_flight * s.saved_bytes_per_routed_pair * routed)
         limit = np.floor(room * s.num_layers / s.backward_transient_bytes_per_retained_pair)
         fwd_fits = routed * s.forward_transient_bytes_per_routed_pair <= room * s.num_layers
@@ -353,26 +316,22 @@ class CostModel:
         """Bytes per rank for all layers and micro-batches in flight when every rank
         receives exactly its P source pairs, with no replicas and no drop. A budget
         below this cannot hold even perfectly balanced routing: refuse it at start-up."""
-        p = torch.tensor([float(self.shape.source_pairs)])
-        per_layer = self.rank_memory(torch.zeros(1), p, p)
+        p = np.array([float(self.shape.source_pairs)])
+        per_layer = self.rank_memory(np.zeros(1), p, p)
         return float(per_layer[0]) * self.shape.num_layers
 
     # ------------------------------------------------------------------- time
-    def layer_time(self, plan: RetentionPlan) -> tuple[float, float]:
-        """Estimated (forward_s, backward_s) of one layer and micro-batch under ``plan``."""
-        return self._phase_times(float(plan.routed_per_rank.max()),
-                                 _alltoall_pairs(plan.routed_matrix),
-                                 float(plan.retained_per_rank.max()),
-                                 _alltoall_pairs(plan.retained_matrix))
-
-    def layer_time_np(self, routed_matrix: np.ndarray,
-                      retained_matrix: np.ndarray) -> tuple[float, float]:
-        """``layer_time`` from a plan's [R, R] routed and retained matrices (source rank
-        x destination rank) as numpy arrays: the same numbers, without torch."""
-        return self._phase_times(float(np.maximum.reduce(np.add.reduce(routed_matrix, axis=0))),
-                                 _alltoall_pairs_np(routed_matrix),
-                                 float(np.maximum.reduce(np.add.reduce(retained_matrix, axis=0))),
-                                 _alltoall_pairs_np(retained_matrix))
+    def layer_time(self, routed_matrix: np.ndarray,
+                   retained_matrix: np.ndarray) -> tuple[float, float]:
+        """Estimated (forward_s, backward_s) of one layer and micro-batch from a plan's
+        [R, R] routed and retained matrices (source rank x destination rank), numpy
+        arrays: ``plan.routed_matrix.numpy()``, ``plan.retained_matrix.numpy()``."""
+        routed_matrix = np.asarray(routed_matrix)
+        retained_matrix = np.asarray(retained_matrix)
+        return self._phase_times(_max_column_sum(routed_matrix),
+                                 _alltoall_pairs(routed_matrix),
+                                 _max_column_sum(retained_matrix),
+                                 _alltoall_pairs(retained_matrix))
 
     def _phase_times(self, max_routed: float, alltoall_routed: float, max_retained: float,
                      alltoall_retained: float) -> tuple[float, float]:
@@ -416,14 +375,14 @@ class CostModel:
         return busiest * (weight + grad) / m.alltoall_bytes_per_s + 2 * m.alltoall_latency_s
 
 
-def _alltoall_pairs(matrix: torch.Tensor) -> float:
-    """max over ranks of max(pairs sent to, received from other ranks)."""
-    off = matrix - torch.diag(torch.diagonal(matrix))
-    return float(torch.maximum(off.sum(1), off.sum(0)).max()) if off.numel() else 0.0
+def _max_column_sum(matrix: np.ndarray) -> float:
+    """max over destination ranks of the pairs they receive (0 for an empty matrix)."""
+    return float(np.maximum.reduce(np.add.reduce(matrix, axis=0))) if matrix.size else 0.0
 
 
-def _alltoall_pairs_np(matrix: np.ndarray) -> float:
-    """``_alltoall_pairs`` of a numpy [R, R] integer matrix (the same number)."""
+def _alltoall_pairs(matrix: np.ndarray) -> float:
+    """max over ranks of max(pairs sent to, received from other ranks) of a numpy [R, R]
+    matrix (source rank x destination rank); pairs to the rank itself cross no link."""
     if not matrix.size:
         return 0.0
     diagonal = np.diagonal(matrix)

@@ -2,7 +2,7 @@
 
 Routing (Megatron's router, aux losses included) and shared experts are Megatron's.
 What changes is the span from dispatch to combine, which must be one autograd
-region (DESIGN section 4), so ``forward`` is the unit overridden here; the
+region (docs/design.md, "Region"), so ``forward`` is the unit overridden here; the
 dispatcher is chosen by config inside ``MoELayer.__init__``, so it is swapped right
 after. Shapes: hidden_states [S, B, H] in and out (S the local sequence shard under
 sequence parallelism); T = S x B tokens; E experts; P routed pairs.
@@ -35,7 +35,7 @@ _LOG = logging.getLogger(__name__)
 class LRMoELayer(MoELayer):
     """MoELayer with an exact forward and a metric-driven, compacted backward.
 
-    Placement (DESIGN 6): a ``LayerPlanner`` (pure, identical on every EP rank)
+    Placement (docs/design.md, "Placement"): a ``LayerPlanner`` (pure, identical on every EP rank)
     chooses the expert instances of each step from the smoothed routed counts and,
     per micro-batch, the capacity-aware routing of pairs to instances and the
     retention quotas. Replicas are refreshed at the layer's first forward of a step

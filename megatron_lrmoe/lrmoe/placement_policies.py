@@ -27,8 +27,10 @@ def _popularity_placement(popularity: np.ndarray, num_ranks: int, num_experts: i
 
     Instances per expert c_e by the divisor (D'Hondt) method with c_e >= 1 (the home)
     and c_e <= R: the extra instances go one at a time to the expert with the largest
-    expected load per instance P_e / c_e (ties: lower expert). This is proportional
-    allocation that makes the largest load per instance as small as possible. Replicas
+    expected load per instance P_e / c_e (ties: lower expert): proportional allocation
+    that minimises the largest P_e / c_e over the counts alone. The counts ignore
+    where instances can go (a replica may not share a rank with its expert's other
+    instances), so after placement the result is not optimal in general. Replicas
     are then placed hottest expert first (more instances first, then popularity), each
     on the rank not yet hosting that expert with a free slot and the least expected
     load (sum of P_e / c_e over its instances; ties: lower rank). An instance that finds
@@ -92,7 +94,7 @@ def _greedy_replicas(routed: list[int], base: MicroBatchPlan,
     retained_cap = math.inf if cap_count == UNLIMITED_CAPACITY else float(cap_count)
     off_rank = (num_ranks - 1) / num_ranks
     mif, layers = shape.microbatches_in_flight, shape.num_layers
-    fixed = float(cost.rank_memory_np(np.zeros(1), np.zeros(1), np.zeros(1))[0])
+    fixed = float(cost.rank_memory(np.zeros(1), np.zeros(1), np.zeros(1))[0])
     saved, fwd_t = shape.saved_bytes_per_routed_pair, shape.forward_transient_bytes_per_routed_pair
     bwd_t, inst = shape.backward_transient_bytes_per_retained_pair, shape.instance_bytes
 

@@ -17,7 +17,15 @@ import numpy as np
 import torch
 
 from megatron_lrmoe.lrmoe.cost_model import CostModel
-from megatron_lrmoe.lrmoe.placement import POLICIES, Placement
+from megatron_lrmoe.lrmoe.options import (
+    check_capacity_factor,
+    check_fraction,
+    check_load_smoothing,
+    check_positive_int,
+    check_positive_number,
+    option,
+)
+from megatron_lrmoe.lrmoe.placement import Placement
 from megatron_lrmoe.lrmoe.placement_policies import _greedy_replicas, _popularity_placement
 from megatron_lrmoe.lrmoe.retention import (
     RetentionPlan,
@@ -36,7 +44,8 @@ class PlannerSettings:
     """What one layer's planner needs: plain numbers and the cost model.
 
     ``budget_bytes`` is per rank for all MoE layers and micro-batches in flight
-    (DESIGN.md 7); each layer's planner gets ``budget_bytes / cost.shape.num_layers``.
+    (docs/design.md, "Memory budget"); each layer's planner gets
+    ``budget_bytes / cost.shape.num_layers``.
     A budget below ``cost.balanced_dropless_need()`` is refused here, with that number.
     """
 
@@ -58,40 +67,34 @@ class PlannerSettings:
     """Needed with a budget and for memory-aware."""
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"PlannerSettings.policy: {self.policy!r} is not one of {POLICIES}")
-        for name in ("num_ranks", "num_experts"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PlannerSettings.{name} must be a positive int, got {value!r}")
+        # The user options' own rules are the option table's checks (lrmoe/options.py);
+        # what is checked here beyond them relates the settings to each other.
+        checks = [("policy", option("moe_lrmoe_placement").problem),
+                  ("num_ranks", check_positive_int), ("num_experts", check_positive_int),
+                  ("capacity_factor", check_capacity_factor), ("min_retention", check_fraction),
+                  ("load_smoothing", check_load_smoothing)]
+        if self.slots_per_rank is not None:
+            checks.append(("slots_per_rank", check_positive_int))
+        if self.budget_bytes is not None:
+            checks.append(("budget_bytes", check_positive_number))
+        for name, check in checks:
+            problem = check(getattr(self, name))
+            if problem is not None:
+                raise ValueError(f"PlannerSettings.{name}: {problem}")
         if self.num_experts % self.num_ranks:
             raise ValueError(f"PlannerSettings.num_experts={self.num_experts} must be a "
                              f"multiple of num_ranks={self.num_ranks}")
-        gamma = float(self.capacity_factor)
-        if math.isnan(gamma) or gamma <= 0:
-            raise ValueError(f"PlannerSettings.capacity_factor must be > 0 or inf, "
-                             f"got {self.capacity_factor!r}")
-        if not 0.0 <= float(self.min_retention) <= 1.0:
-            raise ValueError(f"PlannerSettings.min_retention must be in [0, 1], "
-                             f"got {self.min_retention!r}")
         per_rank = self.num_experts // self.num_ranks
         slots = self.slots_per_rank
-        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int)
-                                  or not per_rank <= slots <= self.num_experts):
-            raise ValueError(f"PlannerSettings.slots_per_rank must be an int in "
+        if slots is not None and not per_rank <= slots <= self.num_experts:
+            raise ValueError(f"PlannerSettings.slots_per_rank must be in "
                              f"[{per_rank}, {self.num_experts}] (experts per rank .. experts), "
                              f"got {slots!r}")
-        if not 0.0 <= float(self.load_smoothing) < 1.0:
-            raise ValueError(f"PlannerSettings.load_smoothing must be in [0, 1), "
-                             f"got {self.load_smoothing!r}")
         if self.cost is not None and self.cost.shape.num_experts != self.num_experts:
             raise ValueError(f"PlannerSettings.cost: shape has {self.cost.shape.num_experts} "
                              f"experts, settings {self.num_experts}")
         budget = self.budget_bytes
         if budget is not None:
-            if not (isinstance(budget, int | float) and math.isfinite(budget) and budget > 0):
-                raise ValueError(f"PlannerSettings.budget_bytes must be a positive number, "
-                                 f"got {budget!r}")
             if self.cost is None:
                 raise ValueError("PlannerSettings.cost is needed with budget_bytes")
             need = self.cost.balanced_dropless_need()
@@ -120,8 +123,8 @@ class PlannerSettings:
         share = self.layer_share
         if share is not None:
             cost = self.cost
-            p = torch.tensor([float(cost.shape.source_pairs)])
-            balanced = float(cost.rank_memory(torch.zeros(1), p, p)[0])
+            p = np.array([float(cost.shape.source_pairs)])
+            balanced = float(cost.rank_memory(np.zeros(1), p, p)[0])
             fit = per_rank + int((share - balanced) // cost.shape.instance_bytes)
             slots = fit if slots is None else min(slots, fit)
         slots = per_rank if slots is None else slots
@@ -159,7 +162,7 @@ class LayerPlanner:
     Life cycle per training step: ``plan(counts)`` for each micro-batch (forward),
     ``observe(counts)`` for each training micro-batch, then ``next_step()`` at the step
     boundary, which folds the step's mean counts into the smoothed loads and picks the
-    placement of the next step (DESIGN.md 6).
+    placement of the next step (docs/design.md, "Placement").
     """
 
     def __init__(self, settings: PlannerSettings):
@@ -192,8 +195,7 @@ class LayerPlanner:
     def _plan(self, counts: torch.Tensor,
               ctx: _PlacementContext) -> tuple[MicroBatchPlan, np.ndarray | None]:
         """(the plan, [R] CostModel.plan_memory of it or None without a budget)."""
-        # numpy on [R] arrays (a torch op costs ~10 us here); the same numbers as
-        # route_pairs, CostModel.retained_limit and CostModel.plan_memory.
+        # numpy on [R] arrays (a torch op costs ~10 us here), as the cost model is.
         s = self.settings
         placement = ctx.placement
         routing, routed = route_checked(check_route_counts(counts, placement), placement,
@@ -206,7 +208,7 @@ class LayerPlanner:
         gamma = float(s.capacity_factor)
         share = s.layer_share
         if share is not None and math.isfinite(gamma):
-            limit = s.cost.retained_limit_np(share, ctx.replicas, routed)
+            limit = s.cost.retained_limit(share, ctx.replicas, routed)
             # Ranks whose forward buffers alone exceed the share (limit 0) stay over
             # budget whatever gamma is: they do not drag every rank's capacity to 1.
             short = (routed > limit) & (limit > 0)
@@ -224,7 +226,7 @@ class LayerPlanner:
         if share is not None:
             retained = np.add.reduceat(np.add.reduce(retention.quotas.numpy(), axis=0),
                                        ctx.rank_starts)         # [R] retained per rank
-            memory = s.cost.rank_memory_np(ctx.replicas, routed, retained)
+            memory = s.cost.rank_memory(ctx.replicas, routed, retained)
             over = memory > share
             if over.any():
                 notes.append(f"over budget on {int(np.add.reduce(over))} rank(s) by up to "
@@ -241,7 +243,7 @@ class LayerPlanner:
             replicas = np.asarray(placement.replicas_per_rank(), dtype=np.int64)
             share = self.settings.layer_share
             cap = (None if share is None
-                   else self.settings.cost.routing_capacity_np(share, replicas))
+                   else self.settings.cost.routing_capacity(share, replicas))
             ctx = _PlacementContext(
                 placement, torch.from_numpy(replicas),
                 None if cap is None else torch.from_numpy(cap), replicas, cap,
@@ -315,8 +317,7 @@ class LayerPlanner:
                placement: Placement) -> tuple[float, float]:
         """(largest memory excess over the share, estimated fwd + bwd + amortised refresh).
 
-        ``memory``: [R] ``CostModel.plan_memory`` of the plan, from ``_plan``. The numbers
-        of ``CostModel.layer_time`` are computed in numpy (the same values).
+        ``memory``: [R] ``CostModel.plan_memory`` of the plan, from ``_plan``.
         """
         s = self.settings
         cost = s.cost
@@ -324,7 +325,7 @@ class LayerPlanner:
         starts = self._context(placement).rank_starts
         routed = np.add.reduceat(plan.routing.counts.numpy(), starts, axis=1)     # [R, R]
         retained = np.add.reduceat(plan.retention.quotas.numpy(), starts, axis=1)
-        fwd, bwd = cost.layer_time_np(routed, retained)
+        fwd, bwd = cost.layer_time(routed, retained)
         sync = cost.replica_sync_time(placement.replicas, s.num_ranks,
                                       placement.experts_per_rank)
         return excess, fwd + bwd + sync / cost.shape.microbatches_per_step

@@ -115,8 +115,8 @@ def planner_settings(config, ep_size: int, tokens_per_rank: int,
 def check_memory_budget(config, ep_size: int, tokens_per_rank: int,
                         microbatches_per_step: int = 1, device_type: str = "cpu") -> None:
     """Start-up check of ``--moe-lrmoe-memory-budget-gb`` against the balanced dropless need
-    of the configured shapes (DESIGN 7); raises ValueError naming the flag and the
-    number needed. A no-op without a budget."""
+    of the configured shapes (docs/design.md, "Memory budget"); raises ValueError naming
+    the flag and the number needed. A no-op without a budget."""
     budget = config.moe_lrmoe_memory_budget_gb
     if not config.moe_lrmoe or budget is None:
         return

@@ -1,6 +1,6 @@
 """The LRMoE region: dispatch -> experts -> combine as one autograd function.
 
-Notation (DESIGN section 2), per MoE layer and micro-batch, on source rank s:
+Notation (docs/design.md, "Notation"), per MoE layer and micro-batch, on source rank s:
   R   ranks of the expert-parallel group; E experts, L = E / R local experts per rank
   T   tokens of this rank; H hidden size; F expert FFN size (2F rows of W1 when gated)
   P   routed pairs of this rank (sum of its routing map); pairs are kept in
@@ -157,7 +157,7 @@ def _source_to_expert_order(chunk_sizes: torch.Tensor) -> torch.Tensor:
 
 def _pair_metric(name: str, g: torch.Tensor, a: torch.Tensor, p: torch.Tensor,
                  seed: int) -> torch.Tensor:
-    """m(t, e) per pair, float32 (DESIGN section 4.2)."""
+    """m(t, e) per pair, float32 (docs/design.md, "Selection rules")."""
     if name == "grad_act":
         return torch.linalg.vector_norm(g.float(), dim=1) * a.float()
     if name == "grad":

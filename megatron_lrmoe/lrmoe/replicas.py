@@ -1,4 +1,6 @@
-"""Expert replicas of one MoE layer on this rank: weights plus a gradient buffer (DESIGN 6).
+"""Expert replicas of one MoE layer on this rank: weights plus a gradient buffer.
+
+Design: docs/design.md, "Placement".
 
 A replica is a copy of a home expert's weights on another EP rank. It holds no
 optimizer state and is not a parameter: the home instance owns both. Two

@@ -1,7 +1,7 @@
 """Retention-quota planner: how many routed pairs each (source, instance) cell keeps in backward.
 
 This is the default policy "backward capacity water-filling" (docs/design.md,
-"Retention quotas"), over any instance layout: without replicas every expert has
+"Retention"), over any instance layout: without replicas every expert has
 one instance, its home under Megatron's expert-parallel layout; with replicas
 (``instance_rank`` / ``instance_expert``) water-filling runs over each rank's
 instances, whatever their experts. The planner is pure: a function of

@@ -20,8 +20,9 @@ Routing semantics (``route_pairs``), in order of priority:
      assignment within the capacities can make it (an exact integer optimum);
   4. per instance totals fixed, a source whose rank hosts an instance of the expert
      sends min(n[s, e], x_i) pairs there (local, no network); the other pairs fill
-     the remaining instance totals sources in rank order, instances in instance order
-     (a north-west-corner fill), so the result is deterministic.
+     the remaining instance totals sources in rank order, each expert's instances in
+     its own order, home first, then its replicas by rank (a north-west-corner fill),
+     so the result is deterministic.
   With overflow, priority 3 applies to the pairs that fit (the home instances take the
   rest); the max load is then not claimed optimal.
 """

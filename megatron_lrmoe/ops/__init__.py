@@ -11,7 +11,7 @@ from megatron_lrmoe.ops.backend import (
     kernels_available,
     resolve_backend,
 )
-from megatron_lrmoe.ops.compact import compact_rows, compact_rows_reference, retained_splits
+from megatron_lrmoe.ops.compact import compact_rows, compact_rows_reference
 from megatron_lrmoe.ops.scatter_add_rows import scatter_add_rows, scatter_add_rows_reference
 from megatron_lrmoe.ops.select import select_rows, select_rows_reference
 
@@ -23,7 +23,6 @@ __all__ = [
     "describe_backend",
     "kernels_available",
     "resolve_backend",
-    "retained_splits",
     "scatter_add_rows",
     "scatter_add_rows_reference",
     "select_rows",

@@ -1,6 +1,6 @@
-"""compact_rows: gather the kept rows into a new contiguous buffer; retained split sizes.
+"""compact_rows: gather the kept rows into a new contiguous buffer.
 
-This is the "compact" kernel of DESIGN.md section 5 (backward step 4): the
+This is the "compact" kernel (docs/design.md, "Region", backward step 2): the
 rows ``select_rows`` kept are packed, optionally scaled, in the order of
 ``kept_index`` (grouped by cell in forward-dispatch order), ready for the
 backward all-to-all. Its adjoint is ``scatter_add_rows``: scattering the
@@ -50,7 +50,9 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
 def compact_rows_reference(
     src: torch.Tensor, kept_index: torch.Tensor, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Test oracle: ``compact_rows`` as index_select plus a scaled copy, without checks."""
+    """The "torch" backend of ``compact_rows`` without its checks: index_select plus
+    a scaled copy in op-math. Not an oracle (tests check every backend against a
+    per-row loop written from the semantics above)."""
     rows = src.index_select(0, kept_index)
     if scale is None:
         return rows
@@ -122,27 +124,3 @@ def compact_rows(
         None if scale is None else scale.contiguous(),
     )
 
-
-def retained_splits(kept_counts: torch.Tensor, cells_per_group: int) -> list[int]:
-    """Kept rows per group of ``cells_per_group`` consecutive cells, as Python ints.
-
-    With cells ordered by (destination rank, local expert) and
-    ``cells_per_group`` = local experts per rank, these are the split sizes of
-    the backward all-to-all (DESIGN.md section 4, step 5). ``kept_counts`` is
-    the [C] integer tensor ``select_rows`` returns; C must be a multiple of
-    ``cells_per_group``. Host sync (``.tolist()``): call it once per layer.
-    """
-    if kept_counts.dim() != 1 or kept_counts.dtype.is_floating_point or kept_counts.is_complex():
-        raise ValueError(
-            "retained_splits: kept_counts must be a 1-D integer tensor [C], got "
-            f"{kept_counts.dtype} of shape {tuple(kept_counts.shape)}"
-        )
-    if cells_per_group < 1:
-        raise ValueError(f"retained_splits: cells_per_group must be >= 1, got {cells_per_group}")
-    if kept_counts.numel() % cells_per_group:
-        raise ValueError(
-            f"retained_splits: {kept_counts.numel()} cells do not split into groups of "
-            f"{cells_per_group}"
-        )
-    groups = kept_counts.to(torch.int64).view(-1, cells_per_group).sum(1)
-    return [int(v) for v in groups.tolist()]  # host sync

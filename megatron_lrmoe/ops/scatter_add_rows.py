@@ -1,6 +1,6 @@
 """scatter_add_rows: add rows of ``src`` into the rows of ``out`` that ``index`` names.
 
-This is the "scatter" kernel of DESIGN.md section 5: in the backward pass,
+This is the "scatter" kernel (docs/design.md, "Region", backward step 5): in the backward pass,
 returned expert-output gradients are added into token gradients by index (the
 unpermute). Dropped pairs simply have no row in ``src``, so their tokens get
 nothing from them (zero fill for free).

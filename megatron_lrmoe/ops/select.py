@@ -1,7 +1,7 @@
 """select_rows: choose, per cell, which pairs keep their gradient in backward.
 
-This is the "select" kernel of DESIGN.md section 5 (selection rules of
-section 4, step 3): given a per-pair metric and a quota per (source, instance)
+This is the "select" kernel (docs/design.md, "Selection rules"; "Region",
+backward step 1): given a per-pair metric and a quota per (source, instance)
 cell, return the kept rows, grouped by cell and in forward order, with the
 scale that multiplies each kept pair's output gradient.
 
@@ -178,7 +178,8 @@ def row_keys(seed: int, cell_offsets: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------
-# Reference (the tests' oracle, and the "torch" backend after validation)
+# The "torch" backend (after validation); not an oracle: the tests check every
+# backend against a brute force written from the docstring above
 # ---------------------------------------------------------------------------
 
 
@@ -276,7 +277,7 @@ def select_rows_reference(
     *,
     hybrid_fraction: float = 0.5,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Test oracle: ``select_rows`` in plain torch, without its checks.
+    """The "torch" backend of ``select_rows``, without its checks.
 
     Expects valid input (see the module docstring). Computes on the host,
     returns (kept_index, scale, kept_counts) on ``metric``'s device. ``topk``,
@@ -390,6 +391,9 @@ def _seed_bits(seed: int) -> int:
 
 
 def _check_fraction(hybrid_fraction: float) -> float:
+    """The op's precondition on its ``hybrid_fraction`` argument (the compiled binding
+    checks it too). Not the ``--moe-lrmoe-hybrid-fraction`` option check, which the
+    option table owns (lrmoe/options.py): ops sit below lrmoe and do not import it."""
     if isinstance(hybrid_fraction, bool) or not isinstance(hybrid_fraction, (int, float)):
         raise TypeError(
             f"select_rows: hybrid_fraction must be a float, got {type(hybrid_fraction).__name__}"

@@ -48,12 +48,25 @@ The fixes (see ``FIXES``):
     compare against. It replaces a dozen literal-site patches (grad scaler,
     optimizer, clip_grads, schedules' token counter, DDP warm-up). It costs one
     Python call per torch call: every benchmark policy pays the same.
+
+Not a fix, only quieter output: ``quiet_known_cpu_warnings()`` (called by
+``enable_cpu_runtime()``, and by the launcher before anything imports megatron.core,
+since most of these fire at import) hides the benign warnings listed in
+``KNOWN_CPU_WARNINGS`` (six "Transformer Engine / Apex not installed" notices and
+torch's deprecation of ``all_gather_into_tensor``, which Megatron calls), each by its
+exact message *and* the module that emits it, so every other warning is still shown.
+It returns the one line that replaces them. It does nothing on CUDA machines or when
+the user set ``-W``/``PYTHONWARNINGS``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
+import re
+import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +80,7 @@ logger = logging.getLogger(__name__)
 
 _enabled_fixes: list[str] = []
 _device_mode: TorchFunctionMode | None = None
+_warnings_quieted = False
 
 
 class UnsupportedMegatronVersion(RuntimeError):
@@ -261,6 +275,62 @@ def _fix_cpu_device_mode() -> None:
     _device_mode.__enter__()
 
 
+# ---------------------------------------------------------------------------
+# Known benign warnings (quieter output, not a fix)
+# ---------------------------------------------------------------------------
+
+_TE_APEX = "Transformer Engine and Apex are not installed. Falling back to "
+_LOCAL_MTA = "local implementations of multi_tensor_applier and multi_tensor_scale"
+
+#: (category, exact message, emitting module) of the warnings every CPU run prints once
+#: per rank: megatron-core's import-time notices that it uses its own implementations
+#: without Transformer Engine / Apex, and torch's deprecation of the collective that
+#: Megatron's distributed code calls. Matched exactly; nothing else is hidden.
+KNOWN_CPU_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
+    (UserWarning, _TE_APEX + _LOCAL_MTA,
+     "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision"),
+    (UserWarning, _TE_APEX + "Torch optimizers.", "megatron.core.optimizer"),
+    (UserWarning, _TE_APEX + _LOCAL_MTA, "megatron.core.optimizer.optimizer"),
+    (UserWarning, _TE_APEX + "local implementations of multi_tensor_applier, "
+     "multi_tensor_l2norm, and multi_tensor_scale", "megatron.core.optimizer.clip_grads"),
+    (UserWarning, "Apex is not installed. Falling back to Torch Norm",
+     "megatron.core.models.backends"),
+    (UserWarning, "Apex is not installed. Falling back to Torch Norm",
+     "megatron.core.models.gpt.gpt_layer_specs"),
+    (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated. "
+     "Please use `torch.distributed.all_gather_single` instead.",
+     "torch.distributed.c10d_logger"),
+)
+
+
+def _absent_backends_line() -> str | None:
+    absent = [name for name, module in (("Transformer Engine", "transformer_engine"),
+                                        ("Apex", "apex"))
+              if importlib.util.find_spec(module) is None]
+    if not absent:
+        return None
+    return (f"cpu runtime: {' and '.join(absent)} not installed; "
+            f"using megatron-core's local implementations")
+
+
+def quiet_known_cpu_warnings() -> str | None:
+    """Hide the warnings of ``KNOWN_CPU_WARNINGS`` in this process (CPU only).
+
+    Each filter names one exact message and the module that emits it. Call it before
+    megatron.core is imported (most of these fire at import). Returns the one line
+    that says what is absent, the first time it installs the filters; None on a CUDA
+    machine, when ``-W``/``PYTHONWARNINGS`` configure warnings, or on later calls.
+    """
+    global _warnings_quieted
+    if _warnings_quieted or torch.cuda.is_available() or sys.warnoptions:
+        return None
+    for category, message, module in KNOWN_CPU_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message) + r"\Z",
+                                category=category, module=re.escape(module) + r"\Z")
+    _warnings_quieted = True
+    return _absent_backends_line()
+
+
 FIXES: dict[str, Callable[[], None]] = {
     "inert_cuda_streams": _fix_inert_cuda_streams,
     "cpu_current_device": _fix_cpu_current_device,
@@ -281,6 +351,9 @@ def enable_cpu_runtime() -> bool:
         return False
     if _enabled_fixes:
         return True
+    note = quiet_known_cpu_warnings()  # before the version check imports megatron.core
+    if note:
+        logger.info(note)
     check_megatron_core_version()
     for name, fix in FIXES.items():
         fix()

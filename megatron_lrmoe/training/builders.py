@@ -57,6 +57,9 @@ def transformer_config_from_args(
     dtype = params_dtype(args)
     moe = args.num_experts is not None
     kwargs = dict(
+        # Megatron-LM's parser default ([]): the dataclass default "full" is deprecated
+        # and warns on every rank.
+        cuda_graph_scope=[],
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
