@@ -112,21 +112,27 @@ def brute_force(counts: list[list[int]], placement: Placement, capacity):
     return best_overflow, (None if best_max == math.inf else best_max)
 
 
-@st.composite
-def small_cases(draw):
-    num_ranks = draw(st.integers(1, 3))
-    num_experts = num_ranks * draw(st.integers(1, 4 // num_ranks))
+def _draw_case(draw, num_ranks: int, experts_per_rank_max: int, min_replicas: int,
+               max_count: int):
+    """(placement, counts [R][E], capacity or None) with up to 3 replicas."""
+    num_experts = num_ranks * draw(st.integers(1, experts_per_rank_max))
     per_rank = num_experts // num_ranks
     candidates = [(e, r) for e in range(num_experts) for r in range(num_ranks)
                   if r != e // per_rank]
-    replicas = draw(st.lists(st.sampled_from(candidates), max_size=3, unique=True)
-                    if candidates else st.just([]))
-    counts = draw(st.lists(st.lists(st.integers(0, 4), min_size=num_experts,
+    replicas = draw(st.lists(st.sampled_from(candidates), min_size=min_replicas, max_size=3,
+                             unique=True) if candidates else st.just([]))
+    counts = draw(st.lists(st.lists(st.integers(0, max_count), min_size=num_experts,
                                     max_size=num_experts),
                            min_size=num_ranks, max_size=num_ranks))
     capacity = draw(st.one_of(st.none(), st.lists(st.integers(0, 12), min_size=num_ranks,
                                                   max_size=num_ranks)))
     return Placement(num_ranks, num_experts, tuple(replicas)), counts, capacity
+
+
+@st.composite
+def small_cases(draw):
+    num_ranks = draw(st.integers(1, 3))
+    return _draw_case(draw, num_ranks, 4 // num_ranks, 0, 4)
 
 
 def _loads(routing, placement) -> list[int]:
@@ -282,17 +288,7 @@ def fill_cases(draw):
     """2-4 ranks, at least one replica. The order of the instances only matters with two
     sources left for two instances with room after the local pairs: 4 ranks at least."""
     num_ranks = draw(st.integers(2, 4))
-    num_experts = num_ranks * draw(st.integers(1, 2 if num_ranks < 4 else 1))
-    per_rank = num_experts // num_ranks
-    candidates = [(e, r) for e in range(num_experts) for r in range(num_ranks)
-                  if r != e // per_rank]
-    replicas = draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=3, unique=True))
-    counts = draw(st.lists(st.lists(st.integers(0, 3), min_size=num_experts,
-                                    max_size=num_experts),
-                           min_size=num_ranks, max_size=num_ranks))
-    capacity = draw(st.one_of(st.none(), st.lists(st.integers(0, 12), min_size=num_ranks,
-                                                  max_size=num_ranks)))
-    return Placement(num_ranks, num_experts, tuple(replicas)), counts, capacity
+    return _draw_case(draw, num_ranks, 2 if num_ranks < 4 else 1, 1, 3)
 
 
 @settings(max_examples=80, deadline=None)
