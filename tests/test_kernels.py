@@ -368,20 +368,27 @@ def _run_check(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc is not installed")
 def test_cuda_sources_compile_with_nvcc():
+    # Passes are cached under build/ by a hash of every input (sources, headers, flags,
+    # nvcc, torch): an unchanged tree does not recompile; a fresh checkout does.
     proc = _run_check()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for cu in sorted((ROOT / "kernels").glob("*.cu")):
         assert f"ok   kernels/{cu.name}" in proc.stdout
     assert "ok   kernels/bindings.cpp (-DWITH_CUDA" in proc.stdout
+    again = _run_check()   # the key is stable: every check is now a cache hit
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.count(", cached)") == proc.stdout.count("check_cuda_sources: ok")
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc is not installed")
 def test_cuda_check_fails_on_a_compile_error(tmp_path):
     broken = tmp_path / "broken.cu"
     broken.write_text("__global__ void k(float* x) { x[0] = not_declared; }\n")
-    proc = _run_check(str(broken), CUDA_ARCHS="80", CUDA_STDS="c++17")
+    # CUDA_CHECK_CACHE="": no cache is read or written, nvcc itself must say no.
+    proc = _run_check(str(broken), CUDA_ARCHS="80", CUDA_STDS="c++17", CUDA_CHECK_CACHE="")
     assert proc.returncode != 0
-    assert "FAIL" in proc.stdout
+    assert "FAIL" in proc.stdout and "cached" not in proc.stdout
+    assert "not_declared" in proc.stderr   # nvcc's own diagnostic
 
 
 def test_cuda_check_skips_cleanly_without_nvcc():

@@ -12,7 +12,9 @@ then runs test functions on all ranks:
 Tasks are module-level functions (the workers import them by module name, so
 they must live in an importable module: a test file under ``tests/`` is fine).
 A task owns Megatron's parallel state: the pool destroys it after each task so
-the next one starts clean, but the process group survives.
+the next one starts clean, but the process group survives. Every process group a
+task created is destroyed and released after it, with the gloo threads it holds
+(``_cleanup_megatron_state`` says what would otherwise keep them alive).
 
 Time is bounded: a task that exceeds its timeout (or a rank that dies, or a
 rank that raises while the others wait in a collective) kills the pool; it is
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib
 import os
 import queue
@@ -31,12 +34,13 @@ import socket
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["GlooPool", "TaskFailed", "free_port"]
+__all__ = ["GlooPool", "TaskFailed", "free_port", "thread_count"]
 
 
 class TaskFailed(RuntimeError):
@@ -49,6 +53,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def thread_count() -> int:
+    """This process's OS threads (``threading.active_count()`` misses C++ threads)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    raise RuntimeError("no Threads: line in /proc/self/status")
+
+
 def _resolve(module_name: str, qualname: str, search_paths: list[str]) -> Callable:
     for path in search_paths:
         if path not in sys.path:
@@ -59,19 +72,87 @@ def _resolve(module_name: str, qualname: str, search_paths: list[str]) -> Callab
     return obj
 
 
+# Megatron DDP wrappers built in this worker (weakly: the task's own references decide).
+_ddp_instances: weakref.WeakSet = weakref.WeakSet()
+
+
+def _track_ddp_instances() -> None:
+    """Record every Megatron ``DistributedDataParallel`` built in this worker.
+
+    Megatron's DDP registers a backward hook on each parameter's ``AccumulateGrad``
+    node; the hook's closure holds the DDP, which holds the model, its buffers and
+    its process groups. The model in turn keeps autograd graphs alive after a step
+    (the alltoall dispatcher's ``probs``), and those graphs reach the same
+    ``AccumulateGrad`` nodes: a reference cycle through C++ autograd nodes that the
+    garbage collector cannot see. Without intervention every ``train()`` left its
+    model and ~16 gloo groups (3 threads each) alive for the life of the worker.
+    """
+    from megatron.core.distributed import DistributedDataParallel
+
+    init = DistributedDataParallel.__init__
+    if getattr(init, "_gloo_pool_tracked", False):
+        return
+
+    def tracked_init(self, *args, **kwargs):
+        _ddp_instances.add(self)
+        init(self, *args, **kwargs)
+
+    tracked_init._gloo_pool_tracked = True
+    tracked_init.__wrapped__ = init
+    DistributedDataParallel.__init__ = tracked_init
+
+
+def _release_ddp_instances() -> None:
+    """Break the hook cycle of every DDP a task built (see ``_track_ddp_instances``).
+
+    The hooks stay registered on their ``AccumulateGrad`` nodes but now close over
+    an empty object, so the model, optimizer state and groups are freed by reference
+    counting as soon as the task's own references are gone. A DDP must not outlive
+    its task anyway: its process groups are destroyed with the task's state.
+    """
+    for ddp in list(_ddp_instances):
+        ddp.__dict__.clear()
+    _ddp_instances.clear()
+
+
 def _cleanup_megatron_state() -> None:
     """Forget Megatron's parallel state and destroy the groups it created.
 
     ``destroy_model_parallel`` only drops Megatron's references; every gloo group keeps
-    its threads until destroyed, and a long-lived worker that initialises parallel
-    state once per task would otherwise accumulate thousands of threads.
+    its threads (one ``gloo_tcp_loop``, two ``pt_gloo_runloop``) until the last
+    Python reference to it is gone, and a long-lived worker that initialises parallel
+    state once per task would otherwise accumulate thousands of threads (about 2,100
+    in one gloo2 worker by the end of the suite). Destroying a group removes it from
+    ``pg_map`` but does not stop its threads; dropping every reference does. The
+    references Megatron keeps past a task are released here:
+
+    * the DDP hook cycle (``_release_ddp_instances``);
+    * ``RotaryEmbedding.forward``'s class-level ``lru_cache`` (and its subclasses'),
+      whose keys hold the module and its ``cp_group``: one group per ``train()``;
+    * globals ``destroy_model_parallel`` does not reset
+      (``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP[_GLOO]`` in 0.16);
+    * the MoE logging tracker's ``reduce_group`` entries.
     """
     import torch.distributed as dist
     from megatron.core import num_microbatches_calculator, parallel_state
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+    _release_ddp_instances()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    for name, value in list(vars(parallel_state).items()):
+        if name.startswith("_") and name.isupper() and isinstance(value, dist.ProcessGroup):
+            setattr(parallel_state, name, None)
+    classes = [rotary_pos_embedding.RotaryEmbedding]
+    while classes:   # with its subclasses (YaRN has a cache of its own)
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        cached = cls.__dict__.get("forward")
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
     num_microbatches_calculator.destroy_num_microbatches_calculator()
     # Process-global in Megatron: a scale left by one task (a 0-d tensor when a bare
     # MoELayer ran backward) would clash with the next task's schedule ([1]).
@@ -94,8 +175,14 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     from megatron_lrmoe.runtime.cpu import enable_cpu_runtime
 
     enable_cpu_runtime()
+    _track_ddp_instances()
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    results.put((rank, "ready", None))
+    # Threads that outlive a task (after the cleanup) are released by a full garbage
+    # collection when they can be: some models leave their groups in plain reference
+    # cycles. What survives one becomes the new baseline, so a task that leaves
+    # nothing behind costs no collection.
+    results.put((rank, "ready", None))   # (starts the queue's feeder thread)
+    baseline = thread_count()
     parent = os.getppid()
     while True:
         try:
@@ -114,6 +201,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             results.put((rank, task_id, (False, traceback.format_exc())))
         finally:
             _cleanup_megatron_state()
+            if thread_count() > baseline:
+                gc.collect()
+                baseline = max(baseline, thread_count())
     dist.destroy_process_group()
 
 
