@@ -554,8 +554,9 @@ def _allocator_text(cfg: dict) -> str:
             "here and Megatron none (--system-malloc keeps the defaults)")
 
 
-def _code_version() -> str:
-    """The checkout measured: commit and the files of megatron_lrmoe/ changed since."""
+def code_version() -> str:
+    """The checkout measured: the commit, and the files of the package, the kernels and
+    the scripts changed since (none when the results come from a clean commit)."""
     import subprocess
 
     def git(*args: str) -> str:
@@ -566,7 +567,8 @@ def _code_version() -> str:
             return ""
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    changed = git("status", "--porcelain", "--", "megatron_lrmoe", "kernels").splitlines()
+    changed = git("status", "--porcelain", "--", "megatron_lrmoe", "kernels",
+                  "scripts").splitlines()
     files = ", ".join(line[3:] for line in changed)
     return f"commit {commit}" + (f" + uncommitted changes in {files}" if files else "")
 
@@ -580,7 +582,7 @@ def report(cfg: dict, per_rank: list[dict], command: str) -> tuple[str, list[dic
         f"- command: `{command}`",
         f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
         f"- machine: {_machine(cfg)}; megatron-core {package_info.__version__}",
-        f"- code: {_code_version()}",
+        f"- code: {code_version()}",
         f"- layer: H={cfg['hidden']}, expert FFN F={cfg['ffn']}, {cfg['experts']} experts, "
         f"top-{cfg['topk']}, SwiGLU, no bias, {cfg['dtype']}, EP={cfg['ep']}, "
         f"{cfg['tokens']} tokens per rank; LRMoE kernels={cfg['kernels']}, "

@@ -51,6 +51,7 @@ from bench_moe_layer import (  # noqa: E402  (sibling script)
     _build_layers,
     _gather_counts,
     _one_step,
+    code_version,
     layer_config_kwargs,
     skewed_routing,
 )
@@ -190,6 +191,8 @@ def markdown(cfg: dict, rows: list[dict], command: str, wall: float) -> str:
         "# Placement under one memory budget (scripts/bench_placement.py)",
         "",
         f"Command: `{command}`",
+        "",
+        f"Code: {code_version()}",
         "",
         f"Date {datetime.date.today().isoformat()}; {cfg['ep']} EP ranks = {cfg['ep']} gloo "
         f"processes, one thread each, on {os.cpu_count()} cores; H={cfg['hidden']} "

@@ -24,7 +24,6 @@ import math
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench_moe_layer import code_version  # noqa: E402  (sibling script)
 
 from megatron_lrmoe.lrmoe.cost_model import CostModel, MoEShape  # noqa: E402
 from megatron_lrmoe.lrmoe.machine import default_machine_constants  # noqa: E402
@@ -154,11 +155,6 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.out:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip()
-        except OSError:
-            commit = "?"
         command = " ".join(shlex.quote(a) for a in [".venv/bin/python", *sys.argv])
         text = "\n".join([
             "# Planner speed: routing + quotas per micro-batch, placement per step",
@@ -167,7 +163,7 @@ def main() -> None:
             f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
             f"- machine: {platform.processor() or platform.machine()}, 1 thread "
             f"(torch.set_num_threads(1)), torch {torch.__version__}, python "
-            f"{platform.python_version()}; code: commit {commit} + uncommitted changes",
+            f"{platform.python_version()}; code: {code_version()}",
             f"- counts: {args.ranks} ranks x {args.experts} experts, {args.tokens} tokens per "
             f"rank, top-{args.topk}, Zipf({args.zipf:g}) popularity, {args.batches} "
             f"matrices cycled",
