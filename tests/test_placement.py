@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
 from megatron_lrmoe.lrmoe.placement import Placement
-from megatron_lrmoe.lrmoe.placement_policies import _greedy_replicas, _popularity_placement
+from megatron_lrmoe.lrmoe.placement_policies import greedy_replicas, popularity_placement
 from megatron_lrmoe.lrmoe.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.lrmoe.routing import route_pairs
 
@@ -237,7 +237,7 @@ def test_route_pairs_is_optimal_at_scale(seed):
     # and a random one, with and without capacities.
     gen = torch.Generator().manual_seed(seed)
     counts = _skewed_counts(64, 128, 2048, seed, zipf=1.0)
-    popularity = _popularity_placement(counts.sum(0).double().numpy(), 64, 128, 3 + seed)[0]
+    popularity = popularity_placement(counts.sum(0).double().numpy(), 64, 128, 3 + seed)[0]
     mean = int(counts.sum()) // 64
     for placement in (popularity, _random_placement(gen, 64, 128, 40 + 60 * seed)):
         for capacity in (None, [mean + mean // 50] * 64, [mean + mean // 4] * 64):
@@ -453,9 +453,9 @@ def test_popularity_placement_properties(data):
     slots = data.draw(st.integers(per_rank, num_experts))
     popularity = data.draw(st.lists(st.one_of(st.just(0.0), st.floats(0.0, 1e4)),
                                     min_size=num_experts, max_size=num_experts))
-    placement, notes = _popularity_placement(np.array(popularity), num_ranks, num_experts,
+    placement, notes = popularity_placement(np.array(popularity), num_ranks, num_experts,
                                              slots)
-    again = _popularity_placement(np.array(popularity), num_ranks, num_experts, slots)
+    again = popularity_placement(np.array(popularity), num_ranks, num_experts, slots)
     assert again == (placement, notes)                                  # deterministic
     assert (placement.num_ranks, placement.num_experts) == (num_ranks, num_experts)
     assert all(len(placement.rank_instances(r)) <= slots for r in range(num_ranks))
@@ -521,24 +521,50 @@ def test_memory_aware_fits_budget_and_beats_static(seed, slack, zipf, gamma, ran
     assert plan.capacity_factor_used >= base.capacity_factor_used
     # Deterministic: another planner (another rank) fed the same chooses the same.
     assert _planner("memory-aware", counts, **common).placement == aware.placement
-    assert (_greedy_replicas(counts.sum(0).tolist(), base, aware.settings)
-            == _greedy_replicas(counts.sum(0).tolist(), base, aware.settings))
+    assert (greedy_replicas(counts.sum(0).tolist(), base, aware.settings)
+            == greedy_replicas(counts.sum(0).tolist(), base, aware.settings))
 
 
 @pytest.mark.xfail(strict=True, reason="the greedy memory-aware search is not monotone in "
-                   "the budget: a larger budget can end in a slightly worse estimate")
+                   "the budget: a larger budget can end in a worse estimate (open; the "
+                   "placement work of the time-to-loss issue)")
 def test_memory_aware_is_monotone_in_the_budget():
-    # A counterexample found by search (seed 56, zipf 0.5, 4 ranks, gamma = inf): the
-    # estimate at 1.5x the balanced need (4 replicas) is about 0.13% above the one at
-    # 1.2x (3 replicas).
-    counts = _skewed_counts(4, 8, 128, 56, 0.5)
-    cost = _cost(8)
+    # A counterexample found by search (seed 0, zipf 0.5, 8 ranks, 16 experts,
+    # gamma = inf): 5 replicas either way, but the greedy run at 1.35x the balanced need
+    # takes other moves than at 1.2x and ends 2.4% worse (4.9403 ms vs 4.8266 ms).
+    # Keeping the best of the exactly planned prefixes (not the first that qualifies)
+    # halved such cases in a search over 1,620 budget steps (69 -> 37); the rest come
+    # from greedy runs that diverge once a larger share admits another move.
+    counts = _skewed_counts(8, 16, 128, 0, 0.5)
+    cost = _cost(16)
     times = []
-    for slack in (1.2, 1.5):
+    for slack in (1.2, 1.35):
         planner = _planner("memory-aware", counts, capacity_factor=math.inf, cost=cost,
                            budget_bytes=cost.balanced_dropless_need() * slack)
         times.append(_estimated_time(cost, planner.plan(counts), planner.placement))
     assert times[1] <= times[0]
+
+
+def test_memory_aware_keeps_the_best_qualifying_prefix():
+    # The greedy proposes 4 replicas at 1.5x the balanced need (seed 56, zipf 0.5,
+    # 4 ranks, gamma = inf); its 3-replica prefix is estimated faster than all 4, so
+    # the planner keeps 3: brute force over every prefix, each planned exactly.
+    counts = _skewed_counts(4, 8, 128, 56, 0.5)
+    cost = _cost(8)
+    planner = _planner("memory-aware", counts, capacity_factor=math.inf, cost=cost,
+                       budget_bytes=cost.balanced_dropless_need() * 1.5)
+    s = planner.settings
+    static = Placement.static(4, 8)
+    proposal = greedy_replicas(counts.sum(0).tolist(), planner._plan(
+        counts, planner._context(static))[0], s)
+    n = len(proposal)
+    sizes = sorted({n, 3 * n // 4, n // 2, n // 4} - {0})
+    prefixes = {k: Placement(4, 8, tuple(proposal[:k])) for k in sizes}
+    times = {k: _estimated_time(cost, planner._plan(counts, planner._context(p))[0], p)
+             for k, p in prefixes.items()}
+    best = min(sizes, key=lambda k: (times[k], k))
+    assert best < n                       # the case the first-qualifying rule got wrong
+    assert planner.placement == prefixes[best]
 
 
 def test_memory_aware_replicates_hot_expert_when_budget_allows():

@@ -18,9 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-__all__ = ["POLICIES", "Placement"]
-
-POLICIES = ("static", "popularity", "memory-aware")
+__all__ = ["Placement"]
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ from megatron_lrmoe.lrmoe.retention import UNLIMITED_CAPACITY
 if TYPE_CHECKING:
     from megatron_lrmoe.lrmoe.planner import MicroBatchPlan, PlannerSettings
 
+__all__ = ["greedy_replicas", "popularity_placement"]
 
 
-def _popularity_placement(popularity: np.ndarray, num_ranks: int, num_experts: int,
+def popularity_placement(popularity: np.ndarray, num_ranks: int, num_experts: int,
                           slots: int) -> tuple[Placement, tuple[str, ...]]:
     """SYMI-style: R * slots instances, shared in proportion to popularity.
 
@@ -69,7 +70,7 @@ def _popularity_placement(popularity: np.ndarray, num_ranks: int, num_experts: i
     return Placement(num_ranks, num_experts, tuple(replicas)), notes
 
 
-def _greedy_replicas(routed: list[int], base: MicroBatchPlan,
+def greedy_replicas(routed: list[int], base: MicroBatchPlan,
                      settings: PlannerSettings) -> list[tuple[int, int]]:
     """Replicas in the order a greedy search adds them, on a fluid load estimate.
 

@@ -26,7 +26,7 @@ from megatron_lrmoe.lrmoe.options import (
     option,
 )
 from megatron_lrmoe.lrmoe.placement import Placement
-from megatron_lrmoe.lrmoe.placement_policies import _greedy_replicas, _popularity_placement
+from megatron_lrmoe.lrmoe.placement_policies import greedy_replicas, popularity_placement
 from megatron_lrmoe.lrmoe.retention import (
     RetentionPlan,
     capacity_for_factor,
@@ -36,7 +36,6 @@ from megatron_lrmoe.lrmoe.retention import (
 from megatron_lrmoe.lrmoe.routing import Routing, check_route_counts, route_checked
 
 __all__ = ["LayerPlanner", "MicroBatchPlan", "PlannerSettings"]
-
 
 
 @dataclass(frozen=True)
@@ -149,10 +148,8 @@ class _PlacementContext:
     """What ``plan`` needs per placement, computed once when the placement is set."""
 
     placement: Placement
-    replicas_per_rank: torch.Tensor     # [R] int64
-    routing_capacity: torch.Tensor | None
-    replicas: np.ndarray                # [R] int64, replicas_per_rank
-    capacity: np.ndarray | None         # [R] int64, routing_capacity
+    replicas: np.ndarray                # [R] int64 replicas each rank hosts
+    capacity: np.ndarray | None         # [R] int64 routing capacity (None: no budget)
     rank_starts: np.ndarray             # [R] first instance of each rank
 
 
@@ -244,10 +241,8 @@ class LayerPlanner:
             share = self.settings.layer_share
             cap = (None if share is None
                    else self.settings.cost.routing_capacity(share, replicas))
-            ctx = _PlacementContext(
-                placement, torch.from_numpy(replicas),
-                None if cap is None else torch.from_numpy(cap), replicas, cap,
-                np.asarray(placement._rank_starts[:-1], dtype=np.int64))
+            ctx = _PlacementContext(placement, replicas, cap,
+                                    np.asarray(placement._rank_starts[:-1], dtype=np.int64))
             self._contexts[placement] = ctx
         return ctx
 
@@ -271,7 +266,7 @@ class LayerPlanner:
         if policy == "static":
             self.placement, self.placement_notes = self.placement, ()
         elif policy == "popularity":
-            self.placement, self.placement_notes = _popularity_placement(
+            self.placement, self.placement_notes = popularity_placement(
                 self.smoothed_counts.sum(0).numpy(), self.settings.num_ranks,
                 self.settings.num_experts, self.settings.popularity_slots())
         else:
@@ -281,37 +276,40 @@ class LayerPlanner:
     def _memory_aware_placement(self) -> tuple[Placement, tuple[str, ...]]:
         """Greedy replicas on a load estimate, then an exact check against static.
 
-        The estimate (``_greedy_replicas``) adds replicas of the experts on the most
+        The estimate (``greedy_replicas``) adds replicas of the experts on the most
         loaded rank while the estimated layer time (with the amortised replica refresh)
-        drops and no rank is pushed over its share. The candidate is then planned
-        exactly, like ``plan`` does, on the smoothed counts, and kept only if its
-        estimated time is no worse than static's, its memory excess over the share no
-        larger and its gamma no lower (replicas must not buy time with more drops);
-        otherwise its first 3/4, 1/2 and 1/4 are tried, then static.
+        drops and no rank is pushed over its share. Its prefixes of all, 3/4, 1/2 and
+        1/4 of the replicas are then planned exactly, like ``plan`` does, on the smoothed
+        counts; a prefix qualifies if its estimated time is no worse than static's, its
+        memory excess over the share no larger and its gamma no lower (replicas must not
+        buy time with more drops). The qualifying prefix with the lowest estimated time
+        is kept (ties: fewer replicas), else static. Judging every prefix, not the first
+        that qualifies, is what keeps a larger budget (a longer greedy run) from ending
+        on a worse placement than a smaller one whose run stopped at a better prefix.
         """
         s = self.settings
         counts = torch.round(self.smoothed_counts).to(torch.int64)
         static = Placement.static(s.num_ranks, s.num_experts)
         base, memory = self._plan(counts, self._context(static))
         base_score = self._score(base, memory, static)
-        replicas = _greedy_replicas(counts.sum(0).tolist(), base, s)
-        tried = []
+        replicas = greedy_replicas(counts.sum(0).tolist(), base, s)
         n = len(replicas)
-        for size in (n, 3 * n // 4, n // 2, n // 4):
-            if size == 0 or size in tried:
-                continue
-            tried.append(size)
+        best: tuple[float, int] | None = None       # (estimated time, prefix size)
+        for size in sorted({n, 3 * n // 4, n // 2, n // 4} - {0}):
             candidate = Placement(s.num_ranks, s.num_experts, tuple(replicas[:size]))
             planned, memory = self._plan(counts, self._context(candidate))
             score = self._score(planned, memory, candidate)
             if (score[0] <= base_score[0] and score[1] <= base_score[1]
-                    and planned.capacity_factor_used >= base.capacity_factor_used):
-                return candidate, (
-                    f"memory-aware: {size} replicas, estimated layer time "
-                    f"{score[1] * 1e3:.3f} ms vs static {base_score[1] * 1e3:.3f} ms",)
-        note = (f"memory-aware: no replica pays off (static {base_score[1] * 1e3:.3f} ms, "
-                f"greedy proposed {len(replicas)})")
-        return static, (note,)
+                    and planned.capacity_factor_used >= base.capacity_factor_used
+                    and (best is None or score[1] < best[0])):
+                best = (score[1], size)
+        if best is None:
+            return static, (f"memory-aware: no replica pays off (static "
+                            f"{base_score[1] * 1e3:.3f} ms, greedy proposed {n})",)
+        time, size = best
+        return Placement(s.num_ranks, s.num_experts, tuple(replicas[:size])), (
+            f"memory-aware: {size} replicas, estimated layer time {time * 1e3:.3f} ms vs "
+            f"static {base_score[1] * 1e3:.3f} ms",)
 
     def _score(self, plan: MicroBatchPlan, memory: np.ndarray,
                placement: Placement) -> tuple[float, float]:

@@ -77,6 +77,8 @@ from typing import Final
 import numpy as np
 import torch
 
+from megatron_lrmoe.lrmoe.options import check_capacity_factor, check_fraction
+
 __all__ = [
     "UNLIMITED_CAPACITY",
     "RetentionPlan",
@@ -584,15 +586,15 @@ def _check_layout(
 
 
 def _check_capacity_factor(capacity_factor: float) -> Fraction | None:
-    """gamma as an exact fraction, or None for inf."""
+    """gamma as an exact fraction, or None for inf (the option table's rule)."""
+    if (problem := check_capacity_factor(capacity_factor)) is not None:
+        raise ValueError(f"capacity_factor: {problem}")
     gamma = float(capacity_factor)
-    if math.isnan(gamma) or gamma <= 0:
-        raise ValueError(f"capacity_factor must be > 0 or inf, got {capacity_factor!r}")
     return None if math.isinf(gamma) else _as_decimal_fraction(gamma)
 
 
 def _check_min_retention(min_retention: float) -> Fraction:
-    m = float(min_retention)
-    if not 0.0 <= m <= 1.0:  # also rejects nan
-        raise ValueError(f"min_retention must be in [0, 1], got {min_retention!r}")
-    return _as_decimal_fraction(m)
+    """m as an exact fraction (the option table's rule)."""
+    if (problem := check_fraction(min_retention)) is not None:
+        raise ValueError(f"min_retention: {problem}")
+    return _as_decimal_fraction(float(min_retention))

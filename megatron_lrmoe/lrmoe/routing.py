@@ -133,9 +133,6 @@ class _RoutingLayout:
         return layout
 
 
-
-
-
 @dataclass(frozen=True, eq=False)
 class Routing:
     """Assignment of one micro-batch's routed pairs to instances (a value)."""
