@@ -532,9 +532,9 @@ def test_memory_aware_is_monotone_in_the_budget():
     # A counterexample found by search (seed 0, zipf 0.5, 8 ranks, 16 experts,
     # gamma = inf): 5 replicas either way, but the greedy run at 1.35x the balanced need
     # takes other moves than at 1.2x and ends 2.4% worse (4.9403 ms vs 4.8266 ms).
-    # Keeping the best of the exactly planned prefixes (not the first that qualifies)
-    # halved such cases in a search over 1,620 budget steps (69 -> 37); the rest come
-    # from greedy runs that diverge once a larger share admits another move.
+    # Such rises remain after the planner keeps the best of its exactly planned
+    # prefixes: the greedy runs diverge once a larger share admits another move
+    # (scripts/bench_budget_monotonicity.py counts them).
     counts = _skewed_counts(8, 16, 128, 0, 0.5)
     cost = _cost(16)
     times = []
