@@ -124,7 +124,7 @@ def main() -> None:
         ctx = planner._context(placement)
 
         def one_route(ctx=ctx, placement=placement, plan_i=plan_i):
-            route_pairs(batches[plan_i[0] % len(batches)], placement, ctx.routing_capacity)
+            route_pairs(batches[plan_i[0] % len(batches)], placement, ctx.capacity)
             plan_i[0] += 1
 
         route_ms, _ = median_ms(one_route, args.repeats)
