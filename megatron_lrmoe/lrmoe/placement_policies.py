@@ -78,53 +78,26 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     Megatron's layout). A move takes the most loaded rank u, an expert with pairs on u
     (largest share first, up to four tried), and adds a replica of it on the least
     loaded rank not hosting it; the expert's pairs are then water-filled over its
-    ranks with the other loads fixed. A move is allowed if u's load drops, no rank
-    rises above the old maximum, and no rank whose load rises ends over the layer share
-    unless it already was. The estimated time (``CostModel.load_time`` at the maximum
-    load, retained load capped at the base plan's backward capacity, all-to-all pairs
-    estimated as (R - 1) / R of the load; plus the amortised replica refresh) decides
-    which prefix of moves to keep: the one with the lowest time. Ties between ranks at
-    the maximum are why single moves are not judged alone: the maximum only falls once
-    every rank at it has been relieved.
+    ranks with the other loads fixed. A move is allowed if u's load drops and no rank
+    rises above the old maximum. The estimated time (``CostModel.load_time`` at the
+    maximum load, retained load capped at the base plan's backward capacity, all-to-all
+    pairs estimated as (R - 1) / R of the load; plus the amortised replica refresh)
+    decides which prefix of moves to keep: the one with the lowest time. Ties between
+    ranks at the maximum are why single moves are not judged alone: the maximum only
+    falls once every rank at it has been relieved.
+
+    The budget is not read: the caller admits a prefix or not by its memory, so that a
+    larger budget admits every prefix a smaller one did (``LayerPlanner``'s memory-aware
+    search is monotone in the budget); ``base`` must therefore be planned without the
+    budget's influence too.
     """
-    cost, share = settings.cost, settings.layer_share
+    cost = settings.cost
     shape = cost.shape
     num_ranks, num_experts = settings.num_ranks, settings.num_experts
     per_rank = num_experts // num_ranks
     cap_count = int(base.retention.capacity[0])
     retained_cap = math.inf if cap_count == UNLIMITED_CAPACITY else float(cap_count)
     off_rank = (num_ranks - 1) / num_ranks
-    mif, layers = shape.microbatches_in_flight, shape.num_layers
-    fixed = float(cost.rank_memory(np.zeros(1), np.zeros(1), np.zeros(1))[0])
-    saved, fwd_t = shape.saved_bytes_per_routed_pair, shape.forward_transient_bytes_per_routed_pair
-    bwd_t, inst = shape.backward_transient_bytes_per_retained_pair, shape.instance_bytes
-
-    capacities: dict[int, float] = {}
-
-    def capacity(replicas: int) -> float:
-        """``_capacity(replicas)``, memoised (called for every rank of every move tried)."""
-        value = capacities.get(replicas)
-        if value is None:
-            value = capacities[replicas] = _capacity(replicas)
-        return value
-
-    def _capacity(replicas: int) -> float:
-        """Largest load whose memory (backward at the base plan's capacity) fits."""
-        if share is None:
-            return math.inf
-        room = max(0.0, share - fixed - replicas * inst)
-        load = room / (mif * saved + max(fwd_t, bwd_t) / layers)       # retained = load
-        if load <= retained_cap:
-            return load
-        load = (room - bwd_t * retained_cap / layers) / (mif * saved)  # retained = C
-        if fwd_t * load <= bwd_t * retained_cap:
-            return load
-        return room / (mif * saved + fwd_t / layers)                   # forward dominates
-
-    def memory(load: float, replicas: int) -> float:
-        transient = max(fwd_t * load, bwd_t * min(load, retained_cap))
-        return fixed + replicas * inst + mif * saved * load + transient / layers
-
     weight = shape.weight_elements * (shape.dtype_bytes + (shape.grad_dtype_bytes
                                                             or shape.dtype_bytes))
 
@@ -142,7 +115,6 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
         spread.append({e // per_rank: float(n)})
         load[e // per_rank] += n
         on_rank[e // per_rank].append(e)
-    reps_on = [0] * num_ranks
     sync_sent, sync_recv = [0] * num_ranks, [0] * num_ranks
     busiest = 0
     added: list[tuple[int, int]] = []
@@ -167,21 +139,11 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
             ranks = [*hosts, v]
             others = [load[r] - h for r, h in hosts.items()]
             others.append(load[v])
-            limits = [capacity(reps_on[r]) for r in hosts]
-            limits.append(capacity(reps_on[v] + 1))
-            new = dict(zip(ranks, _fluid_fill(float(routed[e]), others, limits), strict=True))
+            new = dict(zip(ranks, _water_fill(float(routed[e]), others), strict=True))
             if new[u] >= hosts[u] - 1e-9:
                 continue
-            ok = True
-            for r, o in zip(ranks, others, strict=True):
-                after = o + new[r]
-                if r == u or after <= load[r]:
-                    continue
-                if after > top or (share is not None and memory(after, reps_on[r] + (r == v))
-                                   > max(share, memory(load[r], reps_on[r]))):
-                    ok = False
-                    break
-            if ok:
+            if all(r == u or o + new[r] <= top
+                   for r, o in zip(ranks, others, strict=True)):
                 move = (e, v, ranks, others, new)
                 break
         if move is None:
@@ -191,7 +153,6 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
             load[r] = o + new[r]
         spread[e] = new
         on_rank[v].append(e)
-        reps_on[v] += 1
         sync_sent[e // per_rank] += 1
         sync_recv[v] += 1
         busiest = max(busiest, sync_sent[e // per_rank], sync_recv[v])
@@ -202,28 +163,15 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     return added[:best_len]
 
 
-def _fluid_fill(amount: float, others: list[float], limits: list[float]) -> list[float]:
-    """Continuous water-filling of ``amount`` over ranks with loads ``others``, each up
-    to its limit; what fits nowhere stays on the first rank (the home)."""
-    give = [0.0] * len(others)
-    active = [j for j in range(len(others)) if limits[j] > others[j]]
-    left = amount
-    while active and left > 0:
-        order = sorted(active, key=others.__getitem__)
-        prefix, level = 0.0, 0.0
-        for m, j in enumerate(order):
-            prefix += others[j]
-            level = (left + prefix) / (m + 1)
-            if m + 1 == len(order) or level <= others[order[m + 1]]:
-                break
-        capped = [j for j in order if others[j] < level and limits[j] <= level]
-        if not capped:
-            for j in order:
-                give[j] = max(level - others[j], 0.0)
-            return give
-        for j in capped:
-            give[j] = limits[j] - others[j]
-            left -= give[j]
-            active.remove(j)
-    give[0] += max(left, 0.0)
-    return give
+def _water_fill(amount: float, others: list[float]) -> list[float]:
+    """Continuous water-filling of ``amount`` over ranks with loads ``others``: what
+    each rank gets so that the receiving ranks end level and no other rank is above
+    that level."""
+    order = sorted(range(len(others)), key=others.__getitem__)
+    prefix, level = 0.0, 0.0
+    for m, j in enumerate(order):
+        prefix += others[j]
+        level = (amount + prefix) / (m + 1)
+        if m + 1 == len(order) or level <= others[order[m + 1]]:
+            break
+    return [max(level - o, 0.0) for o in others]

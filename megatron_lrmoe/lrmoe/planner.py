@@ -274,59 +274,71 @@ class LayerPlanner:
         return self.placement
 
     def _memory_aware_placement(self) -> tuple[Placement, tuple[str, ...]]:
-        """Greedy replicas on a load estimate, then an exact check against static.
+        """The best prefix of a budget-independent greedy run that the budget admits.
 
-        The estimate (``greedy_replicas``) adds replicas of the experts on the most
-        loaded rank while the estimated layer time (with the amortised replica refresh)
-        drops and no rank is pushed over its share. Its prefixes of all, 3/4, 1/2 and
-        1/4 of the replicas are then planned exactly, like ``plan`` does, on the smoothed
-        counts; a prefix qualifies if its estimated time is no worse than static's, its
-        memory excess over the share no larger and its gamma no lower (replicas must not
-        buy time with more drops). The qualifying prefix with the lowest estimated time
-        is kept (ties: fewer replicas), else static. Judging every prefix, not the first
-        that qualifies, is what keeps a larger budget (a longer greedy run) from ending
-        on a worse placement than a smaller one whose run stopped at a better prefix.
+        ``greedy_replicas`` proposes replicas in order on a fluid load estimate of the
+        smoothed counts, without looking at the budget. Its prefixes of all, 3/4, 1/2
+        and 1/4 of the replicas are then planned exactly, like ``plan`` does but with
+        neither routing capacities nor a lowered gamma (``_unbudgeted``), so each
+        prefix's estimated time and peak memory do not depend on the budget either. A
+        prefix qualifies if its time is no worse than static's and its memory excess
+        over the layer share no larger than static's; the qualifying prefix with the
+        lowest time is kept (ties: fewer replicas), else static.
+
+        Only the qualification reads the budget, and a larger budget admits every prefix
+        a smaller one did (peak <= max(share, static's peak) only loosens), so more
+        memory never ends on a worse estimate: the search is monotone in the budget.
         """
         s = self.settings
         counts = torch.round(self.smoothed_counts).to(torch.int64)
         static = Placement.static(s.num_ranks, s.num_experts)
-        base, memory = self._plan(counts, self._context(static))
-        base_score = self._score(base, memory, static)
+        base, base_time, base_peak = self._unbudgeted(counts, static)
+        share = s.layer_share
+        # At gamma = inf replicas may not add to an excess static already has; at a
+        # finite gamma a candidate must fit outright, or the budget would lower gamma
+        # for it and it would buy its time with drops.
+        allowed = max(share, base_peak) if math.isinf(s.capacity_factor) else share
         replicas = greedy_replicas(counts.sum(0).tolist(), base, s)
         n = len(replicas)
         best: tuple[float, int] | None = None       # (estimated time, prefix size)
         for size in sorted({n, 3 * n // 4, n // 2, n // 4} - {0}):
             candidate = Placement(s.num_ranks, s.num_experts, tuple(replicas[:size]))
-            planned, memory = self._plan(counts, self._context(candidate))
-            score = self._score(planned, memory, candidate)
-            if (score[0] <= base_score[0] and score[1] <= base_score[1]
-                    and planned.capacity_factor_used >= base.capacity_factor_used
-                    and (best is None or score[1] < best[0])):
-                best = (score[1], size)
+            _, time, peak = self._unbudgeted(counts, candidate)
+            if (time <= base_time and peak <= allowed
+                    and (best is None or time < best[0])):
+                best = (time, size)
         if best is None:
-            return static, (f"memory-aware: no replica pays off (static "
-                            f"{base_score[1] * 1e3:.3f} ms, greedy proposed {n})",)
+            return static, (f"memory-aware: no replica pays off within the budget (static "
+                            f"{base_time * 1e3:.3f} ms, greedy proposed {n})",)
         time, size = best
         return Placement(s.num_ranks, s.num_experts, tuple(replicas[:size])), (
             f"memory-aware: {size} replicas, estimated layer time {time * 1e3:.3f} ms vs "
-            f"static {base_score[1] * 1e3:.3f} ms",)
+            f"static {base_time * 1e3:.3f} ms",)
 
-    def _score(self, plan: MicroBatchPlan, memory: np.ndarray,
-               placement: Placement) -> tuple[float, float]:
-        """(largest memory excess over the share, estimated fwd + bwd + amortised refresh).
-
-        ``memory``: [R] ``CostModel.plan_memory`` of the plan, from ``_plan``.
-        """
+    def _unbudgeted(self, counts: torch.Tensor, placement: Placement
+                    ) -> tuple[MicroBatchPlan, float, float]:
+        """(plan, estimated time, peak memory) of ``placement`` on ``counts`` without the
+        budget's influence: routing without capacities, gamma as set. The time is
+        forward + backward + the amortised replica refresh; the peak is the largest
+        ``CostModel.rank_memory`` over ranks."""
         s = self.settings
         cost = s.cost
-        excess = max(0.0, float(np.maximum.reduce(memory - s.layer_share)))
-        starts = self._context(placement).rank_starts
-        routed = np.add.reduceat(plan.routing.counts.numpy(), starts, axis=1)     # [R, R]
-        retained = np.add.reduceat(plan.retention.quotas.numpy(), starts, axis=1)
-        fwd, bwd = cost.layer_time(routed, retained)
+        ctx = self._context(placement)
+        routing, routed = route_checked(check_route_counts(counts, placement), placement, None)
+        retention = plan_retention(routing.counts, s.num_ranks, s.capacity_factor,
+                                   s.min_retention, instance_rank=placement.instance_rank,
+                                   instance_expert=placement.instance_expert)
+        quotas = retention.quotas.numpy()
+        retained = np.add.reduceat(np.add.reduce(quotas, axis=0), ctx.rank_starts)   # [R]
+        peak = float(np.maximum.reduce(cost.rank_memory(ctx.replicas, routed, retained)))
+        starts = ctx.rank_starts
+        fwd, bwd = cost.layer_time(np.add.reduceat(routing.counts.numpy(), starts, axis=1),
+                                   np.add.reduceat(quotas, starts, axis=1))     # [R, R] each
         sync = cost.replica_sync_time(placement.replicas, s.num_ranks,
                                       placement.experts_per_rank)
-        return excess, fwd + bwd + sync / cost.shape.microbatches_per_step
+        plan = MicroBatchPlan(routing=routing, retention=retention,
+                              capacity_factor_used=float(s.capacity_factor))
+        return plan, fwd + bwd + sync / cost.shape.microbatches_per_step, peak
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
