@@ -57,6 +57,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_lrmoe.provenance import code_version  # sibling scripts import it from here
+
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INDEX_BYTES = 4  # int32 row positions sent with the retained gradient rows
@@ -552,25 +554,6 @@ def _allocator_text(cfg: dict) -> str:
             "trimmed) and their pages are faulted in again on the next step, which cost the "
             "LRMoE dropless backward 20k-65k faults and 60-160 ms of kernel time per step "
             "here and Megatron none (--system-malloc keeps the defaults)")
-
-
-def code_version() -> str:
-    """The checkout measured: the commit, and the files of the package, the kernels and
-    the scripts changed since (none when the results come from a clean commit)."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=30, check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    changed = git("status", "--porcelain", "--", "megatron_lrmoe", "kernels",
-                  "scripts").splitlines()
-    files = ", ".join(line[3:] for line in changed)
-    return f"commit {commit}" + (f" + uncommitted changes in {files}" if files else "")
 
 
 def report(cfg: dict, per_rank: list[dict], command: str) -> tuple[str, list[dict]]:

@@ -326,24 +326,30 @@ class CostModel:
         """Estimated (forward_s, backward_s) of one layer and micro-batch from a plan's
         [R, R] routed and retained matrices (source rank x destination rank), numpy
         arrays: ``plan.routed_matrix.numpy()``, ``plan.retained_matrix.numpy()``."""
+        p = self.layer_time_parts(routed_matrix, retained_matrix)
+        return (p["forward_gemm"] + p["forward_alltoall"] + p["forward_fixed"],
+                p["backward_gemm"] + p["backward_alltoall"] + p["backward_fixed"])
+
+    def layer_time_parts(self, routed_matrix: np.ndarray,
+                         retained_matrix: np.ndarray) -> dict[str, float]:
+        """``layer_time`` split into its terms (seconds): forward and backward expert
+        GEMMs of the slowest rank, all-to-all bytes of the busiest link, and the fixed
+        per-call latency of the two all-to-alls of each phase."""
         routed_matrix = np.asarray(routed_matrix)
         retained_matrix = np.asarray(retained_matrix)
-        return self._phase_times(_max_column_sum(routed_matrix),
-                                 _alltoall_pairs(routed_matrix),
-                                 _max_column_sum(retained_matrix),
-                                 _alltoall_pairs(retained_matrix))
-
-    def _phase_times(self, max_routed: float, alltoall_routed: float, max_retained: float,
-                     alltoall_retained: float) -> tuple[float, float]:
         s, m = self.shape, self.machine
-        fwd = (max_routed * s.forward_flops_per_pair / m.gemm_flops_per_s
-               + alltoall_routed * s.forward_alltoall_bytes_per_pair
-               / m.alltoall_bytes_per_s + 2 * m.alltoall_latency_s)
-        bwd = (max_retained * s.backward_flops_per_pair
-               / m.gemm_flops_per_s
-               + alltoall_retained * s.backward_alltoall_bytes_per_pair
-               / m.alltoall_bytes_per_s + 2 * m.alltoall_latency_s)
-        return fwd, bwd
+        return {
+            "forward_gemm": _max_column_sum(routed_matrix) * s.forward_flops_per_pair
+            / m.gemm_flops_per_s,
+            "forward_alltoall": _alltoall_pairs(routed_matrix)
+            * s.forward_alltoall_bytes_per_pair / m.alltoall_bytes_per_s,
+            "forward_fixed": 2 * m.alltoall_latency_s,
+            "backward_gemm": _max_column_sum(retained_matrix) * s.backward_flops_per_pair
+            / m.gemm_flops_per_s,
+            "backward_alltoall": _alltoall_pairs(retained_matrix)
+            * s.backward_alltoall_bytes_per_pair / m.alltoall_bytes_per_s,
+            "backward_fixed": 2 * m.alltoall_latency_s,
+        }
 
     def load_time(self, max_routed: float, max_retained: float, alltoall_routed: float,
                   alltoall_retained: float) -> float:

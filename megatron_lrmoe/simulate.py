@@ -1,0 +1,539 @@
+"""At-scale simulator: routing replayed through the project's planners and cost model.
+
+    python -m megatron_lrmoe.simulate --model qwen3-30b-a3b --cluster h100 --ep 8 16 32 64
+    python -m megatron_lrmoe.simulate --model glm45-air --cluster a100-40 \\
+        --trace runs/glm/routing --out benchmarks/results/simulate
+
+What it does, per EP size R and policy: builds R source ranks' routed counts per
+micro-batch (from a recorded routing trace, or synthetic Zipf routing), feeds them to
+the same ``LayerPlanner`` the layer runs (placement per step, capacity-aware routing
+and retention quotas per micro-batch) and prices every plan with the same
+``CostModel`` the planner uses, with machine constants derived from a named cluster.
+Nothing here re-implements planning or pricing: the simulator only forms the inputs,
+loops over steps and adds up.
+
+Out, per policy: the critical-path MoE forward and backward time of one layer and
+micro-batch (each phase paced by its slowest rank) and its parts (expert GEMM,
+all-to-all bytes, fixed per-call latency), the replica refresh per step, the MoE
+memory per rank against the budget, the MoE time per optimizer step and, with
+steps-to-target ratios measured by the time-to-loss study (an assumption, stated in the
+report), the projected cumulative MoE time to the target relative to dropless and to
+SYMI-style. docs/simulate.md describes the assumptions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
+from megatron_lrmoe.lrmoe.planner import LayerPlanner, PlannerSettings
+from megatron_lrmoe.provenance import code_version
+
+__all__ = ["CLUSTERS", "MODELS", "POLICIES", "ClusterSpec", "ModelSpec", "Policy",
+           "capacity_drop", "machine_constants", "simulate", "source_batches"]
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+
+# ----------------------------------------------------------------------------- clusters
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One node type of a GPU cluster: vendor peak figures and achieved-over-peak
+    efficiencies (the efficiencies are assumptions; a calibration file overrides any
+    field, or the derived ``MachineConstants`` directly)."""
+
+    name: str
+    gpu: str
+    peak_flops: float
+    """Dense bf16 peak FLOP/s of one GPU."""
+    memory_gib: float
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float
+    """NVLink bandwidth per GPU inside a node (one direction)."""
+    network_bytes_per_s: float
+    """InfiniBand bandwidth per GPU between nodes."""
+    gpus_per_node: int = 8
+    gemm_efficiency: float = 0.6
+    """Achieved over peak for the grouped expert GEMMs (assumption: an 8192^3 bf16 GEMM
+    reached ~0.80 of peak on one H200; expert GEMMs of a few thousand rows by 2048 x
+    768 are smaller and grouped, so less)."""
+    nvlink_efficiency: float = 0.7
+    """Achieved over peak of an all-to-all inside a node (assumption)."""
+    network_efficiency: float = 0.8
+    """Achieved over peak of an all-to-all between nodes (assumption)."""
+    nvlink_latency_s: float = 15e-6
+    """Fixed cost of one all-to-all call inside a node (assumption)."""
+    network_latency_s: float = 30e-6
+    """Fixed cost of one all-to-all call that crosses nodes (assumption)."""
+
+
+CLUSTERS: dict[str, ClusterSpec] = {
+    "h100": ClusterSpec("h100", "8 x H100 SXM 80 GB", peak_flops=989e12, memory_gib=80,
+                        hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=900e9,
+                        network_bytes_per_s=400e9 / 8),
+    "h200": ClusterSpec("h200", "8 x H200 141 GB", peak_flops=989e12, memory_gib=141,
+                        hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=900e9,
+                        network_bytes_per_s=400e9 / 8),
+    "a100-40": ClusterSpec("a100-40", "8 x A100 40 GB SXM", peak_flops=312e12,
+                           memory_gib=40, hbm_bytes_per_s=1.6e12, nvlink_bytes_per_s=600e9,
+                           network_bytes_per_s=200e9 / 8),
+}
+
+
+def machine_constants(cluster: ClusterSpec, ep_size: int,
+                      calibration: dict | None = None) -> MachineConstants:
+    """The cost model's constants for one rank of an EP group of ``ep_size`` GPUs.
+
+    GEMM rate: peak x efficiency. All-to-all: with traffic spread evenly over the other
+    ranks, a share (g - 1) / (R - 1) of a rank's bytes stays inside its node of g GPUs
+    (NVLink) and the rest crosses the network; both links carry their share at once,
+    so one byte costs max(intra share / NVLink rate, inter share / network rate). The
+    latency is the network's once the group spans nodes. ``calibration``: fields of
+    ``ClusterSpec`` to replace, and/or ``MachineConstants`` fields that replace the
+    derived values.
+    """
+    calibration = dict(calibration or {})
+    cluster_fields = {k: calibration.pop(k) for k in list(calibration)
+                      if k in ClusterSpec.__dataclass_fields__}
+    c = replace(cluster, **cluster_fields)
+    gemm = c.peak_flops * c.gemm_efficiency
+    if ep_size <= 1:
+        bandwidth, latency = math.inf, 0.0
+    else:
+        in_node = min(ep_size, c.gpus_per_node)
+        intra = (in_node - 1) / (ep_size - 1)
+        per_byte = max(intra / (c.nvlink_bytes_per_s * c.nvlink_efficiency),
+                       (1 - intra) / (c.network_bytes_per_s * c.network_efficiency))
+        bandwidth = 1.0 / per_byte
+        latency = c.nvlink_latency_s if ep_size <= c.gpus_per_node else c.network_latency_s
+    machine = MachineConstants(gemm_flops_per_s=gemm, alltoall_bytes_per_s=bandwidth,
+                               alltoall_latency_s=latency,
+                               source=f"{c.gpu}, EP={ep_size}: derived (docs/simulate.md)")
+    unknown = set(calibration) - set(MachineConstants.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"--calibration: unknown field(s) {sorted(unknown)}; use fields of "
+                         f"ClusterSpec or MachineConstants")
+    if calibration:
+        machine = replace(machine, **calibration,
+                          source=f"{machine.source}; overridden by the calibration file")
+    return machine
+
+
+# ------------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the simulator needs of a model recipe (read from ``configs/``)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_experts: int
+    topk: int
+    gated: bool
+    seq_length: int
+    micro_batch_size: int
+    global_batch_size: int
+
+    @classmethod
+    def from_config(cls, name: str, path: Path) -> ModelSpec:
+        with open(path) as f:
+            c = yaml.safe_load(f)
+        return cls(name=name, num_layers=int(c["num-layers"]), hidden_size=int(c["hidden-size"]),
+                   ffn_hidden_size=int(c["moe-ffn-hidden-size"]),
+                   num_experts=int(c["num-experts"]), topk=int(c["moe-router-topk"]),
+                   gated=bool(c.get("swiglu", False)), seq_length=int(c["seq-length"]),
+                   micro_batch_size=int(c["micro-batch-size"]),
+                   global_batch_size=int(c["global-batch-size"]))
+
+    def microbatches_per_step(self, data_parallel: int) -> int:
+        return max(1, self.global_batch_size // (self.micro_batch_size * data_parallel))
+
+    def shape(self, ep_size: int, pipeline: int = 1) -> MoEShape:
+        """One EP rank's layer shape: EP inside data parallelism (DP = EP, TP = CP = 1),
+        the layers of one pipeline stage, bf16 with fp32 replica gradients."""
+        return MoEShape(hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
+                        num_experts=self.num_experts, topk=self.topk, gated=self.gated,
+                        dtype_bytes=2, tokens_per_rank=self.seq_length * self.micro_batch_size,
+                        num_layers=max(1, self.num_layers // pipeline),
+                        microbatches_in_flight=pipeline,
+                        microbatches_per_step=self.microbatches_per_step(ep_size),
+                        grad_dtype_bytes=4)
+
+
+MODELS: dict[str, Path] = {
+    "qwen3-30b-a3b": ROOT / "configs" / "qwen3_30b_a3b.yaml",
+    "glm45-air": ROOT / "configs" / "glm45_air.yaml",
+}
+
+
+# ----------------------------------------------------------------------------- policies
+@dataclass(frozen=True)
+class Policy:
+    """One way a Megatron user can run the MoE layers."""
+
+    name: str
+    placement: str = "static"
+    capacity_factor: float = math.inf
+    """LRMoE's backward capacity factor gamma (inf: nothing dropped in backward)."""
+    budget: bool = False
+    """Planned under the memory budget (routing capacities, gamma lowered to fit)."""
+    forward_capacity_factor: float | None = None
+    """Megatron's --moe-expert-capacity-factor: forward and backward drop alike."""
+    label: str = ""
+
+
+POLICIES: tuple[Policy, ...] = (
+    Policy("dropless", label="Megatron dropless"),
+    Policy("capacity-drop", forward_capacity_factor=1.0,
+           label="Megatron capacity drop, cf 1.0"),
+    Policy("symi", placement="popularity", budget=True, label="SYMI-style"),
+    Policy("lrmoe-drop", capacity_factor=0.75, budget=True, label="LRMoE drop only, 0.75"),
+    Policy("lrmoe-ma", placement="memory-aware", capacity_factor=0.75, budget=True,
+           label="LRMoE memory-aware + drop, 0.75"),
+)
+
+
+def capacity_drop(counts: np.ndarray, tokens_per_rank: int, topk: int,
+                  capacity_factor: float) -> np.ndarray:
+    """Megatron's forward capacity drop on [R, E] counts: each source rank keeps at most
+    ceil(tokens * topk / E * factor) pairs per expert (the router drops the rest of its
+    local tokens' pairs before dispatch, in forward and hence in backward)."""
+    num_experts = counts.shape[1]
+    capacity = math.ceil(tokens_per_rank * topk / num_experts * capacity_factor)
+    return np.minimum(counts, capacity)
+
+
+# ------------------------------------------------------------------------------ routing
+def source_batches(trace: np.ndarray, ep_size: int, pairs_per_rank: int,
+                   rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """[R, E] routed counts per micro-batch for R = ``ep_size`` sources, from a trace.
+
+    ``trace`` [N, S, E]: one layer's routed counts of N recorded calls from S source
+    ranks. R sources are formed from consecutive rows: the trace's rows in call order
+    (call 0's S rows, then call 1's, ...) are cut into groups of R, so an EP group of R
+    sees R consecutive recorded (call, source) rows as its ranks. Each row is then
+    resampled to ``pairs_per_rank`` pairs (multinomial over its own expert shares), so
+    a small model's trace is replayed at the target's tokens per rank with the sampling
+    noise of that size. The trace is cycled when exhausted.
+    """
+    rows = trace.reshape(-1, trace.shape[-1]).astype(np.float64)
+    rows = rows[rows.sum(1) > 0]
+    if len(rows) < ep_size:
+        raise ValueError(f"the trace has {len(rows)} non-empty source rows, fewer than one "
+                         f"micro-batch at EP={ep_size}")
+    shares = rows / rows.sum(1, keepdims=True)
+    start = 0
+    while True:
+        if start + ep_size > len(shares):
+            start = 0
+        block = shares[start:start + ep_size]
+        start += ep_size
+        yield np.stack([rng.multinomial(pairs_per_rank, p) for p in block]).astype(np.int64)
+
+
+def synthetic_trace(num_calls: int, num_experts: int, pairs: int, zipf: float, drift: float,
+                    rng: np.random.Generator) -> np.ndarray:
+    """[N, 1, E] Zipf(``zipf``) routing over a random expert order whose log-popularity
+    drifts by ``drift`` (a Gaussian random walk per call): a stand-in when no trace is
+    given."""
+    base = -zipf * np.log(np.arange(1, num_experts + 1))[rng.permutation(num_experts)]
+    out = np.empty((num_calls, 1, num_experts), dtype=np.int64)
+    logits = base.copy()
+    for n in range(num_calls):
+        p = np.exp(logits - logits.max())
+        out[n, 0] = rng.multinomial(pairs, p / p.sum())
+        logits += drift * rng.standard_normal(num_experts)
+    return out
+
+
+# --------------------------------------------------------------------------- simulation
+@dataclass
+class PolicyResult:
+    """One policy at one EP size, per layer and micro-batch unless named otherwise."""
+
+    policy: str
+    label: str
+    ep_size: int
+    forward_s: float
+    backward_s: float
+    parts: dict[str, float]
+    """Mean seconds of each part: forward/backward GEMM, all-to-all and fixed."""
+    refresh_s_per_step: float
+    """Replica refresh + gradient reduction per layer and step."""
+    step_moe_s: float
+    """MoE time of one optimizer step, all layers (critical path)."""
+    memory_gib: float
+    """Peak MoE memory per rank, all layers of the stage (the cost model's)."""
+    budget_gib: float
+    load_max_over_mean: float
+    retained_fraction: float
+    replicas: float
+    """Mean replicas per layer."""
+
+
+def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[np.ndarray],
+             policies: tuple[Policy, ...] = POLICIES, steps: int = 8,
+             budget_instances: float = 2.0, budget_gib: float | None = None,
+             calibration: dict | None = None, pipeline: int = 1,
+             seed: int = 0) -> list[PolicyResult]:
+    """Replay ``traces`` (one [N, S, E] array per simulated layer) at ``ep_size``.
+
+    The budget, per rank for the stage's MoE layers, is ``budget_gib`` or the balanced
+    dropless need plus ``budget_instances`` expert instances per layer (issue 13's
+    setting). Layers beyond the simulated ones are assumed to behave like their mean.
+    """
+    shape = model.shape(ep_size, pipeline)
+    if model.num_experts % ep_size:
+        raise ValueError(f"--ep {ep_size}: {model.num_experts} experts are not a multiple")
+    cost = CostModel(shape, machine_constants(cluster, ep_size, calibration))
+    need = cost.balanced_dropless_need()
+    budget = (budget_gib * GIB if budget_gib is not None
+              else need + budget_instances * shape.instance_bytes * shape.num_layers)
+    results = []
+    for policy in policies:
+        totals = {"fwd": 0.0, "bwd": 0.0, "refresh": 0.0, "memory": 0.0, "routed": 0.0,
+                  "retained": 0.0, "load": 0.0, "replicas": 0.0}
+        parts = {"forward_gemm": 0.0, "forward_alltoall": 0.0, "forward_fixed": 0.0,
+                 "backward_gemm": 0.0, "backward_alltoall": 0.0, "backward_fixed": 0.0}
+        calls = 0
+        for layer, trace in enumerate(traces):
+            rng = np.random.default_rng([seed, layer])
+            batches = source_batches(trace, ep_size, shape.source_pairs, rng)
+            planner = LayerPlanner(PlannerSettings(
+                policy.placement, ep_size, model.num_experts,
+                capacity_factor=policy.capacity_factor,
+                budget_bytes=budget if policy.budget else None, cost=cost))
+            peak = 0.0
+            for _ in range(steps):
+                for _ in range(shape.microbatches_per_step):
+                    counts = next(batches)
+                    if policy.forward_capacity_factor is not None:
+                        counts = capacity_drop(counts, shape.tokens_per_rank, shape.topk,
+                                               policy.forward_capacity_factor)
+                    counts_t = torch.from_numpy(counts)
+                    planner.observe(counts_t)
+                    plan = planner.plan(counts_t).retention
+                    routed = plan.routed_matrix.numpy()
+                    retained = plan.retained_matrix.numpy()
+                    p = cost.layer_time_parts(routed, retained)
+                    for k, v in p.items():
+                        parts[k] += v
+                    totals["fwd"] += p["forward_gemm"] + p["forward_alltoall"] + p["forward_fixed"]
+                    totals["bwd"] += (p["backward_gemm"] + p["backward_alltoall"]
+                                      + p["backward_fixed"])
+                    per_rank = plan.routed_per_rank.numpy().astype(np.float64)
+                    totals["load"] += float(per_rank.max() / max(per_rank.mean(), 1e-12))
+                    totals["routed"] += float(per_rank.sum())
+                    totals["retained"] += float(plan.retained_per_rank.numpy().sum())
+                    replicas = np.asarray(planner.placement.replicas_per_rank())
+                    peak = max(peak, float(cost.plan_memory(plan, replicas).max()))
+                    calls += 1
+                placement = planner.placement
+                totals["refresh"] += cost.replica_sync_time(
+                    placement.replicas, ep_size, placement.experts_per_rank)
+                totals["replicas"] += len(placement.replicas)
+                planner.next_step()
+            totals["memory"] += peak
+        n_layers = len(traces)
+        per_call = {k: v / calls for k, v in parts.items()}
+        fwd, bwd = totals["fwd"] / calls, totals["bwd"] / calls
+        refresh = totals["refresh"] / (n_layers * steps)
+        step = shape.num_layers * (shape.microbatches_per_step * (fwd + bwd) + refresh)
+        results.append(PolicyResult(
+            policy=policy.name, label=policy.label or policy.name, ep_size=ep_size,
+            forward_s=fwd, backward_s=bwd, parts=per_call, refresh_s_per_step=refresh,
+            step_moe_s=step, memory_gib=totals["memory"] / n_layers * shape.num_layers / GIB,
+            budget_gib=budget / GIB, load_max_over_mean=totals["load"] / calls,
+            retained_fraction=totals["retained"] / max(totals["routed"], 1.0),
+            replicas=totals["replicas"] / (n_layers * steps)))
+    return results
+
+
+# ------------------------------------------------------------------------------ report
+# Steps to the dropless run's loss target relative to dropless, as measured by the
+# time-to-loss study at the GEMM-bound shape (issue 13's table, commit 1196e41: 149,
+# 173, 148, 176 and 172 steps). An assumption at other scales; --steps-ratio overrides.
+STEPS_RATIO = {"dropless": 1.0, "capacity-drop": 173 / 149, "symi": 148 / 149,
+               "lrmoe-drop": 176 / 149, "lrmoe-ma": 172 / 149}
+
+
+def report_table(model: ModelSpec, cluster: ClusterSpec, by_ep: dict[int, list[PolicyResult]],
+                 steps_ratio: dict[str, float]) -> str:
+    lines = ["| EP | policy | fwd ms | bwd ms | fwd GEMM / a2a / fixed ms | bwd GEMM / a2a / "
+             "fixed ms | refresh ms/step | load max/mean | retained | replicas | MoE GiB/rank "
+             "(budget) | MoE s/step | vs dropless | to target vs dropless | vs SYMI |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for ep, results in by_ep.items():
+        base = {r.policy: r for r in results}
+        dropless = base["dropless"].step_moe_s * steps_ratio.get("dropless", 1.0)
+        symi = (base["symi"].step_moe_s * steps_ratio.get("symi", 1.0)
+                if "symi" in base else math.nan)
+        for r in results:
+            to_target = r.step_moe_s * steps_ratio.get(r.policy, math.nan)
+            p = {k: v * 1e3 for k, v in r.parts.items()}
+            lines.append(
+                f"| {ep} | {r.label} | {r.forward_s * 1e3:.2f} | {r.backward_s * 1e3:.2f} | "
+                f"{p['forward_gemm']:.2f} / {p['forward_alltoall']:.2f} / "
+                f"{p['forward_fixed']:.2f} | {p['backward_gemm']:.2f} / "
+                f"{p['backward_alltoall']:.2f} / {p['backward_fixed']:.2f} | "
+                f"{r.refresh_s_per_step * 1e3:.2f} | {r.load_max_over_mean:.2f} | "
+                f"{r.retained_fraction:.3f} | {r.replicas:.1f} | {r.memory_gib:.2f} "
+                f"({r.budget_gib:.2f}) | {r.step_moe_s:.3f} | "
+                f"{r.step_moe_s / base['dropless'].step_moe_s:.3f} | "
+                f"{to_target / dropless:.3f} | {to_target / symi:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(by_ep: dict[int, list[PolicyResult]], steps_ratio: dict[str, float], path: Path,
+         title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    eps = list(by_ep)
+    policies = [r.policy for r in by_ep[eps[0]]]
+    labels = {r.policy: r.label for r in by_ep[eps[0]]}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(policies)
+    for i, name in enumerate(policies):
+        xs = [j + i * width for j in range(len(eps))]
+        rows = [{r.policy: r for r in by_ep[ep]}[name] for ep in eps]
+        fwd = [r.step_moe_s * r.forward_s / (r.forward_s + r.backward_s) for r in rows]
+        bwd = [r.step_moe_s - f for r, f in zip(rows, fwd, strict=True)]
+        bars = axes[0].bar(xs, fwd, width, label=labels[name])
+        axes[0].bar(xs, bwd, width, bottom=fwd, color=bars[0].get_facecolor(), alpha=0.5)
+        dropless = [{r.policy: r for r in by_ep[ep]}["dropless"].step_moe_s for ep in eps]
+        axes[1].plot(eps, [r.step_moe_s * steps_ratio.get(name, math.nan) / d
+                           for r, d in zip(rows, dropless, strict=True)],
+                     marker="o", label=labels[name])
+    axes[0].set_xticks([j + 0.4 - width / 2 for j in range(len(eps))], [str(e) for e in eps])
+    axes[0].set_xlabel("EP size")
+    axes[0].set_ylabel("MoE s per step (solid: forward, light: backward)")
+    axes[0].legend(fontsize=7)
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_xticks(eps, [str(e) for e in eps])
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    axes[1].set_xlabel("EP size")
+    axes[1].set_ylabel("projected MoE time to target / dropless")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def load_traces(path: Path, num_experts: int, layers: int) -> tuple[list[np.ndarray], str]:
+    """Per-layer [N, S, E] arrays of a recorded routing trace (``.npz`` with one array
+    per layer named ``layer<i>``, or a directory holding one such file)."""
+    if path.is_dir():
+        files = sorted(path.glob("*.npz"))
+        if not files:
+            raise ValueError(f"--trace {path}: no .npz routing trace inside")
+        path = files[0]
+    with np.load(path) as data:
+        names = sorted((k for k in data.files if k.startswith("layer")),
+                       key=lambda k: int(k[5:]))
+        traces = [np.asarray(data[k]) for k in names][:layers]
+    if not traces:
+        raise ValueError(f"--trace {path}: no layer<i> arrays")
+    if traces[0].shape[-1] != num_experts:
+        raise ValueError(f"--trace {path}: {traces[0].shape[-1]} experts, the model has "
+                         f"{num_experts}")
+    return traces, f"recorded trace {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_lrmoe.simulate",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
+    ap.add_argument("--cluster", choices=sorted(CLUSTERS), default="h100")
+    ap.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="recorded routing (.npz, layer<i> arrays [calls, sources, experts]); "
+                         "default: synthetic Zipf routing")
+    ap.add_argument("--zipf", type=float, default=0.8, help="synthetic routing skew")
+    ap.add_argument("--drift", type=float, default=0.02, help="synthetic popularity drift")
+    ap.add_argument("--layers", type=int, default=4, help="layers simulated (of the trace)")
+    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per layer")
+    ap.add_argument("--pipeline", type=int, default=1, help="PP size (micro-batches in flight)")
+    ap.add_argument("--budget-gib", type=float, default=None,
+                    help="MoE memory budget per rank; default: balanced dropless need + "
+                         "--budget-instances expert instances per layer")
+    ap.add_argument("--budget-instances", type=float, default=2.0)
+    ap.add_argument("--calibration", type=Path, default=None,
+                    help="JSON overriding ClusterSpec or MachineConstants fields")
+    ap.add_argument("--steps-ratio", nargs="*", default=[], metavar="POLICY=RATIO",
+                    help="steps to target relative to dropless (default: the time-to-loss "
+                         "study's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="directory for simulate_<model>_<cluster>.md and .png")
+    args = ap.parse_args(argv)
+
+    model = ModelSpec.from_config(args.model, MODELS[args.model])
+    cluster = CLUSTERS[args.cluster]
+    calibration = json.loads(args.calibration.read_text()) if args.calibration else None
+    steps_ratio = dict(STEPS_RATIO)
+    for item in args.steps_ratio:
+        name, _, value = item.partition("=")
+        if name not in steps_ratio or not value:
+            raise SystemExit(f"--steps-ratio {item!r}: expected POLICY=RATIO with POLICY in "
+                             f"{sorted(steps_ratio)}")
+        steps_ratio[name] = float(value)
+    if args.trace is not None:
+        traces, source = load_traces(args.trace, model.num_experts, args.layers)
+    else:
+        rng = np.random.default_rng(args.seed)
+        pairs = model.seq_length * model.micro_batch_size * model.topk
+        traces = [synthetic_trace(512, model.num_experts, pairs, args.zipf, args.drift, rng)
+                  for _ in range(args.layers)]
+        source = (f"synthetic Zipf({args.zipf:g}) routing over a random expert order per "
+                  f"layer, log-popularity drift {args.drift:g} per call")
+    by_ep = {ep: simulate(model, cluster, ep, traces, steps=args.steps,
+                          budget_instances=args.budget_instances, budget_gib=args.budget_gib,
+                          calibration=calibration, pipeline=args.pipeline, seed=args.seed)
+             for ep in args.ep}
+    table = report_table(model, cluster, by_ep, steps_ratio)
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = f"simulate_{args.model}_{args.cluster}"
+        machine = {ep: asdict(machine_constants(cluster, ep, calibration)) for ep in args.ep}
+        command = " ".join(shlex.quote(a) for a in
+                           ["python", "-m", "megatron_lrmoe.simulate",
+                            *(sys.argv[1:] if argv is None else argv)])
+        title = f"{args.model} on {cluster.gpu} nodes: projected MoE time ({source[:60]})"
+        plot(by_ep, steps_ratio, args.out / f"{stem}.png", title)
+        (args.out / f"{stem}.md").write_text("\n".join([
+            f"# Simulated MoE time: {args.model} on {cluster.gpu} nodes", "",
+            f"- command: `{command}`", f"- code: {code_version(('megatron_lrmoe', 'configs'))}",
+            f"- routing: {source}; {args.layers} layer(s) x {args.steps} step(s) per policy",
+            f"- model: {asdict(model)}",
+            f"- cluster: {asdict(cluster)} (efficiencies and latencies are assumptions)",
+            "- machine constants per EP size: " + "; ".join(
+                f"EP {ep}: GEMM {m['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s, all-to-all "
+                f"{m['alltoall_bytes_per_s'] / 1e9:.1f} GB/s, latency "
+                f"{m['alltoall_latency_s'] * 1e6:.0f} us" for ep, m in machine.items()),
+            "- steps to target relative to dropless (assumed, from the time-to-loss study): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in steps_ratio.items()),
+            "- all-to-all beyond 2 ranks is not validated against measurements "
+            "(docs/simulate.md)", "", table, "", f"![plot]({stem}.png)", ""]))
+        print(f"written to {args.out / stem}.md and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""The at-scale simulator: its inputs formed as documented, its sums checked by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from megatron_lrmoe.simulate import (
+    CLUSTERS,
+    POLICIES,
+    ModelSpec,
+    capacity_drop,
+    machine_constants,
+    main,
+    simulate,
+    source_batches,
+)
+
+H100 = CLUSTERS["h100"]
+
+
+def test_machine_constants_by_hand():
+    inside = machine_constants(H100, 8)
+    assert inside.gemm_flops_per_s == pytest.approx(989e12 * 0.6)
+    assert inside.alltoall_bytes_per_s == pytest.approx(900e9 * 0.7)   # NVLink only
+    assert inside.alltoall_latency_s == pytest.approx(15e-6)
+    # EP 16 over two nodes: 7 of a rank's 15 peers share its node, 8 do not.
+    two_nodes = machine_constants(H100, 16)
+    per_byte = max(7 / 15 / (900e9 * 0.7), 8 / 15 / (50e9 * 0.8))
+    assert two_nodes.alltoall_bytes_per_s == pytest.approx(1 / per_byte)
+    assert two_nodes.alltoall_latency_s == pytest.approx(30e-6)
+    # A calibration file replaces cluster fields and derived constants alike.
+    tuned = machine_constants(H100, 8, {"gemm_efficiency": 0.5, "alltoall_latency_s": 1e-5})
+    assert tuned.gemm_flops_per_s == pytest.approx(989e12 * 0.5)
+    assert tuned.alltoall_latency_s == 1e-5
+    with pytest.raises(ValueError, match="--calibration"):
+        machine_constants(H100, 8, {"gemm_rate": 1.0})
+
+
+def test_capacity_drop_is_a_per_source_cap():
+    counts = np.array([[9, 1, 0, 10], [3, 3, 7, 7]])
+    # 10 tokens x top-2 over 4 experts at factor 1.0: capacity ceil(5.0) = 5 per source.
+    assert capacity_drop(counts, 10, 2, 1.0).tolist() == [[5, 1, 0, 5], [3, 3, 5, 5]]
+    assert capacity_drop(counts, 10, 2, 1.3).tolist() == [[7, 1, 0, 7], [3, 3, 7, 7]]
+
+
+def test_sources_are_consecutive_trace_rows():
+    # Trace of 3 calls x 2 sources over 8 experts; row j routes only to expert j, so the
+    # resampling is exact and shows which rows became which source rank.
+    trace = np.zeros((3, 2, 8), dtype=np.int64)
+    for j in range(6):
+        trace[j // 2, j % 2, j] = 5
+    batches = source_batches(trace, 4, 100, np.random.default_rng(0))
+    first, second = next(batches), next(batches)
+    assert first.argmax(1).tolist() == [0, 1, 2, 3]
+    assert (first.sum(1) == 100).all()
+    assert second.argmax(1).tolist() == [0, 1, 2, 3]      # 6 rows: cycled, not split
+    with pytest.raises(ValueError, match="fewer than one micro-batch"):
+        next(source_batches(trace, 8, 100, np.random.default_rng(0)))
+
+
+def _local_trace(num_sources: int, num_experts: int, calls: int) -> np.ndarray:
+    """Source s routes every pair to the first expert of rank s (at EP = sources)."""
+    trace = np.zeros((calls, num_sources, num_experts), dtype=np.int64)
+    per_rank = num_experts // num_sources
+    for s in range(num_sources):
+        trace[:, s, s * per_rank] = 1
+    return trace
+
+
+def test_simulated_times_by_hand():
+    model = ModelSpec("tiny", num_layers=4, hidden_size=64, ffn_hidden_size=32,
+                      num_experts=16, topk=2, gated=True, seq_length=32, micro_batch_size=1,
+                      global_batch_size=16)
+    ep = 4
+    results = {r.policy: r for r in simulate(model, H100, ep, [_local_trace(ep, 16, 8)],
+                                             steps=2, budget_gib=1.0)}
+    m = machine_constants(H100, ep)
+    weights = (2 * 32 + 32) * 64                    # W1 [2F, H] + W2 [H, F]
+    pairs = 32 * 2                                  # every pair stays on its own rank
+    dropless = results["dropless"]
+    assert dropless.parts["forward_gemm"] == pytest.approx(pairs * 2 * weights
+                                                           / m.gemm_flops_per_s)
+    assert dropless.parts["forward_alltoall"] == 0.0
+    assert dropless.parts["forward_fixed"] == pytest.approx(2 * m.alltoall_latency_s)
+    assert dropless.backward_s == pytest.approx(pairs * 4 * weights / m.gemm_flops_per_s
+                                                + 2 * m.alltoall_latency_s)
+    assert dropless.load_max_over_mean == pytest.approx(1.0)
+    # Megatron's forward capacity: ceil(32 * 2 / 16) = 4 pairs per expert and source.
+    capped = results["capacity-drop"]
+    assert capped.parts["forward_gemm"] == pytest.approx(4 * 2 * weights / m.gemm_flops_per_s)
+    # LRMoE at 0.75: balanced routing, so each rank keeps 0.75 of its 64 pairs.
+    drop = results["lrmoe-drop"]
+    assert drop.forward_s == pytest.approx(dropless.forward_s)
+    assert drop.retained_fraction == pytest.approx(48 / 64)
+    assert drop.parts["backward_gemm"] == pytest.approx(48 * 4 * weights / m.gemm_flops_per_s)
+    # Balanced routing: no replica pays (nothing to relieve).
+    assert results["symi"].load_max_over_mean == pytest.approx(1.0)
+    assert results["lrmoe-ma"].replicas == 0
+    # A step: 16 / (1 * 4) = 4 micro-batches per layer, all 4 layers.
+    assert dropless.step_moe_s == pytest.approx(4 * 4 * (dropless.forward_s + dropless.backward_s))
+    assert {r.policy for r in results.values()} == {p.name for p in POLICIES}
+
+
+def test_cli_writes_table_and_plot(tmp_path, capsys):
+    assert main(["--model", "qwen3-30b-a3b", "--cluster", "a100-40", "--ep", "8",
+                 "--layers", "1", "--steps", "1", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "simulate_qwen3-30b-a3b_a100-40.md").read_text()
+    assert "command: `python -m megatron_lrmoe.simulate --model qwen3-30b-a3b" in md
+    assert md.count("| 8 | ") == len(POLICIES)
+    png = (tmp_path / "simulate_qwen3-30b-a3b_a100-40.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Megatron dropless" in capsys.readouterr().out
+    assert not math.isnan(float(md.split("| 8 | Megatron dropless |")[1].split("|")[1]))
