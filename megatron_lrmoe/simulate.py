@@ -39,6 +39,7 @@ import yaml
 from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
 from megatron_lrmoe.lrmoe.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.provenance import code_version
+from megatron_lrmoe.routing_trace import read_routing_trace, regroup_sources
 
 __all__ = ["CLUSTERS", "MODELS", "POLICIES", "ClusterSpec", "ModelSpec", "Policy",
            "capacity_drop", "machine_constants", "simulate", "source_batches"]
@@ -221,27 +222,24 @@ def source_batches(trace: np.ndarray, ep_size: int, pairs_per_rank: int,
                    rng: np.random.Generator) -> Iterator[np.ndarray]:
     """[R, E] routed counts per micro-batch for R = ``ep_size`` sources, from a trace.
 
-    ``trace`` [N, S, E]: one layer's routed counts of N recorded calls from S source
-    ranks. R sources are formed from consecutive rows: the trace's rows in call order
-    (call 0's S rows, then call 1's, ...) are cut into groups of R, so an EP group of R
-    sees R consecutive recorded (call, source) rows as its ranks. Each row is then
-    resampled to ``pairs_per_rank`` pairs (multinomial over its own expert shares), so
-    a small model's trace is replayed at the target's tokens per rank with the sampling
-    noise of that size. The trace is cycled when exhausted.
+    ``trace`` [..., E]: one layer's recorded routed counts, rows in time order (a
+    recorded trace's [steps, micro-batches, sources, E]). R sources are formed as
+    ``routing_trace.regroup_sources`` forms them: every R consecutive non-empty rows
+    are the ranks of one micro-batch. Each row is then resampled to
+    ``pairs_per_rank`` pairs (multinomial over its own expert shares), so a small
+    model's trace is replayed at the target's tokens per rank with the sampling noise
+    of that size. The calls are cycled when exhausted.
     """
-    rows = trace.reshape(-1, trace.shape[-1]).astype(np.float64)
+    rows = trace.reshape(-1, trace.shape[-1])
     rows = rows[rows.sum(1) > 0]
-    if len(rows) < ep_size:
+    calls = regroup_sources(rows, ep_size).astype(np.float64)         # [N, R, E]
+    if not len(calls):
         raise ValueError(f"the trace has {len(rows)} non-empty source rows, fewer than one "
                          f"micro-batch at EP={ep_size}")
-    shares = rows / rows.sum(1, keepdims=True)
-    start = 0
+    shares = calls / calls.sum(-1, keepdims=True)
     while True:
-        if start + ep_size > len(shares):
-            start = 0
-        block = shares[start:start + ep_size]
-        start += ep_size
-        yield np.stack([rng.multinomial(pairs_per_rank, p) for p in block]).astype(np.int64)
+        for call in shares:
+            yield np.stack([rng.multinomial(pairs_per_rank, p) for p in call]).astype(np.int64)
 
 
 def synthetic_trace(num_calls: int, num_experts: int, pairs: int, zipf: float, drift: float,
@@ -289,7 +287,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
              budget_instances: float = 2.0, budget_gib: float | None = None,
              calibration: dict | None = None, pipeline: int = 1,
              seed: int = 0) -> list[PolicyResult]:
-    """Replay ``traces`` (one [N, S, E] array per simulated layer) at ``ep_size``.
+    """Replay ``traces`` (per simulated layer, its routed counts [..., E] with rows in
+    time order, as ``load_traces`` returns them) at ``ep_size``.
 
     The budget, per rank for the stage's MoE layers, is ``budget_gib`` or the balanced
     dropless need plus ``budget_instances`` expert instances per layer (issue 13's
@@ -435,24 +434,23 @@ def plot(by_ep: dict[int, list[PolicyResult]], steps_ratio: dict[str, float], pa
     plt.close(fig)
 
 
-def load_traces(path: Path, num_experts: int, layers: int) -> tuple[list[np.ndarray], str]:
-    """Per-layer [N, S, E] arrays of a recorded routing trace (``.npz`` with one array
-    per layer named ``layer<i>``, or a directory holding one such file)."""
-    if path.is_dir():
-        files = sorted(path.glob("*.npz"))
-        if not files:
-            raise ValueError(f"--trace {path}: no .npz routing trace inside")
-        path = files[0]
-    with np.load(path) as data:
-        names = sorted((k for k in data.files if k.startswith("layer")),
-                       key=lambda k: int(k[5:]))
-        traces = [np.asarray(data[k]) for k in names][:layers]
-    if not traces:
-        raise ValueError(f"--trace {path}: no layer<i> arrays")
-    if traces[0].shape[-1] != num_experts:
-        raise ValueError(f"--trace {path}: {traces[0].shape[-1]} experts, the model has "
+def load_traces(path: Path, num_experts: int, layers: int,
+                skip_fraction: float) -> tuple[list[np.ndarray], str]:
+    """Per-layer [steps, micro-batches, sources, E] counts of a trace recorded with
+    ``--record-routing`` (``routing_trace.read_routing_trace``), the first
+    ``skip_fraction`` of its steps left out (routing before the router has settled)."""
+    trace = read_routing_trace(path)
+    if trace.num_experts != num_experts:
+        raise ValueError(f"--trace {path}: {trace.num_experts} experts, the model has "
                          f"{num_experts}")
-    return traces, f"recorded trace {path}"
+    first = int(len(trace.iterations) * skip_fraction)
+    if first >= len(trace.iterations):
+        raise ValueError(f"--trace {path}: no recorded step left after --skip-fraction "
+                         f"{skip_fraction:g}")
+    chosen = trace.layers[:layers]
+    source = (f"recorded trace {path} (layers {chosen}, steps {trace.iterations[first]}-"
+              f"{trace.iterations[-1]}, {trace.header['parallel']['ep']} EP ranks recorded)")
+    return [trace.layer(n)[first:] for n in chosen], source
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,8 +460,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", choices=sorted(CLUSTERS), default="h100")
     ap.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--trace", type=Path, default=None,
-                    help="recorded routing (.npz, layer<i> arrays [calls, sources, experts]); "
-                         "default: synthetic Zipf routing")
+                    help="a routing trace directory written by --record-routing; default: "
+                         "synthetic Zipf routing")
+    ap.add_argument("--skip-fraction", type=float, default=0.5,
+                    help="leading fraction of the trace's steps left out")
     ap.add_argument("--zipf", type=float, default=0.8, help="synthetic routing skew")
     ap.add_argument("--drift", type=float, default=0.02, help="synthetic popularity drift")
     ap.add_argument("--layers", type=int, default=4, help="layers simulated (of the trace)")
@@ -494,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{sorted(steps_ratio)}")
         steps_ratio[name] = float(value)
     if args.trace is not None:
-        traces, source = load_traces(args.trace, model.num_experts, args.layers)
+        traces, source = load_traces(args.trace, model.num_experts, args.layers,
+                                      args.skip_fraction)
     else:
         rng = np.random.default_rng(args.seed)
         pairs = model.seq_length * model.micro_batch_size * model.topk

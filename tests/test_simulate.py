@@ -7,11 +7,13 @@ import math
 import numpy as np
 import pytest
 
+from megatron_lrmoe import routing_trace as rt
 from megatron_lrmoe.simulate import (
     CLUSTERS,
     POLICIES,
     ModelSpec,
     capacity_drop,
+    load_traces,
     machine_constants,
     main,
     simulate,
@@ -114,3 +116,25 @@ def test_cli_writes_table_and_plot(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Megatron dropless" in capsys.readouterr().out
     assert not math.isnan(float(md.split("| 8 | Megatron dropless |")[1].split("|")[1]))
+
+
+def test_recorded_trace_is_replayed(tmp_path, capsys):
+    # A trace directory as --record-routing writes it: 4 steps x 2 micro-batches x 2
+    # sources over 128 experts; the second half (steps 3, 4) is replayed.
+    rng = np.random.default_rng(1)
+    counts = rng.integers(0, 40, size=(4, 1, 2, 2, 128))
+    sources = {1: [{"rank": r, "ep_rank": r, "ep_group": 0} for r in range(2)]}
+    rt.write_header(tmp_path, rt.make_header(
+        {"num_experts": 128, "moe_layers": [1], "topk": 8},
+        {"microbatches_per_step": 2, "ep": 2, "tokens_per_source": 64, "world_size": 2},
+        sources))
+    rt.write_chunk(tmp_path, 1, np.arange(1, 5), counts)
+    traces, source = load_traces(tmp_path, 128, layers=4, skip_fraction=0.5)
+    assert len(traces) == 1 and np.array_equal(traces[0], counts[2:, 0])
+    assert "steps 3-4" in source
+    with pytest.raises(ValueError, match="--trace"):
+        load_traces(tmp_path, 64, layers=1, skip_fraction=0.5)
+    # 2 steps x 2 micro-batches x 2 sources = 8 rows: one call at EP 8.
+    out = tmp_path / "out"
+    assert main(["--trace", str(tmp_path), "--ep", "8", "--steps", "1", "--out", str(out)]) == 0
+    assert "recorded trace" in (out / "simulate_qwen3-30b-a3b_h100.md").read_text()
