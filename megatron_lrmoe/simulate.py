@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shlex
 import sys
 from collections.abc import Iterator
@@ -139,6 +140,7 @@ class ModelSpec:
 
     name: str
     num_layers: int
+    """MoE layers (``--moe-layer-freq`` applied to ``--num-layers``)."""
     hidden_size: int
     ffn_hidden_size: int
     num_experts: int
@@ -152,7 +154,9 @@ class ModelSpec:
     def from_config(cls, name: str, path: Path) -> ModelSpec:
         with open(path) as f:
             c = yaml.safe_load(f)
-        return cls(name=name, num_layers=int(c["num-layers"]), hidden_size=int(c["hidden-size"]),
+        layers = int(c["num-layers"])
+        return cls(name=name, num_layers=_moe_layer_count(c.get("moe-layer-freq", 1), layers),
+                   hidden_size=int(c["hidden-size"]),
                    ffn_hidden_size=int(c["moe-ffn-hidden-size"]),
                    num_experts=int(c["num-experts"]), topk=int(c["moe-router-topk"]),
                    gated=bool(c.get("swiglu", False)), seq_length=int(c["seq-length"]),
@@ -172,6 +176,18 @@ class ModelSpec:
                         microbatches_in_flight=pipeline,
                         microbatches_per_step=self.microbatches_per_step(ep_size),
                         grad_dtype_bytes=4)
+
+
+def _moe_layer_count(freq: int | str, num_layers: int) -> int:
+    """MoE layers of Megatron's ``--moe-layer-freq``: every k-th layer for an int k, or the
+    ones of a pattern such as ``([0]*1+[1]*45)``."""
+    if isinstance(freq, int):
+        return len(range(0, num_layers, freq))
+    blocks = re.findall(r"\[([01])\]\s*\*\s*(\d+)", str(freq))
+    if not blocks or sum(int(n) for _, n in blocks) != num_layers:
+        raise ValueError(f"moe-layer-freq {freq!r}: expected an int or a pattern of "
+                         f"[0]/[1] blocks covering {num_layers} layers")
+    return sum(int(n) for bit, n in blocks if bit == "1")
 
 
 MODELS: dict[str, Path] = {

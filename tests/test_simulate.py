@@ -138,3 +138,12 @@ def test_recorded_trace_is_replayed(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["--trace", str(tmp_path), "--ep", "8", "--steps", "1", "--out", str(out)]) == 0
     assert "recorded trace" in (out / "simulate_qwen3-30b-a3b_h100.md").read_text()
+
+
+def test_model_specs_count_moe_layers():
+    from megatron_lrmoe.simulate import MODELS
+
+    glm = ModelSpec.from_config("glm45-air", MODELS["glm45-air"])
+    qwen = ModelSpec.from_config("qwen3-30b-a3b", MODELS["qwen3-30b-a3b"])
+    assert (glm.num_layers, qwen.num_layers) == (45, 48)   # GLM's first layer is dense
+    assert (qwen.num_experts, qwen.topk, qwen.ffn_hidden_size) == (128, 8, 768)
