@@ -10,6 +10,14 @@
 // Errors use TORCH_CHECK_{TYPE,VALUE,INDEX}, which reach Python as
 // TypeError, ValueError and IndexError.
 //
+// Host syncs: on CUDA, checking index or metric values means reading a device
+// reduction on the host, which stalls the CPU until the GPU drains. Those checks
+// run only when the caller passes check = true (megatron_lrmoe/ops passes its
+// debug switch, MEGATRON_LRMOE_DEBUG_CHECKS: on in the tests, off by default);
+// without them the CUDA kernels skip out-of-range rows (never reading or writing
+// out of bounds) and select_rows takes its output size from the caller. CPU
+// checks read host memory the kernels read anyway, so they always run.
+//
 // Headers: torch/csrc/utils/pybind.h (pybind11 plus torch's Tensor casters)
 // and the few ATen headers used, instead of torch/extension.h, which pulls in
 // the whole C++ frontend: 14 s instead of 45-75 s of compile time here.
@@ -25,6 +33,7 @@
 #include <string>
 #include <tuple>
 
+#include "combine_rows.h"
 #include "compact_rows.h"
 #include "scatter_add_rows.h"
 #include "select_rows.h"
@@ -51,6 +60,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows_cpu(const at::Tensor&
                                                                const at::Tensor& quotas,
                                                                SelectRule rule, uint64_t seed,
                                                                double hybrid_fraction);
+// Defined in kernels/combine_rows.cpp, for the same reason.
+void combine_rows_cpu(const at::Tensor& out, const at::Tensor& src, const at::Tensor& scale,
+                      const at::Tensor& order, const at::Tensor& offsets);
+void combine_rows_backward_cpu(const at::Tensor& dscale, const at::Tensor& out,
+                               const at::Tensor& dy, const at::Tensor& src,
+                               const at::Tensor& token, const at::Tensor& scale,
+                               const std::optional<at::Tensor>& slot,
+                               const std::optional<at::Tensor>& w);
 
 namespace {
 
@@ -76,9 +93,9 @@ IndexType to_index_type(at::ScalarType t) {
   return t == at::kInt ? IndexType::kInt32 : IndexType::kInt64;
 }
 
-// The CUDA kernels cannot report a bad index without a sync, so check here:
-// one min/max reduction and one device-to-host copy of two integers. The
-// message reads "<op>: <index_name> holds v, outside [0, <n_name>) with
+// The CUDA kernels cannot report a bad index without a sync, so check here
+// when the caller asks (its debug switch): one min/max reduction and one
+// device-to-host copy of two integers. The message reads "<op>: <index_name> holds v, outside [0, <n_name>) with
 // <n_name> = n (rows of <rows_of>)".
 void check_index_range_cuda(const at::Tensor& index, int64_t n, const char* op,
                             const char* index_name, const char* n_name, const char* rows_of) {
@@ -228,11 +245,104 @@ void check_select_args(const at::Tensor& metric, const at::Tensor& cell_offsets,
   TORCH_CHECK_VALUE(quotas.is_contiguous(), "select_rows: quotas must be contiguous");
 }
 
+void check_row_scale(const char* op, const at::Tensor& scale, const at::Tensor& src,
+                     int64_t rows, const char* rows_symbol) {
+  TORCH_CHECK_VALUE(scale.dim() == 1 && scale.size(0) == rows, op, ": scale must be 1-D [",
+                    rows_symbol, "] with ", rows_symbol, " = ", rows, ", got shape ",
+                    scale.sizes());
+  TORCH_CHECK_TYPE(scale.scalar_type() == src.scalar_type() || scale.scalar_type() == at::kFloat,
+                   op, ": scale must have src's dtype (", src.scalar_type(), ") or float32, got ",
+                   scale.scalar_type());
+  TORCH_CHECK_VALUE(scale.device() == src.device(), op, ": scale is on ", scale.device(),
+                    ", src on ", src.device());
+  TORCH_CHECK_VALUE(scale.is_contiguous(), op, ": scale must be contiguous");
+}
+
+void check_combine_args(const at::Tensor& src, const at::Tensor& scale, const at::Tensor& order,
+                        const at::Tensor& offsets) {
+  TORCH_CHECK_VALUE(src.dim() == 2, "combine_rows: src must be 2-D [P, H], got shape ",
+                    src.sizes());
+  TORCH_CHECK_VALUE(order.dim() == 1, "combine_rows: order must be 1-D [M], got shape ",
+                    order.sizes());
+  TORCH_CHECK_VALUE(offsets.dim() == 1 && offsets.size(0) >= 1,
+                    "combine_rows: offsets must be 1-D [T + 1] with at least one entry, got "
+                    "shape ",
+                    offsets.sizes());
+  TORCH_CHECK_TYPE(is_supported_float(src.scalar_type()),
+                   "combine_rows: src must be float32, float64, float16 or bfloat16, got ",
+                   src.scalar_type());
+  TORCH_CHECK_TYPE(order.scalar_type() == at::kLong || order.scalar_type() == at::kInt,
+                   "combine_rows: order must be int64 or int32, got ", order.scalar_type());
+  TORCH_CHECK_TYPE(offsets.scalar_type() == at::kLong, "combine_rows: offsets must be int64, got ",
+                   offsets.scalar_type());
+  const at::Device device = src.device();
+  TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(),
+                    "combine_rows: tensors must be on a CPU or CUDA device, got ", device);
+  TORCH_CHECK_VALUE(order.device() == device && offsets.device() == device,
+                    "combine_rows: all tensors must be on one device; src is on ", device,
+                    ", order on ", order.device(), ", offsets on ", offsets.device());
+  TORCH_CHECK_VALUE(src.is_contiguous() && order.is_contiguous() && offsets.is_contiguous(),
+                    "combine_rows: src, order and offsets must be contiguous");
+  check_row_scale("combine_rows", scale, src, src.size(0), "P");
+}
+
+void check_combine_backward_args(const at::Tensor& dy, const at::Tensor& src,
+                                 const at::Tensor& token, const at::Tensor& scale,
+                                 const std::optional<at::Tensor>& slot,
+                                 const std::optional<at::Tensor>& w, int64_t n_out) {
+  const char* op = "combine_rows_backward";
+  TORCH_CHECK_VALUE(dy.dim() == 2 && src.dim() == 2 && dy.size(1) == src.size(1), op,
+                    ": dy [T, H] and src [P, H] must be 2-D with one H, got ", dy.sizes(), " and ",
+                    src.sizes());
+  TORCH_CHECK_VALUE(token.dim() == 1 && token.size(0) == src.size(0), op,
+                    ": token must be 1-D [P] with P = ", src.size(0), ", got shape ",
+                    token.sizes());
+  TORCH_CHECK_TYPE(is_supported_float(src.scalar_type()) && dy.scalar_type() == src.scalar_type(),
+                   op, ": dy and src must share one of float32, float64, float16, bfloat16; got ",
+                   dy.scalar_type(), " and ", src.scalar_type());
+  TORCH_CHECK_TYPE(token.scalar_type() == at::kLong || token.scalar_type() == at::kInt, op,
+                   ": token must be int64 or int32, got ", token.scalar_type());
+  const at::Device device = src.device();
+  TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(), op,
+                    ": tensors must be on a CPU or CUDA device, got ", device);
+  TORCH_CHECK_VALUE(dy.device() == device && token.device() == device, op,
+                    ": all tensors must be on one device; src is on ", device, ", dy on ",
+                    dy.device(), ", token on ", token.device());
+  TORCH_CHECK_VALUE(dy.is_contiguous() && src.is_contiguous() && token.is_contiguous(), op,
+                    ": dy, src and token must be contiguous");
+  check_row_scale(op, scale, src, src.size(0), "P");
+  if (slot.has_value()) {
+    TORCH_CHECK_VALUE(slot->dim() == 1 && slot->size(0) == src.size(0), op,
+                      ": slot must be 1-D [P] with P = ", src.size(0), ", got shape ",
+                      slot->sizes());
+    TORCH_CHECK_TYPE(slot->scalar_type() == at::kLong, op, ": slot must be int64, got ",
+                     slot->scalar_type());
+    TORCH_CHECK_VALUE(slot->device() == device && slot->is_contiguous(), op,
+                      ": slot must be contiguous on ", device);
+  } else {
+    TORCH_CHECK_VALUE(n_out == src.size(0), op, ": without slot every pair has its row, so K = ",
+                      n_out, " must equal P = ", src.size(0));
+  }
+  if (w.has_value()) {
+    TORCH_CHECK_VALUE(w->dim() == 1 && w->size(0) == n_out, op, ": w must be 1-D [K] with K = ",
+                      n_out, ", got shape ", w->sizes());
+    TORCH_CHECK_TYPE(w->scalar_type() == at::kFloat, op, ": w must be float32, got ",
+                     w->scalar_type());
+    TORCH_CHECK_VALUE(w->device() == device && w->is_contiguous(), op,
+                      ": w must be contiguous on ", device);
+  }
+  TORCH_CHECK_VALUE(n_out >= 0, op, ": K = ", n_out, " must be >= 0");
+}
+
+at::ScalarType opmath_type(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 }  // namespace
 
 // out[index[i], :] += scale[i] * src[i, :], in place; returns out.
 at::Tensor scatter_add_rows(at::Tensor out, const at::Tensor& index, const at::Tensor& src,
-                            const std::optional<at::Tensor>& scale) {
+                            const std::optional<at::Tensor>& scale, bool check) {
   check_scatter_args(out, index, src, scale);
   if (src.size(0) == 0 || src.size(1) == 0) {
     return out;
@@ -245,7 +355,9 @@ at::Tensor scatter_add_rows(at::Tensor out, const at::Tensor& index, const at::T
 
 #ifdef WITH_CUDA
   const c10::cuda::CUDAGuard guard(out.device());
-  check_index_range_cuda(index, out.size(0), "scatter_add_rows", "index", "N", "out");
+  if (check) {
+    check_index_range_cuda(index, out.size(0), "scatter_add_rows", "index", "N", "out");
+  }
   const char* err = scatter_add_rows_cuda(
       out.data_ptr(), index.const_data_ptr(), src.const_data_ptr(),
       scale.has_value() ? scale->const_data_ptr() : nullptr, out.size(0), src.size(0),
@@ -264,7 +376,7 @@ at::Tensor scatter_add_rows(at::Tensor out, const at::Tensor& index, const at::T
 
 // out[j, :] = scale[j] * src[kept_index[j], :]; returns the new [K, H] out.
 at::Tensor compact_rows(const at::Tensor& src, const at::Tensor& kept_index,
-                        const std::optional<at::Tensor>& scale) {
+                        const std::optional<at::Tensor>& scale, bool check) {
   check_compact_args(src, kept_index, scale);
   at::Tensor out = at::empty({kept_index.size(0), src.size(1)}, src.options());
   if (kept_index.size(0) == 0) {
@@ -278,7 +390,9 @@ at::Tensor compact_rows(const at::Tensor& src, const at::Tensor& kept_index,
 
 #ifdef WITH_CUDA
   const c10::cuda::CUDAGuard guard(src.device());
-  check_index_range_cuda(kept_index, src.size(0), "compact_rows", "kept_index", "P", "src");
+  if (check) {
+    check_index_range_cuda(kept_index, src.size(0), "compact_rows", "kept_index", "P", "src");
+  }
   const char* err = compact_rows_cuda(
       out.data_ptr(), src.const_data_ptr(), kept_index.const_data_ptr(),
       scale.has_value() ? scale->const_data_ptr() : nullptr, src.size(0), kept_index.size(0),
@@ -297,13 +411,19 @@ at::Tensor compact_rows(const at::Tensor& src, const at::Tensor& kept_index,
 
 // Per-cell row selection (topk, sample, uniform or hybrid); returns
 // (kept_index [K] int64, scale [K] fp32, kept_counts [C] int64) on the
-// inputs' device.
+// inputs' device. n_kept: K when the caller knows it (the LRMoE region does,
+// from its plan), which spares the CUDA backend its one host sync; -1 = learn
+// it on the device (a sync). With check (or n_kept = -1) the CUDA backend
+// validates the values on the device and compares K (a sync).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows(const at::Tensor& metric,
                                                            const at::Tensor& cell_offsets,
                                                            const at::Tensor& quotas,
                                                            const std::string& rule, int64_t seed,
-                                                           double hybrid_fraction) {
+                                                           double hybrid_fraction, int64_t n_kept,
+                                                           bool check) {
   check_select_args(metric, cell_offsets, quotas);
+  TORCH_CHECK_VALUE(n_kept >= -1 && n_kept <= metric.size(0), "select_rows: n_kept = ", n_kept,
+                    " must be -1 (unknown) or in [0, P] with P = ", metric.size(0));
   const SelectRule select_rule = parse_rule(rule);
   // Written so that NaN fails too.
   TORCH_CHECK_VALUE(hybrid_fraction >= 0.0 && hybrid_fraction <= 1.0,
@@ -313,37 +433,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows(const at::Tensor& met
   const uint64_t seed_bits = static_cast<uint64_t>(seed);
 
   if (metric.device().is_cpu()) {
-    return select_rows_cpu(metric, cell_offsets, quotas, select_rule, seed_bits,
-                           hybrid_fraction);
+    auto result = select_rows_cpu(metric, cell_offsets, quotas, select_rule, seed_bits,
+                                  hybrid_fraction);
+    TORCH_CHECK_VALUE(n_kept < 0 || std::get<0>(result).size(0) == n_kept, "select_rows: n_kept = ",
+                      n_kept, " but the quotas keep ", std::get<0>(result).size(0), " rows");
+    return result;
   }
 
 #ifdef WITH_CUDA
   const c10::cuda::CUDAGuard guard(metric.device());
   const int64_t n_rows = metric.size(0);
   const int64_t n_cells = quotas.size(0);
-  // Validate on the device and learn K (which sizes the outputs) with one
-  // device-to-host copy of two integers. On failure, the inputs go to the
-  // host and the CPU backend's checks raise the same error as on the CPU
-  // (that copy happens only on the error path).
   const at::Tensor sizes = cell_offsets.slice(0, 1).sub(cell_offsets.slice(0, 0, n_cells));
   const at::Tensor kept_counts = quotas.minimum(sizes).clamp_min(0);
-  const at::Tensor metric_ok =
-      metric.ge(0).logical_and(metric.le(std::numeric_limits<float>::max())).all();
-  const at::Tensor valid = cell_offsets[0]
-                               .eq(0)
-                               .logical_and(cell_offsets[n_cells].eq(n_rows))
-                               .logical_and(sizes.ge(0).all())
-                               .logical_and(quotas.ge(0).all())
-                               .logical_and(metric_ok);
-  const at::Tensor summary =
-      at::stack({valid.to(at::kLong), kept_counts.sum()}).cpu();  // host sync
-  if (summary[0].item<int64_t>() == 0) {
-    select_rows_cpu(metric.cpu(), cell_offsets.cpu(), quotas.cpu(), select_rule, seed_bits,
-                    hybrid_fraction);
-    TORCH_CHECK(false, "select_rows: the device found invalid input that the host check accepted");
+  if (check || n_kept < 0) {
+    // Validate on the device and learn K with one device-to-host copy of two
+    // integers. On failure, the inputs go to the host and the CPU backend's
+    // checks raise the same error as on the CPU (that copy happens only on
+    // the error path).
+    const at::Tensor metric_ok =
+        metric.ge(0).logical_and(metric.le(std::numeric_limits<float>::max())).all();
+    const at::Tensor valid = cell_offsets[0]
+                                 .eq(0)
+                                 .logical_and(cell_offsets[n_cells].eq(n_rows))
+                                 .logical_and(sizes.ge(0).all())
+                                 .logical_and(quotas.ge(0).all())
+                                 .logical_and(metric_ok);
+    const at::Tensor summary =
+        at::stack({valid.to(at::kLong), kept_counts.sum()}).cpu();  // host sync
+    if (summary[0].item<int64_t>() == 0) {
+      select_rows_cpu(metric.cpu(), cell_offsets.cpu(), quotas.cpu(), select_rule, seed_bits,
+                      hybrid_fraction);
+      TORCH_CHECK(false,
+                  "select_rows: the device found invalid input that the host check accepted");
+    }
+    const int64_t actual = summary[1].item<int64_t>();
+    TORCH_CHECK_VALUE(n_kept < 0 || n_kept == actual, "select_rows: n_kept = ", n_kept,
+                      " but the quotas keep ", actual, " rows");
+    n_kept = actual;
   }
-  const int64_t n_kept = summary[1].item<int64_t>();
-  at::Tensor kept_index = at::empty({n_kept}, cell_offsets.options());
+  // A P-row buffer, so the compaction below never writes past it even if a
+  // caller's n_kept were wrong; the result is its first K rows.
+  at::Tensor kept_index = at::empty({n_rows}, cell_offsets.options()).narrow(0, 0, n_kept);
   at::Tensor scale = at::empty({n_kept}, metric.options());
   if (n_kept == 0) {
     return {kept_index, scale, kept_counts};
@@ -372,6 +503,94 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows(const at::Tensor& met
 #endif
 }
 
+// y[t, :] = sum over j in [offsets[t], offsets[t+1]) of scale[order[j]] * src[order[j], :]
+// (the region's weighted combine, deterministic); returns the new [T, H] y.
+at::Tensor combine_rows(const at::Tensor& src, const at::Tensor& scale, const at::Tensor& order,
+                        const at::Tensor& offsets, bool check) {
+  check_combine_args(src, scale, order, offsets);
+  const int64_t n_tokens = offsets.size(0) - 1;
+  at::Tensor out = at::empty({n_tokens, src.size(1)}, src.options());
+  if (n_tokens == 0 || src.size(1) == 0) {
+    return out;
+  }
+  if (src.device().is_cpu()) {
+    combine_rows_cpu(out, src, scale, order, offsets);
+    return out;
+  }
+#ifdef WITH_CUDA
+  const c10::cuda::CUDAGuard guard(src.device());
+  if (check) {
+    // The CPU backend's value checks, on host copies (a sync; debug only).
+    combine_rows_cpu(at::empty({n_tokens, src.size(1)}, src.options().device(at::kCPU)),
+                     src.cpu(), scale.cpu(), order.cpu(), offsets.cpu());
+  }
+  const char* err = combine_rows_cuda(
+      out.data_ptr(), src.const_data_ptr(), scale.const_data_ptr(), order.const_data_ptr(),
+      offsets.const_data_ptr<int64_t>(), src.size(0), n_tokens, src.size(1),
+      to_float_type(src.scalar_type()), to_index_type(order.scalar_type()),
+      to_scale_type(scale, src.scalar_type()),
+      c10::cuda::getCurrentCUDAStream(src.device().index()).stream());
+  TORCH_CHECK(err == nullptr, "combine_rows: CUDA launch failed: ", err);
+  return out;
+#else
+  TORCH_CHECK_VALUE(false, "combine_rows: src is on ", src.device(),
+                    " but megatron_lrmoe._kernels was built without CUDA support; rebuild it "
+                    "on a machine with a CUDA build of torch and the CUDA toolkit");
+  return out;
+#endif
+}
+
+// The adjoint of combine_rows over one pass of dy per pair: returns
+// (dscale [P] in op-math, out [K, H]) with dscale[i] = <dy[token[i]], src[i]> and
+// out[slot[i]] = scale[i] * w[slot[i]] * dy[token[i]] for slot[i] >= 0 (slot
+// absent: slot[i] = i and K = P; w absent: 1).
+std::tuple<at::Tensor, at::Tensor> combine_rows_backward(
+    const at::Tensor& dy, const at::Tensor& src, const at::Tensor& token, const at::Tensor& scale,
+    const std::optional<at::Tensor>& slot, const std::optional<at::Tensor>& w, int64_t n_out,
+    bool check) {
+  if (n_out == -1 && !slot.has_value()) {
+    n_out = src.size(0);  // every pair has its row
+  }
+  check_combine_backward_args(dy, src, token, scale, slot, w, n_out);
+  at::Tensor dscale = at::empty({src.size(0)}, src.options().dtype(opmath_type(src.scalar_type())));
+  at::Tensor out = at::empty({n_out, dy.size(1)}, dy.options());
+  if (src.size(0) == 0) {
+    return {dscale, out};
+  }
+  if (src.device().is_cpu()) {
+    combine_rows_backward_cpu(dscale, out, dy, src, token, scale, slot, w);
+    return {dscale, out};
+  }
+#ifdef WITH_CUDA
+  const c10::cuda::CUDAGuard guard(src.device());
+  if (check) {
+    check_index_range_cuda(token, dy.size(0), "combine_rows_backward", "token", "T", "dy");
+    if (slot.has_value()) {
+      const auto [lo, hi] = at::aminmax(*slot);
+      const at::Tensor bounds = at::stack({lo, hi}).cpu();  // host sync
+      TORCH_CHECK_INDEX(bounds[0].item<int64_t>() >= -1 && bounds[1].item<int64_t>() < n_out,
+                        "combine_rows_backward: slot holds values outside [-1, K) with K = ",
+                        n_out);
+    }
+  }
+  const char* err = combine_rows_backward_cuda(
+      dscale.data_ptr(), out.data_ptr(), dy.const_data_ptr(), src.const_data_ptr(),
+      token.const_data_ptr(), scale.const_data_ptr(),
+      slot.has_value() ? slot->const_data_ptr<int64_t>() : nullptr,
+      w.has_value() ? w->const_data_ptr<float>() : nullptr, dy.size(0), src.size(0), n_out,
+      dy.size(1), to_float_type(src.scalar_type()), to_index_type(token.scalar_type()),
+      to_scale_type(scale, src.scalar_type()),
+      c10::cuda::getCurrentCUDAStream(src.device().index()).stream());
+  TORCH_CHECK(err == nullptr, "combine_rows_backward: CUDA launch failed: ", err);
+  return {dscale, out};
+#else
+  TORCH_CHECK_VALUE(false, "combine_rows_backward: src is on ", src.device(),
+                    " but megatron_lrmoe._kernels was built without CUDA support; rebuild it "
+                    "on a machine with a CUDA build of torch and the CUDA toolkit");
+  return {dscale, out};
+#endif
+}
+
 bool built_with_cuda() {
 #ifdef WITH_CUDA
   return true;
@@ -387,17 +606,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_add_rows", &lrmoe::scatter_add_rows,
         "out[index[i], :] += scale[i] * src[i, :] in place; returns out", py::arg("out"),
         py::arg("index"), py::arg("src"), py::arg("scale") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("check") = true, py::call_guard<py::gil_scoped_release>());
   m.def("compact_rows", &lrmoe::compact_rows,
         "out[j, :] = scale[j] * src[kept_index[j], :]; returns the new [K, H] out",
         py::arg("src"), py::arg("kept_index"), py::arg("scale") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("check") = true, py::call_guard<py::gil_scoped_release>());
   m.def("select_rows", &lrmoe::select_rows,
         "per-cell row selection (rule 'topk', 'sample', 'uniform' or 'hybrid'); returns "
         "(kept_index, scale, kept_counts)",
         py::arg("metric"), py::arg("cell_offsets"), py::arg("quotas"), py::arg("rule"),
-        py::arg("seed"), py::arg("hybrid_fraction") = 0.5,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("seed"), py::arg("hybrid_fraction") = 0.5, py::arg("n_kept") = -1,
+        py::arg("check") = true, py::call_guard<py::gil_scoped_release>());
+  m.def("combine_rows", &lrmoe::combine_rows,
+        "y[t] = sum over j in [offsets[t], offsets[t+1]) of scale[order[j]] * src[order[j]]; "
+        "returns the new [T, H] y",
+        py::arg("src"), py::arg("scale"), py::arg("order"), py::arg("offsets"),
+        py::arg("check") = true, py::call_guard<py::gil_scoped_release>());
+  m.def("combine_rows_backward", &lrmoe::combine_rows_backward,
+        "(dscale, out): dscale[i] = <dy[token[i]], src[i]>, out[slot[i]] = scale[i] * w[slot[i]] "
+        "* dy[token[i]]",
+        py::arg("dy"), py::arg("src"), py::arg("token"), py::arg("scale"),
+        py::arg("slot") = py::none(), py::arg("w") = py::none(), py::arg("n_out") = -1,
+        py::arg("check") = true, py::call_guard<py::gil_scoped_release>());
   m.def("built_with_cuda", &lrmoe::built_with_cuda,
         "True when this build includes the CUDA backend");
 }

@@ -386,11 +386,14 @@ __global__ void fill_ones_kernel(float* __restrict__ out, int64_t n) {
 
 __global__ void gather_scale_kernel(const float* __restrict__ scale_full,
                                     const int64_t* __restrict__ kept_index, int64_t n_kept,
-                                    float* __restrict__ scale) {
+                                    int64_t n_rows, float* __restrict__ scale) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n_kept;
        j += stride) {
-    scale[j] = scale_full[kept_index[j]];
+    // A caller-given K larger than the rows actually selected (a caller bug,
+    // caught by the debug checks) leaves entries unset: never read past P.
+    const int64_t p = kept_index[j];
+    scale[j] = p >= 0 && p < n_rows ? scale_full[p] : 0.0f;
   }
 }
 
@@ -501,7 +504,7 @@ const char* select_rows_cuda(const float* metric, const int64_t* cell_offsets,
   }
   if (scale_full != nullptr) {  // sample, uniform, hybrid
     gather_scale_kernel<<<grid_for(n_kept), kThreads, 0, stream>>>(scale_full, kept_index, n_kept,
-                                                                   scale);
+                                                                   n_rows, scale);
   } else {
     fill_ones_kernel<<<grid_for(n_kept), kThreads, 0, stream>>>(scale, n_kept);
   }

@@ -83,8 +83,11 @@ const char* select_rows_cuda_workspace_bytes(int64_t n_rows, int64_t n_cells, Se
 // outputs kept_index [K] int64 and scale [K] fp32; workspace holds
 // workspace_bytes (at least what select_rows_cuda_workspace_bytes reported).
 // The caller has validated every value (offsets from 0 to P, non-decreasing;
-// finite non-negative metric) and computed K = n_kept = sum of kept_counts
-// (it sizes the outputs). Nothing is launched when K == 0.
+// finite non-negative metric) when its debug checks are on, and gives
+// K = n_kept = sum of kept_counts, which sizes scale (the LRMoE region knows K
+// from its plan, so no device value is read). kept_index must have room for P
+// entries, so the compaction stays in bounds whatever K the caller gave; the
+// first K are the result. Nothing is launched when K == 0.
 //
 // Returns nullptr on success, otherwise a static error description.
 const char* select_rows_cuda(const float* metric, const int64_t* cell_offsets,

@@ -221,7 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="activation recompute, as in Megatron-LM")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="with --recompute-granularity full: which layers")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="with --recompute-granularity full: layers per unit (uniform) or "
+                        "recomputed per stage (block)")
+    g.add_argument("--recompute-modules", nargs="*", default=None,
+                   help="with --recompute-granularity selective: Megatron's module names "
+                        "(default: core_attn)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
@@ -251,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress-bar", action="store_true", help="(launcher) plain log lines")
     g.add_argument("--no-moe-timing", action="store_true",
                    help="(launcher) do not time MoE layers (avoids device syncs on GPU)")
+    g.add_argument("--record-routing", default=None, metavar="DIR",
+                   help="(launcher) record every MoE layer's routed counts per micro-batch and "
+                        "source rank into DIR (format: megatron_lrmoe/routing_trace.py)")
     return p
 
 
@@ -404,10 +416,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                 f"--moe-layer-freq lists {len(args.moe_layer_freq)} layers but --num-layers is "
                 f"{args.num_layers}"
             )
-        if args.moe_grouped_gemm and args.transformer_impl != "transformer_engine":
+        # With --moe-lrmoe the flag means grouped GEMMs inside the LRMoE region (torch's
+        # grouped_mm, on every device); without it, Megatron's TEGroupedMLP.
+        if (args.moe_grouped_gemm and args.transformer_impl != "transformer_engine"
+                and not args.moe_lrmoe):
             raise ConfigError(
                 "--moe-grouped-gemm needs Transformer Engine on CUDA (TEGroupedMLP); drop the "
-                "flag to use SequentialMLP"
+                "flag to use SequentialMLP (with --moe-lrmoe it selects the LRMoE region's "
+                "grouped GEMMs on any device)"
             )
         if args.moe_permute_fusion and args.transformer_impl != "transformer_engine":
             raise ConfigError("--moe-permute-fusion needs Transformer Engine on CUDA")
@@ -475,11 +491,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--bf16 and --fp16 are exclusive")
     if args.fp16 and not _cuda_available():
         raise ConfigError("--fp16 needs CUDA (loss scaling); use --bf16 or fp32 on CPU")
-    if args.recompute_granularity is not None:
-        raise ConfigError(
-            "--recompute-granularity is not supported by this launcher yet; drop it, or use "
-            "Megatron-LM's pretrain_gpt.py"
-        )
 
     # Data, checkpoints, logging.
     if not args.mock_data and not args.data_path:
@@ -502,6 +513,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(f"--split {args.split!r}: expected three non-negative weights")
     if args.eval_iters > 0 and split[1] == 0 and not args.mock_data:
         raise ConfigError("--eval-iters > 0 needs a validation share in --split (e.g. 969,30,1)")
+    if args.record_routing is not None:
+        if args.num_experts is None:
+            raise ConfigError("--record-routing needs an MoE model (--num-experts)")
+        if os.path.exists(args.record_routing) and not os.path.isdir(args.record_routing):
+            raise ConfigError(f"--record-routing {args.record_routing}: exists and is not a "
+                              f"directory")
     if args.save_interval is not None and not args.save:
         raise ConfigError("--save-interval needs --save DIR")
     if args.tokenizer_type == "SentencePieceTokenizer" and not args.tokenizer_model:

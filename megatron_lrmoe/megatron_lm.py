@@ -16,12 +16,23 @@ the same three things:
   (layer, decoder-block, MTP block, ``--spec``) goes through ``to_lrmoe_spec``, so
   Megatron-LM keeps choosing the spec flavour (TE or local, ``--moe-layer-freq``,
   shared experts) and the plugin only swaps the MoE positions.
+* LRMoE's step state (docs/design.md, "Step state"), installed by the builder with
+  ``--moe-lrmoe``: the planners are built right after the model (machine constants
+  from ``--moe-lrmoe-calibration`` or one measurement, printed with their figures);
+  the step boundary is ``training_log``, which Megatron-LM's loop calls once per
+  iteration after the optimizer step (the plugin wraps
+  ``megatron.training.training.training_log``: Megatron has no per-iteration hook
+  outside the pipeline schedule); the re-run state machine snapshots and restores the
+  LRMoE state through its public ``state_save_func`` / ``state_restore_func`` (chained
+  to Megatron-LM's own); and the step state goes into ``torch_dist`` checkpoints as
+  each layer's extra state, flagged in the sharded state dict metadata that
+  Megatron-LM builds and saves as the checkpoint's content metadata (the plugin wraps
+  ``megatron.training.checkpointing._build_sharded_state_dict_metadata``, the one
+  place that metadata is made; on load Megatron-LM hands back the checkpoint's own).
 * LRMoE statistics in Megatron-LM's logs: after each ``training_log`` call, at
   ``--moe-lrmoe-log-interval`` (default ``--log-interval``), the per-layer
   statistics are reduced over all ranks and written as ``lrmoe/...`` scalars to
-  Megatron's TensorBoard / W&B writers and as one line on the last rank. Megatron
-  has no per-iteration hook outside the pipeline schedule, so this wraps
-  ``megatron.training.training.training_log`` (installed only with ``--moe-lrmoe``).
+  Megatron's TensorBoard / W&B writers and as one line on the last rank.
 
 The module imports neither torch nor Megatron at import time: ``find_megatron_lm``
 must be able to put the checkout first on ``sys.path`` before ``megatron`` loads.
@@ -236,7 +247,15 @@ def _check_memory_budget(args: argparse.Namespace, config) -> None:
 # Model
 # -----------------------------------------------------------------------------
 
-_BUILT: weakref.WeakSet = weakref.WeakSet()
+# Models built with LRMoE layers, in build order (the same on every rank: the step
+# boundary pools counts over ranks layer by layer).
+_BUILT: list[weakref.ref] = []
+
+
+def built_models() -> list[Any]:
+    """The live models ``lrmoe_builder`` built, in build order."""
+    _BUILT[:] = [ref for ref in _BUILT if ref() is not None]
+    return [model for model in (ref() for ref in _BUILT) if model is not None]
 
 
 def lrmoe_builder(base: Builder) -> Builder:
@@ -263,8 +282,9 @@ def lrmoe_builder(base: Builder) -> Builder:
             model = base(args, pre_process, post_process, vp_stage, config=config,
                          pg_collection=pg_collection)
         _check_converted(model)
-        _BUILT.add(model)
-        install_lrmoe_logging()
+        _setup_step_state(args, model, config)
+        _BUILT.append(weakref.ref(model))
+        install_lrmoe_hooks()
         return model
 
     return builder
@@ -318,23 +338,71 @@ def _check_converted(model: Any) -> None:
 # -----------------------------------------------------------------------------
 
 
-def install_lrmoe_logging() -> None:
-    """Log LRMoE statistics after Megatron-LM's ``training_log`` (once per process)."""
-    from megatron.training import training
+def _setup_step_state(args: argparse.Namespace, model: Any, config: Any) -> None:
+    """Build the LRMoE planners of a model chunk at model setup (docs/design.md, "Step
+    state"), before Megatron-LM loads a checkpoint into it or trains."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.training.utils import print_rank_0
 
+    from megatron_lrmoe.lrmoe.step import machine_constants_line, setup_lrmoe_layers
+
+    tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    machine = setup_lrmoe_layers([model], args.micro_batch_size * args.seq_length // tp,
+                                 get_num_microbatches, config)
+    if machine is not None and not _BUILT:
+        print_rank_0(machine_constants_line(machine))
+
+
+def install_lrmoe_hooks() -> None:
+    """Once per process: the step boundary and statistics after Megatron-LM's
+    ``training_log``, the step-state flag in its checkpoint metadata, and the LRMoE
+    state in its re-run state machine's snapshots."""
+    from megatron.training import checkpointing, training
+
+    from megatron_lrmoe.lrmoe.step import chain_to_rerun_state_machine
+
+    chain_to_rerun_state_machine(built_models)
     original = training.training_log
-    if getattr(original, "_lrmoe", False):
-        return
-    signature = inspect.signature(original)
+    if not getattr(original, "_lrmoe", False):
+        signature = inspect.signature(original)
 
-    @functools.wraps(original)
-    def training_log(*a: Any, **kw: Any):
-        result = original(*a, **kw)
-        log_lrmoe_stats(int(signature.bind(*a, **kw).arguments["iteration"]))
-        return result
+        @functools.wraps(original)
+        def training_log(*a: Any, **kw: Any):
+            from megatron_lrmoe.lrmoe.step import finish_lrmoe_step
 
-    training_log._lrmoe = True  # type: ignore[attr-defined]
-    training.training_log = training_log
+            # Megatron-LM's loop calls training_log once per iteration, right after
+            # train_step (forward-backward, possibly re-run, and optimizer.step(), taken
+            # or skipped): LRMoE's step boundary. Not called for an iteration that exits
+            # inside train_step (a re-run asking for a checkpoint), whose state the
+            # re-run state machine restored before that checkpoint.
+            finish_lrmoe_step(built_models())
+            # A re-created state machine (in-process restart) gets the chain again.
+            chain_to_rerun_state_machine(built_models)
+            result = original(*a, **kw)
+            log_lrmoe_stats(int(signature.bind(*a, **kw).arguments["iteration"]))
+            return result
+
+        training_log._lrmoe = True  # type: ignore[attr-defined]
+        training.training_log = training_log
+    build_metadata = checkpointing._build_sharded_state_dict_metadata
+    if not getattr(build_metadata, "_lrmoe", False):
+
+        metadata_signature = inspect.signature(build_metadata)
+
+        @functools.wraps(build_metadata)
+        def sharded_state_dict_metadata(*a: Any, **kw: Any) -> dict:
+            from megatron_lrmoe.lrmoe.step import PLANNER_STATE_FLAG
+
+            # Saved as the checkpoint's content metadata and handed back on load: an
+            # LRMoE checkpoint says it holds the step state, a plain one does not.
+            metadata = build_metadata(*a, **kw)
+            run_args = metadata_signature.bind(*a, **kw).arguments["args"]
+            if getattr(run_args, "moe_lrmoe", False):
+                metadata[PLANNER_STATE_FLAG] = True
+            return metadata
+
+        sharded_state_dict_metadata._lrmoe = True  # type: ignore[attr-defined]
+        checkpointing._build_sharded_state_dict_metadata = sharded_state_dict_metadata
 
 
 def log_lrmoe_stats(iteration: int) -> dict[str, float]:
@@ -350,7 +418,7 @@ def log_lrmoe_stats(iteration: int) -> dict[str, float]:
     if not interval or iteration % interval:
         return {}
     num_layers = args.num_layers + (getattr(args, "mtp_num_layers", None) or 0)
-    stats = collect_lrmoe_stats(list(_BUILT), num_layers, args.num_experts)
+    stats = collect_lrmoe_stats(built_models(), num_layers, args.num_experts)
     scalars = {k: float(v) for k, v in stats.items() if isinstance(v, int | float)}
     writer = get_tensorboard_writer()
     if writer is not None:

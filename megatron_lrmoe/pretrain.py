@@ -328,8 +328,8 @@ def train(args: argparse.Namespace) -> dict:
     args.num_microbatches = args.global_batch_size // (
         args.micro_batch_size * ps.get_data_parallel_world_size()
     )
-    # Megatron's own micro-batch bookkeeping, as Megatron-LM sets it up: LRMoE layers
-    # read it to know a step's last backward (replica gradient reduction).
+    # Megatron's own micro-batch bookkeeping, as Megatron-LM sets it up: LRMoE layers are
+    # told its get_num_microbatches to find a step's last backward (replica gradients).
     num_microbatches_calculator.init_num_microbatches_calculator(
         dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
         ps.get_data_parallel_world_size())
@@ -356,6 +356,17 @@ def train(args: argparse.Namespace) -> dict:
     model = builders.build_model(
         args, config, tokenizer.vocab_size, spec_transform=builders.lrmoe_spec_transform(args)
     )
+    if args.moe_lrmoe:   # planners built now, before any checkpoint is loaded or step runs
+        from megatron_lrmoe.lrmoe.step import (
+            finish_lrmoe_step,
+            machine_constants_line,
+            setup_lrmoe_layers,
+        )
+
+        machine = setup_lrmoe_layers(
+            model, tokens, num_microbatches_calculator.get_num_microbatches, config)
+        if machine is not None:
+            log0(machine_constants_line(machine))
     optimizer = builders.build_optimizer(args, model)
     scheduler = builders.build_scheduler(args, optimizer)
     model_config = get_model_config(model[0])
@@ -368,6 +379,14 @@ def train(args: argparse.Namespace) -> dict:
         from megatron_lrmoe.lrmoe.telemetry import collect_lrmoe_stats
     moe_timer = MoETimer(sync_cuda=torch.cuda.is_available())
     moe_layers = 0 if args.no_moe_timing else attach_moe_timer(model[0], moe_timer)
+    recorder = None
+    if args.record_routing:   # after the timer: the count reduction then falls outside its spans
+        from megatron_lrmoe.training.routing_record import RoutingRecordError, start_recording
+
+        try:
+            recorder = start_recording(args, model)
+        except RoutingRecordError as error:
+            raise ConfigError(str(error)) from None
     n_params = sum(p.numel() for p in model[0].parameters())
     log0(f"model: {n_params / 1e6:.2f} M parameters on rank 0, {moe_layers} MoE layer(s) timed")
 
@@ -413,6 +432,8 @@ def train(args: argparse.Namespace) -> dict:
             forward_only=False,
         )
         update_ok, grad_norm, _ = optimizer.step()
+        if args.moe_lrmoe:   # the step boundary of LRMoE's planners and replicas
+            finish_lrmoe_step(model)
         if update_ok:
             scheduler.step(increment=args.global_batch_size)
         step_time = time.perf_counter() - step_start
@@ -433,6 +454,8 @@ def train(args: argparse.Namespace) -> dict:
             "moe-cumulative-s": cumulative_moe_s,
             "consumed-samples": progress.consumed_train_samples,
         }
+        if recorder is not None:   # one all_gather of the step's routed counts
+            record.update(recorder.end_step(progress.iteration))
         interval.loss_sum += stats.loss_sum
         interval.loss_tokens += stats.loss_tokens
         interval.moe_forward_s += stats.moe_forward_s
@@ -491,6 +514,8 @@ def train(args: argparse.Namespace) -> dict:
             logger.line(f"exiting at iteration {progress.iteration} (--exit-interval)")
             break
     logger.close()
+    if recorder is not None:
+        recorder.close()
     wall = time.perf_counter() - train_start
 
     # ---- summary -------------------------------------------------------------

@@ -234,7 +234,7 @@ def capacity_drop(counts: np.ndarray, tokens_per_rank: int, topk: int,
 
 
 # ------------------------------------------------------------------------------ routing
-def source_batches(trace: np.ndarray, ep_size: int, pairs_per_rank: int,
+def source_batches(trace: np.ndarray, ep_size: int, pairs_per_rank: int | None,
                    rng: np.random.Generator) -> Iterator[np.ndarray]:
     """[R, E] routed counts per micro-batch for R = ``ep_size`` sources, from a trace.
 
@@ -244,7 +244,8 @@ def source_batches(trace: np.ndarray, ep_size: int, pairs_per_rank: int,
     are the ranks of one micro-batch. Each row is then resampled to
     ``pairs_per_rank`` pairs (multinomial over its own expert shares), so a small
     model's trace is replayed at the target's tokens per rank with the sampling noise
-    of that size. The calls are cycled when exhausted.
+    of that size; ``pairs_per_rank=None`` keeps the recorded counts. The calls are
+    cycled when exhausted.
     """
     rows = trace.reshape(-1, trace.shape[-1])
     rows = rows[rows.sum(1) > 0]
@@ -252,6 +253,9 @@ def source_batches(trace: np.ndarray, ep_size: int, pairs_per_rank: int,
     if not len(calls):
         raise ValueError(f"the trace has {len(rows)} non-empty source rows, fewer than one "
                          f"micro-batch at EP={ep_size}")
+    if pairs_per_rank is None:
+        while True:
+            yield from calls.astype(np.int64)
     shares = calls / calls.sum(-1, keepdims=True)
     while True:
         for call in shares:
@@ -302,17 +306,21 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
              policies: tuple[Policy, ...] = POLICIES, steps: int = 8,
              budget_instances: float = 2.0, budget_gib: float | None = None,
              calibration: dict | None = None, pipeline: int = 1,
-             seed: int = 0) -> list[PolicyResult]:
+             seed: int = 0, shape: MoEShape | None = None,
+             resample: bool = True) -> list[PolicyResult]:
     """Replay ``traces`` (per simulated layer, its routed counts [..., E] with rows in
     time order, as ``load_traces`` returns them) at ``ep_size``.
 
     The budget, per rank for the stage's MoE layers, is ``budget_gib`` or the balanced
     dropless need plus ``budget_instances`` expert instances per layer (issue 13's
     setting). Layers beyond the simulated ones are assumed to behave like their mean.
+    ``shape`` replaces ``model.shape(ep_size, pipeline)`` (a measured run's own shape);
+    ``resample=False`` replays the recorded counts as they are (they must already hold
+    the shape's pairs per rank), as the validation against measured runs does.
     """
-    shape = model.shape(ep_size, pipeline)
-    if model.num_experts % ep_size:
-        raise ValueError(f"--ep {ep_size}: {model.num_experts} experts are not a multiple")
+    shape = shape or model.shape(ep_size, pipeline)
+    if shape.num_experts % ep_size:
+        raise ValueError(f"--ep {ep_size}: {shape.num_experts} experts are not a multiple")
     cost = CostModel(shape, machine_constants(cluster, ep_size, calibration))
     need = cost.balanced_dropless_need()
     budget = (budget_gib * GIB if budget_gib is not None
@@ -326,9 +334,10 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
         calls = 0
         for layer, trace in enumerate(traces):
             rng = np.random.default_rng([seed, layer])
-            batches = source_batches(trace, ep_size, shape.source_pairs, rng)
+            batches = source_batches(trace, ep_size, shape.source_pairs if resample else None,
+                                     rng)
             planner = LayerPlanner(PlannerSettings(
-                policy.placement, ep_size, model.num_experts,
+                policy.placement, ep_size, shape.num_experts,
                 capacity_factor=policy.capacity_factor,
                 budget_bytes=budget if policy.budget else None, cost=cost))
             peak = 0.0

@@ -37,6 +37,12 @@ CPU/wall ratio of the timed spans and the page faults per step, to show contenti
 Byte figures are exact counts from the routing counts and the retention plan, not
 profiler readings (see ``buffer_bytes``). The result table is printed and written as
 markdown (``--out``). ``--profile`` appends torch.profiler tables of one step.
+
+Memory and host reads, per setting, in untimed steps after the timed ones: the bytes
+saved for backward (``saved_tensors_hooks``) and the allocator's peak over one
+forward+backward (``_measure_memory``), beside the cost model's prediction for LRMoE;
+and the host reads of device data in one forward and one backward
+(``megatron_lrmoe.testing.host_reads``; on a GPU each is a stall).
 """
 
 from __future__ import annotations
@@ -102,6 +108,7 @@ def _build_layers(cfg: dict, variants: dict[str, dict] | None = None):
 
     from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
     from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
+    from megatron_lrmoe.lrmoe.step import setup_lrmoe_layers
 
     if cfg["device"] == "cuda":
         from megatron_lrmoe.runtime.compat import define_te_general_gemm_when_te_absent
@@ -119,6 +126,8 @@ def _build_layers(cfg: dict, variants: dict[str, dict] | None = None):
         moe_lrmoe_kernels=cfg["kernels"]))
     lrmoe.load_state_dict(megatron.state_dict())  # same keys: interchangeable experts
     lrmoe.grouped_gemm = {"auto": None, "on": True, "off": False}[cfg["grouped_gemm"]]
+    # Planners built at setup; one micro-batch per step (_one_step ends each step).
+    setup_lrmoe_layers([lrmoe], cfg["tokens"], 1)
     device = torch.device(cfg["device"])
     if variants is None:
         return megatron.to(device).train(), lrmoe.to(device).train()
@@ -128,6 +137,7 @@ def _build_layers(cfg: dict, variants: dict[str, dict] | None = None):
             **common, moe_lrmoe=True, moe_lrmoe_kernels=cfg["kernels"], **fields))
         layer.load_state_dict(megatron.state_dict())
         layer.grouped_gemm = lrmoe.grouped_gemm
+        setup_lrmoe_layers([layer], cfg["tokens"], 1)   # collective: same order everywhere
         extra[name] = layer.to(device).train()
     return megatron.to(device).train(), lrmoe.to(device).train(), extra
 
@@ -220,6 +230,8 @@ def _one_step(layer, x, dy, sync, barrier):
         faults = _minor_faults() - f0
     finally:
         gc.enable()
+    if hasattr(layer, "finish_step"):
+        layer.finish_step()   # the step boundary, outside the timed spans
     stats = None
     if hasattr(layer, "lrmoe_stats") and layer.lrmoe_stats.calls:
         stats = layer.lrmoe_stats.totals()
@@ -298,7 +310,7 @@ def run_benchmark(cfg: dict) -> dict:
                     continue
                 if gamma is not None:
                     lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
-                    lrmoe.placement_planner = None   # rebuilt from the config at the call
+                    lrmoe.setup_planner(cfg["tokens"], 1)   # rebuilt from the config
                 try:
                     t_f, t_b, st, cpu, flt = _one_step(layers[name], x, dy, sync, barrier)
                 except Exception:
@@ -314,14 +326,160 @@ def run_benchmark(cfg: dict) -> dict:
                     bwd[(name, gamma)].append(t_b)
                     faults[(name, gamma)].append(flt)
                     stats[(name, gamma)] = st
+        # Untimed: one step per setting measuring memory, one counting host reads.
+        measured = {}
+        for name, gamma in settings:
+            if (name, gamma) in errors:
+                continue
+            if gamma is not None:
+                lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
+                lrmoe.setup_planner(cfg["tokens"], 1)
+            # Twice, keeping the smaller peak: on CPU, gloo may free a send buffer late
+            # (one P x H buffer of noise, never less memory than used).
+            memory = min((_measure_memory(cfg, layers[name], x, dy, sync, barrier)
+                          for _ in range(2)), key=lambda m: m["mem_peak"])
+            measured[(name, gamma)] = {**memory,
+                                       **_count_host_reads(layers[name], x, dy, barrier)}
         result["routings"][routing] = {
             "counts": counts.tolist(), "fwd": fwd, "bwd": bwd, "stats": stats,
-            "errors": errors, "cpu_wall": cpu_wall, "faults": faults,
+            "errors": errors, "cpu_wall": cpu_wall, "faults": faults, "measured": measured,
         }
     if cfg["profile"]:
         result["profile"] = _profile(cfg, layers, x, dy, sync, barrier)
     gc.unfreeze()
     return result
+
+
+def _end_step(layer) -> None:
+    if hasattr(layer, "finish_step"):
+        layer.finish_step()
+
+
+class _CpuAllocations:
+    """Peak and net bytes the CPU allocator handed out during a span (torch.profiler's
+    memory events: every allocation and free, whichever op or C++ code made it)."""
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._prof.__exit__(*exc)
+        events = sorted((e.start_ns(), e.nbytes()) for e in
+                        self._prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]" and e.device_type().name == "CPU")
+        level = self.peak = 0
+        for _, nbytes in events:
+            level += nbytes
+            self.peak = max(self.peak, level)
+        self.net = level
+
+
+def _measure_memory(cfg, layer, x, dy, sync, barrier) -> dict[str, int]:
+    """Memory of one forward+backward of the layer on this rank, measured.
+
+    saved: bytes of the tensors autograd keeps from forward to backward
+    (``torch.autograd.graph.saved_tensors_hooks``), distinct storages, without the
+    parameters and the layer input (they exist anyway). peak: the most bytes allocated
+    above the level before the forward, over forward and backward (the allocator's own
+    figures: torch.profiler memory events on CPU, max_memory_allocated on CUDA). The
+    weight gradients exist beforehand, as Megatron's gradient buffers do in a run, so
+    only per-call temporaries count: peak = saved + transient buffers (activations,
+    exchange buffers, weight-gradient temporaries) + the output and the input gradient
+    (2 x T x H).
+    """
+    params = list(layer.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    keep = {p.untyped_storage().data_ptr() for p in params}
+    x_in = x.detach().clone().requires_grad_(True)
+    keep.add(x_in.untyped_storage().data_ptr())
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in keep:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    if hasattr(layer, "lrmoe_stats"):
+        layer.lrmoe_stats.reset()
+    gc.collect()   # the previous steps' garbage, so none of it is freed inside the spans
+    barrier()
+    if cfg["device"] == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, _ = layer(x_in)
+        sync()
+        at_backward = torch.cuda.memory_allocated()
+        fwd_peak = torch.cuda.max_memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        barrier()
+        out.backward(dy)
+        sync()
+        bwd_peak = torch.cuda.max_memory_allocated() - at_backward
+        at_backward -= base
+        peak = max(fwd_peak, at_backward + bwd_peak)
+    else:
+        with _CpuAllocations() as fwd, torch.autograd.graph.saved_tensors_hooks(
+                pack, lambda t: t):
+            out, _ = layer(x_in)
+        barrier()
+        with _CpuAllocations() as bwd:
+            out.backward(dy)
+        fwd_peak, at_backward, bwd_peak = fwd.peak, fwd.net, bwd.peak
+        peak = max(fwd_peak, at_backward + bwd_peak)
+    _end_step(layer)
+    for p in params:
+        p.grad = None
+    return {"mem_saved": sum(saved.values()), "mem_peak": int(peak),
+            "mem_fwd_peak": int(fwd_peak), "mem_at_backward": int(at_backward),
+            "mem_bwd_peak": int(bwd_peak)}
+
+
+def _count_host_reads(layer, x, dy, barrier) -> dict[str, int]:
+    """Host reads of device data in one forward and one backward of the layer
+    (megatron_lrmoe.testing.host_reads: the layer's input and weights are the device
+    data; ops inside compiled kernels are not seen)."""
+    from megatron_lrmoe.testing.host_reads import HostReadDetector
+
+    for p in layer.parameters():
+        p.grad = None
+    x_in = x.detach().clone().requires_grad_(True)
+    if hasattr(layer, "lrmoe_stats"):
+        layer.lrmoe_stats.reset()
+    barrier()
+    fixed = layer.__dict__.get("route")
+    route = layer.route
+
+    def tainted_route(*args, **kwargs):
+        # A forced routing is made outside the layer: in a run it is the router's
+        # output, device data.
+        out = route(*args, **kwargs)
+        det.taint(*out)
+        return out
+
+    layer.route = tainted_route
+    try:
+        with HostReadDetector() as det:
+            det.taint(x_in, *layer.parameters())
+            out, _ = layer(x_in)
+            forward = len(det.reads)
+            det.clear()
+            barrier()
+            out.backward(dy)
+            backward = len(det.reads)
+    finally:
+        if fixed is None:
+            del layer.route
+        else:
+            layer.route = fixed
+    _end_step(layer)
+    return {"reads_fwd": forward, "reads_bwd": backward}
 
 
 def _profile(cfg, layers, x, dy, sync, barrier) -> dict:
@@ -358,6 +516,8 @@ def _profile_one(cfg, layer, gamma, x, dy, sync, barrier) -> dict[str, str]:
     with profile(activities=activities) as prof_b:
         out.backward(dy)
         sync()
+    if hasattr(layer, "finish_step"):
+        layer.finish_step()
     sort = "self_device_time_total" if cfg["device"] == "cuda" else "self_cpu_time_total"
     return {
         "forward": prof_f.key_averages().table(sort_by=sort, row_limit=18),
@@ -381,7 +541,8 @@ def buffer_bytes(plan, rank: int, hidden: int, elem: int, positions: bool) -> in
     positions; expert side: the rows it receives (K_r x H) and their positions, the dX
     rows its experts compute over them (K_r x H); source side again: the dX rows that
     come back (K_s x H). K_s = pairs this rank keeps as a source, K_r = pairs its
-    experts keep. Dense (Megatron) is the same with K = routed pairs and no positions.
+    experts keep. Positions go only to receivers that drop rows (``positioned_pairs``).
+    Dense (Megatron) is the same with K = routed pairs and no positions.
     Expert intermediates (gathered x, z, h, dh, dz) scale with K_r too but are not
     counted here.
     """
@@ -390,8 +551,19 @@ def buffer_bytes(plan, rank: int, hidden: int, elem: int, positions: bool) -> in
     matrix.index_add_(1, torch.tensor(plan.instance_rank), quotas)
     k_s, k_r = int(matrix[rank].sum()), int(matrix[:, rank].sum())
     row = hidden * elem
-    pos = INDEX_BYTES if positions else 0
-    return k_s * (row + pos) + k_r * (row + pos) + k_r * row + k_s * row
+    pos_s, pos_r = positioned_pairs(plan, rank) if positions else (0, 0)
+    return k_s * row + k_r * row + k_r * row + k_s * row + INDEX_BYTES * (pos_s + pos_r)
+
+
+def positioned_pairs(plan, rank: int) -> tuple[int, int]:
+    """(sent, received) retained rows of ``rank`` that carry an int32 position: those
+    to or at receivers that drop some of their rows (docs/design.md, "Region")."""
+    inst = torch.tensor(plan.instance_rank)
+    drops = [bool((plan.quotas[:, inst == r] < plan.counts[:, inst == r]).any())
+             for r in range(plan.num_ranks)]
+    kept = plan.retained_matrix
+    sent = sum(int(kept[rank, r]) for r in range(plan.num_ranks) if drops[r])
+    return sent, int(kept[:, rank].sum()) if drops[rank] else 0
 
 
 def summarize_routing(cfg: dict, per_rank: list[dict], routing: str) -> list[dict]:
@@ -453,9 +625,19 @@ def summarize_routing(cfg: dict, per_rank: list[dict], routing: str) -> list[dic
             # and its experts run the backward over every routed pair they received.
             row.update(routed=routed, retained=routed, bytes_sent=dense, bytes_dense=dense,
                        expert_rows=routed, dropped_contribution=0.0)
+        measured = [d.get("measured", {}).get(key) for d in data]
+        if all(measured):
+            for field in ("mem_saved", "mem_peak", "reads_fwd", "reads_bwd"):
+                row[field] = max(m[field] for m in measured)   # the busiest rank's
+            if name == "lrmoe":
+                predicted = predicted_memory(cfg, plan, counts, elem)
+                row["mem_model"] = max(predicted)
+                row["mem_model_err"] = max(abs(p / m["mem_peak"] - 1.0)
+                                           for p, m in zip(predicted, measured, strict=True))
         row["r_all"] = row["retained"] / max(row["routed"], 1)
         row["bytes_expected"] = row["retained"] * hidden * elem + (
-            row["retained"] * INDEX_BYTES if name == "lrmoe" else 0)
+            INDEX_BYTES * sum(positioned_pairs(plan, s)[0] for s in range(ep))
+            if name == "lrmoe" else 0)
         rows.append(row)
     dropless = next((r for r in rows if r["name"] == "lrmoe" and math.isinf(r["gamma"])
                      and "error" not in r), None)
@@ -473,6 +655,27 @@ def summarize_routing(cfg: dict, per_rank: list[dict], routing: str) -> list[dic
     return rows
 
 
+def predicted_memory(cfg: dict, plan, counts: torch.Tensor, elem: int) -> list[float]:
+    """Per rank, the cost model's bytes of one layer's forward+backward (its saved and
+    transient terms for one micro-batch, source side included: lrmoe/cost_model.py,
+    MoEShape), at this plan's routed and retained loads."""
+    from megatron_lrmoe.lrmoe.cost_model import MoEShape
+
+    shape = MoEShape(hidden_size=cfg["hidden"], ffn_hidden_size=cfg["ffn"],
+                     num_experts=cfg["experts"], topk=cfg["topk"], gated=True,
+                     dtype_bytes=elem, tokens_per_rank=cfg["tokens"])
+    out = []
+    for r in range(plan.num_ranks):
+        routed, retained = int(plan.routed_per_rank[r]), int(plan.retained_per_rank[r])
+        source = int(counts[r].sum())
+        out.append(routed * shape.saved_bytes_per_routed_pair
+                   + source * shape.saved_bytes_per_source_pair
+                   + max(routed * shape.forward_transient_bytes_per_routed_pair,
+                         retained * shape.backward_transient_bytes_per_retained_pair)
+                   + source * shape.source_transient_bytes_per_pair)
+    return out
+
+
 def _half_iqr(values: list[float]) -> float:
     if len(values) < 2:
         return 0.0
@@ -488,11 +691,12 @@ def markdown_table(rows: list[dict]) -> str:
     head = ("| setting | fwd ms | bwd ms | bwd / dropless | r hot rank | r overall "
             "| target bwd <= (r+0.05) x dropless | bwd a2a MiB (sent/dense) "
             "| = r x dense + idx | expert bwd rows | dropped contrib. "
-            "| bwd a2a buffers MiB (vs dense) |")
+            "| bwd a2a buffers MiB (vs dense) | saved MiB | peak fwd+bwd MiB "
+            "| cost model MiB (max err) | host reads fwd/bwd |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['setting']} | FAILED: `{r['error']}` |" + " |" * 10)
+            lines.append(f"| {r['setting']} | FAILED: `{r['error']}` |" + " |" * 14)
             continue
         target = "n/a" if r["target_ok"] is None else (
             f"{'yes' if r['target_ok'] else 'NO'} ({r['bwd_vs_dropless']:.3f} vs "
@@ -504,8 +708,18 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {_mib(r['bytes_sent'])} / {_mib(r['bytes_dense'])} "
             f"| {'yes' if r['bytes_ok'] else 'NO'} | {r['expert_rows']} "
             f"| {r['dropped_contribution']:.3f} "
-            f"| {_mib(r['buffer_bytes'])} ({r['buffer_bytes'] / r['buffer_bytes_dense']:.3f}) |")
+            f"| {_mib(r['buffer_bytes'])} ({r['buffer_bytes'] / r['buffer_bytes_dense']:.3f}) "
+            f"| {_mib(r['mem_saved']) if 'mem_saved' in r else 'n/a'} "
+            f"| {_mib(r['mem_peak']) if 'mem_peak' in r else 'n/a'} "
+            f"| {_model_text(r)} "
+            f"| {r.get('reads_fwd', 'n/a')}/{r.get('reads_bwd', 'n/a')} |")
     return "\n".join(lines)
+
+
+def _model_text(row: dict) -> str:
+    if "mem_model" not in row:
+        return "n/a"
+    return f"{_mib(row['mem_model'])} ({100 * row['mem_model_err']:.0f}%)"
 
 
 ROUTING_TEXT = {
@@ -590,6 +804,20 @@ def report(cfg: dict, per_rank: list[dict], command: str) -> tuple[str, list[dic
         "the experts compute and the dX rows received back), from the retention plan, "
         "summed over ranks; not a profiler reading. Dense = the same buffers with every "
         "routed pair and no positions (Megatron's). Expert intermediates are not counted",
+        "- saved MiB: bytes autograd keeps from forward to backward (saved_tensors_hooks, "
+        "distinct storages, parameters and the layer input excluded); peak fwd+bwd MiB: the "
+        "most bytes the allocator held above the level before the forward, over one "
+        "forward+backward (torch.profiler memory events on CPU, max_memory_allocated on "
+        "CUDA; weight gradients allocated beforehand, as a run's gradient buffers are, so "
+        "only per-call temporaries count; the output and input gradient, 2 x T x H, are "
+        "in it); the smaller of two untimed steps (on CPU, gloo may free a send buffer "
+        "late), busiest rank. Cost model: MoEShape's saved and transient bytes at the "
+        "plan's loads (source side included), busiest rank, and its largest relative "
+        "error against the measured peak over the ranks",
+        "- host reads fwd/bwd: reads of device data on the host in one forward and one "
+        "backward of the layer (megatron_lrmoe.testing.host_reads: data flow from the "
+        "layer's input and weights; syncs inside compiled kernels are not seen), busiest "
+        "rank; on a GPU each one stalls the CPU until the device drains",
         "",
     ]
     all_rows = []

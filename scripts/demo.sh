@@ -4,7 +4,8 @@
 # (gloo), on the CPython standard library sources.
 #   bash scripts/demo.sh [extra launcher flags, e.g. --train-iters 50]
 #   LRMOE=0 bash scripts/demo.sh     # the same run with Megatron's own MoE layer
-# Bootstraps .venv and prepares the corpus (both once), then trains for a few minutes.
+# Bootstraps .venv and prepares the corpus (both once), trains for a few minutes, then
+# writes the run's report (PNGs under runs/demo/report/) and prints its files.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -16,7 +17,11 @@ run=runs/demo
 lrmoe=(--moe-lrmoe)
 if [ "${LRMOE:-1}" = 0 ]; then lrmoe=(); run=runs/demo_megatron; fi
 mkdir -p "$run"
-exec .venv/bin/torchrun --nproc-per-node 2 --master-port "${MASTER_PORT:-29512}" \
+.venv/bin/torchrun --nproc-per-node 2 --master-port "${MASTER_PORT:-29512}" \
   -m megatron_lrmoe.pretrain --config configs/tiny_moe.yaml \
   --data-path data/stdlib --data-cache-path data/cache \
   --tensorboard-dir "$run/tensorboard" --log-json "$run/log.jsonl" "${lrmoe[@]}" "$@"
+
+# The run's report: loss, MoE time, LRMoE statistics and routed load as PNGs.
+echo "report of $run (python -m megatron_lrmoe.report):"
+.venv/bin/python -m megatron_lrmoe.report "$run" --out "$run/report"

@@ -1,30 +1,42 @@
 #!/usr/bin/env bash
-# GPU check for megatron-lrmoe, on one CUDA machine (written for an H200), within ~8 minutes:
+# GPU check for megatron-lrmoe, on one CUDA machine (written for an H200), in at most
+# 6 minutes (GPU_CHECK_BUDGET_S):
 #
-#   1. environment: LRMOE_GPU=1 bash scripts/setup.sh (a .venv that sees the machine's own
-#      CUDA torch; builds megatron_lrmoe._kernels with the CUDA backend)
-#   2. the CUDA backend of scatter_add_rows, select_rows and compact_rows against their
-#      pure-torch references on random inputs (inline below: the kernel test files have
-#      no CUDA-parametrised cases)
-#   3. scripts/bench_moe_layer.py on a Qwen3-30B-A3B-shaped MoE layer (H=2048, F=768,
-#      128 experts, top-8, bf16, EP=1, one process): Megatron vs LRMoE at capacity
-#      inf (dropless), 0.75 and 0.5
-#   4. with what is left of the budget, the kernel test files (tests/test_kernels.py,
-#      tests/test_compaction_kernels.py: CPU backend and the nvcc compile check)
+#   1. environment. Offline (WHEELS=DIR, the GPU machine of this project: Python 3.12 with
+#      its own CUDA torch, nothing else, no registry): install the wheels of DIR
+#      (megatron-core 0.16.1 and the packages the check imports, prepared on a networked
+#      machine by scripts/prepare_gpu_wheels.sh into the git-ignored wheels/) into
+#      .gpu_site/ with pip --no-index, and build megatron_lrmoe._kernels in place with the
+#      machine's torch. Online (no WHEELS): LRMOE_GPU=1 bash scripts/setup.sh.
+#   2. the CUDA backend of scatter_add_rows, select_rows, compact_rows, combine_rows and
+#      combine_rows_backward against their pure-torch references on random inputs
+#      (inline below: the kernel test files have no CUDA-parametrised cases)
+#   3. scripts/gpu_sync_check.py: the LRMoE forward after the counts exchange and the
+#      whole LRMoE backward under torch.cuda.set_sync_debug_mode("error") (bf16 grouped
+#      GEMMs and fp32 loop; gamma inf and 0.75; uniform, topk, sample), and the cost of
+#      the grouped path's per-call weight stack against its GEMMs
+#   4. scripts/bench_moe_layer.py on a Qwen3-30B-A3B-shaped MoE layer (H=2048, F=768,
+#      128 experts, top-8, bf16, EP=1, one process): Megatron's MoELayer (SequentialMLP)
+#      beside LRMoE at gamma inf, 1.0 and 0.75 with grouped GEMMs; memory and host reads
+#      per layer call are in its table
+#   5. with what is left of the budget, the kernel test files (CPU backend, nvcc check)
+#
+# Not measured here, and said so in the summary: expert parallelism across ranks (one GPU
+# cannot run NCCL EP > 1), Transformer Engine (absent: no TEGroupedMLP baseline, no TE
+# grouped linear), anything a step had no budget left for.
 #
 # Everything printed goes to benchmarks/results/gpu_check_<date>.txt (the benchmark's own
 # markdown table also to benchmarks/results/bench_moe_layer_cuda_<date>.md). Every step
 # runs even when an earlier one failed (except when there is no usable interpreter); the
-# summary at the end lists each step's exit status, and the script exits non-zero if any
-# step failed.
+# summary lists each step's exit status, and the script exits non-zero if any step failed.
 #
-#   bash scripts/gpu_check.sh
-#   PY=/path/to/python bash scripts/gpu_check.sh   # skip setup.sh: use an interpreter that
-#                                                  # already has CUDA torch, megatron-core
-#                                                  # 0.16.1 and pytest (offline machines);
-#                                                  # the kernels are built in place with it
-# Environment: TORCH_CUDA_ARCH_LIST (default 9.0: H100/H200), MAX_JOBS (compile jobs),
-# GPU_CHECK_BUDGET_S (default 480: total seconds; each step gets at most what is left).
+#   WHEELS=wheels bash scripts/gpu_check.sh        # offline GPU machine (PY: its python3)
+#   bash scripts/gpu_check.sh                      # networked: setup.sh makes .venv
+#   PY=/path/to/python bash scripts/gpu_check.sh   # an interpreter that already has CUDA
+#                                                  # torch and megatron-core 0.16.1
+# Environment: TORCH_CUDA_ARCH_LIST (default 9.0: H100/H200), MAX_JOBS (compile jobs,
+# default: the CPU count), GPU_CHECK_BUDGET_S (default 360: total seconds; each step gets
+# at most what is left).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -32,12 +44,15 @@ STAMP=$(date +%Y%m%d-%H%M%S)
 RESULTS=benchmarks/results
 LOG=$RESULTS/gpu_check_$STAMP.txt
 BENCH_MD=$RESULTS/bench_moe_layer_cuda_$STAMP.md
-BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+SITE=$PWD/.gpu_site
 START_S=$SECONDS
 # Import the package from this checkout also when it is not pip-installed (PY=... mode).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 SUMMARY=()
+SKIPPED=()
 FAILED=0
 
 log() { printf '\n===== %s (t=%ds) =====\n' "$*" "$((SECONDS - START_S))"; }
@@ -50,6 +65,7 @@ run_step() {
   left=$((BUDGET_S - (SECONDS - START_S)))
   if ((left < 10)); then
     SUMMARY+=("$name: SKIPPED (budget of ${BUDGET_S}s spent)")
+    SKIPPED+=("$name (no budget left)")
     FAILED=1
     return 1
   fi
@@ -69,6 +85,25 @@ run_step() {
 
 # shellcheck disable=SC2329  # invoked through bash -c (export -f) under timeout
 setup_env() {
+  if [[ -n ${WHEELS:-} ]]; then
+    echo "offline: installing $(find "$WHEELS" -name '*.whl' | wc -l) wheels of $WHEELS" \
+         "into $SITE (no index, no dependency resolution: the folder is the resolution)"
+    mkdir -p "$SITE"
+    if "$PY" -m pip --version >/dev/null 2>&1; then
+      "$PY" -m pip install --quiet --no-index --no-deps --disable-pip-version-check \
+        --target "$SITE" --upgrade "$WHEELS"/*.whl || return 2
+    else
+      echo "no pip for $PY: unpacking the wheels instead (no console scripts)"
+      "$PY" - "$SITE" "$WHEELS"/*.whl <<'PYEOF' || return 2
+import sys, zipfile
+for wheel in sys.argv[2:]:
+    zipfile.ZipFile(wheel).extractall(sys.argv[1])
+PYEOF
+    fi
+    echo "building megatron_lrmoe._kernels in place with $PY (MAX_JOBS=$MAX_JOBS)"
+    "$PY" setup.py build_ext --inplace
+    return
+  fi
   if [[ -n ${PY:-} ]]; then
     echo "PY=$PY given: skipping setup.sh, building the kernels in place"
     "$PY" setup.py build_ext --inplace
@@ -92,6 +127,7 @@ import sys
 import torch
 
 from megatron_lrmoe.ops import (
+    combine_rows, combine_rows_backward, combine_rows_backward_reference, combine_rows_reference,
     compact_rows, compact_rows_reference, cuda_kernels_available, describe_backend,
     scatter_add_rows, scatter_add_rows_reference, select_rows, select_rows_reference,
 )
@@ -142,6 +178,43 @@ for rule, fraction in (("topk", 0.5), ("sample", 0.5), ("uniform", 0.5), ("hybri
                           backend="cuda", hybrid_fraction=fraction)
         same = all(a.is_cuda and torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, ref))
         check(f"select_rows {rule} f={fraction} seed={seed} P={int(off[-1])}", same)
+        # K given by the caller (the region's plan): the path without a host read.
+        got = select_rows(metric.to(dev), off.to(dev), quotas.to(dev), rule=rule, seed=seed,
+                          backend="cuda", hybrid_fraction=fraction, n_kept=int(ref[0].numel()))
+        same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, ref))
+        check(f"select_rows {rule} f={fraction} seed={seed} with n_kept", same)
+
+# combine_rows: bitwise (no atomics; the CPU recipe's roundings, explicitly rounded).
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for p, t, h in ((0, 3, 8), (5, 1, 3), (65536, 8192, 2048), (1000, 997, 130)):
+        src = torch.randn(p, h, generator=g).to(dtype)
+        token = torch.randint(0, t, (p,), generator=g)
+        order = torch.sort(token, stable=True).indices
+        offsets = torch.searchsorted(token[order], torch.arange(t + 1))
+        for scale in (torch.rand(p, generator=g), torch.rand(p, generator=g).to(dtype)):
+            ref = combine_rows_reference(src, scale, order, offsets)
+            out = combine_rows(src.to(dev), scale.to(dev), order.to(dev), offsets.to(dev),
+                               backend="cuda")
+            check(f"combine_rows {dtype} P={p} T={t} H={h} scale={scale.dtype}",
+                  out.is_cuda and torch.equal(out.cpu(), ref))
+        # Backward: the kept rows bitwise (one rounded product), the dot products close
+        # (the warp's summation order is not the CPU's).
+        dy = torch.randn(t, h, generator=g).to(dtype)
+        prob = torch.rand(p, generator=g)
+        kept = torch.randperm(p, generator=g)[: p // 2].sort().values
+        slot = torch.full((p,), -1, dtype=torch.long)
+        slot[kept] = torch.arange(kept.numel())
+        w = torch.rand(kept.numel(), generator=g) + 0.5
+        for s, ww, k in ((None, None, p), (slot, w, kept.numel())):
+            d_ref, o_ref = combine_rows_backward_reference(dy, src, token, prob, s, ww, k)
+            d_got, o_got = combine_rows_backward(
+                dy.to(dev), src.to(dev), token.to(dev), prob.to(dev),
+                None if s is None else s.to(dev), None if ww is None else ww.to(dev), k,
+                backend="cuda")
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            check(f"combine_rows_backward {dtype} P={p} K={k} H={h}",
+                  torch.equal(o_got.cpu(), o_ref)
+                  and torch.allclose(d_got.cpu(), d_ref, rtol=tol, atol=tol * h ** 0.5))
 
 # scatter_add_rows: unique destinations are bitwise; repeated ones use atomics (order
 # not fixed): fp32 close, 16-bit within the per-add rounding bound.
@@ -186,8 +259,18 @@ main() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
   command -v nvcc >/dev/null && nvcc --version | tail -n 2
 
+  if [[ -n ${WHEELS:-} ]]; then
+    WHEELS=$(cd "$WHEELS" && pwd) || { echo "error: WHEELS=$WHEELS is not a folder" >&2; return 1; }
+    PY=${PY:-python3}
+    # The installed wheels and their console scripts (ninja) for every later step.
+    export PYTHONPATH=$SITE:$PYTHONPATH PATH=$SITE/bin:$SITE/ninja/data/bin:$PATH
+    SETUP_NAME="1 setup (offline: wheels of $WHEELS, kernels built in place)"
+  else
+    SETUP_NAME="1 setup (LRMOE_GPU=1 scripts/setup.sh)"
+  fi
+  export WHEELS SITE PY
   export -f setup_env cuda_kernel_check
-  run_step "1 setup (LRMOE_GPU=1 scripts/setup.sh)" 300 bash -c setup_env
+  run_step "$SETUP_NAME" 200 bash -c setup_env
   PY=${PY:-.venv/bin/python}
   export PY
   if ! "$PY" -c 'import torch, megatron.core' 2>/dev/null; then
@@ -205,13 +288,15 @@ print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else
 print(describe_backend("auto", "cuda"), "| CUDA kernels built:", cuda_kernels_available())
 PYEOF
 
-  run_step "2 CUDA kernels vs references" 90 bash -c cuda_kernel_check
-  run_step "3 layer benchmark (Qwen3-30B-A3B-shaped, bf16, EP=1)" 240 \
+  run_step "2 CUDA kernels vs references" 45 bash -c cuda_kernel_check
+  run_step "3 sync-free LRMoE region (sync-debug mode error) and weight-stack cost" 60 \
+    "$PY" scripts/gpu_sync_check.py
+  run_step "4 layer benchmark (Qwen3-30B-A3B-shaped, bf16, EP=1, grouped GEMMs)" 150 \
     "$PY" scripts/bench_moe_layer.py --device cuda --ep 1 --hidden 2048 --ffn 768 \
-      --experts 128 --topk 8 --dtype bf16 --tokens 8192 --capacities inf,0.75,0.5 \
-      --warmup 3 --reps 10 --profile 0.5 --out "$BENCH_MD"
+      --experts 128 --topk 8 --dtype bf16 --tokens 8192 --capacities inf,1.0,0.75 \
+      --grouped-gemm on --routings skewed,router --warmup 2 --reps 7 --out "$BENCH_MD"
   # CPU-backend tests and the nvcc compile check, with what is left of the budget.
-  run_step "4 kernel test files (CPU backend, nvcc compile check)" 150 \
+  run_step "5 kernel test files (CPU backend, nvcc compile check)" 120 \
     "$PY" -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_compaction_kernels.py
 }
 
@@ -220,6 +305,9 @@ mkdir -p "$RESULTS"
   main
   log "summary"
   printf '%s\n' "${SUMMARY[@]}"
+  echo "not measured here: expert parallelism across ranks (one GPU cannot run NCCL EP > 1);" \
+       "Transformer Engine (not installed: no TEGroupedMLP baseline, no TE grouped linear)"
+  ((${#SKIPPED[@]})) && printf 'skipped: %s\n' "${SKIPPED[@]}"
   if ((FAILED == 0)); then
     echo "gpu_check: all steps passed"
   else

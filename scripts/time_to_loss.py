@@ -22,7 +22,8 @@ counts as reached at the first step whose smoothed loss is at or below it.
 
 Runs are resumable: each finishes by writing ``runs/<policy>-s<seed>/done.json``, and
 a run with that file is never repeated; the report (``report.md``, ``report.json``,
-``loss_vs_moe_time.png``) is rewritten after every finished run, so a study can span
+``loss_vs_moe_time.png``, and the run report ``report/*.png`` of
+``megatron_lrmoe.report``) is rewritten after every finished run, so a study can span
 several sessions. The exact command of every run is in its ``done.json``.
 """
 
@@ -148,14 +149,10 @@ def read_log(path: Path) -> list[dict]:
 
 
 def smoothed(values: list[float], window: int) -> list[float]:
-    """Trailing mean over ``window`` values (fewer at the start)."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
+    """Trailing mean over ``window`` values (fewer at the start): the run report's."""
+    from megatron_lrmoe.report import trailing_mean
+
+    return trailing_mean(values, window)
 
 
 def analyse_run(records: list[dict], targets: dict[float, float], steps: int,
@@ -314,6 +311,7 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
         f"training loss (window {window}) at 50/75/100% of {stage.steps} steps, per seed: "
         + ", ".join(f"seed {s}: " + "/".join(f"{v:.4f}" for v in t.values())
                     for s, t in sorted(targets.items())) + ".",
+        f"Study parameters: {study_parameters(base_flags)}.",
         f"Base flags: `{shlex.join(base_flags)}`. SYMI-style and memory-aware budget: "
         f"{budget_gb:.5f} GiB per rank.",
         "",
@@ -321,19 +319,55 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
         "",
         "Steps and MoE seconds are medians over the seeds that reached the target (`-`: "
         "none did within the run); \"MoE s vs dropless\" is the median of the per-seed "
-        "ratio to that seed's dropless run. Plot: `loss_vs_moe_time.png`.",
+        "ratio to that seed's dropless run. Plot: `loss_vs_moe_time.png`; run report "
+        "(loss, MoE time, LRMoE statistics, routed load; `python -m megatron_lrmoe.report`): "
+        "`report/`.",
     ]) + "\n"
     (out_dir / "report.md").write_text(text)
     (out_dir / "report.json").write_text(json.dumps(
         {"rows": rows, "targets": {str(k): v for k, v in targets.items()}}, indent=1))
     if per_run:
         plot(per_run, targets, out_dir / "loss_vs_moe_time.png")
+    if logs:   # the stage's run report (python -m megatron_lrmoe.report) over every run
+        from megatron_lrmoe.report import build_report
+        from megatron_lrmoe.report import write_report as write_run_report
+
+        write_run_report(build_report([out_dir / "runs" / f"{n}-s{s}" for n, s in logs]),
+                         out_dir / "report")
     return rows
 
 
 # -----------------------------------------------------------------------------
 # Main
 # -----------------------------------------------------------------------------
+
+
+def _config_value(name: str):
+    """A value of the study's model config (configs/time_to_loss.yaml)."""
+    import yaml
+
+    return yaml.safe_load((ROOT / "configs" / "time_to_loss.yaml").read_text())[name]
+
+
+def _flag_or_config(flags: list[str], name: str):
+    """The last value of ``--name`` in ``flags``, else the study config's (the launcher
+    lets later flags override earlier ones and the config)."""
+    flag = "--" + name
+    if flag in flags:
+        return flags[len(flags) - 1 - flags[::-1].index(flag) + 1]
+    return _config_value(name)
+
+
+def study_parameters(base_flags: list[str]) -> str:
+    """Model shape and micro-batches per step of a study's runs (flags over the config)."""
+    def value(name: str):
+        return _flag_or_config(base_flags, name)
+
+    micro = int(value("global-batch-size")) // (int(value("micro-batch-size")) * 2)
+    return (f"hidden {value('hidden-size')}, expert FFN {value('moe-ffn-hidden-size')}, "
+            f"{value('num-experts')} experts top-{value('moe-router-topk')}, "
+            f"{value('num-layers')} layers, sequence {value('seq-length')}, micro-batch "
+            f"{value('micro-batch-size')}, {micro} micro-batch(es) per step on 2 ranks")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -353,6 +387,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-path", default="data/stdlib",
                    help="prepared corpus prefix (the demo's; bench_time_to_loss.sh prepares it)")
     p.add_argument("--data-cache-path", default="data/cache")
+    p.add_argument("--hidden-size", type=int, default=None,
+                   help="model shape (study parameter): hidden size (default: the config's)")
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="model shape (study parameter): expert FFN size (default: the config's)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per optimizer step (study parameter): the global batch "
+                        "becomes micro-batch size x 2 ranks x this (default: the config's)")
+    p.add_argument("--no-record-routing", action="store_true",
+                   help="do not record each run's routing (runs/<run>/routing, which the "
+                        "simulator's validation replays)")
     p.add_argument("--port", type=int, default=29531)
     p.add_argument("--list", action="store_true", help="print the policies and exit")
     return p.parse_args(argv)
@@ -369,7 +413,15 @@ def main(argv=None) -> int:
     out_dir = args.out_dir or ROOT / "benchmarks" / "results" / "time_to_loss" / args.stage
     total = round(1.5 * stage.steps)
     eval_interval = stage.eval_interval or max(1, stage.steps // 4)
-    base = ["--config", "configs/time_to_loss.yaml", *stage.shape,
+    study_shape = []       # the study parameters, recorded in the report with the flags
+    if args.hidden_size:
+        study_shape += ["--hidden-size", str(args.hidden_size)]
+    if args.moe_ffn_hidden_size:
+        study_shape += ["--moe-ffn-hidden-size", str(args.moe_ffn_hidden_size)]
+    if args.microbatches:
+        micro_batch = int(_flag_or_config(list(stage.shape), "micro-batch-size"))
+        study_shape += ["--global-batch-size", str(micro_batch * 2 * args.microbatches)]
+    base = ["--config", "configs/time_to_loss.yaml", *stage.shape, *study_shape,
             "--data-path", args.data_path, "--data-cache-path", args.data_cache_path,
             "--train-iters", str(total), "--eval-interval", str(eval_interval),
             "--log-interval", str(max(1, stage.steps // 10)), "--no-progress-bar"]
@@ -390,7 +442,9 @@ def main(argv=None) -> int:
         for name in chosen:
             run_dir = out_dir / "runs" / f"{name}-s{seed}"
             started = time.perf_counter()
-            run_one(run_dir, base + ["--seed", str(seed), *table[name]], args.port)
+            record = [] if args.no_record_routing else [
+                "--record-routing", str(run_dir / "routing")]
+            run_one(run_dir, base + ["--seed", str(seed), *table[name], *record], args.port)
             print(f"[time_to_loss] {run_dir.name}: done ({time.perf_counter() - started:.0f} s)",
                   flush=True)
             write_report(out_dir, stage, args.stage, command, base, budget_gb)

@@ -6,6 +6,9 @@ Megatron-LM checkout ($MEGATRON_LM, core_v0.16.1); prints one JSON line per chec
         # (adds --use-cpu-initialization: without it Megatron's layers allocate on
         # torch.cuda.current_device(), which the CPU runtime answers with the CPU, so
         # most weights would land in CPU memory despite torch.device("meta"))
+    python tests/_megatron_lm_probe.py checkpoint DIR -- <flags>
+        # Megatron-LM's own save_checkpoint/load_checkpoint (torch_dist, its default
+        # --dist-ckpt-strictness) across LRMoE and plain models built by the builder
     python tests/_megatron_lm_probe.py train  PATCHED_DIR -- <flags>
         # runs PATCHED_DIR/pretrain_gpt.py's __main__ with Megatron's pretrain() replaced by
         # a CPU stand-in (parse, build with the CPU runtime, one forward/backward step)
@@ -47,6 +50,17 @@ def _init_world() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
+    # What initialize_megatron sets up besides: the micro-batch calculator and the re-run
+    # state machine (with Megatron-LM's own state functions, which LRMoE chains onto).
+    from megatron.core import rerun_state_machine as rsm
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.training import get_args
+
+    args = get_args()
+    init_num_microbatches_calculator(0, None, args.global_batch_size or args.micro_batch_size,
+                                     args.micro_batch_size, 1)
+    rsm.initialize_rerun_state_machine(state_save_func=lambda: {"megatron": 1},
+                                       state_restore_func=lambda state: None)
 
 
 def _describe(model) -> dict:
@@ -101,6 +115,169 @@ def build(argv: list[str]) -> dict:
     return {**_describe(model), "peak_rss_mib": peak_mib}
 
 
+def checkpoint(workdir: str, argv: list[str]) -> dict:
+    """Save and load through Megatron-LM's checkpointing (torch_dist, default strictness):
+    an LRMoE model's step state comes back into a new LRMoE model; a plain model loads an
+    LRMoE checkpoint, and an LRMoE model a plain one, without an error (planner fresh)."""
+    import functools
+
+    import pretrain_gpt
+    import torch
+    from megatron.training import checkpointing
+
+    from megatron_lrmoe.lrmoe.step import finish_lrmoe_step, lrmoe_layers
+    from megatron_lrmoe.megatron_lm import lrmoe_builder
+
+    lrmoe_ckpt, plain_ckpt = os.path.join(workdir, "lrmoe"), os.path.join(workdir, "plain")
+    args = _parse([*argv, "--ckpt-format", "torch_dist", "--no-save-optim", "--no-load-optim",
+                   "--no-load-rng"])
+    args.padded_vocab_size = args.vocab_size
+    _init_world()
+    provider = functools.partial(pretrain_gpt.model_provider,
+                                 lrmoe_builder(pretrain_gpt.gpt_builder))
+
+    def build(lrmoe: bool):
+        args.moe_lrmoe = lrmoe
+        return provider(True, True)
+
+    def step(model) -> None:   # a forward-backward, then the step boundary the plugin runs
+        tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length))
+        position_ids = torch.arange(args.seq_length).unsqueeze(0).expand_as(tokens)
+        model(tokens, position_ids, None, labels=tokens).float().mean().backward()
+        finish_lrmoe_step([model])
+
+    def save(model, directory: str, iteration: int) -> None:
+        args.save = directory
+        checkpointing.save_checkpoint(iteration, [model], None, None, 0)
+
+    def load(model, directory: str) -> int:
+        args.load = directory
+        return checkpointing.load_checkpoint([model], None, None)[0]
+
+    def weights(model) -> dict:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()
+                if isinstance(v, torch.Tensor)}
+
+    def same(a: dict, b: dict) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    trained = build(True)
+    for _ in range(3):
+        step(trained)
+    save(trained, lrmoe_ckpt, 3)
+    resumed = build(True)
+    iteration = load(resumed, lrmoe_ckpt)
+    saved_states = [layer.placement_planner.state_dict() for layer in lrmoe_layers([trained])]
+    got_states = [layer.placement_planner.state_dict() for layer in lrmoe_layers([resumed])]
+    plain = build(False)
+    plain_iteration = load(plain, lrmoe_ckpt)
+    save(plain, plain_ckpt, 3)
+    from_plain = build(True)
+    load(from_plain, plain_ckpt)
+    return {
+        "strictness": args.dist_ckpt_strictness,
+        "iterations": [iteration, plain_iteration],
+        "origins": [layer.planner_state_origin for layer in lrmoe_layers([resumed])],
+        "planner_steps": [s["step"] for s in got_states],
+        "states_equal": all(
+            a["step"] == b["step"] and a["replicas"] == b["replicas"]
+            and torch.equal(a["smoothed_counts"], b["smoothed_counts"])
+            for a, b in zip(saved_states, got_states, strict=True)),
+        "draw_steps": [layer._step for layer in lrmoe_layers([resumed])],
+        "weights_equal": [same(weights(trained), weights(resumed)),
+                          same({k: v for k, v in weights(trained).items()
+                                if not k.endswith("_extra_state")}, weights(plain)),
+                          same(weights(plain), {k: v for k, v in weights(from_plain).items()})],
+        "from_plain_origins": [layer.planner_state_origin
+                               for layer in lrmoe_layers([from_plain])],
+    }
+
+
+def rerun(argv: list[str]) -> dict:
+    """Megatron-LM's own train_step and training_log (core_v0.16.1) on an LRMoE model, with
+    the re-run state machine in validate_results mode and its error injector (rate 1,
+    transient, the loss check not fatal): every step after the first runs twice. Returns
+    the losses, forward-backward passes and planner states, to compare with a run
+    without re-runs."""
+    import functools
+
+    import pretrain_gpt
+    import torch
+    from megatron.core import rerun_state_machine as rsm
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+    from megatron.training import global_vars, training
+
+    from megatron_lrmoe.lrmoe.step import lrmoe_layers
+    from megatron_lrmoe.megatron_lm import lrmoe_builder
+
+    injected = "--error-injection-rate" in argv
+    args = _parse([*argv, "--log-interval", "1000", "--eval-interval", "1000"])
+    args.padded_vocab_size = args.vocab_size
+    _init_world()
+    for setter in (global_vars._set_tensorboard_writer, global_vars._set_wandb_writer,
+                   global_vars._set_one_logger, global_vars._set_adlr_autoresume,
+                   global_vars._set_timers, global_vars._set_energy_monitor):
+        setter(args)   # what set_global_variables does besides args and the calculator
+    # initialize_megatron's machine, with Megatron-LM's own state functions.
+    from megatron.core import tensor_parallel
+
+    rsm.destroy_rerun_state_machine()
+    rsm.initialize_rerun_state_machine(
+        state_save_func=lambda: {"rng_tracker_states":
+                                 tensor_parallel.get_cuda_rng_tracker().get_states()},
+        state_restore_func=lambda s: tensor_parallel.get_cuda_rng_tracker().set_states(
+            s["rng_tracker_states"]),
+        mode=rsm.RerunMode(args.rerun_mode),
+        error_injector=rsm.RerunErrorInjector(
+            error_injection_rate=args.error_injection_rate,
+            error_injection_type=rsm.RerunDiagnostic(args.error_injection_type)))
+    provider = functools.partial(pretrain_gpt.model_provider,
+                                 lrmoe_builder(pretrain_gpt.gpt_builder))
+    model, optimizer, scheduler = training.setup_model_and_optimizer(
+        provider, ModelType.encoder_or_decoder)
+    config = get_model_config(model[0])
+    machine = rsm.get_rerun_state_machine()
+    generator = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length),
+                             generator=generator) for _ in range(64)]
+    data = rsm.RerunDataIterator(iter(batches))
+    passes = []
+
+    def forward_step(data_iterator, chunk):
+        tokens = next(data_iterator)
+        passes.append(1)
+        position_ids = torch.arange(args.seq_length).unsqueeze(0).expand_as(tokens)
+        output = chunk(tokens, position_ids, None, labels=tokens)
+
+        def loss_func(output_tensor):
+            loss = output_tensor.float().sum()
+            machine.validate_result(result=loss, rejection_func=torch.isnan,
+                                    message="loss is NaN", tolerance=0.0, fatal=False)
+            tokens_count = torch.tensor(output_tensor.numel(), dtype=torch.int)
+            return loss, tokens_count, {"lm loss": torch.stack(
+                [loss.detach(), tokens_count.float()])}
+
+        return output, loss_func
+
+    losses = []
+    for iteration in range(4):
+        loss_dict, skipped, _, exit_now, _, grad_norm, _, _ = training.train_step(
+            forward_step, data, model, optimizer, scheduler, config,
+            get_forward_backward_func(), iteration=iteration)
+        assert not exit_now
+        losses.append(float(loss_dict["lm loss"]))
+        training.training_log(loss_dict, {}, 1e-4, iteration + 1, 1.0, False, skipped,
+                              grad_norm, None, None, 0)
+    layers = lrmoe_layers(model)
+    return {"injected": injected, "losses": losses, "passes": len(passes),
+            "planner_steps": [layer.placement_planner.step for layer in layers],
+            "draw_steps": [layer._step for layer in layers],
+            "smoothed": [layer.placement_planner.smoothed_counts.tolist() for layer in layers],
+            "region_calls": [len(layer.lrmoe_stats.calls) for layer in layers]}
+
+
 def train(patched_dir: str, argv: list[str]) -> dict:
     """pretrain_gpt.py's own __main__ (patched), with a CPU stand-in for pretrain()."""
     import runpy
@@ -143,6 +320,12 @@ def main() -> None:
     if command == "train":
         find_megatron_lm(positional[0])
         out = train(positional[0], argv)
+    elif command == "checkpoint":
+        find_megatron_lm()
+        out = checkpoint(positional[0], argv)
+    elif command == "rerun":
+        find_megatron_lm()
+        out = rerun(argv)
     else:
         find_megatron_lm()
         out = {"parse": parse, "build": build}[command](argv)

@@ -11,6 +11,9 @@ from megatron_lrmoe.testing.gloo_pool import GlooPool
 # The main pytest process stays free of the CPU runtime (it patches torch
 # process-wide); everything that runs Megatron goes through a pool.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ops check index and metric values on every device (a host sync on GPUs, off by
+# default in training); set before the worker pools start, so they inherit it.
+os.environ.setdefault("MEGATRON_LRMOE_DEBUG_CHECKS", "1")
 
 _pools: dict[int, GlooPool] = {}
 

@@ -494,3 +494,13 @@ def test_new_selection_rules_reach_the_config(world, selection):
     config = transformer_config_from_args(args)
     assert config.moe_lrmoe_selection == selection
     assert config.moe_lrmoe_hybrid_fraction == 0.25
+
+
+def test_grouped_gemm_with_lrmoe_is_accepted_without_transformer_engine(world):
+    """--moe-grouped-gemm with --moe-lrmoe means the region's grouped GEMMs (any device)."""
+    from megatron_lrmoe.training.builders import transformer_config_from_args
+
+    args = parse_args(BASE + ["--moe-token-dispatcher-type", "alltoall", "--moe-lrmoe",
+                              "--disable-bias-linear", "--moe-grouped-gemm"])
+    assert args.transformer_impl == "local"
+    assert transformer_config_from_args(args).moe_grouped_gemm

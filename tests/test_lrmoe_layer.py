@@ -93,6 +93,47 @@ def test_no_drop_equals_megatron(request, pool_name, ep):
             assert all(r["grads"].values()), (rank, r["grads"])
 
 
+def _grouped_gemm_flag_is_honoured(ep: int):
+    """Megatron's grouped-GEMM spec (GroupedMLP) converted to LRMoE, with
+    moe_grouped_gemm: the region runs grouped_mm (fp32 on the CPU) and still equals
+    Megatron's SequentialMLP layer without drops."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
+    from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
+
+    megatron, plain = _build(ep, math.inf, aux=0.0)
+    common = {f: getattr(plain.config, f) for f in (
+        "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+        "moe_ffn_hidden_size", "num_moe_experts", "moe_router_topk",
+        "moe_token_dispatcher_type", "moe_aux_loss_coeff", "moe_router_load_balancing_type",
+        "expert_model_parallel_size", "add_bias_linear", "bias_activation_fusion",
+        "gated_linear_unit")}
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=True).submodules.mlp
+    grouped = build_module(to_lrmoe_spec(spec), config=LRMoETransformerConfig(
+        **common, activation_func=F.silu, moe_grouped_gemm=True, moe_lrmoe=True,
+        moe_lrmoe_bwd_capacity_factor=math.inf))
+    grouped.load_state_dict(megatron.state_dict())
+    x, dy = _inputs(12)
+    out_m, dx_m, grads_m = _run(megatron, x, dy)
+    out_g, dx_g, grads_g = _run(grouped, x, dy)
+    _run(plain, x, dy)
+    return {"ran-grouped": [c.grouped_gemm for c in grouped.lrmoe_stats.calls] == [True],
+            "loop-by-default-on-cpu": [c.grouped_gemm for c in plain.lrmoe_stats.calls]
+            == [False],
+            "forward": torch.allclose(out_g, out_m, rtol=RTOL, atol=ATOL),
+            "dx": torch.allclose(dx_g, dx_m, rtol=RTOL, atol=ATOL),
+            "grads": all(torch.allclose(grads_g[n], g, rtol=RTOL, atol=ATOL)
+                         for n, g in grads_m.items())}
+
+
+def test_moe_grouped_gemm_runs_grouped_in_the_region(gloo2):
+    for rank, result in enumerate(gloo2.run(_grouped_gemm_flag_is_honoured, 2)):
+        assert all(result.values()), (rank, result)
+
+
 def _forward_is_exact_under_drops(ep: int):
     megatron, lrmoe = _build(ep, 0.5)
     x, dy = _inputs(10)
@@ -214,6 +255,61 @@ def test_drops_equal_dense_reference(request, pool_name, ep, selection, grouped)
         assert all(result.values()), (rank, result)
 
 
+def _kept_pairs_against_reference(ep: int, selection: str):
+    """The debug view's kept pairs and scales vs an independent selection on a dense
+    reference metric, and its absence when not asked for."""
+    import torch.distributed as dist
+
+    from megatron_lrmoe.lrmoe.moe_layer import _mix_seed
+    from megatron_lrmoe.lrmoe.region import active_kept_pairs_log, record_kept_pairs
+    from megatron_lrmoe.lrmoe.retention import plan_retention
+    from megatron_lrmoe.ops import select_rows_reference
+
+    megatron, lrmoe = _build(ep, 0.6, selection=selection, aux=0.0, min_retention=0.1,
+                             hybrid_fraction=0.3)
+    x, dy = _inputs(14)
+    with record_kept_pairs() as log:
+        _run(lrmoe, x, dy)
+    off_by_default = active_kept_pairs_log() is None
+    (record,) = log.records
+    # Reference metric ||p dy|| ||h|| over the pairs, by expert then token.
+    w1_all, w2_all = _gather_expert_weights(lrmoe)
+    with torch.no_grad():
+        flat = x.reshape(-1, HIDDEN)
+        probs, routing_map = megatron.router(x)
+        pair_expert, pair_token = routing_map.t().nonzero(as_tuple=True)
+        h = lrmoe.experts._activation(torch.einsum("ph,pfh->pf", flat[pair_token],
+                                                   w1_all[pair_expert]))
+        g = probs[pair_token, pair_expert].unsqueeze(1) * dy.reshape(-1, HIDDEN)[pair_token]
+        metric = torch.linalg.vector_norm(g, dim=1) * torch.linalg.vector_norm(h, dim=1)
+    counts = [routing_map.sum(0).to(torch.int64) for _ in range(ep)]
+    if ep > 1:
+        dist.all_gather(counts, counts[0].clone(), group=lrmoe.ep_group)
+    counts = torch.stack(counts)
+    rank = dist.get_rank(lrmoe.ep_group) if ep > 1 else 0
+    plan = plan_retention(counts, ep, 0.6, 0.1)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts[rank].cumsum(0)])
+    kept, scale, _ = select_rows_reference(
+        metric, offsets, plan.quotas[rank].clone(), rule=selection,
+        seed=_mix_seed(lrmoe._seed_base, lrmoe.layer_number or 0, 0), hybrid_fraction=0.3)
+    if selection == "topk":
+        scale = torch.ones_like(scale)
+    want = list(zip(pair_token[kept].tolist(), pair_expert[kept].tolist(), strict=True))
+    got = list(zip(record.pair_token[record.kept].tolist(),
+                   record.pair_expert[record.kept].tolist(), strict=True))
+    return {"off-by-default": off_by_default,
+            "layer-and-call": (record.layer, record.call) == (lrmoe.layer_number or 0, 0),
+            "same-pairs": got == want,
+            "same-scales": torch.allclose(record.scale, scale, rtol=1e-5, atol=0.0),
+            "dropped": kept.numel() < pair_token.numel()}
+
+
+@pytest.mark.parametrize("selection", ["topk", "sample", "uniform", "hybrid"])
+def test_kept_pairs_debug_view_matches_reference(gloo2, selection):
+    for rank, result in enumerate(gloo2.run(_kept_pairs_against_reference, 2, selection)):
+        assert all(result.values()), (rank, result)
+
+
 def _selection_arguments(selection: str, fraction: float):
     """The rule and fraction the region hands select_rows (captured on the way)."""
     from unittest import mock
@@ -255,23 +351,34 @@ def _backward_accounting(ep: int, gamma: float):
                            stats.routed_pairs], dtype=torch.float64)
     if ep > 1:
         dist.all_reduce(totals, group=lrmoe.ep_group)
+    # Positions go only to receivers that drop some of their rows (the others keep
+    # every row they received, in order): from the plan, independently of the region.
+    plan = lrmoe.last_plan.retention
+    rank = dist.get_rank(lrmoe.ep_group) if ep > 1 else 0
+    inst_rank = torch.tensor(plan.instance_rank)
+    drops = [bool((plan.quotas[:, inst_rank == r] < plan.counts[:, inst_rank == r]).any())
+             for r in range(plan.num_ranks)]
+    positioned = sum(int(plan.retained_matrix[rank, r]) for r in range(plan.num_ranks)
+                     if drops[r])
     return {"sent": stats.backward_bytes_sent, "dense": stats.backward_bytes_dense,
             "retained": stats.retained_pairs, "routed": stats.routed_pairs,
-            "all_retained": int(totals[0]), "all_expert_rows": int(totals[1]),
-            "all_routed": int(totals[2])}
+            "positioned": positioned, "all_retained": int(totals[0]),
+            "all_expert_rows": int(totals[1]), "all_routed": int(totals[2])}
 
 
 @pytest.mark.parametrize("gamma", [math.inf, 1.0, 0.5])
 def test_backward_bytes_and_rows_follow_retained_pairs(gloo2, gamma):
     row_bytes = HIDDEN * 4  # fp32 rows
     for r in gloo2.run(_backward_accounting, 2, gamma):
-        # Payload = retained rows + one int32 position per row; dense = every routed row.
-        assert r["sent"] == r["retained"] * (row_bytes + 4)
+        # Payload = retained rows + one int32 position per row sent to a receiver that
+        # drops rows; dense = every routed row.
+        assert r["sent"] == r["retained"] * row_bytes + 4 * r["positioned"]
         assert r["dense"] == r["routed"] * row_bytes
         # Expert backward GEMMs run over exactly the retained rows, summed over ranks.
         assert r["all_expert_rows"] == r["all_retained"]
         if gamma == math.inf:
             assert r["all_retained"] == r["all_routed"]
+            assert r["positioned"] == 0, "nothing dropped: no positions are sent"
         else:
             assert r["all_retained"] < r["all_routed"]
 

@@ -370,3 +370,49 @@ def test_launch_script_flags_parse_in_megatron_lm(script):
                                          "--optimizer-cpu-offload")]  # need TE's fused Adam
     out = _probe("parse", "--", *argv)
     assert _probe_result(out)["moe_lrmoe"] is True
+
+
+@needs_megatron_lm
+def test_step_state_through_megatron_lm_checkpointing(tmp_path):
+    """Megatron-LM's own save_checkpoint / load_checkpoint, torch_dist at its default
+    --dist-ckpt-strictness, on models built by the LRMoE builder: the planner and draw
+    state come back; LRMoE -> plain and plain -> LRMoE load without an error."""
+    tiny = [*QWEN3_ARGS, "--moe-lrmoe", "--moe-lrmoe-placement", "popularity",
+            "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+            "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16",
+            "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+            "--seq-length", "32", "--vocab-size", "256"]
+    tiny.remove("--bf16")
+    result = _probe_result(_probe("checkpoint", str(tmp_path), "--", *tiny))
+    assert result["strictness"] == "assume_ok_unexpected"
+    assert result["iterations"] == [3, 3]
+    assert result["origins"] == ["checkpoint", "checkpoint"]
+    assert result["planner_steps"] == [3, 3] and result["draw_steps"] == [3, 3]
+    assert result["states_equal"]
+    assert result["weights_equal"] == [True, True, True]
+    assert all(o.startswith("fresh: the checkpoint holds no LRMoE step state")
+               for o in result["from_plain_origins"]), result["from_plain_origins"]
+
+
+@needs_megatron_lm
+def test_rerun_step_in_megatron_lm_train_step_counts_once():
+    """Megatron-LM's own train_step and training_log with --rerun-mode validate_results and
+    its error injector (every step after the first runs twice): losses, planner states
+    and LRMoE statistics equal those of a run without re-runs."""
+    tiny = [*QWEN3_ARGS, "--moe-lrmoe", "--moe-lrmoe-placement", "popularity",
+            "--moe-lrmoe-selection", "uniform", "--moe-lrmoe-bwd-capacity-factor", "0.75",
+            "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+            "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16",
+            "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+            "--seq-length", "32", "--vocab-size", "256", "--global-batch-size", "2"]
+    tiny.remove("--bf16")
+    plain = _probe_result(_probe("rerun", "--", *tiny, "--rerun-mode", "disabled"))
+    rerun = _probe_result(_probe("rerun", "--", *tiny, "--rerun-mode", "validate_results",
+                                 "--error-injection-rate", "1",
+                                 "--error-injection-type", "transient_error"))
+    assert plain["passes"] == 8 and rerun["passes"] == 14, "2 micro-batches, steps 2-4 twice"
+    assert rerun["losses"] == plain["losses"]
+    assert rerun["planner_steps"] == plain["planner_steps"] == [4, 4]
+    assert rerun["draw_steps"] == plain["draw_steps"] == [4, 4]
+    assert rerun["smoothed"] == plain["smoothed"]
+    assert rerun["region_calls"] == plain["region_calls"] == [8, 8]

@@ -1,6 +1,8 @@
-"""The launcher with each placement policy: training under EP=2 and EP=2 x PP=2, exact
-resume, and the SYMI-style baseline (replicas, nothing dropped) equal to Megatron with
-and without the distributed optimizer and overlapped grad reduce / param gather."""
+"""The launcher with each placement policy: training under EP=2 and EP=2 x PP=2, resume
+under another policy, and replicas with nothing dropped (SYMI-style and memory-aware)
+equal to Megatron with and without the distributed optimizer and overlapped grad reduce /
+param gather, on 2 ranks and on 4 (two expert-data-parallel groups). Exact resume with
+placement: tests/test_step_state.py."""
 
 from __future__ import annotations
 
@@ -87,19 +89,6 @@ def test_policy_ep2_pp2_on_4_ranks(gloo4, corpus, policy):
     assert _decreased(results[0]["losses"], margin=0.2), results[0]["losses"]
 
 
-@pytest.mark.parametrize("policy", ["popularity", "memory-aware"])
-def test_resume_with_placement_is_bitwise_exact(gloo2, corpus, tmp_path, policy):
-    base = TINY + ["--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "0.75",
-                   *POLICIES[policy], "--data-path", corpus, "--train-iters", "8",
-                   "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
-                   "--global-batch-size", "8"]
-    straight = gloo2.run(_train, base, timeout=300)[0]["losses"]
-    ckpt = str(tmp_path / "ckpt")
-    gloo2.run(_train, base + ["--save", ckpt, "--exit-interval", "4"], timeout=300)
-    resumed = gloo2.run(_train, base + ["--load", ckpt], timeout=300)[0]["losses"]
-    assert resumed == straight[4:]
-
-
 def test_resume_with_another_placement_is_correct(gloo2, corpus, tmp_path):
     """Checkpoints hold home weights only: a popularity run resumed as static (nothing
     dropped) continues exactly like a static run resumed from the same checkpoint."""
@@ -115,20 +104,51 @@ def test_resume_with_another_placement_is_correct(gloo2, corpus, tmp_path):
     assert as_popularity == pytest.approx(as_static, rel=1e-5)
 
 
-@pytest.mark.parametrize("extra", [
-    [],
-    ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
-], ids=["plain", "distopt-overlap"])
-def test_symi_baseline_without_drops_equals_megatron(gloo2, corpus, extra):
+DISTOPT_OVERLAP = ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                   "--overlap-param-gather"]
+
+
+def _without_drops(calibration: str) -> dict[str, list[str]]:
+    """Replica policies with nothing dropped: SYMI-style, and memory-aware with a budget
+    far above the need (at gamma = inf no budget lowers gamma anyway)."""
+    return {"popularity": POLICIES["popularity"],
+            "memory-aware": ["--moe-lrmoe-placement", "memory-aware",
+                             "--moe-lrmoe-memory-budget-gb", "1", "--moe-lrmoe-calibration",
+                             calibration]}
+
+
+def _replicas_equal_megatron(pool, base: list[str], calibration: str, tmp_path) -> None:
+    megatron = pool.run(_train, base, timeout=420)[0]["losses"]
+    for name, policy in _without_drops(calibration).items():
+        log = tmp_path / f"{name}.jsonl"
+        got = pool.run(_train, base + ["--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "inf",
+                                       *policy, "--log-interval", "1", "--log-json", str(log)],
+                       timeout=420)[0]["losses"]
+        assert got == pytest.approx(megatron, rel=1e-5), name
+        replicas = [r[f"lrmoe/layer{n}/replicas"] for r in _logged(log) for n in (1, 2)]
+        assert max(replicas) > 0, (name, replicas)   # replicas computed pairs
+
+
+@pytest.mark.parametrize("extra", [[], DISTOPT_OVERLAP], ids=["plain", "distopt-overlap"])
+def test_symi_baseline_without_drops_equals_megatron(gloo2, corpus, extra, tmp_path,
+                                                     compute_bound_calibration):
     """Replicas move where pairs are computed, nothing else: with gamma = inf the losses
-    are Megatron's, with two micro-batches per step (replica gradients accumulate)."""
+    are Megatron's, with two micro-batches per step (replica gradients accumulate, and
+    join the homes' before the overlapped reduction of the last backward starts)."""
     base = TINY + NO_DROPOUT + ["--data-path", corpus, "--train-iters", "6",
                                 "--expert-model-parallel-size", "2", "--global-batch-size", "16",
                                 *extra]
-    megatron = gloo2.run(_train, base, timeout=300)[0]["losses"]
-    symi = gloo2.run(_train, base + ["--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "inf",
-                                     *POLICIES["popularity"]], timeout=300)[0]["losses"]
-    assert symi == pytest.approx(megatron, rel=1e-5)
+    _replicas_equal_megatron(gloo2, base, compute_bound_calibration, tmp_path)
+
+
+def test_replicas_without_drops_equal_megatron_on_4_ranks_ep2(gloo4, corpus, tmp_path,
+                                                              compute_bound_calibration):
+    """The same with two expert-data-parallel groups (4 ranks, EP=2): each group routes
+    its own tokens to replicas, the planners pool their counts over the groups."""
+    base = TINY + NO_DROPOUT + ["--data-path", corpus, "--train-iters", "5",
+                                "--expert-model-parallel-size", "2", "--global-batch-size", "32",
+                                *DISTOPT_OVERLAP]
+    _replicas_equal_megatron(gloo4, base, compute_bound_calibration, tmp_path)
 
 
 def test_budget_below_balanced_need_is_refused(gloo1, corpus):

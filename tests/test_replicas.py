@@ -57,25 +57,19 @@ def _micro_batches(layer, xs, dys, after_backward=None):
 
 
 def _replicas_equal_static(ep: int, microbatches: int):
-    import torch.distributed as dist
-    from megatron.core import num_microbatches_calculator as nmc
-
     megatron, static = _build(ep, math.inf)
     _, replicated = _build(ep, math.inf)
     replicated.load_state_dict(static.state_dict())
     placement = _pin(replicated, _replica_layout(ep))
-    nmc.init_num_microbatches_calculator(dist.get_rank(), None, microbatches, 1, 1)
-    try:
-        inputs = [_inputs(9 + k) for k in range(microbatches)]
-        xs, dys = [x for x, _ in inputs], [dy for _, dy in inputs]
-        ref = _micro_batches(megatron, xs, dys)
-        got_static = _micro_batches(static, xs, dys)
-        # Replica gradients stay local until the last micro-batch's backward.
-        pending = []
-        outs, dxs, grads = _micro_batches(
-            replicated, xs, dys, lambda: pending.append(replicated.replicas.has_grads))
-    finally:
-        nmc.destroy_num_microbatches_calculator()
+    replicated.microbatches_per_step = microbatches   # driven by hand: told explicitly
+    inputs = [_inputs(9 + k) for k in range(microbatches)]
+    xs, dys = [x for x, _ in inputs], [dy for _, dy in inputs]
+    ref = _micro_batches(megatron, xs, dys)
+    got_static = _micro_batches(static, xs, dys)
+    # Replica gradients stay local until the last micro-batch's backward.
+    pending = []
+    outs, dxs, grads = _micro_batches(
+        replicated, xs, dys, lambda: pending.append(replicated.replicas.has_grads))
     close = dict(rtol=RTOL, atol=ATOL)
     hosted = len(replicated.replicas.experts)
     routed_to_replicas = sum(
@@ -114,6 +108,7 @@ def _replicas_track_home_weights(ep: int, steps: int):
 
     _, layer = _build(ep, math.inf)
     _pin(layer, _replica_layout(ep))
+    layer.microbatches_per_step = 1
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
     local = layer.num_local_experts
     mismatches, checked, changed = 0, 0, 0
@@ -135,6 +130,7 @@ def _replicas_track_home_weights(ep: int, steps: int):
         before = all_w1
         out.backward(dy)
         optimizer.step()
+        layer.finish_step()    # the step boundary: replicas refresh at the next forward
     del local
     return {"checked": checked, "mismatches": mismatches, "changed": changed}
 
@@ -145,3 +141,34 @@ def test_replica_weights_stay_bitwise_equal_to_homes(gloo2):
     for r in results:
         assert r["mismatches"] == 0, r
         assert r["changed"] == 5, "the optimizer must move the home weights every step"
+
+
+def _untold_and_unfinished(ep: int) -> dict:
+    """A layer with replicas that nobody told the micro-batches of a step refuses its
+    backward; one told 2 whose step ends after 1 backward refuses the step end."""
+    _, layer = _build(ep, math.inf)
+    _pin(layer, _replica_layout(ep))
+    x, dy = _inputs(5)
+    errors = {}
+    out, _ = layer(x.clone().requires_grad_(True))
+    try:
+        out.backward(dy)
+    except RuntimeError as error:
+        errors["untold"] = str(error)
+    _, layer = _build(ep, math.inf)
+    _pin(layer, _replica_layout(ep))
+    layer.microbatches_per_step = 2
+    out, _ = layer(x.clone().requires_grad_(True))
+    out.backward(dy)
+    try:
+        layer.finish_step()
+    except RuntimeError as error:
+        errors["unfinished"] = str(error)
+    return errors
+
+
+def test_replicas_need_the_step_boundaries_told(gloo2):
+    for errors in gloo2.run(_untold_and_unfinished, 2):
+        assert "never told how many micro-batches a training step has" in errors["untold"]
+        assert "layer.microbatches_per_step" in errors["untold"]
+        assert "the step ended after 1 backward pass(es) of the 2" in errors["unfinished"]

@@ -75,7 +75,7 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     out = tmp_path / "study"
     argv = ["--stage", "ci", "--out-dir", str(out), "--policies", "lrmoe-uniform-g0.75",
             "--data-path", str(Path(corpus)), "--data-cache-path", str(tmp_path / "cache"),
-            "--port", "29547"]
+            "--port", "29547", "--microbatches", "2"]
     assert ttl.main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     assert [r["policy"] for r in report["rows"]] == ["megatron-dropless", "lrmoe-uniform-g0.75"]
@@ -90,6 +90,14 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     assert len(table) == 2 + 2
     assert all(line.count("|") == len(ttl.COLUMNS) + 1 for line in table)
     assert (out / "loss_vs_moe_time.png").stat().st_size > 0
+    # Study parameters in the report; each run's routing recorded for the simulator.
+    assert "2 micro-batch(es) per step on 2 ranks" in (out / "report.md").read_text()
+    for run in ("megatron-dropless-s1", "lrmoe-uniform-g0.75-s1"):
+        assert (out / "runs" / run / "routing" / "header.json").is_file()
+    # The stage's run report, over both runs (the LRMoE run logs its statistics).
+    for name in ("loss.png", "moe_time.png", "lrmoe.png", "routed_load.png", "index.md"):
+        assert (out / "report" / name).stat().st_size > 0
+    assert "| lrmoe-uniform-g0.75-s1 |" in (out / "report" / "index.md").read_text()
     for run in ("megatron-dropless-s1", "lrmoe-uniform-g0.75-s1"):   # the torchrun commands
         assert "torch.distributed.run" in json.loads(
             (out / "runs" / run / "done.json").read_text())["command"]

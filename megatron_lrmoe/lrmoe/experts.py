@@ -1,10 +1,15 @@
 """LRMoE's expert MLP: Megatron's SequentialMLP, read by the region as plain weights.
 
-Storing the experts exactly as SequentialMLP does (``local_experts.<i>.linear_fc1/2``)
-keeps the dist-checkpoint keys of SequentialMLP and TEGroupedMLP, so model and
-optimizer state move between plain Megatron runs and LRMoE runs in both directions.
+Storing the experts exactly as SequentialMLP does (``local_experts.<i>.linear_fc1/2``, one
+parameter per expert and projection) keeps the dist-checkpoint keys of SequentialMLP and
+TEGroupedMLP, so weights move between plain Megatron runs and LRMoE runs in both
+directions; optimizer state moves with them between SequentialMLP and LRMoE runs in any
+format (same parameters, same order), and to or from TEGroupedMLP runs only in Megatron's
+fully reshardable optimizer format (docs/lrmoe.md, "Checkpoints").
 The region computes the experts itself (it needs the rows of every pair, and the
-backward over retained rows only), so this class only adds ``expert_weights()``.
+backward over retained rows only), so this class only adds ``expert_weights()``; for
+grouped GEMMs the region stacks these per-expert weights per call (docs/lrmoe.md,
+"Expert GEMMs", says why one parameter per projection was not chosen).
 """
 
 from __future__ import annotations

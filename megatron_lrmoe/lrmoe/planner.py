@@ -180,6 +180,27 @@ class LayerPlanner:
         self._observed_sum = n if self._observed_sum is None else self._observed_sum + n
         self._observed += 1
 
+    def observations(self) -> tuple[torch.Tensor | None, int]:
+        """This step's observations so far: (sum of the [R, E] counts, micro-batches)."""
+        return self._observed_sum, self._observed
+
+    def replace_observations(self, counts_sum: torch.Tensor | None, microbatches: int) -> None:
+        """Make (``counts_sum``, ``microbatches``) this step's observations.
+
+        For callers that pool the observations of several planners of the same layer
+        (its expert-data-parallel replicas) before ``next_step``, so that all of them
+        fold the same counts and stay identical.
+        """
+        if counts_sum is not None and tuple(counts_sum.shape) != (self.settings.num_ranks,
+                                                                  self.settings.num_experts):
+            raise ValueError(f"observations of shape {tuple(counts_sum.shape)}, this planner "
+                             f"has (R, E) = {(self.settings.num_ranks, self.settings.num_experts)}")
+        if (counts_sum is None) != (microbatches == 0):
+            raise ValueError("observations: counts without micro-batches or the reverse")
+        self._observed_sum = (None if counts_sum is None
+                              else counts_sum.detach().to("cpu", torch.float64).clone())
+        self._observed = int(microbatches)
+
     def plan(self, counts: torch.Tensor) -> MicroBatchPlan:
         """Routing and quotas of one micro-batch under the current placement.
 

@@ -1,9 +1,9 @@
 """From Megatron's config to the pure planner's inputs (PlannerSettings, MoEShape, machine).
 
 The planner is a function of plain numbers; this module is the one place that reads
-them off an ``LRMoETransformerConfig`` and the run's layout, for the layer (at its
-first forward, when the tokens per micro-batch are known) and for the launchers'
-start-up budget check (from the command line, before any model exists).
+them off an ``LRMoETransformerConfig`` and the run's layout, for the layer (at model
+setup, ``lrmoe/step.py``, when the entry point knows the tokens per micro-batch) and for
+the launchers' start-up budget check (from the command line, before any model exists).
 
 Budget unit: ``--moe-lrmoe-memory-budget-gb`` is in GiB (2**30 bytes), the unit
 ``torch.cuda.memory_allocated`` and ``nvidia-smi`` figures are usually read in.
@@ -21,7 +21,8 @@ from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShap
 from megatron_lrmoe.lrmoe.machine import default_machine_constants
 from megatron_lrmoe.lrmoe.planner import PlannerSettings
 
-__all__ = ["GIB", "machine_constants", "moe_layers_per_stage", "moe_shape", "planner_settings"]
+__all__ = ["GIB", "agreed_machine_constants", "machine_constants", "moe_layers_per_stage",
+           "moe_shape", "needs_cost_model", "planner_settings"]
 
 GIB = 2**30
 
@@ -68,9 +69,11 @@ def agreed_machine_constants(calibration: str | None, device: torch.device,
                              group=None) -> MachineConstants:
     """``machine_constants``, identical on every rank of ``group``.
 
-    Every EP rank must plan from the same numbers (the planner's outputs must agree
-    without communication). A calibration file is the same everywhere; an in-process
-    measurement is not, so the ranks average theirs (one all-reduce, at planner build).
+    Every rank that plans a layer must plan from the same numbers (the planners' outputs
+    must agree without communication, within an EP group and, since the expert-data-
+    parallel replicas of a layer share one planner state, across EP groups too). A
+    calibration file is the same everywhere; an in-process measurement is not, so the
+    ranks average theirs (one all-reduce over ``group``, once at model setup).
     """
     constants = machine_constants(calibration, device.type)
     if calibration or group is None or dist.get_world_size(group) == 1:
@@ -81,22 +84,30 @@ def agreed_machine_constants(calibration: str | None, device: torch.device,
     gemm, bandwidth, latency = (values / dist.get_world_size(group)).tolist()
     return dataclasses.replace(constants, gemm_flops_per_s=gemm, alltoall_bytes_per_s=bandwidth,
                                alltoall_latency_s=latency,
-                               source=constants.source + " (averaged over the EP group)")
+                               source=constants.source + " (averaged over all ranks)")
 
 
-def planner_settings(config, ep_size: int, tokens_per_rank: int,
-                     microbatches_per_step: int = 1, device: torch.device | None = None,
-                     group=None) -> PlannerSettings:
+def needs_cost_model(config) -> bool:
+    """Whether the layer's planner needs the cost model (and so the machine constants and
+    the tokens per micro-batch): with a memory budget or memory-aware placement."""
+    return (config.moe_lrmoe_memory_budget_gb is not None
+            or config.moe_lrmoe_placement == "memory-aware")
+
+
+def planner_settings(config, ep_size: int, tokens_per_rank: int | None = None,
+                     microbatches_per_step: int = 1,
+                     machine: MachineConstants | None = None) -> PlannerSettings:
     """PlannerSettings of one LRMoE layer (raises ValueError naming the setting).
 
-    Collective over ``group`` (the EP group) when the cost model needs measured machine
-    constants and no calibration file is given."""
-    needs_cost = (config.moe_lrmoe_memory_budget_gb is not None
-                  or config.moe_lrmoe_placement == "memory-aware")
+    ``tokens_per_rank`` and ``machine`` are needed when ``needs_cost_model(config)``;
+    pure otherwise (no measurement, no communication: ``agreed_machine_constants`` is
+    the caller's, once for all layers)."""
     cost = None
-    if needs_cost:
-        machine = agreed_machine_constants(config.moe_lrmoe_calibration,
-                                           device or torch.device("cpu"), group)
+    if needs_cost_model(config):
+        if tokens_per_rank is None or machine is None:
+            raise ValueError("the planner of this configuration (--moe-lrmoe-memory-budget-gb "
+                             "or --moe-lrmoe-placement memory-aware) needs the tokens per "
+                             "micro-batch and the machine constants")
         cost = CostModel(moe_shape(config, tokens_per_rank, microbatches_per_step), machine)
     budget = config.moe_lrmoe_memory_budget_gb
     return PlannerSettings(

@@ -1,46 +1,56 @@
-"""The LRMoE region: dispatch -> experts -> combine as one autograd function.
+"""The LRMoE region: dispatch -> experts -> weighted combine as one autograd function.
 
 Notation (docs/design.md, "Notation"), per MoE layer and micro-batch, on source rank s:
-  R   ranks of the expert-parallel group; E experts, L = E / R local experts per rank
-  T   tokens of this rank; H hidden size; F expert FFN size (2F rows of W1 when gated)
-  P   routed pairs of this rank (sum of its routing map); pairs are kept in
-      "expert-major" order: sorted by expert, then by token. Experts of a rank are
-      contiguous, so this is also (destination rank, local expert) order.
-  Pr  pairs this rank's experts receive, held "source-major" as they arrive
-      (source rank, local expert, token) and "expert-major" for the GEMMs.
-  n[s, e], q[s, e]  routed and retained pairs (the RetentionPlan)
+  R   ranks of the expert-parallel group; I instances, L of them local to this rank
+  T   tokens of this rank; H hidden size; F expert FFN size (F1 = 2F rows of W1 when gated)
+  P   routed pairs of this rank, in its send order: by instance (= destination rank,
+      then local instance), then by token
+  Pr  pairs this rank's instances receive: "src-major" (source, instance, token) as
+      the all-to-all delivers them, "exp-major" (instance, source, token) for the GEMMs
+  K   pairs this rank keeps as a source in backward; Kr rows its instances keep
+  n[s, i], q[s, i]  routed and retained pairs of cell (s, i) (the RetentionPlan)
 
-Forward (exact): every pair is dispatched and computed; each expert returns its
-unweighted output row o(t, e) and, riding along the combine all-to-all as one extra
-column, the side statistic a(t, e) = ||h(t, e)||, h the input of the second linear
-layer. The routing probability p is applied by the caller after the region
-(y = sum_e p * o), so autograd gives the exact router gradient <dy, o> for every
-pair and hands the region g = p * dy per pair.
+Forward (exact): every pair is dispatched and computed; each instance returns its
+unweighted output row o(t, e) to the source, which forms y(t) = sum_e p(t, e) o(t, e)
+inside the region (``combine_rows``: deterministic, no atomics). The side statistic
+a(t, e) = ||h(t, e)|| travels back in a second small all-to-all, only when the metric
+needs it or the call measures statistics.
 
-Backward (recalibrated): on the source, the metric per pair, the selection of
-q[s, e] pairs per (s, e) cell, compaction of the kept gradient rows (scaled by
-the selection's scale for every rule but topk) with their int32 row positions;
-one all-to-all with the retained split sizes for the rows and one for the
-positions; the experts backward (dX, dW1, dW2) over the retained rows only; dX
-back with the retained splits; scatter-add into the token gradients. A dropped
-pair contributes nothing to dX or dW; its router gradient is untouched.
+Backward (recalibrated), on the source: the metric per pair (skipped when the rule
+ignores it, except on measured calls), the selection of q[s, i] pairs per cell, then one
+pass over dy per pair (``combine_rows_backward``) gives the router gradient <dy, o> of
+every pair, kept or dropped, and the kept rows p * w * dy already in send order. Rows go
+to their instances with the retained split sizes, with each row's exp-major position
+at the receiver (skipped for receivers that keep every row); the experts' backward runs
+over the retained rows only; dX comes back and is scatter-added into the token
+gradients. A dropped pair contributes nothing to dX or dW; its router gradient is exact.
+
+Host reads: none. Every size and index the host needs comes from the plan
+(``CallLayout``); index tables go to the device in one non-blocking copy per call.
+The layer's counts exchange, before the region, is the one host read per forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megatron_lrmoe.lrmoe.comm import all_to_all_rows
+from megatron_lrmoe.lrmoe.expert_gemms import experts_backward, experts_forward, use_grouped_mm
+from megatron_lrmoe.lrmoe.region_layout import CallLayout, chunk_permutation
 from megatron_lrmoe.lrmoe.retention import RetentionPlan
-from megatron_lrmoe.ops import compact_rows, scatter_add_rows, select_rows
+from megatron_lrmoe.ops import combine_rows, combine_rows_backward, scatter_add_rows, select_rows
+from megatron_lrmoe.ops.select import _splitmix64_tensor
 
-__all__ = ["ExpertWeights", "RegionContext", "RegionStats", "lrmoe_region"]
+__all__ = ["ExpertWeights", "KeptPairs", "KeptPairsLog", "RegionContext", "RegionStats",
+           "lrmoe_region", "record_kept_pairs", "rule_reads_metric"]
 
 
 @dataclass(frozen=True)
@@ -74,12 +84,17 @@ class ExpertWeights:
 
 @dataclass
 class RegionStats:
-    """What one region call did, filled in forward (routing) and backward (drop)."""
+    """What one region call did, filled in forward (routing) and backward (drop).
+
+    Counts are host integers from the plan; the metric sums stay on the device
+    (``metric_sums``) until the statistics are collected, once per log interval.
+    """
 
     routed_pairs: int = 0
     retained_pairs: int = 0
-    metric_total: float = 0.0
-    metric_dropped: float = 0.0
+    metric_sums: torch.Tensor | None = None
+    """[2] fp32 on the device: (total metric, dropped metric) of this source's pairs;
+    None when the call did not compute the metric (rule ignores it, call not measured)."""
     backward_bytes_sent: int = 0
     backward_bytes_dense: int = 0
     expert_backward_rows: int = 0
@@ -89,7 +104,68 @@ class RegionStats:
     """Host seconds the placement planner took for this call (routing + quotas)."""
     budget_adjusted: bool = False
     """The planner lowered quotas or could not fit the budget for this call (its notes)."""
+    grouped_gemm: bool = False
+    """The expert GEMMs ran grouped (grouped_mm), not as the per-expert loop."""
     backward_done: bool = False
+
+
+@dataclass(frozen=True)
+class KeptPairs:
+    """One region backward's kept pairs on one source rank (the debug view).
+
+    Pair indices refer to this source's pair list in send order (instance-major, then
+    token): ``pair_token[i]`` and ``pair_expert[i]`` name pair i. ``kept`` [K] lists the
+    kept pairs by cell in send order, ``scale`` [K] their weights w (1 for ``topk`` and
+    for whole cells). Tensors are copies on the region's device.
+    """
+
+    layer: int
+    call: int
+    rank: int
+    pair_token: torch.Tensor
+    pair_expert: torch.Tensor
+    kept: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass
+class KeptPairsLog:
+    """Records of every region backward run while ``record_kept_pairs`` was active."""
+
+    records: list[KeptPairs] = field(default_factory=list)
+
+    def of_layer(self, layer: int) -> list[KeptPairs]:
+        return [r for r in self.records if r.layer == layer]
+
+
+_recording = threading.local()
+
+
+@contextmanager
+def record_kept_pairs() -> Iterator[KeptPairsLog]:
+    """Opt-in debug view: record, per layer and call, the pairs each backward kept.
+
+    Region calls whose forward runs inside the block record their backward (also
+    when it runs after the block). Off (the default), a region pays one attribute
+    read per forward.
+    """
+    log = KeptPairsLog()
+    previous = getattr(_recording, "log", None)
+    _recording.log = log
+    try:
+        yield log
+    finally:
+        _recording.log = previous
+
+
+def active_kept_pairs_log() -> KeptPairsLog | None:
+    """The log of the innermost active ``record_kept_pairs`` block, if any."""
+    return getattr(_recording, "log", None)
+
+
+def rule_reads_metric(selection: str) -> bool:
+    """Whether a selection rule reads the per-pair metric (``uniform`` does not)."""
+    return selection != "uniform"
 
 
 @dataclass
@@ -106,10 +182,27 @@ class RegionContext:
     seed: int = 0
     kernels: str = "auto"
     grouped_gemm: bool | None = None
+    """None: grouped GEMMs on CUDA where they apply, else the loop; True: grouped on
+    every device where they apply (``--moe-grouped-gemm``); False: the loop."""
+    measure: bool = True
+    """Compute the metric (and a) for the statistics even when the rule ignores it."""
+    layer: int = 0
+    call: int = 0
+    record: KeptPairsLog | None = None
+    """Debug view (``record_kept_pairs``): where this call's backward records its kept pairs."""
     stats: RegionStats = field(default_factory=RegionStats)
     on_replica_grads: ReplicaGradHook | None = None
     """Called in backward with the replicas' (dW1, dW2); returns additions to the home
     experts' gradients (empty lists: none this micro-batch). Required with replicas."""
+
+    @property
+    def needs_metric(self) -> bool:
+        return rule_reads_metric(self.selection) or self.measure
+
+    @property
+    def needs_norm(self) -> bool:
+        """Whether forward must return a = ||h|| (the grad_act metric reads it)."""
+        return self.needs_metric and self.metric == "grad_act"
 
 
 # (replica dW1s, replica dW2s) -> (home dW1 additions, home dW2 additions)
@@ -133,39 +226,29 @@ def _rank_columns(instance_rank: tuple[int, ...], rank: int) -> range:
     return range(ids[0], ids[-1] + 1)
 
 
-# -----------------------------------------------------------------------------
-# Layout helpers
-# -----------------------------------------------------------------------------
+def _exchange(rows: torch.Tensor, send: list[int], recv: list[int],
+              group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The all-to-all of rows; on one rank the rows themselves (no copy)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return rows
+    return all_to_all_rows(rows, send, recv, group)
 
 
-def _source_to_expert_order(chunk_sizes: torch.Tensor) -> torch.Tensor:
-    """Permutation from source-major to expert-major row order.
+def _pair_metric(name: str, dy: torch.Tensor, pair_token: torch.Tensor, p: torch.Tensor,
+                 a: torch.Tensor | None, seed: int) -> torch.Tensor:
+    """m(t, e) per pair, float32 (docs/design.md, "Selection rules").
 
-    chunk_sizes[s, l]: rows from source s for local expert l, stored source-major.
-    Returns idx with expert_major = source_major[idx].
+    ||g(t, e)|| = p(t, e) ||dy(t)||: one norm per token, not per pair. ``random`` draws
+    from the counter-based generator on the device (splitmix64 of seed and pair index).
     """
-    R, L = chunk_sizes.shape
-    flat = chunk_sizes.reshape(-1)
-    starts = torch.cumsum(flat, 0) - flat  # start of chunk (s, l) in source-major order
-    order = starts.reshape(R, L).t().reshape(-1)  # chunk starts visited expert-major
-    sizes = chunk_sizes.t().reshape(-1)
-    if int(sizes.sum()) == 0:
-        return torch.zeros(0, dtype=torch.long)
-    offsets = torch.repeat_interleave(order - (torch.cumsum(sizes, 0) - sizes), sizes)
-    return torch.arange(int(sizes.sum())) + offsets
-
-
-def _pair_metric(name: str, g: torch.Tensor, a: torch.Tensor, p: torch.Tensor,
-                 seed: int) -> torch.Tensor:
-    """m(t, e) per pair, float32 (docs/design.md, "Selection rules")."""
-    if name == "grad_act":
-        return torch.linalg.vector_norm(g.float(), dim=1) * a.float()
-    if name == "grad":
-        return torch.linalg.vector_norm(g.float(), dim=1)
+    if name in ("grad_act", "grad"):
+        norms = torch.linalg.vector_norm(dy, dim=1, dtype=torch.float32)   # [T]
+        metric = p.float() * norms.index_select(0, pair_token)
+        return metric * a if name == "grad_act" else metric
     if name == "prob":
         return p.float()
-    generator = torch.Generator().manual_seed(seed)
-    return torch.rand(g.shape[0], generator=generator).to(g.device)
+    bits = _splitmix64_tensor(torch.arange(p.shape[0], device=p.device) + seed)
+    return ((bits >> 11) & ((1 << 53) - 1)).double().mul(2.0**-53).float()
 
 
 # -----------------------------------------------------------------------------
@@ -174,9 +257,9 @@ def _pair_metric(name: str, g: torch.Tensor, a: torch.Tensor, p: torch.Tensor,
 
 
 class _LRMoERegion(torch.autograd.Function):
-    """Inputs: tokens x [T, H], pair_token [P], pair_prob [P] (detached, for the prob
-    metric), ctx_obj, then w1[0..L), w2[0..L). Outputs: o [P, H] (unweighted expert
-    outputs, expert-major pair order) and a [P] (side statistic, no gradient)."""
+    """Inputs: tokens x [T, H], pair_token [P] (int64), pair_prob [P] (differentiable:
+    the router gradient), ctx_obj, experts, then w1[0..homes), w2[0..homes).
+    Output: y [T, H] = sum over each token's pairs of p * o."""
 
     @staticmethod
     def forward(ctx, x, pair_token, pair_prob, rc: RegionContext, experts: ExpertWeights,
@@ -186,191 +269,224 @@ class _LRMoERegion(torch.autograd.Function):
         if len(local) != len(experts.w1):
             raise ValueError(f"rank {s} hosts {len(local)} instances but got weights for "
                              f"{len(experts.w1)}")
+        lay = CallLayout(plan, s, local)
+        tables_buffer, tables = lay.device_tables(x.device)
+        grouped = use_grouped_mm(rc.grouped_gemm, x, experts.w1[0], experts.w2[0])
+        offs = tables.offs_fwd.to(torch.int32) if grouped else None
+
         # ---- dispatch every pair ------------------------------------------------
-        send, recv = plan.forward_send_splits(s), plan.forward_recv_splits(s)
-        x_recv = all_to_all_rows(x[pair_token], send, recv, group)            # [Pr, H] src-major
-        chunk_sizes = plan.counts[:, local.start:local.stop]              # [R, L]
-        # Index tensors are built on the host from the plan, then moved to x's device.
-        device = x.device
-        to_expert = _source_to_expert_order(chunk_sizes).to(device)
-        x_exp = x_recv[to_expert]                                         # [Pr, H] exp-major
-        rows_per_expert = chunk_sizes.sum(0).tolist()
+        x_recv = _exchange(x.index_select(0, pair_token), lay.send_fwd, lay.recv_fwd, group)
+        if lay.fwd_identity:
+            x_exp = x_recv                                                # [Pr, H] exp-major
+        else:
+            to_expert = chunk_permutation(tables.fwd[0], tables.fwd[1], lay.received)
+            x_exp = x_recv.index_select(0, to_expert)
+        del x_recv   # free the receive buffer now, not when forward returns
 
-        # ---- experts on every pair -------------------------------------------------
-        z_parts, o_parts, a_parts = [], [], []
-        for e, x_l in enumerate(torch.split(x_exp, rows_per_expert)):
-            z_l = x_l @ experts.w1[e].t()
-            h_l = experts.activation(z_l)
-            o_parts.append(h_l @ experts.w2[e].t())
-            a_parts.append(torch.linalg.vector_norm(h_l.float(), dim=1))
-            z_parts.append(z_l)
-        o_exp = torch.cat(o_parts) if o_parts else x_exp.new_empty((0, x.shape[1]))
-        a_exp = torch.cat(a_parts) if a_parts else x_exp.new_empty((0,), dtype=torch.float32)
+        # ---- experts on every pair --------------------------------------------------
+        z, o_exp, a_exp = experts_forward(x_exp, lay.rows_fwd, offs, experts.w1, experts.w2,
+                                          experts.activation, rc.needs_norm, grouped)
+        # ---- back to the sources, then the weighted combine -------------------------
+        if not lay.fwd_identity:
+            back = chunk_permutation(tables.fwd[2], tables.fwd[3], lay.received)
+            o_exp = o_exp.index_select(0, back)
+            a_exp = None if a_exp is None else a_exp.index_select(0, back)
+        o = _exchange(o_exp, lay.recv_fwd, lay.send_fwd, group)              # [P, H]
+        a = None if a_exp is None else _exchange(a_exp, lay.recv_fwd, lay.send_fwd, group)
+        del o_exp, a_exp
+        sorted_token, by_token = torch.sort(pair_token, stable=True)
+        token_offsets = torch.searchsorted(
+            sorted_token, torch.arange(x.shape[0] + 1, device=x.device))
+        y = combine_rows(o, pair_prob, by_token, token_offsets, backend=rc.kernels)
 
-        # ---- combine: back to the sources, a(t, e) riding as one extra column ------
-        back = torch.empty_like(to_expert)
-        back[to_expert] = torch.arange(to_expert.numel(), device=device)
-        payload = torch.cat([o_exp, a_exp.to(o_exp.dtype).unsqueeze(1)], dim=1)[back]
-        returned = all_to_all_rows(payload, recv, send, group)                # [P, H + 1]
-        o, a = returned[:, :-1].contiguous(), returned[:, -1].float()
-
-        ctx.rc, ctx.experts = rc, experts
-        ctx.to_expert, ctx.rows_per_expert = to_expert, rows_per_expert
-        ctx.save_for_backward(x_exp, torch.cat(z_parts) if z_parts else x_exp[:, :0],
-                              pair_token, pair_prob, a)
-        ctx.num_tokens = x.shape[0]
-        rc.stats.routed_pairs = int(pair_token.numel())
-        ctx.mark_non_differentiable(a)
-        return o, a
+        ctx.rc, ctx.experts, ctx.layout, ctx.grouped = rc, experts, lay, grouped
+        ctx.save_for_backward(x_exp, z, o, pair_token, pair_prob, a, tables_buffer)
+        rc.stats.routed_pairs = lay.num_pairs
+        rc.stats.grouped_gemm = grouped
+        return y
 
     @staticmethod
-    def backward(ctx, g, _grad_a):
-        rc, experts = ctx.rc, ctx.experts
-        plan, group, s, L = rc.plan, rc.group, rc.rank, len(experts.w1)
-        x_exp, z_exp, pair_token, pair_prob, a = ctx.saved_tensors
-        g = g.contiguous()
-        device = g.device
+    def backward(ctx, dy):
+        rc, experts, lay = ctx.rc, ctx.experts, ctx.layout
+        x_exp, z, o, pair_token, pair_prob, a, tables_buffer = ctx.saved_tensors
+        tables = lay.views(tables_buffer)
+        group, device = rc.group, dy.device
+        dy = dy.contiguous()
 
-        # ---- source side: metric, selection per (s, e) cell, compaction -----------
-        metric = _pair_metric(rc.metric, g, a, pair_prob, rc.seed)
-        counts_s = plan.counts[s]
-        cell_offsets = torch.cat([counts_s.new_zeros(1), torch.cumsum(counts_s, 0)]).to(device)
-        kept, scale, _ = select_rows(metric, cell_offsets, plan.quotas[s].to(device),
-                                     rule=rc.selection, seed=rc.seed, backend=rc.kernels,
-                                     hybrid_fraction=rc.hybrid_fraction)
-        g_kept = compact_rows(g, kept, None if rc.selection == "topk" else scale,
-                              backend=rc.kernels)
-        # Row positions inside the destination's forward receive buffer: position within
-        # this source's chunk there; the receiver adds where that chunk starts.
-        fwd_send = plan.forward_send_splits(s)
-        send_start = torch.tensor([0] + fwd_send[:-1], device=device).cumsum(0)
-        dest_of_kept = torch.repeat_interleave(
-            torch.arange(len(fwd_send), device=device),
-            torch.tensor(plan.send_splits(s), device=device))
-        pos_kept = (kept - send_start[dest_of_kept]).to(torch.int32)
+        # ---- source side: metric and selection per (s, i) cell ----------------------
+        metric = (_pair_metric(rc.metric, dy, pair_token, pair_prob, a, rc.seed)
+                  if rc.needs_metric else None)
+        kept = slot = scale = None
+        if not lay.source_keeps_all:
+            kept, scale, _ = select_rows(
+                metric if rule_reads_metric(rc.selection) else None, tables.cell_offsets,
+                tables.quotas, rule=rc.selection, seed=rc.seed, backend=rc.kernels,
+                hybrid_fraction=rc.hybrid_fraction, n_kept=lay.num_kept,
+                num_rows=lay.num_pairs)
+            slot = torch.full((lay.num_pairs,), -1, dtype=torch.int64, device=device)
+            slot.index_copy_(0, kept, torch.arange(lay.num_kept, device=device))
+        # ---- one pass over dy per pair: router gradient, kept rows in send order -----
+        dprob, g_kept = combine_rows_backward(
+            dy, o, pair_token, pair_prob, slot,
+            None if rc.selection == "topk" else scale, lay.num_kept, backend=rc.kernels)
 
-        # ---- retained all-to-all: rows and their positions -------------------------
-        send, recv = plan.send_splits(s), plan.recv_splits(s)
-        g_recv = all_to_all_rows(g_kept, send, recv, group)                   # [Kr, H]
-        pos_recv = all_to_all_rows(pos_kept.unsqueeze(1), send, recv, group).squeeze(1).long()
-        fwd_recv = plan.forward_recv_splits(s)
-        recv_start = torch.tensor([0] + fwd_recv[:-1], device=device).cumsum(0)
-        src_of_row = torch.repeat_interleave(torch.arange(len(recv), device=device),
-                                             torch.tensor(recv, device=device))
-        src_major_pos = pos_recv + recv_start[src_of_row]
-        expert_pos = torch.empty_like(ctx.to_expert)
-        expert_pos[ctx.to_expert] = torch.arange(ctx.to_expert.numel(), device=device)
-        rows = expert_pos[src_major_pos] if src_major_pos.numel() else src_major_pos
-        order = torch.argsort(rows, stable=True)
-        rows, g_rows = rows[order], g_recv[order]
+        # ---- retained all-to-all: rows, and their exp-major positions ---------------
+        g_recv = _exchange(g_kept, lay.send_bwd, lay.recv_bwd, group)        # [Kr, H]
+        del g_kept
+        positions = None
+        if lay.positions_exchanged:
+            positions = _exchange(_positions(lay, tables, kept, device), lay.send_pos,
+                                  lay.recv_pos, group)
+        if lay.bwd_identity:
+            g_exp = g_recv
+        else:
+            to_expert = chunk_permutation(tables.bwd[0], tables.bwd[1], lay.received_kept)
+            g_exp = g_recv.index_select(0, to_expert)
+            if positions is not None and not lay.receiver_keeps_all:
+                positions = positions.index_select(0, to_expert)
+        del g_recv
+        # Every row kept: they are x_exp's and z's rows in order already. Else the
+        # positions name them (gathered per instance by the loop).
+        rows = None if lay.receiver_keeps_all else positions.long()
 
         # ---- expert backward over retained rows only ------------------------------
-        bounds = torch.tensor([0, *ctx.rows_per_expert], device=device).cumsum(0)
-        kept_per_expert = torch.bucketize(rows, bounds[1:], right=True).bincount(
-            minlength=L).tolist() if rows.numel() else [0] * L
-        dx_rows, dw1, dw2 = _expert_backward(
-            x_exp[rows], z_exp[rows], g_rows, kept_per_expert, experts,
-            _use_grouped_mm(rc.grouped_gemm, g_rows, experts))
-        unsort = torch.empty_like(order)
-        unsort[order] = torch.arange(order.numel(), device=device)
-        dx_back = all_to_all_rows(dx_rows[unsort], recv, send, group)        # [K, H] kept order
+        offs = tables.offs_bwd.to(torch.int32) if ctx.grouped else None
+        homes = experts.homes
+        # Frozen home experts and no replica: no weight gradient to compute (the dW GEMMs
+        # are local, so skipping them keeps every rank's collectives in step).
+        weight_grads = any(ctx.needs_input_grad[5:]) or homes < len(experts.w1)
+        fuse = experts.gradient_accumulation_fusion
+
+        def sink(projection: int, e: int, grad: torch.Tensor) -> bool:
+            # Home experts' dW go where they end up as soon as each exists (replicas'
+            # go to the replica hook below).
+            weights = experts.w1 if projection == 1 else experts.w2
+            return e < homes and _accumulate_now(weights[e], grad, fuse)
+
+        dx_rows, dw1, dw2 = experts_backward(x_exp, z, g_exp, lay.rows_bwd, offs,
+                                             experts.w1, experts.w2, experts.activation,
+                                             ctx.grouped, weight_grads, sink, rows)
+        del g_exp, rows
+        if not lay.bwd_identity:
+            back = chunk_permutation(tables.bwd[2], tables.bwd[3], lay.received_kept)
+            dx_rows = dx_rows.index_select(0, back)
+        dx_back = _exchange(dx_rows, lay.recv_bwd, lay.send_bwd, group)      # [K, H]
+        del dx_rows
 
         # ---- source side: scatter-add into token gradients ------------------------
-        dx = torch.zeros((ctx.num_tokens, g.shape[1]), dtype=g.dtype, device=g.device)
-        scatter_add_rows(dx, pair_token[kept], dx_back, backend=rc.kernels)
+        dx = torch.zeros((dy.shape[0], dy.shape[1]), dtype=dy.dtype, device=device)
+        kept_token = pair_token if kept is None else pair_token.index_select(0, kept)
+        scatter_add_rows(dx, kept_token, dx_back, backend=rc.kernels)
 
-        _record_backward_stats(rc, metric, kept, g, (g_kept, pos_kept), sum(kept_per_expert))
-        homes = experts.homes
+        _record_backward(rc, lay, metric, kept, scale, pair_token, dy)
+        if not weight_grads:
+            return (dx if ctx.needs_input_grad[0] else None, None,
+                    dprob.to(pair_prob.dtype) if ctx.needs_input_grad[2] else None,
+                    None, None, *(None,) * (2 * homes))
         extra1, extra2 = [], []
         if rc.on_replica_grads is not None:
             extra1, extra2 = rc.on_replica_grads(dw1[homes:], dw2[homes:])
-        elif homes < L:
+        elif homes < len(experts.w1):
             raise RuntimeError("replicas need RegionContext.on_replica_grads")
         extra = (*extra1, *extra2) or (None,) * (2 * homes)
         weights = (*experts.w1[:homes], *experts.w2[:homes])
-        grads = [_weight_grad(w, d, experts.gradient_accumulation_fusion, e)
+        grads = [_weight_grad(w, d, fuse, e)
                  for w, d, e in zip(weights, (*dw1[:homes], *dw2[:homes]), extra, strict=True)]
-        return (dx, None, None, None, None, *grads)
+        # dx and dprob are computed whatever needs_input_grad says: the collectives
+        # above must run on every rank alike.
+        return (dx if ctx.needs_input_grad[0] else None, None,
+                dprob.to(pair_prob.dtype) if ctx.needs_input_grad[2] else None,
+                None, None, *grads)
 
 
-def _use_grouped_mm(requested: bool | None, g: torch.Tensor, experts: ExpertWeights) -> bool:
-    """grouped_mm needs 16-byte aligned rows (H, F, F1 multiples of 16 / element size).
+def _positions(lay: CallLayout, tables, kept: torch.Tensor | None,
+               device: torch.device) -> torch.Tensor:
+    """int32 exp-major row at its receiver of every kept row sent to a receiver that
+    does not keep all its rows (the others need none), in send order."""
+    base = kept if kept is not None else torch.arange(lay.num_pairs, device=device)
+    quotas = tables.quotas
+    rows = (base + torch.repeat_interleave(tables.pos_delta, quotas,
+                                           output_size=lay.num_kept)).to(torch.int32)
+    if lay.send_pos == lay.send_bwd:
+        return rows
+    parts, start = [], 0
+    for sent, count in zip(lay.send_pos, lay.send_bwd, strict=True):
+        if sent:
+            parts.append(rows[start:start + count])
+        start += count
+    return torch.cat(parts) if parts else rows[:0]
 
-    ``requested`` None picks it on CUDA where it applies (on CPU the per-expert loop is as
-    fast and needs no stacked copy of the weights); True demands it; False uses the loop.
+
+def _accumulate_now(weight: torch.Tensor, grad: torch.Tensor, fuse: bool) -> bool:
+    """Add one expert's weight gradient where it ends up, now: the region then never holds
+    every expert's dW at once (L x the expert weights of temporaries).
+
+    Destinations: Megatron's ``main_grad`` under its DDP (which sets
+    ``grad_added_to_main_grad`` and skips its own add when it is flagged, as with its
+    linear layers' gradient accumulation fusion) or with fusion; else an existing
+    ``.grad``. False: no destination yet (a plain run's first accumulation): the gradient
+    is returned to autograd instead.
     """
-    align = 16 // g.element_size()
-    aligned = all(d % align == 0 for d in (*experts.w1[0].shape, *experts.w2[0].shape))
-    applies = hasattr(torch.nn.functional, "grouped_mm") and aligned and g.dtype in (
-        torch.float32, torch.bfloat16)
-    if requested and not applies:
-        raise ValueError("grouped_mm does not apply here (needs fp32/bf16 and dims that are "
-                         f"multiples of {align}); use the per-expert loop")
-    return applies and g.is_cuda if requested is None else requested
-
-
-def _expert_backward(x, z, g, rows_per_expert: list[int], experts: ExpertWeights,
-                     grouped: bool):
-    """dX [K, H], dW1[l] [F1, H], dW2[l] [H, F] over the retained rows only.
-
-    x, z, g: [K, .] rows grouped by local expert (rows_per_expert[l] rows each).
-    """
-    z = z.detach()
-    with torch.enable_grad():
-        z.requires_grad_(True)
-        h = experts.activation(z)                                         # [K, F]
-    if grouped:
-        offs = torch.tensor(rows_per_expert, device=g.device).cumsum(0).to(torch.int32)
-        w1, w2 = torch.stack(experts.w1), torch.stack(experts.w2)         # [L, F1, H], [L, H, F]
-        grouped_mm = torch.nn.functional.grouped_mm
-        dw2 = grouped_mm(g.t(), h.detach(), offs=offs)                    # [L, H, F]
-        (dz,) = torch.autograd.grad(h, z, grouped_mm(g, w2, offs=offs))   # [K, F1]
-        dw1 = grouped_mm(dz.t(), x, offs=offs)                            # [L, F1, H]
-        return grouped_mm(dz, w1, offs=offs), list(dw1.unbind(0)), list(dw2.unbind(0))
-    dh = torch.cat([g_l @ w for g_l, w in zip(torch.split(g, rows_per_expert), experts.w2,
-                                              strict=True)])             # [K, F]
-    (dz,) = torch.autograd.grad(h, z, dh)
-    dx, dw1, dw2 = [], [], []
-    for w1, x_l, dz_l, g_l, h_l in zip(
-        experts.w1, *(torch.split(t, rows_per_expert) for t in (x, dz, g, h.detach())),
-        strict=True,
-    ):
-        dw2.append(g_l.t() @ h_l)
-        dw1.append(dz_l.t() @ x_l)
-        dx.append(dz_l @ w1)
-    return torch.cat(dx), dw1, dw2
-
-
-def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, fuse: bool,
-                 extra: torch.Tensor | None = None):
-    """Hand a weight gradient (plus its replicas' ``extra``) to Megatron the way its own
-    linear layers do."""
-    if fuse and hasattr(weight, "main_grad"):
-        # gradient_accumulation_fusion: accumulate straight into the fp32 main grad.
-        weight.main_grad.add_(grad.to(weight.main_grad.dtype))
-        if extra is not None:
-            weight.main_grad.add_(extra.to(weight.main_grad.dtype))
+    main = getattr(weight, "main_grad", None)
+    if main is not None and (fuse or hasattr(weight, "grad_added_to_main_grad")):
+        main.add_(grad.to(main.dtype))
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
-            # DDP's hook needs a grad to fire; it skips the add when flagged.
-            return torch.zeros_like(weight)
+        return True
+    if (weight.grad is not None and weight.grad.layout == torch.strided
+            and weight.grad.shape == grad.shape):
+        weight.grad.add_(grad.to(weight.grad.dtype))
+        return True
+    return False
+
+
+def _weight_grad(weight: torch.Tensor, grad: torch.Tensor | None, fuse: bool,
+                 extra: torch.Tensor | None = None):
+    """What autograd receives for a home weight: its gradient plus the replicas' ``extra``,
+    or, when ``_accumulate_now`` took the gradient (``grad`` None), a zero that costs no
+    memory (an expanded scalar), so the hooks that wait for a gradient still fire
+    (Megatron DDP's skips the add, as flagged); None under fusion without the flag,
+    as Megatron's own linear layers return then."""
+    if grad is not None:
+        return grad if extra is None else grad + extra.to(grad.dtype)
+    if extra is not None and not _accumulate_now(weight, extra, fuse):
+        raise RuntimeError("a weight gradient was accumulated but its destination is gone")
+    if (fuse and getattr(weight, "main_grad", None) is not None
+            and not hasattr(weight, "grad_added_to_main_grad")):
         return None
-    return grad if extra is None else grad + extra.to(grad.dtype)
+    return weight.new_zeros(()).expand_as(weight)
 
 
-def _record_backward_stats(rc: RegionContext, metric, kept, g, sent: tuple[torch.Tensor, ...],
-                           expert_rows: int) -> None:
-    """Bytes are those of the buffers handed to the backward all-to-all (``sent``),
-    against the dense gradient a dropless backward would send."""
+def _record_backward(rc: RegionContext, lay: CallLayout, metric: torch.Tensor | None,
+                     kept: torch.Tensor | None, scale: torch.Tensor | None,
+                     pair_token: torch.Tensor, dy: torch.Tensor) -> None:
+    """Statistics (host counts from the plan; metric sums stay on the device) and,
+    when recording, the debug view. Bytes are those handed to the backward
+    all-to-alls (rows + int32 positions), against the dense gradient rows."""
     stats = rc.stats
-    stats.retained_pairs = int(kept.numel())
-    total = float(metric.sum())
-    stats.metric_total = total
-    stats.metric_dropped = total - float(metric[kept].sum())
-    stats.backward_bytes_sent = sum(t.numel() * t.element_size() for t in sent)
-    stats.backward_bytes_dense = g.numel() * g.element_size()
-    stats.expert_backward_rows = expert_rows
+    row_bytes = dy.shape[1] * dy.element_size()
+    stats.retained_pairs = lay.num_kept
+    stats.backward_bytes_sent = lay.num_kept * row_bytes + 4 * sum(lay.send_pos)
+    stats.backward_bytes_dense = lay.num_pairs * row_bytes
+    stats.expert_backward_rows = lay.received_kept
+    if metric is not None:
+        total = metric.sum()
+        dropped = total - metric.index_select(0, kept).sum() if kept is not None else \
+            torch.zeros_like(total)
+        stats.metric_sums = torch.stack([total, dropped])
     stats.backward_done = True
+    if rc.record is not None:
+        device = pair_token.device
+        instances = torch.repeat_interleave(
+            torch.arange(lay.num_instances, device=device),
+            rc.plan.counts[rc.rank].to(device), output_size=lay.num_pairs)
+        expert_of = torch.tensor(rc.plan.instance_expert, device=device)
+        rc.record.records.append(KeptPairs(
+            layer=rc.layer, call=rc.call, rank=rc.rank, pair_token=pair_token.clone(),
+            pair_expert=expert_of.index_select(0, instances),
+            kept=(torch.arange(lay.num_pairs, device=device) if kept is None else kept.clone()),
+            scale=(torch.ones(lay.num_kept, device=device) if scale is None or
+                   rc.selection == "topk" else scale.clone())))
 
 
 def lrmoe_region(
@@ -379,12 +495,13 @@ def lrmoe_region(
     pair_prob: torch.Tensor,
     rc: RegionContext,
     experts: ExpertWeights,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unweighted expert outputs o [P, H] and side statistic a [P] for every routed pair.
+) -> torch.Tensor:
+    """y [T, H] = sum over every routed pair of p * o (the routed part of the layer).
 
-    ``pair_token`` [P] lists each pair's token in expert-major order; ``pair_prob`` [P]
-    is only read by the ``prob`` metric (the caller applies p after the region).
+    ``pair_token`` [P] lists each pair's token in send order (instance-major, then
+    token); ``pair_prob`` [P] their routing probabilities, differentiable: the router
+    gradient <dy, o> comes back through it.
     """
     homes = experts.homes
-    return _LRMoERegion.apply(x, pair_token, pair_prob.detach(), rc, experts,
+    return _LRMoERegion.apply(x, pair_token, pair_prob, rc, experts,
                               *experts.w1[:homes], *experts.w2[:homes])

@@ -6,6 +6,13 @@ layers) or a list of them, in the local or Transformer Engine flavour, and retur
 copy in which every MoE position holds ``LRMoELayer`` with ``LRMoESequentialMLP``
 experts. Dense MLPs, attention, norms and shared experts stay Megatron's. Every entry
 point (the launcher's ``--moe-lrmoe``, the Megatron-LM wrapper, the patch) uses it.
+
+Grouped GEMM is not dropped: with ``--moe-grouped-gemm`` Megatron's spec holds
+TEGroupedMLP (or the legacy GroupedMLP), which this converter replaces like
+SequentialMLP, since the region computes the experts itself; the flag stays in the
+config (``moe_grouped_gemm``), and the region then runs its expert GEMMs grouped
+(``torch.nn.functional.grouped_mm``, lrmoe/expert_gemms.py) on every device where they
+apply. The checkpoint keys stay SequentialMLP's, which TEGroupedMLP's equal.
 """
 
 from __future__ import annotations
@@ -22,8 +29,9 @@ from megatron_lrmoe.lrmoe.experts import LRMoESequentialMLP
 from megatron_lrmoe.lrmoe.moe_layer import LRMoELayer
 from megatron_lrmoe.spec_utils import map_module_specs
 
-# The region reads the expert weights directly, so plain Megatron linears suffice in
-# both flavours; their checkpoint keys are SequentialMLP's (= TEGroupedMLP's).
+# The region reads the expert weights directly (and groups the GEMMs itself when asked),
+# so plain Megatron linears suffice in both flavours; their checkpoint keys are
+# SequentialMLP's (= TEGroupedMLP's).
 LRMOE_EXPERTS_SPEC = ModuleSpec(
     module=LRMoESequentialMLP,
     submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),

@@ -4,7 +4,14 @@ Each LRMoELayer records what its region calls did (``LRMoELayerStats``); at a lo
 interval every rank contributes its raw sums per global layer number, one
 all_reduce adds them up (pairs and bytes add over data-, tensor- and
 expert-parallel ranks, each of which routes its own tokens) and one takes the
-maximum routed-load imbalance. Host syncs happen here, off the training path.
+maximum routed-load imbalance. Host syncs happen here, off the training path: the
+counts are host numbers from the plans, and the metric sums, which live on the
+device, are read once per collection for all layers together.
+
+When the selection rule does not read the metric (``uniform``), the region computes
+it only on measured calls: the first step's micro-batches after each collection, i.e.
+the first step of each log interval. ``dropped-contribution-fraction`` is then the
+figure of those steps, and ``metric-measured-calls`` says how many calls it covers.
 """
 
 from __future__ import annotations
@@ -34,17 +41,46 @@ class LRMoELayerStats:
         self.expert_load = None
         self.replicas = 0
 
+    def mark(self) -> tuple[int, int, torch.Tensor | None, int]:
+        """Where the records stand now, for ``rewind`` (a re-run step's undo)."""
+        load = None if self.expert_load is None else self.expert_load.clone()
+        return len(self.calls), len(self.load_max_over_mean), load, self.replicas
+
+    def rewind(self, mark: tuple[int, int, torch.Tensor | None, int]) -> None:
+        """Forget what was recorded since ``mark()`` returned ``mark``."""
+        calls, loads, expert_load, replicas = mark
+        del self.calls[calls:]
+        del self.load_max_over_mean[loads:]
+        self.expert_load, self.replicas = expert_load, replicas
+
     def add_expert_load(self, routed: torch.Tensor) -> None:
         routed = routed.to(torch.float64)
         self.expert_load = routed if self.expert_load is None else self.expert_load + routed
 
-    def totals(self) -> list[float]:
+    def metric_sums(self) -> torch.Tensor | None:
+        """[3] on the device: (total metric, dropped metric, measured calls) over the
+        completed calls that computed the metric; None if none did. No host read."""
+        sums = [c.metric_sums for c in self.calls if c.backward_done and c.metric_sums is not None]
+        if not sums:
+            return None
+        total = torch.stack(sums).sum(0)
+        return torch.cat([total, total.new_tensor([float(len(sums))])])
+
+    def totals(self, metric: list[float] | None = None) -> list[float]:
         """Raw sums over the completed calls, in ``TOTAL_FIELDS`` order (summable
         over ranks): routed and retained pairs, metric total and dropped, backward
         bytes sent and dense, expert backward rows, forward routing overflow, planner
-        seconds, calls."""
+        seconds, calls, calls that measured the metric.
+
+        ``metric``: ``metric_sums()`` already read on the host (collectors read every
+        layer's in one go); None reads this layer's here (one host read)."""
         done = [c for c in self.calls if c.backward_done]
-        return [float(len(done)) if name == "calls" else
+        if metric is None:
+            sums = self.metric_sums()
+            metric = [0.0, 0.0, 0.0] if sums is None else sums.tolist()  # host read
+        host = dict(zip(("metric_total", "metric_dropped", "metric_calls"), metric,
+                        strict=True))
+        return [float(len(done)) if name == "calls" else host[name] if name in host else
                 float(sum(getattr(c, name) for c in done)) for name in TOTAL_FIELDS]
 
     def summary(self) -> dict[str, float]:
@@ -55,18 +91,30 @@ class LRMoELayerStats:
 
 TOTAL_FIELDS = ("routed_pairs", "retained_pairs", "metric_total", "metric_dropped",
                 "backward_bytes_sent", "backward_bytes_dense", "expert_backward_rows",
-                "routing_overflow", "planner_s", "budget_adjusted", "calls")
+                "routing_overflow", "planner_s", "budget_adjusted", "calls", "metric_calls")
+
+
+def _read_metric_sums(layers) -> list[list[float] | None]:
+    """Every layer's ``metric_sums()`` on the host, with one device read for all."""
+    sums = [layer.lrmoe_stats.metric_sums() for layer in layers]
+    present = [s for s in sums if s is not None]
+    if not present:
+        return [[0.0, 0.0, 0.0]] * len(sums)
+    host = iter(torch.stack([s.to(present[0].device) for s in present]).tolist())  # host read
+    return [next(host) if s is not None else [0.0, 0.0, 0.0] for s in sums]
 
 
 def summarize(totals: list[float], load_max_over_mean: float,
               replicas: float = 0.0) -> dict[str, float]:
     """Logged figures from ``totals`` (possibly summed over ranks)."""
     (routed, retained, metric, dropped, sent, dense, rows, overflow, planner_s, adjusted,
-     calls) = totals
+     calls, metric_calls) = totals
     return {
         "load-max-over-mean": load_max_over_mean,
         "retained-fraction": retained / routed if routed else 1.0,
+        # Over the calls that measured the metric (all of them when the rule reads it).
         "dropped-contribution-fraction": dropped / metric if metric > 0 else 0.0,
+        "metric-measured-calls": metric_calls,
         "backward-bytes-saved": dense - sent,
         "expert-backward-rows": rows,
         "replicas": replicas,
@@ -94,10 +142,10 @@ def collect_lrmoe_stats(model_chunks, num_layers: int, num_experts: int) -> dict
     replicas = torch.zeros(num_layers + 1, dtype=torch.float64)
     # Same shapes on every rank, also on pipeline stages without LRMoE layers.
     expert_load = torch.zeros(num_layers + 1, num_experts, dtype=torch.float64)
-    for layer in layers:
+    for layer, metric in zip(layers, _read_metric_sums(layers), strict=True):
         n = layer.layer_number or 0
         stats = layer.lrmoe_stats
-        totals[n] += torch.tensor(stats.totals(), dtype=torch.float64)
+        totals[n] += torch.tensor(stats.totals(metric), dtype=torch.float64)
         load[n] = max(stats.load_max_over_mean, default=0.0)
         replicas[n] = stats.replicas
         if stats.expert_load is not None:

@@ -7,9 +7,17 @@ Modules call these functions; the functions pick a backend through
 from megatron_lrmoe.ops.backend import (
     BACKEND_CHOICES,
     cuda_kernels_available,
+    debug_checks,
     describe_backend,
     kernels_available,
     resolve_backend,
+    set_debug_checks,
+)
+from megatron_lrmoe.ops.combine import (
+    combine_rows,
+    combine_rows_backward,
+    combine_rows_backward_reference,
+    combine_rows_reference,
 )
 from megatron_lrmoe.ops.compact import compact_rows, compact_rows_reference
 from megatron_lrmoe.ops.scatter_add_rows import scatter_add_rows, scatter_add_rows_reference
@@ -17,9 +25,14 @@ from megatron_lrmoe.ops.select import select_rows, select_rows_reference
 
 __all__ = [
     "BACKEND_CHOICES",
+    "combine_rows",
+    "combine_rows_backward",
+    "combine_rows_backward_reference",
+    "combine_rows_reference",
     "compact_rows",
     "compact_rows_reference",
     "cuda_kernels_available",
+    "debug_checks",
     "describe_backend",
     "kernels_available",
     "resolve_backend",
@@ -27,4 +40,5 @@ __all__ = [
     "scatter_add_rows_reference",
     "select_rows",
     "select_rows_reference",
+    "set_debug_checks",
 ]

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import torch
 
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def opmath(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic dtype of the kernels: fp32 for 16-bit floats, else the dtype."""
+    return torch.promote_types(dtype, torch.float32)
+
 
 def check_row_scale(op: str, scale: torch.Tensor, rows: int, rows_symbol: str,
                     dtype: torch.dtype, device: torch.device, device_of: str) -> None:

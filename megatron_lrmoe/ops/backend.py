@@ -15,11 +15,21 @@ Requests (``--moe-lrmoe-kernels``): "auto", "cpu", "cuda", "torch".
 
 Ops call ``resolve_backend`` and, for a compiled backend, ``kernels_module``;
 nothing else imports the extension.
+
+Debug checks (``debug_checks``): checking index and metric *values* of tensors on a
+GPU means reading a device reduction on the host, which stalls the CPU until the GPU
+has drained (the LRMoE region must not; docs/design.md, "Region"). Such checks run
+only while the switch is on: ``MEGATRON_LRMOE_DEBUG_CHECKS=1`` in the environment
+(the tests set it) or ``set_debug_checks(True)``; off by default. Without them the
+CUDA kernels skip out-of-range rows (never reading or writing out of bounds) and an
+invalid value gives a wrong result instead of an error. Checks of host data (CPU
+tensors, which the CPU kernels read anyway) always run.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from types import ModuleType
 
 import torch
@@ -45,6 +55,26 @@ else:
 
 # Reasons already warned about, so "auto" logs its fallback once, not per call.
 _warned: set[str] = set()
+
+DEBUG_CHECKS_ENV = "MEGATRON_LRMOE_DEBUG_CHECKS"
+_debug_checks = os.environ.get(DEBUG_CHECKS_ENV, "0") not in ("", "0")
+
+
+def debug_checks() -> bool:
+    """Whether ops check values that live on a GPU (a host sync per check)."""
+    return _debug_checks
+
+
+def set_debug_checks(enabled: bool) -> bool:
+    """Turn the value checks of device tensors on or off; returns the previous setting."""
+    global _debug_checks
+    previous, _debug_checks = _debug_checks, bool(enabled)
+    return previous
+
+
+def needs_value_check(device: torch.device) -> bool:
+    """Check values of tensors on ``device``: always on the host, on a GPU in debug mode."""
+    return device.type == "cpu" or _debug_checks
 
 
 def kernels_available() -> bool:

@@ -27,7 +27,9 @@ to src's dtype once, so every backend gives the same bits.
 
 Strided ``src``, ``kept_index`` or ``scale`` are accepted and copied to
 contiguous memory first (the compiled binding itself refuses them). An index
-outside [0, P) raises IndexError naming it. No autograd: call it with grad
+outside [0, P) raises IndexError naming it, on GPU tensors only with the debug
+checks on (``megatron_lrmoe.ops.backend.debug_checks``: the check is a host sync;
+without it the CUDA kernel skips such rows). No autograd: call it with grad
 mode off, like scatter_add_rows.
 """
 
@@ -35,16 +37,14 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lrmoe.ops._checks import check_row_scale
-from megatron_lrmoe.ops.backend import kernels_module, resolve_backend
-
-_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_INDEX_DTYPES = (torch.int64, torch.int32)
-
-
-def _opmath(dtype: torch.dtype) -> torch.dtype:
-    """Arithmetic dtype of the kernels: fp32 for 16-bit floats, else the dtype."""
-    return torch.promote_types(dtype, torch.float32)
+from megatron_lrmoe.ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_row_scale
+from megatron_lrmoe.ops._checks import opmath as opmath_of
+from megatron_lrmoe.ops.backend import (
+    debug_checks,
+    kernels_module,
+    needs_value_check,
+    resolve_backend,
+)
 
 
 def compact_rows_reference(
@@ -56,7 +56,7 @@ def compact_rows_reference(
     rows = src.index_select(0, kept_index)
     if scale is None:
         return rows
-    opmath = _opmath(src.dtype)
+    opmath = opmath_of(src.dtype)
     return (rows.to(opmath) * scale.to(opmath).unsqueeze(1)).to(src.dtype)
 
 
@@ -68,11 +68,11 @@ def _check_args(src: torch.Tensor, kept_index: torch.Tensor, scale: torch.Tensor
         raise ValueError(
             f"compact_rows: kept_index must be 1-D [K], got shape {tuple(kept_index.shape)}"
         )
-    if src.dtype not in _FLOAT_DTYPES:
+    if src.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"compact_rows: src must be float32, float64, float16 or bfloat16, got {src.dtype}"
         )
-    if kept_index.dtype not in _INDEX_DTYPES:
+    if kept_index.dtype not in INDEX_DTYPES:
         raise TypeError(f"compact_rows: kept_index must be int64 or int32, got {kept_index.dtype}")
     if kept_index.device != src.device:
         raise ValueError(f"compact_rows: kept_index is on {kept_index.device}, src on {src.device}")
@@ -115,12 +115,13 @@ def compact_rows(
     chosen = resolve_backend(backend, src.device)
     if chosen == "torch":
         _check_args(src, kept_index, scale)
-        if kept_index.numel():
+        if kept_index.numel() and needs_value_check(src.device):
             _check_index_range(kept_index, src.shape[0])
         return compact_rows_reference(src, kept_index, scale).contiguous()
     return kernels_module().compact_rows(
         src.contiguous(),
         kept_index.contiguous(),
         None if scale is None else scale.contiguous(),
+        debug_checks(),
     )
 

@@ -40,23 +40,21 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lrmoe.ops._checks import check_row_scale
-from megatron_lrmoe.ops.backend import kernels_module, resolve_backend
-
-_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_INDEX_DTYPES = (torch.int64, torch.int32)
-
-
-def _opmath(dtype: torch.dtype) -> torch.dtype:
-    """Arithmetic dtype of the kernels: fp32 for 16-bit floats, else the dtype."""
-    return torch.promote_types(dtype, torch.float32)
+from megatron_lrmoe.ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_row_scale
+from megatron_lrmoe.ops._checks import opmath as opmath_of
+from megatron_lrmoe.ops.backend import (
+    debug_checks,
+    kernels_module,
+    needs_value_check,
+    resolve_backend,
+)
 
 
 def _scaled_rows(src: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """scale[:, None] * src [M, H], rounded to src's dtype as the kernels do."""
     if scale is None:
         return src
-    opmath = _opmath(src.dtype)
+    opmath = opmath_of(src.dtype)
     return (src.to(opmath) * scale.to(opmath).unsqueeze(1)).to(src.dtype)
 
 
@@ -71,7 +69,7 @@ def scatter_add_rows_reference(
     ``out`` itself is not modified. ``index_add_`` in the op-math dtype on a
     copy (CPU index_add_ adds in index order), without the real op's checks.
     """
-    opmath = _opmath(out.dtype)
+    opmath = opmath_of(out.dtype)
     acc = out.to(opmath, copy=True).index_add_(0, index, _scaled_rows(src, scale).to(opmath))
     return acc.to(out.dtype)
 
@@ -95,7 +93,7 @@ def _check_args(
         raise ValueError(
             f"scatter_add_rows: index has {index.shape[0]} entries but src has {src.shape[0]} rows"
         )
-    if out.dtype not in _FLOAT_DTYPES:
+    if out.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"scatter_add_rows: out must be float32, float64, float16 or bfloat16, got {out.dtype}"
         )
@@ -103,7 +101,7 @@ def _check_args(
         raise TypeError(
             f"scatter_add_rows: src dtype {src.dtype} differs from out dtype {out.dtype}"
         )
-    if index.dtype not in _INDEX_DTYPES:
+    if index.dtype not in INDEX_DTYPES:
         raise TypeError(f"scatter_add_rows: index must be int64 or int32, got {index.dtype}")
     if src.device != out.device or index.device != out.device:
         raise ValueError(
@@ -136,10 +134,12 @@ def _scatter_add_rows_torch(
     _check_args(out, index, src, scale)
     if src.shape[0] == 0 or src.shape[1] == 0:
         return
-    # Checked before writing so that a bad index leaves out untouched.
-    _check_index_range(index, out.shape[0])
+    # Checked before writing so that a bad index leaves out untouched (on a GPU only
+    # in debug mode: the check reads device values on the host).
+    if needs_value_check(out.device):
+        _check_index_range(index, out.shape[0])
     rows = _scaled_rows(src, scale)
-    opmath = _opmath(out.dtype)
+    opmath = opmath_of(out.dtype)
     if opmath == out.dtype:
         out.index_add_(0, index, rows)
     else:
@@ -162,8 +162,9 @@ def scatter_add_rows(
     "torch"), resolved by ``megatron_lrmoe.ops.backend.resolve_backend``.
 
     Raises IndexError for an index value outside [0, N) (``out`` is then left
-    unchanged), TypeError for a wrong dtype, ValueError for a wrong shape,
-    mixed devices or a non-contiguous ``out``. ``index``, ``src`` and
+    unchanged; on GPU tensors only with ``debug_checks()`` on), TypeError for a
+    wrong dtype, ValueError for a wrong shape, mixed devices or a non-contiguous
+    ``out``. ``index``, ``src`` and
     ``scale`` may be strided views: they are made contiguous (a copy).
     """
     if torch.is_grad_enabled() and (
@@ -182,5 +183,6 @@ def scatter_add_rows(
         index.contiguous(),
         src.contiguous(),
         None if scale is None else scale.contiguous(),
+        debug_checks(),
     )
     return out

@@ -100,8 +100,15 @@ Backends ("auto", "cpu", "cuda", "torch"; megatron_lrmoe.ops.backend): "cpu"
 and "cuda" are kernels/select_rows.{cpp,cu}; "torch" validates and runs
 ``select_rows_reference``, which computes on the host (CPU cumsum is the
 sequential sum the recipe needs) and returns tensors on the input's device.
-The CUDA backend syncs the host once per call (to validate and learn K).
-No gradient flows through the selection.
+The CUDA backend reads nothing on the host when the caller gives K
+(``n_kept``, which the LRMoE region knows from its plan) and the debug checks
+are off (``megatron_lrmoe.ops.backend.debug_checks``); otherwise it syncs once
+per call to validate the values and learn K. Without the checks, invalid
+values on a GPU give an undefined (but in-bounds) selection instead of an
+error. No gradient flows through the selection.
+
+``metric`` may be None for "uniform", which ignores it (the LRMoE region then
+skips computing it); ``num_rows`` gives P.
 """
 
 from __future__ import annotations
@@ -110,7 +117,12 @@ import operator
 
 import torch
 
-from megatron_lrmoe.ops.backend import kernels_module, resolve_backend
+from megatron_lrmoe.ops.backend import (
+    debug_checks,
+    kernels_module,
+    needs_value_check,
+    resolve_backend,
+)
 
 RULES: tuple[str, ...] = ("topk", "sample", "uniform", "hybrid")
 
@@ -405,7 +417,7 @@ def _check_fraction(hybrid_fraction: float) -> float:
 
 
 def select_rows(
-    metric: torch.Tensor,
+    metric: torch.Tensor | None,
     cell_offsets: torch.Tensor,
     quotas: torch.Tensor,
     rule: str = "topk",
@@ -413,6 +425,8 @@ def select_rows(
     backend: str = "auto",
     *,
     hybrid_fraction: float = 0.5,
+    n_kept: int | None = None,
+    num_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kept rows of every cell: (kept_index [K] int64, scale [K] float32, kept_counts [C] int64).
 
@@ -420,7 +434,10 @@ def select_rows(
     see the module docstring. ``backend`` is a ``--moe-lrmoe-kernels`` value
     ("auto", "cpu", "cuda", "torch"); ``hybrid_fraction`` is the share f of
     the quota that "hybrid" keeps by top metric (validated for every rule,
-    used by "hybrid" only). Raises ValueError for an unknown rule, invalid
+    used by "hybrid" only). ``n_kept``: K = sum of min(quota, cell size), when the
+    caller knows it (spares the CUDA backend its host sync; a wrong value raises
+    where it is checked). ``metric`` None (rule "uniform" only) stands for
+    ``num_rows`` zeros. Raises ValueError for an unknown rule, invalid
     values (naming the first offending entry), a fraction outside [0, 1],
     wrong shapes or mixed devices, TypeError for wrong dtypes, a non-integer
     seed or a non-numeric fraction.
@@ -432,15 +449,26 @@ def select_rows(
         )
     seed64 = _seed_bits(seed)
     fraction = _check_fraction(hybrid_fraction)
+    if metric is None:
+        if rule != "uniform" or num_rows is None:
+            raise ValueError("select_rows: metric may be None only for rule 'uniform', with "
+                             "num_rows given")
+        # The rule never reads it; zeros are valid input for every backend's checks.
+        metric = torch.zeros(num_rows, dtype=torch.float32, device=cell_offsets.device)
     metric = metric.detach()
     chosen = resolve_backend(backend, metric.device)
     if chosen == "torch":
         _check_args(metric, cell_offsets, quotas)
-        _check_values(metric, cell_offsets, quotas)
-        return select_rows_reference(
+        if needs_value_check(metric.device):
+            _check_values(metric, cell_offsets, quotas)
+        result = select_rows_reference(
             metric, cell_offsets, quotas, rule, seed64, hybrid_fraction=fraction
         )
+        if n_kept is not None and result[0].numel() != n_kept:
+            raise ValueError(f"select_rows: n_kept = {n_kept} but the quotas keep "
+                             f"{result[0].numel()} rows")
+        return result
     return kernels_module().select_rows(
         metric.contiguous(), cell_offsets.contiguous(), quotas.contiguous(), rule, seed64,
-        fraction,
+        fraction, -1 if n_kept is None else int(n_kept), debug_checks(),
     )

@@ -92,7 +92,12 @@ def transformer_config_from_args(
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
     )
+    if args.recompute_modules is not None:
+        kwargs["recompute_modules"] = args.recompute_modules
     if moe:
         kwargs.update(
             num_moe_experts=args.num_experts,

@@ -12,11 +12,17 @@ tracker on the previous complete checkpoint and, at worst, a ``.tmp`` folder
 that loading never reads and the next save removes. This assumes a shared
 filesystem visible to rank 0, as dist_checkpointing does.
 
-What a checkpoint holds: the model's sharded state dict, the optimizer's (built
-from the model's, so it reshards with Megatron), the scheduler, the iteration
+What a checkpoint holds: the model's sharded state dict (with LRMoE, each layer's
+step state too: planner and draw seeds, docs/design.md "Step state"), the optimizer's
+(built from the model's, so it reshards with Megatron), the scheduler, the iteration
 and consumed samples, and every rank's RNG states (CPU generator, CUDA generator
 when present, Megatron's tracker) so a resumed run draws the same dropout masks
 as an uninterrupted one.
+
+The sharded state dicts are built with a metadata dict that is saved as the
+checkpoint's content metadata, as Megatron-LM does, and on load the checkpoint's own
+content metadata is passed back: that is how a model knows which optional state the
+checkpoint holds (LRMoE's step state) before it builds the load request.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.utils import unwrap_model
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.utils import get_model_config, unwrap_model
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 # The distributed optimizer's default sharding ("fully_sharded_model_space") relies on
@@ -61,44 +68,36 @@ def read_tracker(root: str) -> int | None:
     return int(text)
 
 
-def _module_states(model) -> dict[str, Any]:
-    """Rank-local state of modules that keep some (``rank_local_state()``), by name.
+def content_metadata(model) -> dict[str, Any]:
+    """The sharded state dict metadata this run saves with (and as the checkpoint's
+    content metadata): the optimizer format and, with LRMoE, the step-state flag."""
+    from megatron_lrmoe.lrmoe.step import checkpoint_content_metadata
 
-    LRMoE layers keep a call counter there that seeds their random draws, so that a
-    resumed run draws what an uninterrupted one would.
-    """
-    return {
-        name: module.rank_local_state()
-        for name, module in unwrap_model(model[0]).named_modules()
-        if hasattr(module, "rank_local_state")
-    }
+    return {**SHARDED_METADATA, **checkpoint_content_metadata(get_model_config(model[0]))}
 
 
-def _rank_state(model) -> dict[str, Any]:
+def _rank_state() -> dict[str, Any]:
     return {
         "cpu": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-        "modules": _module_states(model),
     }
 
 
-def _set_rank_state(state: dict[str, Any], model) -> None:
+def _set_rank_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-    saved = state.get("modules", {})
-    for name, module in unwrap_model(model[0]).named_modules():
-        if hasattr(module, "load_rank_local_state") and name in saved:
-            module.load_rank_local_state(saved[name])
 
 
 def _sharded_state_dict(
-    model, optimizer, scheduler, progress, include_optimizer, include_rng, is_loading=False
+    model, optimizer, scheduler, progress, include_optimizer, include_rng, metadata,
+    is_loading=False,
 ):
     # Keys of the bare GPTModel (no DDP/Float16Module prefix), as Megatron-LM saves them.
-    model_sd = unwrap_model(model[0]).sharded_state_dict()
+    # Copies of the metadata: Megatron adds its process groups to the dict it is given.
+    model_sd = unwrap_model(model[0]).sharded_state_dict(metadata=dict(metadata))
     state: dict[str, Any] = {
         "model": model_sd,
         "iteration": progress.iteration,
@@ -106,13 +105,13 @@ def _sharded_state_dict(
     }
     if include_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=SHARDED_METADATA
+            model_sd, is_loading=is_loading, metadata=dict(metadata)
         )
         state["opt_param_scheduler"] = scheduler.state_dict()
     if include_rng:
         # One object per global rank: each rank resumes its own generators.
         state["rng_state"] = ShardedObject(
-            "rng_state", _rank_state(model), (dist.get_world_size(),), (dist.get_rank(),),
+            "rng_state", _rank_state(), (dist.get_world_size(),), (dist.get_rank(),),
             replica_id=0,
         )
     return state
@@ -165,8 +164,9 @@ def save_checkpoint(root: str, model, optimizer, scheduler, progress: TrainingPr
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    state = _sharded_state_dict(model, optimizer, scheduler, progress, True, True)
-    dist_checkpointing.save(state, tmp)
+    metadata = content_metadata(model)
+    state = _sharded_state_dict(model, optimizer, scheduler, progress, True, True, metadata)
+    dist_checkpointing.save(state, tmp, content_metadata=metadata)
     dist.barrier()
     if dist.get_rank() == 0:
         if os.path.exists(final):
@@ -202,10 +202,16 @@ def load_checkpoint(
         )
     if load_optimizer:
         _materialize_optimizer_state(optimizer)
+    # What the checkpoint says it holds decides what is asked of it (Megatron-LM's way):
+    # a checkpoint of a plain Megatron run has no LRMoE step state, and asking for a key
+    # it lacks fails at the default strictness. Checkpoints from before content metadata
+    # was saved hold no step state either.
+    metadata = dist_checkpointing.load_content_metadata(path) or dict(SHARDED_METADATA)
     template = _sharded_state_dict(
-        model, optimizer, scheduler, TrainingProgress(), load_optimizer, load_rng, is_loading=True
+        model, optimizer, scheduler, TrainingProgress(), load_optimizer, load_rng, metadata,
+        is_loading=True,
     )
-    state = dist_checkpointing.load(template, path)
+    state = dist_checkpointing.load(template, path, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
     unwrap_model(model[0]).load_state_dict(state["model"])
     if load_optimizer:
         # Without mixed precision the distributed optimizer's main params are views of
@@ -215,5 +221,5 @@ def load_checkpoint(
         _restore_step_counters(optimizer)
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if load_rng:
-        _set_rank_state(state["rng_state"], model)
+        _set_rank_state(state["rng_state"])
     return TrainingProgress(state["iteration"], state["consumed_train_samples"])

@@ -1,0 +1,233 @@
+"""The LRMoE region's expert GEMMs, forward and backward: grouped or a per-expert loop.
+
+Notation (docs/design.md, "Notation"), on one rank: L local instances, rows grouped by
+instance (rows[l] each, exp-major), N = sum of rows; H hidden, F1 = rows of W1 (2F when
+gated), F expert FFN size. w1[l] [F1, H], w2[l] [H, F] (Megatron's linear layouts).
+
+Forward:  z = x W1^T [N, F1], h = act(z) [N, F], o = h W2^T [N, H], a = ||h|| per row.
+Backward over the retained rows (K of them): h = act(z) again, dh = g W2, dz from the
+activation's gradient, dW2 = g^T h, dW1 = dz^T x, dX = dz W1.
+
+Two implementations, numerically equivalent (not bitwise):
+- ``grouped``: ``torch.nn.functional.grouped_mm`` over variable-size groups (int32
+  cumulative offsets): one call per GEMM whatever L is. It needs the stacked weights
+  [L, F1, H] and [L, H, F]: one ``torch.stack`` per weight and call, a copy of the
+  local experts' weights (docs/lrmoe.md, "Expert GEMMs", says why, and what it costs).
+- the loop: per-instance matmuls writing into slices of preallocated outputs (no
+  concatenation copies), the CPU default.
+
+Which one runs: ``use_grouped_mm``. grouped_mm needs 16-byte aligned rows (H, F, F1
+multiples of 16 bytes) and a dtype the device's kernel takes; CUDA's takes bf16 on
+current GPUs and fp32 only on some builds, so a start-up probe (``grouped_mm_works``:
+once per device and dtype, tiny shapes in the region's own call patterns, compared with
+the loop) decides, and a failed probe means the loop. On the CPU grouped_mm runs in
+fp32 and bf16 (torch's reference implementation).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+_LOG = logging.getLogger(__name__)
+
+__all__ = ["GradSink", "experts_backward", "experts_forward", "grouped_mm_works",
+           "use_grouped_mm"]
+
+# (projection 1 or 2, local instance, dW) -> whether it was taken (accumulated already)
+GradSink = Callable[[int, int, torch.Tensor], bool]
+
+_GROUPED_MM: Callable | None = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
+    torch, "_grouped_mm", None)
+_warned: set[str] = set()
+
+
+def _warn_once(text: str) -> None:
+    if text not in _warned:
+        _warned.add(text)
+        _LOG.warning(text)
+
+
+# -----------------------------------------------------------------------------
+# Choice
+# -----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Start-up probe: grouped_mm gives the loop's result on ``device`` in ``dtype``.
+
+    Runs the region's three call patterns (x @ W^T with stacked, transposed weights;
+    g^T @ h per group; an empty group in the middle) on tiny aligned shapes and
+    compares with per-group matmuls. Cached per (device, dtype): the one host read is
+    paid once per process, at the first region call.
+    """
+    if _GROUPED_MM is None:
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        rows, h, f = [3, 0, 5], 16, 32
+        n = sum(rows)
+        x = torch.randn(n, h, generator=g).to(device, dtype)
+        w = torch.randn(len(rows), f, h, generator=g).to(device, dtype)
+        dy = torch.randn(n, f, generator=g).to(device, dtype)
+        offs = torch.tensor(rows, device=device).cumsum(0).to(torch.int32)
+        got_fwd = _GROUPED_MM(x, w.transpose(1, 2), offs=offs)
+        got_dw = _GROUPED_MM(dy.t(), x, offs=offs)
+        want_fwd = torch.cat([a @ b.t() for a, b in zip(x.split(rows), w, strict=True)])
+        want_dw = torch.stack([a.t() @ b for a, b in zip(dy.split(rows), x.split(rows),
+                                                          strict=True)])
+        tol = 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+        return bool(torch.allclose(got_fwd.float(), want_fwd.float(), rtol=tol, atol=tol)
+                    and torch.allclose(got_dw.float(), want_dw.float(), rtol=tol, atol=tol))
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
+def _aligned(dtype: torch.dtype, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    step = 16 // torch.tensor([], dtype=dtype).element_size()
+    return all(d % step == 0 for d in (*w1.shape, *w2.shape))
+
+
+def use_grouped_mm(requested: bool | None, x: torch.Tensor, w1: torch.Tensor,
+                   w2: torch.Tensor) -> bool:
+    """Whether the region's expert GEMMs run grouped (else the per-expert loop).
+
+    ``requested``: None = grouped on CUDA where the probe passes, the loop on the CPU;
+    True (``--moe-grouped-gemm``) = grouped on any device where it applies, else the
+    loop with a warning naming why; False = the loop.
+    """
+    if requested is False:
+        return False
+    if requested is None and x.device.type != "cuda":
+        return False
+    why = None
+    if not _aligned(x.dtype, w1, w2):
+        why = (f"expert dims {tuple(w1.shape)}, {tuple(w2.shape)} are not multiples of 16 "
+               f"bytes in {x.dtype}")
+    elif not grouped_mm_works(x.device, x.dtype):
+        why = f"torch's grouped_mm failed its start-up probe on {x.device.type} in {x.dtype}"
+    if why is None:
+        return True
+    if requested:
+        _warn_once(f"LRMoE: grouped GEMM requested but {why}; the region uses its "
+                   "per-expert loop")
+    return False
+
+
+# -----------------------------------------------------------------------------
+# Forward
+# -----------------------------------------------------------------------------
+
+
+def experts_forward(x: torch.Tensor, rows: Sequence[int], offs: torch.Tensor | None,
+                    w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor],
+                    activation: Callable[[torch.Tensor], torch.Tensor], need_norm: bool,
+                    grouped: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(z [N, F1], o [N, H], a [N] fp32 or None) for rows grouped by instance.
+
+    ``offs``: int32 cumulative rows on x's device (grouped only).
+    """
+    if grouped and x.shape[0] > 0:
+        w1s = torch.stack(tuple(w1))                                    # [L, F1, H]
+        z = _GROUPED_MM(x, w1s.transpose(1, 2), offs=offs)
+        del w1s
+        h = activation(z)
+        w2s = torch.stack(tuple(w2))                                    # [L, H, F]
+        o = _GROUPED_MM(h, w2s.transpose(1, 2), offs=offs)
+        a = torch.linalg.vector_norm(h, dim=1, dtype=torch.float32) if need_norm else None
+        return z, o, a
+    n, f1 = x.shape[0], w1[0].shape[0]
+    z = x.new_empty((n, f1))
+    o = x.new_empty((n, x.shape[1]))
+    a = x.new_empty((n,), dtype=torch.float32) if need_norm else None
+    start = 0
+    for e, count in enumerate(rows):
+        if count == 0:
+            continue
+        part = slice(start, start + count)
+        torch.matmul(x[part], w1[e].t(), out=z[part])
+        h = activation(z[part])
+        torch.matmul(h, w2[e].t(), out=o[part])
+        if a is not None:
+            torch.linalg.vector_norm(h, dim=1, dtype=torch.float32, out=a[part])
+        start += count
+    return z, o, a
+
+
+# -----------------------------------------------------------------------------
+# Backward
+# -----------------------------------------------------------------------------
+
+
+def _offer_one(sink: GradSink | None, projection: int, e: int,
+               grad: torch.Tensor) -> torch.Tensor | None:
+    return None if sink is not None and sink(projection, e, grad) else grad
+
+
+def _offer(sink: GradSink | None, projection: int,
+           stacked: torch.Tensor) -> list[torch.Tensor | None]:
+    """Per-instance views of a grouped dW [L, ...], each offered to the sink (the stacked
+    tensor is freed once every view was taken)."""
+    return [_offer_one(sink, projection, e, grad) for e, grad in enumerate(stacked.unbind(0))]
+
+
+def experts_backward(x: torch.Tensor, z: torch.Tensor, g: torch.Tensor, rows: Sequence[int],
+                     offs: torch.Tensor | None, w1: Sequence[torch.Tensor],
+                     w2: Sequence[torch.Tensor],
+                     activation: Callable[[torch.Tensor], torch.Tensor], grouped: bool,
+                     weight_grads: bool = True, sink: GradSink | None = None,
+                     index: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, list[torch.Tensor | None] | None,
+                                list[torch.Tensor | None] | None]:
+    """dX [K, H], dW1[l] [F1, H], dW2[l] [H, F] over the retained rows only.
+
+    g: [K, H] rows grouped by instance (rows[l] each), contiguous (grouped_mm needs it,
+    and the loop's matmuls read it row-major); x [., H] and z [., F1] the saved forward
+    rows, of which ``index`` [K] names the retained ones (None: x and z are those rows),
+    gathered per instance by the loop, all at once by the grouped path. ``weight_grads``
+    False (frozen experts) skips the dW GEMMs and returns None for them.
+    ``sink(projection, l, dW)`` may take each dW as soon as it exists (True: taken, its
+    entry becomes None), so that every expert's dW need not be held at once.
+    """
+    if grouped and g.shape[0] > 0:
+        if index is not None:
+            x, z = x.index_select(0, index), z.index_select(0, index)
+        z = z.detach()
+        with torch.enable_grad():
+            z.requires_grad_(True)
+            h = activation(z)                                          # [K, F]
+        w2s = torch.stack(tuple(w2))                                    # [L, H, F]
+        dh = _GROUPED_MM(g, w2s, offs=offs)                             # [K, F]
+        del w2s
+        (dz,) = torch.autograd.grad(h, z, dh)                           # [K, F1]
+        w1s = torch.stack(tuple(w1))                                    # [L, F1, H]
+        dx = _GROUPED_MM(dz, w1s, offs=offs)                            # [K, H]
+        del w1s
+        if not weight_grads:
+            return dx, None, None
+        dw2 = _offer(sink, 2, _GROUPED_MM(g.t(), h.detach(), offs=offs))      # [L, H, F]
+        dw1 = _offer(sink, 1, _GROUPED_MM(dz.t(), x, offs=offs))              # [L, F1, H]
+        return dx, dw1, dw2
+    # The loop: one instance at a time, so the recomputed activation, dh and dz exist
+    # for one instance's rows only (as in Megatron's SequentialMLP backward).
+    dx = g.new_empty((g.shape[0], w1[0].shape[1]))
+    dw1, dw2 = [], []
+    start = 0
+    for e, count in enumerate(rows):
+        part = slice(start, start + count)
+        start += count
+        x_e = x[part] if index is None else x.index_select(0, index[part])
+        z_e = (z[part] if index is None else z.index_select(0, index[part])).detach()
+        with torch.enable_grad():
+            z_e.requires_grad_(True)
+            h_e = activation(z_e)                                       # [n, F]
+        (dz_e,) = torch.autograd.grad(h_e, z_e, g[part] @ w2[e])          # [n, F1]
+        if weight_grads:
+            dw2.append(_offer_one(sink, 2, e, g[part].t() @ h_e.detach()))
+            dw1.append(_offer_one(sink, 1, e, dz_e.t() @ x_e))
+        torch.matmul(dz_e, w1[e], out=dx[part])
+    return (dx, dw1, dw2) if weight_grads else (dx, None, None)
