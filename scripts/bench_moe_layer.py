@@ -595,6 +595,7 @@ def summarize_routing(cfg: dict, per_rank: list[dict], routing: str) -> list[dic
         row = {
             "setting": _label(name, gamma), "name": name, "gamma": gamma,
             "fwd_ms": 1e3 * fwd, "bwd_ms": 1e3 * bwd, "bwd_reps": bwd_reps,
+            "fwd_reps": fwd_reps,
             "bwd_spread": _half_iqr(bwd_reps) / bwd,
             "r_hot": float(retained_rank[hot]) / max(int(routed_rank[hot]), 1),
             "r_bwd_load": float(retained_rank.max()) / max(int(routed_rank.max()), 1),
@@ -641,9 +642,16 @@ def summarize_routing(cfg: dict, per_rank: list[dict], routing: str) -> list[dic
         rows.append(row)
     dropless = next((r for r in rows if r["name"] == "lrmoe" and math.isinf(r["gamma"])
                      and "error" not in r), None)
+    megatron = next((r for r in rows if r["name"] != "lrmoe" and "error" not in r), None)
     for row in rows:
         if "error" in row:
             continue
+        # Paired against Megatron's MoELayer, forward and backward (issue 11's target for
+        # LRMoE at gamma = inf: <= 1.02 each).
+        for phase in ("fwd", "bwd"):
+            row[f"{phase}_vs_megatron"] = statistics.median(
+                a / b for a, b in zip(row[f"{phase}_reps"], megatron[f"{phase}_reps"],
+                                      strict=True)) if megatron else math.nan
         # Paired estimate: each repetition's ratio to the dropless run of the same
         # repetition (measured seconds apart), then the median over repetitions.
         row["bwd_vs_dropless"] = statistics.median(
@@ -903,6 +911,14 @@ def _verdict(rows: list[dict]) -> list[str]:
     lines.append(f"Time target met in {len(checked) - len(missed)}/{len(checked)} LRMoE "
                  "settings with gamma < inf" + (": missed in " + ", ".join(
                      f"{r['routing']} {r['setting']}" for r in missed) if missed else "") + ".")
+    exact = [r for r in rows if r.get("name") == "lrmoe" and math.isinf(r["gamma"])
+             and "error" not in r]
+    for r in exact:
+        ok = r["fwd_vs_megatron"] <= 1.02 and r["bwd_vs_megatron"] <= 1.02
+        lines.append(f"- {r['routing']}, {r['setting']} against Megatron's MoELayer (median of "
+                     f"paired per-repetition ratios): forward {r['fwd_vs_megatron']:.3f}, "
+                     f"backward {r['bwd_vs_megatron']:.3f} (target <= 1.02 each: "
+                     f"{'met' if ok else 'MISSED'})")
     noise = [r for r in checked if r["r_hot"] == 1.0]
     if noise:
         lines.append("Settings that drop nothing on the hot rank (r = 1) do the dropless work; "
