@@ -119,6 +119,8 @@ def _lrmoe_view(args: argparse.Namespace) -> SimpleNamespace:
         add_bias_linear=not args.disable_bias_linear,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        recompute_granularity=args.recompute_granularity,
+        recompute_modules=args.recompute_modules,
     )
 
 
@@ -222,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
-                   help="activation recompute, as in Megatron-LM")
+                   help="activation recompute, as in Megatron-LM (with --moe-lrmoe too: "
+                        "docs/design.md, \"Recompute\")")
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
                    help="with --recompute-granularity full: which layers")
     g.add_argument("--recompute-num-layers", type=int, default=None,

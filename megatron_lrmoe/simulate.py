@@ -168,14 +168,16 @@ class ModelSpec:
 
     def shape(self, ep_size: int, pipeline: int = 1) -> MoEShape:
         """One EP rank's layer shape: EP inside data parallelism (DP = EP, TP = CP = 1),
-        the layers of one pipeline stage, bf16 with fp32 replica gradients."""
+        the layers of one pipeline stage, bf16 with fp32 replica gradients, the region's
+        grouped GEMMs (its CUDA path)."""
         return MoEShape(hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
                         num_experts=self.num_experts, topk=self.topk, gated=self.gated,
                         dtype_bytes=2, tokens_per_rank=self.seq_length * self.micro_batch_size,
                         num_layers=max(1, self.num_layers // pipeline),
                         microbatches_in_flight=pipeline,
                         microbatches_per_step=self.microbatches_per_step(ep_size),
-                        grad_dtype_bytes=4)
+                        grad_dtype_bytes=4, expert_parallel_size=ep_size,
+                        grouped_gemm=True)   # the region's CUDA path
 
 
 def _moe_layer_count(freq: int | str, num_layers: int) -> int:

@@ -334,8 +334,8 @@ def run_benchmark(cfg: dict) -> dict:
             if gamma is not None:
                 lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
                 lrmoe.setup_planner(cfg["tokens"], 1)
-            # Twice, keeping the smaller peak: on CPU, gloo may free a send buffer late
-            # (one P x H buffer of noise, never less memory than used).
+            # Twice, keeping the smaller peak: a guard against buffers freed late by
+            # other threads (gloo's are waited for: _PromptCollectiveFrees).
             memory = min((_measure_memory(cfg, layers[name], x, dy, sync, barrier)
                           for _ in range(2)), key=lambda m: m["mem_peak"])
             measured[(name, gamma)] = {**memory,
@@ -378,6 +378,40 @@ class _CpuAllocations:
         self.net = level
 
 
+class _PromptCollectiveFrees:
+    """While active, each blocking ``all_to_all_single`` returns only once the process
+    group has dropped its reference to the input (an untimed wait; allocations and their
+    order are the code's own).
+
+    gloo runs a collective on a worker thread, which releases the work, and with it the
+    input tensor, only after the caller has been woken; on a loaded machine that can be
+    a scheduling slice later, and the input then counts at whatever peak the caller
+    reaches meanwhile (a P x H buffer or more in one run, none in the next). NCCL's
+    inputs follow stream order instead, so this is a CPU measurement artifact, removed
+    for both layers alike (Megatron's dispatcher calls the same function)."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self._dist, self._original = dist, dist.all_to_all_single
+        original = self._original
+
+        def all_to_all_single(output, input, *args, **kwargs):
+            before = input._use_count()
+            work = original(output, input, *args, **kwargs)
+            if not kwargs.get("async_op", False):
+                deadline = time.perf_counter() + 2.0
+                while input._use_count() > before and time.perf_counter() < deadline:
+                    time.sleep(1e-4)
+            return work
+
+        dist.all_to_all_single = all_to_all_single
+        return self
+
+    def __exit__(self, *exc):
+        self._dist.all_to_all_single = self._original
+
+
 def _measure_memory(cfg, layer, x, dy, sync, barrier) -> dict[str, int]:
     """Memory of one forward+backward of the layer on this rank, measured.
 
@@ -389,7 +423,9 @@ def _measure_memory(cfg, layer, x, dy, sync, barrier) -> dict[str, int]:
     weight gradients exist beforehand, as Megatron's gradient buffers do in a run, so
     only per-call temporaries count: peak = saved + transient buffers (activations,
     exchange buffers, weight-gradient temporaries) + the output and the input gradient
-    (2 x T x H).
+    (2 x T x H). On CPU the all-to-alls wait until gloo has released their inputs
+    (``_PromptCollectiveFrees``), so that scheduling delays on a loaded machine do not
+    add a buffer to the peak.
     """
     params = list(layer.parameters())
     for p in params:
@@ -425,12 +461,13 @@ def _measure_memory(cfg, layer, x, dy, sync, barrier) -> dict[str, int]:
         at_backward -= base
         peak = max(fwd_peak, at_backward + bwd_peak)
     else:
-        with _CpuAllocations() as fwd, torch.autograd.graph.saved_tensors_hooks(
-                pack, lambda t: t):
-            out, _ = layer(x_in)
-        barrier()
-        with _CpuAllocations() as bwd:
-            out.backward(dy)
+        with _PromptCollectiveFrees():
+            with _CpuAllocations() as fwd, torch.autograd.graph.saved_tensors_hooks(
+                    pack, lambda t: t):
+                out, _ = layer(x_in)
+            barrier()
+            with _CpuAllocations() as bwd:
+                out.backward(dy)
         fwd_peak, at_backward, bwd_peak = fwd.peak, fwd.net, bwd.peak
         peak = max(fwd_peak, at_backward + bwd_peak)
     _end_step(layer)
@@ -664,24 +701,27 @@ def summarize_routing(cfg: dict, per_rank: list[dict], routing: str) -> list[dic
 
 
 def predicted_memory(cfg: dict, plan, counts: torch.Tensor, elem: int) -> list[float]:
-    """Per rank, the cost model's bytes of one layer's forward+backward (its saved and
-    transient terms for one micro-batch, source side included: lrmoe/cost_model.py,
-    MoEShape), at this plan's routed and retained loads."""
-    from megatron_lrmoe.lrmoe.cost_model import MoEShape
+    """Per rank, the cost model's bytes of one layer's forward+backward at this plan
+    (``CostModel.plan_memory``: one layer, one micro-batch in flight, no replica, so
+    its saved bytes plus the rest of its peak; lrmoe/cost_model.py), with the region's
+    GEMM path as this run asks for it: grouped with ``--grouped-gemm on`` or on CUDA
+    unless off, else the per-expert loop (on CUDA a failed grouped_mm probe runs the
+    loop, and the model then over-states the peak)."""
+    import numpy as np
 
+    from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
+
+    if plan.counts.tolist() != counts.tolist():
+        raise ValueError("predicted_memory: the plan is not of these counts")
+    grouped = cfg["grouped_gemm"] == "on" or (cfg["device"] == "cuda"
+                                              and cfg["grouped_gemm"] == "auto")
     shape = MoEShape(hidden_size=cfg["hidden"], ffn_hidden_size=cfg["ffn"],
                      num_experts=cfg["experts"], topk=cfg["topk"], gated=True,
-                     dtype_bytes=elem, tokens_per_rank=cfg["tokens"])
-    out = []
-    for r in range(plan.num_ranks):
-        routed, retained = int(plan.routed_per_rank[r]), int(plan.retained_per_rank[r])
-        source = int(counts[r].sum())
-        out.append(routed * shape.saved_bytes_per_routed_pair
-                   + source * shape.saved_bytes_per_source_pair
-                   + max(routed * shape.forward_transient_bytes_per_routed_pair,
-                         retained * shape.backward_transient_bytes_per_retained_pair)
-                   + source * shape.source_transient_bytes_per_pair)
-    return out
+                     dtype_bytes=elem, tokens_per_rank=cfg["tokens"],
+                     expert_parallel_size=cfg["ep"], grouped_gemm=grouped)
+    # Memory needs no machine constants; these only satisfy the constructor.
+    cost = CostModel(shape, MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0))
+    return cost.plan_memory(plan, np.zeros(plan.num_ranks)).tolist()
 
 
 def _half_iqr(values: list[float]) -> float:
@@ -727,7 +767,7 @@ def markdown_table(rows: list[dict]) -> str:
 def _model_text(row: dict) -> str:
     if "mem_model" not in row:
         return "n/a"
-    return f"{_mib(row['mem_model'])} ({100 * row['mem_model_err']:.0f}%)"
+    return f"{_mib(row['mem_model'])} ({100 * row['mem_model_err']:.1f}%)"
 
 
 ROUTING_TEXT = {
@@ -818,10 +858,13 @@ def report(cfg: dict, per_rank: list[dict], command: str) -> tuple[str, list[dic
         "forward+backward (torch.profiler memory events on CPU, max_memory_allocated on "
         "CUDA; weight gradients allocated beforehand, as a run's gradient buffers are, so "
         "only per-call temporaries count; the output and input gradient, 2 x T x H, are "
-        "in it); the smaller of two untimed steps (on CPU, gloo may free a send buffer "
-        "late), busiest rank. Cost model: MoEShape's saved and transient bytes at the "
-        "plan's loads (source side included), busiest rank, and its largest relative "
-        "error against the measured peak over the ranks",
+        "in it); the smaller of two untimed steps, in which (on CPU) each all-to-all "
+        "returns once gloo's worker thread has released its input, which on a loaded "
+        "machine it may otherwise do a scheduling slice late; busiest rank. Cost model: "
+        "CostModel.plan_memory (saved bytes plus the rest of the phase-wise peak, from "
+        "the plan's loads, each source's kept pairs and each instance's rows; the GEMM "
+        "path this run uses), busiest rank, and its largest relative error against the "
+        "measured peak over the ranks",
         "- host reads fwd/bwd: reads of device data on the host in one forward and one "
         "backward of the layer (megatron_lrmoe.testing.host_reads: data flow from the "
         "layer's input and weights; syncs inside compiled kernels are not seen), busiest "

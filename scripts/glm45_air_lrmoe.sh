@@ -14,7 +14,8 @@
 # experts + 5.0 B attention (96 heads of 128, QKV bias) + 0.1 B dense FFN + 1.2 B embedding
 # and output. bf16 weights alone are 213 GB, weights + fp32 gradients 640 GB: one 8 x 80 GB
 # node cannot train it, whatever the layout. Adam's 12 B/param is offloaded to host memory
-# (megatron_lm_launch.sh); LRMoE refuses activation recompute.
+# (megatron_lm_launch.sh). The layouts assume no activation recompute (LRMoE accepts
+# Megatron's: docs/design.md, "Recompute").
 # * 8 x 80 GB nodes (LAYOUT=80gb, 4 nodes = 32 GPUs): TP=2 with sequence parallelism, PP=2
 #   (23 layers per stage), EP=16 (8 experts per GPU), DP 8. Per GPU: experts 3.1 B + the
 #   rest 1.8 B -> 30 GB of weights and gradients, activations (seq 4096, micro-batch 1, up to

@@ -15,7 +15,8 @@
 # 2 B + fp32 gradient 4 B on the GPU; Adam's 12 B/param offloaded to host memory (see
 # megatron_lm_launch.sh; keeping it on the GPU would need 46 GB per GPU at EP=8 on one node,
 # since the expert optimizer state is sharded only over expert-data-parallel ranks).
-# LRMoE refuses activation recompute, so activations must fit as they are.
+# The layouts assume no activation recompute (LRMoE accepts Megatron's: docs/design.md,
+# "Recompute"); with it, activations shrink and smaller layouts may fit (not measured).
 # * 8 x 80 GB (LAYOUT=80gb, one node): TP=1 PP=1 EP=8 (16 experts per GPU).
 #   Per GPU: experts 3.6 B + the rest 1.5 B = 5.2 B params -> 31 GB of weights and gradients,
 #   activations at seq 4096 / micro-batch 1 roughly 25-30 GB: about 60 GB, with room for
@@ -24,7 +25,9 @@
 #   EP=8 (DP 4). Per GPU: 24 layers, experts 1.8 B + rest 0.4 B -> 13 GB, activations halved
 #   by PP and (outside the experts) by SP, two micro-batches in flight on the first stage:
 #   about 30-35 GB. One 8 x 40 GB node does not fit at seq 4096 without recompute; there,
-#   use LAYOUT=40gb NNODES=1 PP=1 TP=2 with --seq-length 2048 as a smaller run.
+#   add recompute (e.g. --recompute-granularity full --recompute-method uniform
+#   --recompute-num-layers 1; not measured), or use LAYOUT=40gb NNODES=1 PP=1 TP=2 with
+#   --seq-length 2048 as a smaller run.
 set -euo pipefail
 MODEL_NAME=qwen3_30b_a3b
 CONFIG=configs/qwen3_30b_a3b.yaml

@@ -12,6 +12,12 @@ Megatron-LM checkout ($MEGATRON_LM, core_v0.16.1); prints one JSON line per chec
     python tests/_megatron_lm_probe.py train  PATCHED_DIR -- <flags>
         # runs PATCHED_DIR/pretrain_gpt.py's __main__ with Megatron's pretrain() replaced by
         # a CPU stand-in (parse, build with the CPU runtime, one forward/backward step)
+    torchrun ... tests/_megatron_lm_probe.py pretrain PATCHED_DIR -- <flags>
+        # runs PATCHED_DIR/pretrain_gpt.py's __main__ with Megatron-LM's own pretrain():
+        # initialize_megatron, setup_model_and_optimizer (--load), data iterators, train()
+        # with its saves, re-runs and exits; CPU stand-ins only where it needs CUDA
+        # (_cpu_megatron_lm). Reports every iteration's loss and LRMoE step state and a
+        # digest of the last checkpoint it saved.
 
 Megatron-LM's initialize_megatron needs CUDA, so the stand-in does what it does on CPU:
 parse_args + validate_args + set_args, then a gloo world of one and parallel_state.
@@ -311,6 +317,189 @@ def train(patched_dir: str, argv: list[str]) -> dict:
     return result
 
 
+# -----------------------------------------------------------------------------
+# Megatron-LM's own training loop on the CPU
+# -----------------------------------------------------------------------------
+
+
+def _cpu_megatron_lm() -> None:
+    """Let Megatron-LM's ``pretrain()`` (core_v0.16.1) run on the CPU with gloo, one process
+    per rank (torchrun), changing only what needs a GPU:
+
+    * the CPU runtime (megatron_lrmoe.runtime.cpu), as the lean launcher uses it;
+    * ``initialize_megatron``'s assertion that CUDA is available (``allow_no_cuda``);
+    * ``_initialize_distributed`` and ``_set_random_seed`` skip the model-parallel groups
+      and the RNG tracker when ``torch.cuda.device_count()`` is 0, so they see one device
+      (and ``set_device`` does nothing): Megatron-LM's own calls then build the groups
+      and seed the tracker;
+    * ``_compile_dependencies``: the dataset index helpers come prebuilt (below); the
+      fused kernels are CUDA only;
+    * ``set_jit_fusion_options``: it only warms up the CUDA fusions.
+    """
+    import contextlib
+
+    import torch
+    from megatron.training import initialize, training
+
+    from megatron_lrmoe.runtime.cpu import enable_cpu_runtime
+
+    enable_cpu_runtime()
+    real_initialize = training.initialize_megatron
+
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return real_initialize(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def one_device():
+        count, set_device = torch.cuda.device_count, torch.cuda.set_device
+        torch.cuda.device_count = lambda: 1
+        torch.cuda.set_device = lambda device: None
+        try:
+            yield
+        finally:
+            torch.cuda.device_count, torch.cuda.set_device = count, set_device
+
+    def seen_with_one_device(function):
+        def wrapped(*args, **kwargs):
+            with one_device():
+                return function(*args, **kwargs)
+        return wrapped
+
+    training.initialize_megatron = initialize_megatron
+    initialize._initialize_distributed = seen_with_one_device(initialize._initialize_distributed)
+    initialize._set_random_seed = seen_with_one_device(initialize._set_random_seed)
+    initialize._compile_dependencies = _cpu_compile_dependencies
+    training.set_jit_fusion_options = lambda: None
+
+
+def _cpu_compile_dependencies() -> None:
+    """The dataset index helpers (megatron/core/datasets/helpers.cpp), which Megatron-LM
+    compiles with make on rank 0: taken from the installed megatron-core 0.16.1 when its
+    helpers.cpp is the checkout's (the checkout is the test's own copy)."""
+    import filecmp
+    import glob
+    import importlib.metadata
+    import shutil
+
+    import megatron.core.datasets as datasets
+    import torch.distributed as dist
+
+    here = os.path.dirname(datasets.__file__)
+    if dist.get_rank() == 0 and not glob.glob(os.path.join(here, "helpers_cpp*.so")):
+        installed = str(importlib.metadata.distribution("megatron-core")
+                        .locate_file("megatron/core/datasets"))
+        built = glob.glob(os.path.join(installed, "helpers_cpp*.so"))
+        if not built or not filecmp.cmp(os.path.join(installed, "helpers.cpp"),
+                                        os.path.join(here, "helpers.cpp"), shallow=False):
+            raise RuntimeError(f"no prebuilt dataset helpers matching {here}/helpers.cpp")
+        shutil.copy(built[0], here)
+    dist.barrier()
+
+
+def _jsonable(value):
+    """Tensors as (dtype, shape, float.hex of each element); containers recursively."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {"dtype": str(value.dtype), "shape": list(value.shape),
+                "values": [float(x).hex() for x in value.detach().double().reshape(-1).tolist()]}
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float):
+        return value.hex()
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    return repr(value)
+
+
+def _checkpoint_digest(path: str) -> dict:
+    """What a torch_dist checkpoint holds: a SHA-256 of every tensor (model and optimizer),
+    each LRMoE layer's step state, and Megatron-LM's common state that a resume reads
+    (iteration, consumed samples, the learning-rate scheduler). Collective (all ranks)."""
+    import hashlib
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    def sha(tensor: torch.Tensor) -> str:
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return f"{tensor.dtype}{list(tensor.shape)}:{hashlib.sha256(raw).hexdigest()}"
+
+    tensors = dist_checkpointing.load_plain_tensors(path)
+    request = {f"{v.key}@{v.global_offset}": ShardedObject(v.key, None, v.global_shape,
+                                                          v.global_offset, replica_id=0)
+               for v in load_sharded_metadata(path).values()
+               if isinstance(v, ShardedObject) and v.key.endswith("mlp._extra_state")}
+    lrmoe = dist_checkpointing.load(request, path, validate_access_integrity=False)
+    common = dist_checkpointing.load_common_state_dict(path)
+    return {"tensors": {k: sha(v) for k, v in sorted(tensors.items()) if torch.is_tensor(v)},
+            "lrmoe": {k: _jsonable(lrmoe[k]) for k in sorted(request)},
+            "iteration": common["iteration"],
+            "consumed_train_samples": common["args"].consumed_train_samples,
+            "opt_param_scheduler": _jsonable(common.get("opt_param_scheduler"))}
+
+
+def pretrain(patched_dir: str, argv: list[str]) -> dict:
+    """PATCHED_DIR/pretrain_gpt.py's __main__ with Megatron-LM's own pretrain() on the CPU.
+
+    Records, after each iteration's training_log (where the plugin ends the LRMoE step):
+    the iteration's loss as train_step reduced it, bitwise, and every LRMoE layer's step
+    state (its checkpoint extra state). A SystemExit from the loop (--exit-interval, a
+    fatal re-run) is recorded, not raised; then the last checkpoint under --save is
+    digested (_checkpoint_digest)."""
+    import functools
+    import inspect
+    import runpy
+
+    import torch.distributed as dist
+    from megatron.training import get_args, training
+
+    from megatron_lrmoe.lrmoe.step import lrmoe_layers
+    from megatron_lrmoe.megatron_lm import built_models
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")      # a world of one without torchrun
+    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 2000))
+    _cpu_megatron_lm()
+    iterations: list[dict] = []
+    real_log = training.training_log
+    signature = inspect.signature(real_log)
+
+    @functools.wraps(real_log)
+    def training_log(*args, **kwargs):
+        # Installed before the model is built, so the plugin's wrapper (which ends the
+        # LRMoE step first) calls this one: the states recorded are the step's outcome.
+        bound = signature.bind(*args, **kwargs).arguments
+        loss = bound["loss_dict"].get("lm loss")
+        iterations.append({
+            "iteration": int(bound["iteration"]), "skipped": int(bound["skipped_iter"]),
+            "loss": None if loss is None else float(loss),
+            "lrmoe": [_jsonable(layer.get_extra_state())
+                      for layer in lrmoe_layers(built_models())]})
+        return real_log(*args, **kwargs)
+
+    training.training_log = training_log
+    exit_code = None
+    sys.argv = [os.path.join(patched_dir, "pretrain_gpt.py"), *argv]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as exc:
+        exit_code = exc.code if isinstance(exc.code, int) else repr(exc.code)
+    args = get_args()
+    from megatron.training.checkpointing import get_checkpoint_name, read_metadata
+
+    tracker = os.path.join(args.save or "", "latest_checkpointed_iteration.txt")
+    saved = read_metadata(tracker)[0] if args.save and os.path.isfile(tracker) else None
+    digest = (_checkpoint_digest(get_checkpoint_name(args.save, saved, return_base_dir=True))
+              if saved is not None else None)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "exit_code": exit_code,
+            "iterations": iterations, "saved_iteration": saved, "checkpoint": digest}
+
+
 def main() -> None:
     from megatron_lrmoe.megatron_lm import find_megatron_lm
 
@@ -320,6 +509,11 @@ def main() -> None:
     if command == "train":
         find_megatron_lm(positional[0])
         out = train(positional[0], argv)
+    elif command == "pretrain":
+        find_megatron_lm(positional[0])
+        out = pretrain(positional[0], argv)
+        if out["rank"] != 0:    # one report per run (torchrun passes every rank's output)
+            return
     elif command == "checkpoint":
         find_megatron_lm()
         out = checkpoint(positional[0], argv)

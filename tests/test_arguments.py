@@ -184,6 +184,11 @@ LRMOE_INVALID = [
      "--moe-lrmoe-memory-budget-gb: --moe-lrmoe-placement memory-aware needs a budget"),
     (LRMOE_OK + ["--moe-lrmoe-bwd-capacity-factor", "-1"],
      "--moe-lrmoe-bwd-capacity-factor: must be > 0 or inf, got -1"),
+    # Megatron 0.16 has no such module either; one a later Megatron adds is refused the
+    # same way until LRMoE implements it (docs/design.md, "Recompute").
+    (LRMOE_OK + ["--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+                 "moe_router"],
+     "--recompute-modules: 'moe_router' not supported with --moe-lrmoe"),
 ]
 
 
@@ -320,7 +325,6 @@ LRMOE_CONFIG = dict(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_
     ("moe_token_dispatcher_type", "allgather", "--moe-token-dispatcher-type: "),
     ("moe_expert_capacity_factor", 1.0, "--moe-expert-capacity-factor: "),
     ("add_bias_linear", True, "--disable-bias-linear: "),
-    ("recompute_granularity", "full", "--recompute-granularity: recompute would re-plan"),
     ("num_moe_experts", None, "--num-experts: --moe-lrmoe needs an MoE model"),
     ("moe_lrmoe_placement", "memory-aware", "--moe-lrmoe-memory-budget-gb: "),
 ])
@@ -331,9 +335,6 @@ def test_lrmoe_config_refuses_unsupported_combinations(field, value, message):
 
     kwargs = dict(LRMOE_CONFIG)
     kwargs[field] = value
-    if field == "recompute_granularity":
-        kwargs["recompute_method"] = "uniform"
-        kwargs["recompute_num_layers"] = 1
     if field == "num_moe_experts":
         kwargs.pop("moe_router_topk")
     with pytest.raises(LRMoEConfigError) as err:
@@ -342,6 +343,24 @@ def test_lrmoe_config_refuses_unsupported_combinations(field, value, message):
     kwargs["moe_lrmoe"] = False  # the combinations only matter with LRMoE on
     if field != "num_moe_experts":
         LRMoETransformerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    dict(recompute_granularity="selective"),     # Megatron's default module: core_attn
+    dict(recompute_granularity="selective", moe_grouped_gemm=True,
+         recompute_modules=["core_attn", "layernorm", "mlp", "moe", "moe_act",
+                            "shared_experts"]),
+], ids=["full-uniform", "full-block", "selective-default", "selective-all"])
+def test_lrmoe_config_accepts_recompute(fields):
+    """Full and selective recompute with --moe-lrmoe (docs/design.md, "Recompute";
+    tests/test_recompute.py trains with them); mla_up_proj needs multi-latent attention,
+    which Megatron-LM refuses with --moe-lrmoe anyway."""
+    from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
+
+    config = LRMoETransformerConfig(**dict(LRMOE_CONFIG, **fields))
+    assert config.recompute_granularity == fields["recompute_granularity"]
 
 
 def _lrmoe_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -452,8 +471,8 @@ def test_unrelated_megatron_error_is_not_blamed_on_lrmoe(fake_megatron_training)
 
 @pytest.mark.parametrize("fields,message", [
     (dict(moe_lrmoe_min_retention=1.5), "--moe-lrmoe-min-retention: must be in [0, 1], got 1.5"),
-    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-     "--recompute-granularity: recompute would re-plan the region"),
+    (dict(moe_expert_capacity_factor=1.0),
+     "--moe-expert-capacity-factor: --moe-lrmoe keeps the forward exact"),
 ])
 def test_lrmoe_config_refusal_names_the_flag_in_megatron_lm(fake_megatron_training, fields,
                                                             message):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -306,8 +307,6 @@ def test_megatron_lm_parser_gives_the_lrmoe_config():
     (["--moe-token-dispatcher-type", "allgather"], "needs --moe-token-dispatcher-type alltoall"),
     (["--yaml-cfg", "x.yaml"], "--yaml-cfg builds a plain TransformerConfig"),
     (["--tensor-model-parallel-size", "2"], "--expert-tensor-parallel-size 1"),
-    (["--recompute-granularity", "full", "--recompute-method", "uniform",
-      "--recompute-num-layers", "1"], "--recompute-granularity: recompute would re-plan"),
 ])
 def test_bad_values_fail_with_a_clear_message(bad, message):
     out = _probe("parse", "--", *QWEN3_ARGS, *LRMOE_ARGS, *bad)
@@ -337,12 +336,19 @@ def test_wrapper_builds_full_qwen3_30b_a3b_on_the_meta_device():
     assert built["peak_rss_mib"] < 8 * 1024, built  # the weights alone would be 61 GB in bf16
 
 
-@needs_megatron_lm
-def test_patched_pretrain_gpt_trains_a_step_on_cpu(tmp_path):
-    copy = tmp_path / "mlm"
+@pytest.fixture(scope="module")
+def patched_megatron_lm(tmp_path_factory) -> str:
+    """A copy of the checkout with pretrain_gpt.py patched (scripts/apply_megatron_patch.sh)."""
+    copy = tmp_path_factory.mktemp("megatron_lm") / "mlm"
     shutil.copytree(_megatron_lm(), copy, ignore=shutil.ignore_patterns("__pycache__", ".git"))
     subprocess.run(["bash", os.path.join(REPO, "scripts", "apply_megatron_patch.sh"),
                     str(copy)], check=True, capture_output=True)
+    return str(copy)
+
+
+@needs_megatron_lm
+def test_patched_pretrain_gpt_trains_a_step_on_cpu(patched_megatron_lm):
+    copy = patched_megatron_lm
     tiny = [*QWEN3_ARGS, *LRMOE_ARGS[:-2], "--num-layers", "2", "--hidden-size", "64",
             "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "2",
             "--kv-channels", "16", "--num-experts", "4", "--moe-router-topk", "2",
@@ -416,3 +422,136 @@ def test_rerun_step_in_megatron_lm_train_step_counts_once():
     assert rerun["draw_steps"] == plain["draw_steps"] == [4, 4]
     assert rerun["smoothed"] == plain["smoothed"]
     assert rerun["region_calls"] == plain["region_calls"] == [8, 8]
+
+
+# Megatron-LM's own training loop (pretrain() of the patched pretrain_gpt.py) on two gloo
+# ranks with EP=2: the tiny Qwen3-shaped model, LRMoE with popularity placement (4 experts,
+# 3 slots per rank: one replica per rank, so placement, replica gradients and refreshes
+# are part of the state) and uniform draws at gamma 0.75; 2 micro-batches per step; six
+# iterations, a torch_dist checkpoint every two (Megatron-LM's default format and
+# --dist-ckpt-strictness, its default --rerun-mode validate_results).
+LOOP_ITERS = 6
+
+
+def _loop_flags(save: str, *extra: str) -> list[str]:
+    flags = [*QWEN3_ARGS, "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+             "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16",
+             "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+             "--seq-length", "32", "--vocab-size", "256",
+             "--moe-lrmoe", "--moe-lrmoe-placement", "popularity", "--moe-lrmoe-slots-per-rank",
+             "3", "--moe-lrmoe-selection", "uniform", "--moe-lrmoe-bwd-capacity-factor", "0.75",
+             "--expert-model-parallel-size", "2", "--global-batch-size", "4",
+             "--train-iters", str(LOOP_ITERS), "--lr", "1e-3", "--log-interval", "1",
+             "--eval-iters", "0", "--eval-interval", "1000", "--mock-data",
+             "--num-workers", "0", "--distributed-backend", "gloo", "--no-bias-dropout-fusion",
+             "--save", save, "--save-interval", "2", *extra]
+    flags.remove("--bf16")
+    return flags
+
+
+def _pretrain(patched: str, flags: list[str], timeout: int = 300) -> tuple[dict, str]:
+    """The probe's ``pretrain`` under torchrun on two ranks: rank 0's report, and the
+    run's output (Megatron-LM's log lines)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2",
+                          os.path.join(REPO, "tests", "_megatron_lm_probe.py"), "pretrain",
+                          patched, "--", *flags],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return _probe_result(out), out.stdout
+
+
+def _logged_losses(log: str) -> dict[int, str]:
+    """The 'lm loss' Megatron-LM's training_log printed, by iteration."""
+    pattern = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|")
+    return {int(m.group(1)): m.group(2) for m in pattern.finditer(log)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_loop(patched_megatron_lm, tmp_path_factory) -> tuple[dict, str, str]:
+    """Six iterations in one run: (report, log, save directory)."""
+    save = str(tmp_path_factory.mktemp("loop") / "uninterrupted")
+    report, log = _pretrain(patched_megatron_lm, _loop_flags(save))
+    return report, log, save
+
+
+@needs_megatron_lm
+def test_megatron_lm_training_loop_resumes_bitwise(patched_megatron_lm, uninterrupted_loop,
+                                                   tmp_path):
+    """Megatron-LM's pretrain() resumed from the uninterrupted run's checkpoint of
+    iteration 2 (--load, --ckpt-step 2) trains iterations 3-6 exactly as the uninterrupted
+    run did: losses (as train_step reduced them, and as logged), every layer's LRMoE step
+    state after every iteration, and the final checkpoint (every model and optimizer
+    tensor, the LRMoE step states, iteration, consumed samples, scheduler) are bitwise
+    equal."""
+    straight, straight_log, straight_dir = uninterrupted_loop
+    resumed, resumed_log = _pretrain(patched_megatron_lm, _loop_flags(
+        str(tmp_path / "resumed"), "--load", straight_dir, "--ckpt-step", "2"))
+    for run in (straight, resumed):
+        assert run["world"] == 2 and run["exit_code"] is None
+        assert all(not it["skipped"] and len(it["lrmoe"]) == 2 for it in run["iterations"])
+    by_iteration = {it["iteration"]: it for it in straight["iterations"]}
+    assert sorted(by_iteration) == list(range(1, LOOP_ITERS + 1))
+    assert [it["iteration"] for it in resumed["iterations"]] == list(range(3, LOOP_ITERS + 1))
+    for it in resumed["iterations"]:
+        assert it["loss"] == by_iteration[it["iteration"]]["loss"], it["iteration"]
+        assert it["lrmoe"] == by_iteration[it["iteration"]]["lrmoe"], it["iteration"]
+    assert "LRMoE: planner and draw state loaded from the checkpoint" in resumed_log
+
+    # The log: Megatron-LM does not reset its loss accumulator after a process's first
+    # iteration, so each process's second log line is the mean of its first two
+    # iterations (float32 sum, then / 2): iteration 2 of the uninterrupted run, iteration
+    # 4 of the resumed one. Every other line holds its own iteration's loss.
+    logged, logged_resumed = _logged_losses(straight_log), _logged_losses(resumed_log)
+    assert sorted(logged) == list(range(1, LOOP_ITERS + 1))
+    assert sorted(logged_resumed) == list(range(3, LOOP_ITERS + 1))
+    for iteration in (3, 5, 6):
+        assert logged_resumed[iteration] == logged[iteration]
+        assert logged[iteration] == f"{by_iteration[iteration]['loss']:.6E}"
+
+    def mean_of_two(first: int) -> str:
+        import numpy as np
+
+        total = (np.float32(0.0) + np.float32(by_iteration[first]["loss"])
+                 + np.float32(by_iteration[first + 1]["loss"]))
+        return f"{float(total) / 2:.6E}"
+
+    assert logged[2] == mean_of_two(1) and logged_resumed[4] == mean_of_two(3)
+
+    assert straight["saved_iteration"] == resumed["saved_iteration"] == LOOP_ITERS
+    final = straight["checkpoint"]
+    assert final["iteration"] == LOOP_ITERS and len(final["lrmoe"]) == 2
+    for state in final["lrmoe"].values():
+        assert state["step"] == LOOP_ITERS and state["planner"]["step"] == LOOP_ITERS
+        assert state["planner"]["smoothed_counts"] is not None
+        assert any(state["planner"]["replicas"]), "replicas were placed"
+    assert resumed["checkpoint"]["tensors"].keys() == final["tensors"].keys()
+    unequal = [k for k in final["tensors"]
+               if resumed["checkpoint"]["tensors"][k] != final["tensors"][k]]
+    assert not unequal, unequal[:5]
+    assert resumed["checkpoint"] == final
+
+
+@needs_megatron_lm
+def test_megatron_lm_fatal_rerun_checkpoint_holds_the_pre_step_state(
+        patched_megatron_lm, uninterrupted_loop, tmp_path):
+    """pretrain_gpt.py's NaN check is fatal; under Megatron-LM's default --rerun-mode
+    validate_results, with its error injector (persistent error: the re-run in place
+    reproduces the rejected loss), iteration 2 ends with a checkpoint and exit code 16
+    (resume to disambiguate). train() saves it without training_log (no LRMoE step
+    boundary), after the re-run state machine restored its state, LRMoE's included: the
+    checkpoint of iteration 1 holds the step state the uninterrupted run had after
+    iteration 1."""
+    straight = uninterrupted_loop[0]
+    fatal, log = _pretrain(patched_megatron_lm, _loop_flags(
+        str(tmp_path / "fatal"), "--error-injection-rate", "1",
+        "--error-injection-type", "persistent_error"))
+    assert fatal["exit_code"] == 16, log[-3000:]
+    assert "Saving a checkpoint and exiting now" in log
+    assert [it["iteration"] for it in fatal["iterations"]] == [1]
+    assert fatal["saved_iteration"] == 1 and fatal["checkpoint"]["iteration"] == 1
+    after = {it["iteration"]: it["lrmoe"] for it in straight["iterations"]}
+    assert fatal["iterations"][0]["lrmoe"] == after[1]
+    assert list(fatal["checkpoint"]["lrmoe"].values()) == after[1]
+    assert after[2] != after[1]

@@ -626,8 +626,12 @@ def test_budget_lowers_gamma_not_forward():
     # Rank 0's routed load fits its forward buffers but not its backward ones at
     # gamma = 2: the planner lowers gamma until the backward buffers fit.
     cost = _cost(4, tokens=64, topk=2, layers=1)
-    counts = torch.tensor([[40, 40, 24, 24], [40, 40, 24, 24]])
+    counts = torch.tensor([[60, 60, 4, 4], [60, 60, 4, 4]])
     budget = cost.balanced_dropless_need() * 1.1
+    # The premise, by the cost model: rank 0 (240 routed pairs) fits keeping nothing, not
+    # keeping all of them, which gamma = 2 (C = 256) would.
+    assert cost.rank_memory(np.zeros(1), np.array([240]), np.array([0]))[0] <= budget
+    assert float(cost.plan_memory(plan_retention(counts, 2, 2.0), np.zeros(2))[0]) > budget
     planner = LayerPlanner(PlannerSettings("static", 2, 4, capacity_factor=2.0,
                                                budget_bytes=budget, cost=cost))
     plan = planner.plan(counts)

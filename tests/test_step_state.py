@@ -1,6 +1,6 @@
 """LRMoE's step state (docs/design.md, "Step state"): it travels in the model's
-checkpoint, advances once per optimizer step, and a re-run step or an evaluation pass
-leaves it as one step.
+checkpoint, advances once per optimizer step, a re-run step or an evaluation pass
+leaves it as one step, and the checkpoint of a fatal re-run holds it as before the step.
 
 The references are independent of the code under test: an uninterrupted run of the
 same launcher, Megatron's own ``RerunStateMachine`` (with its error injector) and
@@ -10,6 +10,7 @@ same launcher, Megatron's own ``RerunStateMachine`` (with its error injector) an
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -128,7 +129,8 @@ def _load_and_describe(argv: list[str], checkpoint: str) -> dict:
             "planner_steps": [layer.placement_planner.step for layer in layers]}
 
 
-def _steps(argv: list[str], steps: int, rerun: bool, evaluate: bool) -> dict:
+def _steps(argv: list[str], steps: int, rerun: bool, evaluate: bool, fatal: str | None = None,
+           save: str | None = None) -> dict:
     """Megatron-LM's train_step loop around the launcher's model (core_v0.16.1,
     megatron/training/training.py): forward-backward under the re-run state machine, the
     loss checked by ``validate_result`` (as pretrain_gpt.py's loss_func does), optimizer
@@ -138,6 +140,15 @@ def _steps(argv: list[str], steps: int, rerun: bool, evaluate: bool) -> dict:
     1, transient and not fatal, so every step after the first is run twice and then
     continues; Megatron-LM's own state_save_func/state_restore_func (the RNG tracker) are
     installed first, and LRMoE chains onto them.
+
+    ``fatal``: the machine in ``validate_results`` mode with the injector at rate 1 and
+    this error type, and the check fatal (pretrain_gpt.py's NaN/Inf check is): the second
+    step ends with the machine asking for a checkpoint and an exit, which are done as
+    Megatron-LM's train() does them (train_step returns before the optimizer step; the
+    loop saves at the iteration reached, without training_log, and stops).
+
+    ``save``: a checkpoint directory (the launcher's save_checkpoint, dist_checkpointing):
+    a checkpoint after every step, or with ``fatal`` only the one the machine asks for.
     """
     from megatron.core import rerun_state_machine as rsm
     from megatron.core import tensor_parallel
@@ -151,6 +162,7 @@ def _steps(argv: list[str], steps: int, rerun: bool, evaluate: bool) -> dict:
     )
     from megatron_lrmoe.pretrain import forward_step
     from megatron_lrmoe.training.builders import build_datasets
+    from megatron_lrmoe.training.checkpointing import TrainingProgress, save_checkpoint
     from megatron_lrmoe.training.data_iterators import MicroBatchIterator
 
     parts = _launcher_parts(argv)
@@ -166,10 +178,10 @@ def _steps(argv: list[str], steps: int, rerun: bool, evaluate: bool) -> dict:
     rsm.destroy_rerun_state_machine()
     rsm.initialize_rerun_state_machine(
         state_save_func=save_tracker, state_restore_func=restore_tracker,
-        mode=rsm.RerunMode.VALIDATE_RESULTS if rerun else rsm.RerunMode.DISABLED,
+        mode=rsm.RerunMode.VALIDATE_RESULTS if rerun or fatal else rsm.RerunMode.DISABLED,
         error_injector=rsm.RerunErrorInjector(
-            error_injection_rate=1 if rerun else 0,
-            error_injection_type=rsm.RerunDiagnostic.TRANSIENT_ERROR))
+            error_injection_rate=1 if rerun or fatal else 0,
+            error_injection_type=rsm.RerunDiagnostic(fatal or "transient_error")))
     chain_to_rerun_state_machine(lambda: model)
     machine = rsm.get_rerun_state_machine()
     data = rsm.RerunDataIterator(MicroBatchIterator(
@@ -182,7 +194,8 @@ def _steps(argv: list[str], steps: int, rerun: bool, evaluate: bool) -> dict:
         def checked(output_tensor):
             loss_sum, tokens, report = loss_func(output_tensor)
             machine.validate_result(result=loss_sum, rejection_func=torch.isnan,
-                                    message="loss is NaN", tolerance=0.0, fatal=False)
+                                    message="loss is NaN", tolerance=0.0,
+                                    fatal=fatal is not None)
             return loss_sum, tokens, report
 
         return output, checked
@@ -194,17 +207,30 @@ def _steps(argv: list[str], steps: int, rerun: bool, evaluate: bool) -> dict:
             micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
             forward_only=forward_only)
 
-    losses, passes, evaluation_changed = [], 0, []
-    for _ in range(steps):
+    def save_at(iteration: int) -> None:
+        save_checkpoint(save, model, optimizer, parts["scheduler"],
+                        TrainingProgress(iteration=iteration))
+
+    losses, passes, evaluation_changed, exit_code = [], 0, [], None
+    for step in range(steps):
         while machine.should_run_forward_backward(data):
             for chunk in model:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
             reported = run(data, False)
             passes += 1
-        assert machine.should_checkpoint_and_exit() == (False, False, 0)
+        should_checkpoint, should_exit, code = machine.should_checkpoint_and_exit()
+        if fatal is None:
+            assert (should_checkpoint, should_exit, code) == (False, False, 0)
+        if should_checkpoint:
+            save_at(step)          # Megatron-LM's train(): the iterations completed so far
+        if should_exit:
+            exit_code = code
+            break
         optimizer.step()
         finish_lrmoe_step(model)
+        if save is not None and fatal is None:
+            save_at(step + 1)
         total = sum((d["lm loss"] for d in reported), torch.zeros(2))
         losses.append(float(total[0] / total[1]))
         if evaluate:   # as Megatron-LM's evaluate(): eval mode, no re-runs
@@ -228,6 +254,7 @@ def _steps(argv: list[str], steps: int, rerun: bool, evaluate: bool) -> dict:
                                                [{k: s[k] for k in kept} for s in after]))
     layers = lrmoe_layers(model)
     return {"losses": losses, "passes": passes, "evaluation_changed": evaluation_changed,
+            "exit_code": exit_code,
             "planners": [layer.placement_planner.state_dict() for layer in layers],
             "steps": [layer._step for layer in layers],
             "region_calls": [len(layer.lrmoe_stats.calls) for layer in layers],
@@ -310,6 +337,46 @@ def test_rerun_and_evaluation_leave_one_step(gloo2, corpus):
         assert not _differs(r["weights"], p["weights"])
     assert all(state["replicas"] for p in plain for state in p["planners"]), \
         "replicas were placed (their gradients are part of the check)"
+
+
+@pytest.mark.parametrize("injected, exit_code", [
+    ("persistent_error", 16),   # the re-run reproduces the result: EXIT_CODE_RESUME_TO_DISAMBIGUATE
+    ("transient_error", 17),    # it does not (fatal all the same): ..._FAILED_ON_RESULT_VALIDATION
+])
+def test_fatal_rerun_checkpoint_holds_the_pre_step_state(gloo2, corpus, tmp_path, injected,
+                                                         exit_code):
+    """Megatron-LM's default re-run mode with a fatal check (pretrain_gpt.py's NaN/Inf
+    check): after the re-run of a rejected step the machine asks for a checkpoint and an
+    exit, and Megatron-LM's train() saves right after train_step returns, with no
+    optimizer step and no training_log, hence no LRMoE step boundary. The machine has
+    restored its saved state (LRMoE's chained snapshot included) before it answers, so
+    the checkpoint holds the state from before the failed step: step state, weights and
+    optimizer state equal those of a run without re-runs saved after its first step."""
+    argv = TINY + NO_DROPOUT + LRMOE + POPULARITY + [
+        "--moe-lrmoe-selection", "sample", "--data-path", corpus,
+        "--expert-model-parallel-size", "2", "--global-batch-size", "16", "--train-iters", "4"]
+    plain_dir, fatal_dir = str(tmp_path / "plain"), str(tmp_path / "fatal")
+    plain = gloo2.run(_steps, argv, 2, False, False, save=plain_dir, timeout=300)
+    fatal = gloo2.run(_steps, argv, 2, False, False, fatal=injected, save=fatal_dir,
+                      timeout=300)
+    for p, f in zip(plain, fatal, strict=True):
+        assert p["exit_code"] is None and f["exit_code"] == exit_code
+        assert f["passes"] == 3, "step 1, then step 2 and its re-run in place"
+        assert f["losses"] == p["losses"][:1]
+    with open(os.path.join(fatal_dir, "latest_checkpointed_iteration.txt")) as tracker:
+        assert tracker.read() == "1"
+    before, after = (gloo2.run(_checkpoint_contents, os.path.join(plain_dir, name))[0]
+                     for name in ("iter_0000001", "iter_0000002"))
+    got = gloo2.run(_checkpoint_contents, os.path.join(fatal_dir, "iter_0000001"))[0]
+    assert len(got["lrmoe"]) == 2, "one step state per MoE layer"
+    assert not _differs(got["lrmoe"], before["lrmoe"])
+    assert _differs(after["lrmoe"], before["lrmoe"]), "the step changes the state"
+    for state in got["lrmoe"].values():
+        assert state["step"] == 1 and state["planner"]["step"] == 1
+        assert state["planner"]["observed"] == 0 and state["planner"]["replicas"]
+    assert got["tensors"].keys() == before["tensors"].keys()
+    unequal = [k for k in before["tensors"] if _differs(got["tensors"][k], before["tensors"][k])]
+    assert not unequal, unequal[:5]
 
 
 def test_checkpoints_cross_plain_megatron_and_ep_sizes(gloo2, corpus, tmp_path):

@@ -7,35 +7,80 @@ calibration file (``python -m megatron_lrmoe.calibrate``) or, without one, from
 
 Notation (docs/design.md, "Notation"): H hidden size, F expert FFN size, F1 = 2F with a
 gated (SwiGLU) first layer else F, k top-k, b bytes per element of the parameters and
-activations, P = tokens_per_rank * k pairs each rank sends per micro-batch (its
-source pairs), Lyr the MoE layers of this rank, MiF micro-batches in flight.
+activations, T tokens of a rank, P = T * k pairs each rank sends per micro-batch (its
+source pairs), Lyr the MoE layers of this rank, MiF micro-batches in flight. Per rank
+r: N its routed rows (pairs its instances receive), K its retained rows, Ks the pairs
+it keeps as a source, L its local instances (E / R homes plus its replicas). A row is
+H * b bytes.
 
-Memory accounting of one layer on one rank (``rank_memory``), bytes:
+Memory of one layer on one rank (``rank_memory``), bytes. It follows the buffers the
+region (lrmoe/region.py, expert_gemms.py) allocates and frees, phase by phase, and takes
+the largest level; tests/test_cost_model.py checks it against a ledger of those
+allocations and against the allocator, scripts/bench_moe_layer.py against a measured
+EP=2 forward+backward.
 
-  replicas   num_replicas * instance_bytes: each replica is W1 [F1, H] + W2 [H, F]
-             in b bytes plus a gradient buffer of the same shape in
-             ``grad_dtype_bytes`` (b unless set; a replica has no optimizer state)
-  saved      MiF * (routed * (H + F1) * b + P * (H * b + 16)): what the region keeps
-             from forward to backward per micro-batch in flight: x_exp [H] and z [F1]
-             per routed pair received (expert side), the unweighted expert outputs o
-             [H] per source pair that the combine keeps for the router gradient, and
-             16 bytes of pair metadata (token index, probability, side statistic).
-             Every micro-batch in flight is assumed to route like this one.
-  transient  (max(routed * (4H + F1) * b, retained * (4H + 2 F1 + 2F) * b)
-              + P * 3H * b) / Lyr: the working buffers while one micro-batch's layer
-             computes. Forward per routed pair: the dispatch receive buffer, the
-             expert output, two combine payload copies (4H) and the z concatenation
-             (F1). Backward per retained pair: received gradient, gathered x, dX rows
-             and their reorder (4H), gathered z and dz (2 F1), h and dh (2F). Source
-             side per pair: send, receive and reorder copies (3H). Only one layer
-             computes at a time, so each layer is charged 1/Lyr of its own: summed
-             over layers that is the mean transient, which equals the peak when the
-             layers are alike.
+  replicas   num_replicas * instance_bytes: W1 [F1, H] + W2 [H, F] in b bytes plus a
+             gradient buffer of the same shape in ``grad_dtype_bytes``
+  saved      S = N (H + F1) b + P (H b + 32), for each micro-batch in flight: x_exp and
+             z of every routed row, the unweighted expert outputs o [P, H] the source
+             keeps for the router gradient, and 32 bytes of pair metadata (the int64
+             (expert, token) pairs the token index is a view of, the probability, the
+             side statistic a, the probability gather's int64 index). Every micro-batch
+             in flight is assumed to route like this one; under activation recompute of
+             the whole layer (``full``, ``moe``) that over-states what is saved.
+  transient  (peak - S) / Lyr: what one forward+backward holds above S at its peak;
+             one layer computes at a time, so each layer is charged 1/Lyr of its own.
 
-A per-rank budget covers all layers (docs/design.md, "Memory budget"); one layer's planner compares
-``rank_memory`` with its share, budget / Lyr. ``balanced_dropless_need`` is Lyr times
-the layer's memory at perfectly balanced routing (every rank receives P pairs), no
-replicas, nothing dropped.
+The peak is the largest of these levels. The pair metadata is there throughout; x marks
+the exchange copies (only with R > 1), r the reorders between source-major and
+expert-major rows (only where the rank also hosts more than one instance).
+
+  forward    dispatch    x (P + N) rows (x[pair_token] and the received rows); then
+                         (1 + r) N rows (received, and reordered)
+             experts     N (H + F1) b (x_exp, z) + Xf (the experts' buffers, below)
+             combine     N (H + F1) b + (1 + r) N rows (o and its reorder); then
+                         N (H + F1) b + x (N + P) rows (o, and o received back)
+  backward   all levels add B0 = S + T H b (the layer output y; in a run, its gradient
+             dy) + 28 bytes per source pair (metric, selection, slots, router gradient):
+             first exchange   (x K + Ks) rows (kept gradient rows sent, and received)
+             reorders         (1 + r) K rows, for the gradient rows and later for dX
+             expert backward  K rows (the gradient rows) + Xb (below)
+             second exchange  (K + x Ks) rows (dX sent, and received back)
+             token gradient   Ks rows + T H b
+
+The experts' buffers depend on how the GEMMs run (``MoEShape.grouped_gemm``). c is the
+[n, F] tensors the activation holds at once: 3 gated (silu(z1), z2 + offset, h), 1 plain.
+D is one dW1 [F1, H] plus its copy in the gradient dtype when that differs.
+
+  per-expert loop (the CPU default): z and o, dX are allocated once; one instance runs at
+  a time, and its last tensors live until the next instance replaces them. With n the
+  instance's rows, n' those of the instance before it, d = 1 where the rank drops rows
+  (x and z are then gathered per instance) else 0:
+    Xf = N rows + max_e (c n + n') F b   (n' the last instance before e with rows)
+    Xb = K rows + max_e of  d n H b + (d (H + F1) b + (F + F1) b) n'    gathering x
+                            d n (H + F1) b + (d F1 b + (F + F1) b) n'  gathering z
+                            d n (H + F1) b + c n F b + (F + F1) b n'    the activation
+                            d n (H + F1) b + 3 n F1 b + F1 b n'         its backward
+                            d n (H + F1) b + n (F + F1) b + D           the dW GEMMs
+    Without the per-instance rows (``instance_routed``/``instance_retained``), each
+    alpha n + beta n' is bounded with n, n' <= m = min(K, N) and n + n' <= K:
+    min(alpha, beta) K + |alpha - beta| m; and c n + n' <= c N in forward.
+  grouped (grouped_mm: all rows at once, plus the stacked weights of the rank's L
+  instances, L W1 = L F1 H b and L W2 = L H F b, as per-call copies):
+    Xf = max(L W1, c N F b, N (F b + row) + L W2)
+    Xb = d K (H + F1) b + max(2 K F1 b + L W2, 3 K F1 b,
+                              K (2F + F1) b + K rows + L W1 + D - W1)
+
+A per-rank budget covers all layers (docs/design.md, "Memory budget"); one layer's
+planner compares ``rank_memory`` with its share, budget / Lyr, given every rank's Ks and
+every instance's rows (``plan_memory`` reads them off a plan). ``balanced_dropless_need``
+is Lyr times the layer's memory at perfectly balanced routing (every rank receives P
+pairs, spread evenly over its E / R experts when the EP size is known), no replicas,
+nothing dropped. ``routing_capacity`` (the most N with nothing retained) and
+``retained_limit`` (the most K at a rank's N) invert ``rank_memory`` exactly, every level
+being linear in N, or in K and min(K, M); what they cannot know before a plan exists they
+bound: Ks <= P, and the per-instance rows by the rank's (the limit may be told M, the
+routed rows of the rank's largest instance). A plan within both therefore fits.
 
 Time of one layer and micro-batch (``layer_time``), seconds. Expert-parallel phases
 are separated by all-to-alls, so each phase takes its slowest rank's time:
@@ -53,6 +98,7 @@ The activation recompute of backward (a few percent of the GEMM work) is ignored
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -66,7 +112,13 @@ from megatron_lrmoe.lrmoe.retention import RetentionPlan
 
 __all__ = ["CostModel", "MachineConstants", "MoEShape"]
 
-_PAIR_METADATA_BYTES = 16   # int64 token index + fp32 probability + fp32 side statistic
+# Saved per source pair besides o: the int64 (expert, token) pairs the token index is a
+# view of (16), the probability (up to 4 in the dtypes trained), the side statistic a (4),
+# the probability gather's int64 index (8).
+_PAIR_METADATA_BYTES = 32
+# Backward bookkeeping per source pair: metric fp32, slot int64, router gradient fp32,
+# kept index int64 and scale fp32 of a kept pair.
+_SELECTION_BYTES_PER_PAIR = 28
 _POSITION_BYTES = 4         # int32 row position sent with each retained gradient row
 
 
@@ -168,20 +220,36 @@ class MoEShape:
     """Micro-batches per optimizer step (amortises the per-step replica refresh)."""
     grad_dtype_bytes: int | None = None
     """Bytes per element of a replica's gradient buffer (None: ``dtype_bytes``)."""
+    expert_parallel_size: int | None = None
+    """R, ranks of the expert-parallel group. It sets the local experts E / R (whose
+    weights grouped GEMMs stack per call, and over which balanced routing spreads) and
+    whether rows cross ranks at all (R = 1: no exchange or reorder copies). None: more
+    than one rank, E / R unknown (not allowed with ``grouped_gemm``)."""
+    grouped_gemm: bool = False
+    """The region's expert GEMMs run grouped (grouped_mm: activation temporaries over
+    all of a rank's rows at once, stacked weights); False: the per-expert loop (one
+    instance's rows at a time), the CPU default (docs/design.md, "Region")."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "gated":
+            if f.name in ("gated", "grouped_gemm"):
                 if not isinstance(value, bool):
-                    raise ValueError(f"MoEShape.gated must be a bool, got {value!r}")
+                    raise ValueError(f"MoEShape.{f.name} must be a bool, got {value!r}")
                 continue
-            if value is None and f.name == "grad_dtype_bytes":
+            if value is None and f.name in ("grad_dtype_bytes", "expert_parallel_size"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MoEShape.{f.name} must be a positive int, got {value!r}")
         if self.topk > self.num_experts:
             raise ValueError(f"MoEShape.topk={self.topk} exceeds num_experts={self.num_experts}")
+        ep = self.expert_parallel_size
+        if ep is not None and self.num_experts % ep:
+            raise ValueError(f"MoEShape.num_experts={self.num_experts} is not a multiple of "
+                             f"expert_parallel_size={ep}")
+        if self.grouped_gemm and ep is None:
+            raise ValueError("MoEShape.grouped_gemm needs expert_parallel_size (grouped GEMMs "
+                             "stack the weights of the E / R local experts per call)")
 
     @property
     def fc1_size(self) -> int:
@@ -224,6 +292,13 @@ class MoEShape:
         """Gradient row with its int32 position, plus the dX row sent back."""
         return 2 * self.hidden_size * self.dtype_bytes + _POSITION_BYTES
 
+    # ---------------------------------------------------------------- memory terms
+    @property
+    def row_bytes(self) -> int:
+        """One row of H elements: what every exchange, reorder and gradient buffer holds
+        per pair (x, o, g, dX)."""
+        return self.hidden_size * self.dtype_bytes
+
     @property
     def saved_bytes_per_routed_pair(self) -> int:
         """x_exp [H] + z [F1] kept from forward to backward on the expert side."""
@@ -232,23 +307,40 @@ class MoEShape:
     @property
     def saved_bytes_per_source_pair(self) -> int:
         """Unweighted expert output o [H] kept for the router gradient, plus metadata."""
-        return self.hidden_size * self.dtype_bytes + _PAIR_METADATA_BYTES
+        return self.row_bytes + self.metadata_bytes_per_source_pair
 
     @property
-    def forward_transient_bytes_per_routed_pair(self) -> int:
-        """Dispatch receive, expert output, two combine payloads (4H), z concat (F1)."""
-        return (4 * self.hidden_size + self.fc1_size) * self.dtype_bytes
+    def metadata_bytes_per_source_pair(self) -> int:
+        """Pair metadata, alive from before the region's forward to the end of its
+        backward: the int64 (expert, token) pairs the token index is a view of, the
+        probability, the side statistic a, the probability gather's int64 index."""
+        return _PAIR_METADATA_BYTES
 
     @property
-    def backward_transient_bytes_per_retained_pair(self) -> int:
-        """Gradient, gathered x, dX and its reorder (4H); z, dz (2 F1); h, dh (2F)."""
-        return (4 * self.hidden_size + 2 * self.fc1_size
-                + 2 * self.ffn_hidden_size) * self.dtype_bytes
+    def output_bytes(self) -> int:
+        """T x H: the layer output y (in a run's backward, its gradient dy), and the token
+        gradient dX the backward returns."""
+        return self.tokens_per_rank * self.row_bytes
 
     @property
-    def source_transient_bytes_per_pair(self) -> int:
-        """Source side send, receive and reorder copies (3H)."""
-        return 3 * self.hidden_size * self.dtype_bytes
+    def backward_bytes_per_source_pair(self) -> int:
+        """The source's per-pair bookkeeping in backward (metric, selection, slots,
+        router gradient): at most 28 bytes."""
+        return _SELECTION_BYTES_PER_PAIR
+
+    @property
+    def weight_gradient_temporary_bytes(self) -> int:
+        """D: one expert's dW1 [F1, H] as the expert backward computes it, plus its copy
+        in the gradient dtype when that differs (the add into a wider main_grad)."""
+        elements = self.fc1_size * self.hidden_size
+        grad = self.grad_dtype_bytes or self.dtype_bytes
+        return elements * (self.dtype_bytes + (grad if grad != self.dtype_bytes else 0))
+
+    @property
+    def forward_activation_factor(self) -> int:
+        """c: [n, F] tensors one instance's activation holds at once in forward: silu(z1),
+        z2 + offset and h when gated; h otherwise."""
+        return 3 if self.gated else 1
 
 
 @dataclass(frozen=True)
@@ -266,59 +358,260 @@ class CostModel:
     # numpy on [R] arrays: the planner calls these once per layer and micro-batch,
     # where a torch op costs ~10 us and a numpy op ~1 us. Torch CPU tensors are accepted
     # too (``np.asarray`` reads them), but callers should pass ``tensor.numpy()``.
-    def _fixed_bytes(self, num_replicas: np.ndarray) -> np.ndarray:
+    def _layout(self, num_replicas: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """(xc, [R] rc, [R] L): 1.0 where the exchange copies exist (R > 1), 1.0 where
+        the reorder copies exist too (the rank hosts more than one instance), and the
+        local instances (NaN when the EP size is unknown: only grouped GEMMs read it)."""
+        ep = self.shape.expert_parallel_size
+        replicas = np.asarray(num_replicas, dtype=np.float64)
+        if ep is None:
+            return 1.0, np.ones_like(replicas), np.full_like(replicas, np.nan)
+        local = self.shape.num_experts // ep + replicas
+        xc = 0.0 if ep == 1 else 1.0
+        return xc, xc * (local > 1), local
+
+    def _grouped_terms(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+        """(L W1, L W2, D'): the stacked weights of the local instances, per call, and the
+        gradient-dtype copy of one dW1."""
         s = self.shape
-        return (np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
-                + s.microbatches_in_flight * s.source_pairs * s.saved_bytes_per_source_pair
-                + s.source_pairs * s.source_transient_bytes_per_pair / s.num_layers)
+        w1 = s.fc1_size * s.hidden_size * s.dtype_bytes
+        w2 = s.hidden_size * s.ffn_hidden_size * s.dtype_bytes
+        return local * w1, local * w2, float(s.weight_gradient_temporary_bytes - w1)
+
+    def _loop_backward_levels(self, gathered: float | np.ndarray
+                              ) -> list[tuple[float | np.ndarray, float | np.ndarray, float]]:
+        """The per-expert loop's backward levels above the gradient rows and dX, as
+        (alpha, beta, const): alpha n + beta n' + const bytes for an instance of n
+        retained rows after one of n' (``gathered`` 1 where the rank drops rows, so x
+        and z are gathered per instance, else 0). In the loop's order: gathering x, then
+        z, while the previous instance's x, z, h and dz live; the activation, while the
+        previous h and dz live; the activation's backward (recomputed activation, dh and
+        their gradients: 3 n F1 at its peak) with the previous dz; the dW GEMMs."""
+        s = self.shape
+        row, sr = s.row_bytes, s.saved_bytes_per_routed_pair
+        f_b, f1_b = s.ffn_hidden_size * s.dtype_bytes, s.fc1_size * s.dtype_bytes
+        held = f_b + f1_b                                  # one instance's h and dz per row
+        return [(gathered * row, gathered * sr + held, 0.0),
+                (gathered * sr, gathered * f1_b + held, 0.0),
+                (gathered * sr + s.forward_activation_factor * f_b, held, 0.0),
+                (gathered * sr + 3 * f1_b, f1_b, 0.0),
+                (gathered * sr + held, 0.0, float(s.weight_gradient_temporary_bytes))]
+
+    def _loop_activation(self, instance_routed: np.ndarray, instance_retained: np.ndarray,
+                         rank_starts: np.ndarray, drops: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """[R] bytes of the per-expert loop's activation temporaries at their forward and
+        backward peaks, from the rows of each local instance (module docstring)."""
+        s = self.shape
+        f_b = s.ffn_hidden_size * s.dtype_bytes
+        n_f = np.asarray(instance_routed, dtype=np.float64)
+        n_b = np.asarray(instance_retained, dtype=np.float64)
+        starts = np.asarray(rank_starts, dtype=np.int64)
+        count = n_f.shape[0]
+        index = np.arange(count)
+        sizes = np.diff(np.append(starts, count))
+        first = np.repeat(starts, sizes)                                  # [I] rank's first
+        # Backward: the instance before e on its rank (an empty one replaces the buffers
+        # too). Forward: the last one before e with rows (a skipped one leaves h as it was).
+        before = np.where(index > first, n_b[np.maximum(index - 1, 0)], 0.0)
+        last = np.maximum.accumulate(np.where(n_f > 0, index, -1))
+        prev = np.append(-1, last[:-1])
+        before_f = np.where(prev >= first, n_f[np.maximum(prev, 0)], 0.0)
+        fwd = (s.forward_activation_factor * n_f + before_f) * f_b
+        gathered = np.repeat(np.asarray(drops, dtype=np.float64), sizes)
+        bwd = _max(*(alpha * n_b + beta * before + const
+                     for alpha, beta, const in self._loop_backward_levels(gathered)))
+        return np.maximum.reduceat(fwd, starts), np.maximum.reduceat(bwd, starts)
+
+    def _forward_peak(self, routed: np.ndarray, xc: float, rc: np.ndarray,
+                      local: np.ndarray, act_f: np.ndarray | None) -> np.ndarray:
+        """[R] the forward's peak level (module docstring); ``act_f``: the per-expert
+        loop's activation bytes (unused with grouped GEMMs)."""
+        s = self.shape
+        row, sr, p = s.row_bytes, s.saved_bytes_per_routed_pair, s.source_pairs
+        if s.grouped_gemm:
+            f_b = s.ffn_hidden_size * s.dtype_bytes
+            w1, w2, _ = self._grouped_terms(local)
+            experts = _max(w1, s.forward_activation_factor * routed * f_b,
+                           routed * (f_b + row) + w2)
+        else:
+            experts = routed * row + act_f
+        return p * s.metadata_bytes_per_source_pair + _max(
+            xc * (p + routed) * row,                    # dispatch: x[pair_token], received
+            (1 + rc) * routed * row,                    # received and expert-major
+            routed * sr + experts,                      # x_exp, z and the experts' buffers
+            rc * routed * (sr + 2 * row),               # o and its source-major reorder
+            xc * (routed * (sr + row) + p * row))       # o reordered, and received back
 
     def rank_memory(self, num_replicas: np.ndarray, routed: np.ndarray,
-                    retained: np.ndarray) -> np.ndarray:
-        """[R] float64 bytes one layer holds on each rank: its replicas, the saved
-        buffers of MiF micro-batches routed like this one, and 1/Lyr of its transient
-        buffers (module docstring). Compare with ``memory_share(budget)``."""
+                    retained: np.ndarray, sent_kept: np.ndarray | None = None,
+                    instance_routed: np.ndarray | None = None,
+                    instance_retained: np.ndarray | None = None,
+                    rank_starts: np.ndarray | None = None) -> np.ndarray:
+        """[R] float64 bytes one layer holds on each rank: its replicas, the saved buffers
+        of MiF micro-batches routed like this one, and 1/Lyr of the rest of its peak
+        (module docstring). Compare with ``memory_share(budget)``.
+
+        ``sent_kept`` [R]: pairs each rank keeps as a source (None: all P of them, an
+        upper bound). ``instance_routed``, ``instance_retained`` [I] (rank-major) with
+        ``rank_starts`` [R]: the rows of every instance, which set the per-expert loop's
+        activation temporaries (None: bounded by the rank's totals; grouped GEMMs do
+        not need them)."""
         s = self.shape
         routed = np.asarray(routed, dtype=np.float64)
         retained = np.asarray(retained, dtype=np.float64)
-        transient = np.maximum(routed * s.forward_transient_bytes_per_routed_pair,
-                               retained * s.backward_transient_bytes_per_retained_pair)
-        return (self._fixed_bytes(num_replicas)
-                + s.microbatches_in_flight * s.saved_bytes_per_routed_pair * routed
-                + transient / s.num_layers)
+        xc, rc, local = self._layout(num_replicas)
+        kept = (np.asarray(sent_kept, dtype=np.float64) if sent_kept is not None
+                else (s.source_pairs if xc else retained))
+        row, sr, p = s.row_bytes, s.saved_bytes_per_routed_pair, s.source_pairs
+        f_b, f1_b = s.ffn_hidden_size * s.dtype_bytes, s.fc1_size * s.dtype_bytes
+        drops = (retained < routed).astype(np.float64)
+        saved = routed * sr + p * s.saved_bytes_per_source_pair
+        if s.grouped_gemm:
+            w1, w2, conv = self._grouped_terms(local)
+            act_f = None
+            experts_bwd = drops * retained * sr + _max(
+                2 * retained * f1_b + w2, 3 * retained * f1_b,
+                retained * (2 * f_b + f1_b + row) + w1 + conv)
+        else:
+            if instance_routed is not None:
+                act_f, act_b = self._loop_activation(instance_routed, instance_retained,
+                                                     rank_starts, drops)
+            else:
+                # n, n' <= m = min(K, N) and n + n' <= K: alpha n + beta n' is at most
+                # min(alpha, beta) K + |alpha - beta| m.
+                m = np.minimum(retained, routed)
+                act_f = s.forward_activation_factor * routed * f_b
+                act_b = _max(*(np.minimum(alpha, beta) * retained
+                               + np.abs(alpha - beta) * m + const for alpha, beta, const
+                               in self._loop_backward_levels(drops)))
+            experts_bwd = retained * row + act_b
+        forward = self._forward_peak(routed, xc, rc, local, act_f)
+        base = saved + s.output_bytes + p * s.backward_bytes_per_source_pair
+        backward = base + _max(
+            (xc * retained + kept) * row,               # gradient rows sent and received
+            (1 + rc) * retained * row,                  # received and reordered; dX too
+            retained * row + experts_bwd,               # the expert backward
+            (retained + xc * kept) * row,               # dX sent back and received
+            kept * row + s.output_bytes)                # dX received, token gradient
+        peak = np.maximum(forward, backward)
+        return (np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
+                + s.microbatches_in_flight * saved + (peak - saved) / s.num_layers)
 
     def plan_memory(self, plan: RetentionPlan, num_replicas: np.ndarray) -> np.ndarray:
-        """[R] ``rank_memory`` at a retention plan's routed and retained loads."""
-        return self.rank_memory(num_replicas, plan.routed_per_rank.numpy(),
-                                plan.retained_per_rank.numpy())
+        """[R] ``rank_memory`` at a retention plan: its routed and retained loads, each
+        source's kept pairs and each instance's rows."""
+        counts, quotas = plan.counts.numpy(), plan.quotas.numpy()
+        starts = np.searchsorted(np.asarray(plan.instance_rank), np.arange(plan.num_ranks))
+        inst_routed, inst_retained = np.add.reduce(counts, axis=0), np.add.reduce(quotas,
+                                                                                    axis=0)
+        return self.rank_memory(num_replicas, np.add.reduceat(inst_routed, starts),
+                                np.add.reduceat(inst_retained, starts),
+                                sent_kept=np.add.reduce(quotas, axis=1),
+                                instance_routed=inst_routed, instance_retained=inst_retained,
+                                rank_starts=starts)
 
     def routing_capacity(self, share: float, num_replicas: np.ndarray) -> np.ndarray:
         """[R] int64: the most routed pairs a rank can receive within ``share`` when
-        backward drops as much as it may (the forward buffers set the limit)."""
+        backward drops as much as it may (nothing retained; its pairs as a source all
+        kept, and one instance's activation over all its rows: upper bounds), i.e. the
+        largest N with ``rank_memory(num_replicas, N, 0) <= share``."""
         s = self.shape
-        per_pair = (s.microbatches_in_flight * s.saved_bytes_per_routed_pair
-                    + s.forward_transient_bytes_per_routed_pair / s.num_layers)
-        room = share - self._fixed_bytes(num_replicas)
-        return np.maximum(np.floor(room / per_pair), 0.0).astype(np.int64)
+        xc, rc, local = self._layout(num_replicas)
+        row, sr, p = s.row_bytes, s.saved_bytes_per_routed_pair, s.source_pairs
+        f_b = s.ffn_hidden_size * s.dtype_bytes
+        kept = xc * p
+        meta = p * s.metadata_bytes_per_source_pair
+        # Levels a + b N at retained = 0 (module docstring), forward then backward.
+        phases = [(meta + xc * p * row, xc * row), (meta, (1 + rc) * row),
+                  (meta, rc * (sr + 2 * row)), (meta + xc * p * row, xc * (sr + row))]
+        if s.grouped_gemm:
+            w1, w2, conv = self._grouped_terms(local)
+            phases += [(meta + w1, sr), (meta, sr + s.forward_activation_factor * f_b),
+                       (meta + w2, sr + f_b + row)]
+            bwd_experts = np.maximum(w2, w1 + conv)
+        else:
+            phases.append((meta, sr + row + s.forward_activation_factor * f_b))
+            bwd_experts = s.weight_gradient_temporary_bytes
+        base = p * s.saved_bytes_per_source_pair + s.output_bytes + \
+            p * s.backward_bytes_per_source_pair
+        phases += [(base + np.maximum(kept * row + s.output_bytes, bwd_experts), sr)]
+        # fixed + MiF S + (level - S) / Lyr <= share, S = N sr + P ss, level = a + b N.
+        mif, lyr = s.microbatches_in_flight, s.num_layers
+        fixed = np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
+        saved_p = p * s.saved_bytes_per_source_pair
+        a, b = (_stack(values, rc.shape) for values in zip(*phases, strict=True))
+        coef = mif * sr + (b - sr) / lyr
+        rhs = share - fixed - mif * saved_p - (a - saved_p) / lyr
+        return _to_count(np.minimum.reduce(_solve(rhs, coef), axis=0))
 
-    def retained_limit(self, share: float, num_replicas: np.ndarray,
-                       routed: np.ndarray) -> np.ndarray:
+    def retained_limit(self, share: float, num_replicas: np.ndarray, routed: np.ndarray,
+                       largest_routed: np.ndarray | None = None) -> np.ndarray:
         """[R] int64: the most retained pairs a rank can keep within ``share`` at its
-        routed load (0 where the forward buffers alone do not fit)."""
+        routed load, i.e. the largest K with ``rank_memory(num_replicas, routed, K) <=
+        share`` (0 where not even K = 0 fits). Its pairs as a source count as all kept
+        (an upper bound: the plan is not known yet); ``largest_routed`` [R], the routed
+        rows of each rank's largest instance, tightens the per-expert loop's activation
+        bound (None: the rank's routed rows)."""
         s = self.shape
         routed = np.asarray(routed, dtype=np.float64)
-        room = (share - self._fixed_bytes(num_replicas)
-                - s.microbatches_in_flight * s.saved_bytes_per_routed_pair * routed)
-        limit = np.floor(room * s.num_layers / s.backward_transient_bytes_per_retained_pair)
-        fwd_fits = routed * s.forward_transient_bytes_per_routed_pair <= room * s.num_layers
-        return np.maximum(np.where(fwd_fits, limit, 0.0), 0.0).astype(np.int64)
+        xc, rc, local = self._layout(num_replicas)
+        row, sr, p = s.row_bytes, s.saved_bytes_per_routed_pair, s.source_pairs
+        f_b, f1_b = s.ffn_hidden_size * s.dtype_bytes, s.fc1_size * s.dtype_bytes
+        largest = routed if largest_routed is None else np.minimum(
+            np.asarray(largest_routed, dtype=np.float64), routed)
+        saved = routed * sr + p * s.saved_bytes_per_source_pair
+        fixed = np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
+        # The peak may reach room: fixed + MiF S + (peak - S) / Lyr <= share.
+        room = (share - fixed - s.microbatches_in_flight * saved) * s.num_layers + saved
+        # c n_e + n_e' <= (c - 1) * largest + routed for the loop's forward activation.
+        forward = self._forward_peak(
+            routed, xc, rc, local,
+            ((s.forward_activation_factor - 1) * largest + routed) * f_b)
+        base = saved + s.output_bytes + p * s.backward_bytes_per_source_pair
+        # Ks = P (a_s = P, b_s = 0) across ranks; Ks = K with one rank.
+        a_s, b_s = xc * p, 1.0 - xc
+        # Levels a + b K + c min(K, largest), c = 0 but for the loop's activation.
+        common = [(base + a_s * row, (xc + b_s) * row, 0.0), (base, (1 + rc) * row, 0.0),
+                  (base + xc * a_s * row, (1 + xc * b_s) * row, 0.0),
+                  (base + a_s * row + s.output_bytes, b_s * row, 0.0)]
+        limits = []
+        for gathered in (0.0, 1.0):        # the rank keeps every row / drops some
+            phases = list(common)
+            if s.grouped_gemm:
+                w1, w2, conv = self._grouped_terms(local)
+                rows = row + gathered * sr
+                phases += [(base + w2, rows + 2 * f1_b, 0.0), (base, rows + 3 * f1_b, 0.0),
+                           (base + w1 + conv, rows + 2 * f_b + f1_b + row, 0.0)]
+            else:
+                phases += [(base + const, 2 * row + min(alpha, beta), abs(alpha - beta))
+                           for alpha, beta, const in self._loop_backward_levels(gathered)]
+            a, b, c = (_stack(values, routed.shape) for values in zip(*phases, strict=True))
+            limits.append(np.minimum.reduce(_solve_piecewise(room - a, b, c, largest),
+                                            axis=0))
+        keep_all, drop = limits
+        limit = np.where(keep_all >= routed, keep_all, drop)
+        # The forward must fit at all (the backward's levels at K = 0 are in the phases).
+        fits = forward <= room
+        return np.where(fits, _to_count(limit), 0).astype(np.int64)
 
     def balanced_dropless_need(self) -> float:
         """Bytes per rank for all layers and micro-batches in flight when every rank
-        receives exactly its P source pairs, with no replicas and no drop. A budget
-        below this cannot hold even perfectly balanced routing: refuse it at start-up."""
-        p = np.array([float(self.shape.source_pairs)])
-        per_layer = self.rank_memory(np.zeros(1), p, p)
-        return float(per_layer[0]) * self.shape.num_layers
+        receives exactly its P source pairs (spread evenly over its E / R experts when
+        the EP size is known; else bounded as without per-instance rows), with no
+        replicas and no drop. A budget below this cannot hold even perfectly balanced
+        routing: refuse it at start-up."""
+        s = self.shape
+        p = np.array([float(s.source_pairs)])
+        ep = s.expert_parallel_size
+        extra = {}
+        if ep is not None and not s.grouped_gemm:
+            local = s.num_experts // ep
+            rows = np.full(local, float(s.source_pairs) / local)
+            extra = dict(instance_routed=rows, instance_retained=rows,
+                         rank_starts=np.zeros(1, dtype=np.int64))
+        per_layer = self.rank_memory(np.zeros(1), p, p, sent_kept=p, **extra)
+        return float(per_layer[0]) * s.num_layers
 
     # ------------------------------------------------------------------- time
     def layer_time(self, routed_matrix: np.ndarray,
@@ -394,3 +687,37 @@ def _alltoall_pairs(matrix: np.ndarray) -> float:
     diagonal = np.diagonal(matrix)
     return float(max(np.maximum.reduce(np.add.reduce(matrix, axis=1) - diagonal),
                      np.maximum.reduce(np.add.reduce(matrix, axis=0) - diagonal)))
+
+
+def _max(*values) -> np.ndarray:
+    """Elementwise maximum of arrays and scalars (broadcast)."""
+    return functools.reduce(np.maximum, values)
+
+
+def _stack(values, shape: tuple[int, ...]) -> np.ndarray:
+    """[len(values), *shape] float64 of scalars and arrays broadcast to ``shape``."""
+    out = np.empty((len(values), *shape))
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
+
+
+def _solve(rhs: np.ndarray, coef: np.ndarray) -> np.ndarray:
+    """The largest real x with coef * x <= rhs (coef >= 0): +inf where any x fits, -inf
+    where none does."""
+    positive = coef > 0
+    return np.where(positive, rhs / np.where(positive, coef, 1.0),
+                    np.where(rhs >= 0, np.inf, -np.inf))
+
+
+def _solve_piecewise(rhs: np.ndarray, b: np.ndarray, c: float | np.ndarray,
+                     bend: np.ndarray) -> np.ndarray:
+    """The largest real K with b K + c min(K, bend) <= rhs (b, c >= 0): the slope is b + c
+    up to ``bend`` and b beyond it."""
+    below = _solve(rhs, b + c)
+    return np.where(below < bend, below, _solve(rhs - c * bend, b))
+
+
+def _to_count(values: np.ndarray) -> np.ndarray:
+    """floor, at least 0, as int64 (unbounded: 2**62)."""
+    return np.floor(np.clip(values, 0.0, 2.0**62)).astype(np.int64)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
@@ -304,12 +305,29 @@ class LRMoELayer(MoELayer):
             raise ValueError("MoE with tensor parallelism needs sequence parallelism")
         if padding_mask is not None:
             padding_mask = padding_mask.transpose(0, 1).bool()
+        if self.moe_layer_recompute:
+            # Megatron's selective "moe" recompute (``MoELayer.forward`` wraps its stages
+            # the same way): only the layer input is kept, and backward runs the layer
+            # again. The first pass runs without autograd, so, like an evaluation pass,
+            # it plans and computes the exact forward but neither observes, counts nor
+            # draws; the recomputed pass in backward is the micro-batch's training pass
+            # (docs/design.md, "Recompute").
+            output = tensor_parallel.checkpoint(self._layer_output, False, hidden_states,
+                                                padding_mask)
+        else:
+            output = self._layer_output(hidden_states, padding_mask)
+        return output, None
+
+    def _layer_output(self, hidden_states: torch.Tensor,
+                      padding_mask: torch.Tensor | None) -> torch.Tensor:
+        """Shared experts (Megatron's, with their own selective recompute) plus the routed
+        experts: [S, B, H] in and out (``padding_mask`` [S, B] goes to Megatron's router)."""
         shared_output = self.shared_experts_compute(hidden_states)
         probs, routing_map = self.route(hidden_states, padding_mask)
         output = self.routed_output(hidden_states, probs, routing_map)
         if shared_output is not None:
             output = output + shared_output
-        return output, None
+        return output
 
     def routed_output(self, hidden_states: torch.Tensor, probs: torch.Tensor,
                       routing_map: torch.Tensor) -> torch.Tensor:
@@ -322,6 +340,12 @@ class LRMoELayer(MoELayer):
         x = hidden_states.reshape(-1, shape[-1])                          # [T, H]
         counts = self.token_dispatcher.gather_counts(routing_map)         # [R, E] on the host
         rank = self.token_dispatcher.ep_rank
+        # A training pass is one with autograd on: it observes, counts and draws. The first
+        # pass of a recomputed layer (full or "moe" recompute) runs without autograd and
+        # only plans, like an evaluation pass; its recomputed pass in backward is then the
+        # micro-batch's training pass, with the same counts, hence the same plan, and the
+        # ordinal of the micro-batch's backward, which Megatron's schedules run in forward
+        # order (docs/design.md, "Recompute").
         training = self.training and torch.is_grad_enabled()
         planner = self.placement_planner
         experts = self.experts.expert_weights()

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "OPTIONS", "LRMoEConfigError", "Option", "check_capacity_factor", "check_combination",
-    "check_fraction", "check_load_smoothing", "check_options", "check_positive_int",
-    "check_positive_number", "flag_of", "option", "unused_options", "validate_lrmoe",
+    "OPTIONS", "RECOMPUTE_MODULES", "LRMoEConfigError", "Option", "check_capacity_factor",
+    "check_combination", "check_fraction", "check_load_smoothing", "check_options",
+    "check_positive_int", "check_positive_number", "check_recompute", "flag_of", "option",
+    "unused_options", "validate_lrmoe",
 ]
 
 
@@ -249,10 +250,43 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("context_parallel_size", lambda v: v != 1,
      "context parallelism is not supported with --moe-lrmoe yet"),
     ("moe_latent_size", lambda v: v is not None, "not supported with --moe-lrmoe"),
-    ("recompute_granularity", lambda v: v is not None,
-     "recompute would re-plan the region; not supported with --moe-lrmoe yet"),
     ("fp8", bool, "FP8 experts are not supported with --moe-lrmoe yet"),
 )
+
+# Megatron's selective-recompute modules (``--recompute-modules``) and what implements
+# each under --moe-lrmoe (docs/design.md, "Recompute"). Full recompute
+# (``--recompute-granularity full``, uniform or block) needs no entry: Megatron's
+# TransformerBlock checkpoints whole layers and the LRMoE layer's first pass (no
+# autograd) only plans, so the recomputed pass is the micro-batch's training pass. A
+# module not listed here (one a later Megatron adds) is refused by name, never
+# accepted as a silent no-op.
+RECOMPUTE_MODULES: dict[str, str] = {
+    "core_attn": "Megatron's attention (outside the MoE layer)",
+    "layernorm": "Megatron's TransformerLayer (input and pre-MLP norms, MoE layers included)",
+    "mla_up_proj": "Megatron's multi-latent attention",
+    "mlp": "Megatron's TransformerLayer, dense MLP layers only (as without --moe-lrmoe)",
+    "moe": "LRMoELayer.forward under tensor_parallel.checkpoint, as MoELayer.forward does",
+    "moe_act": "by construction: the LRMoE region saves the fc1 output and recomputes the "
+               "activation in backward, for retained rows only",
+    "shared_experts": "MoELayer.shared_experts_compute, which LRMoELayer.forward calls",
+}
+_DEFAULT_RECOMPUTE_MODULES = ("core_attn",)    # Megatron's default for "selective"
+
+
+def check_recompute(c: Any) -> None:
+    """With ``--recompute-granularity selective``: every module of ``--recompute-modules``
+    (Megatron's default: core_attn) must be one LRMoE implements (``RECOMPUTE_MODULES``).
+    Megatron validates the flags' own combinations (method, layer count)."""
+    if getattr(c, "recompute_granularity", None) != "selective":
+        return
+    modules = getattr(c, "recompute_modules", None)
+    modules = _DEFAULT_RECOMPUTE_MODULES if modules is None else modules
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise LRMoEConfigError(
+            "recompute_modules",
+            f"{', '.join(map(repr, unknown))} not supported with --moe-lrmoe (it implements "
+            f"{', '.join(RECOMPUTE_MODULES)}; docs/design.md, \"Recompute\")")
 
 
 def check_options(c: Any) -> None:
@@ -279,6 +313,7 @@ def check_combination(c: Any) -> None:
         value = getattr(c, field, _ABSENT)
         if value is not _ABSENT and refused(value):
             raise LRMoEConfigError(field, why.format(value=value))
+    check_recompute(c)
     if c.moe_lrmoe_placement == "memory-aware" and c.moe_lrmoe_memory_budget_gb is None:
         raise LRMoEConfigError("moe_lrmoe_memory_budget_gb",
                                "--moe-lrmoe-placement memory-aware needs a budget")

@@ -92,6 +92,10 @@ class PlannerSettings:
         if self.cost is not None and self.cost.shape.num_experts != self.num_experts:
             raise ValueError(f"PlannerSettings.cost: shape has {self.cost.shape.num_experts} "
                              f"experts, settings {self.num_experts}")
+        ep = None if self.cost is None else self.cost.shape.expert_parallel_size
+        if ep is not None and ep != self.num_ranks:
+            raise ValueError(f"PlannerSettings.cost: shape has expert_parallel_size {ep}, "
+                             f"settings {self.num_ranks} ranks")
         budget = self.budget_bytes
         if budget is not None:
             if self.cost is None:
@@ -122,8 +126,7 @@ class PlannerSettings:
         share = self.layer_share
         if share is not None:
             cost = self.cost
-            p = np.array([float(cost.shape.source_pairs)])
-            balanced = float(cost.rank_memory(np.zeros(1), p, p)[0])
+            balanced = cost.balanced_dropless_need() / cost.shape.num_layers
             fit = per_rank + int((share - balanced) // cost.shape.instance_bytes)
             slots = fit if slots is None else min(slots, fit)
         slots = per_rank if slots is None else slots
@@ -205,8 +208,9 @@ class LayerPlanner:
         """Routing and quotas of one micro-batch under the current placement.
 
         With a budget the routing respects each rank's buffer capacity (the layer share
-        minus its replicas), and gamma is lowered until the backward buffers fit; the
-        forward never drops. What was done is in ``notes``.
+        minus its replicas), and when the plan at gamma does not fit, gamma is lowered
+        until the backward buffers do; the forward never drops. What was done is in
+        ``notes``.
         """
         return self._plan(counts, self._context(self.placement))[0]
 
@@ -218,6 +222,7 @@ class LayerPlanner:
         placement = ctx.placement
         routing, routed = route_checked(check_route_counts(counts, placement), placement,
                                         ctx.capacity)           # routed: [R] load per rank
+        instance_routed = np.add.reduce(routing.counts.numpy(), axis=0)      # [I]
         overflow = routing.overflow
         notes = []
         if overflow:
@@ -225,10 +230,19 @@ class LayerPlanner:
                          f"capacity went to home instances")
         gamma = float(s.capacity_factor)
         share = s.layer_share
-        if share is not None and math.isfinite(gamma):
-            limit = s.cost.retained_limit(share, ctx.replicas, routed)
-            # Ranks whose forward buffers alone exceed the share (limit 0) stay over
-            # budget whatever gamma is: they do not drag every rank's capacity to 1.
+        retention = self._retention(routing, gamma)
+        memory = None
+        if share is not None:
+            memory = _memory(s.cost, ctx, routed, instance_routed, retention.quotas.numpy())
+        if memory is not None and math.isfinite(gamma) and bool((memory > share).any()):
+            # The plan does not fit: lower gamma to the smallest rank limit. The limits
+            # bound what they cannot know before the plan (each source's kept pairs, the
+            # retained rows per instance), so a plan within them fits.
+            limit = s.cost.retained_limit(
+                share, ctx.replicas, routed,
+                np.maximum.reduceat(instance_routed, ctx.rank_starts))
+            # Ranks that do not fit even keeping nothing (limit 0) stay over budget
+            # whatever gamma is: they do not drag every rank's capacity to 1.
             short = (routed > limit) & (limit > 0)
             total = int(np.add.reduce(routed))
             if short.any() and total:
@@ -237,14 +251,10 @@ class LayerPlanner:
                     gamma = factor_for_capacity(needed, total, s.num_ranks)
                     notes.append(f"budget: backward capacity factor lowered from "
                                  f"{s.capacity_factor:g} to {gamma:.4g} (C={needed})")
-        retention = plan_retention(routing.counts, s.num_ranks, gamma, s.min_retention,
-                                   instance_rank=placement.instance_rank,
-                                   instance_expert=placement.instance_expert)
-        memory = None
-        if share is not None:
-            retained = np.add.reduceat(np.add.reduce(retention.quotas.numpy(), axis=0),
-                                       ctx.rank_starts)         # [R] retained per rank
-            memory = s.cost.rank_memory(ctx.replicas, routed, retained)
+                    retention = self._retention(routing, gamma)
+                    memory = _memory(s.cost, ctx, routed, instance_routed,
+                                     retention.quotas.numpy())
+        if memory is not None:
             over = memory > share
             if over.any():
                 notes.append(f"over budget on {int(np.add.reduce(over))} rank(s) by up to "
@@ -252,6 +262,13 @@ class LayerPlanner:
                              f"(the forward is never dropped)")
         return MicroBatchPlan(routing=routing, retention=retention,
                               capacity_factor_used=gamma, notes=tuple(notes)), memory
+
+    def _retention(self, routing: Routing, gamma: float) -> RetentionPlan:
+        s = self.settings
+        placement = routing.placement
+        return plan_retention(routing.counts, s.num_ranks, gamma, s.min_retention,
+                              instance_rank=placement.instance_rank,
+                              instance_expert=placement.instance_expert)
 
     def _context(self, placement: Placement) -> _PlacementContext:
         ctx = self._contexts.get(placement)
@@ -350,8 +367,8 @@ class LayerPlanner:
                                    s.min_retention, instance_rank=placement.instance_rank,
                                    instance_expert=placement.instance_expert)
         quotas = retention.quotas.numpy()
-        retained = np.add.reduceat(np.add.reduce(quotas, axis=0), ctx.rank_starts)   # [R]
-        peak = float(np.maximum.reduce(cost.rank_memory(ctx.replicas, routed, retained)))
+        peak = float(np.maximum.reduce(_memory(
+            cost, ctx, routed, np.add.reduce(routing.counts.numpy(), axis=0), quotas)))
         starts = ctx.rank_starts
         fwd, bwd = cost.layer_time(np.add.reduceat(routing.counts.numpy(), starts, axis=1),
                                    np.add.reduceat(quotas, starts, axis=1))     # [R, R] each
@@ -398,3 +415,17 @@ class LayerPlanner:
         self._observed_sum = (None if observed_sum is None
                               else observed_sum.detach().to("cpu", torch.float64).clone())
         self._observed = int(state["observed"])
+
+
+def _memory(cost: CostModel, ctx: _PlacementContext, routed: np.ndarray,
+            instance_routed: np.ndarray, quotas: np.ndarray) -> np.ndarray:
+    """[R] ``CostModel.rank_memory`` of a planned micro-batch: its routed and retained
+    loads, each source's kept pairs and each instance's rows (numpy, as the planner's
+    other per-call arithmetic)."""
+    instance_retained = np.add.reduce(quotas, axis=0)                          # [I]
+    return cost.rank_memory(ctx.replicas, routed,
+                            np.add.reduceat(instance_retained, ctx.rank_starts),
+                            sent_kept=np.add.reduce(quotas, axis=1),
+                            instance_routed=instance_routed,
+                            instance_retained=instance_retained,
+                            rank_starts=ctx.rank_starts)

@@ -36,10 +36,13 @@ def moe_layers_per_stage(num_layers: int, moe_layer_freq, pipeline_size: int) ->
     return max(1, -(-moe // max(1, pipeline_size)))
 
 
-def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1) -> MoEShape:
-    """The MoE layer's shape on one EP rank for the cost model."""
+def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
+              ep_size: int | None = None) -> MoEShape:
+    """The MoE layer's shape on one EP rank for the cost model (``ep_size``: the EP group's
+    size, default the config's)."""
     dtype = config.params_dtype
     pp = config.pipeline_model_parallel_size or 1
+    ep = ep_size or config.expert_model_parallel_size or 1
     return MoEShape(
         hidden_size=config.hidden_size,
         ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
@@ -53,6 +56,10 @@ def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1) -> M
         microbatches_in_flight=pp,
         microbatches_per_step=max(1, int(microbatches_per_step)),
         grad_dtype_bytes=4 if dtype in (torch.bfloat16, torch.float16) else None,
+        expert_parallel_size=ep,
+        # The region's GEMMs run grouped on request and, by default, on CUDA (where a
+        # failed probe falls back to the loop, which holds less: the model errs safe).
+        grouped_gemm=bool(config.moe_grouped_gemm) or torch.cuda.is_available(),
     )
 
 
@@ -108,7 +115,8 @@ def planner_settings(config, ep_size: int, tokens_per_rank: int | None = None,
             raise ValueError("the planner of this configuration (--moe-lrmoe-memory-budget-gb "
                              "or --moe-lrmoe-placement memory-aware) needs the tokens per "
                              "micro-batch and the machine constants")
-        cost = CostModel(moe_shape(config, tokens_per_rank, microbatches_per_step), machine)
+        cost = CostModel(moe_shape(config, tokens_per_rank, microbatches_per_step, ep_size),
+                         machine)
     budget = config.moe_lrmoe_memory_budget_gb
     return PlannerSettings(
         policy=config.moe_lrmoe_placement,
@@ -131,7 +139,7 @@ def check_memory_budget(config, ep_size: int, tokens_per_rank: int,
     budget = config.moe_lrmoe_memory_budget_gb
     if not config.moe_lrmoe or budget is None:
         return
-    shape = moe_shape(config, tokens_per_rank, microbatches_per_step)
+    shape = moe_shape(config, tokens_per_rank, microbatches_per_step, ep_size)
     cost = CostModel(shape, machine_constants(config.moe_lrmoe_calibration, device_type))
     need = cost.balanced_dropless_need()
     if budget * GIB < need:

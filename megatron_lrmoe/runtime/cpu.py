@@ -36,6 +36,10 @@ The fixes (see ``FIXES``):
     ``moe_utils`` imports ``te_general_gemm`` from Transformer Engine inside a
     try block and refers to it unconditionally in ``RouterGatingLinearFunction``;
     without TE that is a NameError. ``None`` selects Megatron's own torch path.
+``checkpoint_without_output_without_te``
+    ``CheckpointWithoutOutput`` (selective ``layernorm`` / ``moe_act`` recompute)
+    believes FP8 is on and asks Transformer Engine, a NameError without TE
+    (``runtime/compat.py``, which the launcher also applies on GPUs).
 ``numpy_split_sizes_for_gloo``
     On GPU the dispatcher's device-to-host step turns the all-to-all split sizes
     into numpy arrays. For CPU tensors Megatron skips that step, and gloo's
@@ -48,6 +52,14 @@ The fixes (see ``FIXES``):
     compare against. It replaces a dozen literal-site patches (grad scaler,
     optimizer, clip_grads, schedules' token counter, DDP warm-up). It costs one
     Python call per torch call: every benchmark policy pays the same.
+``recompute_under_cpu_device_mode``
+    Activation recompute runs forward code inside backward, and backward starts in
+    ``torch.autograd.backward``, which torch hands to the mode's
+    ``__torch_function__``, where the mode is off: a recomputed layer then meets
+    ``device='cuda'`` literals unredirected (the causal mask of core attention).
+    Megatron's two recompute entry points (``CheckpointFunction.backward``,
+    ``CheckpointWithoutOutput._recompute``) run with the mode on again; the rest of
+    backward stays as it was, so runs without recompute are timed as before.
 
 Not a fix, only quieter output: ``quiet_known_cpu_warnings()`` (called by
 ``enable_cpu_runtime()``, and by the launcher before anything imports megatron.core,
@@ -218,6 +230,17 @@ def _fix_te_general_gemm_placeholder() -> None:
 
 
 # ---------------------------------------------------------------------------
+# checkpoint_without_output_without_te
+# ---------------------------------------------------------------------------
+
+
+def _fix_checkpoint_without_output_without_te() -> None:
+    from megatron_lrmoe.runtime.compat import fp8_off_in_checkpoint_without_output_when_te_absent
+
+    fp8_off_in_checkpoint_without_output_when_te_absent()
+
+
+# ---------------------------------------------------------------------------
 # numpy_split_sizes_for_gloo
 # ---------------------------------------------------------------------------
 
@@ -273,6 +296,41 @@ def _fix_cpu_device_mode() -> None:
     # Process-wide on purpose: Megatron's 'cuda' literals sit inside the schedules,
     # the optimizer and DDP, which the training loop calls on every step.
     _device_mode.__enter__()
+
+
+# ---------------------------------------------------------------------------
+# recompute_under_cpu_device_mode
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _device_mode_on():
+    """The CPU device mode, pushed again unless it is active already."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    if _device_mode is None or _device_mode in _get_current_function_mode_stack():
+        yield
+        return
+    with _device_mode:
+        yield
+
+
+def _fix_recompute_under_cpu_device_mode() -> None:
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    checkpoint_backward = megatron_random.CheckpointFunction.backward
+    recompute = megatron_random.CheckpointWithoutOutput._recompute
+
+    def backward_with_device_mode(ctx, *args):
+        with _device_mode_on():
+            return checkpoint_backward(ctx, *args)
+
+    def recompute_with_device_mode(self, *args):
+        with _device_mode_on():
+            return recompute(self, *args)
+
+    megatron_random.CheckpointFunction.backward = staticmethod(backward_with_device_mode)
+    megatron_random.CheckpointWithoutOutput._recompute = recompute_with_device_mode
 
 
 # ---------------------------------------------------------------------------
@@ -336,8 +394,10 @@ FIXES: dict[str, Callable[[], None]] = {
     "cpu_current_device": _fix_cpu_current_device,
     "cpu_rng_for_megatron_tracker": _fix_cpu_rng_for_megatron_tracker,
     "te_general_gemm_placeholder": _fix_te_general_gemm_placeholder,
+    "checkpoint_without_output_without_te": _fix_checkpoint_without_output_without_te,
     "numpy_split_sizes_for_gloo": _fix_numpy_split_sizes_for_gloo,
     "cpu_device_mode": _fix_cpu_device_mode,
+    "recompute_under_cpu_device_mode": _fix_recompute_under_cpu_device_mode,
 }
 
 

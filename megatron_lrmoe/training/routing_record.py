@@ -18,8 +18,11 @@ Megatron's expert layout (the maximum over the step's micro-batches and EP group
 as ``lrmoe/layer<N>/load-max-over-mean`` takes the maximum over calls).
 
 Only training calls are recorded (module in training mode, autograd on): evaluation
-passes are not. A layer routing other than once per micro-batch in a step (e.g.
-activation recomputation, which this launcher refuses) is an error.
+passes are not, nor the first pass of a recomputed layer, which runs without autograd;
+its recomputed pass in backward is recorded (docs/design.md, "Recompute"). Under
+Megatron's selective ``moe`` recompute that pass runs inside the layer's backward,
+without the layer's forward hook, so its map waits until the layer's next forward or
+the step's end. A layer routing other than once per micro-batch in a step is an error.
 """
 
 from __future__ import annotations
@@ -76,10 +79,13 @@ class RoutingRecorder:
 
     def _layer_hook(self, number: int):
         def hook(module, args, output):
-            for routing_map in self._pending[number]:
-                self._calls[number].append(routing_map.sum(dim=0, dtype=torch.int64))
-            self._pending[number].clear()
+            self._reduce_pending(number)
         return hook
+
+    def _reduce_pending(self, number: int) -> None:
+        for routing_map in self._pending[number]:
+            self._calls[number].append(routing_map.sum(dim=0, dtype=torch.int64))
+        self._pending[number].clear()
 
     # ------------------------------------------------------------ per step
     def end_step(self, iteration: int) -> dict[str, float]:
@@ -88,6 +94,7 @@ class RoutingRecorder:
         m, e = self.microbatches, self.num_experts
         local = torch.zeros(len(self.layers), m, e, dtype=torch.int64)
         for number, calls in self._calls.items():
+            self._reduce_pending(number)     # a last map recomputed in backward
             if len(calls) != m:
                 raise RuntimeError(
                     f"--record-routing: MoE layer {number} routed {len(calls)} time(s) in "
