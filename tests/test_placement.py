@@ -554,14 +554,15 @@ def test_memory_aware_monotone_in_the_budget_regressions(seed, zipf, ranks, slac
        gamma=st.sampled_from([0.75, 1.0, math.inf]),
        slacks=st.lists(st.floats(1.0, 4.0), min_size=2, max_size=4, unique=True))
 def test_memory_aware_is_monotone_in_the_budget(seed, zipf, ranks, gamma, slacks):
-    # More memory never makes the plan the layer runs worse by the cost model: at
-    # gamma = inf its estimated time never rises; at a finite gamma the budget may lower
-    # gamma (cheaper, less exact), so the gamma used never falls and, at an equal gamma,
-    # the time never rises.
+    # More memory never makes the placement's plan worse by the cost model: at gamma =
+    # inf its estimated time never rises. At a finite gamma the budget may lower gamma
+    # (cheaper, less exact), so only plans at an equal gamma are compared. Whether gamma
+    # itself rises with the budget is the budget rule's property, not the placement's
+    # (it is not monotone: docs/design.md, "Memory budget"); the placement never uses a
+    # lower gamma than static at the same budget (test above).
     counts = _skewed_counts(ranks, 2 * ranks, 128, seed, zipf)
     runs = _budgets_estimates(counts, gamma, sorted(slacks))
     for (gamma_a, time_a), (gamma_b, time_b) in itertools.pairwise(runs):
-        assert gamma_b >= gamma_a
         if gamma_b == gamma_a:
             assert time_b <= time_a * (1 + 1e-12)
 

@@ -341,8 +341,14 @@ class LayerPlanner:
         best: tuple[float, int] | None = None       # (estimated time, prefix size)
         for size in sorted({n, 3 * n // 4, n // 2, n // 4} - {0}):
             candidate = Placement(s.num_ranks, s.num_experts, tuple(replicas[:size]))
-            _, time, peak = self._unbudgeted(counts, candidate)
-            if (time <= base_time and peak <= allowed
+            planned, time, peak = self._unbudgeted(counts, candidate)
+            # The routing capacities at this budget must not bind on the candidate's
+            # routing (they only grow with the budget), so the layer's capacity-aware
+            # routing finds the routing judged here, and the judgement stays monotone.
+            capacity = self._context(candidate).capacity
+            fits_routing = capacity is None or bool(
+                (planned.retention.routed_per_rank.numpy() <= capacity).all())
+            if (time <= base_time and peak <= allowed and fits_routing
                     and (best is None or time < best[0])):
                 best = (time, size)
         if best is None:
