@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import shlex
 import sys
 from collections.abc import Iterator
@@ -181,15 +180,16 @@ class ModelSpec:
 
 
 def _moe_layer_count(freq: int | str, num_layers: int) -> int:
-    """MoE layers of Megatron's ``--moe-layer-freq``: every k-th layer for an int k, or the
-    ones of a pattern such as ``([0]*1+[1]*45)``."""
-    if isinstance(freq, int):
-        return len(range(0, num_layers, freq))
-    blocks = re.findall(r"\[([01])\]\s*\*\s*(\d+)", str(freq))
-    if not blocks or sum(int(n) for _, n in blocks) != num_layers:
-        raise ValueError(f"moe-layer-freq {freq!r}: expected an int or a pattern of "
-                         f"[0]/[1] blocks covering {num_layers} layers")
-    return sum(int(n) for bit, n in blocks if bit == "1")
+    """MoE layers of Megatron's ``--moe-layer-freq`` (an int, or a pattern such as
+    ``([0]*1+[1]*45)``), parsed and counted as the launcher does."""
+    from megatron_lrmoe.arguments import _moe_layer_freq
+    from megatron_lrmoe.lrmoe.planner_config import moe_layers_per_stage
+
+    pattern = _moe_layer_freq(freq)
+    if isinstance(pattern, list) and len(pattern) != num_layers:
+        raise ValueError(f"moe-layer-freq {freq!r} lists {len(pattern)} layers, the model "
+                         f"has {num_layers}")
+    return moe_layers_per_stage(num_layers, pattern, 1)
 
 
 MODELS: dict[str, Path] = {

@@ -30,6 +30,7 @@ several sessions. The exact command of every run is in its ``done.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -344,9 +345,14 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
 
 def _config_value(name: str):
     """A value of the study's model config (configs/time_to_loss.yaml)."""
+    return _study_config()[name]
+
+
+@functools.lru_cache(maxsize=1)
+def _study_config() -> dict:
     import yaml
 
-    return yaml.safe_load((ROOT / "configs" / "time_to_loss.yaml").read_text())[name]
+    return yaml.safe_load((ROOT / "configs" / "time_to_loss.yaml").read_text())
 
 
 def _flag_or_config(flags: list[str], name: str):
