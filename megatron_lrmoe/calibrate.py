@@ -1,4 +1,5 @@
-"""Measure this machine's expert GEMM rate and all-to-all bandwidth for the planner.
+"""Measure this machine's expert GEMM rate, memory rate, all-to-all bandwidth and the
+fixed cost of a layer call for the planner's cost model.
 
     python -m megatron_lrmoe.calibrate --output calibration.json \\
         --hidden-size 2048 --ffn-hidden-size 768 --dtype bf16 --device cuda
@@ -13,6 +14,26 @@ on CPU, nccl on CUDA); bandwidth = bytes each rank sends to the others per secon
 latency = the time of a tiny all-to-all. With one process: two local gloo processes
 (``--alltoall local``, the default on CPU: it measures loopback, not a network) or a
 device memory copy (``--alltoall copy``); ``source`` in the JSON says which.
+
+What the time model adds around the GEMMs and the all-to-all (``cost_model`` module doc,
+"Time"), each measured here:
+
+- GEMM rate by rows (``gemm_rows``, ``gemm_forward_flops_per_s``,
+  ``gemm_backward_flops_per_s``): one instance's forward GEMMs and backward GEMMs (with
+  the weight-gradient accumulation) at each of ``--gemm-rows`` rows, over
+  ``--local-experts`` instances. Few rows run at a lower rate (weights streamed, weight
+  gradients written and accumulated per call whatever the rows).
+- memory rate (``memory_bytes_per_s``): a row gather and the activation at the
+  layer's buffer sizes (``--tokens`` x ``--topk`` rows), bytes read plus written per
+  second.
+- fixed cost of a layer call (``layer_forward_fixed_s``, ``layer_backward_fixed_s``;
+  ``--layer-fixed``): the LRMoE layer's forward and backward at EP = 2 over two local
+  gloo processes, at a tiny shape (hidden = FFN = 64, 16 tokens per rank) with the
+  model's experts and top-k, so that GEMMs and row work are negligible: the slowest
+  rank's time, median over repetitions, minus the two all-to-all latencies of each
+  phase and, in forward, the planner's own host time (the simulator adds the planner
+  where a policy runs it). Measured where the all-to-all is (two local gloo processes:
+  a single process on CPU, ``--alltoall local``); elsewhere 0, not priced.
 
 The measurements themselves live in ``megatron_lrmoe.lrmoe.machine``, which the
 planner also uses (without a calibration file) at model set-up.
@@ -34,6 +55,8 @@ from megatron_lrmoe.lrmoe.cost_model import MachineConstants
 from megatron_lrmoe.lrmoe.machine import (
     measure_copy_rate,
     measure_gemm_rate,
+    measure_gemm_table,
+    measure_memory_rate,
     synchronize,
 )
 
@@ -109,6 +132,103 @@ def _local_alltoall(num_bytes: int, repeats: int, warmup: int) -> tuple[float, f
 
 
 # ---------------------------------------------------------------------------
+# Fixed cost of a layer call
+# ---------------------------------------------------------------------------
+
+
+def _layer_fixed_task(cfg: dict) -> dict[str, list[float]]:
+    """On each rank of a ``GlooPool``: forward and backward seconds of one LRMoE layer
+    at ``cfg``'s tiny shape, per repetition, and the planner's host time per forward."""
+    import gc
+    import math
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
+    from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
+    from megatron_lrmoe.lrmoe.step import setup_lrmoe_layers
+
+    torch.set_num_threads(1)
+    ep = dist.get_world_size()
+    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(1234)
+    size = cfg["hidden"]
+    config = LRMoETransformerConfig(
+        num_layers=1, hidden_size=size, num_attention_heads=4, ffn_hidden_size=size,
+        moe_ffn_hidden_size=size, num_moe_experts=cfg["experts"],
+        moe_router_topk=cfg["topk"], moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3,
+        expert_model_parallel_size=ep, add_bias_linear=False, bias_activation_fusion=False,
+        gated_linear_unit=cfg["gated"], activation_func=F.silu, params_dtype=torch.float32,
+        moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=math.inf)
+    spec = get_gpt_layer_local_spec(num_experts=cfg["experts"]).submodules.mlp
+    layer = build_module(to_lrmoe_spec(spec), config=config).train()
+    setup_lrmoe_layers([layer], cfg["tokens"], 1)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(cfg["tokens"], 1, size, generator=gen)
+    dy = torch.randn(cfg["tokens"], 1, size, generator=gen)
+    out: dict[str, list[float]] = {"forward": [], "backward": [], "planner": []}
+    clock = time.thread_time if cfg.get("clock") == "cpu" else time.perf_counter
+    for rep in range(cfg["warmup"] + cfg["repeats"]):
+        for param in layer.parameters():
+            param.grad = None
+        x_in = x.clone().requires_grad_(True)
+        layer.lrmoe_stats.reset()
+        gc.disable()
+        try:
+            dist.barrier()
+            t0 = clock()
+            y, _ = layer(x_in)
+            t1 = clock()
+            dist.barrier()
+            t2 = clock()
+            y.backward(dy)
+            t3 = clock()
+        finally:
+            gc.enable()
+        calls = layer.lrmoe_stats.calls
+        planner = float(getattr(calls[-1], "planner_s", 0.0)) if calls else 0.0
+        layer.finish_step()
+        if rep >= cfg["warmup"]:
+            out["forward"].append(t1 - t0)
+            out["backward"].append(t3 - t2)
+            out["planner"].append(planner)
+    return out
+
+
+def measure_layer_fixed(experts: int, topk: int, gated: bool, latency: float,
+                        repeats: int, warmup: int, clock: str = "wall") -> tuple[float, float]:
+    """(forward s, backward s): the fixed cost of one LRMoE layer call per phase besides
+    the two all-to-all latencies (``latency`` each) and, in forward, the planner's host
+    time; from the layer at a tiny shape over two local gloo processes (module doc).
+    ``clock="cpu"``: each rank's main-thread CPU time, which leaves out the waits in
+    collectives (so the latencies are not subtracted) but not the planner's time."""
+    from megatron_lrmoe import calibrate as this  # the workers import tasks by module name
+    from megatron_lrmoe.testing.gloo_pool import GlooPool
+
+    cfg = dict(hidden=64, tokens=16, experts=experts, topk=topk, gated=gated,
+               repeats=max(repeats, 5), warmup=max(warmup, 2), clock=clock)
+    pool = GlooPool(2)
+    try:
+        per_rank = pool.run(this._layer_fixed_task, cfg, timeout=600.0)
+    finally:
+        pool.close()
+    # Each repetition's time is its slowest rank's; then the median over repetitions.
+    cpu = clock == "cpu"
+    fwd = statistics.median(max(r["forward"][i] - (0.0 if cpu else r["planner"][i])
+                                for r in per_rank) for i in range(cfg["repeats"]))
+    bwd = statistics.median(max(r["backward"][i] for r in per_rank)
+                            for i in range(cfg["repeats"]))
+    waits = 0.0 if cpu else 2 * latency
+    return max(fwd - waits, 0.0), max(bwd - waits, 0.0)
+
+
+# ---------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------
 
@@ -121,7 +241,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ffn-hidden-size", type=int, default=768, help="expert FFN size F")
     p.add_argument("--no-gated", dest="gated", action="store_false",
                    help="plain (not SwiGLU) first layer")
-    p.add_argument("--rows", type=int, default=4096, help="rows per expert GEMM")
+    p.add_argument("--rows", type=int, default=4096,
+                   help="rows per expert GEMM of gemm_flops_per_s")
+    p.add_argument("--gemm-rows", default="16,32,64,128,256,512,1024,2048",
+                   help="rows per expert GEMM of the rate tables (comma-separated; empty: "
+                        "no tables)")
+    p.add_argument("--experts", type=int, default=128,
+                   help="experts of the model (the layer's fixed cost is measured with them)")
+    p.add_argument("--topk", type=int, default=8, help="top-k of the model")
+    p.add_argument("--tokens", type=int, default=4096,
+                   help="tokens per rank and micro-batch (the memory rate is measured at "
+                        "tokens x top-k rows)")
+    p.add_argument("--layer-fixed", choices=("auto", "off"), default="auto",
+                   help="measure the fixed cost of a layer call (auto: where the all-to-all "
+                        "runs over 2 local gloo processes; off: 0, not priced)")
     p.add_argument("--local-experts", type=int, default=4, help="experts looped per timing")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                    help="default: bf16 on CUDA, fp32 on CPU")
@@ -130,6 +263,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="single process: 2 local gloo processes (local) or a memory copy")
     p.add_argument("--alltoall-mib", type=float, default=64.0,
                    help="bytes each rank sends per all-to-all (MiB)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time the single-process measurements (GEMMs, memory rate, the "
+                        "layer's fixed cost) by wall time, or, on CPU only, by the thread's "
+                        "CPU time: an estimate of an unshared machine's time where other "
+                        "work shares the cores (all-to-alls always by wall time)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     return p.parse_args(argv)
@@ -146,18 +284,30 @@ def main(argv: list[str] | None = None) -> MachineConstants:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
 
+    if args.clock == "cpu" and device.type != "cpu":
+        raise SystemExit("--clock cpu: only on --device cpu (CUDA work is asynchronous)")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     rate = measure_gemm_rate(args.hidden_size, args.ffn_hidden_size, args.rows,
                              args.local_experts, args.gated, dtype, device, args.repeats,
-                             args.warmup)
+                             args.warmup, clock)
+    gemm_rows = [int(v) for v in args.gemm_rows.split(",") if v.strip()]
+    fwd_rates, bwd_rates = measure_gemm_table(
+        args.hidden_size, args.ffn_hidden_size, gemm_rows, args.local_experts, args.gated,
+        dtype, device, args.repeats, args.warmup, clock) if gemm_rows else ([], [])
+    memory = measure_memory_rate(args.hidden_size, args.ffn_hidden_size,
+                                 args.tokens * args.topk, args.gated, dtype, device,
+                                 args.repeats, args.warmup, clock)
     if world > 1:
         import torch.distributed as dist
 
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend)
         bandwidth, latency = _alltoall_worker(a2a_bytes, device, args.repeats, args.warmup)
-        rate_t = torch.tensor([rate], dtype=torch.float64, device=device)
-        dist.all_reduce(rate_t, op=dist.ReduceOp.MIN)      # the slowest rank sets the pace
-        rate = float(rate_t)
+        rates = torch.tensor([rate, memory, *fwd_rates, *bwd_rates], dtype=torch.float64,
+                             device=device)
+        dist.all_reduce(rates, op=dist.ReduceOp.MIN)      # the slowest rank sets the pace
+        rate, memory, *rest = rates.tolist()
+        fwd_rates, bwd_rates = rest[:len(gemm_rows)], rest[len(gemm_rows):]
         dist.destroy_process_group()
         method = f"all_to_all_single over {world} ranks ({backend})"
     elif args.alltoall == "copy" or (args.alltoall == "auto" and device.type == "cuda"):
@@ -167,12 +317,28 @@ def main(argv: list[str] | None = None) -> MachineConstants:
         bandwidth, latency = _local_alltoall(a2a_bytes, args.repeats, args.warmup)
         method = "single process: 2 local gloo processes over loopback (not a network)"
 
+    fixed_f = fixed_b = 0.0
+    fixed_method = "not measured"
+    if args.layer_fixed == "auto" and method.startswith("single process: 2 local gloo"):
+        fixed_f, fixed_b = measure_layer_fixed(args.experts, args.topk, args.gated, latency,
+                                               args.repeats, args.warmup, args.clock)
+        fixed_method = (f"LRMoE layer at hidden = FFN = 64, 16 tokens per rank, "
+                        f"{args.experts} experts top-{args.topk}, EP = 2 over 2 local gloo "
+                        f"processes")
+    if args.clock == "cpu":
+        method += "; GEMMs, memory rate and layer fixed cost timed by thread CPU time"
     gated = "SwiGLU" if args.gated else "plain"
     source = (f"python -m megatron_lrmoe.calibrate on {socket.gethostname()} ({device}): GEMM "
               f"H={args.hidden_size} F={args.ffn_hidden_size} {gated} {str(dtype)[6:]}, "
               f"{args.local_experts} experts x {args.rows} rows; all-to-all: {method}, "
-              f"{args.alltoall_mib:g} MiB per rank")
-    constants = MachineConstants(rate, bandwidth, latency, source)
+              f"{args.alltoall_mib:g} MiB per rank; GEMM rate tables at rows {gemm_rows}; "
+              f"memory rate: row gather + activation at {args.tokens * args.topk} rows; "
+              f"layer fixed cost: {fixed_method}")
+    constants = MachineConstants(rate, bandwidth, latency, source, gemm_rows=tuple(gemm_rows),
+                                 gemm_forward_flops_per_s=tuple(fwd_rates),
+                                 gemm_backward_flops_per_s=tuple(bwd_rates),
+                                 memory_bytes_per_s=memory, layer_forward_fixed_s=fixed_f,
+                                 layer_backward_fixed_s=fixed_b)
     details = {k: v for k, v in vars(args).items() if k != "output"} | {"dtype": str(dtype)[6:]}
     details.update(world_size=world, torch=torch.__version__, python=sys.version.split()[0])
     if rank == 0:
@@ -180,6 +346,12 @@ def main(argv: list[str] | None = None) -> MachineConstants:
         rows = [("expert GEMM rate", f"{rate / 1e12:.4g} TFLOP/s"),
                 ("all-to-all bandwidth per rank", f"{bandwidth / 1e9:.4g} GB/s"),
                 ("all-to-all latency", f"{latency * 1e6:.4g} us"),
+                *((f"expert GEMM rate at {n} rows (fwd / bwd)",
+                   f"{f / 1e12:.4g} / {b / 1e12:.4g} TFLOP/s")
+                  for n, f, b in zip(gemm_rows, fwd_rates, bwd_rates, strict=True)),
+                ("memory rate", f"{memory / 1e9:.4g} GB/s"),
+                ("layer fixed cost (fwd / bwd)",
+                 f"{fixed_f * 1e3:.4g} / {fixed_b * 1e3:.4g} ms"),
                 ("method", method), ("written to", args.output)]
         width = max(len(k) for k, _ in rows)
         for key, value in rows:

@@ -236,11 +236,16 @@ def _check_memory_budget(args: argparse.Namespace, config) -> None:
     try:
         import torch
 
-        check_memory_budget(config, args.expert_model_parallel_size,
-                            args.micro_batch_size * args.seq_length // tp, microbatches,
-                            "cuda" if torch.cuda.is_available() else "cpu")
+        fit = check_memory_budget(config, args.expert_model_parallel_size,
+                                  args.micro_batch_size * args.seq_length // tp, microbatches,
+                                  "cuda" if torch.cuda.is_available() else "cpu",
+                                  args.micro_batch_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if fit:
+        from megatron.training.utils import print_rank_0
+
+        print_rank_0(fit)
 
 
 # -----------------------------------------------------------------------------

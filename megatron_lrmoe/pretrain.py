@@ -353,10 +353,13 @@ def train(args: argparse.Namespace) -> dict:
         tokens = args.micro_batch_size * args.seq_length // (
             args.tensor_model_parallel_size if args.sequence_parallel else 1)
         try:
-            check_memory_budget(config, args.expert_model_parallel_size, tokens,
-                                args.num_microbatches, device.type)
+            fit = check_memory_budget(config, args.expert_model_parallel_size, tokens,
+                                      args.num_microbatches, device.type,
+                                      args.micro_batch_size)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        if fit:
+            log0(f"megatron_lrmoe.pretrain: {fit}")
     model = builders.build_model(
         args, config, tokenizer.vocab_size, spec_transform=builders.lrmoe_spec_transform(args)
     )

@@ -13,8 +13,9 @@ Nothing here re-implements planning or pricing: the simulator only forms the inp
 loops over steps and adds up.
 
 Out, per policy: the critical-path MoE forward and backward time of one layer and
-micro-batch (each phase paced by its slowest rank) and its parts (expert GEMM,
-all-to-all bytes, fixed per-call latency), the replica refresh per step, the MoE
+micro-batch (each phase paced by its slowest rank) and its parts (expert GEMM, memory-
+bound row work, all-to-all bytes, router, fixed per-call cost, the planner's host time),
+the replica refresh per step, the MoE
 memory per rank against the budget, the MoE time per optimizer step and, with
 steps-to-target ratios measured by the time-to-loss study (an assumption, stated in the
 report), the projected cumulative MoE time to the target relative to dropless and to
@@ -28,6 +29,7 @@ import json
 import math
 import shlex
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -37,7 +39,9 @@ import torch
 import yaml
 
 from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
+from megatron_lrmoe.lrmoe.options import option
 from megatron_lrmoe.lrmoe.planner import LayerPlanner, PlannerSettings
+from megatron_lrmoe.lrmoe.region import retention_in_forward
 from megatron_lrmoe.provenance import code_version
 from megatron_lrmoe.routing_trace import read_routing_trace, regroup_sources
 
@@ -78,6 +82,17 @@ class ClusterSpec:
     """Fixed cost of one all-to-all call inside a node (assumption)."""
     network_latency_s: float = 30e-6
     """Fixed cost of one all-to-all call that crosses nodes (assumption)."""
+    memory_efficiency: float = 0.7
+    """Achieved over the HBM peak for the memory-bound row work (gathers, reorders,
+    combine, activation): assumption; a plain device copy reached ~0.9 (4.3 of 4.8 TB/s)
+    on one H200, indexed gathers and small elementwise kernels reach less."""
+    layer_forward_fixed_s: float = 200e-6
+    """Fixed cost of a layer's forward besides the all-to-all latencies (assumption: the
+    one host read of the routed counts drains the device, then ~40 kernel launches of
+    ~5 us each run ahead of little device work)."""
+    layer_backward_fixed_s: float = 100e-6
+    """Fixed cost of a layer's backward besides the all-to-all latencies (assumption:
+    ~20 kernel launches not hidden behind device work; no host read)."""
 
 
 CLUSTERS: dict[str, ClusterSpec] = {
@@ -106,6 +121,8 @@ def machine_constants(cluster: ClusterSpec, ep_size: int,
     derived values.
     """
     calibration = dict(calibration or {})
+    calibration.pop("details", None)          # a calibration file's measurement settings
+    calibrated_by = calibration.pop("source", "")
     cluster_fields = {k: calibration.pop(k) for k in list(calibration)
                       if k in ClusterSpec.__dataclass_fields__}
     c = replace(cluster, **cluster_fields)
@@ -121,14 +138,18 @@ def machine_constants(cluster: ClusterSpec, ep_size: int,
         latency = c.nvlink_latency_s if ep_size <= c.gpus_per_node else c.network_latency_s
     machine = MachineConstants(gemm_flops_per_s=gemm, alltoall_bytes_per_s=bandwidth,
                                alltoall_latency_s=latency,
-                               source=f"{c.gpu}, EP={ep_size}: derived (docs/simulate.md)")
+                               source=f"{c.gpu}, EP={ep_size}: derived (docs/simulate.md)",
+                               memory_bytes_per_s=c.hbm_bytes_per_s * c.memory_efficiency,
+                               layer_forward_fixed_s=c.layer_forward_fixed_s,
+                               layer_backward_fixed_s=c.layer_backward_fixed_s)
     unknown = set(calibration) - set(MachineConstants.__dataclass_fields__)
     if unknown:
         raise ValueError(f"--calibration: unknown field(s) {sorted(unknown)}; use fields of "
                          f"ClusterSpec or MachineConstants")
     if calibration:
         machine = replace(machine, **calibration,
-                          source=f"{machine.source}; overridden by the calibration file")
+                          source=f"{machine.source}; overridden by the calibration file"
+                          + (f" ({calibrated_by})" if calibrated_by else ""))
     return machine
 
 
@@ -212,17 +233,27 @@ class Policy:
     forward_capacity_factor: float | None = None
     """Megatron's --moe-expert-capacity-factor: forward and backward drop alike."""
     label: str = ""
+    runs_planner: bool = True
+    """The layer runs the LRMoE planner on the host every call (LRMoE and SYMI-style);
+    False for Megatron's own layer, which the simulator plans only to form its loads."""
 
 
 POLICIES: tuple[Policy, ...] = (
-    Policy("dropless", label="Megatron dropless"),
+    Policy("dropless", label="Megatron dropless", runs_planner=False),
     Policy("capacity-drop", forward_capacity_factor=1.0,
-           label="Megatron capacity drop, cf 1.0"),
+           label="Megatron capacity drop, cf 1.0", runs_planner=False),
     Policy("symi", placement="popularity", budget=True, label="SYMI-style"),
     Policy("lrmoe-drop", capacity_factor=0.75, budget=True, label="LRMoE drop only, 0.75"),
     Policy("lrmoe-ma", placement="memory-aware", capacity_factor=0.75, budget=True,
            label="LRMoE memory-aware + drop, 0.75"),
 )
+
+
+def _default_retention_in_forward() -> bool:
+    """Whether LRMoE's default rule draws the retained set in forward (it saves x and z
+    of the retained rows only then; lrmoe/region.py)."""
+    return retention_in_forward(option("moe_lrmoe_selection").default,
+                                option("moe_lrmoe_metric").default)
 
 
 def capacity_drop(counts: np.ndarray, tokens_per_rank: int, topk: int,
@@ -290,7 +321,8 @@ class PolicyResult:
     forward_s: float
     backward_s: float
     parts: dict[str, float]
-    """Mean seconds of each part: forward/backward GEMM, all-to-all and fixed."""
+    """Mean seconds of each part (``CostModel.layer_time_parts``' keys): forward/backward
+    GEMM, memory, all-to-all, router, fixed, and the forward's planner."""
     refresh_s_per_step: float
     """Replica refresh + gradient reduction per layer and step."""
     step_moe_s: float
@@ -309,7 +341,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
              budget_instances: float = 2.0, budget_gib: float | None = None,
              calibration: dict | None = None, pipeline: int = 1,
              seed: int = 0, shape: MoEShape | None = None,
-             resample: bool = True) -> list[PolicyResult]:
+             resample: bool = True, planner_s: float | None = None) -> list[PolicyResult]:
     """Replay ``traces`` (per simulated layer, its routed counts [..., E] with rows in
     time order, as ``load_traces`` returns them) at ``ep_size``.
 
@@ -319,6 +351,9 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
     ``shape`` replaces ``model.shape(ep_size, pipeline)`` (a measured run's own shape);
     ``resample=False`` replays the recorded counts as they are (they must already hold
     the shape's pairs per rank), as the validation against measured runs does.
+    ``planner_s``: the planner's host time per call charged to the forward of policies
+    that run it; None measures it here (wall time of each call's ``observe`` and
+    ``plan``, as the layer times them), on this machine's CPU.
     """
     shape = shape or model.shape(ep_size, pipeline)
     if shape.num_experts % ep_size:
@@ -328,11 +363,14 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
     budget = (budget_gib * GIB if budget_gib is not None
               else need + budget_instances * shape.instance_bytes * shape.num_layers)
     results = []
+    machine = cost.machine
     for policy in policies:
+        # LRMoE's layer (its default rule, uniform) draws the retained set in forward.
+        cost = CostModel(replace(shape, forward_retention=policy.runs_planner
+                                 and _default_retention_in_forward()), machine)
         totals = {"fwd": 0.0, "bwd": 0.0, "refresh": 0.0, "memory": 0.0, "routed": 0.0,
                   "retained": 0.0, "load": 0.0, "replicas": 0.0}
-        parts = {"forward_gemm": 0.0, "forward_alltoall": 0.0, "forward_fixed": 0.0,
-                 "backward_gemm": 0.0, "backward_alltoall": 0.0, "backward_fixed": 0.0}
+        parts: dict[str, float] = {}
         calls = 0
         for layer, trace in enumerate(traces):
             rng = np.random.default_rng([seed, layer])
@@ -350,16 +388,18 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
                         counts = capacity_drop(counts, shape.tokens_per_rank, shape.topk,
                                                policy.forward_capacity_factor)
                     counts_t = torch.from_numpy(counts)
+                    started = time.perf_counter()
                     planner.observe(counts_t)
                     plan = planner.plan(counts_t).retention
+                    host = time.perf_counter() - started if planner_s is None else planner_s
                     routed = plan.routed_matrix.numpy()
                     retained = plan.retained_matrix.numpy()
-                    p = cost.layer_time_parts(routed, retained)
+                    p = cost.layer_time_parts(routed, retained,
+                                              host if policy.runs_planner else 0.0)
                     for k, v in p.items():
-                        parts[k] += v
-                    totals["fwd"] += p["forward_gemm"] + p["forward_alltoall"] + p["forward_fixed"]
-                    totals["bwd"] += (p["backward_gemm"] + p["backward_alltoall"]
-                                      + p["backward_fixed"])
+                        parts[k] = parts.get(k, 0.0) + v
+                    totals["fwd"] += sum(v for k, v in p.items() if k.startswith("forward_"))
+                    totals["bwd"] += sum(v for k, v in p.items() if k.startswith("backward_"))
                     per_rank = plan.routed_per_rank.numpy().astype(np.float64)
                     totals["load"] += float(per_rank.max() / max(per_rank.mean(), 1e-12))
                     totals["routed"] += float(per_rank.sum())
@@ -396,11 +436,21 @@ STEPS_RATIO = {"dropless": 1.0, "capacity-drop": 173 / 149, "symi": 148 / 149,
                "lrmoe-drop": 176 / 149, "lrmoe-ma": 172 / 149}
 
 
+PART_NAMES = ("gemm", "memory", "alltoall", "router", "fixed", "planner")
+
+
+def parts_text(parts: dict[str, float], phase: str) -> str:
+    """'a / b / ...' ms of one phase's parts in ``PART_NAMES`` order (those it has)."""
+    return " / ".join(f"{parts[f'{phase}_{name}'] * 1e3:.2f}" for name in PART_NAMES
+                      if f"{phase}_{name}" in parts)
+
+
 def report_table(model: ModelSpec, cluster: ClusterSpec, by_ep: dict[int, list[PolicyResult]],
                  steps_ratio: dict[str, float]) -> str:
-    lines = ["| EP | policy | fwd ms | bwd ms | fwd GEMM / a2a / fixed ms | bwd GEMM / a2a / "
-             "fixed ms | refresh ms/step | load max/mean | retained | replicas | MoE GiB/rank "
-             "(budget) | MoE s/step | vs dropless | to target vs dropless | vs SYMI |",
+    lines = ["| EP | policy | fwd ms | bwd ms | fwd GEMM / memory / a2a / router / fixed / "
+             "planner ms | bwd GEMM / memory / a2a / router / fixed ms | refresh ms/step | "
+             "load max/mean | retained | replicas | MoE GiB/rank (budget) | MoE s/step | "
+             "vs dropless | to target vs dropless | vs SYMI |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ep, results in by_ep.items():
         base = {r.policy: r for r in results}
@@ -409,12 +459,9 @@ def report_table(model: ModelSpec, cluster: ClusterSpec, by_ep: dict[int, list[P
                 if "symi" in base else math.nan)
         for r in results:
             to_target = r.step_moe_s * steps_ratio.get(r.policy, math.nan)
-            p = {k: v * 1e3 for k, v in r.parts.items()}
             lines.append(
                 f"| {ep} | {r.label} | {r.forward_s * 1e3:.2f} | {r.backward_s * 1e3:.2f} | "
-                f"{p['forward_gemm']:.2f} / {p['forward_alltoall']:.2f} / "
-                f"{p['forward_fixed']:.2f} | {p['backward_gemm']:.2f} / "
-                f"{p['backward_alltoall']:.2f} / {p['backward_fixed']:.2f} | "
+                f"{parts_text(r.parts, 'forward')} | {parts_text(r.parts, 'backward')} | "
                 f"{r.refresh_s_per_step * 1e3:.2f} | {r.load_max_over_mean:.2f} | "
                 f"{r.retained_fraction:.3f} | {r.replicas:.1f} | {r.memory_gib:.2f} "
                 f"({r.budget_gib:.2f}) | {r.step_moe_s:.3f} | "
@@ -506,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="steps to target relative to dropless (default: the time-to-loss "
                          "study's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--planner-ms", type=float, default=None,
+                    help="the planner's host time per call (ms) for the policies that run it; "
+                         "default: measured here per call (this CPU for the cluster's hosts)")
     ap.add_argument("--out", type=Path, default=None,
                     help="directory for simulate_<model>_<cluster>.md and .png")
     args = ap.parse_args(argv)
@@ -532,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"layer, log-popularity drift {args.drift:g} per call")
     by_ep = {ep: simulate(model, cluster, ep, traces, steps=args.steps,
                           budget_instances=args.budget_instances, budget_gib=args.budget_gib,
-                          calibration=calibration, pipeline=args.pipeline, seed=args.seed)
+                          calibration=calibration, pipeline=args.pipeline, seed=args.seed,
+                          planner_s=None if args.planner_ms is None else args.planner_ms / 1e3)
              for ep in args.ep}
     table = report_table(model, cluster, by_ep, steps_ratio)
     print(table)
@@ -554,7 +605,13 @@ def main(argv: list[str] | None = None) -> int:
             "- machine constants per EP size: " + "; ".join(
                 f"EP {ep}: GEMM {m['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s, all-to-all "
                 f"{m['alltoall_bytes_per_s'] / 1e9:.1f} GB/s, latency "
-                f"{m['alltoall_latency_s'] * 1e6:.0f} us" for ep, m in machine.items()),
+                f"{m['alltoall_latency_s'] * 1e6:.0f} us, memory "
+                f"{m['memory_bytes_per_s'] / 1e12:.2f} TB/s, fixed per call "
+                f"{m['layer_forward_fixed_s'] * 1e6:.0f} / "
+                f"{m['layer_backward_fixed_s'] * 1e6:.0f} us" for ep, m in machine.items()),
+            ("- planner host time: measured per call on the machine that ran the simulation "
+             "(its CPU stands for the cluster's hosts)" if args.planner_ms is None else
+             f"- planner host time: {args.planner_ms:g} ms per call (--planner-ms)"),
             "- steps to target relative to dropless (assumed, from the time-to-loss study): "
             + ", ".join(f"{k} {v:.3f}" for k, v in steps_ratio.items()),
             "- all-to-all beyond 2 ranks is not validated against measurements "

@@ -584,12 +584,23 @@ def buffer_bytes(plan, rank: int, hidden: int, elem: int, positions: bool) -> in
     counted here.
     """
     quotas = plan.quotas if positions else plan.counts
+    positions = positions and not default_retention_in_forward()   # else sent in forward
     matrix = torch.zeros(plan.num_ranks, plan.num_ranks, dtype=torch.int64)
     matrix.index_add_(1, torch.tensor(plan.instance_rank), quotas)
     k_s, k_r = int(matrix[rank].sum()), int(matrix[:, rank].sum())
     row = hidden * elem
     pos_s, pos_r = positioned_pairs(plan, rank) if positions else (0, 0)
     return k_s * row + k_r * row + k_r * row + k_s * row + INDEX_BYTES * (pos_s + pos_r)
+
+
+def default_retention_in_forward() -> bool:
+    """Whether the LRMoE layers (the default rule) draw the retained set in forward: then
+    the positions travel in forward, not with the backward rows."""
+    from megatron_lrmoe.lrmoe.options import option
+    from megatron_lrmoe.lrmoe.region import retention_in_forward
+
+    return retention_in_forward(option("moe_lrmoe_selection").default,
+                                option("moe_lrmoe_metric").default)
 
 
 def positioned_pairs(plan, rank: int) -> tuple[int, int]:
@@ -675,7 +686,7 @@ def summarize_routing(cfg: dict, per_rank: list[dict], routing: str) -> list[dic
         row["r_all"] = row["retained"] / max(row["routed"], 1)
         row["bytes_expected"] = row["retained"] * hidden * elem + (
             INDEX_BYTES * sum(positioned_pairs(plan, s)[0] for s in range(ep))
-            if name == "lrmoe" else 0)
+            if name == "lrmoe" and not default_retention_in_forward() else 0)
         rows.append(row)
     dropless = next((r for r in rows if r["name"] == "lrmoe" and math.isinf(r["gamma"])
                      and "error" not in r), None)
@@ -718,7 +729,9 @@ def predicted_memory(cfg: dict, plan, counts: torch.Tensor, elem: int) -> list[f
     shape = MoEShape(hidden_size=cfg["hidden"], ffn_hidden_size=cfg["ffn"],
                      num_experts=cfg["experts"], topk=cfg["topk"], gated=True,
                      dtype_bytes=elem, tokens_per_rank=cfg["tokens"],
-                     expert_parallel_size=cfg["ep"], grouped_gemm=grouped)
+                     expert_parallel_size=cfg["ep"], grouped_gemm=grouped,
+                     # The LRMoE layers run the default rule (drawn in forward or not).
+                     forward_retention=default_retention_in_forward())
     # Memory needs no machine constants; these only satisfy the constructor.
     cost = CostModel(shape, MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0))
     return cost.plan_memory(plan, np.zeros(plan.num_ranks)).tolist()
@@ -844,7 +857,8 @@ def report(cfg: dict, per_rank: list[dict], command: str) -> tuple[str, list[dic
         "- bwd a2a MiB: output-gradient rows (+ int32 positions for LRMoE) sent by the first "
         "backward all-to-all, summed over ranks (LRMoE: RegionStats.backward_bytes_sent; "
         "Megatron: routed pairs x H x dtype bytes, what its combine backward sends); "
-        "'= r x dense + idx' checks sent == r_overall x dense + 4 bytes per kept row exactly",
+        "'= r x dense + idx' checks sent == r_overall x dense + 4 bytes per kept row exactly "
+        "(no index bytes when the retained set is drawn in forward: they travel in forward)",
         "- expert bwd rows: rows the expert backward GEMMs run over, summed over ranks "
         "(LRMoE: RegionStats.expert_backward_rows; Megatron: routed pairs received)",
         "- bwd a2a buffers: an exact count of the region's backward all-to-all buffers "

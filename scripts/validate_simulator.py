@@ -1,6 +1,8 @@
 """The simulator against measured runs: replay each run's own routing, compare MoE times.
 
-    .venv/bin/python -m megatron_lrmoe.calibrate --output /tmp/cpu.json   # this machine
+    # this machine, at the runs' shape (8 local experts, 16 experts top-2, 1024 tokens)
+    .venv/bin/python -m megatron_lrmoe.calibrate --hidden-size 384 --ffn-hidden-size 1024 \
+        --rows 1024 --local-experts 8 --experts 16 --topk 2 --tokens 1024 --output /tmp/cpu.json
     .venv/bin/python scripts/validate_simulator.py --calibration /tmp/cpu.json \
         benchmarks/results/time_to_loss/validate --out benchmarks/results/simulator_validation.md
 
@@ -14,11 +16,18 @@ and backward times (all MoE layers and micro-batches of a step, replica refresh 
 the forward) are set beside the run's measured ones (the launcher's ``moe-forward-s`` /
 ``moe-backward-s``: slowest rank, medians over the steps after the first tenth). The
 error per policy is simulated / measured - 1; the target is within +-15%.
+
+The parts (per layer and micro-batch, ``CostModel.layer_time_parts``) are reported per
+run: expert GEMM, memory-bound row work, all-to-all, router, fixed per call and, in
+forward, the planner's host time. The planner runs only in the LRMoE layer (the
+SYMI-style and LRMoE runs); the simulator measures its host time per call on this
+machine, shown beside what the run logged (``lrmoe/planner-ms-per-call``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import statistics
@@ -28,9 +37,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from megatron_lrmoe.lrmoe.cost_model import MachineConstants  # noqa: E402
 from megatron_lrmoe.provenance import code_version  # noqa: E402
 from megatron_lrmoe.routing_trace import read_routing_trace  # noqa: E402
-from megatron_lrmoe.simulate import CLUSTERS, ModelSpec, Policy, simulate  # noqa: E402
+from megatron_lrmoe.simulate import (  # noqa: E402
+    CLUSTERS,
+    PART_NAMES,
+    ModelSpec,
+    Policy,
+    simulate,
+)
 
 
 def run_flags(done: Path) -> list[str]:
@@ -59,17 +75,22 @@ def run_setting(flags: list[str]) -> tuple:
                         capacity_factor=args.moe_lrmoe_bwd_capacity_factor,
                         budget=args.moe_lrmoe_memory_budget_gb is not None)
     else:
-        policy = Policy("megatron", forward_capacity_factor=args.moe_expert_capacity_factor)
+        policy = Policy("megatron", forward_capacity_factor=args.moe_expert_capacity_factor,
+                        runs_planner=False)
     return shape, policy, args.moe_lrmoe_memory_budget_gb, args.expert_model_parallel_size
 
 
-def measured(log: Path) -> tuple[float, float, int]:
-    """(forward s, backward s) per step, medians after the first tenth; steps used."""
+def measured(log: Path) -> tuple[float, float, int, float | None]:
+    """(forward s, backward s) per step, medians after the first tenth; steps used; the
+    planner's logged host time per call (s, median; None where no planner ran)."""
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     train = [r for r in rows if "moe-forward-s" in r]
     steady = train[len(train) // 10:] or train
+    planner = [r["lrmoe/planner-ms-per-call"] / 1e3 for r in steady
+               if "lrmoe/planner-ms-per-call" in r]
     return (statistics.median(r["moe-forward-s"] for r in steady),
-            statistics.median(r["moe-backward-s"] for r in steady), len(steady))
+            statistics.median(r["moe-backward-s"] for r in steady), len(steady),
+            statistics.median(planner) if planner else None)
 
 
 def validate_run(run: Path, calibration: dict) -> dict:
@@ -93,8 +114,9 @@ def validate_run(run: Path, calibration: dict) -> dict:
     per_step = shape.num_layers * shape.microbatches_per_step
     fwd_sim = per_step * result.forward_s + refresh_share * sync
     bwd_sim = per_step * result.backward_s + (1 - refresh_share) * sync
-    fwd_meas, bwd_meas, used = measured(run / "log.jsonl")
+    fwd_meas, bwd_meas, used, planner_logged = measured(run / "log.jsonl")
     return {"run": run.name, "steps": used, "fwd_sim": fwd_sim, "fwd_meas": fwd_meas,
+            "planner_logged": planner_logged,
             "bwd_sim": bwd_sim, "bwd_meas": bwd_meas,
             "fwd_err": fwd_sim / fwd_meas - 1, "bwd_err": bwd_sim / bwd_meas - 1,
             "parts": result.parts, "load": result.load_max_over_mean,
@@ -108,26 +130,38 @@ def main(argv: list[str] | None = None) -> int:
                     help="this machine's constants (python -m megatron_lrmoe.calibrate)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    calibration = {k: v for k, v in json.loads(args.calibration.read_text()).items()
-                   if k in ("gemm_flops_per_s", "alltoall_bytes_per_s", "alltoall_latency_s")}
+    # Every measured constant of the file; one it lacks (an old file) keeps the
+    # MachineConstants default, which prices nothing (not the GPU preset's assumption).
+    fields = {f.name: f.default for f in dataclasses.fields(MachineConstants)
+              if f.name != "source" and f.default is not dataclasses.MISSING}
+    calibration = fields | {k: v for k, v in json.loads(args.calibration.read_text()).items()
+                            if k in fields or k in ("gemm_flops_per_s", "alltoall_bytes_per_s")}
     runs = sorted(d.parent for study in args.studies for d in study.glob("runs/*/done.json")
                   if (d.parent / "routing" / "header.json").is_file())
     if not runs:
         raise SystemExit("no finished run with a routing trace under " +
                          ", ".join(map(str, args.studies)))
     rows = [validate_run(run, calibration) for run in runs]
+    fwd_names = ", ".join(n for n in PART_NAMES)
+    bwd_names = ", ".join(n for n in PART_NAMES if n != "planner")
     lines = ["| run | steps | fwd ms simulated / measured | error | bwd ms simulated / "
-             "measured | error | simulated parts ms (fwd GEMM, a2a, fixed / bwd GEMM, a2a, "
-             "fixed; per layer and micro-batch) | load max/mean | retained |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"measured | error | simulated parts ms (fwd {fwd_names} / bwd {bwd_names}; "
+             "per layer and micro-batch) | planner ms per call simulated / logged | "
+             "load max/mean | retained |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        p = {k: v * 1e3 for k, v in r["parts"].items()}
+        p = r["parts"]
+        fwd = ", ".join(f"{p.get(f'forward_{n}', 0.0) * 1e3:.2f}" for n in PART_NAMES)
+        bwd = ", ".join(f"{p.get(f'backward_{n}', 0.0) * 1e3:.2f}" for n in PART_NAMES
+                        if n != "planner")
+        logged = r["planner_logged"]
+        planner = (f"{p.get('forward_planner', 0.0) * 1e3:.2f} / "
+                   + ("-" if logged is None else f"{logged * 1e3:.2f}"))
         lines.append(
             f"| {r['run']} | {r['steps']} | {r['fwd_sim'] * 1e3:.1f} / {r['fwd_meas'] * 1e3:.1f} "
             f"| {r['fwd_err']:+.0%} | {r['bwd_sim'] * 1e3:.1f} / {r['bwd_meas'] * 1e3:.1f} | "
-            f"{r['bwd_err']:+.0%} | {p['forward_gemm']:.2f}, {p['forward_alltoall']:.2f}, "
-            f"{p['forward_fixed']:.2f} / {p['backward_gemm']:.2f}, {p['backward_alltoall']:.2f}, "
-            f"{p['backward_fixed']:.2f} | {r['load']:.2f} | {r['retained']:.3f} |")
+            f"{r['bwd_err']:+.0%} | {fwd} / {bwd} | {planner} | {r['load']:.2f} | "
+            f"{r['retained']:.3f} |")
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -243,6 +243,26 @@ def test_prepare_round_trip_byte_level(tmp_path):
     assert not [p for p in os.listdir(tmp_path / "out") if "partial" in p]
 
 
+def test_prepare_reads_gzip_compressed_documents(tmp_path):
+    # Manual pages (a second real corpus on these machines) are stored gzip-compressed.
+    import gzip
+
+    texts = {"man1/ls.1.gz": ".TH LS 1\nlist directory contents\n",
+             "man5/passwd.5.gz": ".TH PASSWD 5\nthe password file \u00e9\n"}
+    for rel, text in texts.items():
+        (tmp_path / "in" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / rel).write_bytes(gzip.compress(text.encode()))
+    (tmp_path / "in" / "man1" / "broken.1.gz").write_bytes(b"not gzip")
+    prefix = str(tmp_path / "out" / "ds")
+    with pytest.raises(DataPrepError, match=r"broken\.1\.gz ends in \.gz but is not gzip"):
+        prepare_dataset([str(tmp_path / "in")], prefix, extensions=".gz", log=None)
+    (tmp_path / "in" / "man1" / "broken.1.gz").unlink()
+    meta = prepare_dataset([str(tmp_path / "in")], prefix, extensions=".gz", log=None)
+    ds, tok = IndexedDataset(prefix), ByteLevelTokenizer()
+    assert [tok.detokenize(ds[i]) for i in range(len(ds))] == [texts[r] for r in sorted(texts)]
+    assert meta["num_tokens"] == sum(len(t.encode()) + 1 for t in texts.values())
+
+
 def test_prepare_trains_sentencepiece(tmp_path):
     texts = _sample_corpus(tmp_path / "in")
     prefix = str(tmp_path / "ds")

@@ -17,7 +17,7 @@ HIDDEN, FFN, EXPERTS = 16, 24, 8
 
 def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
            swiglu: bool = True, shared: int | None = None, min_retention: float = 0.0,
-           hybrid_fraction: float = 0.5):
+           hybrid_fraction: float = 0.5, metric: str = "grad_act"):
     """Megatron's MoELayer and an LRMoELayer with the same weights, on this rank."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
@@ -47,7 +47,7 @@ def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
     lrmoe_config = LRMoETransformerConfig(
         **common, moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=gamma,
         moe_lrmoe_selection=selection, moe_lrmoe_min_retention=min_retention,
-        moe_lrmoe_hybrid_fraction=hybrid_fraction)
+        moe_lrmoe_hybrid_fraction=hybrid_fraction, moe_lrmoe_metric=metric)
     lrmoe = build_module(to_lrmoe_spec(spec), config=lrmoe_config)
     lrmoe.load_state_dict(megatron.state_dict())  # same keys: interchangeable experts
     return megatron, lrmoe
@@ -175,7 +175,7 @@ def _gather_expert_weights(lrmoe):
 
 
 def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret: float,
-                                  grouped: bool | None = None):
+                                  grouped: bool | None = None, metric_name: str = "grad_act"):
     import torch.distributed as dist
 
     from megatron_lrmoe.lrmoe.moe_layer import _mix_seed
@@ -184,7 +184,8 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
 
     # hybrid at a non-default fraction: the layer must pass its config's value on.
     megatron, lrmoe = _build(ep, gamma, selection=selection, aux=0.0, min_retention=min_ret,
-                             hybrid_fraction=0.3 if selection == "hybrid" else 0.5)
+                             hybrid_fraction=0.3 if selection == "hybrid" else 0.5,
+                             metric=metric_name)
     router_ref = megatron.router  # same weights, separate parameters
     lrmoe.grouped_gemm = grouped
     x, dy = _inputs(14)
@@ -205,6 +206,8 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
     o = torch.einsum("pf,phf->ph", h, w2_all[pair_expert])
     g = p.detach().unsqueeze(1) * dy.reshape(-1, HIDDEN)[pair_token]
     metric = torch.linalg.vector_norm(g, dim=1) * torch.linalg.vector_norm(h.detach(), dim=1)
+    if metric_name == "prob":
+        metric = p.detach().float()
 
     counts_local = routing_map.sum(0).to(torch.int64)
     counts = [counts_local.clone() for _ in range(ep)]
@@ -251,6 +254,16 @@ def test_drops_equal_dense_reference(request, pool_name, ep, selection, grouped)
     gamma = 0.6 if ep > 1 else 0.5  # one rank: capacity below 1 still drops (C < load)
     for rank, result in enumerate(pool.run(_compare_with_dense_reference, ep, gamma,
                                            selection, 0.1, grouped)):
+        assert result.pop("dropped"), "the setting must actually drop pairs"
+        assert all(result.values()), (rank, result)
+
+
+@pytest.mark.parametrize("selection", ["topk", "hybrid"])
+def test_prob_metric_drawn_in_forward_equals_dense_reference(gloo2, selection):
+    # Metric prob: the retained set is drawn in forward (region.retention_in_forward), x
+    # and z saved for the retained rows only; gradients as the dense reference's.
+    for rank, result in enumerate(gloo2.run(_compare_with_dense_reference, 2, 0.6,
+                                            selection, 0.1, False, "prob")):
         assert result.pop("dropped"), "the setting must actually drop pairs"
         assert all(result.values()), (rank, result)
 

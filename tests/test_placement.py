@@ -623,6 +623,78 @@ def test_memory_aware_replicates_hot_expert_when_budget_allows():
     assert len(tight.placement.replicas) < len(big.placement.replicas)
 
 
+def _cost_with(num_experts: int, per_step: int, machine: MachineConstants) -> CostModel:
+    shape = MoEShape(hidden_size=64, ffn_hidden_size=32, num_experts=num_experts, topk=2,
+                     gated=True, dtype_bytes=2, tokens_per_rank=64, num_layers=2,
+                     microbatches_in_flight=1, microbatches_per_step=per_step)
+    return CostModel(shape, machine)
+
+
+def test_replica_cost_per_microbatch_is_transfers_amortised():
+    cost = _cost(8, per_step=4)
+    s, m = cost.shape, cost.machine
+    assert cost.replica_cost_per_microbatch(0) == 0.0
+    one = (s.weight_elements * 2 * 2 / m.alltoall_bytes_per_s + 2 * m.alltoall_latency_s) / 4
+    assert cost.replica_cost_per_microbatch(1) == pytest.approx(one)
+    # The per-step figure of the whole placement, amortised, is the same model.
+    replicas = ((0, 1), (1, 1), (4, 0))
+    assert cost.replica_cost_per_microbatch(2) == pytest.approx(
+        cost.replica_sync_time(replicas, 2, 4) / 4)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), zipf=st.floats(0.5, 2.0), ranks=st.sampled_from([2, 4]),
+       gamma=st.sampled_from([0.75, math.inf]), slack=st.floats(1.5, 4.0))
+def test_memory_aware_adds_replicas_only_when_they_pay(seed, zipf, ranks, gamma, slack):
+    # The same routing, budget and rates; only what a replica costs in transfers per
+    # micro-batch changes. A huge fixed cost per replica all-to-all (latency: the layer's
+    # own all-to-alls pay it whatever the placement) and one micro-batch per step: no
+    # replica saves its cost, none is added. Cheap transfers amortised over many
+    # micro-batches: the placement is the one free replica transfers would give.
+    experts = 2 * ranks
+    counts = _skewed_counts(ranks, experts, 128, seed, zipf)
+    slow = MachineConstants(gemm_flops_per_s=1e9, alltoall_bytes_per_s=1e9,
+                            alltoall_latency_s=10.0, source="costly replica transfers")
+    costly = _cost_with(experts, 1, slow)
+    planner = _planner("memory-aware", counts, capacity_factor=gamma, cost=costly,
+                       budget_bytes=costly.balanced_dropless_need() * slack)
+    assert planner.placement == Placement.static(ranks, experts)
+    base = _planner("static", counts, capacity_factor=gamma, cost=costly).plan(counts)
+    assert greedy_replicas(counts.sum(0).tolist(), base, planner.settings) == []
+
+    cheap = _cost_with(experts, 10**6, MACHINE)
+    common = dict(capacity_factor=gamma, cost=cheap,
+                  budget_bytes=cheap.balanced_dropless_need() * slack)
+    amortised = _planner("memory-aware", counts, **common)
+
+    class FreeTransfers(CostModel):
+        def replica_cost_per_microbatch(self, busiest: int) -> float:
+            return 0.0
+
+    free = FreeTransfers(cheap.shape, cheap.machine)
+    unpriced = _planner("memory-aware", counts, **{**common, "cost": free})
+    assert amortised.placement == unpriced.placement
+
+
+def test_memory_aware_replica_pays_at_enough_microbatches():
+    # One hot expert: a replica saves ~56 pairs x 37 us = ~2 ms per micro-batch and
+    # costs two 5 ms all-to-all calls per step. Worth it only once amortised over enough
+    # micro-batches per step (the same budget, routing and machine otherwise).
+    counts = torch.zeros(2, 4, dtype=torch.int64)
+    counts[:, 0] = 60
+    counts[:, 1:] = 4
+    machine = MachineConstants(gemm_flops_per_s=1e9, alltoall_bytes_per_s=1e9,
+                               alltoall_latency_s=5e-3, source="test")
+    replicas = {}
+    for per_step in (1, 64):
+        cost = _cost_with(4, per_step, machine)
+        planner = _planner("memory-aware", counts, capacity_factor=math.inf, cost=cost,
+                           budget_bytes=cost.balanced_dropless_need() * 4)
+        replicas[per_step] = planner.placement.replicas
+    assert replicas[1] == ()
+    assert replicas[64]
+
+
 def test_budget_lowers_gamma_not_forward():
     # Rank 0's routed load fits its forward buffers but not its backward ones at
     # gamma = 2: the planner lowers gamma until the backward buffers fit.

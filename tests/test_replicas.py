@@ -10,6 +10,7 @@ last backward.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -113,6 +114,15 @@ def _replicas_track_home_weights(ep: int, steps: int):
     local = layer.num_local_experts
     mismatches, checked, changed = 0, 0, 0
     before = None
+    additions = []      # per reduction: which home experts got an addition
+    reduce = layer.replicas.reduce_into_home
+
+    def recording_reduce(num_local):
+        add1, add2 = reduce(num_local)
+        additions.append(([a is not None for a in add1], [a is not None for a in add2]))
+        return add1, add2
+
+    layer.replicas.reduce_into_home = recording_reduce
     for step in range(steps):
         x, dy = _inputs(8 + step)
         optimizer.zero_grad()
@@ -131,8 +141,13 @@ def _replicas_track_home_weights(ep: int, steps: int):
         out.backward(dy)
         optimizer.step()
         layer.finish_step()    # the step boundary: replicas refresh at the next forward
-    del local
-    return {"checked": checked, "mismatches": mismatches, "changed": changed}
+    rank = layer.token_dispatcher.ep_rank
+    served = sorted({e - rank * local for e, _ in layer.replicas.placement.replicas
+                     if e // local == rank})
+    expected = [i in served for i in range(local)]
+    return {"checked": checked, "mismatches": mismatches, "changed": changed,
+            "allocations": layer.replicas.allocations, "hosted": len(layer.replicas.experts),
+            "additions": additions, "expected": expected}
 
 
 def test_replica_weights_stay_bitwise_equal_to_homes(gloo2):
@@ -141,6 +156,69 @@ def test_replica_weights_stay_bitwise_equal_to_homes(gloo2):
     for r in results:
         assert r["mismatches"] == 0, r
         assert r["changed"] == 5, "the optimizer must move the home weights every step"
+        # The placement never changed: the buffers were allocated once and reused.
+        assert r["allocations"] == 1, r
+        # Home additions only for the experts that have replicas (None elsewhere).
+        assert len(r["additions"]) == 6, r
+        assert all(a == (r["expected"], r["expected"]) for a in r["additions"]), r
+        assert any(r["expected"]) and not all(r["expected"]), r
+
+
+def _replicas_follow_a_changing_placement(ep: int, schedule: list[int]):
+    """SGD steps whose placement switches between two layouts (one step each per entry
+    of ``schedule``): replicas equal the homes bitwise after every refresh, buffers are
+    reallocated only when this rank's hosted replicas change, and training follows the
+    twin without replicas."""
+    import torch.distributed as dist
+
+    _, twin = _build(ep, math.inf)
+    _, layer = _build(ep, math.inf)
+    layer.load_state_dict(twin.state_dict())
+    layouts = [_replica_layout(ep), _replica_layout(ep)[:1]]
+    layer.microbatches_per_step = 1
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (layer, twin)]
+    mismatches, checked, outputs_close, hosted = 0, 0, [], []
+    for step, which in enumerate(schedule):
+        _pin(layer, layouts[which])
+        x, dy = _inputs(20 + step)
+        outs = []
+        for model, optimizer in zip((layer, twin), optimizers, strict=True):
+            optimizer.zero_grad()
+            out, _ = model(x.clone().requires_grad_(True))
+            outs.append(out.detach())
+            if model is layer:
+                homes = [torch.stack([getattr(e, name).weight.detach().clone()
+                                      for e in layer.experts.local_experts])
+                         for name in ("linear_fc1", "linear_fc2")]
+                for got, home in zip((layer.replicas.w1, layer.replicas.w2), homes,
+                                     strict=True):
+                    everyone = [torch.empty_like(home) for _ in range(ep)]
+                    dist.all_gather(everyone, home, group=layer.ep_group)
+                    every = torch.cat(everyone)
+                    for expert, w in zip(layer.replicas.experts, got, strict=True):
+                        checked += 1
+                        mismatches += not torch.equal(w, every[expert])
+                hosted.append(layer.replicas.experts)
+            out.backward(dy)
+            optimizer.step()
+            model.finish_step()
+        outputs_close.append(torch.allclose(outs[0], outs[1], rtol=RTOL, atol=ATOL))
+    changes = 1 + sum(a != b for a, b in itertools.pairwise(hosted))
+    params_close = all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in
+                       zip(layer.parameters(), twin.parameters(), strict=True))
+    return {"checked": checked, "mismatches": mismatches, "outputs": outputs_close,
+            "params": params_close, "allocations": layer.replicas.allocations,
+            "hosted_changes": changes}
+
+
+def test_replicas_follow_a_changing_placement(gloo2):
+    results = gloo2.run(_replicas_follow_a_changing_placement, 2, [0, 0, 1, 1, 0])
+    assert sum(r["checked"] for r in results) >= 5
+    for r in results:
+        assert r["mismatches"] == 0, r
+        assert all(r["outputs"]) and r["params"], r
+        assert r["allocations"] == r["hosted_changes"], r
+    assert any(r["allocations"] == 3 for r in results), results
 
 
 def _untold_and_unfinished(ep: int) -> dict:

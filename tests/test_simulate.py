@@ -73,37 +73,86 @@ def _local_trace(num_sources: int, num_experts: int, calls: int) -> np.ndarray:
 
 
 def test_simulated_times_by_hand():
+    """Every part against hand arithmetic from the constants (the memory, router and fixed
+    terms of CostModel's module doc "Time"; this test asserted the old three-part formula
+    before those terms existed)."""
     model = ModelSpec("tiny", num_layers=4, hidden_size=64, ffn_hidden_size=32,
                       num_experts=16, topk=2, gated=True, seq_length=32, micro_batch_size=1,
                       global_batch_size=16)
     ep = 4
     results = {r.policy: r for r in simulate(model, H100, ep, [_local_trace(ep, 16, 8)],
-                                             steps=2, budget_gib=1.0)}
+                                             steps=2, budget_gib=1.0, planner_s=0.0)}
     m = machine_constants(H100, ep)
+    g, mem = 989e12 * 0.6, 3.35e12 * 0.7           # GEMM FLOP/s; memory bytes/s (bf16: 2 B)
+    assert m.gemm_flops_per_s == pytest.approx(g) and m.memory_bytes_per_s == pytest.approx(mem)
     weights = (2 * 32 + 32) * 64                    # W1 [2F, H] + W2 [H, F]
     pairs = 32 * 2                                  # every pair stays on its own rank
+    # Element passes, H = 64, F = 32, T = 32, 4 local experts (reorders counted):
+    # forward  routed 64 x (4H + 6F = 448) + source 64 x 3H (192) + T H (2048) = 43008;
+    # backward retained 64 x (4H + 18F = 832) + source 64 x 2H + kept 64 x 4H + T H = 79872.
+    router_f = 32 * (2 * 64 * 16 / g + (64 + 4 * 16) * 2 / mem)
+    router_b = 32 * (4 * 64 * 16 / g + (2 * 64 + 4 * 16) * 2 / mem)
+    fixed_f, fixed_b = 2 * 15e-6 + 200e-6, 2 * 15e-6 + 100e-6
     dropless = results["dropless"]
-    assert dropless.parts["forward_gemm"] == pytest.approx(pairs * 2 * weights
-                                                           / m.gemm_flops_per_s)
-    assert dropless.parts["forward_alltoall"] == 0.0
-    assert dropless.parts["forward_fixed"] == pytest.approx(2 * m.alltoall_latency_s)
-    assert dropless.backward_s == pytest.approx(pairs * 4 * weights / m.gemm_flops_per_s
-                                                + 2 * m.alltoall_latency_s)
+    p = dropless.parts
+    assert p["forward_gemm"] == pytest.approx(pairs * 2 * weights / g)
+    assert p["forward_memory"] == pytest.approx(43008 * 2 / mem)
+    assert p["forward_alltoall"] == 0.0
+    assert p["forward_router"] == pytest.approx(router_f)
+    assert p["forward_fixed"] == pytest.approx(fixed_f)
+    assert p["forward_planner"] == 0.0
+    assert dropless.backward_s == pytest.approx(pairs * 4 * weights / g + 79872 * 2 / mem
+                                                + router_b + fixed_b)
     assert dropless.load_max_over_mean == pytest.approx(1.0)
     # Megatron's forward capacity: ceil(32 * 2 / 16) = 4 pairs per expert and source.
     capped = results["capacity-drop"]
-    assert capped.parts["forward_gemm"] == pytest.approx(4 * 2 * weights / m.gemm_flops_per_s)
-    # LRMoE at 0.75: balanced routing, so each rank keeps 0.75 of its 64 pairs.
+    assert capped.parts["forward_gemm"] == pytest.approx(4 * 2 * weights / g)
+    # LRMoE at 0.75: balanced routing, so each rank keeps 0.75 of its 64 pairs (48), and
+    # gathers x and z per instance (2(H + F1) = 256 more per retained row):
+    # 48 x (832 + 256) + 64 x 128 + 48 x 256 + 2048 = 74752.
     drop = results["lrmoe-drop"]
-    assert drop.forward_s == pytest.approx(dropless.forward_s)
+    assert drop.forward_s == pytest.approx(dropless.forward_s)     # planner_s = 0 here
     assert drop.retained_fraction == pytest.approx(48 / 64)
-    assert drop.parts["backward_gemm"] == pytest.approx(48 * 4 * weights / m.gemm_flops_per_s)
+    assert drop.parts["backward_gemm"] == pytest.approx(48 * 4 * weights / g)
+    assert drop.parts["backward_memory"] == pytest.approx(74752 * 2 / mem)
     # Balanced routing: no replica pays (nothing to relieve).
     assert results["symi"].load_max_over_mean == pytest.approx(1.0)
     assert results["lrmoe-ma"].replicas == 0
     # A step: 16 / (1 * 4) = 4 micro-batches per layer, all 4 layers.
     assert dropless.step_moe_s == pytest.approx(4 * 4 * (dropless.forward_s + dropless.backward_s))
     assert {r.policy for r in results.values()} == {p.name for p in POLICIES}
+
+
+def test_planner_time_only_where_the_policy_runs_it():
+    model = ModelSpec("tiny", num_layers=1, hidden_size=64, ffn_hidden_size=32,
+                      num_experts=16, topk=2, gated=True, seq_length=32, micro_batch_size=1,
+                      global_batch_size=4)
+    trace = [_local_trace(4, 16, 4)]
+    given = {r.policy: r for r in simulate(model, H100, 4, trace, steps=1, budget_gib=1.0,
+                                           planner_s=1e-3)}
+    assert given["dropless"].parts["forward_planner"] == 0.0
+    assert given["capacity-drop"].parts["forward_planner"] == 0.0
+    for name in ("symi", "lrmoe-drop", "lrmoe-ma"):
+        assert given[name].parts["forward_planner"] == pytest.approx(1e-3)
+    # Measured (planner_s=None): a positive host time for the planner's policies only.
+    measured = {r.policy: r for r in simulate(model, H100, 4, trace, steps=1, budget_gib=1.0)}
+    assert measured["dropless"].parts["forward_planner"] == 0.0
+    assert measured["lrmoe-ma"].parts["forward_planner"] > 0.0
+
+
+def test_calibration_file_overrides_the_new_constants():
+    cal = {"gemm_flops_per_s": 1e11, "alltoall_bytes_per_s": 1e9, "memory_bytes_per_s": 5e9,
+           "layer_forward_fixed_s": 0.004, "layer_backward_fixed_s": 0.003,
+           "gemm_rows": [16, 256], "gemm_forward_flops_per_s": [1e10, 5e10],
+           "gemm_backward_flops_per_s": [1e10, 4e10], "source": "cal", "details": {"x": 1}}
+    m = machine_constants(H100, 2, cal)
+    assert m.memory_bytes_per_s == 5e9 and m.layer_forward_fixed_s == 0.004
+    assert m.gemm_rows == (16.0, 256.0) and "cal" in m.source
+    # Without a calibration, the presets' assumptions: HBM x 0.7 and the fixed costs.
+    preset = machine_constants(CLUSTERS["a100-40"], 8)
+    assert preset.memory_bytes_per_s == pytest.approx(1.6e12 * 0.7)
+    assert (preset.layer_forward_fixed_s, preset.layer_backward_fixed_s) == (200e-6, 100e-6)
+    assert preset.gemm_rows == ()
 
 
 def test_cli_writes_table_and_plot(tmp_path, capsys):

@@ -9,6 +9,7 @@ Nothing here tokenizes: this tier only decides *which* bytes go in, and fails
 early, naming the offending path and the fix, when an input cannot be used.
 """
 
+import gzip
 import hashlib
 import os
 import sysconfig
@@ -206,10 +207,24 @@ def decode_text(data: bytes, path: str, found_in_folder: bool = False) -> str:
     return data.decode("utf-8")
 
 
-def read_text(path: str, found_in_folder: bool = False) -> str:
-    """Read one document as str, validating it like `decode_text`."""
+def read_document(path: str) -> bytes:
+    """The bytes of one document. A file ending in .gz is gzip-decompressed (as the manual
+    pages under /usr/share/man are stored); DataPrepError if it is not gzip data."""
     with open(path, "rb") as fh:
-        return decode_text(fh.read(), path, found_in_folder)
+        data = fh.read()
+    if path.lower().endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as e:
+            raise DataPrepError(f"{path} ends in .gz but is not gzip data ({e}); "
+                                "decompress or remove it") from None
+    return data
+
+
+def read_text(path: str, found_in_folder: bool = False) -> str:
+    """Read one document as str (decompressed, see `read_document`), validating it like
+    `decode_text`."""
+    return decode_text(read_document(path), path, found_in_folder)
 
 
 def content_sha256(corpus: Corpus) -> str:
@@ -223,8 +238,7 @@ def content_sha256(corpus: Corpus) -> str:
     """
     h = hashlib.sha256()
     for f in corpus.files:
-        with open(f.path, "rb") as fh:
-            data = fh.read()
+        data = read_document(f.path)
         problem = text_problem(data)
         if problem is not None:
             raise _binary_error(f.path, problem, f.path in corpus.walked)

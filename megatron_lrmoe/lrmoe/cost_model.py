@@ -27,7 +27,11 @@ EP=2 forward+backward.
              (expert, token) pairs the token index is a view of, the probability, the
              side statistic a, the probability gather's int64 index). Every micro-batch
              in flight is assumed to route like this one; under activation recompute of
-             the whole layer (``full``, ``moe``) that over-states what is saved.
+             the whole layer (``full``, ``moe``) that over-states what is saved. With
+             ``forward_retention`` x_exp and z are saved for the K retained rows only
+             (S = K (H + F1) b + P (H b + 44)), compacted at the end of the experts'
+             forward (one more forward level: N rows + N F1 b + K H b + max(N H b,
+             K F1 b)), and backward gathers nothing per instance.
   transient  (peak - S) / Lyr: what one forward+backward holds above S at its peak;
              one layer computes at a time, so each layer is charged 1/Lyr of its own.
 
@@ -83,17 +87,45 @@ bound: Ks <= P, and the per-instance rows by the rank's (the limit may be told M
 routed rows of the rank's largest instance). A plan within both therefore fits.
 
 Time of one layer and micro-batch (``layer_time``), seconds. Expert-parallel phases
-are separated by all-to-alls, so each phase takes its slowest rank's time:
+are separated by all-to-alls, so each phase takes its slowest rank's time. Per rank r,
+with N_r routed rows it receives, K_r retained rows, P_r pairs it sends as a source and
+Ks_r it keeps, T tokens, L = E / R instances per rank:
 
-  forward   max_r routed_r * 2H(F1 + F) / gemm_rate
-            + (max_r a2a pairs_r) * (2H + 1) * b / bandwidth + 2 * latency
-  backward  max_r retained_r * 4H(F1 + F) / gemm_rate
-            + (max_r a2a pairs_r) * (2H * b + 4) / bandwidth + 2 * latency
+  forward   max_r [gemm_f(N_r) + mem_f,r] + (max_r a2a pairs_r) (2H + 1) b / bandwidth
+            + router_f + 2 latency + fixed_f + planner
+  backward  max_r [gemm_b(K_r) + mem_b,r] + (max_r a2a pairs_r) (2H b + 4) / bandwidth
+            + router_b + 2 latency + fixed_b
 
 where a2a pairs_r = max(pairs rank r sends to, receives from other ranks) of the
 routed (forward: dispatch H, combine H + 1 values) or retained (backward: gradient
 rows with an int32 position, dX rows) matrix; pairs to the rank itself cross no link.
-The activation recompute of backward (a few percent of the GEMM work) is ignored.
+
+- gemm: without rate tables (``MachineConstants.gemm_rows`` empty) n rows cost
+  n 2H(F1 + F) / gemm_rate forward and n 4H(F1 + F) / gemm_rate backward. With them,
+  L t(n / L): one instance's measured GEMM time at n / L rows, interpolated linearly in
+  rows between the measured points (GEMMs of few rows run at a lower rate: each call
+  streams the instance's weights and, in backward, writes and accumulates their
+  gradients whatever its rows). Rows spread evenly over the L instances: with an
+  affine t this equals the sum over instances of any spread.
+- mem: memory-bound element passes (reads + writes) times b over the measured memory
+  rate (0 without one). Forward: per routed row 4H for the two reorders between
+  source- and expert-major order (only with R > 1 and L > 1) plus the activation's
+  passes (gated 6F: silu, the product, the row norm; plain 3F); per source pair 3H (the
+  token gather into send order, the combine's read of o); T H for the output.
+  Backward: per retained row the reorders (4H) plus the activation's passes with its
+  recompute (gated 18F, plain 5F) plus 2(H + F1) where the rank drops rows (x and z
+  gathered per instance); per source pair 2H (dy and o read for the router gradient);
+  per kept pair 4H (its gradient row written, dX scatter-added: read, read, write);
+  T H for the zeroed token gradient.
+- router: the gate GEMM (2HE FLOP per token forward, 4HE backward) at gemm_rate and
+  (H + 4E) b, (2H + 4E) b bytes per token at the memory rate (0 without one).
+- fixed: the measured fixed cost of a call per phase (``layer_forward_fixed_s``,
+  ``layer_backward_fixed_s``), beside the two all-to-all latencies.
+- planner: the planner's host time per call where the policy runs it (the caller
+  passes it: the planner pays it alike for every alternative it compares).
+
+The activation recompute's GEMM-free work is in mem; the weights' replica traffic is
+``replica_sync_time``'s.
 """
 
 from __future__ import annotations
@@ -120,6 +152,15 @@ _PAIR_METADATA_BYTES = 32
 # kept index int64 and scale fp32 of a kept pair.
 _SELECTION_BYTES_PER_PAIR = 28
 _POSITION_BYTES = 4         # int32 row position sent with each retained gradient row
+# Element passes (reads + writes, in units of F) of the activation per expert row, (forward,
+# backward). Gated (SwiGLU): forward silu(z1) (read F, write F), silu(z1) * z2 (read 2F,
+# write F), the row norm a (read F) = 6; backward recomputes the forward (5), the two
+# products' gradients (read 2F, write F each = 6), silu's backward (read 2F, write F = 3),
+# dz assembled from its halves (read 2F, write 2F = 4) = 18. Plain: forward act (2) + norm
+# (1) = 3; backward recompute (2) + act backward (read 2F, write F = 3) = 5.
+_ACT_PASSES_GATED = (6.0, 18.0)
+_ACT_PASSES_PLAIN = (3.0, 5.0)
+_KEPT_BYTES = 12            # kept index int64 + scale fp32 of a kept source pair
 
 
 @dataclass(frozen=True)
@@ -134,8 +175,50 @@ class MachineConstants:
     """Fixed cost of one all-to-all call (s)."""
     source: str = ""
     """Where the numbers came from (calibration file, machine, method)."""
+    gemm_rows: tuple[float, ...] = ()
+    """Rows per expert GEMM at which the two tables below were measured, ascending. Empty
+    (old calibration files, the GPU presets): every expert GEMM runs at
+    ``gemm_flops_per_s`` whatever its rows."""
+    gemm_forward_flops_per_s: tuple[float, ...] = ()
+    """Forward expert GEMMs of one instance (x W1^T, h W2^T), FLOP/s at each of
+    ``gemm_rows`` (2H(F1 + F) FLOP per row). The time of n rows is interpolated linearly
+    in n between the measured points (``CostModel`` module doc, "Time")."""
+    gemm_backward_flops_per_s: tuple[float, ...] = ()
+    """Backward expert GEMMs of one instance (dh, dW2, dz W1, dW1, and both dW added into
+    the gradient buffers), FLOP/s at each of ``gemm_rows`` (4H(F1 + F) FLOP per row)."""
+    memory_bytes_per_s: float = 0.0
+    """Rate of the memory-bound work around the GEMMs (row gathers and reorders, the
+    combine and its backward, the activation, the router's elementwise work), bytes read
+    plus written per second on one rank. 0 (old calibration files): not priced."""
+    layer_forward_fixed_s: float = 0.0
+    """Fixed cost of one layer call's forward besides the two all-to-all latencies (s):
+    op dispatch and Python of the layer, the counts exchange, small collectives. 0 (old
+    calibration files): not priced."""
+    layer_backward_fixed_s: float = 0.0
+    """Fixed cost of one layer call's backward besides the two all-to-all latencies (s)."""
 
     def __post_init__(self) -> None:
+        for name in ("gemm_rows", "gemm_forward_flops_per_s", "gemm_backward_flops_per_s"):
+            value = getattr(self, name)
+            if not isinstance(value, list | tuple) or any(
+                    isinstance(v, bool) or not isinstance(v, int | float)
+                    or not (math.isfinite(v) and v > 0) for v in value):
+                raise ValueError(f"MachineConstants.{name} must be a list of positive finite "
+                                 f"numbers, got {value!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in value))
+        if not (len(self.gemm_rows) == len(self.gemm_forward_flops_per_s)
+                == len(self.gemm_backward_flops_per_s)):
+            raise ValueError("MachineConstants.gemm_rows, gemm_forward_flops_per_s and "
+                             "gemm_backward_flops_per_s must have the same length")
+        if any(b <= a for a, b in zip(self.gemm_rows[:-1], self.gemm_rows[1:], strict=True)):
+            raise ValueError(f"MachineConstants.gemm_rows must be strictly ascending, got "
+                             f"{self.gemm_rows!r}")
+        for name in ("memory_bytes_per_s", "layer_forward_fixed_s", "layer_backward_fixed_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    math.isfinite(value) and value >= 0):
+                raise ValueError(f"MachineConstants.{name} must be a finite number >= 0, "
+                                 f"got {value!r}")
         for name in ("gemm_flops_per_s", "alltoall_bytes_per_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not (
@@ -230,10 +313,15 @@ class MoEShape:
     all of a rank's rows at once, stacked weights); False: the per-expert loop (one
     instance's rows at a time), the CPU default (docs/design.md, "Region")."""
 
+    forward_retention: bool = False
+    """The retained set is drawn in forward (rules that do not read the backward
+    gradient: ``region.retention_in_forward``). x_exp and z are then saved for the
+    retained rows only, and the source's kept index and scale live from forward on."""
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("gated", "grouped_gemm"):
+            if f.name in ("gated", "grouped_gemm", "forward_retention"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MoEShape.{f.name} must be a bool, got {value!r}")
                 continue
@@ -313,8 +401,9 @@ class MoEShape:
     def metadata_bytes_per_source_pair(self) -> int:
         """Pair metadata, alive from before the region's forward to the end of its
         backward: the int64 (expert, token) pairs the token index is a view of, the
-        probability, the side statistic a, the probability gather's int64 index."""
-        return _PAIR_METADATA_BYTES
+        probability, the side statistic a, the probability gather's int64 index; with
+        ``forward_retention`` also the kept index (int64) and scale (fp32) of a kept pair."""
+        return _PAIR_METADATA_BYTES + (_KEPT_BYTES if self.forward_retention else 0)
 
     @property
     def output_bytes(self) -> int:
@@ -325,8 +414,9 @@ class MoEShape:
     @property
     def backward_bytes_per_source_pair(self) -> int:
         """The source's per-pair bookkeeping in backward (metric, selection, slots,
-        router gradient): at most 28 bytes."""
-        return _SELECTION_BYTES_PER_PAIR
+        router gradient): at most 28 bytes; 16 with ``forward_retention``, whose kept
+        index and scale exist from forward on (``metadata_bytes_per_source_pair``)."""
+        return _SELECTION_BYTES_PER_PAIR - (_KEPT_BYTES if self.forward_retention else 0)
 
     @property
     def weight_gradient_temporary_bytes(self) -> int:
@@ -423,12 +513,17 @@ class CostModel:
                      for alpha, beta, const in self._loop_backward_levels(gathered)))
         return np.maximum.reduceat(fwd, starts), np.maximum.reduceat(bwd, starts)
 
-    def _forward_peak(self, routed: np.ndarray, xc: float, rc: np.ndarray,
-                      local: np.ndarray, act_f: np.ndarray | None) -> np.ndarray:
-        """[R] the forward's peak level (module docstring); ``act_f``: the per-expert
-        loop's activation bytes (unused with grouped GEMMs)."""
+    def _forward_levels(self, routed: np.ndarray, xc: float, rc: np.ndarray,
+                        local: np.ndarray, act_f: np.ndarray | None,
+                        drops: np.ndarray | float) -> list[tuple]:
+        """The forward's levels (module docstring) as (a, b): a + b K bytes at K retained
+        rows (b = 0 but with ``forward_retention``); ``act_f``: the per-expert loop's
+        activation bytes (unused with grouped GEMMs); ``drops``: 1 where the rank keeps
+        fewer rows than it receives (then, with ``forward_retention``, x_exp and z are
+        compacted to the retained rows at the end of the experts' forward)."""
         s = self.shape
         row, sr, p = s.row_bytes, s.saved_bytes_per_routed_pair, s.source_pairs
+        meta = p * s.metadata_bytes_per_source_pair
         if s.grouped_gemm:
             f_b = s.ffn_hidden_size * s.dtype_bytes
             w1, w2, _ = self._grouped_terms(local)
@@ -436,12 +531,20 @@ class CostModel:
                            routed * (f_b + row) + w2)
         else:
             experts = routed * row + act_f
-        return p * s.metadata_bytes_per_source_pair + _max(
-            xc * (p + routed) * row,                    # dispatch: x[pair_token], received
-            (1 + rc) * routed * row,                    # received and expert-major
-            routed * sr + experts,                      # x_exp, z and the experts' buffers
-            rc * routed * (sr + 2 * row),               # o and its source-major reorder
-            xc * (routed * (sr + row) + p * row))       # o reordered, and received back
+        levels = [(meta + xc * (p + routed) * row, 0.0),    # dispatch: x[pair_token], received
+                  (meta + (1 + rc) * routed * row, 0.0),    # received and expert-major
+                  (meta + routed * sr + experts, 0.0)]      # x_exp, z and the experts' buffers
+        if not s.forward_retention:
+            return levels + [
+                (meta + rc * routed * (sr + 2 * row), 0.0),  # o and its source-major reorder
+                (meta + xc * (routed * (sr + row) + p * row), 0.0)]  # o reordered, received
+        hb, f1_b = s.hidden_size * s.dtype_bytes, s.fc1_size * s.dtype_bytes
+        return levels + [
+            # compaction beside o: x_exp, z and x_exp's kept rows; then z and both kept
+            (drops * (meta + routed * (row + f1_b + hb)), drops * hb),
+            (drops * (meta + routed * (row + f1_b)), drops * (hb + f1_b)),
+            (meta + rc * 2 * routed * row, rc * sr),      # the saved rows, o and its reorder
+            (meta + xc * (routed + p) * row, xc * sr)]    # the saved rows, o sent and received
 
     def rank_memory(self, num_replicas: np.ndarray, routed: np.ndarray,
                     retained: np.ndarray, sent_kept: np.ndarray | None = None,
@@ -466,17 +569,21 @@ class CostModel:
         row, sr, p = s.row_bytes, s.saved_bytes_per_routed_pair, s.source_pairs
         f_b, f1_b = s.ffn_hidden_size * s.dtype_bytes, s.fc1_size * s.dtype_bytes
         drops = (retained < routed).astype(np.float64)
-        saved = routed * sr + p * s.saved_bytes_per_source_pair
+        # Rows whose x_exp and z are saved, and whether backward gathers them per instance
+        # (with forward retention they are compacted in forward instead).
+        fr = s.forward_retention
+        saved = (retained if fr else routed) * sr + p * s.saved_bytes_per_source_pair
+        gathered = 0.0 * drops if fr else drops
         if s.grouped_gemm:
             w1, w2, conv = self._grouped_terms(local)
             act_f = None
-            experts_bwd = drops * retained * sr + _max(
+            experts_bwd = gathered * retained * sr + _max(
                 2 * retained * f1_b + w2, 3 * retained * f1_b,
                 retained * (2 * f_b + f1_b + row) + w1 + conv)
         else:
             if instance_routed is not None:
                 act_f, act_b = self._loop_activation(instance_routed, instance_retained,
-                                                     rank_starts, drops)
+                                                     rank_starts, gathered)
             else:
                 # n, n' <= m = min(K, N) and n + n' <= K: alpha n + beta n' is at most
                 # min(alpha, beta) K + |alpha - beta| m.
@@ -484,9 +591,10 @@ class CostModel:
                 act_f = s.forward_activation_factor * routed * f_b
                 act_b = _max(*(np.minimum(alpha, beta) * retained
                                + np.abs(alpha - beta) * m + const for alpha, beta, const
-                               in self._loop_backward_levels(drops)))
+                               in self._loop_backward_levels(gathered)))
             experts_bwd = retained * row + act_b
-        forward = self._forward_peak(routed, xc, rc, local, act_f)
+        forward = _max(*(a + b * retained for a, b
+                         in self._forward_levels(routed, xc, rc, local, act_f, drops)))
         base = saved + s.output_bytes + p * s.backward_bytes_per_source_pair
         backward = base + _max(
             (xc * retained + kept) * row,               # gradient rows sent and received
@@ -522,9 +630,13 @@ class CostModel:
         f_b = s.ffn_hidden_size * s.dtype_bytes
         kept = xc * p
         meta = p * s.metadata_bytes_per_source_pair
+        # sn: saved bytes per routed row (with forward retention nothing is saved at K = 0).
+        sn = 0.0 if s.forward_retention else sr
         # Levels a + b N at retained = 0 (module docstring), forward then backward.
         phases = [(meta + xc * p * row, xc * row), (meta, (1 + rc) * row),
-                  (meta, rc * (sr + 2 * row)), (meta + xc * p * row, xc * (sr + row))]
+                  (meta, rc * (sn + 2 * row)), (meta + xc * p * row, xc * (sn + row))]
+        if s.forward_retention:
+            phases.append((meta, sr + row))                 # x_exp and z beside o, compacted
         if s.grouped_gemm:
             w1, w2, conv = self._grouped_terms(local)
             phases += [(meta + w1, sr), (meta, sr + s.forward_activation_factor * f_b),
@@ -535,13 +647,13 @@ class CostModel:
             bwd_experts = s.weight_gradient_temporary_bytes
         base = p * s.saved_bytes_per_source_pair + s.output_bytes + \
             p * s.backward_bytes_per_source_pair
-        phases += [(base + np.maximum(kept * row + s.output_bytes, bwd_experts), sr)]
-        # fixed + MiF S + (level - S) / Lyr <= share, S = N sr + P ss, level = a + b N.
+        phases += [(base + np.maximum(kept * row + s.output_bytes, bwd_experts), sn)]
+        # fixed + MiF S + (level - S) / Lyr <= share, S = N sn + P ss, level = a + b N.
         mif, lyr = s.microbatches_in_flight, s.num_layers
         fixed = np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
         saved_p = p * s.saved_bytes_per_source_pair
         a, b = (_stack(values, rc.shape) for values in zip(*phases, strict=True))
-        coef = mif * sr + (b - sr) / lyr
+        coef = mif * sn + (b - sn) / lyr
         rhs = share - fixed - mif * saved_p - (a - saved_p) / lyr
         return _to_count(np.minimum.reduce(_solve(rhs, coef), axis=0))
 
@@ -560,39 +672,55 @@ class CostModel:
         f_b, f1_b = s.ffn_hidden_size * s.dtype_bytes, s.fc1_size * s.dtype_bytes
         largest = routed if largest_routed is None else np.minimum(
             np.asarray(largest_routed, dtype=np.float64), routed)
-        saved = routed * sr + p * s.saved_bytes_per_source_pair
+        fr = s.forward_retention
+        # S = saved + K sk: x_exp and z of every routed row, or (forward retention) of the
+        # retained ones.
+        sk = sr if fr else 0.0
+        saved = (0.0 if fr else routed * sr) + p * s.saved_bytes_per_source_pair
         fixed = np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
-        # The peak may reach room: fixed + MiF S + (peak - S) / Lyr <= share.
-        room = (share - fixed - s.microbatches_in_flight * saved) * s.num_layers + saved
+        mif, lyr = s.microbatches_in_flight, s.num_layers
+        # A level may reach room + K sk (1 - MiF Lyr): fixed + MiF S + (level - S) / Lyr
+        # <= share. So every level's slope gains sk (MiF Lyr - 1) against ``room``.
+        room = (share - fixed - mif * saved) * lyr + saved
+        extra = sk * (mif * lyr - 1)
         # c n_e + n_e' <= (c - 1) * largest + routed for the loop's forward activation.
-        forward = self._forward_peak(
-            routed, xc, rc, local,
-            ((s.forward_activation_factor - 1) * largest + routed) * f_b)
+        act_f = ((s.forward_activation_factor - 1) * largest + routed) * f_b
         base = saved + s.output_bytes + p * s.backward_bytes_per_source_pair
-        # Ks = P (a_s = P, b_s = 0) across ranks; Ks = K with one rank.
+        # Ks = P (a_s = P, b_s = 0) across ranks; Ks = K with one rank. Every backward
+        # level holds S, so its slope has sk too.
         a_s, b_s = xc * p, 1.0 - xc
         # Levels a + b K + c min(K, largest), c = 0 but for the loop's activation.
-        common = [(base + a_s * row, (xc + b_s) * row, 0.0), (base, (1 + rc) * row, 0.0),
-                  (base + xc * a_s * row, (1 + xc * b_s) * row, 0.0),
-                  (base + a_s * row + s.output_bytes, b_s * row, 0.0)]
+        common = [(base + a_s * row, (xc + b_s) * row + sk, 0.0),
+                  (base, (1 + rc) * row + sk, 0.0),
+                  (base + xc * a_s * row, (1 + xc * b_s) * row + sk, 0.0),
+                  (base + a_s * row + s.output_bytes, b_s * row + sk, 0.0)]
         limits = []
-        for gathered in (0.0, 1.0):        # the rank keeps every row / drops some
+        for drop in (0.0, 1.0):            # the rank keeps every row / drops some
+            # With forward retention the forward's levels depend on K; else they are
+            # checked once below. Backward gathers x and z per instance only without it.
+            gathered = 0.0 if fr else drop
             phases = list(common)
+            if fr:
+                phases += [(a, b, 0.0) for a, b in
+                           self._forward_levels(routed, xc, rc, local, act_f, drop)]
             if s.grouped_gemm:
                 w1, w2, conv = self._grouped_terms(local)
                 rows = row + gathered * sr
-                phases += [(base + w2, rows + 2 * f1_b, 0.0), (base, rows + 3 * f1_b, 0.0),
-                           (base + w1 + conv, rows + 2 * f_b + f1_b + row, 0.0)]
+                phases += [(base + w2, rows + 2 * f1_b + sk, 0.0),
+                           (base, rows + 3 * f1_b + sk, 0.0),
+                           (base + w1 + conv, rows + 2 * f_b + f1_b + row + sk, 0.0)]
             else:
-                phases += [(base + const, 2 * row + min(alpha, beta), abs(alpha - beta))
+                phases += [(base + const, 2 * row + min(alpha, beta) + sk, abs(alpha - beta))
                            for alpha, beta, const in self._loop_backward_levels(gathered)]
             a, b, c = (_stack(values, routed.shape) for values in zip(*phases, strict=True))
-            limits.append(np.minimum.reduce(_solve_piecewise(room - a, b, c, largest),
-                                            axis=0))
+            limits.append(np.minimum.reduce(
+                _solve_piecewise(room - a, b + extra, c, largest), axis=0))
         keep_all, drop = limits
         limit = np.where(keep_all >= routed, keep_all, drop)
-        # The forward must fit at all (the backward's levels at K = 0 are in the phases).
-        fits = forward <= room
+        # The forward must fit at all (the backward's levels at K = 0 are in the phases;
+        # with forward retention the forward's too).
+        fits = fr or _max(*(a for a, _ in self._forward_levels(
+            routed, xc, rc, local, act_f, 0.0))) <= room
         return np.where(fits, _to_count(limit), 0).astype(np.int64)
 
     def balanced_dropless_need(self) -> float:
@@ -601,59 +729,157 @@ class CostModel:
         the EP size is known; else bounded as without per-instance rows), with no
         replicas and no drop. A budget below this cannot hold even perfectly balanced
         routing: refuse it at start-up."""
+        return self.balanced_need(1.0)
+
+    def balanced_need(self, retention: float) -> float:
+        """``balanced_dropless_need`` with a fraction ``retention`` in [0, 1] of every
+        instance's rows retained (and of every rank's pairs kept as a source)."""
         s = self.shape
         p = np.array([float(s.source_pairs)])
+        kept = p * min(1.0, max(0.0, float(retention)))
         ep = s.expert_parallel_size
         extra = {}
         if ep is not None and not s.grouped_gemm:
             local = s.num_experts // ep
             rows = np.full(local, float(s.source_pairs) / local)
-            extra = dict(instance_routed=rows, instance_retained=rows,
+            extra = dict(instance_routed=rows, instance_retained=rows * kept[0] / p[0],
                          rank_starts=np.zeros(1, dtype=np.int64))
-        per_layer = self.rank_memory(np.zeros(1), p, p, sent_kept=p, **extra)
+        per_layer = self.rank_memory(np.zeros(1), p, kept, sent_kept=kept, **extra)
         return float(per_layer[0]) * s.num_layers
 
     # ------------------------------------------------------------------- time
-    def layer_time(self, routed_matrix: np.ndarray,
-                   retained_matrix: np.ndarray) -> tuple[float, float]:
+    def layer_time(self, routed_matrix: np.ndarray, retained_matrix: np.ndarray,
+                   planner_s: float = 0.0) -> tuple[float, float]:
         """Estimated (forward_s, backward_s) of one layer and micro-batch from a plan's
         [R, R] routed and retained matrices (source rank x destination rank), numpy
-        arrays: ``plan.routed_matrix.numpy()``, ``plan.retained_matrix.numpy()``."""
-        p = self.layer_time_parts(routed_matrix, retained_matrix)
-        return (p["forward_gemm"] + p["forward_alltoall"] + p["forward_fixed"],
-                p["backward_gemm"] + p["backward_alltoall"] + p["backward_fixed"])
+        arrays: ``plan.routed_matrix.numpy()``, ``plan.retained_matrix.numpy()``.
+        ``planner_s``: the planner's host time per call, added to the forward (0 where
+        no planner runs, or where every alternative pays it alike)."""
+        p = self.layer_time_parts(routed_matrix, retained_matrix, planner_s)
+        return (sum(v for k, v in p.items() if k.startswith("forward_")),
+                sum(v for k, v in p.items() if k.startswith("backward_")))
 
-    def layer_time_parts(self, routed_matrix: np.ndarray,
-                         retained_matrix: np.ndarray) -> dict[str, float]:
-        """``layer_time`` split into its terms (seconds): forward and backward expert
-        GEMMs of the slowest rank, all-to-all bytes of the busiest link, and the fixed
-        per-call latency of the two all-to-alls of each phase."""
-        routed_matrix = np.asarray(routed_matrix)
-        retained_matrix = np.asarray(retained_matrix)
-        s, m = self.shape, self.machine
+    def layer_time_parts(self, routed_matrix: np.ndarray, retained_matrix: np.ndarray,
+                         planner_s: float = 0.0) -> dict[str, float]:
+        """``layer_time`` split into its terms (seconds), per phase (``forward_*``,
+        ``backward_*``): ``gemm`` (expert GEMMs) and ``memory`` (the memory-bound row
+        work) of the slowest rank (the one with the largest sum of the two),
+        ``alltoall`` (bytes of the busiest link), ``router``, ``fixed`` (the two
+        all-to-all latencies plus the measured fixed cost of a call) and, in forward,
+        ``planner`` (``planner_s``)."""
+        routed = np.asarray(routed_matrix, dtype=np.float64)
+        retained = np.asarray(retained_matrix, dtype=np.float64)
+        s = self.shape
+        if routed.size:
+            num_ranks = routed.shape[1]
+            routed_rows, retained_rows = routed.sum(axis=0), retained.sum(axis=0)
+            sent, kept = routed.sum(axis=1), retained.sum(axis=1)
+        else:
+            num_ranks = 1
+            routed_rows = retained_rows = sent = kept = np.zeros(1)
+        f_gemm, f_mem, b_gemm, b_mem = self._rank_times(routed_rows, retained_rows, sent,
+                                                        kept, num_ranks)
+        f, b = int(np.argmax(f_gemm + f_mem)), int(np.argmax(b_gemm + b_mem))
+        f_router, b_router = self._router_times()
+        f_fixed, b_fixed = self._fixed_times()
         return {
-            "forward_gemm": _max_column_sum(routed_matrix) * s.forward_flops_per_pair
-            / m.gemm_flops_per_s,
+            "forward_gemm": float(f_gemm[f]),
+            "forward_memory": float(f_mem[f]),
             "forward_alltoall": _alltoall_pairs(routed_matrix)
-            * s.forward_alltoall_bytes_per_pair / m.alltoall_bytes_per_s,
-            "forward_fixed": 2 * m.alltoall_latency_s,
-            "backward_gemm": _max_column_sum(retained_matrix) * s.backward_flops_per_pair
-            / m.gemm_flops_per_s,
+            * s.forward_alltoall_bytes_per_pair / self.machine.alltoall_bytes_per_s,
+            "forward_router": f_router,
+            "forward_fixed": f_fixed,
+            "forward_planner": float(planner_s),
+            "backward_gemm": float(b_gemm[b]),
+            "backward_memory": float(b_mem[b]),
             "backward_alltoall": _alltoall_pairs(retained_matrix)
-            * s.backward_alltoall_bytes_per_pair / m.alltoall_bytes_per_s,
-            "backward_fixed": 2 * m.alltoall_latency_s,
+            * s.backward_alltoall_bytes_per_pair / self.machine.alltoall_bytes_per_s,
+            "backward_router": b_router,
+            "backward_fixed": b_fixed,
         }
 
     def load_time(self, max_routed: float, max_retained: float, alltoall_routed: float,
-                  alltoall_retained: float) -> float:
+                  alltoall_retained: float, num_ranks: int | None = None) -> float:
         """Forward + backward seconds from the per-rank maxima ``layer_time`` uses (for
-        planners that estimate loads without building a plan)."""
+        planners that estimate loads without building a plan): the busiest rank receives
+        ``max_routed`` rows and keeps ``max_retained``, every source sends its P pairs and
+        keeps min(P, ``max_retained``). ``num_ranks``: the EP size (default: the shape's)."""
         s, m = self.shape, self.machine
-        return ((max_routed * s.forward_flops_per_pair
-                 + max_retained * s.backward_flops_per_pair) / m.gemm_flops_per_s
+        p = float(s.source_pairs)
+        f_gemm, f_mem, b_gemm, b_mem = self._rank_times(
+            np.array([float(max_routed)]), np.array([float(max_retained)]), np.array([p]),
+            np.array([min(p, float(max_retained))]), num_ranks)
+        f_fixed, b_fixed = self._fixed_times()
+        return (float(f_gemm[0] + f_mem[0] + b_gemm[0] + b_mem[0]) + sum(self._router_times())
                 + (alltoall_routed * s.forward_alltoall_bytes_per_pair
                    + alltoall_retained * s.backward_alltoall_bytes_per_pair)
-                / m.alltoall_bytes_per_s + 4 * m.alltoall_latency_s)
+                / m.alltoall_bytes_per_s + f_fixed + b_fixed)
+
+    def _local_instances(self, num_ranks: int | None) -> float:
+        """L, instances per rank for the rows-per-GEMM of the rate tables: E / R (replicas
+        not counted); 1 when the EP size is unknown."""
+        ranks = num_ranks or self.shape.expert_parallel_size
+        return max(1.0, self.shape.num_experts / ranks) if ranks else 1.0
+
+    def _gemm_time(self, rows: np.ndarray, forward: bool, num_ranks: int | None
+                   ) -> np.ndarray:
+        """[R] seconds of the expert GEMMs of ranks with ``rows`` rows each: without rate
+        tables rows x FLOP per row / ``gemm_flops_per_s``; with them L times one
+        instance's time at rows / L rows (the rows spread evenly over L instances)."""
+        s, m = self.shape, self.machine
+        flops = s.forward_flops_per_pair if forward else s.backward_flops_per_pair
+        if not m.gemm_rows:
+            return rows * flops / m.gemm_flops_per_s
+        rates = m.gemm_forward_flops_per_s if forward else m.gemm_backward_flops_per_s
+        local = self._local_instances(num_ranks)
+        per = _instance_gemm_time(rows / local, m.gemm_rows, rates, flops)
+        return np.where(rows > 0, local * per, 0.0)
+
+    def _rank_times(self, routed: np.ndarray, retained: np.ndarray, sent: np.ndarray,
+                    kept: np.ndarray, num_ranks: int | None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """([R] forward GEMM s, forward memory s, backward GEMM s, backward memory s) of
+        ranks receiving ``routed`` rows and keeping ``retained`` of them, sending ``sent``
+        pairs as sources and keeping ``kept``. Memory: the element passes of the module
+        doc ("Time") times dtype bytes over ``memory_bytes_per_s`` (0 when unmeasured)."""
+        s, m = self.shape, self.machine
+        f_gemm = self._gemm_time(routed, True, num_ranks)
+        b_gemm = self._gemm_time(retained, False, num_ranks)
+        if m.memory_bytes_per_s <= 0:
+            zero = np.zeros_like(routed)
+            return f_gemm, zero, b_gemm, zero
+        h, f, f1, t = s.hidden_size, s.ffn_hidden_size, s.fc1_size, s.tokens_per_rank
+        ranks = num_ranks or s.expert_parallel_size or 2
+        # Reorders between source-major and expert-major rows: only across ranks, and
+        # only where a rank hosts more than one instance.
+        reorder = 4.0 if ranks > 1 and self._local_instances(ranks) > 1 else 0.0
+        act_f, act_b = (_ACT_PASSES_GATED if s.gated else _ACT_PASSES_PLAIN)
+        gathered = np.where(retained < routed, 2.0 * (h + f1), 0.0)   # x, z per instance
+        f_elems = routed * (reorder * h + act_f * f) + sent * 3 * h + t * h
+        b_elems = (retained * (reorder * h + act_b * f) + retained * gathered
+                   + sent * 2 * h + kept * 4 * h + t * h)
+        per_byte = s.dtype_bytes / m.memory_bytes_per_s
+        return f_gemm, f_elems * per_byte, b_gemm, b_elems * per_byte
+
+    def _router_times(self) -> tuple[float, float]:
+        """(forward s, backward s) of the router over T tokens: the gate GEMM (2HE FLOP
+        per token forward, 4HE backward) at ``gemm_flops_per_s`` and its elementwise work
+        (reading x and writing the gradient of x, plus four passes over the E scores) at
+        ``memory_bytes_per_s``; 0 when that is unmeasured."""
+        s, m = self.shape, self.machine
+        if m.memory_bytes_per_s <= 0:
+            return 0.0, 0.0
+        t, h, e, b = s.tokens_per_rank, s.hidden_size, s.num_experts, s.dtype_bytes
+        return (t * (2 * h * e / m.gemm_flops_per_s + (h + 4 * e) * b / m.memory_bytes_per_s),
+                t * (4 * h * e / m.gemm_flops_per_s
+                     + (2 * h + 4 * e) * b / m.memory_bytes_per_s))
+
+    def _fixed_times(self) -> tuple[float, float]:
+        """(forward s, backward s) fixed per call: two all-to-all latencies each, plus the
+        measured fixed cost of the layer's call."""
+        m = self.machine
+        return (2 * m.alltoall_latency_s + m.layer_forward_fixed_s,
+                2 * m.alltoall_latency_s + m.layer_backward_fixed_s)
 
     def replica_sync_time(self, replicas: tuple[tuple[int, int], ...], num_ranks: int,
                           experts_per_rank: int) -> float:
@@ -672,6 +898,41 @@ class CostModel:
             received[r] += 1
         busiest = max(max(a, b) for a, b in zip(sent, received, strict=True))
         return busiest * (weight + grad) / m.alltoall_bytes_per_s + 2 * m.alltoall_latency_s
+
+    def replica_cost_per_microbatch(self, busiest: int) -> float:
+        """What replicas cost per micro-batch in transfers (seconds), to weigh against the
+        time they save per micro-batch: once per step the refresh (weights, home ->
+        holder, in the weight dtype) and the gradient reduction (holder -> home, in the
+        gradient dtype), two all-to-alls each paced by the rank that sends or receives
+        the most replicas (``busiest``), amortised over ``shape.microbatches_per_step``;
+        0 without replicas. A replica's memory is not a time: the planner's budget
+        qualification weighs it."""
+        if busiest <= 0:
+            return 0.0
+        s, m = self.shape, self.machine
+        refresh = busiest * s.weight_elements * s.dtype_bytes
+        reduction = busiest * s.weight_elements * (s.grad_dtype_bytes or s.dtype_bytes)
+        return (((refresh + reduction) / m.alltoall_bytes_per_s + 2 * m.alltoall_latency_s)
+                / s.microbatches_per_step)
+
+
+def _instance_gemm_time(rows: np.ndarray, table_rows: tuple[float, ...],
+                        rates: tuple[float, ...], flops: float) -> np.ndarray:
+    """Seconds of one instance's GEMMs at ``rows`` rows from rates measured at
+    ``table_rows``: the measured times rows_i x flops / rate_i, interpolated linearly in
+    rows; below the first point extended along the first segment (down to 0 s), above
+    the last at the last point's rate (a single point: that rate throughout)."""
+    rows = np.asarray(rows, dtype=np.float64)
+    xs = np.asarray(table_rows)
+    ts = xs * flops / np.asarray(rates)
+    inside = np.interp(rows, xs, ts)
+    above = ts[-1] + (rows - xs[-1]) * flops / rates[-1]
+    if len(xs) > 1:
+        slope = (ts[1] - ts[0]) / (xs[1] - xs[0])
+        below = np.maximum(ts[0] + (rows - xs[0]) * slope, 0.0)
+    else:
+        below = rows * flops / rates[0]
+    return np.where(rows < xs[0], below, np.where(rows > xs[-1], above, inside))
 
 
 def _max_column_sum(matrix: np.ndarray) -> float:

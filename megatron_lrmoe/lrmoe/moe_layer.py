@@ -28,7 +28,12 @@ from megatron_lrmoe.lrmoe.counts_exchange import RoutedCountsExchange
 from megatron_lrmoe.lrmoe.placement import Placement
 from megatron_lrmoe.lrmoe.planner import LayerPlanner, MicroBatchPlan
 from megatron_lrmoe.lrmoe.planner_config import needs_cost_model, planner_settings
-from megatron_lrmoe.lrmoe.region import RegionContext, active_kept_pairs_log, lrmoe_region
+from megatron_lrmoe.lrmoe.region import (
+    ExpertWeights,
+    RegionContext,
+    active_kept_pairs_log,
+    lrmoe_region,
+)
 from megatron_lrmoe.lrmoe.region_layout import chunk_permutation, to_device
 from megatron_lrmoe.lrmoe.replicas import ExpertReplicas
 from megatron_lrmoe.lrmoe.telemetry import LRMoELayerStats
@@ -321,18 +326,27 @@ class LRMoELayer(MoELayer):
     def _layer_output(self, hidden_states: torch.Tensor,
                       padding_mask: torch.Tensor | None) -> torch.Tensor:
         """Shared experts (Megatron's, with their own selective recompute) plus the routed
-        experts: [S, B, H] in and out (``padding_mask`` [S, B] goes to Megatron's router)."""
+        experts: [S, B, H] in and out (``padding_mask`` [S, B] goes to Megatron's router).
+
+        The step's replica refresh starts first (asynchronously: the placement is known
+        from the step's start) and overlaps the shared experts, the router and the
+        counts exchange; ``routed_output`` waits for it right before the region."""
+        experts = self.experts.expert_weights()
+        self._start_refresh(experts)
         shared_output = self.shared_experts_compute(hidden_states)
         probs, routing_map = self.route(hidden_states, padding_mask)
-        output = self.routed_output(hidden_states, probs, routing_map)
+        output = self.routed_output(hidden_states, probs, routing_map, experts)
         if shared_output is not None:
             output = output + shared_output
         return output
 
     def routed_output(self, hidden_states: torch.Tensor, probs: torch.Tensor,
-                      routing_map: torch.Tensor) -> torch.Tensor:
+                      routing_map: torch.Tensor, experts: ExpertWeights | None = None
+                      ) -> torch.Tensor:
         """y(t) = sum_e p(t, e) o(t, e), the routed experts' output, from the region (which
         applies p itself: its backward returns the router gradient <dy, o> with the rest).
+        ``experts``: this forward's ``expert_weights()`` when the caller read them (and
+        started the replica refresh), else read here.
 
         Host reads: the counts exchange, and nothing after it: the plan gives every size
         (docs/design.md, "Region", "Host reads")."""
@@ -348,10 +362,9 @@ class LRMoELayer(MoELayer):
         # order (docs/design.md, "Recompute").
         training = self.training and torch.is_grad_enabled()
         planner = self.placement_planner
-        experts = self.experts.expert_weights()
-        if self._needs_refresh:
-            self.replicas.refresh(planner.placement, experts.w1, experts.w2)
-            self._needs_refresh = False
+        if experts is None:
+            experts = self.experts.expert_weights()
+            self._start_refresh(experts)
         started = time.perf_counter()
         if training:
             planner.observe(counts)
@@ -359,6 +372,7 @@ class LRMoELayer(MoELayer):
         self.last_plan = mb_plan   # routing and quotas of the latest call (for tools)
         planner_s = time.perf_counter() - started
         plan = mb_plan.retention
+        self.replicas.finish_refresh()     # the region needs the replica weights now
         if self.replicas.experts:
             experts = experts.with_replicas(self.replicas.w1, self.replicas.w2)
         pair_token, pair_prob = _expert_major_pairs(routing_map, probs, int(counts[rank].sum()))
@@ -404,6 +418,15 @@ class LRMoELayer(MoELayer):
                 stats.load_max_over_mean.append(float(per_rank.max() / per_rank.mean()))
         return lrmoe_region(x, pair_token, pair_prob, rc, experts).view(shape)
 
+    def _start_refresh(self, experts: ExpertWeights) -> None:
+        """Start this step's replica refresh if it is due (the layer's first forward after
+        a step ended): a collective over the EP group, started at the same point on every
+        rank; ``replicas.finish_refresh`` waits for it."""
+        if self._needs_refresh:
+            self.replicas.start_refresh(self.placement_planner.placement, experts.w1,
+                                        experts.w2)
+            self._needs_refresh = False
+
     def _log_notes(self, notes: tuple[str, ...]) -> None:
         """What the planner did to fit the budget or capacity, once per kind of note
         (the statistics count every call: ``lrmoe/budget-adjusted-calls``)."""
@@ -418,11 +441,12 @@ class LRMoELayer(MoELayer):
 
     # ----------------------------------------------------------------- backward
     def _after_backward(self, dw1: list[torch.Tensor], dw2: list[torch.Tensor]
-                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                        ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Region backward hook: accumulate replica gradients; in the step's last
         backward (the ``microbatches_per_step``-th) send them home and return the homes'
-        additions, so that they are in the home gradients before Megatron's DDP hooks of
-        this backward launch the (possibly overlapped) expert gradient reduction."""
+        additions (None for a home expert without replicas), so that they are in the home
+        gradients before Megatron's DDP hooks of this backward launch the (possibly
+        overlapped) expert gradient reduction."""
         self.replicas.accumulate(dw1, dw2)
         placement = self.replicas.placement
         if placement is None or not placement.replicas:

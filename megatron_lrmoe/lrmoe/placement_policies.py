@@ -81,8 +81,10 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     ranks with the other loads fixed. A move is allowed if u's load drops and no rank
     rises above the old maximum. The estimated time (``CostModel.load_time`` at the
     maximum load, retained load capped at the base plan's backward capacity, all-to-all
-    pairs estimated as (R - 1) / R of the load; plus the amortised replica refresh)
-    decides which prefix of moves to keep: the one with the lowest time. Ties between
+    pairs estimated as (R - 1) / R of the load; plus ``CostModel.
+    replica_cost_per_microbatch``, the refresh and gradient reduction of the replicas
+    amortised over the step's micro-batches) decides which prefix of moves to keep: the
+    one with the lowest time, none when no prefix saves more than it costs. Ties between
     ranks at the maximum are why single moves are not judged alone: the maximum only
     falls once every rank at it has been relieved.
 
@@ -92,21 +94,19 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     budget's influence too.
     """
     cost = settings.cost
-    shape = cost.shape
     num_ranks, num_experts = settings.num_ranks, settings.num_experts
     per_rank = num_experts // num_ranks
     cap_count = int(base.retention.capacity[0])
     retained_cap = math.inf if cap_count == UNLIMITED_CAPACITY else float(cap_count)
     off_rank = (num_ranks - 1) / num_ranks
-    weight = shape.weight_elements * (shape.dtype_bytes + (shape.grad_dtype_bytes
-                                                            or shape.dtype_bytes))
 
     def est_time(top: float, busiest_sync: int) -> float:
+        # Per micro-batch: the layer at the top load, plus what the replicas cost in
+        # transfers amortised over the step's micro-batches; a prefix is kept only if
+        # the time it saves exceeds that cost.
         ret = min(top, retained_cap)
-        sync = (busiest_sync * weight / cost.machine.alltoall_bytes_per_s
-                + (2 * cost.machine.alltoall_latency_s if busiest_sync else 0.0))
         return (cost.load_time(top, ret, top * off_rank, ret * off_rank)
-                + sync / shape.microbatches_per_step)
+                + cost.replica_cost_per_microbatch(busiest_sync))
 
     load = [0.0] * num_ranks
     spread: list[dict[int, float]] = []        # expert -> {hosting rank: its pairs}

@@ -319,9 +319,10 @@ class LayerPlanner:
         and 1/4 of the replicas are then planned exactly, like ``plan`` does but with
         neither routing capacities nor a lowered gamma (``_unbudgeted``), so each
         prefix's estimated time and peak memory do not depend on the budget either. A
-        prefix qualifies if its time is no worse than static's and its memory excess
-        over the layer share no larger than static's; the qualifying prefix with the
-        lowest time is kept (ties: fewer replicas), else static.
+        prefix qualifies if its time (replica transfers amortised over the step's
+        micro-batches included) is lower than static's and its memory excess over the
+        layer share no larger than static's; the qualifying prefix with the lowest time
+        is kept (ties: fewer replicas), else static.
 
         Only the qualification reads the budget, and a larger budget admits every prefix
         a smaller one did (peak <= max(share, static's peak) only loosens), so more
@@ -348,7 +349,10 @@ class LayerPlanner:
             capacity = self._context(candidate).capacity
             fits_routing = capacity is None or bool(
                 (planned.retention.routed_per_rank.numpy() <= capacity).all())
-            if (time <= base_time and peak <= allowed and fits_routing
+            # Replicas must pay: the time they save per micro-batch must exceed what
+            # their refresh and gradient reduction cost, amortised over the step's
+            # micro-batches (in ``time``); an equal estimate keeps static.
+            if (time < base_time and peak <= allowed and fits_routing
                     and (best is None or time < best[0])):
                 best = (time, size)
         if best is None:
@@ -378,11 +382,10 @@ class LayerPlanner:
         starts = ctx.rank_starts
         fwd, bwd = cost.layer_time(np.add.reduceat(routing.counts.numpy(), starts, axis=1),
                                    np.add.reduceat(quotas, starts, axis=1))     # [R, R] each
-        sync = cost.replica_sync_time(placement.replicas, s.num_ranks,
-                                      placement.experts_per_rank)
+        sync = cost.replica_cost_per_microbatch(_busiest(placement))
         plan = MicroBatchPlan(routing=routing, retention=retention,
                               capacity_factor_used=float(s.capacity_factor))
-        return plan, fwd + bwd + sync / cost.shape.microbatches_per_step, peak
+        return plan, fwd + bwd + sync, peak
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -421,6 +424,17 @@ class LayerPlanner:
         self._observed_sum = (None if observed_sum is None
                               else observed_sum.detach().to("cpu", torch.float64).clone())
         self._observed = int(state["observed"])
+
+
+def _busiest(placement: Placement) -> int:
+    """The most replicas one rank sends (as home) or receives (as holder): what paces
+    the refresh and the gradient reduction (``CostModel.replica_cost_per_microbatch``)."""
+    sent = [0] * placement.num_ranks
+    received = [0] * placement.num_ranks
+    for e, r in placement.replicas:
+        sent[e // placement.experts_per_rank] += 1
+        received[r] += 1
+    return max(max(sent), max(received))
 
 
 def _memory(cost: CostModel, ctx: _PlacementContext, routed: np.ndarray,

@@ -19,9 +19,12 @@ import torch.distributed as dist
 
 from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
 from megatron_lrmoe.lrmoe.machine import default_machine_constants
+from megatron_lrmoe.lrmoe.options import option
 from megatron_lrmoe.lrmoe.planner import PlannerSettings
+from megatron_lrmoe.lrmoe.region import retention_in_forward
 
-__all__ = ["GIB", "agreed_machine_constants", "machine_constants", "moe_layers_per_stage",
+__all__ = ["GIB", "agreed_machine_constants", "check_memory_budget", "fitting_micro_batch_size",
+           "machine_constants", "moe_layers_per_stage",
            "moe_shape", "needs_cost_model", "planner_settings"]
 
 GIB = 2**30
@@ -60,6 +63,11 @@ def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
         # The region's GEMMs run grouped on request and, by default, on CUDA (where a
         # failed probe falls back to the loop, which holds less: the model errs safe).
         grouped_gemm=bool(config.moe_grouped_gemm) or torch.cuda.is_available(),
+        # A plain Megatron config (the simulator's baselines) has no LRMoE fields: the
+        # option table's defaults then.
+        forward_retention=retention_in_forward(
+            getattr(config, "moe_lrmoe_selection", option("moe_lrmoe_selection").default),
+            getattr(config, "moe_lrmoe_metric", option("moe_lrmoe_metric").default)),
     )
 
 
@@ -132,13 +140,17 @@ def planner_settings(config, ep_size: int, tokens_per_rank: int | None = None,
 
 
 def check_memory_budget(config, ep_size: int, tokens_per_rank: int,
-                        microbatches_per_step: int = 1, device_type: str = "cpu") -> None:
+                        microbatches_per_step: int = 1, device_type: str = "cpu",
+                        micro_batch_size: int | None = None) -> str | None:
     """Start-up check of ``--moe-lrmoe-memory-budget-gb`` against the balanced dropless need
     of the configured shapes (docs/design.md, "Memory budget"); raises ValueError naming
-    the flag and the number needed. A no-op without a budget."""
+    the flag and the number needed. Returns the line to print: the largest micro-batch
+    sizes the budget holds at balanced routing, dropless and at the configured retention
+    (``micro_batch_size``: the run's, whose tokens are ``tokens_per_rank``). None
+    without a budget."""
     budget = config.moe_lrmoe_memory_budget_gb
     if not config.moe_lrmoe or budget is None:
-        return
+        return None
     shape = moe_shape(config, tokens_per_rank, microbatches_per_step, ep_size)
     cost = CostModel(shape, machine_constants(config.moe_lrmoe_calibration, device_type))
     need = cost.balanced_dropless_need()
@@ -149,3 +161,37 @@ def check_memory_budget(config, ep_size: int, tokens_per_rank: int,
             f"({shape.num_layers} MoE layer(s) x {shape.microbatches_in_flight} micro-batch(es) "
             f"in flight, {shape.tokens_per_rank} tokens x top-{shape.topk} per rank); raise it "
             "to at least that")
+    if micro_batch_size is None:
+        return None
+    gamma = config.moe_lrmoe_bwd_capacity_factor
+    retention = min(1.0, max(gamma, config.moe_lrmoe_min_retention))
+    per_sequence = tokens_per_rank / micro_batch_size
+    dropless = fitting_micro_batch_size(cost, budget * GIB, per_sequence, 1.0)
+    lrmoe = fitting_micro_batch_size(cost, budget * GIB, per_sequence, retention)
+    where = ("x and z saved for retained rows only" if shape.forward_retention
+             else "retention drawn in backward: x and z saved for every routed row")
+    return (f"--moe-lrmoe-memory-budget-gb {budget:g}: at balanced routing the MoE layers fit "
+            f"micro-batch size <= {dropless} dropless, <= {lrmoe} at retention "
+            f"{retention:g} ({where}); this run uses {micro_batch_size}")
+
+
+def fitting_micro_batch_size(cost: CostModel, budget_bytes: float, tokens_per_sequence: float,
+                             retention: float, limit: int = 1 << 16) -> int:
+    """The largest micro-batch size whose MoE layers fit ``budget_bytes`` per rank at
+    perfectly balanced routing with ``retention`` of each rank's rows kept (0 if none;
+    at most ``limit``). Memory grows with the micro-batch size, so a bisection over it
+    on ``CostModel.balanced_need`` finds it."""
+    def fits(size: int) -> bool:
+        tokens = max(1, round(size * tokens_per_sequence))
+        resized = CostModel(dataclasses.replace(cost.shape, tokens_per_rank=tokens),
+                            cost.machine)
+        return resized.balanced_need(retention) <= budget_bytes
+
+    low, high = 0, 1
+    while high <= limit and fits(high):
+        low, high = high, 2 * high
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low

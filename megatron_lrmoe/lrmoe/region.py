@@ -16,6 +16,13 @@ inside the region (``combine_rows``: deterministic, no atomics). The side statis
 a(t, e) = ||h(t, e)|| travels back in a second small all-to-all, only when the metric
 needs it or the call measures statistics.
 
+Retention drawn in forward (``retention_in_forward``: rules that do not read the backward
+gradient, the default ``uniform`` among them): the source selects its kept pairs right
+after the dispatch, the receivers learn their exp-major positions in one small
+all-to-all, and compact x_exp and z to the retained rows after the expert GEMMs, so the
+saved activations fall with the retention. Backward then skips its selection and its
+position exchange.
+
 Backward (recalibrated), on the source: the metric per pair (skipped when the rule
 ignores it, except on measured calls), the selection of q[s, i] pairs per cell, then one
 pass over dy per pair (``combine_rows_backward``) gives the router gradient <dy, o> of
@@ -168,6 +175,15 @@ def rule_reads_metric(selection: str) -> bool:
     return selection != "uniform"
 
 
+def retention_in_forward(selection: str, metric: str) -> bool:
+    """Whether the retained set is drawn in forward: the choice does not need the
+    backward gradient (the rule ignores the metric, or the metric is ``prob`` or
+    ``random``). The draw is the one backward would make (same seed, same quotas), so
+    the kept pairs do not depend on where it runs; drawn in forward, the receivers save
+    x_exp and z for the retained rows only."""
+    return not rule_reads_metric(selection) or metric in ("prob", "random")
+
+
 @dataclass
 class RegionContext:
     """Everything the region needs besides tensors: the plan and the run's options."""
@@ -198,6 +214,10 @@ class RegionContext:
     @property
     def needs_metric(self) -> bool:
         return rule_reads_metric(self.selection) or self.measure
+
+    @property
+    def forward_retention(self) -> bool:
+        return retention_in_forward(self.selection, self.metric)
 
     @property
     def needs_norm(self) -> bool:
@@ -234,19 +254,20 @@ def _exchange(rows: torch.Tensor, send: list[int], recv: list[int],
     return all_to_all_rows(rows, send, recv, group)
 
 
-def _pair_metric(name: str, dy: torch.Tensor, pair_token: torch.Tensor, p: torch.Tensor,
+def _pair_metric(name: str, dy: torch.Tensor | None, pair_token: torch.Tensor, p: torch.Tensor,
                  a: torch.Tensor | None, seed: int) -> torch.Tensor:
     """m(t, e) per pair, float32 (docs/design.md, "Selection rules").
 
     ||g(t, e)|| = p(t, e) ||dy(t)||: one norm per token, not per pair. ``random`` draws
     from the counter-based generator on the device (splitmix64 of seed and pair index).
+    ``prob`` and ``random`` do not read ``dy`` (None in forward).
     """
     if name in ("grad_act", "grad"):
         norms = torch.linalg.vector_norm(dy, dim=1, dtype=torch.float32)   # [T]
         metric = p.float() * norms.index_select(0, pair_token)
         return metric * a if name == "grad_act" else metric
     if name == "prob":
-        return p.float()
+        return p.detach().float()
     bits = _splitmix64_tensor(torch.arange(p.shape[0], device=p.device) + seed)
     return ((bits >> 11) & ((1 << 53) - 1)).double().mul(2.0**-53).float()
 
@@ -282,10 +303,19 @@ class _LRMoERegion(torch.autograd.Function):
             to_expert = chunk_permutation(tables.fwd[0], tables.fwd[1], lay.received)
             x_exp = x_recv.index_select(0, to_expert)
         del x_recv   # free the receive buffer now, not when forward returns
+        kept = scale = keep_rows = None
+        if rc.forward_retention:
+            kept, scale, keep_rows = _retain_in_forward(rc, lay, tables, pair_token,
+                                                        pair_prob, x.device)
 
         # ---- experts on every pair --------------------------------------------------
         z, o_exp, a_exp = experts_forward(x_exp, lay.rows_fwd, offs, experts.w1, experts.w2,
                                           experts.activation, rc.needs_norm, grouped)
+        if keep_rows is not None:
+            # Only the retained rows' x and z are needed in backward: compact them now,
+            # in the exp-major order the retained gradient rows will arrive in.
+            x_exp = x_exp.index_select(0, keep_rows)
+            z = z.index_select(0, keep_rows)
         # ---- back to the sources, then the weighted combine -------------------------
         if not lay.fwd_identity:
             back = chunk_permutation(tables.fwd[2], tables.fwd[3], lay.received)
@@ -300,7 +330,8 @@ class _LRMoERegion(torch.autograd.Function):
         y = combine_rows(o, pair_prob, by_token, token_offsets, backend=rc.kernels)
 
         ctx.rc, ctx.experts, ctx.layout, ctx.grouped = rc, experts, lay, grouped
-        ctx.save_for_backward(x_exp, z, o, pair_token, pair_prob, a, tables_buffer)
+        ctx.save_for_backward(x_exp, z, o, pair_token, pair_prob, a, tables_buffer, kept,
+                              scale)
         rc.stats.routed_pairs = lay.num_pairs
         rc.stats.grouped_gemm = grouped
         return y
@@ -308,21 +339,19 @@ class _LRMoERegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         rc, experts, lay = ctx.rc, ctx.experts, ctx.layout
-        x_exp, z, o, pair_token, pair_prob, a, tables_buffer = ctx.saved_tensors
+        x_exp, z, o, pair_token, pair_prob, a, tables_buffer, kept, scale = ctx.saved_tensors
         tables = lay.views(tables_buffer)
         group, device = rc.group, dy.device
         dy = dy.contiguous()
+        in_forward = rc.forward_retention
 
         # ---- source side: metric and selection per (s, i) cell ----------------------
         metric = (_pair_metric(rc.metric, dy, pair_token, pair_prob, a, rc.seed)
                   if rc.needs_metric else None)
-        kept = slot = scale = None
+        slot = None
         if not lay.source_keeps_all:
-            kept, scale, _ = select_rows(
-                metric if rule_reads_metric(rc.selection) else None, tables.cell_offsets,
-                tables.quotas, rule=rc.selection, seed=rc.seed, backend=rc.kernels,
-                hybrid_fraction=rc.hybrid_fraction, n_kept=lay.num_kept,
-                num_rows=lay.num_pairs)
+            if not in_forward:
+                kept, scale = _select(rc, lay, tables, metric)
             slot = torch.full((lay.num_pairs,), -1, dtype=torch.int64, device=device)
             slot.index_copy_(0, kept, torch.arange(lay.num_kept, device=device))
         # ---- one pass over dy per pair: router gradient, kept rows in send order -----
@@ -334,7 +363,7 @@ class _LRMoERegion(torch.autograd.Function):
         g_recv = _exchange(g_kept, lay.send_bwd, lay.recv_bwd, group)        # [Kr, H]
         del g_kept
         positions = None
-        if lay.positions_exchanged:
+        if lay.positions_exchanged and not in_forward:
             positions = _exchange(_positions(lay, tables, kept, device), lay.send_pos,
                                   lay.recv_pos, group)
         if lay.bwd_identity:
@@ -345,9 +374,9 @@ class _LRMoERegion(torch.autograd.Function):
             if positions is not None and not lay.receiver_keeps_all:
                 positions = positions.index_select(0, to_expert)
         del g_recv
-        # Every row kept: they are x_exp's and z's rows in order already. Else the
-        # positions name them (gathered per instance by the loop).
-        rows = None if lay.receiver_keeps_all else positions.long()
+        # Every row kept, or compacted in forward: they are x_exp's and z's rows in order
+        # already. Else the positions name them (gathered per instance by the loop).
+        rows = None if lay.receiver_keeps_all or in_forward else positions.long()
 
         # ---- expert backward over retained rows only ------------------------------
         offs = tables.offs_bwd.to(torch.int32) if ctx.grouped else None
@@ -397,6 +426,40 @@ class _LRMoERegion(torch.autograd.Function):
         return (dx if ctx.needs_input_grad[0] else None, None,
                 dprob.to(pair_prob.dtype) if ctx.needs_input_grad[2] else None,
                 None, None, *grads)
+
+
+def _select(rc: RegionContext, lay: CallLayout, tables,
+            metric: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept [K], scale [K]): the rule's draw of q[s, i] pairs per cell of this source."""
+    kept, scale, _ = select_rows(
+        metric if rule_reads_metric(rc.selection) else None, tables.cell_offsets,
+        tables.quotas, rule=rc.selection, seed=rc.seed, backend=rc.kernels,
+        hybrid_fraction=rc.hybrid_fraction, n_kept=lay.num_kept, num_rows=lay.num_pairs)
+    return kept, scale
+
+
+def _retain_in_forward(rc: RegionContext, lay: CallLayout, tables, pair_token: torch.Tensor,
+                       pair_prob: torch.Tensor, device: torch.device
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                  torch.Tensor | None]:
+    """The retained set drawn in forward (``retention_in_forward``): (kept, scale) of this
+    source (None: it keeps every pair), and the exp-major rows this rank's instances keep
+    (None: every row). The exp-major positions of the kept rows go to the receivers that
+    drop, in one small all-to-all (collective: every rank calls it alike)."""
+    kept = scale = keep_rows = None
+    if not lay.source_keeps_all:
+        metric = (_pair_metric(rc.metric, None, pair_token, pair_prob, None, rc.seed)
+                  if rule_reads_metric(rc.selection) else None)
+        kept, scale = _select(rc, lay, tables, metric)
+    if lay.positions_exchanged:
+        positions = _exchange(_positions(lay, tables, kept, device), lay.send_pos,
+                              lay.recv_pos, rc.group)
+        if not lay.receiver_keeps_all:
+            if not lay.bwd_identity:
+                positions = positions.index_select(0, chunk_permutation(
+                    tables.bwd[0], tables.bwd[1], lay.received_kept))
+            keep_rows = positions.long()
+    return kept, scale, keep_rows
 
 
 def _positions(lay: CallLayout, tables, kept: torch.Tensor | None,
@@ -466,7 +529,9 @@ def _record_backward(rc: RegionContext, lay: CallLayout, metric: torch.Tensor | 
     stats = rc.stats
     row_bytes = dy.shape[1] * dy.element_size()
     stats.retained_pairs = lay.num_kept
-    stats.backward_bytes_sent = lay.num_kept * row_bytes + 4 * sum(lay.send_pos)
+    # Positions travel in forward when the retained set is drawn there.
+    positions = 0 if rc.forward_retention else 4 * sum(lay.send_pos)
+    stats.backward_bytes_sent = lay.num_kept * row_bytes + positions
     stats.backward_bytes_dense = lay.num_pairs * row_bytes
     stats.expert_backward_rows = lay.received_kept
     if metric is not None:
