@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                     cost = CostModel(MoEShape(
                         hidden_size=64, ffn_hidden_size=32, num_experts=experts, topk=2,
                         gated=True, dtype_bytes=2, tokens_per_rank=64, num_layers=2,
-                        microbatches_in_flight=1, microbatches_per_step=4), MACHINE)
+                        microbatches_in_flight=1, microbatches_per_step=4,
+                        # the default rule (uniform) draws the retained set in forward
+                        forward_retention=True), MACHINE)
                     previous = None
                     for slack in SLACKS:
                         budget = cost.balanced_dropless_need() * slack

@@ -68,6 +68,13 @@ def policies(budget_gb: float) -> dict[str, list[str]]:
                      "--moe-lrmoe-bwd-capacity-factor", gamma]
             out[name] = flags
             out[name + "-ma"] = flags + ["--moe-lrmoe-placement", "memory-aware", *budget]
+    # A convergence lever (docs/convergence.md): a minimum retention per expert lowers
+    # the hot experts' estimator variance.
+    flags = ["--moe-lrmoe", "--moe-lrmoe-selection", "uniform",
+             "--moe-lrmoe-bwd-capacity-factor", "0.75", "--moe-lrmoe-min-retention", "0.25"]
+    out["lrmoe-uniform-g0.75-m0.25"] = flags
+    out["lrmoe-uniform-g0.75-m0.25-ma"] = flags + ["--moe-lrmoe-placement", "memory-aware",
+                                                   *budget]
     return out
 
 
@@ -184,7 +191,13 @@ def analyse_run(records: list[dict], targets: dict[float, float], steps: int,
         "retained": statistics.fmean(r["lrmoe/retained-fraction"] for r in lrmoe)
         if lrmoe else 1.0,
         "bwd_bytes_saved": sum(r["lrmoe/backward-bytes-saved"] for r in lrmoe),
-        "load_max_over_mean": max((r["lrmoe/load-max-over-mean"] for r in lrmoe), default=None),
+        # The typical call's placed load (median over the run's log intervals of each
+        # interval's median call, past the first interval, whose step 1 is always
+        # static), beside the worst call of the run.
+        "load_max_over_mean": statistics.median(
+            r.get("lrmoe/load-max-over-mean-median", r["lrmoe/load-max-over-mean"])
+            for r in (lrmoe[1:] or lrmoe)) if lrmoe else None,
+        "load_worst": max((r["lrmoe/load-max-over-mean"] for r in lrmoe), default=None),
         "curve": {"moe_s": moe, "loss": loss},
     }
 
@@ -213,9 +226,9 @@ def summarize(per_run: dict[tuple[str, int], dict]) -> list[dict]:
                       if seed in ref and ref[seed]["reached"][fraction]]
             row[f"moe_vs_dropless_{fraction}"] = _median(ratios)
         for key in ("val_at_steps", "val_final", "moe_s_per_step", "moe_fwd_ms", "moe_bwd_ms",
-                    "retained",
-                    "bwd_bytes_saved", "load_max_over_mean"):
-            row[key] = _median([a[key] for _, a in runs if a[key] is not None])
+                    "retained", "bwd_bytes_saved", "load_max_over_mean", "load_worst",
+                    "wall_s"):
+            row[key] = _median([a[key] for _, a in runs if a.get(key) is not None])
         rows.append(row)
     return rows
 
@@ -234,8 +247,8 @@ def _policy_order(name: str) -> tuple[int, str]:
 
 COLUMNS = ("policy", "seeds", "steps to 50/75/100%", "MoE s to 50/75/100%",
            "MoE s vs dropless at 100%", "val loss @ steps", "val loss @ end",
-           "MoE s / step", "MoE fwd/bwd ms per step", "retained", "bwd MiB saved",
-           "load max/mean")
+           "MoE s / step", "MoE fwd/bwd ms per step", "wall s / run", "retained",
+           "bwd MiB saved", "load max/mean median call / worst")
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -251,9 +264,10 @@ def markdown_table(rows: list[dict]) -> str:
             fmt(r["val_at_steps"], ".4f"), fmt(r["val_final"], ".4f"),
             fmt(r["moe_s_per_step"], ".3f"),
             fmt(r["moe_fwd_ms"], ".1f") + "/" + fmt(r["moe_bwd_ms"], ".1f"),
+            fmt(r.get("wall_s"), ".0f"),
             fmt(r["retained"], ".3f"),
             fmt(None if r["bwd_bytes_saved"] is None else r["bwd_bytes_saved"] / 2**20, ".1f"),
-            fmt(r["load_max_over_mean"], ".2f"),
+            fmt(r["load_max_over_mean"], ".2f") + " / " + fmt(r.get("load_worst"), ".2f"),
         ]) + " |")
     return "\n".join(lines)
 
@@ -298,6 +312,9 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
                for (name, seed), records in logs.items() if name == REFERENCE}
     per_run = {key: analyse_run(records, targets[key[1]], stage.steps, window)
                for key, records in logs.items() if key[1] in targets}
+    for name, seed in per_run:     # end-to-end wall time of the run, beside its MoE time
+        per_run[(name, seed)]["wall_s"] = json.loads(
+            (out_dir / "runs" / f"{name}-s{seed}" / "done.json").read_text())["wall_s"]
     rows = summarize(per_run) if per_run else []
     machine = sum(json.loads((out_dir / "runs" / f"{n}-s{s}" / "done.json").read_text())
                   ["wall_s"] for n, s in logs)

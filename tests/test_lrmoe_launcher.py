@@ -47,8 +47,12 @@ def test_lrmoe_statistics_in_the_log(gloo2, corpus, tmp_path):
             per_rank = [load[0] + load[1], load[2] + load[3]]
             ratio = max(per_rank) / (sum(per_rank) / 2)
             assert r[f"lrmoe/layer{n}/load-max-over-mean"] == pytest.approx(ratio, rel=1e-12)
+            # One call per interval: the median call is that call.
+            assert r[f"lrmoe/layer{n}/load-max-over-mean-median"] == pytest.approx(
+                ratio, rel=1e-12)
             ratios.append(ratio)
         assert r["lrmoe/load-max-over-mean"] == pytest.approx(max(ratios), rel=1e-12)
+        assert r["lrmoe/load-max-over-mean-median"] == pytest.approx(max(ratios), rel=1e-12)
 
 
 def test_lrmoe_without_drops_matches_megatron_end_to_end(gloo2, corpus):

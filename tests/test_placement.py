@@ -372,10 +372,11 @@ MACHINE = MachineConstants(gemm_flops_per_s=1e9, alltoall_bytes_per_s=1e9,
 
 
 def _cost(num_experts: int, tokens: int = 64, topk: int = 2, layers: int = 2,
-          per_step: int = 4) -> CostModel:
+          per_step: int = 4, forward_retention: bool = False) -> CostModel:
     shape = MoEShape(hidden_size=64, ffn_hidden_size=32, num_experts=num_experts, topk=topk,
                      gated=True, dtype_bytes=2, tokens_per_rank=tokens, num_layers=layers,
-                     microbatches_in_flight=1, microbatches_per_step=per_step)
+                     microbatches_in_flight=1, microbatches_per_step=per_step,
+                     forward_retention=forward_retention)
     return CostModel(shape, MACHINE)
 
 
@@ -526,9 +527,10 @@ def test_memory_aware_fits_budget_and_beats_static(seed, slack, zipf, gamma, ran
             == greedy_replicas(counts.sum(0).tolist(), base, aware.settings))
 
 
-def _budgets_estimates(counts: torch.Tensor, gamma: float, slacks) -> list[tuple[float, float]]:
+def _budgets_estimates(counts: torch.Tensor, gamma: float, slacks,
+                       forward_retention: bool = False) -> list[tuple[float, float]]:
     """(gamma used, estimated time of the plan the layer runs) per budget, in order."""
-    cost = _cost(counts.shape[1])
+    cost = _cost(counts.shape[1], forward_retention=forward_retention)
     out = []
     for slack in slacks:
         planner = _planner("memory-aware", counts, capacity_factor=gamma, cost=cost,
@@ -552,8 +554,10 @@ def test_memory_aware_monotone_in_the_budget_regressions(seed, zipf, ranks, slac
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), zipf=st.floats(0.0, 2.0), ranks=st.sampled_from([2, 4, 8]),
        gamma=st.sampled_from([0.75, 1.0, math.inf]),
-       slacks=st.lists(st.floats(1.0, 4.0), min_size=2, max_size=4, unique=True))
-def test_memory_aware_is_monotone_in_the_budget(seed, zipf, ranks, gamma, slacks):
+       slacks=st.lists(st.floats(1.0, 4.0), min_size=2, max_size=4, unique=True),
+       forward_retention=st.booleans())
+def test_memory_aware_is_monotone_in_the_budget(seed, zipf, ranks, gamma, slacks,
+                                                forward_retention):
     # More memory never makes the placement's plan worse by the cost model: at gamma =
     # inf its estimated time never rises. At a finite gamma the budget may lower gamma
     # (cheaper, less exact), so only plans at an equal gamma are compared. Whether gamma
@@ -561,7 +565,7 @@ def test_memory_aware_is_monotone_in_the_budget(seed, zipf, ranks, gamma, slacks
     # (it is not monotone: docs/design.md, "Memory budget"); the placement never uses a
     # lower gamma than static at the same budget (test above).
     counts = _skewed_counts(ranks, 2 * ranks, 128, seed, zipf)
-    runs = _budgets_estimates(counts, gamma, sorted(slacks))
+    runs = _budgets_estimates(counts, gamma, sorted(slacks), forward_retention)
     for (gamma_a, time_a), (gamma_b, time_b) in itertools.pairwise(runs):
         if gamma_b == gamma_a:
             assert time_b <= time_a * (1 + 1e-12)

@@ -16,6 +16,7 @@ figure of those steps, and ``metric-measured-calls`` says how many calls it cove
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -83,10 +84,15 @@ class LRMoELayerStats:
         return [float(len(done)) if name == "calls" else host[name] if name in host else
                 float(sum(getattr(c, name) for c in done)) for name in TOTAL_FIELDS]
 
+    def load_median(self) -> float:
+        """Median over the calls since the reset of their routed load max/mean over EP
+        ranks (0 without calls): the typical call, where the maximum shows the worst."""
+        return statistics.median(self.load_max_over_mean) if self.load_max_over_mean else 0.0
+
     def summary(self) -> dict[str, float]:
         """This rank's figures since the last reset."""
         return summarize(self.totals(), max(self.load_max_over_mean, default=0.0),
-                         self.replicas)
+                         self.replicas, self.load_median())
 
 
 TOTAL_FIELDS = ("routed_pairs", "retained_pairs", "metric_total", "metric_dropped",
@@ -105,12 +111,14 @@ def _read_metric_sums(layers) -> list[list[float] | None]:
 
 
 def summarize(totals: list[float], load_max_over_mean: float,
-              replicas: float = 0.0) -> dict[str, float]:
-    """Logged figures from ``totals`` (possibly summed over ranks)."""
+              replicas: float = 0.0, load_median: float = 0.0) -> dict[str, float]:
+    """Logged figures from ``totals`` (possibly summed over ranks); the loads: the worst
+    call's max/mean and the median call's."""
     (routed, retained, metric, dropped, sent, dense, rows, overflow, planner_s, adjusted,
      calls, metric_calls) = totals
     return {
         "load-max-over-mean": load_max_over_mean,
+        "load-max-over-mean-median": load_median,
         "retained-fraction": retained / routed if routed else 1.0,
         # Over the calls that measured the metric (all of them when the rule reads it).
         "dropped-contribution-fraction": dropped / metric if metric > 0 else 0.0,
@@ -139,6 +147,7 @@ def collect_lrmoe_stats(model_chunks, num_layers: int, num_experts: int) -> dict
     layers = lrmoe_layers(model_chunks)
     totals = torch.zeros(num_layers + 1, width, dtype=torch.float64)
     load = torch.zeros(num_layers + 1, dtype=torch.float64)
+    median = torch.zeros(num_layers + 1, dtype=torch.float64)
     replicas = torch.zeros(num_layers + 1, dtype=torch.float64)
     # Same shapes on every rank, also on pipeline stages without LRMoE layers.
     expert_load = torch.zeros(num_layers + 1, num_experts, dtype=torch.float64)
@@ -147,6 +156,7 @@ def collect_lrmoe_stats(model_chunks, num_layers: int, num_experts: int) -> dict
         stats = layer.lrmoe_stats
         totals[n] += torch.tensor(stats.totals(metric), dtype=torch.float64)
         load[n] = max(stats.load_max_over_mean, default=0.0)
+        median[n] = stats.load_median()
         replicas[n] = stats.replicas
         if stats.expert_load is not None:
             expert_load[n] += stats.expert_load
@@ -154,13 +164,14 @@ def collect_lrmoe_stats(model_chunks, num_layers: int, num_experts: int) -> dict
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(totals)
         dist.all_reduce(load, op=dist.ReduceOp.MAX)
+        dist.all_reduce(median, op=dist.ReduceOp.MAX)
         dist.all_reduce(replicas, op=dist.ReduceOp.MAX)
         dist.all_reduce(expert_load)
     out: dict[str, float] = {}
     present = [n for n in range(num_layers + 1) if totals[n, 0] > 0]
     for n in present:
         for key, value in summarize(totals[n].tolist(), float(load[n]),
-                                    float(replicas[n])).items():
+                                    float(replicas[n]), float(median[n])).items():
             out[f"lrmoe/layer{n}/{key}"] = value
         # Routed pairs per expert (all ranks): a list, kept in the JSON-lines log only;
         # scripts/bench_moe_layer.py replays it as a recorded routing popularity.
@@ -168,6 +179,7 @@ def collect_lrmoe_stats(model_chunks, num_layers: int, num_experts: int) -> dict
     if present:
         for key, value in summarize(totals[present].sum(0).tolist(),
                                     float(load[present].max()),
-                                    float(replicas[present].sum())).items():
+                                    float(replicas[present].sum()),
+                                    float(median[present].max())).items():
             out[f"lrmoe/{key}"] = value
     return out
