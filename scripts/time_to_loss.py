@@ -140,7 +140,10 @@ def run_one(run_dir: Path, flags: list[str], port: int) -> dict:
     if code != 0:
         tail = (run_dir / "stdout.txt").read_text().splitlines()[-15:]
         raise RuntimeError(f"run {run_dir.name} failed ({code}):\n" + "\n".join(tail))
-    record = {"command": shlex.join(command), "wall_s": time.perf_counter() - start}
+    from megatron_lrmoe.provenance import code_version
+
+    record = {"command": shlex.join(command), "wall_s": time.perf_counter() - start,
+              "code": code_version()}
     tmp = done.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, done)   # atomic: a half-written done.json never marks a run done
@@ -316,8 +319,11 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
         per_run[(name, seed)]["wall_s"] = json.loads(
             (out_dir / "runs" / f"{name}-s{seed}" / "done.json").read_text())["wall_s"]
     rows = summarize(per_run) if per_run else []
-    machine = sum(json.loads((out_dir / "runs" / f"{n}-s{s}" / "done.json").read_text())
-                  ["wall_s"] for n, s in logs)
+    done = [json.loads((out_dir / "runs" / f"{n}-s{s}" / "done.json").read_text())
+            for n, s in logs]
+    machine = sum(d["wall_s"] for d in done)
+    # The code each run ran (a study resumed across sessions may span commits).
+    codes = sorted({d.get("code", "not recorded") for d in done})
     text = "\n".join([
         f"# Time to a fixed loss ({stage_name})",
         "",
@@ -330,6 +336,7 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
         + ", ".join(f"seed {s}: " + "/".join(f"{v:.4f}" for v in t.values())
                     for s, t in sorted(targets.items())) + ".",
         f"Study parameters: {study_parameters(base_flags)}.",
+        f"Code of the runs: {'; '.join(codes) or '-'}.",
         f"Base flags: `{shlex.join(base_flags)}`. SYMI-style and memory-aware budget: "
         f"{budget_gb:.5f} GiB per rank.",
         "",
