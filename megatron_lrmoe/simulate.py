@@ -39,9 +39,8 @@ import torch
 import yaml
 
 from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
-from megatron_lrmoe.lrmoe.options import option
 from megatron_lrmoe.lrmoe.planner import LayerPlanner, PlannerSettings
-from megatron_lrmoe.lrmoe.region import retention_in_forward
+from megatron_lrmoe.lrmoe.region import default_retention_in_forward
 from megatron_lrmoe.provenance import code_version
 from megatron_lrmoe.routing_trace import read_routing_trace, regroup_sources
 
@@ -249,13 +248,6 @@ POLICIES: tuple[Policy, ...] = (
 )
 
 
-def _default_retention_in_forward() -> bool:
-    """Whether LRMoE's default rule draws the retained set in forward (it saves x and z
-    of the retained rows only then; lrmoe/region.py)."""
-    return retention_in_forward(option("moe_lrmoe_selection").default,
-                                option("moe_lrmoe_metric").default)
-
-
 def capacity_drop(counts: np.ndarray, tokens_per_rank: int, topk: int,
                   capacity_factor: float) -> np.ndarray:
     """Megatron's forward capacity drop on [R, E] counts: each source rank keeps at most
@@ -367,7 +359,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
     for policy in policies:
         # LRMoE's layer (its default rule, uniform) draws the retained set in forward.
         cost = CostModel(replace(shape, forward_retention=policy.runs_planner
-                                 and _default_retention_in_forward()), machine)
+                                 and default_retention_in_forward()), machine)
         totals = {"fwd": 0.0, "bwd": 0.0, "refresh": 0.0, "memory": 0.0, "routed": 0.0,
                   "retained": 0.0, "load": 0.0, "replicas": 0.0}
         parts: dict[str, float] = {}

@@ -596,11 +596,9 @@ def buffer_bytes(plan, rank: int, hidden: int, elem: int, positions: bool) -> in
 def default_retention_in_forward() -> bool:
     """Whether the LRMoE layers (the default rule) draw the retained set in forward: then
     the positions travel in forward, not with the backward rows."""
-    from megatron_lrmoe.lrmoe.options import option
-    from megatron_lrmoe.lrmoe.region import retention_in_forward
+    from megatron_lrmoe.lrmoe.region import default_retention_in_forward as drawn
 
-    return retention_in_forward(option("moe_lrmoe_selection").default,
-                                option("moe_lrmoe_metric").default)
+    return drawn()
 
 
 def positioned_pairs(plan, rank: int) -> tuple[int, int]:

@@ -184,6 +184,15 @@ def retention_in_forward(selection: str, metric: str) -> bool:
     return not rule_reads_metric(selection) or metric in ("prob", "random")
 
 
+def default_retention_in_forward() -> bool:
+    """``retention_in_forward`` of the option table's default rule and metric (for tools
+    that model an LRMoE layer at its defaults)."""
+    from megatron_lrmoe.lrmoe.options import option
+
+    return retention_in_forward(option("moe_lrmoe_selection").default,
+                                option("moe_lrmoe_metric").default)
+
+
 @dataclass
 class RegionContext:
     """Everything the region needs besides tensors: the plan and the run's options."""
