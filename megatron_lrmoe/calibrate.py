@@ -132,6 +132,47 @@ def _local_alltoall(num_bytes: int, repeats: int, warmup: int) -> tuple[float, f
 
 
 # ---------------------------------------------------------------------------
+# Compute rates with the machine shared
+# ---------------------------------------------------------------------------
+
+
+def _rates_task(cfg: dict) -> list[float]:
+    """On each rank of a ``GlooPool``: [GEMM rate, memory rate, forward table...,
+    backward table...], every measurement started together on all ranks."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    clock = time.thread_time if cfg["clock"] == "cpu" else time.perf_counter
+    common = dict(gated=cfg["gated"], dtype=cfg["dtype"], device="cpu",
+                  repeats=cfg["repeats"], warmup=cfg["warmup"], clock=clock)
+    dist.barrier()
+    rate = measure_gemm_rate(cfg["hidden"], cfg["ffn"], cfg["rows"], cfg["local_experts"],
+                             **common)
+    dist.barrier()
+    fwd, bwd = measure_gemm_table(cfg["hidden"], cfg["ffn"], cfg["gemm_rows"],
+                                  cfg["local_experts"], **common) if cfg["gemm_rows"] else ([], [])
+    dist.barrier()
+    memory = measure_memory_rate(cfg["hidden"], cfg["ffn"], cfg["memory_rows"], **common)
+    return [rate, memory, *fwd, *bwd]
+
+
+def measure_rates_concurrently(processes: int, cfg: dict) -> list[float]:
+    """``_rates_task`` on ``processes`` local processes at once (one thread each); per
+    figure the slowest process's: EP ranks that share a CPU machine also share its
+    caches, memory bandwidth and, with SMT, its cores, so one process alone on the
+    machine measures a rate that training does not reach."""
+    from megatron_lrmoe import calibrate as this  # the workers import tasks by module name
+    from megatron_lrmoe.testing.gloo_pool import GlooPool
+
+    pool = GlooPool(processes)
+    try:
+        per_rank = pool.run(this._rates_task, cfg, timeout=1800.0)
+    finally:
+        pool.close()
+    return [min(values) for values in zip(*per_rank, strict=True)]
+
+
+# ---------------------------------------------------------------------------
 # Fixed cost of a layer call
 # ---------------------------------------------------------------------------
 
@@ -268,6 +309,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "layer's fixed cost) by wall time, or, on CPU only, by the thread's "
                         "CPU time: an estimate of an unshared machine's time where other "
                         "work shares the cores (all-to-alls always by wall time)")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="CPU, one process: measure the GEMM and memory rates in this many "
+                        "local processes at once and keep the slowest (set it to the EP "
+                        "ranks that share the machine in training: the study's 2)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     return p.parse_args(argv)
@@ -286,17 +331,30 @@ def main(argv: list[str] | None = None) -> MachineConstants:
 
     if args.clock == "cpu" and device.type != "cpu":
         raise SystemExit("--clock cpu: only on --device cpu (CUDA work is asynchronous)")
+    if args.concurrency < 1:
+        raise SystemExit(f"--concurrency {args.concurrency}: must be at least 1")
+    if args.concurrency > 1 and (device.type != "cpu" or world > 1):
+        raise SystemExit("--concurrency: only on --device cpu in one process (under torchrun "
+                         "every rank measures at once already)")
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    rate = measure_gemm_rate(args.hidden_size, args.ffn_hidden_size, args.rows,
-                             args.local_experts, args.gated, dtype, device, args.repeats,
-                             args.warmup, clock)
     gemm_rows = [int(v) for v in args.gemm_rows.split(",") if v.strip()]
-    fwd_rates, bwd_rates = measure_gemm_table(
-        args.hidden_size, args.ffn_hidden_size, gemm_rows, args.local_experts, args.gated,
-        dtype, device, args.repeats, args.warmup, clock) if gemm_rows else ([], [])
-    memory = measure_memory_rate(args.hidden_size, args.ffn_hidden_size,
-                                 args.tokens * args.topk, args.gated, dtype, device,
-                                 args.repeats, args.warmup, clock)
+    if args.concurrency > 1:
+        rate, memory, *rest = measure_rates_concurrently(args.concurrency, dict(
+            hidden=args.hidden_size, ffn=args.ffn_hidden_size, rows=args.rows,
+            local_experts=args.local_experts, gemm_rows=gemm_rows, gated=args.gated,
+            dtype=dtype, memory_rows=args.tokens * args.topk, repeats=args.repeats,
+            warmup=args.warmup, clock=args.clock))
+        fwd_rates, bwd_rates = rest[:len(gemm_rows)], rest[len(gemm_rows):]
+    else:
+        rate = measure_gemm_rate(args.hidden_size, args.ffn_hidden_size, args.rows,
+                                 args.local_experts, args.gated, dtype, device, args.repeats,
+                                 args.warmup, clock)
+        fwd_rates, bwd_rates = measure_gemm_table(
+            args.hidden_size, args.ffn_hidden_size, gemm_rows, args.local_experts, args.gated,
+            dtype, device, args.repeats, args.warmup, clock) if gemm_rows else ([], [])
+        memory = measure_memory_rate(args.hidden_size, args.ffn_hidden_size,
+                                     args.tokens * args.topk, args.gated, dtype, device,
+                                     args.repeats, args.warmup, clock)
     if world > 1:
         import torch.distributed as dist
 
@@ -327,6 +385,9 @@ def main(argv: list[str] | None = None) -> MachineConstants:
                         f"processes")
     if args.clock == "cpu":
         method += "; GEMMs, memory rate and layer fixed cost timed by thread CPU time"
+    if args.concurrency > 1:
+        method += (f"; GEMM and memory rates: the slowest of {args.concurrency} local "
+                   "processes measuring at once")
     gated = "SwiGLU" if args.gated else "plain"
     source = (f"python -m megatron_lrmoe.calibrate on {socket.gethostname()} ({device}): GEMM "
               f"H={args.hidden_size} F={args.ffn_hidden_size} {gated} {str(dtype)[6:]}, "

@@ -236,6 +236,49 @@ def summarize(per_run: dict[tuple[str, int], dict]) -> list[dict]:
     return rows
 
 
+BASELINES = (REFERENCE, "symi", "megatron-capacity-1.0")
+
+
+def per_seed(per_run: dict[tuple[str, int], dict]) -> list[dict]:
+    """One row per (seed, policy): steps and MoE seconds to the 100% target, the MoE
+    seconds relative to the same seed's run of each baseline (None where either did not
+    reach the target or the baseline did not run), and the validation loss at equal steps
+    relative to that seed's dropless run. The issue's goal figures are per-seed ratios
+    to the three baselines; the summary table's medians hide their spread."""
+    rows = []
+    for (name, seed), a in sorted(per_run.items(), key=lambda kv: (kv[0][1],
+                                                                    _policy_order(kv[0][0]))):
+        hit = a["reached"][1.0]
+        row = {"seed": seed, "policy": name, "steps": hit and hit["step"],
+               "moe_s": hit and hit["moe_s"]}
+        for base in BASELINES:
+            other = per_run.get((base, seed))
+            other_hit = other and other["reached"][1.0]
+            row[f"vs_{base}"] = (hit["moe_s"] / other_hit["moe_s"]
+                                 if hit and other_hit else None)
+        ref = per_run.get((REFERENCE, seed))
+        row["val_vs_dropless"] = (a["val_at_steps"] / ref["val_at_steps"] - 1.0
+                                  if ref and ref["val_at_steps"] and a["val_at_steps"]
+                                  else None)
+        rows.append(row)
+    return rows
+
+
+def per_seed_table(rows: list[dict]) -> str:
+    def fmt(v, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    lines = ["| seed | policy | steps to 100% | MoE s to 100% | vs dropless | vs SYMI-style "
+             "| vs capacity drop | val loss @ steps vs dropless |", "|" + "---|" * 8]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            str(r["seed"]), r["policy"], fmt(r["steps"], "d"), fmt(r["moe_s"], ".1f"),
+            *(fmt(r[f"vs_{b}"], ".2f") for b in BASELINES),
+            fmt(None if r["val_vs_dropless"] is None else 100 * r["val_vs_dropless"], "+.2f")
+            + ("%" if r["val_vs_dropless"] is not None else "")]) + " |")
+    return "\n".join(lines)
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -347,10 +390,17 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
         "ratio to that seed's dropless run. Plot: `loss_vs_moe_time.png`; run report "
         "(loss, MoE time, LRMoE statistics, routed load; `python -m megatron_lrmoe.report`): "
         "`report/`.",
+        "",
+        "Per seed: MoE seconds to the 100% target relative to the same seed's run of each "
+        "baseline (`-`: one of the two did not reach it, or the baseline did not run), and "
+        "the validation loss at equal steps relative to the seed's dropless run.",
+        "",
+        per_seed_table(per_seed(per_run)),
     ]) + "\n"
     (out_dir / "report.md").write_text(text)
     (out_dir / "report.json").write_text(json.dumps(
-        {"rows": rows, "targets": {str(k): v for k, v in targets.items()}}, indent=1))
+        {"rows": rows, "per_seed": per_seed(per_run),
+         "targets": {str(k): v for k, v in targets.items()}}, indent=1))
     if per_run:
         plot(per_run, targets, out_dir / "loss_vs_moe_time.png")
     if logs:   # the stage's run report (python -m megatron_lrmoe.report) over every run
@@ -474,10 +524,13 @@ def main(argv=None) -> int:
             started = time.perf_counter()
             record = [] if args.no_record_routing else [
                 "--record-routing", str(run_dir / "routing")]
+            ran = not (run_dir / "done.json").exists()
             run_one(run_dir, base + ["--seed", str(seed), *table[name], *record], args.port)
             print(f"[time_to_loss] {run_dir.name}: done ({time.perf_counter() - started:.0f} s)",
                   flush=True)
-            write_report(out_dir, stage, args.stage, command, base, budget_gb)
+            if ran:    # after every new run, so that an interrupted study has its report
+                write_report(out_dir, stage, args.stage, command, base, budget_gb)
+    write_report(out_dir, stage, args.stage, command, base, budget_gb)
     print((out_dir / "report.md").read_text())
     return 0
 

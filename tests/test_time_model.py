@@ -86,6 +86,14 @@ def test_load_time_by_hand():
     fwd = 6e-6 + (28 * 10 + 12 * 12 + 24) * 2 / 1e9 + 54 / 1e8 + 6 * 72e-9 + 1.2e-4
     bwd = 6e-6 + (68 * 7 + 12 * 8 + 7 * 16 + 24) * 2 / 1e9 + 40 / 1e8 + 6 * 112e-9 + 2.2e-4
     assert got == pytest.approx(fwd + bwd, rel=1e-12)
+    # Many estimates at once: each element the by-hand figure of its own loads (the
+    # second keeps every row it receives, so the source keeps its 12 as well).
+    both = CostModel(SHAPE, MACHINE).load_times(np.array([10.0, 10.0]), np.array([7.0, 10.0]),
+                                                np.array([3.0, 3.0]), np.array([2.0, 0.0]),
+                                                num_ranks=2)
+    assert both[0] == pytest.approx(fwd + bwd, rel=1e-12)
+    assert both[1] == CostModel(SHAPE, MACHINE).load_time(10, 10, 3, 0, num_ranks=2)
+    assert both[1] > both[0]
 
 
 def test_one_rank_has_no_reorders_and_no_tables_means_the_flat_rate():
@@ -162,3 +170,25 @@ def test_calibrate_cli_writes_the_new_constants(tmp_path):
     assert "memory copy" in constants.source
     assert json.loads(out.read_text())["details"]["hidden_size"] == 32
     assert "expert GEMM rate" in result.stdout
+
+
+def test_calibrate_concurrency_measures_rates_with_the_machine_shared(tmp_path):
+    out = tmp_path / "cal.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    common = [sys.executable, "-m", "megatron_lrmoe.calibrate", "--output", str(out),
+              "--hidden-size", "32", "--ffn-hidden-size", "16", "--rows", "32",
+              "--local-experts", "1", "--repeats", "2", "--warmup", "0", "--gemm-rows", "4,8",
+              "--tokens", "8", "--topk", "2", "--alltoall", "copy", "--alltoall-mib", "0.25"]
+    result = subprocess.run(common + ["--concurrency", "2"], capture_output=True, text=True,
+                            env=env, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    constants = MachineConstants.from_json(out)
+    assert "slowest of 2 local processes" in constants.source
+    assert len(constants.gemm_forward_flops_per_s) == len(constants.gemm_backward_flops_per_s) == 2
+    assert min(constants.gemm_forward_flops_per_s) > 0 and constants.memory_bytes_per_s > 0
+    assert constants.gemm_flops_per_s > 0
+    assert json.loads(out.read_text())["details"]["concurrency"] == 2
+    bad = subprocess.run(common + ["--concurrency", "0"], capture_output=True, text=True,
+                         env=env, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--concurrency 0" in bad.stderr

@@ -50,6 +50,14 @@ def test_targets_and_time_to_target():
     assert by_name["lrmoe-x"]["moe_vs_dropless_1.0"] == pytest.approx(1.25 / 2.0)
     assert by_name["lrmoe-never"]["steps_1.0"] is None
     assert rows[0]["policy"] == "megatron-dropless"
+    seeds = {r["policy"]: r for r in ttl.per_seed({
+        ("megatron-dropless", 1): ttl.analyse_run(reference, targets, 4, 1,),
+        ("lrmoe-x", 1): slower, ("lrmoe-never", 1): never})}
+    # 1.25 s against dropless's 2.0 s to the 100% target; no SYMI-style run of the seed.
+    assert seeds["lrmoe-x"]["vs_megatron-dropless"] == pytest.approx(0.625)
+    assert seeds["lrmoe-x"]["vs_symi"] is None and seeds["lrmoe-never"]["moe_s"] is None
+    assert seeds["lrmoe-never"]["vs_megatron-dropless"] is None
+    assert seeds["megatron-dropless"]["vs_megatron-dropless"] == 1.0
 
 
 def test_every_policy_has_the_flags_it_names():
@@ -85,10 +93,13 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
         assert row["moe_s_per_step"] > 0
         assert row["val_at_steps"] is not None
     assert report["rows"][1]["retained"] < 1.0          # capacity 0.75 drops
-    table = [line for line in (out / "report.md").read_text().splitlines()
-             if line.startswith("|")]
+    summary, seeds = (out / "report.md").read_text().split("Per seed:")
+    table = [line for line in summary.splitlines() if line.startswith("|")]
     assert len(table) == 2 + 2
     assert all(line.count("|") == len(ttl.COLUMNS) + 1 for line in table)
+    by_seed = [line for line in seeds.splitlines() if line.startswith("| 1 |")]
+    assert [line.split(" | ")[1] for line in by_seed] == ["megatron-dropless",
+                                                         "lrmoe-uniform-g0.75"]
     assert (out / "loss_vs_moe_time.png").stat().st_size > 0
     # Study parameters in the report; each run's routing recorded for the simulator.
     assert "2 micro-batch(es) per step on 2 ranks" in (out / "report.md").read_text()

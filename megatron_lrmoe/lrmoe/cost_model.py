@@ -804,15 +804,30 @@ class CostModel:
         planners that estimate loads without building a plan): the busiest rank receives
         ``max_routed`` rows and keeps ``max_retained``, every source sends its P pairs and
         keeps min(P, ``max_retained``). ``num_ranks``: the EP size (default: the shape's)."""
+        return float(self.load_times(np.array([float(max_routed)]),
+                                     np.array([float(max_retained)]),
+                                     np.array([float(alltoall_routed)]),
+                                     np.array([float(alltoall_retained)]), num_ranks)[0])
+
+    def load_times(self, max_routed: np.ndarray, max_retained: np.ndarray,
+                   alltoall_routed: np.ndarray, alltoall_retained: np.ndarray,
+                   num_ranks: int | None = None) -> np.ndarray:
+        """``load_time`` of many load estimates at once (float64 arrays of one shape),
+        element by element the same arithmetic: a planner that judges a sequence of
+        candidates prices them in one call."""
         s, m = self.shape, self.machine
         p = float(s.source_pairs)
+        max_routed = np.asarray(max_routed, dtype=np.float64)
+        max_retained = np.asarray(max_retained, dtype=np.float64)
         f_gemm, f_mem, b_gemm, b_mem = self._rank_times(
-            np.array([float(max_routed)]), np.array([float(max_retained)]), np.array([p]),
-            np.array([min(p, float(max_retained))]), num_ranks)
+            max_routed, max_retained, np.full_like(max_routed, p),
+            np.minimum(p, max_retained), num_ranks)
         f_fixed, b_fixed = self._fixed_times()
-        return (float(f_gemm[0] + f_mem[0] + b_gemm[0] + b_mem[0]) + sum(self._router_times())
-                + (alltoall_routed * s.forward_alltoall_bytes_per_pair
-                   + alltoall_retained * s.backward_alltoall_bytes_per_pair)
+        return ((f_gemm + f_mem + b_gemm + b_mem) + sum(self._router_times())
+                + (np.asarray(alltoall_routed, dtype=np.float64)
+                   * s.forward_alltoall_bytes_per_pair
+                   + np.asarray(alltoall_retained, dtype=np.float64)
+                   * s.backward_alltoall_bytes_per_pair)
                 / m.alltoall_bytes_per_s + f_fixed + b_fixed)
 
     def _local_instances(self, num_ranks: int | None) -> float:

@@ -100,13 +100,14 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     retained_cap = math.inf if cap_count == UNLIMITED_CAPACITY else float(cap_count)
     off_rank = (num_ranks - 1) / num_ranks
 
-    def est_time(top: float, busiest_sync: int) -> float:
+    def est_times(tops: list[float], busiest_sync: list[int]) -> np.ndarray:
         # Per micro-batch: the layer at the top load, plus what the replicas cost in
         # transfers amortised over the step's micro-batches; a prefix is kept only if
-        # the time it saves exceeds that cost.
-        ret = min(top, retained_cap)
-        return (cost.load_time(top, ret, top * off_rank, ret * off_rank)
-                + cost.replica_cost_per_microbatch(busiest_sync))
+        # the time it saves exceeds that cost. Priced in one call per batch of moves.
+        top = np.asarray(tops, dtype=np.float64)
+        ret = np.minimum(top, retained_cap)
+        sync = np.array([cost.replica_cost_per_microbatch(b) for b in busiest_sync])
+        return cost.load_times(top, ret, top * off_rank, ret * off_rank) + sync
 
     load = [0.0] * num_ranks
     spread: list[dict[int, float]] = []        # expert -> {hosting rank: its pairs}
@@ -118,49 +119,81 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     sync_sent, sync_recv = [0] * num_ranks, [0] * num_ranks
     busiest = 0
     added: list[tuple[int, int]] = []
-    best_time, best_len = est_time(max(load), 0), 0
+    tops: list[float] = []           # after each move: the maximum load ...
+    syncs: list[int] = []            # ... and the busiest replica sender or receiver
+    best_time, best_len = float(est_times([max(load)], [0])[0]), 0
+    priced = 0                       # moves whose time is known
     max_moves = num_ranks * (num_experts - per_rank)
-    while len(added) < max_moves and len(added) - best_len <= num_ranks:
-        top = max(load)
-        u = load.index(top)
-        move = None
-        candidates = sorted(on_rank[u], key=lambda e: (-spread[e][u], e))[:4]
-        least = None
-        for e in candidates:
-            hosts = spread[e]
-            if len(hosts) >= num_ranks:
-                continue
-            # v: the least loaded rank not hosting e, the lowest on ties (min keeps the
-            # first of equal keys)
-            if least is None:
-                least = min(range(num_ranks), key=load.__getitem__)
-            v = least if least not in hosts else min(
-                (r for r in range(num_ranks) if r not in hosts), key=load.__getitem__)
-            ranks = [*hosts, v]
-            others = [load[r] - h for r, h in hosts.items()]
-            others.append(load[v])
-            new = dict(zip(ranks, _water_fill(float(routed[e]), others), strict=True))
-            if new[u] >= hosts[u] - 1e-9:
-                continue
-            if all(r == u or o + new[r] <= top
-                   for r, o in zip(ranks, others, strict=True)):
-                move = (e, v, ranks, others, new)
+    # The search stops once num_ranks moves in a row fail to beat the best prefix. Moves
+    # do not depend on the times, so they are made in batches (on the best prefix known
+    # so far), priced together, and the batch is cut where a move-by-move search would
+    # have stopped: the same prefix, with one cost-model call per batch.
+    exhausted = False                # no allowed move is left
+    while True:
+        while (not exhausted and len(added) < max_moves
+               and len(added) - best_len <= num_ranks):
+            if not _greedy_move(load, spread, on_rank, routed, num_ranks, added, per_rank,
+                                sync_sent, sync_recv):
+                exhausted = True
                 break
-        if move is None:
+            busiest = max(busiest, sync_sent[added[-1][0] // per_rank],
+                          sync_recv[added[-1][1]])
+            tops.append(max(load))
+            syncs.append(busiest)
+        if priced < len(added):
+            times = est_times(tops[priced:], syncs[priced:])
+            for k, t in enumerate(times.tolist(), start=priced + 1):
+                if t < best_time * (1 - 1e-12):
+                    best_time, best_len = t, k
+                if k - best_len > num_ranks:
+                    return added[:best_len]   # where the move-by-move search stops
+            priced = len(added)
+        if exhausted or len(added) >= max_moves:
             break
-        e, v, ranks, others, new = move
-        for r, o in zip(ranks, others, strict=True):
-            load[r] = o + new[r]
-        spread[e] = new
-        on_rank[v].append(e)
-        sync_sent[e // per_rank] += 1
-        sync_recv[v] += 1
-        busiest = max(busiest, sync_sent[e // per_rank], sync_recv[v])
-        added.append((e, v))
-        t = est_time(max(load), busiest)
-        if t < best_time * (1 - 1e-12):
-            best_time, best_len = t, len(added)
     return added[:best_len]
+
+
+def _greedy_move(load: list[float], spread: list[dict[int, float]], on_rank: list[list[int]],
+                 routed: list[int], num_ranks: int, added: list[tuple[int, int]],
+                 per_rank: int, sync_sent: list[int], sync_recv: list[int]) -> bool:
+    """One move of ``greedy_replicas`` (its doc), applied to the state in place; False
+    when no allowed move exists."""
+    top = max(load)
+    u = load.index(top)
+    move = None
+    candidates = sorted(on_rank[u], key=lambda e: (-spread[e][u], e))[:4]
+    least = None
+    for e in candidates:
+        hosts = spread[e]
+        if len(hosts) >= num_ranks:
+            continue
+        # v: the least loaded rank not hosting e, the lowest on ties (min keeps the
+        # first of equal keys)
+        if least is None:
+            least = min(range(num_ranks), key=load.__getitem__)
+        v = least if least not in hosts else min(
+            (r for r in range(num_ranks) if r not in hosts), key=load.__getitem__)
+        ranks = [*hosts, v]
+        others = [load[r] - h for r, h in hosts.items()]
+        others.append(load[v])
+        new = dict(zip(ranks, _water_fill(float(routed[e]), others), strict=True))
+        if new[u] >= hosts[u] - 1e-9:
+            continue
+        if all(r == u or o + new[r] <= top
+               for r, o in zip(ranks, others, strict=True)):
+            move = (e, v, ranks, others, new)
+            break
+    if move is None:
+        return False
+    e, v, ranks, others, new = move
+    for r, o in zip(ranks, others, strict=True):
+        load[r] = o + new[r]
+    spread[e] = new
+    on_rank[v].append(e)
+    sync_sent[e // per_rank] += 1
+    sync_recv[v] += 1
+    added.append((e, v))
+    return True
 
 
 def _water_fill(amount: float, others: list[float]) -> list[float]:
