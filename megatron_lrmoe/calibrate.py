@@ -136,24 +136,30 @@ def _local_alltoall(num_bytes: int, repeats: int, warmup: int) -> tuple[float, f
 # ---------------------------------------------------------------------------
 
 
+def _compute_rates(cfg: dict, device: torch.device, sync=lambda: None) -> list[float]:
+    """[GEMM rate, memory rate, forward table..., backward table...] at ``cfg``'s shape;
+    ``sync`` runs before each measurement (a barrier when several processes measure)."""
+    clock = time.thread_time if cfg["clock"] == "cpu" else time.perf_counter
+    common = dict(gated=cfg["gated"], dtype=cfg["dtype"], device=device,
+                  repeats=cfg["repeats"], warmup=cfg["warmup"], clock=clock)
+    sync()
+    rate = measure_gemm_rate(cfg["hidden"], cfg["ffn"], cfg["rows"], cfg["local_experts"],
+                             **common)
+    sync()
+    fwd, bwd = measure_gemm_table(cfg["hidden"], cfg["ffn"], cfg["gemm_rows"],
+                                  cfg["local_experts"], **common) if cfg["gemm_rows"] else ([], [])
+    sync()
+    memory = measure_memory_rate(cfg["hidden"], cfg["ffn"], cfg["memory_rows"], **common)
+    return [rate, memory, *fwd, *bwd]
+
+
 def _rates_task(cfg: dict) -> list[float]:
-    """On each rank of a ``GlooPool``: [GEMM rate, memory rate, forward table...,
-    backward table...], every measurement started together on all ranks."""
+    """``_compute_rates`` on each rank of a ``GlooPool``, every measurement started
+    together on all ranks."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    clock = time.thread_time if cfg["clock"] == "cpu" else time.perf_counter
-    common = dict(gated=cfg["gated"], dtype=cfg["dtype"], device="cpu",
-                  repeats=cfg["repeats"], warmup=cfg["warmup"], clock=clock)
-    dist.barrier()
-    rate = measure_gemm_rate(cfg["hidden"], cfg["ffn"], cfg["rows"], cfg["local_experts"],
-                             **common)
-    dist.barrier()
-    fwd, bwd = measure_gemm_table(cfg["hidden"], cfg["ffn"], cfg["gemm_rows"],
-                                  cfg["local_experts"], **common) if cfg["gemm_rows"] else ([], [])
-    dist.barrier()
-    memory = measure_memory_rate(cfg["hidden"], cfg["ffn"], cfg["memory_rows"], **common)
-    return [rate, memory, *fwd, *bwd]
+    return _compute_rates(cfg, torch.device("cpu"), dist.barrier)
 
 
 def measure_rates_concurrently(processes: int, cfg: dict) -> list[float]:
@@ -336,25 +342,16 @@ def main(argv: list[str] | None = None) -> MachineConstants:
     if args.concurrency > 1 and (device.type != "cpu" or world > 1):
         raise SystemExit("--concurrency: only on --device cpu in one process (under torchrun "
                          "every rank measures at once already)")
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     gemm_rows = [int(v) for v in args.gemm_rows.split(",") if v.strip()]
+    cfg = dict(hidden=args.hidden_size, ffn=args.ffn_hidden_size, rows=args.rows,
+               local_experts=args.local_experts, gemm_rows=gemm_rows, gated=args.gated,
+               dtype=dtype, memory_rows=args.tokens * args.topk, repeats=args.repeats,
+               warmup=args.warmup, clock=args.clock)
     if args.concurrency > 1:
-        rate, memory, *rest = measure_rates_concurrently(args.concurrency, dict(
-            hidden=args.hidden_size, ffn=args.ffn_hidden_size, rows=args.rows,
-            local_experts=args.local_experts, gemm_rows=gemm_rows, gated=args.gated,
-            dtype=dtype, memory_rows=args.tokens * args.topk, repeats=args.repeats,
-            warmup=args.warmup, clock=args.clock))
-        fwd_rates, bwd_rates = rest[:len(gemm_rows)], rest[len(gemm_rows):]
+        rate, memory, *rest = measure_rates_concurrently(args.concurrency, cfg)
     else:
-        rate = measure_gemm_rate(args.hidden_size, args.ffn_hidden_size, args.rows,
-                                 args.local_experts, args.gated, dtype, device, args.repeats,
-                                 args.warmup, clock)
-        fwd_rates, bwd_rates = measure_gemm_table(
-            args.hidden_size, args.ffn_hidden_size, gemm_rows, args.local_experts, args.gated,
-            dtype, device, args.repeats, args.warmup, clock) if gemm_rows else ([], [])
-        memory = measure_memory_rate(args.hidden_size, args.ffn_hidden_size,
-                                     args.tokens * args.topk, args.gated, dtype, device,
-                                     args.repeats, args.warmup, clock)
+        rate, memory, *rest = _compute_rates(cfg, device)
+    fwd_rates, bwd_rates = rest[:len(gemm_rows)], rest[len(gemm_rows):]
     if world > 1:
         import torch.distributed as dist
 
