@@ -14,6 +14,9 @@ on CPU, nccl on CUDA); bandwidth = bytes each rank sends to the others per secon
 latency = the time of a tiny all-to-all. With one process: two local gloo processes
 (``--alltoall local``, the default on CPU: it measures loopback, not a network) or a
 device memory copy (``--alltoall copy``); ``source`` in the JSON says which.
+``--alltoall-sizes-mib`` adds a size table (``alltoall_sizes``,
+``alltoall_size_bytes_per_s``): the bandwidth at each of those bytes sent to the other
+ranks, since a layer's messages (a few MB) move at a lower rate than a large one.
 
 What the time model adds around the GEMMs and the all-to-all (``cost_model`` module doc,
 "Time"), each measured here:
@@ -70,16 +73,14 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # ---------------------------------------------------------------------------
 
 
-def _alltoall_worker(num_bytes: int, device: torch.device, repeats: int,
-                     warmup: int) -> tuple[float, float]:
-    """(bytes/s sent to other ranks per rank, latency s), inside an initialised group.
-    Each repetition's time is the slowest rank's (a max all-reduce)."""
+def _alltoall_worker(num_bytes: int, device: torch.device, repeats: int, warmup: int,
+                     table_bytes: tuple[int, ...] = ()) -> tuple[float, float, list[float]]:
+    """(bytes/s sent to other ranks per rank, latency s, the same rate at each of
+    ``table_bytes`` bytes sent to the other ranks), inside an initialised group. Each
+    repetition's time is the slowest rank's (a max all-reduce)."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    per_peer = max(num_bytes // world, 1)
-    send = torch.ones(per_peer * world, dtype=torch.uint8, device=device)
-    recv = torch.empty_like(send)
     tiny_send = torch.ones(world, dtype=torch.uint8, device=device)
     tiny_recv = torch.empty_like(tiny_send)
 
@@ -98,37 +99,46 @@ def _alltoall_worker(num_bytes: int, device: torch.device, repeats: int,
             times.append(float(t))
         return statistics.median(times)
 
+    def rate(per_peer: int) -> float:
+        send = torch.ones(per_peer * world, dtype=torch.uint8, device=device)
+        recv = torch.empty_like(send)
+        seconds = timed(lambda: dist.all_to_all_single(recv, send))
+        return per_peer * (world - 1) / max(seconds - latency, 1e-12)
+
     latency = timed(lambda: dist.all_to_all_single(tiny_recv, tiny_send))
-    seconds = timed(lambda: dist.all_to_all_single(recv, send))
-    return per_peer * (world - 1) / max(seconds - latency, 1e-12), latency
+    bandwidth = rate(max(num_bytes // world, 1))
+    return bandwidth, latency, [rate(max(n // (world - 1), 1)) for n in table_bytes]
 
 
 def _spawned(rank: int, world: int, init_file: str, num_bytes: int, repeats: int, warmup: int,
-             result_file: str) -> None:
+             table_bytes: tuple[int, ...], result_file: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
-        bandwidth, latency = _alltoall_worker(num_bytes, torch.device("cpu"), repeats, warmup)
+        values = _alltoall_worker(num_bytes, torch.device("cpu"), repeats, warmup, table_bytes)
         if rank == 0:
+            bandwidth, latency, table = values
             with open(result_file, "w") as f:
-                f.write(f"{bandwidth} {latency}")
+                f.write(" ".join(map(str, (bandwidth, latency, *table))))
     finally:
         dist.destroy_process_group()
 
 
-def _local_alltoall(num_bytes: int, repeats: int, warmup: int) -> tuple[float, float]:
-    """Two local gloo processes (torch.multiprocessing.spawn)."""
+def _local_alltoall(num_bytes: int, repeats: int, warmup: int, table_bytes: tuple[int, ...] = ()
+                    ) -> tuple[float, float, list[float]]:
+    """``_alltoall_worker`` over two local gloo processes (torch.multiprocessing.spawn)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         init, result = os.path.join(tmp, "init"), os.path.join(tmp, "result")
-        mp.spawn(_spawned, args=(2, init, num_bytes, repeats, warmup, result), nprocs=2)
+        mp.spawn(_spawned, args=(2, init, num_bytes, repeats, warmup, table_bytes, result),
+                 nprocs=2)
         with open(result) as f:
-            bandwidth, latency = (float(v) for v in f.read().split())
-    return bandwidth, latency
+            bandwidth, latency, *table = (float(v) for v in f.read().split())
+    return bandwidth, latency, table
 
 
 # ---------------------------------------------------------------------------
@@ -310,6 +320,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="single process: 2 local gloo processes (local) or a memory copy")
     p.add_argument("--alltoall-mib", type=float, default=64.0,
                    help="bytes each rank sends per all-to-all (MiB)")
+    p.add_argument("--alltoall-sizes-mib", default="",
+                   help="all-to-all size table: bytes each rank sends to the other ranks "
+                        "per all-to-all (MiB, comma-separated, ascending), measured by the "
+                        "all-to-all methods (not --alltoall copy); the cost model times "
+                        "each of a layer's messages at its own size. Empty: no table")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time the single-process measurements (GEMMs, memory rate, the "
                         "layer's fixed cost) by wall time, or, on CPU only, by the thread's "
@@ -343,6 +358,16 @@ def main(argv: list[str] | None = None) -> MachineConstants:
         raise SystemExit("--concurrency: only on --device cpu in one process (under torchrun "
                          "every rank measures at once already)")
     gemm_rows = [int(v) for v in args.gemm_rows.split(",") if v.strip()]
+    try:
+        a2a_sizes = [int(float(v) * 2**20) for v in args.alltoall_sizes_mib.split(",")
+                     if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--alltoall-sizes-mib {args.alltoall_sizes_mib!r}: expected "
+                         "comma-separated MiB, e.g. 0.25,1,4,16") from None
+    if any(b <= a for a, b in zip(a2a_sizes[:-1], a2a_sizes[1:], strict=True)) or any(
+            n < 1 for n in a2a_sizes):
+        raise SystemExit(f"--alltoall-sizes-mib {args.alltoall_sizes_mib!r}: sizes must be "
+                         "positive and strictly ascending")
     cfg = dict(hidden=args.hidden_size, ffn=args.ffn_hidden_size, rows=args.rows,
                local_experts=args.local_experts, gemm_rows=gemm_rows, gated=args.gated,
                dtype=dtype, memory_rows=args.tokens * args.topk, repeats=args.repeats,
@@ -357,7 +382,8 @@ def main(argv: list[str] | None = None) -> MachineConstants:
 
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend)
-        bandwidth, latency = _alltoall_worker(a2a_bytes, device, args.repeats, args.warmup)
+        bandwidth, latency, a2a_rates = _alltoall_worker(a2a_bytes, device, args.repeats,
+                                                         args.warmup, tuple(a2a_sizes))
         rates = torch.tensor([rate, memory, *fwd_rates, *bwd_rates], dtype=torch.float64,
                              device=device)
         dist.all_reduce(rates, op=dist.ReduceOp.MIN)      # the slowest rank sets the pace
@@ -366,10 +392,15 @@ def main(argv: list[str] | None = None) -> MachineConstants:
         dist.destroy_process_group()
         method = f"all_to_all_single over {world} ranks ({backend})"
     elif args.alltoall == "copy" or (args.alltoall == "auto" and device.type == "cuda"):
+        if a2a_sizes:
+            raise SystemExit("--alltoall-sizes-mib: needs an all-to-all (a memory copy has "
+                             "no message sizes); run under torchrun or with --alltoall local")
         bandwidth, latency = measure_copy_rate(a2a_bytes, device, args.repeats, args.warmup), 0.0
+        a2a_rates = []
         method = f"single process: {device.type} memory copy as bandwidth (no all-to-all)"
     else:
-        bandwidth, latency = _local_alltoall(a2a_bytes, args.repeats, args.warmup)
+        bandwidth, latency, a2a_rates = _local_alltoall(a2a_bytes, args.repeats, args.warmup,
+                                                        tuple(a2a_sizes))
         method = "single process: 2 local gloo processes over loopback (not a network)"
 
     fixed_f = fixed_b = 0.0
@@ -389,14 +420,19 @@ def main(argv: list[str] | None = None) -> MachineConstants:
     source = (f"python -m megatron_lrmoe.calibrate on {socket.gethostname()} ({device}): GEMM "
               f"H={args.hidden_size} F={args.ffn_hidden_size} {gated} {str(dtype)[6:]}, "
               f"{args.local_experts} experts x {args.rows} rows; all-to-all: {method}, "
-              f"{args.alltoall_mib:g} MiB per rank; GEMM rate tables at rows {gemm_rows}; "
+              f"{args.alltoall_mib:g} MiB per rank"
+              + (f", size table at {args.alltoall_sizes_mib} MiB sent to the other ranks"
+                 if a2a_sizes else "")
+              + f"; GEMM rate tables at rows {gemm_rows}; "
               f"memory rate: row gather + activation at {args.tokens * args.topk} rows; "
               f"layer fixed cost: {fixed_method}")
     constants = MachineConstants(rate, bandwidth, latency, source, gemm_rows=tuple(gemm_rows),
                                  gemm_forward_flops_per_s=tuple(fwd_rates),
                                  gemm_backward_flops_per_s=tuple(bwd_rates),
                                  memory_bytes_per_s=memory, layer_forward_fixed_s=fixed_f,
-                                 layer_backward_fixed_s=fixed_b)
+                                 layer_backward_fixed_s=fixed_b,
+                                 alltoall_sizes=tuple(a2a_sizes),
+                                 alltoall_size_bytes_per_s=tuple(a2a_rates))
     details = {k: v for k, v in vars(args).items() if k != "output"} | {"dtype": str(dtype)[6:]}
     details.update(world_size=world, torch=torch.__version__, python=sys.version.split()[0])
     if rank == 0:
@@ -407,6 +443,8 @@ def main(argv: list[str] | None = None) -> MachineConstants:
                 *((f"expert GEMM rate at {n} rows (fwd / bwd)",
                    f"{f / 1e12:.4g} / {b / 1e12:.4g} TFLOP/s")
                   for n, f, b in zip(gemm_rows, fwd_rates, bwd_rates, strict=True)),
+                *((f"all-to-all bandwidth at {n / 2**20:g} MiB sent", f"{r / 1e9:.4g} GB/s")
+                  for n, r in zip(a2a_sizes, a2a_rates, strict=True)),
                 ("memory rate", f"{memory / 1e9:.4g} GB/s"),
                 ("layer fixed cost (fwd / bwd)",
                  f"{fixed_f * 1e3:.4g} / {fixed_b * 1e3:.4g} ms"),

@@ -18,7 +18,7 @@ from megatron_lrmoe.lrmoe.cost_model import (
     CostModel,
     MachineConstants,
     MoEShape,
-    _instance_gemm_time,
+    _interpolated_time,
 )
 from megatron_lrmoe.lrmoe.machine import measure_gemm_table, measure_memory_rate
 
@@ -39,18 +39,18 @@ ROUTED = np.array([[5, 3], [1, 7]])       # source x destination: rows N = (6, 1
 RETAINED = np.array([[4, 2], [1, 5]])     # K = (5, 7); each source keeps 6
 
 
-def test_instance_gemm_time_interpolates_and_extends():
+def test_interpolated_time_interpolates_and_extends():
     rows, rates, flops = (2.0, 8.0), (48e6, 96e6), 48.0
-    got = _instance_gemm_time(np.array([1.0, 2.0, 3.0, 5.0, 8.0, 10.0]), rows, rates, flops)
+    got = _interpolated_time(np.array([1.0, 2.0, 3.0, 5.0, 8.0, 10.0]), rows, rates, flops)
     # Inside: 2 us + (n - 2) / 3 us; below: the first segment extended; above: 8 rows'
     # 4 us + (n - 8) x 48 / 96e6 s.
     want = [2 - 1 / 3, 2, 2 + 1 / 3, 3, 4, 4 + 1]
     assert got == pytest.approx(np.array(want) * 1e-6, rel=1e-12)
     # A steep first segment is cut at 0 s below it.
-    steep = _instance_gemm_time(np.array([1.0]), (2.0, 8.0), (96e6, 48e6 * 8 / 13), 48.0)
+    steep = _interpolated_time(np.array([1.0]), (2.0, 8.0), (96e6, 48e6 * 8 / 13), 48.0)
     assert steep[0] == 0.0
     # One point: its rate throughout.
-    assert _instance_gemm_time(np.array([5.0]), (4.0,), (48e6,), 48.0)[0] == pytest.approx(
+    assert _interpolated_time(np.array([5.0]), (4.0,), (48e6,), 48.0)[0] == pytest.approx(
         5e-6)
 
 
@@ -96,6 +96,30 @@ def test_load_time_by_hand():
     assert both[1] > both[0]
 
 
+def test_alltoall_size_table_by_hand():
+    # Sizes 16 and 64 B at 1e8 and 2e8 B/s: 0.16 and 0.32 us, between them 0.16 us +
+    # (b - 16) / 300 us. Forward: 3 pairs of dispatch (H b = 8 B) and combine (10 B):
+    # 24 and 30 B. Backward: 2 pairs of gradient rows with a position (12 B) and dX
+    # rows (8 B): 24 and 16 B.
+    table = MachineConstants(**{**MACHINE.__dict__, "alltoall_sizes": (16, 64),
+                                "alltoall_size_bytes_per_s": (1e8, 2e8)})
+    p = CostModel(SHAPE, table).layer_time_parts(ROUTED, RETAINED)
+    t = lambda b: (0.16 + (b - 16) / 300) * 1e-6  # noqa: E731
+    assert p["forward_alltoall"] == pytest.approx(t(24) + t(30), rel=1e-12)
+    assert p["backward_alltoall"] == pytest.approx(t(24) + t(16), rel=1e-12)
+    assert CostModel(SHAPE, table).load_time(10, 7, 3, 2, num_ranks=2) == pytest.approx(
+        CostModel(SHAPE, MACHINE).load_time(10, 7, 3, 2, num_ranks=2)
+        - (54 + 40) / 1e8 + t(24) + t(30) + t(24) + t(16), rel=1e-12)
+    # Replicas: one instance's weights and gradient, 24 elements x 2 B each.
+    cost = CostModel(SHAPE, table)
+    assert cost.replica_sync_time(((0, 1),), 2, 2) == pytest.approx(2 * t(48) + 2e-5)
+    # A table of one point is the flat rate.
+    flat = MachineConstants(**{**MACHINE.__dict__, "alltoall_sizes": (100,),
+                               "alltoall_size_bytes_per_s": (1e8,)})
+    assert CostModel(SHAPE, flat).layer_time_parts(ROUTED, RETAINED) == pytest.approx(
+        CostModel(SHAPE, MACHINE).layer_time_parts(ROUTED, RETAINED), rel=1e-12)
+
+
 def test_one_rank_has_no_reorders_and_no_tables_means_the_flat_rate():
     machine = MachineConstants(gemm_flops_per_s=48e6, alltoall_bytes_per_s=1e8,
                                memory_bytes_per_s=1e9)
@@ -133,7 +157,10 @@ def test_machine_constants_new_fields_load_and_check(tmp_path):
                         (dict(gemm_rows=(8, 2)), "ascending"),
                         (dict(gemm_forward_flops_per_s=(0.0, 1.0)), "positive"),
                         (dict(memory_bytes_per_s=-1.0), "memory_bytes_per_s"),
-                        (dict(layer_backward_fixed_s=float("nan")), "layer_backward")):
+                        (dict(layer_backward_fixed_s=float("nan")), "layer_backward"),
+                        (dict(alltoall_sizes=(1.0,)), "same length"),
+                        (dict(alltoall_sizes=(4.0, 2.0), alltoall_size_bytes_per_s=(1.0, 1.0)),
+                         "alltoall_sizes must be strictly ascending")):
         fields = dict(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0, gemm_rows=(2, 8),
                       gemm_forward_flops_per_s=(1.0, 1.0),
                       gemm_backward_flops_per_s=(1.0, 1.0)) | bad
@@ -192,3 +219,28 @@ def test_calibrate_concurrency_measures_rates_with_the_machine_shared(tmp_path):
     bad = subprocess.run(common + ["--concurrency", "0"], capture_output=True, text=True,
                          env=env, timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "--concurrency 0" in bad.stderr
+
+
+def test_local_alltoall_measures_the_size_table():
+    from megatron_lrmoe.calibrate import _local_alltoall
+
+    bandwidth, latency, table = _local_alltoall(2**16, repeats=2, warmup=0,
+                                                table_bytes=(4096, 2**16))
+    assert bandwidth > 0 and latency >= 0
+    assert len(table) == 2 and min(table) > 0
+
+
+def test_calibrate_refuses_a_size_table_without_an_alltoall(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    base = [sys.executable, "-m", "megatron_lrmoe.calibrate", "--output",
+            str(tmp_path / "cal.json"), "--hidden-size", "32", "--ffn-hidden-size", "16",
+            "--rows", "32", "--local-experts", "1", "--repeats", "1", "--warmup", "0",
+            "--gemm-rows", "", "--tokens", "8", "--topk", "2", "--alltoall", "copy"]
+    for sizes, needle in (("0.25,1", "needs an all-to-all"), ("1,0.25", "strictly ascending"),
+                          ("one", "expected comma-separated MiB")):
+        bad = subprocess.run(base + ["--alltoall-sizes-mib", sizes], capture_output=True,
+                             text=True, env=env, timeout=120, cwd=ROOT)
+        assert bad.returncode != 0 and "--alltoall-sizes-mib" in bad.stderr
+        assert needle in bad.stderr
+    assert not (tmp_path / "cal.json").exists()

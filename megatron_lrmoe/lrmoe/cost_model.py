@@ -99,6 +99,10 @@ Ks_r it keeps, T tokens, L = E / R instances per rank:
 where a2a pairs_r = max(pairs rank r sends to, receives from other ranks) of the
 routed (forward: dispatch H, combine H + 1 values) or retained (backward: gradient
 rows with an int32 position, dX rows) matrix; pairs to the rank itself cross no link.
+With an all-to-all size table (``MachineConstants.alltoall_sizes``) each of a phase's
+two messages takes its own time, the measured times interpolated linearly in bytes
+(gloo and NCCL move a layer's few-MB messages at a lower rate than large ones); the
+single bandwidth above is the table of one point.
 
 - gemm: without rate tables (``MachineConstants.gemm_rows`` empty) n rows cost
   n 2H(F1 + F) / gemm_rate forward and n 4H(F1 + F) / gemm_rate backward. With them,
@@ -196,9 +200,20 @@ class MachineConstants:
     calibration files): not priced."""
     layer_backward_fixed_s: float = 0.0
     """Fixed cost of one layer call's backward besides the two all-to-all latencies (s)."""
+    alltoall_sizes: tuple[float, ...] = ()
+    """Bytes one rank sends to the other ranks in one all-to-all, at which
+    ``alltoall_size_bytes_per_s`` was measured, ascending. Empty (old calibration files,
+    the GPU presets): every message moves at ``alltoall_bytes_per_s`` whatever its size."""
+    alltoall_size_bytes_per_s: tuple[float, ...] = ()
+    """All-to-all bandwidth per rank at each of ``alltoall_sizes`` (bytes over the time
+    less ``alltoall_latency_s``). A layer's messages are a few MB, a replica refresh's
+    tens: a rate measured at one large size overstates what the small ones reach. The
+    time of b bytes is interpolated linearly in b between the measured points, as the
+    GEMM tables are in rows."""
 
     def __post_init__(self) -> None:
-        for name in ("gemm_rows", "gemm_forward_flops_per_s", "gemm_backward_flops_per_s"):
+        for name in ("gemm_rows", "gemm_forward_flops_per_s", "gemm_backward_flops_per_s",
+                     "alltoall_sizes", "alltoall_size_bytes_per_s"):
             value = getattr(self, name)
             if not isinstance(value, list | tuple) or any(
                     isinstance(v, bool) or not isinstance(v, int | float)
@@ -210,9 +225,14 @@ class MachineConstants:
                 == len(self.gemm_backward_flops_per_s)):
             raise ValueError("MachineConstants.gemm_rows, gemm_forward_flops_per_s and "
                              "gemm_backward_flops_per_s must have the same length")
-        if any(b <= a for a, b in zip(self.gemm_rows[:-1], self.gemm_rows[1:], strict=True)):
-            raise ValueError(f"MachineConstants.gemm_rows must be strictly ascending, got "
-                             f"{self.gemm_rows!r}")
+        if len(self.alltoall_sizes) != len(self.alltoall_size_bytes_per_s):
+            raise ValueError("MachineConstants.alltoall_sizes and alltoall_size_bytes_per_s "
+                             "must have the same length")
+        for name in ("gemm_rows", "alltoall_sizes"):
+            points = getattr(self, name)
+            if any(b <= a for a, b in zip(points[:-1], points[1:], strict=True)):
+                raise ValueError(f"MachineConstants.{name} must be strictly ascending, got "
+                                 f"{points!r}")
         for name in ("memory_bytes_per_s", "layer_forward_fixed_s", "layer_backward_fixed_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not (
@@ -769,7 +789,6 @@ class CostModel:
         ``planner`` (``planner_s``)."""
         routed = np.asarray(routed_matrix, dtype=np.float64)
         retained = np.asarray(retained_matrix, dtype=np.float64)
-        s = self.shape
         if routed.size:
             num_ranks = routed.shape[1]
             routed_rows, retained_rows = routed.sum(axis=0), retained.sum(axis=0)
@@ -785,15 +804,15 @@ class CostModel:
         return {
             "forward_gemm": float(f_gemm[f]),
             "forward_memory": float(f_mem[f]),
-            "forward_alltoall": _alltoall_pairs(routed_matrix)
-            * s.forward_alltoall_bytes_per_pair / self.machine.alltoall_bytes_per_s,
+            "forward_alltoall": float(self._alltoall_time(_alltoall_pairs(routed_matrix),
+                                                          forward=True)),
             "forward_router": f_router,
             "forward_fixed": f_fixed,
             "forward_planner": float(planner_s),
             "backward_gemm": float(b_gemm[b]),
             "backward_memory": float(b_mem[b]),
-            "backward_alltoall": _alltoall_pairs(retained_matrix)
-            * s.backward_alltoall_bytes_per_pair / self.machine.alltoall_bytes_per_s,
+            "backward_alltoall": float(self._alltoall_time(_alltoall_pairs(retained_matrix),
+                                                           forward=False)),
             "backward_router": b_router,
             "backward_fixed": b_fixed,
         }
@@ -815,8 +834,7 @@ class CostModel:
         """``load_time`` of many load estimates at once (float64 arrays of one shape),
         element by element the same arithmetic: a planner that judges a sequence of
         candidates prices them in one call."""
-        s, m = self.shape, self.machine
-        p = float(s.source_pairs)
+        p = float(self.shape.source_pairs)
         max_routed = np.asarray(max_routed, dtype=np.float64)
         max_retained = np.asarray(max_retained, dtype=np.float64)
         f_gemm, f_mem, b_gemm, b_mem = self._rank_times(
@@ -824,11 +842,8 @@ class CostModel:
             np.minimum(p, max_retained), num_ranks)
         f_fixed, b_fixed = self._fixed_times()
         return ((f_gemm + f_mem + b_gemm + b_mem) + sum(self._router_times())
-                + (np.asarray(alltoall_routed, dtype=np.float64)
-                   * s.forward_alltoall_bytes_per_pair
-                   + np.asarray(alltoall_retained, dtype=np.float64)
-                   * s.backward_alltoall_bytes_per_pair)
-                / m.alltoall_bytes_per_s + f_fixed + b_fixed)
+                + self._alltoall_time(alltoall_routed, forward=True)
+                + self._alltoall_time(alltoall_retained, forward=False) + f_fixed + b_fixed)
 
     def _local_instances(self, num_ranks: int | None) -> float:
         """L, instances per rank for the rows-per-GEMM of the rate tables: E / R (replicas
@@ -847,7 +862,7 @@ class CostModel:
             return rows * flops / m.gemm_flops_per_s
         rates = m.gemm_forward_flops_per_s if forward else m.gemm_backward_flops_per_s
         local = self._local_instances(num_ranks)
-        per = _instance_gemm_time(rows / local, m.gemm_rows, rates, flops)
+        per = _interpolated_time(rows / local, m.gemm_rows, rates, flops)
         return np.where(rows > 0, local * per, 0.0)
 
     def _rank_times(self, routed: np.ndarray, retained: np.ndarray, sent: np.ndarray,
@@ -889,6 +904,27 @@ class CostModel:
                 t * (4 * h * e / m.gemm_flops_per_s
                      + (2 * h + 4 * e) * b / m.memory_bytes_per_s))
 
+    def _transfer_time(self, num_bytes) -> np.ndarray:
+        """Seconds, besides the latency, of one all-to-all in which the busiest rank sends
+        or receives ``num_bytes`` over its links: at ``alltoall_bytes_per_s``, or from the
+        size table where the calibration measured one."""
+        m = self.machine
+        num_bytes = np.asarray(num_bytes, dtype=np.float64)
+        if not m.alltoall_sizes:
+            return num_bytes / m.alltoall_bytes_per_s
+        return _interpolated_time(num_bytes, m.alltoall_sizes, m.alltoall_size_bytes_per_s, 1.0)
+
+    def _alltoall_time(self, pairs, forward: bool) -> np.ndarray:
+        """Seconds, besides the latencies, of a phase's two all-to-alls when the busiest
+        link carries ``pairs`` pairs: forward the dispatch (H values per pair) and the
+        combine (H + 1); backward the gradient rows with their int32 position and the dX
+        rows (module doc, "Time")."""
+        s = self.shape
+        row = s.hidden_size * s.dtype_bytes
+        messages = (row, row + s.dtype_bytes) if forward else (row + _POSITION_BYTES, row)
+        pairs = np.asarray(pairs, dtype=np.float64)
+        return sum(self._transfer_time(pairs * size) for size in messages)
+
     def _fixed_times(self) -> tuple[float, float]:
         """(forward s, backward s) fixed per call: two all-to-all latencies each, plus the
         measured fixed cost of the layer's call."""
@@ -912,7 +948,8 @@ class CostModel:
             sent[e // experts_per_rank] += 1
             received[r] += 1
         busiest = max(max(a, b) for a, b in zip(sent, received, strict=True))
-        return busiest * (weight + grad) / m.alltoall_bytes_per_s + 2 * m.alltoall_latency_s
+        return float(self._transfer_time(busiest * weight) + self._transfer_time(busiest * grad)
+                     + 2 * m.alltoall_latency_s)
 
     def replica_cost_per_microbatch(self, busiest: int) -> float:
         """What replicas cost per micro-batch in transfers (seconds), to weigh against the
@@ -927,16 +964,17 @@ class CostModel:
         s, m = self.shape, self.machine
         refresh = busiest * s.weight_elements * s.dtype_bytes
         reduction = busiest * s.weight_elements * (s.grad_dtype_bytes or s.dtype_bytes)
-        return (((refresh + reduction) / m.alltoall_bytes_per_s + 2 * m.alltoall_latency_s)
-                / s.microbatches_per_step)
+        return float((self._transfer_time(refresh) + self._transfer_time(reduction)
+                      + 2 * m.alltoall_latency_s) / s.microbatches_per_step)
 
 
-def _instance_gemm_time(rows: np.ndarray, table_rows: tuple[float, ...],
-                        rates: tuple[float, ...], flops: float) -> np.ndarray:
-    """Seconds of one instance's GEMMs at ``rows`` rows from rates measured at
-    ``table_rows``: the measured times rows_i x flops / rate_i, interpolated linearly in
-    rows; below the first point extended along the first segment (down to 0 s), above
-    the last at the last point's rate (a single point: that rate throughout)."""
+def _interpolated_time(rows: np.ndarray, table_rows: tuple[float, ...],
+                       rates: tuple[float, ...], flops: float) -> np.ndarray:
+    """Seconds of work of ``rows`` units (an instance's GEMM rows, an all-to-all's bytes)
+    from rates measured at ``table_rows`` units, ``flops`` of work per unit: the measured
+    times rows_i x flops / rate_i, interpolated linearly in rows; below the first point
+    extended along the first segment (down to 0 s), above the last at the last point's
+    rate (a single point: that rate throughout)."""
     rows = np.asarray(rows, dtype=np.float64)
     xs = np.asarray(table_rows)
     ts = xs * flops / np.asarray(rates)
