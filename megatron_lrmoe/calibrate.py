@@ -163,13 +163,25 @@ def _compute_rates(cfg: dict, device: torch.device, sync=lambda: None) -> list[f
     return [rate, memory, *fwd, *bwd]
 
 
-def _rates_task(cfg: dict) -> list[float]:
-    """``_compute_rates`` on each rank of a ``GlooPool``, every measurement started
+def _compute_rate_rounds(cfg: dict, device: torch.device, sync=lambda: None
+                         ) -> list[list[float]]:
+    """``_compute_rates`` ``cfg["rounds"]`` times, one list per round."""
+    return [_compute_rates(cfg, device, sync) for _ in range(cfg["rounds"])]
+
+
+def _median_over_rounds(rounds: list[list[float]]) -> list[float]:
+    """Per figure, the median over the rounds: a shared machine's rates drift by 10-20%
+    between measurements seconds apart, more than within one round's repeats."""
+    return [statistics.median(values) for values in zip(*rounds, strict=True)]
+
+
+def _rates_task(cfg: dict) -> list[list[float]]:
+    """``_compute_rate_rounds`` on each rank of a ``GlooPool``, every measurement started
     together on all ranks."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    return _compute_rates(cfg, torch.device("cpu"), dist.barrier)
+    return _compute_rate_rounds(cfg, torch.device("cpu"), dist.barrier)
 
 
 def measure_rates_concurrently(processes: int, cfg: dict) -> list[float]:
@@ -182,10 +194,13 @@ def measure_rates_concurrently(processes: int, cfg: dict) -> list[float]:
 
     pool = GlooPool(processes)
     try:
-        per_rank = pool.run(this._rates_task, cfg, timeout=1800.0)
+        per_rank = pool.run(this._rates_task, cfg, timeout=1800.0 * cfg["rounds"])
     finally:
         pool.close()
-    return [min(values) for values in zip(*per_rank, strict=True)]
+    # Per round the slowest process's figure, then the median over the rounds.
+    slowest = [[min(values) for values in zip(*ranks, strict=True)]
+               for ranks in zip(*per_rank, strict=True)]
+    return _median_over_rounds(slowest)
 
 
 # ---------------------------------------------------------------------------
@@ -334,6 +349,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="CPU, one process: measure the GEMM and memory rates in this many "
                         "local processes at once and keep the slowest (set it to the EP "
                         "ranks that share the machine in training: the study's 2)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure the GEMM and memory rates this many times over and keep "
+                        "each figure's median (a shared machine drifts between rounds)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     return p.parse_args(argv)
@@ -352,6 +370,8 @@ def main(argv: list[str] | None = None) -> MachineConstants:
 
     if args.clock == "cpu" and device.type != "cpu":
         raise SystemExit("--clock cpu: only on --device cpu (CUDA work is asynchronous)")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: must be at least 1")
     if args.concurrency < 1:
         raise SystemExit(f"--concurrency {args.concurrency}: must be at least 1")
     if args.concurrency > 1 and (device.type != "cpu" or world > 1):
@@ -371,11 +391,11 @@ def main(argv: list[str] | None = None) -> MachineConstants:
     cfg = dict(hidden=args.hidden_size, ffn=args.ffn_hidden_size, rows=args.rows,
                local_experts=args.local_experts, gemm_rows=gemm_rows, gated=args.gated,
                dtype=dtype, memory_rows=args.tokens * args.topk, repeats=args.repeats,
-               warmup=args.warmup, clock=args.clock)
+               warmup=args.warmup, clock=args.clock, rounds=args.rounds)
     if args.concurrency > 1:
         rate, memory, *rest = measure_rates_concurrently(args.concurrency, cfg)
     else:
-        rate, memory, *rest = _compute_rates(cfg, device)
+        rate, memory, *rest = _median_over_rounds(_compute_rate_rounds(cfg, device))
     fwd_rates, bwd_rates = rest[:len(gemm_rows)], rest[len(gemm_rows):]
     if world > 1:
         import torch.distributed as dist
@@ -416,6 +436,8 @@ def main(argv: list[str] | None = None) -> MachineConstants:
     if args.concurrency > 1:
         method += (f"; GEMM and memory rates: the slowest of {args.concurrency} local "
                    "processes measuring at once")
+    if args.rounds > 1:
+        method += f"; GEMM and memory rates: median of {args.rounds} rounds"
     gated = "SwiGLU" if args.gated else "plain"
     source = (f"python -m megatron_lrmoe.calibrate on {socket.gethostname()} ({device}): GEMM "
               f"H={args.hidden_size} F={args.ffn_hidden_size} {gated} {str(dtype)[6:]}, "

@@ -207,11 +207,12 @@ def test_calibrate_concurrency_measures_rates_with_the_machine_shared(tmp_path):
               "--hidden-size", "32", "--ffn-hidden-size", "16", "--rows", "32",
               "--local-experts", "1", "--repeats", "2", "--warmup", "0", "--gemm-rows", "4,8",
               "--tokens", "8", "--topk", "2", "--alltoall", "copy", "--alltoall-mib", "0.25"]
-    result = subprocess.run(common + ["--concurrency", "2"], capture_output=True, text=True,
-                            env=env, timeout=300, cwd=ROOT)
+    result = subprocess.run(common + ["--concurrency", "2", "--rounds", "2"],
+                            capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     constants = MachineConstants.from_json(out)
     assert "slowest of 2 local processes" in constants.source
+    assert "median of 2 rounds" in constants.source
     assert len(constants.gemm_forward_flops_per_s) == len(constants.gemm_backward_flops_per_s) == 2
     assert min(constants.gemm_forward_flops_per_s) > 0 and constants.memory_bytes_per_s > 0
     assert constants.gemm_flops_per_s > 0
@@ -219,6 +220,16 @@ def test_calibrate_concurrency_measures_rates_with_the_machine_shared(tmp_path):
     bad = subprocess.run(common + ["--concurrency", "0"], capture_output=True, text=True,
                          env=env, timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "--concurrency 0" in bad.stderr
+    bad = subprocess.run(common + ["--rounds", "0"], capture_output=True, text=True,
+                         env=env, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--rounds 0" in bad.stderr
+
+
+def test_median_over_rounds_is_per_figure():
+    from megatron_lrmoe.calibrate import _median_over_rounds
+
+    rounds = [[1.0, 9.0, 5.0], [3.0, 1.0, 4.0], [2.0, 5.0, 100.0]]
+    assert _median_over_rounds(rounds) == [2.0, 5.0, 5.0]
 
 
 def test_local_alltoall_measures_the_size_table():
