@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU demo: a tiny GPT-MoE (configs/tiny_moe.yaml) trained with Megatron-Core and
-# the LRMoE layer (--moe-lrmoe with its defaults: backward capacity 0.75, uniform selection), expert parallel over 2 processes
+# the LRMoE layer (--moe-lrmoe with its defaults: backward capacity 1.0, uniform selection), expert parallel over 2 processes
 # (gloo), on the CPython standard library sources.
 #   bash scripts/demo.sh [extra launcher flags, e.g. --train-iters 50]
 #   LRMOE=0 bash scripts/demo.sh     # the same run with Megatron's own MoE layer

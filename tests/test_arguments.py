@@ -396,7 +396,7 @@ def test_config_fields_equal_the_table():
     fields = [f for f in dataclasses.fields(LRMoETransformerConfig)
               if f.name.startswith("moe_lrmoe")]
     assert [(f.name, f.default) for f in fields] == [(o.field, o.default) for o in OPTIONS]
-    assert LRMoETransformerConfig(**LRMOE_CONFIG).moe_lrmoe_bwd_capacity_factor == 0.75
+    assert LRMoETransformerConfig(**LRMOE_CONFIG).moe_lrmoe_bwd_capacity_factor == 1.0
 
 
 def test_lrmoe_values_without_moe_lrmoe_are_checked(world, monkeypatch):

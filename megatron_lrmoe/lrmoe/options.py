@@ -21,9 +21,9 @@ the flag tools read configs from the table alone (``python -m megatron_lrmoe.meg
 flags`` runs before torchrun, where megatron.core may only be reachable through the
 checkout). ``config.py`` builds the config class from it.
 
-Defaults are those of docs/design.md, "Flags"; the backward capacity (0.75) and the
-selection (uniform) were chosen by the time-to-loss study (docs/benchmarks.md,
-"Decision"). Defaults change only by measurement.
+Defaults are those of docs/design.md, "Flags"; the backward capacity (1.0) and the
+selection (uniform) were chosen by the time-to-loss studies (docs/benchmarks.md,
+"Decision" and "Defaults at the GEMM-bound shape"). Defaults change only by measurement.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("moe_lrmoe", bool, False, check=check_switch,
            help="use the LRMoE MoE layer: exact forward, metric-driven backward drop with "
                 "compaction (off: Megatron's own classes, untouched)"),
-    Option("moe_lrmoe_bwd_capacity_factor", float, 0.75, check=check_capacity_factor,
+    Option("moe_lrmoe_bwd_capacity_factor", float, 1.0, check=check_capacity_factor,
            help="backward capacity gamma, > 0: each EP rank keeps at most ceil(gamma x mean "
                 "routed pairs per rank) pairs in backward; inf drops nothing"),
     Option("moe_lrmoe_min_retention", float, 0.0, check=check_fraction,
