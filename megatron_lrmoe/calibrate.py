@@ -16,7 +16,8 @@ latency = the time of a tiny all-to-all. With one process: two local gloo proces
 device memory copy (``--alltoall copy``); ``source`` in the JSON says which.
 ``--alltoall-sizes-mib`` adds a size table (``alltoall_sizes``,
 ``alltoall_size_bytes_per_s``): the bandwidth at each of those bytes sent to the other
-ranks, since a layer's messages (a few MB) move at a lower rate than a large one.
+ranks: a layer's messages are a few MB, and a rate measured at one size need not hold
+at another.
 
 What the time model adds around the GEMMs and the all-to-all (``cost_model`` module doc,
 "Time"), each measured here:

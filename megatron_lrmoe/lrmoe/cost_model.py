@@ -101,8 +101,9 @@ routed (forward: dispatch H, combine H + 1 values) or retained (backward: gradie
 rows with an int32 position, dX rows) matrix; pairs to the rank itself cross no link.
 With an all-to-all size table (``MachineConstants.alltoall_sizes``) each of a phase's
 two messages takes its own time, the measured times interpolated linearly in bytes
-(gloo and NCCL move a layer's few-MB messages at a lower rate than large ones); the
-single bandwidth above is the table of one point.
+(a transport's rate can depend on the message size, NCCL's protocols change with it;
+gloo over loopback here showed no trend); the single bandwidth above is the table of
+one point.
 
 - gemm: without rate tables (``MachineConstants.gemm_rows`` empty) n rows cost
   n 2H(F1 + F) / gemm_rate forward and n 4H(F1 + F) / gemm_rate backward. With them,
@@ -207,9 +208,9 @@ class MachineConstants:
     alltoall_size_bytes_per_s: tuple[float, ...] = ()
     """All-to-all bandwidth per rank at each of ``alltoall_sizes`` (bytes over the time
     less ``alltoall_latency_s``). A layer's messages are a few MB, a replica refresh's
-    tens: a rate measured at one large size overstates what the small ones reach. The
-    time of b bytes is interpolated linearly in b between the measured points, as the
-    GEMM tables are in rows."""
+    tens, and a rate measured at one size need not hold at another. The time of b bytes
+    is interpolated linearly in b between the measured points, as the GEMM tables are
+    in rows."""
 
     def __post_init__(self) -> None:
         for name in ("gemm_rows", "gemm_forward_flops_per_s", "gemm_backward_flops_per_s",
