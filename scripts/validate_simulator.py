@@ -98,7 +98,7 @@ def measured(log: Path) -> tuple[float, float, int, float | None]:
             statistics.median(planner) if planner else None)
 
 
-def validate_run(run: Path, calibration: dict) -> dict:
+def validate_run(run: Path, calibration: dict, budget_scale: float = 1.0) -> dict:
     flags = run_flags(run / "done.json")
     shape, policy, budget_gib, ep = run_setting(flags)
     trace = read_routing_trace(run / "routing")
@@ -109,8 +109,8 @@ def validate_run(run: Path, calibration: dict) -> dict:
                       shape.num_experts, shape.topk, shape.gated, shape.tokens_per_rank, 1,
                       shape.microbatches_per_step * ep)
     [result] = simulate(model, CLUSTERS["h100"], ep, traces, policies=(policy,), steps=steps,
-                        budget_gib=budget_gib, calibration=calibration, shape=shape,
-                        resample=False)
+                        budget_gib=None if budget_gib is None else budget_gib * budget_scale,
+                        calibration=calibration, shape=shape, resample=False)
     # The replica sync splits into the refresh (weights, in forward) and the gradient
     # reduction (in the last backward), in proportion to their bytes.
     grad_bytes = shape.grad_dtype_bytes or shape.dtype_bytes
@@ -172,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration", type=Path, required=True,
                     help="this machine's constants (python -m megatron_lrmoe.calibrate)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--budget-scale", type=float, default=1.0,
+                    help="replay with each run's memory budget times this (a what-if: what "
+                         "the planner places with more memory; the measured times stay "
+                         "those of the run's own budget)")
     args = ap.parse_args(argv)
     # Every measured constant of the file; one it lacks (an old file) keeps the
     # MachineConstants default, which prices nothing (not the GPU preset's assumption).
@@ -183,8 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         raise SystemExit("no finished run with a routing trace under " +
                          ", ".join(map(str, args.studies)))
-    rows = [validate_run(run, calibration) | {"run": f"{run.parents[1].name}/{run.name}"}
-            for run in runs]
+    if not args.budget_scale > 0:
+        raise SystemExit(f"--budget-scale {args.budget_scale}: must be > 0")
+    rows = [validate_run(run, calibration, args.budget_scale)
+            | {"run": f"{run.parents[1].name}/{run.name}"} for run in runs]
     fwd_names = ", ".join(n for n in PART_NAMES)
     bwd_names = ", ".join(n for n in PART_NAMES if n != "planner")
     lines = ["| run | steps | fwd ms simulated / measured | error | bwd ms simulated / "
