@@ -358,9 +358,11 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
     results = []
     machine = cost.machine
     for policy in policies:
-        # LRMoE's layer (its default rule, uniform) draws the retained set in forward.
+        # LRMoE's layer (its default rule, uniform) draws the retained set in forward and
+        # recomputes the activation in backward; Megatron's saved its output instead.
         cost = CostModel(replace(shape, forward_retention=policy.runs_planner
-                                 and default_retention_in_forward()), machine)
+                                 and default_retention_in_forward(),
+                                 activation_recompute=policy.runs_planner), machine)
         totals = {"fwd": 0.0, "bwd": 0.0, "refresh": 0.0, "memory": 0.0, "routed": 0.0,
                   "retained": 0.0, "load": 0.0, "replicas": 0.0}
         parts: dict[str, float] = {}

@@ -5,6 +5,7 @@ and the calibration tool's measurements of them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -118,6 +119,25 @@ def test_alltoall_size_table_by_hand():
                                "alltoall_size_bytes_per_s": (1e8,)})
     assert CostModel(SHAPE, flat).layer_time_parts(ROUTED, RETAINED) == pytest.approx(
         CostModel(SHAPE, MACHINE).layer_time_parts(ROUTED, RETAINED), rel=1e-12)
+
+
+def test_a_layer_without_activation_recompute_skips_its_passes():
+    # Megatron's expert MLP saved the activation's output: 5F fewer element passes per
+    # retained row in backward (gated), nothing else changes. Rank 1 keeps 7 rows, rank 0
+    # 5; with both ranks' GEMMs alike per row, rank 1 stays the slowest.
+    saved = dataclasses.replace(SHAPE, activation_recompute=False)
+    p = CostModel(SHAPE, MACHINE).layer_time_parts(ROUTED, RETAINED)
+    q = CostModel(saved, MACHINE).layer_time_parts(ROUTED, RETAINED)
+    assert q["backward_memory"] == pytest.approx(p["backward_memory"] - 7 * 5 * 2 * 2 / 1e9,
+                                                 rel=1e-12)
+    assert {k: v for k, v in q.items() if k != "backward_memory"} == pytest.approx(
+        {k: v for k, v in p.items() if k != "backward_memory"}, rel=1e-12)
+    plain = dataclasses.replace(SHAPE, gated=False)
+    p = CostModel(plain, MACHINE).layer_time_parts(ROUTED, RETAINED)
+    q = CostModel(dataclasses.replace(plain, activation_recompute=False),
+                  MACHINE).layer_time_parts(ROUTED, RETAINED)
+    assert q["backward_memory"] == pytest.approx(p["backward_memory"] - 7 * 2 * 2 * 2 / 1e9,
+                                                 rel=1e-12)
 
 
 def test_one_rank_has_no_reorders_and_no_tables_means_the_flat_rate():

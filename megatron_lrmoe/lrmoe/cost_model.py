@@ -118,10 +118,11 @@ one point.
   passes (gated 6F: silu, the product, the row norm; plain 3F); per source pair 3H (the
   token gather into send order, the combine's read of o); T H for the output.
   Backward: per retained row the reorders (4H) plus the activation's passes with its
-  recompute (gated 18F, plain 5F) plus 2(H + F1) where the rank drops rows (x and z
-  gathered per instance); per source pair 2H (dy and o read for the router gradient);
-  per kept pair 4H (its gradient row written, dX scatter-added: read, read, write);
-  T H for the zeroed token gradient.
+  recompute (gated 18F, plain 5F; 13F and 3F for a layer that saved the activation's
+  output instead, Megatron's: ``MoEShape.activation_recompute``) plus 2(H + F1) where
+  the rank drops rows (x and z gathered per instance); per source pair 2H (dy and o
+  read for the router gradient); per kept pair 4H (its gradient row written, dX
+  scatter-added: read, read, write); T H for the zeroed token gradient.
 - router: the gate GEMM (2HE FLOP per token forward, 4HE backward) at gemm_rate and
   (H + 4E) b, (2H + 4E) b bytes per token at the memory rate (0 without one).
 - fixed: the measured fixed cost of a call per phase (``layer_forward_fixed_s``,
@@ -165,6 +166,10 @@ _POSITION_BYTES = 4         # int32 row position sent with each retained gradien
 # (1) = 3; backward recompute (2) + act backward (read 2F, write F = 3) = 5.
 _ACT_PASSES_GATED = (6.0, 18.0)
 _ACT_PASSES_PLAIN = (3.0, 5.0)
+# Of the backward passes, the recompute of the forward (gated 5, plain 2): a layer that
+# saved the activation's output instead (Megatron's expert MLP) skips them.
+_ACT_RECOMPUTE_PASSES_GATED = 5.0
+_ACT_RECOMPUTE_PASSES_PLAIN = 2.0
 _KEPT_BYTES = 12            # kept index int64 + scale fp32 of a kept source pair
 
 
@@ -334,6 +339,11 @@ class MoEShape:
     all of a rank's rows at once, stacked weights); False: the per-expert loop (one
     instance's rows at a time), the CPU default (docs/design.md, "Region")."""
 
+    activation_recompute: bool = True
+    """The backward recomputes the activation from the saved z (the LRMoE region); False:
+    the layer saved the activation's output in forward and its backward reads it
+    (Megatron's expert MLP), without the recompute's element passes. Time only."""
+
     forward_retention: bool = False
     """The retained set is drawn in forward (rules that do not read the backward
     gradient: ``region.retention_in_forward``). x_exp and z are then saved for the
@@ -342,7 +352,8 @@ class MoEShape:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("gated", "grouped_gemm", "forward_retention"):
+            if f.name in ("gated", "grouped_gemm", "activation_recompute",
+                          "forward_retention"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MoEShape.{f.name} must be a bool, got {value!r}")
                 continue
@@ -885,6 +896,8 @@ class CostModel:
         # only where a rank hosts more than one instance.
         reorder = 4.0 if ranks > 1 and self._local_instances(ranks) > 1 else 0.0
         act_f, act_b = (_ACT_PASSES_GATED if s.gated else _ACT_PASSES_PLAIN)
+        if not s.activation_recompute:
+            act_b -= _ACT_RECOMPUTE_PASSES_GATED if s.gated else _ACT_RECOMPUTE_PASSES_PLAIN
         gathered = np.where(retained < routed, 2.0 * (h + f1), 0.0)   # x, z per instance
         f_elems = routed * (reorder * h + act_f * f) + sent * 3 * h + t * h
         b_elems = (retained * (reorder * h + act_b * f) + retained * gathered
