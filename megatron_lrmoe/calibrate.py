@@ -389,6 +389,11 @@ def main(argv: list[str] | None = None) -> MachineConstants:
             n < 1 for n in a2a_sizes):
         raise SystemExit(f"--alltoall-sizes-mib {args.alltoall_sizes_mib!r}: sizes must be "
                          "positive and strictly ascending")
+    copy = world == 1 and (args.alltoall == "copy"
+                           or (args.alltoall == "auto" and device.type == "cuda"))
+    if a2a_sizes and copy:
+        raise SystemExit("--alltoall-sizes-mib: needs an all-to-all (a memory copy has no "
+                         "message sizes); run under torchrun or with --alltoall local")
     cfg = dict(hidden=args.hidden_size, ffn=args.ffn_hidden_size, rows=args.rows,
                local_experts=args.local_experts, gemm_rows=gemm_rows, gated=args.gated,
                dtype=dtype, memory_rows=args.tokens * args.topk, repeats=args.repeats,
@@ -412,10 +417,7 @@ def main(argv: list[str] | None = None) -> MachineConstants:
         fwd_rates, bwd_rates = rest[:len(gemm_rows)], rest[len(gemm_rows):]
         dist.destroy_process_group()
         method = f"all_to_all_single over {world} ranks ({backend})"
-    elif args.alltoall == "copy" or (args.alltoall == "auto" and device.type == "cuda"):
-        if a2a_sizes:
-            raise SystemExit("--alltoall-sizes-mib: needs an all-to-all (a memory copy has "
-                             "no message sizes); run under torchrun or with --alltoall local")
+    elif copy:
         bandwidth, latency = measure_copy_rate(a2a_bytes, device, args.repeats, args.warmup), 0.0
         a2a_rates = []
         method = f"single process: {device.type} memory copy as bandwidth (no all-to-all)"

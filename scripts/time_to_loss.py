@@ -350,20 +350,20 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
                  base_flags: list[str], budget_gb: float) -> list[dict]:
     """Analyse every finished run under ``out_dir`` and rewrite the report files."""
     window = max(1, stage.steps // 8)
-    logs = {}
+    logs, finished = {}, {}
     for done in sorted((out_dir / "runs").glob("*/done.json")):
         name, _, seed = done.parent.name.rpartition("-s")
         logs[(name, int(seed))] = read_log(done.parent / "log.jsonl")
+        finished[(name, int(seed))] = json.loads(done.read_text())
     targets = {seed: targets_from(records, stage.steps, window)
                for (name, seed), records in logs.items() if name == REFERENCE}
     per_run = {key: analyse_run(records, targets[key[1]], stage.steps, window)
                for key, records in logs.items() if key[1] in targets}
-    for name, seed in per_run:     # end-to-end wall time of the run, beside its MoE time
-        per_run[(name, seed)]["wall_s"] = json.loads(
-            (out_dir / "runs" / f"{name}-s{seed}" / "done.json").read_text())["wall_s"]
+    for key, analysed in per_run.items():   # end-to-end wall time beside MoE time
+        analysed["wall_s"] = finished[key]["wall_s"]
     rows = summarize(per_run) if per_run else []
-    done = [json.loads((out_dir / "runs" / f"{n}-s{s}" / "done.json").read_text())
-            for n, s in logs]
+    seeds = per_seed(per_run)
+    done = list(finished.values())
     machine = sum(d["wall_s"] for d in done)
     # The code each run ran (a study resumed across sessions may span commits).
     codes = sorted({d.get("code", "not recorded") for d in done})
@@ -395,11 +395,11 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
         "baseline (`-`: one of the two did not reach it, or the baseline did not run), and "
         "the validation loss at equal steps relative to the seed's dropless run.",
         "",
-        per_seed_table(per_seed(per_run)),
+        per_seed_table(seeds),
     ]) + "\n"
     (out_dir / "report.md").write_text(text)
     (out_dir / "report.json").write_text(json.dumps(
-        {"rows": rows, "per_seed": per_seed(per_run),
+        {"rows": rows, "per_seed": seeds,
          "targets": {str(k): v for k, v in targets.items()}}, indent=1))
     if per_run:
         plot(per_run, targets, out_dir / "loss_vs_moe_time.png")
@@ -518,6 +518,7 @@ def main(argv=None) -> int:
     command = shlex.join(["bash", "scripts/bench_time_to_loss.sh", *(
         sys.argv[1:] if argv is None else argv)])
     out_dir.mkdir(parents=True, exist_ok=True)
+    reported = False     # the report covers every finished run
     for seed in stage.seeds:
         for name in chosen:
             run_dir = out_dir / "runs" / f"{name}-s{seed}"
@@ -530,7 +531,9 @@ def main(argv=None) -> int:
                   flush=True)
             if ran:    # after every new run, so that an interrupted study has its report
                 write_report(out_dir, stage, args.stage, command, base, budget_gb)
-    write_report(out_dir, stage, args.stage, command, base, budget_gb)
+                reported = True
+    if not reported:     # nothing new ran: rewrite it once (with today's analysis)
+        write_report(out_dir, stage, args.stage, command, base, budget_gb)
     print((out_dir / "report.md").read_text())
     return 0
 

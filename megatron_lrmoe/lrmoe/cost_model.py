@@ -403,14 +403,16 @@ class MoEShape:
         return 4 * self.weight_elements
 
     @property
-    def forward_alltoall_bytes_per_pair(self) -> int:
-        """Dispatch row (H) plus combine row with the side statistic (H + 1)."""
-        return (2 * self.hidden_size + 1) * self.dtype_bytes
+    def forward_alltoall_messages(self) -> tuple[int, int]:
+        """Bytes per pair of the forward's two all-to-alls: the dispatch row (H) and the
+        combine row with the side statistic (H + 1)."""
+        return self.row_bytes, self.row_bytes + self.dtype_bytes
 
     @property
-    def backward_alltoall_bytes_per_pair(self) -> int:
-        """Gradient row with its int32 position, plus the dX row sent back."""
-        return 2 * self.hidden_size * self.dtype_bytes + _POSITION_BYTES
+    def backward_alltoall_messages(self) -> tuple[int, int]:
+        """Bytes per pair of the backward's two all-to-alls: the gradient row with its
+        int32 position, and the dX row sent back."""
+        return self.row_bytes + _POSITION_BYTES, self.row_bytes
 
     # ---------------------------------------------------------------- memory terms
     @property
@@ -930,12 +932,10 @@ class CostModel:
 
     def _alltoall_time(self, pairs, forward: bool) -> np.ndarray:
         """Seconds, besides the latencies, of a phase's two all-to-alls when the busiest
-        link carries ``pairs`` pairs: forward the dispatch (H values per pair) and the
-        combine (H + 1); backward the gradient rows with their int32 position and the dX
-        rows (module doc, "Time")."""
+        link carries ``pairs`` pairs (``MoEShape.forward_alltoall_messages``,
+        ``backward_alltoall_messages``)."""
         s = self.shape
-        row = s.hidden_size * s.dtype_bytes
-        messages = (row, row + s.dtype_bytes) if forward else (row + _POSITION_BYTES, row)
+        messages = s.forward_alltoall_messages if forward else s.backward_alltoall_messages
         pairs = np.asarray(pairs, dtype=np.float64)
         return sum(self._transfer_time(pairs * size) for size in messages)
 
@@ -953,17 +953,13 @@ class CostModel:
         replicas. Divide by ``shape.microbatches_per_step`` to compare with a layer time."""
         if not replicas:
             return 0.0
-        s, m = self.shape, self.machine
-        weight = s.weight_elements * s.dtype_bytes
-        grad = s.weight_elements * (s.grad_dtype_bytes or s.dtype_bytes)
         sent = [0] * num_ranks      # per phase, a rank's traffic = max(sent, received)
         received = [0] * num_ranks
         for e, r in replicas:
             sent[e // experts_per_rank] += 1
             received[r] += 1
-        busiest = max(max(a, b) for a, b in zip(sent, received, strict=True))
-        return float(self._transfer_time(busiest * weight) + self._transfer_time(busiest * grad)
-                     + 2 * m.alltoall_latency_s)
+        return self._replica_transfer_time(
+            max(max(a, b) for a, b in zip(sent, received, strict=True)))
 
     def replica_cost_per_microbatch(self, busiest: int) -> float:
         """What replicas cost per micro-batch in transfers (seconds), to weigh against the
@@ -975,11 +971,17 @@ class CostModel:
         qualification weighs it."""
         if busiest <= 0:
             return 0.0
-        s, m = self.shape, self.machine
+        return self._replica_transfer_time(busiest) / self.shape.microbatches_per_step
+
+    def _replica_transfer_time(self, busiest: int) -> float:
+        """Seconds per step of the refresh (weights, home -> holder, weight dtype) and
+        the gradient reduction (holder -> home, gradient dtype) when the busiest rank
+        sends or receives ``busiest`` replicas in each."""
+        s = self.shape
         refresh = busiest * s.weight_elements * s.dtype_bytes
         reduction = busiest * s.weight_elements * (s.grad_dtype_bytes or s.dtype_bytes)
-        return float((self._transfer_time(refresh) + self._transfer_time(reduction)
-                      + 2 * m.alltoall_latency_s) / s.microbatches_per_step)
+        return float(self._transfer_time(refresh) + self._transfer_time(reduction)
+                     + 2 * self.machine.alltoall_latency_s)
 
 
 def _interpolated_time(rows: np.ndarray, table_rows: tuple[float, ...],
