@@ -259,6 +259,17 @@ class MachineConstants:
         if not isinstance(self.source, str):
             raise ValueError(f"MachineConstants.source must be a string, got {self.source!r}")
 
+    def instance_gemm_seconds(self, rows, flops_per_row: float, forward: bool) -> np.ndarray:
+        """Seconds of one expert instance's forward (or backward) GEMMs at each of
+        ``rows`` rows, ``flops_per_row`` FLOP per row: from the rate tables where measured
+        (interpolated linearly in rows, ``CostModel`` module doc, "Time"), else at
+        ``gemm_flops_per_s``."""
+        rows = np.asarray(rows, dtype=np.float64)
+        if not self.gemm_rows:
+            return rows * flops_per_row / self.gemm_flops_per_s
+        rates = self.gemm_forward_flops_per_s if forward else self.gemm_backward_flops_per_s
+        return _interpolated_time(rows, self.gemm_rows, rates, flops_per_row)
+
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> MachineConstants:
         """Read a calibration file; errors name the file and the offending key.
@@ -874,9 +885,8 @@ class CostModel:
         flops = s.forward_flops_per_pair if forward else s.backward_flops_per_pair
         if not m.gemm_rows:
             return rows * flops / m.gemm_flops_per_s
-        rates = m.gemm_forward_flops_per_s if forward else m.gemm_backward_flops_per_s
         local = self._local_instances(num_ranks)
-        per = _interpolated_time(rows / local, m.gemm_rows, rates, flops)
+        per = m.instance_gemm_seconds(rows / local, flops, forward)
         return np.where(rows > 0, local * per, 0.0)
 
     def _rank_times(self, routed: np.ndarray, retained: np.ndarray, sent: np.ndarray,
