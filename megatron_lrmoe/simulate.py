@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import yaml
 
-from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
+from megatron_lrmoe.lrmoe.cost_model import CostModel, InstanceRows, MachineConstants, MoEShape
 from megatron_lrmoe.lrmoe.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.lrmoe.region import default_retention_in_forward
 from megatron_lrmoe.provenance import code_version
@@ -390,7 +390,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
                     routed = plan.routed_matrix.numpy()
                     retained = plan.retained_matrix.numpy()
                     p = cost.layer_time_parts(routed, retained,
-                                              host if policy.runs_planner else 0.0)
+                                              host if policy.runs_planner else 0.0,
+                                              InstanceRows.of_plan(plan))
                     for k, v in p.items():
                         parts[k] = parts.get(k, 0.0) + v
                     totals["fwd"] += sum(v for k, v in p.items() if k.startswith("forward_"))

@@ -14,14 +14,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_lrmoe.lrmoe.cost_model import (
     CostModel,
+    InstanceRows,
     MachineConstants,
     MoEShape,
     _interpolated_time,
 )
 from megatron_lrmoe.lrmoe.machine import measure_gemm_table, measure_memory_rate
+from megatron_lrmoe.lrmoe.retention import plan_retention
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,6 +98,39 @@ def test_load_time_by_hand():
     assert both[0] == pytest.approx(fwd + bwd, rel=1e-12)
     assert both[1] == CostModel(SHAPE, MACHINE).load_time(10, 10, 3, 0, num_ranks=2)
     assert both[1] > both[0]
+
+
+
+def test_gemms_instance_by_instance_by_hand():
+    # Rank 0's instances compute 6 and 0 rows (retain 5 and 0), rank 1's 1 and 9 (retain
+    # 0 and 7): the column sums of ROUTED and RETAINED. Forward t(n) = 2 + (n - 2) / 3 us
+    # (below 2 rows the first segment extended), above 8 rows 4 us + (n - 8) / 2 us.
+    # Backward t(n) = 2 + (n - 2) 2 / 3 us. An instance without rows costs nothing.
+    instances = InstanceRows(rank=np.array([0, 0, 1, 1]), routed=np.array([6, 0, 1, 9]),
+                             retained=np.array([5, 0, 0, 7]))
+    cost = CostModel(SHAPE, MACHINE)
+    p = cost.layer_time_parts(ROUTED, RETAINED, 5e-5, instances)
+    # Rank 1 is the slowest in both phases (rank 0: 10/3 us and 4 us of GEMMs, fewer
+    # rows of memory work): forward 5/3 + 9/2 us, backward 16/3 us.
+    assert p["forward_gemm"] == pytest.approx((5 / 3 + 9 / 2) * 1e-6, rel=1e-12)
+    assert p["backward_gemm"] == pytest.approx(16 / 3 * 1e-6, rel=1e-12)
+    # Spread evenly (no instances): 2 t(5) = 6 us forward, 2 t(3.5) = 6 us backward.
+    even = cost.layer_time_parts(ROUTED, RETAINED, 5e-5)
+    assert even["forward_gemm"] == pytest.approx(6e-6, rel=1e-12)
+    assert even["backward_gemm"] == pytest.approx(6e-6, rel=1e-12)
+    assert {k: v for k, v in p.items() if "gemm" not in k} == {
+        k: v for k, v in even.items() if "gemm" not in k}
+    # Rank 0 instance by instance: 6 rows (10/3 us) and an empty one, against 2 t(3)
+    # = 14/3 us spread evenly; backward t(5) = 4 us against 2 t(2.5) = 14/3 us.
+    fwd, bwd = cost._instance_gemm_times(instances, 2)
+    assert fwd == pytest.approx(np.array([10 / 3, 5 / 3 + 9 / 2]) * 1e-6, rel=1e-12)
+    assert bwd == pytest.approx(np.array([4, 16 / 3]) * 1e-6, rel=1e-12)
+    # Read off a plan: its instances' hosts and column sums.
+    plan = plan_retention(torch.tensor([[5, 0, 1, 2], [1, 0, 0, 7]]), 2, 0.75)
+    got = InstanceRows.of_plan(plan)
+    assert got.rank.tolist() == [0, 0, 1, 1]
+    assert got.routed.tolist() == [6, 0, 1, 9]
+    assert got.retained.tolist() == plan.quotas.sum(0).tolist()
 
 
 def test_alltoall_size_table_by_hand():
