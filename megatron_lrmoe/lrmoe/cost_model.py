@@ -110,8 +110,15 @@ one point.
   L t(n / L): one instance's measured GEMM time at n / L rows, interpolated linearly in
   rows between the measured points (GEMMs of few rows run at a lower rate: each call
   streams the instance's weights and, in backward, writes and accumulates their
-  gradients whatever its rows). Rows spread evenly over the L instances: with an
-  affine t this equals the sum over instances of any spread.
+  gradients whatever its rows). Given a plan's rows per instance (``InstanceRows``, as
+  the simulator passes them), a rank's GEMM time is the sum over its instances of
+  t(n_i), 0 for an instance without rows: t is affine with a large intercept (the
+  per-call weight and gradient traffic), so a rank whose rows sit on few of its
+  instances pays fewer intercepts than L t(n / L) says (routing leaves some experts
+  nearly empty, and Megatron's capacity drop caps the hot ones; replayed on the study's
+  runs the even spread priced the GEMMs up to 12% higher, the capacity drop's backward
+  the most). Without them (the planners' load estimates,
+  which know a rank's rows only) the rows are spread evenly over the L instances.
 - mem: memory-bound element passes (reads + writes) times b over the measured memory
   rate (0 without one). Forward: per routed row 4H for the two reorders between
   source- and expert-major order (only with R > 1 and L > 1) plus the activation's
