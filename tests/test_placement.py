@@ -24,7 +24,7 @@ import networkx as nx
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_lrmoe.lrmoe.cost_model import CostModel, MachineConstants, MoEShape
@@ -499,6 +499,7 @@ def _estimated_time(cost: CostModel, plan, placement: Placement) -> float:
 @given(seed=st.integers(0, 10_000), slack=st.floats(1.0, 4.0), zipf=st.floats(0.0, 2.0),
        gamma=st.sampled_from([0.75, 1.0, math.inf]), ranks=st.sampled_from([2, 4, 8]),
        min_retention=st.sampled_from([0.0, 0.25]))
+@example(seed=0, slack=1.1875, zipf=1.0, gamma=1.0, ranks=4, min_retention=0.0)
 def test_memory_aware_fits_budget_and_beats_static(seed, slack, zipf, gamma, ranks,
                                                    min_retention):
     experts = 2 * ranks
@@ -516,9 +517,19 @@ def test_memory_aware_fits_budget_and_beats_static(seed, slack, zipf, gamma, ran
     assert _excess(aware, plan) <= _excess(static, base)
     if _excess(static, base) == 0:
         assert _excess(aware, plan) == 0
-    # The cost model's estimate (replica refresh included) never worse than static's.
+    # The cost model's estimate (replica refresh included) never worse than static's at
+    # the same retention. Where the budget lowered static's gamma (it bought its time
+    # with drops the replicas spared), the comparison is static at aware's gamma without
+    # the budget, which is what the placement search weighs (found by this test: seed 0,
+    # slack 1.1875, zipf 1, gamma 1, 4 ranks; static at 0.52 is 1.5% faster than aware
+    # keeping every pair).
+    reference = base
+    if plan.capacity_factor_used > base.capacity_factor_used:
+        reference = _planner("static", counts, cost=cost,
+                             capacity_factor=plan.capacity_factor_used,
+                             min_retention=min_retention).plan(counts)
     assert (_estimated_time(cost, plan, aware.placement)
-            <= _estimated_time(cost, base, static.placement))
+            <= _estimated_time(cost, reference, static.placement))
     # Replicas never buy time with more drops.
     assert plan.capacity_factor_used >= base.capacity_factor_used
     # Deterministic: another planner (another rank) fed the same chooses the same.
