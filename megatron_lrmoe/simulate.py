@@ -46,7 +46,8 @@ from megatron_lrmoe.provenance import code_version
 from megatron_lrmoe.routing_trace import read_routing_trace, regroup_sources
 
 __all__ = ["CLUSTERS", "MODELS", "POLICIES", "ClusterSpec", "ModelSpec", "Policy",
-           "capacity_drop", "machine_constants", "simulate", "source_batches"]
+           "capacity_drop", "machine_constants", "node_calibration", "simulate",
+           "source_batches"]
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -106,6 +107,25 @@ CLUSTERS: dict[str, ClusterSpec] = {
                            memory_gib=40, hbm_bytes_per_s=1.6e12, nvlink_bytes_per_s=600e9,
                            network_bytes_per_s=200e9 / 8),
 }
+
+
+# What one machine measures of itself (``calibrate`` on one GPU): its expert GEMMs and
+# memory-bound work. Its all-to-all there is a device memory copy, not the cluster's links.
+_NODE_FIELDS = ("gemm_flops_per_s", "gemm_rows", "gemm_forward_flops_per_s",
+                "gemm_backward_flops_per_s", "memory_bytes_per_s")
+_FIXED_FIELDS = ("layer_forward_fixed_s", "layer_backward_fixed_s")
+
+
+def node_calibration(calibration: dict) -> dict:
+    """The node-local part of a calibration file: GEMM rate and tables, memory rate, and
+    the layer's fixed costs where measured (``calibrate`` writes 0 where it did not), with
+    its ``source``; the interconnect is left to the cluster's figures."""
+    kept = {k: calibration[k] for k in _NODE_FIELDS if k in calibration}
+    kept |= {k: calibration[k] for k in _FIXED_FIELDS if calibration.get(k)}
+    if "gemm_flops_per_s" not in kept:
+        raise ValueError("--calibration-scope node: the calibration has no gemm_flops_per_s")
+    kept["source"] = calibration.get("source", "") + " (node-local fields only)"
+    return kept
 
 
 def machine_constants(cluster: ClusterSpec, ep_size: int,
@@ -555,6 +575,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-instances", type=float, default=2.0)
     ap.add_argument("--calibration", type=Path, default=None,
                     help="JSON overriding ClusterSpec or MachineConstants fields")
+    ap.add_argument("--calibration-scope", choices=("all", "node"), default="all",
+                    help="node: take only what one GPU measures of itself from --calibration "
+                         "(GEMM rate and tables, memory rate, a measured layer fixed cost); "
+                         "the interconnect stays the cluster's (a one-GPU calibration's "
+                         "all-to-all is a memory copy)")
     ap.add_argument("--steps-ratio", nargs="*", default=[], metavar="POLICY=RATIO",
                     help="steps to target relative to dropless (default: the time-to-loss "
                          "study's)")
@@ -569,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     model = ModelSpec.from_config(args.model, MODELS[args.model])
     cluster = CLUSTERS[args.cluster]
     calibration = json.loads(args.calibration.read_text()) if args.calibration else None
+    if calibration is not None and args.calibration_scope == "node":
+        calibration = node_calibration(calibration)
     steps_ratio = dict(STEPS_RATIO)
     for item in args.steps_ratio:
         name, _, value = item.partition("=")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for megatron-lrmoe, on one CUDA machine (written for an H200), in at most
-# 6 minutes (GPU_CHECK_BUDGET_S):
+# 7 minutes (GPU_CHECK_BUDGET_S):
 #
 #   1. environment. Offline (WHEELS=DIR, the GPU machine of this project: Python 3.12 with
 #      its own CUDA torch, nothing else, no registry): install the wheels of DIR
@@ -19,7 +19,12 @@
 #      128 experts, top-8, bf16, EP=1, one process): Megatron's MoELayer (SequentialMLP)
 #      beside LRMoE at gamma inf, 1.0 and 0.75 with grouped GEMMs; memory and host reads
 #      per layer call are in its table
-#   5. with what is left of the budget, the kernel test files (CPU backend, nvcc check)
+#   5. python -m megatron_lrmoe.calibrate on the GPU at the Qwen3-30B-A3B expert shape
+#      (bf16, 16 local experts as at EP 8, GEMM rate tables at 64-8192 rows, memory rate,
+#      median of 3 rounds) into benchmarks/results/calibration_h200_qwen3_<date>.json: the
+#      node-local constants of the simulator's H200 column (issue 14; the projection runs
+#      on any machine afterwards, docs/simulate.md, "A measured H200 column")
+#   6. with what is left of the budget, the kernel test files (CPU backend, nvcc check)
 #
 # Not measured here, and said so in the summary: expert parallelism across ranks (one GPU
 # cannot run NCCL EP > 1), Transformer Engine (absent: no TEGroupedMLP baseline, no TE
@@ -35,8 +40,9 @@
 #   PY=/path/to/python bash scripts/gpu_check.sh   # an interpreter that already has CUDA
 #                                                  # torch and megatron-core 0.16.1
 # Environment: TORCH_CUDA_ARCH_LIST (default 9.0: H100/H200), MAX_JOBS (compile jobs,
-# default: the CPU count), GPU_CHECK_BUDGET_S (default 360: total seconds; each step gets
-# at most what is left).
+# default: the CPU count), GPU_CHECK_BUDGET_S (default 420: total seconds; each step gets
+# at most what is left). Bring back benchmarks/results/gpu_check_*, bench_moe_layer_cuda_*
+# and calibration_h200_qwen3_* (on the project's device machine: copy them under $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -44,7 +50,8 @@ STAMP=$(date +%Y%m%d-%H%M%S)
 RESULTS=benchmarks/results
 LOG=$RESULTS/gpu_check_$STAMP.txt
 BENCH_MD=$RESULTS/bench_moe_layer_cuda_$STAMP.md
-BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-420}
+CALIBRATION=$RESULTS/calibration_h200_qwen3_$STAMP.json
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 SITE=$PWD/.gpu_site
@@ -295,8 +302,13 @@ PYEOF
     "$PY" scripts/bench_moe_layer.py --device cuda --ep 1 --hidden 2048 --ffn 768 \
       --experts 128 --topk 8 --dtype bf16 --tokens 8192 --capacities inf,1.0,0.75 \
       --grouped-gemm on --routings skewed,router --warmup 2 --reps 7 --out "$BENCH_MD"
+  run_step "5 calibration at the Qwen3-30B-A3B expert shape (bf16, one GPU)" 90 \
+    "$PY" -m megatron_lrmoe.calibrate --device cuda --dtype bf16 --hidden-size 2048 \
+      --ffn-hidden-size 768 --experts 128 --topk 8 --tokens 4096 --rows 2048 \
+      --local-experts 16 --gemm-rows 64,128,256,512,1024,2048,4096,8192 --rounds 3 \
+      --output "$CALIBRATION"
   # CPU-backend tests and the nvcc compile check, with what is left of the budget.
-  run_step "5 kernel test files (CPU backend, nvcc compile check)" 120 \
+  run_step "6 kernel test files (CPU backend, nvcc compile check)" 120 \
     "$PY" -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_compaction_kernels.py
 }
 

@@ -16,6 +16,7 @@ from megatron_lrmoe.simulate import (
     load_traces,
     machine_constants,
     main,
+    node_calibration,
     simulate,
     source_batches,
 )
@@ -39,6 +40,37 @@ def test_machine_constants_by_hand():
     assert tuned.alltoall_latency_s == 1e-5
     with pytest.raises(ValueError, match="--calibration"):
         machine_constants(H100, 8, {"gemm_rate": 1.0})
+
+
+def test_node_calibration_keeps_the_clusters_links():
+    # A one-GPU calibration: GEMM table and memory rate measured, the all-to-all a memory
+    # copy, no layer fixed cost (0: calibrate measures it only over local gloo).
+    one_gpu = {"gemm_flops_per_s": 7e14, "alltoall_bytes_per_s": 4e12,
+               "alltoall_latency_s": 0.0, "source": "calibrate on one H200",
+               "gemm_rows": [128, 1024], "gemm_forward_flops_per_s": [3e14, 6e14],
+               "gemm_backward_flops_per_s": [2e14, 5e14], "memory_bytes_per_s": 4e12,
+               "layer_forward_fixed_s": 0.0, "layer_backward_fixed_s": 0.0,
+               "details": {"device": "cuda"}}
+    node = node_calibration(one_gpu)
+    assert set(node) == {"gemm_flops_per_s", "gemm_rows", "gemm_forward_flops_per_s",
+                         "gemm_backward_flops_per_s", "memory_bytes_per_s", "source"}
+    h200 = CLUSTERS["h200"]
+    for ep in (8, 16):
+        derived, calibrated = machine_constants(h200, ep), machine_constants(h200, ep, node)
+        assert calibrated.alltoall_bytes_per_s == derived.alltoall_bytes_per_s
+        assert calibrated.alltoall_latency_s == derived.alltoall_latency_s
+        assert calibrated.layer_forward_fixed_s == derived.layer_forward_fixed_s == 200e-6
+        assert calibrated.gemm_flops_per_s == 7e14
+        assert calibrated.gemm_rows == (128, 1024)
+        assert calibrated.memory_bytes_per_s == 4e12
+    # The whole file would have taken the copy for the links.
+    assert machine_constants(h200, 16, one_gpu).alltoall_bytes_per_s == 4e12
+    # A measured fixed cost is node-local and kept.
+    measured = node_calibration({**one_gpu, "layer_forward_fixed_s": 3e-4})
+    assert measured["layer_forward_fixed_s"] == 3e-4
+    assert "layer_backward_fixed_s" not in measured
+    with pytest.raises(ValueError, match="gemm_flops_per_s"):
+        node_calibration({"alltoall_bytes_per_s": 1e9})
 
 
 def test_capacity_drop_is_a_per_source_cap():
