@@ -117,8 +117,8 @@ one point.
   instances pays fewer intercepts than L t(n / L) says (routing leaves some experts
   nearly empty, and Megatron's capacity drop caps the hot ones; replayed on the study's
   runs the even spread priced the GEMMs up to 12% higher, the capacity drop's backward
-  the most). Without them (the planners' load estimates,
-  which know a rank's rows only) the rows are spread evenly over the L instances.
+  the most). Without them (the planners' load estimates, which know a rank's rows only)
+  the rows are spread evenly over the L instances.
 - mem: memory-bound element passes (reads + writes) times b over the measured memory
   rate (0 without one). Forward: per routed row 4H for the two reorders between
   source- and expert-major order (only with R > 1 and L > 1) plus the activation's
@@ -849,9 +849,7 @@ class CostModel:
             num_ranks = 1
             routed_rows = retained_rows = sent = kept = np.zeros(1)
         f_gemm, f_mem, b_gemm, b_mem = self._rank_times(routed_rows, retained_rows, sent,
-                                                        kept, num_ranks)
-        if instances is not None:
-            f_gemm, b_gemm = self._instance_gemm_times(instances, num_ranks)
+                                                        kept, num_ranks, instances)
         f, b = int(np.argmax(f_gemm + f_mem)), int(np.argmax(b_gemm + b_mem))
         f_router, b_router = self._router_times()
         f_fixed, b_fixed = self._fixed_times()
@@ -937,15 +935,21 @@ class CostModel:
                 np.bincount(rank, weights=bwd, minlength=num_ranks))
 
     def _rank_times(self, routed: np.ndarray, retained: np.ndarray, sent: np.ndarray,
-                    kept: np.ndarray, num_ranks: int | None
+                    kept: np.ndarray, num_ranks: int | None,
+                    instances: InstanceRows | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """([R] forward GEMM s, forward memory s, backward GEMM s, backward memory s) of
         ranks receiving ``routed`` rows and keeping ``retained`` of them, sending ``sent``
-        pairs as sources and keeping ``kept``. Memory: the element passes of the module
-        doc ("Time") times dtype bytes over ``memory_bytes_per_s`` (0 when unmeasured)."""
+        pairs as sources and keeping ``kept``; the GEMMs instance by instance where
+        ``instances`` are given, else spread evenly. Memory: the element passes of the
+        module doc ("Time") times dtype bytes over ``memory_bytes_per_s`` (0 when
+        unmeasured)."""
         s, m = self.shape, self.machine
-        f_gemm = self._gemm_time(routed, True, num_ranks)
-        b_gemm = self._gemm_time(retained, False, num_ranks)
+        if instances is not None:
+            f_gemm, b_gemm = self._instance_gemm_times(instances, len(routed))
+        else:
+            f_gemm = self._gemm_time(routed, True, num_ranks)
+            b_gemm = self._gemm_time(retained, False, num_ranks)
         if m.memory_bytes_per_s <= 0:
             zero = np.zeros_like(routed)
             return f_gemm, zero, b_gemm, zero
