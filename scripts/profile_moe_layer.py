@@ -229,20 +229,16 @@ def table_gemm_seconds(instance_rows: list[list[int]], machine, flops_per_row: f
                        forward: bool) -> tuple[float, float]:
     """(instance by instance, spread evenly) seconds the calibration's rate tables give
     for expert computations with these rows per instance: the sum over instances of one
-    instance's time at its rows; and, as the cost model assumes, L times the time at the
-    computation's rows / L (L its instances)."""
-    import numpy as np
-
+    instance's time at its rows (the cost model's, given a plan's instances); and L times
+    the time at the computation's rows / L (L its instances; the cost model's without
+    them)."""
     each = evenly = 0.0
     for rows in instance_rows:
         if not rows:
             continue
-        each += float(np.sum(np.where(np.asarray(rows) > 0, machine.instance_gemm_seconds(
-            rows, flops_per_row, forward), 0.0)))
-        total = sum(rows)
-        if total:
-            evenly += len(rows) * float(machine.instance_gemm_seconds(
-                total / len(rows), flops_per_row, forward))
+        each += float(machine.instance_gemm_seconds(rows, flops_per_row, forward).sum())
+        evenly += len(rows) * float(machine.instance_gemm_seconds(
+            sum(rows) / len(rows), flops_per_row, forward))
     return each, evenly
 
 

@@ -270,12 +270,15 @@ class MachineConstants:
         """Seconds of one expert instance's forward (or backward) GEMMs at each of
         ``rows`` rows, ``flops_per_row`` FLOP per row: from the rate tables where measured
         (interpolated linearly in rows, ``CostModel`` module doc, "Time"), else at
-        ``gemm_flops_per_s``."""
+        ``gemm_flops_per_s``; 0 at 0 rows (no GEMM runs. Both layers still call an empty
+        instance, whose backward zero-fills and accumulates a weight gradient: 0.45 ms on
+        this project's CPU at the study's shape against 3.2 ms at 16 rows, left out)."""
         rows = np.asarray(rows, dtype=np.float64)
         if not self.gemm_rows:
             return rows * flops_per_row / self.gemm_flops_per_s
         rates = self.gemm_forward_flops_per_s if forward else self.gemm_backward_flops_per_s
-        return _interpolated_time(rows, self.gemm_rows, rates, flops_per_row)
+        return np.where(rows > 0, _interpolated_time(rows, self.gemm_rows, rates,
+                                                     flops_per_row), 0.0)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> MachineConstants:
@@ -913,24 +916,17 @@ class CostModel:
         if not m.gemm_rows:
             return rows * flops / m.gemm_flops_per_s
         local = self._local_instances(num_ranks)
-        per = m.instance_gemm_seconds(rows / local, flops, forward)
-        return np.where(rows > 0, local * per, 0.0)
+        return local * m.instance_gemm_seconds(rows / local, flops, forward)
 
     def _instance_gemm_times(self, instances: InstanceRows, num_ranks: int
                              ) -> tuple[np.ndarray, np.ndarray]:
         """([R] forward, [R] backward) seconds of the expert GEMMs, instance by instance:
         a rank's is the sum over its instances of one instance's time at that instance's
-        rows, 0 for an instance without rows. (Both layers still call an empty instance,
-        whose backward zero-fills and accumulates a weight gradient: 0.45 ms on this CPU
-        at the study's shape against 3.2 ms at 16 rows, left out.)"""
+        rows (0 for an instance without rows: ``MachineConstants.instance_gemm_seconds``)."""
         s, m = self.shape, self.machine
         rank = np.asarray(instances.rank, dtype=np.int64)
-        routed = np.asarray(instances.routed, dtype=np.float64)
-        retained = np.asarray(instances.retained, dtype=np.float64)
-        fwd = np.where(routed > 0, m.instance_gemm_seconds(routed, s.forward_flops_per_pair,
-                                                           True), 0.0)
-        bwd = np.where(retained > 0, m.instance_gemm_seconds(
-            retained, s.backward_flops_per_pair, False), 0.0)
+        fwd = m.instance_gemm_seconds(instances.routed, s.forward_flops_per_pair, True)
+        bwd = m.instance_gemm_seconds(instances.retained, s.backward_flops_per_pair, False)
         return (np.bincount(rank, weights=fwd, minlength=num_ranks),
                 np.bincount(rank, weights=bwd, minlength=num_ranks))
 
