@@ -124,8 +124,8 @@ def validate_run(run: Path, calibration: dict, budget_scale: float = 1.0) -> dic
     fwd_sim = per_step * result.forward_s + refresh_share * sync
     bwd_sim = per_step * result.backward_s + (1 - refresh_share) * sync
     fwd_meas, bwd_meas, used, planner_logged = measured(run / "log.jsonl")
-    return {"run": run.name, "steps": used, "fwd_sim": fwd_sim, "fwd_meas": fwd_meas,
-            "planner_logged": planner_logged,
+    return {"run": f"{run.parents[1].name}/{run.name}", "steps": used,
+            "fwd_sim": fwd_sim, "fwd_meas": fwd_meas, "planner_logged": planner_logged,
             "bwd_sim": bwd_sim, "bwd_meas": bwd_meas,
             "fwd_err": fwd_sim / fwd_meas - 1, "bwd_err": bwd_sim / bwd_meas - 1,
             "parts": result.parts, "load": result.load_max_over_mean,
@@ -199,14 +199,13 @@ def main(argv: list[str] | None = None) -> int:
               if f.name != "source" and f.default is not dataclasses.MISSING}
     calibration = fields | {k: v for k, v in json.loads(args.calibration.read_text()).items()
                             if k in fields or k in ("gemm_flops_per_s", "alltoall_bytes_per_s")}
+    if not args.budget_scale > 0:
+        raise SystemExit(f"--budget-scale {args.budget_scale}: must be > 0")
     runs = distinct_runs(args.studies)
     if not runs:
         raise SystemExit("no finished run with a routing trace under " +
                          ", ".join(map(str, args.studies)))
-    if not args.budget_scale > 0:
-        raise SystemExit(f"--budget-scale {args.budget_scale}: must be > 0")
-    rows = [validate_run(run, calibration, args.budget_scale)
-            | {"run": f"{run.parents[1].name}/{run.name}"} for run in runs]
+    rows = [validate_run(run, calibration, args.budget_scale) for run in runs]
     fwd_names = ", ".join(n for n in PART_NAMES)
     bwd_names = ", ".join(n for n in PART_NAMES if n != "planner")
     lines = ["| run | steps | fwd ms simulated / measured | error | bwd ms simulated / "

@@ -499,6 +499,7 @@ class InstanceRows:
 
     @classmethod
     def of_plan(cls, plan: RetentionPlan) -> InstanceRows:
+        """Every instance's host rank and routed and retained rows of ``plan``."""
         return cls(np.asarray(plan.instance_rank, dtype=np.int64),
                    plan.routed_per_instance.numpy(), plan.retained_per_instance.numpy())
 
@@ -908,15 +909,14 @@ class CostModel:
 
     def _gemm_time(self, rows: np.ndarray, forward: bool, num_ranks: int | None
                    ) -> np.ndarray:
-        """[R] seconds of the expert GEMMs of ranks with ``rows`` rows each: without rate
-        tables rows x FLOP per row / ``gemm_flops_per_s``; with them L times one
-        instance's time at rows / L rows (the rows spread evenly over L instances)."""
-        s, m = self.shape, self.machine
+        """[R] seconds of the expert GEMMs of ranks with ``rows`` rows each, spread evenly
+        over their L instances: L times one instance's time at rows / L rows
+        (``MachineConstants.instance_gemm_seconds``; without rate tables that is rows x
+        FLOP per row / ``gemm_flops_per_s`` whatever L)."""
+        s = self.shape
         flops = s.forward_flops_per_pair if forward else s.backward_flops_per_pair
-        if not m.gemm_rows:
-            return rows * flops / m.gemm_flops_per_s
         local = self._local_instances(num_ranks)
-        return local * m.instance_gemm_seconds(rows / local, flops, forward)
+        return local * self.machine.instance_gemm_seconds(rows / local, flops, forward)
 
     def _instance_gemm_times(self, instances: InstanceRows, num_ranks: int
                              ) -> tuple[np.ndarray, np.ndarray]:
