@@ -81,11 +81,11 @@ setup(
     version=read_version(),
     description="Load-recalibrated Mixture-of-Experts training for Megatron-Core",
     packages=find_packages(exclude=["tests", "tests.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.12",
     # Ranges, not pins: a GPU machine keeps its own CUDA build of torch.
     install_requires=[
         "torch>=2.4",
-        "megatron-core==0.16.1",
+        "megatron-core==0.19.2",
         "pybind11>=2.12",
         "numpy",
         "pyyaml",

@@ -3,7 +3,7 @@
 // Notation: P rows, C cells; cell c is the rows [off[c], off[c+1]) with
 // quota q[c]; n = cell size; m the metric. Semantics, the sampling design and
 // the exact floating-point recipe are specified in
-// megatron_lrmoe/ops/select.py; this file, kernels/select_rows.cu and
+// megatron_lrmoe/ops/select.py; this file, kernels/select_rows_cuda.cu and
 // select_rows_reference there follow that one recipe step by step, because
 // the results must be bitwise equal on every backend.
 //

@@ -220,7 +220,6 @@ def _layer_fixed_task(cfg: dict) -> dict[str, list[float]]:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
 
     from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
     from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
@@ -240,7 +239,7 @@ def _layer_fixed_task(cfg: dict) -> dict[str, list[float]]:
         gated_linear_unit=cfg["gated"], activation_func=F.silu, params_dtype=torch.float32,
         moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=math.inf)
     spec = get_gpt_layer_local_spec(num_experts=cfg["experts"]).submodules.mlp
-    layer = build_module(to_lrmoe_spec(spec), config=config).train()
+    layer = to_lrmoe_spec(spec)(config=config).train()
     setup_lrmoe_layers([layer], cfg["tokens"], 1)
     gen = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(cfg["tokens"], 1, size, generator=gen)

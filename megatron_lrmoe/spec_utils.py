@@ -1,63 +1,108 @@
-"""Rewriting Megatron ModuleSpecs without touching the original.
+"""Rewriting Megatron layer specs without touching the original.
 
-Megatron describes a model as a tree of ``ModuleSpec`` (module class, params,
-submodules) whose submodules are dataclasses (``TransformerLayerSubmodules``,
-``MoESubmodules``, ``TransformerBlockSubmodules`` ...) holding more specs or bare
-classes. ``map_spec_modules`` walks such a tree and returns a copy in which every
-module class went through a function: the one mechanism behind every spec
-transform of the project (norm substitution here, the LRMoE converter later).
+Megatron describes a model as a tree of module builders whose submodules are
+dataclasses (``TransformerLayerSubmodules``, ``MoESubmodules``, ``MLPSubmodules``
+...) holding more builders or bare classes. Megatron-Core 0.19 has two kinds of
+builder node: ``ModuleSpec`` (module class, params, submodules) and, in the MoE
+positions, ``functools.partial(cls, submodules=...)`` (``MoELayer`` and its experts
+and shared experts). ``map_spec_modules`` walks such a tree and returns a copy in which
+every module class went through a function; ``map_module_specs`` hands every builder
+node to a function. They are the one mechanism behind every spec transform of the
+project (norm substitution, the LRMoE converter).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 ModuleMap = Callable[[type], type]
+#: A builder node: a ModuleSpec, or functools.partial of a module class.
+Builder = ModuleSpec | functools.partial
+
+
+def is_builder(node: Any) -> bool:
+    """Whether ``node`` is a builder node (a ModuleSpec or a partial of a class)."""
+    return isinstance(node, ModuleSpec) or (
+        isinstance(node, functools.partial) and isinstance(node.func, type))
+
+
+def builder_class(node: Builder) -> Any:
+    """The module class (or import path) a builder node builds."""
+    return node.module if isinstance(node, ModuleSpec) else node.func
+
+
+def builder_submodules(node: Builder) -> Any:
+    """The submodules a builder node passes to its class (None when it passes none)."""
+    if isinstance(node, ModuleSpec):
+        return node.submodules
+    return node.keywords.get("submodules")
+
+
+def rebuild(node: Builder, cls: Any, submodules: Any) -> Builder:
+    """A builder node of the same kind as ``node`` building ``cls`` with ``submodules``;
+    every other argument of ``node`` is kept. ``node`` itself when nothing changes
+    (partials compare by identity, so an untouched tree stays equal to the original)."""
+    if cls is builder_class(node) and submodules is builder_submodules(node):
+        return node
+    if isinstance(node, ModuleSpec):
+        return dataclasses.replace(node, module=cls, submodules=submodules)
+    keywords = dict(node.keywords)
+    if submodules is not None or "submodules" in keywords:
+        keywords["submodules"] = submodules
+    return functools.partial(cls, *node.args, **keywords)
+
+
+def _replace_fields(spec: Any, walk: Callable[[Any], Any]) -> Any:
+    """A dataclass with every init field walked; ``spec`` itself when none changed."""
+    changes = {f.name: walk(getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.init}
+    if all(value is getattr(spec, name) for name, value in changes.items()):
+        return spec
+    return dataclasses.replace(spec, **changes)
+
+
+def _replace_items(spec: list | tuple, walk: Callable[[Any], Any]) -> list | tuple:
+    """A list or tuple with every item walked; ``spec`` itself when none changed."""
+    items = [walk(item) for item in spec]
+    if all(new is old for new, old in zip(items, spec, strict=True)):
+        return spec
+    return type(spec)(items)
 
 
 def map_spec_modules(spec: Any, fn: ModuleMap) -> Any:
-    """Copy of ``spec`` with every module class ``c`` replaced by ``fn(c)``."""
-    if isinstance(spec, ModuleSpec):
-        module = fn(spec.module) if isinstance(spec.module, type) else spec.module
-        return dataclasses.replace(
-            spec, module=module, submodules=map_spec_modules(spec.submodules, fn)
-        )
+    """Copy of ``spec`` with every module class ``c`` replaced by ``fn(c)`` (unchanged
+    parts are shared with ``spec``, never modified)."""
+    if is_builder(spec):
+        cls = builder_class(spec)
+        return rebuild(spec, fn(cls) if isinstance(cls, type) else cls,
+                       map_spec_modules(builder_submodules(spec), fn))
     if isinstance(spec, type):
         return fn(spec)
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {
-            f.name: map_spec_modules(getattr(spec, f.name), fn)
-            for f in dataclasses.fields(spec)
-            if f.init
-        }
-        return dataclasses.replace(spec, **changes)
+        return _replace_fields(spec, lambda value: map_spec_modules(value, fn))
     if isinstance(spec, list | tuple):
-        return type(spec)(map_spec_modules(item, fn) for item in spec)
+        return _replace_items(spec, lambda item: map_spec_modules(item, fn))
     return spec
 
 
-def map_module_specs(spec: Any, fn: Callable[[ModuleSpec], ModuleSpec]) -> Any:
-    """Copy of ``spec`` in which every ``ModuleSpec`` went through ``fn`` (outermost
-    first). Where ``fn`` returns a new spec, that spec is taken as is (not descended
+def map_module_specs(spec: Any, fn: Callable[[Builder], Builder]) -> Any:
+    """Copy of ``spec`` in which every builder node went through ``fn`` (outermost
+    first). Where ``fn`` returns a new node, that node is taken as is (not descended
     into); where it returns its argument, the walk continues into its submodules."""
-    if isinstance(spec, ModuleSpec):
+    if is_builder(spec):
         new = fn(spec)
         if new is not spec:
             return new
-        return dataclasses.replace(spec, submodules=map_module_specs(spec.submodules, fn))
+        return rebuild(spec, builder_class(spec),
+                       map_module_specs(builder_submodules(spec), fn))
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {
-            f.name: map_module_specs(getattr(spec, f.name), fn)
-            for f in dataclasses.fields(spec)
-            if f.init
-        }
-        return dataclasses.replace(spec, **changes)
+        return _replace_fields(spec, lambda value: map_module_specs(value, fn))
     if isinstance(spec, list | tuple):
-        return type(spec)(map_module_specs(item, fn) for item in spec)
+        return _replace_items(spec, lambda item: map_module_specs(item, fn))
     return spec
 
 

@@ -104,7 +104,6 @@ def _build_layers(cfg: dict, variants: dict[str, dict] | None = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.spec_utils import build_module
 
     from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
     from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
@@ -120,8 +119,8 @@ def _build_layers(cfg: dict, variants: dict[str, dict] | None = None):
     model_parallel_cuda_manual_seed(cfg["seed"])
     common = layer_config_kwargs(cfg)
     spec = get_gpt_layer_local_spec(num_experts=cfg["experts"]).submodules.mlp
-    megatron = build_module(spec, config=TransformerConfig(**common))
-    lrmoe = build_module(to_lrmoe_spec(spec), config=LRMoETransformerConfig(
+    megatron = spec(config=TransformerConfig(**common))
+    lrmoe = to_lrmoe_spec(spec)(config=LRMoETransformerConfig(
         **common, moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=math.inf,
         moe_lrmoe_kernels=cfg["kernels"]))
     lrmoe.load_state_dict(megatron.state_dict())  # same keys: interchangeable experts
@@ -133,7 +132,7 @@ def _build_layers(cfg: dict, variants: dict[str, dict] | None = None):
         return megatron.to(device).train(), lrmoe.to(device).train()
     extra = {}
     for name, fields in variants.items():
-        layer = build_module(to_lrmoe_spec(spec), config=LRMoETransformerConfig(
+        layer = to_lrmoe_spec(spec)(config=LRMoETransformerConfig(
             **common, moe_lrmoe=True, moe_lrmoe_kernels=cfg["kernels"], **fields))
         layer.load_state_dict(megatron.state_dict())
         layer.grouped_gemm = lrmoe.grouped_gemm

@@ -4,7 +4,7 @@
 #
 #   1. environment. Offline (WHEELS=DIR, the GPU machine of this project: Python 3.12 with
 #      its own CUDA torch, nothing else, no registry): install the wheels of DIR
-#      (megatron-core 0.16.1 and the packages the check imports, prepared on a networked
+#      (megatron-core 0.19.2 and the packages the check imports, prepared on a networked
 #      machine by scripts/prepare_gpu_wheels.sh into the git-ignored wheels/) into
 #      .gpu_site/ with pip --no-index, and build megatron_lrmoe._kernels in place with the
 #      machine's torch. Online (no WHEELS): LRMOE_GPU=1 bash scripts/setup.sh.
@@ -38,7 +38,7 @@
 #   WHEELS=wheels bash scripts/gpu_check.sh        # offline GPU machine (PY: its python3)
 #   bash scripts/gpu_check.sh                      # networked: setup.sh makes .venv
 #   PY=/path/to/python bash scripts/gpu_check.sh   # an interpreter that already has CUDA
-#                                                  # torch and megatron-core 0.16.1
+#                                                  # torch and megatron-core 0.19.x
 # Environment: TORCH_CUDA_ARCH_LIST (default 9.0: H100/H200), MAX_JOBS (compile jobs,
 # default: the CPU count), GPU_CHECK_BUDGET_S (default 420: total seconds; each step gets
 # at most what is left). Bring back benchmarks/results/gpu_check_*, bench_moe_layer_cuda_*

@@ -126,7 +126,6 @@ def _build(cfg: Config, s: Setting):
     spec converted by ``to_lrmoe_spec``), on this rank of an EP=cfg.ep group."""
     import torch.nn.functional as F
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
 
     from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
     from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
@@ -141,7 +140,7 @@ def _build(cfg: Config, s: Setting):
         moe_lrmoe_selection=s.selection, moe_lrmoe_metric=s.metric,
         moe_lrmoe_hybrid_fraction=s.hybrid_fraction, moe_lrmoe_min_retention=s.min_retention)
     spec = get_gpt_layer_local_spec(num_experts=cfg.experts).submodules.mlp
-    return build_module(to_lrmoe_spec(spec), config=config)
+    return to_lrmoe_spec(spec)(config=config)
 
 
 def _all_sum(t):

@@ -1,24 +1,39 @@
 #!/usr/bin/env bash
 # Idempotent environment bootstrap for megatron-lrmoe.
 #
-#   bash scripts/setup.sh            # CPU: .venv (Python 3.11) with requirements/cpu.txt
+#   bash scripts/setup.sh            # .venv (Python 3.12) with requirements/lock.txt:
+#                                    # megatron-core 0.19.2, torch 2.13.0 (its CUDA build,
+#                                    # which runs on CPU machines too), hash-checked
 #   LRMOE_GPU=1 bash scripts/setup.sh
 #                                    # GPU: .venv that sees the machine's CUDA torch
 #                                    # (--system-site-packages), nothing of torch pinned
 #
 # Then installs the package in editable mode, which compiles megatron_lrmoe._kernels
-# against the torch in the environment (CPU backend; plus CUDA when torch has it).
-# A second run with nothing changed only checks and returns.
+# against the torch in the environment: the CPU backend, plus the CUDA one when torch
+# is a CUDA build and nvcc is found (for TORCH_CUDA_ARCH_LIST, default 9.0 when no GPU
+# is visible). A second run with nothing changed only checks and returns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python3.11}
-command -v "$PYTHON" >/dev/null || PYTHON=python3
-if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
-  echo "error: Python 3.11 is required (megatron-core 0.16.1 pin); set PYTHON=/path/to/python3.11" >&2
+# Python 3.12: $PYTHON, else python3.12 or python3 on PATH, else a pyenv 3.12.
+is_py312() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; }
+if [ -z "${PYTHON:-}" ]; then
+  for candidate in python3.12 python3 ~/.pyenv/versions/3.12*/bin/python3.12; do
+    if command -v "$candidate" >/dev/null 2>&1 && is_py312 "$candidate"; then
+      PYTHON=$candidate; break
+    fi
+  done
+fi
+if [ -z "${PYTHON:-}" ] || ! is_py312 "$PYTHON"; then
+  echo "error: Python 3.12 is required (megatron-core 0.19 needs >= 3.12; the lock is" \
+       "for 3.12); set PYTHON=/path/to/python3.12" >&2
   exit 2
 fi
 
+if [ -x .venv/bin/python ] && ! is_py312 .venv/bin/python; then
+  echo "setup: .venv is not Python 3.12 (an environment of an earlier pin); making it anew"
+  rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
   if [ "${LRMOE_GPU:-0}" = 1 ]; then
     "$PYTHON" -m venv --system-site-packages .venv
@@ -37,19 +52,32 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ] \
 fi
 
 echo "setup: installing into .venv (this happens once; later runs reuse it)"
-"$PY" -m pip install -q --upgrade pip setuptools wheel
 if [ "${LRMOE_GPU:-0}" = 1 ]; then
   if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
     echo "error: LRMOE_GPU=1 but no CUDA torch is visible; install your CUDA build of torch" \
          "(e.g. from your cluster's container) before running setup" >&2
     exit 2
   fi
-  "$PY" -m pip install -q pybind11 ninja
+  "$PY" -m pip install -q --upgrade pip setuptools wheel pybind11 ninja
+  deps=(-e ".[dev]")
 else
-  "$PY" -m pip install -q -r requirements/cpu.txt
+  "$PY" -m pip install -q --require-hashes -r requirements/lock.txt
+  deps=(--no-deps -e .)   # the lock holds every dependency and the dev tools
+fi
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] \
+   && ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+  # No GPU to read the architecture from: build for Hopper (H100/H200).
+  export TORCH_CUDA_ARCH_LIST=9.0
+fi
+if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null 2>&1 \
+   && [ ! -f "$(dirname "$(dirname "$(command -v nvcc)")")/include/cuda_runtime.h" ] \
+   && [ -f /usr/local/cuda/include/cuda_runtime.h ]; then
+  # torch takes CUDA_HOME from nvcc's folder, wrong for a wrapper on PATH
+  # (/usr/local/bin/nvcc): point it at the toolkit that has the headers.
+  export CUDA_HOME=/usr/local/cuda
 fi
 # --no-build-isolation: compile against the torch installed above, never a second one.
-"$PY" -m pip install -q --no-build-isolation -e ".[dev]"
+"$PY" -m pip install -q --no-build-isolation "${deps[@]}"
 "$PY" -c 'import torch, megatron_lrmoe._kernels' || { echo "error: kernel extension did not build" >&2; exit 1; }
 echo "$fingerprint" > "$stamp"
 echo "setup: done ($("$PY" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"

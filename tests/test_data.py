@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.tokenizers import MegatronTokenizerBase
 
 from megatron_lrmoe.data import prepare as prepare_mod
 from megatron_lrmoe.data.corpus import (
@@ -106,7 +107,8 @@ def test_byte_level_ids_and_megatron_fields():
     assert tok.tokenize("Aé") == [0x41, 0xC3, 0xA9]
     assert len(tok.vocab) == len(tok.inv_vocab) == tok.vocab_size
     assert tok.unique_identifiers["class"] == "ByteLevelTokenizer"
-    assert json.loads(tok.unique_description)["class"] == "ByteLevelTokenizer"
+    assert tok.unique_identifiers["tokenizer_path"] == []
+    assert isinstance(tok, MegatronTokenizerBase)   # what GPTDatasetConfig.tokenizer is typed as
     # A cut through a multi-byte character decodes with a replacement char.
     assert tok.detokenize([0x41, 0xC3]) == "A\ufffd"
     assert tok.detokenize(tok.tokenize("lone \ud800 surrogate")) == "lone \ud800 surrogate"

@@ -17,14 +17,15 @@ HIDDEN, FFN, EXPERTS = 16, 24, 8
 
 def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
            swiglu: bool = True, shared: int | None = None, min_retention: float = 0.0,
-           hybrid_fraction: float = 0.5, metric: str = "grad_act"):
-    """Megatron's MoELayer and an LRMoELayer with the same weights, on this rank."""
+           hybrid_fraction: float = 0.5, metric: str = "grad_act",
+           router: dict | None = None):
+    """Megatron's MoELayer and an LRMoELayer with the same weights, on this rank.
+    ``router``: config fields of a router variant (ROUTERS), set in both."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.spec_utils import build_module
 
     from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
     from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
@@ -33,7 +34,7 @@ def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(123)
-    common = dict(
+    common = dict(dict(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
         moe_ffn_hidden_size=FFN, num_moe_experts=EXPERTS, moe_router_topk=2,
         moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=aux,
@@ -41,14 +42,14 @@ def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
         expert_model_parallel_size=ep, add_bias_linear=False, bias_activation_fusion=False,
         gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
         moe_shared_expert_intermediate_size=shared,
-    )
+    ), **(router or {}))
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS).submodules.mlp
-    megatron = build_module(spec, config=TransformerConfig(**common))
+    megatron = spec(config=TransformerConfig(**common))
     lrmoe_config = LRMoETransformerConfig(
         **common, moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=gamma,
         moe_lrmoe_selection=selection, moe_lrmoe_min_retention=min_retention,
         moe_lrmoe_hybrid_fraction=hybrid_fraction, moe_lrmoe_metric=metric)
-    lrmoe = build_module(to_lrmoe_spec(spec), config=lrmoe_config)
+    lrmoe = to_lrmoe_spec(spec)(config=lrmoe_config)
     lrmoe.load_state_dict(megatron.state_dict())  # same keys: interchangeable experts
     return megatron, lrmoe
 
@@ -70,8 +71,28 @@ def _run(layer, x, dy):
     return out.detach(), x.grad.clone(), grads
 
 
-def _compare_with_megatron(ep: int, gamma: float, tokens: int, swiglu: bool, shared):
-    megatron, lrmoe = _build(ep, gamma, swiglu=swiglu, shared=shared)
+#: Megatron routers the layer keeps (routing is Megatron's, only the span from dispatch to
+#: combine is LRMoE's): score functions, expert bias, group-limited top-k, the balancing
+#: types. Each runs in both layers with the same weights.
+ROUTERS = {
+    "softmax-aux": dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2),
+    "softmax-pre-seq-aux": dict(moe_router_pre_softmax=True, moe_aux_loss_coeff=1e-2,
+                                moe_router_load_balancing_type="seq_aux_loss"),
+    "sigmoid-bias-group": dict(moe_router_score_function="sigmoid",
+                               moe_router_enable_expert_bias=True, moe_router_num_groups=4,
+                               moe_router_group_topk=2, moe_aux_loss_coeff=0.0,
+                               moe_router_load_balancing_type="none"),
+    "sqrtsoftplus-bias": dict(moe_router_score_function="sqrtsoftplus",
+                              moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.0,
+                              moe_router_load_balancing_type="none"),
+    "quantile-balancing": dict(moe_router_load_balancing_type="quantile_balancing",
+                               moe_aux_loss_coeff=0.0),
+}
+
+
+def _compare_with_megatron(ep: int, gamma: float, tokens: int, swiglu: bool, shared,
+                           router: dict | None = None):
+    megatron, lrmoe = _build(ep, gamma, swiglu=swiglu, shared=shared, router=router)
     x, dy = _inputs(tokens)
     out_m, dx_m, grads_m = _run(megatron, x, dy)
     out_l, dx_l, grads_l = _run(lrmoe, x, dy)
@@ -93,13 +114,20 @@ def test_no_drop_equals_megatron(request, pool_name, ep):
             assert all(r["grads"].values()), (rank, r["grads"])
 
 
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+def test_router_variants_no_drop_equal_megatron(gloo2, router):
+    for rank, r in enumerate(gloo2.run(_compare_with_megatron, 2, math.inf, 12, True, None,
+                                       ROUTERS[router])):
+        assert r["forward"] and r["dx"] and r["same-params"], (rank, r)
+        assert all(r["grads"].values()), (rank, r["grads"])
+
+
 def _grouped_gemm_flag_is_honoured(ep: int):
     """Megatron's grouped-GEMM spec (GroupedMLP) converted to LRMoE, with
     moe_grouped_gemm: the region runs grouped_mm (fp32 on the CPU) and still equals
     Megatron's SequentialMLP layer without drops."""
     import torch.nn.functional as F
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
 
     from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
     from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
@@ -112,7 +140,7 @@ def _grouped_gemm_flag_is_honoured(ep: int):
         "expert_model_parallel_size", "add_bias_linear", "bias_activation_fusion",
         "gated_linear_unit")}
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=True).submodules.mlp
-    grouped = build_module(to_lrmoe_spec(spec), config=LRMoETransformerConfig(
+    grouped = to_lrmoe_spec(spec)(config=LRMoETransformerConfig(
         **common, activation_func=F.silu, moe_grouped_gemm=True, moe_lrmoe=True,
         moe_lrmoe_bwd_capacity_factor=math.inf))
     grouped.load_state_dict(megatron.state_dict())
@@ -175,7 +203,8 @@ def _gather_expert_weights(lrmoe):
 
 
 def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret: float,
-                                  grouped: bool | None = None, metric_name: str = "grad_act"):
+                                  grouped: bool | None = None, metric_name: str = "grad_act",
+                                  router: dict | None = None):
     import torch.distributed as dist
 
     from megatron_lrmoe.lrmoe.moe_layer import _mix_seed
@@ -185,7 +214,7 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
     # hybrid at a non-default fraction: the layer must pass its config's value on.
     megatron, lrmoe = _build(ep, gamma, selection=selection, aux=0.0, min_retention=min_ret,
                              hybrid_fraction=0.3 if selection == "hybrid" else 0.5,
-                             metric=metric_name)
+                             metric=metric_name, router=router)
     router_ref = megatron.router  # same weights, separate parameters
     lrmoe.grouped_gemm = grouped
     x, dy = _inputs(14)
@@ -254,6 +283,14 @@ def test_drops_equal_dense_reference(request, pool_name, ep, selection, grouped)
     gamma = 0.6 if ep > 1 else 0.5  # one rank: capacity below 1 still drops (C < load)
     for rank, result in enumerate(pool.run(_compare_with_dense_reference, ep, gamma,
                                            selection, 0.1, grouped)):
+        assert result.pop("dropped"), "the setting must actually drop pairs"
+        assert all(result.values()), (rank, result)
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+def test_router_variants_drops_equal_dense_reference(gloo2, router):
+    for rank, result in enumerate(gloo2.run(_compare_with_dense_reference, 2, 0.6, "uniform",
+                                            0.1, None, "grad_act", ROUTERS[router])):
         assert result.pop("dropped"), "the setting must actually drop pairs"
         assert all(result.values()), (rank, result)
 

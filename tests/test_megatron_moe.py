@@ -15,7 +15,6 @@ def _train_moe_layer(steps: int, ep: int, topk: int) -> list[float]:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.spec_utils import build_module
 
     ps.initialize_model_parallel(expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(42)
@@ -27,7 +26,7 @@ def _train_moe_layer(steps: int, ep: int, topk: int) -> list[float]:
         bias_activation_fusion=False, gradient_accumulation_fusion=False,
     )
     spec = get_gpt_layer_local_spec(num_experts=experts).submodules.mlp
-    layer = build_module(spec, config=config)
+    layer = spec(config=config)
     assert isinstance(layer, MoELayer)
     assert type(layer.token_dispatcher).__name__ == "MoEAlltoAllTokenDispatcher"
     optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)

@@ -91,10 +91,10 @@ def _train(argv: list[str]) -> dict:
     layers = lrmoe_layers(model)
     exchanges = [0] * len(layers)
     for i, layer in enumerate(layers):      # counts exchanges: one per pass of the layer
-        def counted(routing_map, i=i, inner=layer.token_dispatcher.gather_counts):
+        def counted(routing_map, i=i, inner=layer.counts_exchange.gather_counts):
             exchanges[i] += 1
             return inner(routing_map)
-        layer.token_dispatcher.gather_counts = counted
+        layer.counts_exchange.gather_counts = counted
 
     train_ds, _, _ = builders.build_datasets(args, tokenizer)
     data = MicroBatchIterator(train_ds, args.micro_batch_size, ps.get_data_parallel_rank(),

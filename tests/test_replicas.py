@@ -141,7 +141,7 @@ def _replicas_track_home_weights(ep: int, steps: int):
         out.backward(dy)
         optimizer.step()
         layer.finish_step()    # the step boundary: replicas refresh at the next forward
-    rank = layer.token_dispatcher.ep_rank
+    rank = layer.counts_exchange.ep_rank
     served = sorted({e - rank * local for e, _ in layer.replicas.placement.replicas
                      if e // local == rank})
     expected = [i in served for i in range(local)]

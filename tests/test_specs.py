@@ -60,16 +60,17 @@ def test_sequence_parallel_norm_without_sp_equals_megatron_norm():
 def _moe_positions(spec):
     """(module, experts module) of every MoE position in a spec tree."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron_lrmoe.spec_utils import map_module_specs
+    from megatron_lrmoe.spec_utils import builder_class, builder_submodules, map_module_specs
 
     found = []
 
-    def visit(ms: ModuleSpec) -> ModuleSpec:
-        if isinstance(ms.module, type) and issubclass(ms.module, MoELayer):
-            found.append((ms.module, ms.submodules.experts.module, ms.submodules))
-        return ms
+    def visit(node):
+        cls = builder_class(node)
+        if isinstance(cls, type) and issubclass(cls, MoELayer):
+            submodules = builder_submodules(node)
+            found.append((cls, builder_class(submodules.experts), submodules))
+        return node
 
     map_module_specs(spec, visit)
     return found
@@ -77,7 +78,6 @@ def _moe_positions(spec):
 
 def test_converter_on_block_spec_with_layer_freq_and_shared_experts():
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
     from megatron_lrmoe.lrmoe.experts import LRMoESequentialMLP
     from megatron_lrmoe.lrmoe.moe_layer import LRMoELayer
@@ -91,7 +91,10 @@ def test_converter_on_block_spec_with_layer_freq_and_shared_experts():
     converted = to_lrmoe_spec(block)
     after = _moe_positions(converted)
     assert [(m, e) for m, e, _ in after] == [(LRMoELayer, LRMoESequentialMLP)] * 2
-    assert all(sub.shared_experts.module is SharedExpertMLP for _, _, sub in after)
+    # Shared experts stay Megatron's builder (0.19: a partial of its shared-expert factory).
+    assert all(sub.shared_experts is bsub.shared_experts
+               for (_, _, sub), (_, _, bsub) in zip(after, before, strict=True))
+    assert all(sub.shared_experts is not None for _, _, sub in after)
     # Dense layers and everything outside the MoE positions are untouched.
     assert converted.layer_specs[0] == block.layer_specs[0]
     assert converted.layer_specs[2] == block.layer_specs[2]
@@ -100,9 +103,12 @@ def test_converter_on_block_spec_with_layer_freq_and_shared_experts():
 
 def test_converter_on_te_flavoured_layer_spec():
     """A Transformer-Engine-flavoured MoE position (TEGroupedMLP experts) converts too;
-    the TE spec functions need TE, so the position is built by hand as they build it."""
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    the TE spec functions need TE, so the position is built by hand as
+    TESpecProvider.grouped_mlp_modules builds it (partials, as in Megatron-Core 0.19)."""
+    from functools import partial
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -115,16 +121,16 @@ def test_converter_on_te_flavoured_layer_spec():
     from megatron_lrmoe.lrmoe.moe_layer import LRMoELayer
     from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
 
-    te_experts = ModuleSpec(module=TEGroupedMLP, submodules=MLPSubmodules())
+    te_experts = partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
+        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
     layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        mlp=ModuleSpec(module=MoELayer,
-                       submodules=MoESubmodules(router=TopKRouter, experts=te_experts))))
+        mlp=partial(MoELayer, submodules=MoESubmodules(router=TopKRouter, experts=te_experts))))
     converted = to_lrmoe_spec(layer)
     mlp = converted.submodules.mlp
-    assert mlp.module is LRMoELayer
-    assert mlp.submodules.experts.module is LRMoESequentialMLP
-    assert mlp.submodules.router is TopKRouter
-    assert layer.submodules.mlp.module is MoELayer
+    assert isinstance(mlp, partial) and mlp.func is LRMoELayer
+    assert mlp.keywords["submodules"].experts.func is LRMoESequentialMLP
+    assert mlp.keywords["submodules"].router is TopKRouter
+    assert layer.submodules.mlp.func is MoELayer
 
 
 def test_converter_leaves_dense_specs_alone():

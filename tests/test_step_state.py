@@ -131,7 +131,7 @@ def _load_and_describe(argv: list[str], checkpoint: str) -> dict:
 
 def _steps(argv: list[str], steps: int, rerun: bool, evaluate: bool, fatal: str | None = None,
            save: str | None = None) -> dict:
-    """Megatron-LM's train_step loop around the launcher's model (core_v0.16.1,
+    """Megatron-LM's train_step loop around the launcher's model (core_v0.19.0,
     megatron/training/training.py): forward-backward under the re-run state machine, the
     loss checked by ``validate_result`` (as pretrain_gpt.py's loss_func does), optimizer
     step, then LRMoE's step boundary; optionally an evaluation pass after every step.
@@ -339,19 +339,24 @@ def test_rerun_and_evaluation_leave_one_step(gloo2, corpus):
         "replicas were placed (their gradients are part of the check)"
 
 
-@pytest.mark.parametrize("injected, exit_code", [
-    ("persistent_error", 16),   # the re-run reproduces the result: EXIT_CODE_RESUME_TO_DISAMBIGUATE
-    ("transient_error", 17),    # it does not (fatal all the same): ..._FAILED_ON_RESULT_VALIDATION
+@pytest.mark.parametrize("injected, exit_code, saves", [
+    # The re-run reproduces the result: EXIT_CODE_RESUME_TO_DISAMBIGUATE, with a checkpoint
+    # to resume from (to re-run the step elsewhere).
+    ("persistent_error", 16, True),
+    # It does not: EXIT_CODE_FAILED_ON_RESULT_VALIDATION; since megatron-core 0.19 without a
+    # checkpoint (the job resumes from its last regular one).
+    ("transient_error", 17, False),
 ])
 def test_fatal_rerun_checkpoint_holds_the_pre_step_state(gloo2, corpus, tmp_path, injected,
-                                                         exit_code):
+                                                         exit_code, saves):
     """Megatron-LM's default re-run mode with a fatal check (pretrain_gpt.py's NaN/Inf
-    check): after the re-run of a rejected step the machine asks for a checkpoint and an
-    exit, and Megatron-LM's train() saves right after train_step returns, with no
-    optimizer step and no training_log, hence no LRMoE step boundary. The machine has
-    restored its saved state (LRMoE's chained snapshot included) before it answers, so
-    the checkpoint holds the state from before the failed step: step state, weights and
-    optimizer state equal those of a run without re-runs saved after its first step."""
+    check): after the re-run of a rejected step the machine asks for an exit, and for a
+    checkpoint where the re-run reproduced the result; Megatron-LM's train() saves right
+    after train_step returns, with no optimizer step and no training_log, hence no LRMoE
+    step boundary. The machine has restored its saved state (LRMoE's chained snapshot
+    included) before it answers, so the checkpoint holds the state from before the failed
+    step: step state, weights and optimizer state equal those of a run without re-runs
+    saved after its first step."""
     argv = TINY + NO_DROPOUT + LRMOE + POPULARITY + [
         "--moe-lrmoe-selection", "sample", "--data-path", corpus,
         "--expert-model-parallel-size", "2", "--global-batch-size", "16", "--train-iters", "4"]
@@ -363,6 +368,9 @@ def test_fatal_rerun_checkpoint_holds_the_pre_step_state(gloo2, corpus, tmp_path
         assert p["exit_code"] is None and f["exit_code"] == exit_code
         assert f["passes"] == 3, "step 1, then step 2 and its re-run in place"
         assert f["losses"] == p["losses"][:1]
+    if not saves:
+        assert not os.path.exists(fatal_dir), os.listdir(fatal_dir)
+        return
     with open(os.path.join(fatal_dir, "latest_checkpointed_iteration.txt")) as tracker:
         assert tracker.read() == "1"
     before, after = (gloo2.run(_checkpoint_contents, os.path.join(plain_dir, name))[0]

@@ -2,9 +2,10 @@
 
 GPTDatasetConfig.tokenizer is read for `vocab_size` (token dtype), `eod`
 (document boundaries), `pad` (loss masking; checked against `eos`/`eod` for
-collisions) and `unique_identifiers` / `unique_description` (the dataset cache
-key). Both tokenizers here subclass MegatronLegacyTokenizer, which fills in the
-last two, and give eod and pad dedicated ids that no text ever produces.
+collisions) and `unique_identifiers` (written into the dataset cache
+key). Both tokenizers here subclass megatron.core's MegatronTokenizerBase, name
+themselves in `unique_identifiers` (class and model path, the keys Megatron's own
+text tokenizers use), and give eod and pad dedicated ids that no text ever produces.
 
 Id layout:
     ByteLevelTokenizer       0..255 = UTF-8 bytes, 256 = eod, 257 = pad (V = 258)
@@ -17,34 +18,18 @@ returns the same ids as a numpy array, the form the prepare tool writes.
 
 import hashlib
 import io
-import logging
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 import numpy
 import sentencepiece
-from megatron.core.datasets import megatron_tokenizer
-from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+from megatron.core.tokenizers import MegatronTokenizerBase
 
 from megatron_lrmoe.data.corpus import DataPrepError, read_text
 
 TOKENIZER_TYPES: tuple[str, ...] = ("ByteLevelTokenizer", "SentencePieceTokenizer")
-
-
-class _DropLegacyNotice(logging.Filter):
-    """Megatron-Core 0.16 logs a deprecation notice on every MegatronLegacyTokenizer init.
-
-    GPTDatasetConfig still takes these tokenizers, and the notice would print
-    for every tokenizer built (each prepare worker builds one) without telling
-    the user anything actionable, so only that one message is dropped.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("You're using the legacy tokenizer system")
-
-
-logging.getLogger(megatron_tokenizer.__name__).addFilter(_DropLegacyNotice())
 
 
 def _sha256_file(path: str) -> str:
@@ -52,8 +37,18 @@ def _sha256_file(path: str) -> str:
         return hashlib.sha256(fh.read()).hexdigest()
 
 
-class _OfflineTokenizer(MegatronLegacyTokenizer):
+class _OfflineTokenizer(MegatronTokenizerBase):
     """What GPTDataset reads of a tokenizer; subclasses set the underscored fields."""
+
+    def __init__(self, path: str | None = None) -> None:
+        super().__init__(path, config={})
+        # What GPTDataset's cache key records of the tokenizer (its unique_description).
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("tokenizer_path", [path] if path else [])])
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise ValueError(f"{type(self).__name__} tokenizes plain text for pretraining; it "
+                         f"has no chat template")
 
     _vocab: dict[str, int]
     _inv_vocab: dict[int, str]

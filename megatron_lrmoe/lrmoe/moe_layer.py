@@ -70,15 +70,18 @@ class LRMoELayer(MoELayer):
     """
 
     def __init__(self, config: LRMoETransformerConfig, submodules: MoESubmodules | None = None,
-                 layer_number: int | None = None, pg_collection=None) -> None:
+                 layer_number: int | None = None, pg_collection=None,
+                 is_mtp_layer: bool = False, name: str | None = None) -> None:
         if not getattr(config, "moe_lrmoe", False):
             raise ValueError("LRMoELayer needs an LRMoETransformerConfig with moe_lrmoe=True")
         pg_collection = pg_collection or get_default_pg_collection()
-        super().__init__(config, submodules, layer_number, pg_collection)
-        self.token_dispatcher = RoutedCountsExchange(
-            self.num_local_experts, self.local_expert_indices, config=self.config,
-            pg_collection=pg_collection,
-        )
+        super().__init__(config, submodules, layer_number, pg_collection,
+                         is_mtp_layer=is_mtp_layer, name=name)
+        # The region dispatches and combines itself: Megatron's dispatcher is replaced by
+        # the counts exchange (Megatron code that reads token_dispatcher serves options
+        # --moe-lrmoe refuses: CUDA graphs of the MoE stages, the fine-grained A2A overlap).
+        self.token_dispatcher = None
+        self.counts_exchange = RoutedCountsExchange(self.ep_group)
         # The planner state is pooled over this group at each step end (lrmoe/step.py).
         self.expert_data_parallel_group = getattr(pg_collection, "expt_dp", None)
         # Random rules draw from (step seed, layer, micro-batch ordinal): the step seed
@@ -93,7 +96,7 @@ class LRMoELayer(MoELayer):
         # Expert backward GEMMs: None = grouped_mm wherever it applies, else the loop.
         self.grouped_gemm: bool | None = None
         ep_size = self.ep_group.size()
-        self.replicas = ExpertReplicas(self.token_dispatcher.ep_rank,
+        self.replicas = ExpertReplicas(self.counts_exchange.ep_rank,
                                        self.ep_group if ep_size > 1 else None)
         self.microbatches_per_step: MicrobatchesPerStep | None = None
         """Micro-batches of a training step (an int, or a function such as Megatron's
@@ -352,8 +355,8 @@ class LRMoELayer(MoELayer):
         (docs/design.md, "Region", "Host reads")."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])                          # [T, H]
-        counts = self.token_dispatcher.gather_counts(routing_map)         # [R, E] on the host
-        rank = self.token_dispatcher.ep_rank
+        counts = self.counts_exchange.gather_counts(routing_map)         # [R, E] on the host
+        rank = self.counts_exchange.ep_rank
         # A training pass is one with autograd on: it observes, counts and draws. The first
         # pass of a recomputed layer (full or "moe" recompute) runs without autograd and
         # only plans, like an evaluation pass; its recomputed pass in backward is then the
@@ -430,7 +433,7 @@ class LRMoELayer(MoELayer):
     def _log_notes(self, notes: tuple[str, ...]) -> None:
         """What the planner did to fit the budget or capacity, once per kind of note
         (the statistics count every call: ``lrmoe/budget-adjusted-calls``)."""
-        if self.token_dispatcher.ep_rank != 0:
+        if self.counts_exchange.ep_rank != 0:
             return
         for note in notes:
             kind = re.sub(r"[0-9][0-9.]*", "#", note)   # the same note with other numbers

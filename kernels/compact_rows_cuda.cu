@@ -1,6 +1,6 @@
 // compact_rows: CUDA backend.
 //
-// Only CUDA headers here (see kernels/scatter_add_rows.cu for why); tensor
+// Only CUDA headers here (see kernels/scatter_add_rows_cuda.cu for why); tensor
 // checks, the index range check and the current stream live in
 // kernels/bindings.cpp.
 //

@@ -1,6 +1,6 @@
 // combine_rows: CUDA backend of the weighted combine and its adjoint.
 //
-// Only CUDA headers here (see kernels/scatter_add_rows.cu for why); tensor
+// Only CUDA headers here (see kernels/scatter_add_rows_cuda.cu for why); tensor
 // checks and the current stream live in kernels/bindings.cpp.
 //
 // Notation: P pair rows of src, T tokens, M entries of order, K backward rows,
