@@ -44,13 +44,9 @@ def initialize_distributed(args: argparse.Namespace) -> tuple[torch.device, bool
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_lrmoe.runtime.compat import (
-        define_te_general_gemm_when_te_absent,
-        fp8_off_in_checkpoint_without_output_when_te_absent,
-    )
+    from megatron_lrmoe.runtime.compat import fp8_off_in_checkpoint_without_output_when_te_absent
 
-    define_te_general_gemm_when_te_absent()  # Megatron's router needs it without TE
-    fp8_off_in_checkpoint_without_output_when_te_absent()   # and its layernorm recompute
+    fp8_off_in_checkpoint_without_output_when_te_absent()  # Megatron's layernorm recompute
     cuda = torch.cuda.is_available()
     if not cuda:
         from megatron_lrmoe.runtime.cpu import enable_cpu_runtime

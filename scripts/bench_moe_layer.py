@@ -109,10 +109,6 @@ def _build_layers(cfg: dict, variants: dict[str, dict] | None = None):
     from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
     from megatron_lrmoe.lrmoe.step import setup_lrmoe_layers
 
-    if cfg["device"] == "cuda":
-        from megatron_lrmoe.runtime.compat import define_te_general_gemm_when_te_absent
-
-        define_te_general_gemm_when_te_absent()  # the router without Transformer Engine
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(expert_model_parallel_size=cfg["ep"])
@@ -836,7 +832,7 @@ def report(cfg: dict, per_rank: list[dict], command: str) -> tuple[str, list[dic
         "",
         f"- command: `{command}`",
         f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"- machine: {_machine(cfg)}; megatron-core {package_info.__version__}",
+        f"- machine: {_machine(cfg)}; megatron-core {package_info.__shortversion__}",
         f"- code: {code_version()}",
         f"- layer: H={cfg['hidden']}, expert FFN F={cfg['ffn']}, {cfg['experts']} experts, "
         f"top-{cfg['topk']}, SwiGLU, no bias, {cfg['dtype']}, EP={cfg['ep']}, "

@@ -80,4 +80,4 @@ fi
 "$PY" -m pip install -q --no-build-isolation "${deps[@]}"
 "$PY" -c 'import torch, megatron_lrmoe._kernels' || { echo "error: kernel extension did not build" >&2; exit 1; }
 echo "$fingerprint" > "$stamp"
-echo "setup: done ($("$PY" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"
+echo "setup: done ($("$PY" -W ignore -c 'import torch; from megatron.core import package_info as m; print("torch", torch.__version__, "megatron-core", m.__shortversion__)'))"

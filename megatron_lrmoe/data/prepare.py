@@ -433,7 +433,7 @@ def prepare_dataset(
             "source": source,
             "license": corpus.license,
             "command": command,
-            "megatron_core": megatron.core.__version__,
+            "megatron_core": megatron.core.package_info.__shortversion__,
             "created_unix": round(started),
             "elapsed_s": round(time.time() - started, 3),
         }

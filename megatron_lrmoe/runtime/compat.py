@@ -1,32 +1,17 @@
-"""Megatron-Core 0.16.1 without Transformer Engine, on any device.
-
-``moe_utils`` imports ``te_general_gemm`` inside a try block that only succeeds with
-TE, then refers to it unconditionally in ``RouterGatingLinearFunction``: without TE
-the MoE router raises NameError, on GPUs as on CPUs. Defining the name as ``None``
-selects Megatron's own torch path, which is what the code means to do. The launcher
-applies this on every machine; the CPU runtime includes it.
+"""Megatron-Core 0.19 without Transformer Engine, on any device.
 
 ``tensor_parallel.CheckpointWithoutOutput`` (selective recompute of ``layernorm`` and
-``moe_act``) sets ``self.fp8 = fp8 is not None``, True for its default ``fp8=False``,
-and then asks Transformer Engine's ``FP8GlobalStateManager``, a NameError without TE.
-Without TE there is no FP8, so the flag is made False. The launcher applies this on
-every machine; the CPU runtime includes it.
+``moe_act``) sets ``self.fp8 = fp8 is not None`` (megatron/core/tensor_parallel/random.py:740
+in 0.19.2), True for its default ``fp8=False``, and then asks Transformer Engine's
+``FP8GlobalStateManager`` (random.py:693), a NameError without TE. Without TE there is no
+FP8, so the flag is made False. The launcher applies this on every machine; the CPU
+runtime includes it.
+
+(0.16.1 also needed ``moe_utils.te_general_gemm`` defined without TE; 0.19 defines it as
+``None`` itself, moe_utils.py:41-53.)
 """
 
 from __future__ import annotations
-
-
-def define_te_general_gemm_when_te_absent() -> bool:
-    """Define ``moe_utils.te_general_gemm = None`` when TE did not provide it.
-
-    Returns True when the placeholder was installed (TE absent), False otherwise.
-    """
-    from megatron.core.transformer.moe import moe_utils
-
-    if hasattr(moe_utils, "te_general_gemm"):
-        return False
-    moe_utils.te_general_gemm = None
-    return True
 
 
 def fp8_off_in_checkpoint_without_output_when_te_absent() -> bool:

@@ -1,74 +1,93 @@
-"""Opt-in CPU/gloo runtime for Megatron-Core 0.16.1.
+"""Opt-in CPU/gloo runtime for Megatron-Core 0.19.
 
-Megatron-Core assumes a CUDA device in a handful of places that have nothing to
-do with the maths: stream bookkeeping in the all-to-all dispatcher, the RNG
-tracker, buffer allocation with ``device='cuda'`` literals, optimizer type checks
-against ``'torch.cuda.FloatTensor'``. On a machine without CUDA this module makes
-those places behave as they would on one GPU, so that Megatron's own GPTModel,
-MoE layers, schedules, optimizers and dist_checkpointing train on CPU with gloo.
+Megatron-Core 0.19 assumes a CUDA device in a handful of places that have nothing to
+do with the maths: stream bookkeeping in the all-to-all dispatcher and in DDP's grad
+sync, the RNG tracker, buffer allocation with ``device='cuda'`` literals, optimizer type
+checks against ``'torch.cuda.FloatTensor'``. On a machine without CUDA this module makes
+those places behave as they would on one GPU, so that Megatron's own GPTModel, MoE
+layers, schedules, optimizers and dist_checkpointing train on CPU with gloo.
+
+The torch installed is the CUDA build, run without a GPU or driver:
+``torch.cuda.is_available()`` is False, and what fails is the driver, not the build
+(RuntimeError "Found no NVIDIA driver", or AcceleratorError "CUDA driver version is
+insufficient"). Some calls do not fail at all: ``torch.cuda.Event()``,
+``torch.cuda.stream(None)``, ``torch.cuda.manual_seed`` and ``set_rng_state`` (queued
+until a CUDA init that never comes), so the fixes below do not rely on a failure.
 
 Rules this module keeps:
 
 * ``enable_cpu_runtime()`` is explicit. Importing this module changes nothing;
   the launcher calls it when no CUDA device exists, the test harness calls it.
 * It is a no-op when CUDA is available: GPU runs are untouched Megatron.
-* It refuses to run against an untested megatron-core version, since every fix
-  below is tied to how 0.16.1 is written.
+* It refuses to run against a megatron-core outside the 0.19 line
+  (``megatron_support``), since every fix below is tied to how 0.19 is written.
 * Each fix is one named function with the reason next to it. Where Megatron has
   no hook, the patch lives here and nowhere else.
 
-The fixes (see ``FIXES``):
+The fixes (see ``FIXES``; file:line in megatron/core of 0.19.2):
 
 ``inert_cuda_streams``
-    ``MoEAlltoAllTokenDispatcher.__init__`` creates ``torch.cuda.Stream()`` and
-    ``_maybe_dtoh_and_synchronize`` records and waits on events; p2p
-    communication calls ``torch.cuda.synchronize()``. On CPU every operation is
-    synchronous, so inert stand-ins are exact.
+    ``MoEAlltoAllTokenDispatcher.__init__`` creates ``torch.cuda.Stream()``
+    (token_dispatcher.py:469, AcceleratorError here) and ``_maybe_dtoh_and_synchronize``
+    compares, waits on and records streams and events (token_dispatcher.py:922-950);
+    DDP's grad sync takes ``torch.cuda.current_stream()`` every step
+    (param_and_grad_buffer.py:632); p2p communication (p2p_communication.py:419) and the
+    dist_checkpointing writer (filesystem_async.py:248) call ``torch.cuda.synchronize()``.
+    On CPU every operation is synchronous, so inert stand-ins are exact.
 ``cpu_current_device``
-    ``torch.cuda.current_device()`` picks the device of buffers (router
-    weights, all-to-all outputs, GlobalMemoryBuffer); it answers the CPU.
+    ``torch.cuda.current_device()`` picks the device of buffers (router weights at
+    router.py:98, DDP's param and grad buffers, tensor-parallel mappings, rotary
+    embeddings, GlobalMemoryBuffer); it answers the CPU.
 ``cpu_rng_for_megatron_tracker``
-    Megatron's ``CudaRNGStatesTracker`` swaps CUDA generator states. On CPU
-    every random op (dropout, init) draws from the CPU default generator, so
-    the tracker swaps that one instead. Its "CPU RNG state changed within GPU
-    RNG context" warning is then meaningless and is filtered.
-``te_general_gemm_placeholder``
-    ``moe_utils`` imports ``te_general_gemm`` from Transformer Engine inside a
-    try block and refers to it unconditionally in ``RouterGatingLinearFunction``;
-    without TE that is a NameError. ``None`` selects Megatron's own torch path.
+    Megatron's ``CudaRNGStatesTracker`` reads and swaps CUDA generator states
+    (``model_parallel_cuda_manual_seed`` and ``add()``/``fork()``, random.py:285-345, 490;
+    the recompute paths' ``_get_all_rng_states``, random.py:525-540). On CPU every random
+    op (dropout, init) draws from the CPU default generator, so the tracker swaps that
+    one instead; the silently queued ``torch.cuda.manual_seed``/``set_rng_state`` are
+    mapped too, else seeds would never reach it. Its "CPU RNG state changed within GPU
+    RNG context" warning (random.py:333) is then meaningless and is filtered.
 ``checkpoint_without_output_without_te``
-    ``CheckpointWithoutOutput`` (selective ``layernorm`` / ``moe_act`` recompute)
-    believes FP8 is on and asks Transformer Engine, a NameError without TE
+    ``CheckpointWithoutOutput`` (selective ``layernorm`` / ``moe_act`` recompute, built
+    with no argument at transformer_layer.py:633, 766) sets ``self.fp8 = fp8 is not
+    None`` (random.py:740), True for its default ``fp8=False``, and then asks Transformer
+    Engine's ``FP8GlobalStateManager`` (random.py:693), a NameError without TE
     (``runtime/compat.py``, which the launcher also applies on GPUs).
 ``numpy_split_sizes_for_gloo``
-    On GPU the dispatcher's device-to-host step turns the all-to-all split sizes
-    into numpy arrays. For CPU tensors Megatron skips that step, and gloo's
-    ``all_to_all_single`` rejects tensor split sizes. We make the CPU path do
-    what the GPU path does.
+    On GPU the dispatcher's device-to-host step turns the all-to-all split sizes into
+    numpy arrays (token_dispatcher.py:930-938). ``maybe_move_tensor_to_cpu`` skips CPU
+    tensors (moe_utils.py:1184), and gloo's ``all_to_all_single`` rejects tensor split
+    sizes (TypeError). We make the CPU path do what the GPU path does.
 ``cpu_device_mode``
     A single ``TorchFunctionMode`` that maps ``device='cuda'`` (and ``.cuda()``,
-    ``.to('cuda')``) to the CPU and makes the no-argument ``Tensor.type()``
-    answer the CUDA type name that Megatron's optimizer and gradient clipping
-    compare against. It replaces a dozen literal-site patches (grad scaler,
-    optimizer, clip_grads, schedules' token counter, DDP warm-up). It costs one
-    Python call per torch call: every benchmark policy pays the same.
+    ``.to('cuda')``) to the CPU and makes the no-argument ``Tensor.type()`` answer the
+    CUDA type name that Megatron's optimizer and gradient clipping compare against
+    (optimizer.py:315, 698-702, 1249; clip_grads.py:108-180; distrib_optimizer.py:401,
+    466, 758; schedules.py:749, 2292 token counters; utils.py:1332; the causal mask,
+    transformer/utils.py:39). It costs one Python call per torch call: every benchmark
+    policy pays the same.
 ``recompute_under_cpu_device_mode``
     Activation recompute runs forward code inside backward, and backward starts in
     ``torch.autograd.backward``, which torch hands to the mode's
     ``__torch_function__``, where the mode is off: a recomputed layer then meets
     ``device='cuda'`` literals unredirected (the causal mask of core attention).
-    Megatron's two recompute entry points (``CheckpointFunction.backward``,
-    ``CheckpointWithoutOutput._recompute``) run with the mode on again; the rest of
-    backward stays as it was, so runs without recompute are timed as before.
+    Megatron's two recompute entry points (``CheckpointFunction.backward``, random.py:625;
+    ``CheckpointWithoutOutput._recompute``, random.py:768) run with the mode on again; the
+    rest of backward stays as it was, so runs without recompute are timed as before.
+
+Dropped with 0.19: ``te_general_gemm_placeholder``. 0.19's ``moe_utils`` defines
+``te_general_gemm = None`` when TE is absent (moe_utils.py:41-53), which selects its own
+torch path in ``RouterGatingLinearFunction``.
 
 Not a fix, only quieter output: ``quiet_known_cpu_warnings()`` (called by
 ``enable_cpu_runtime()``, and by the launcher before anything imports megatron.core,
-since most of these fire at import) hides the benign warnings listed in
+since most of these fire at import) hides the benign notices listed in
 ``KNOWN_CPU_WARNINGS`` (six "Transformer Engine / Apex not installed" notices and
-torch's deprecation of ``all_gather_into_tensor``, which Megatron calls), each by its
-exact message *and* the module that emits it, so every other warning is still shown.
-It returns the one line that replaces them. It does nothing on CUDA machines or when
-the user set ``-W``/``PYTHONWARNINGS``.
+torch's deprecation of ``all_gather_into_tensor``, which Megatron calls) and
+``KNOWN_CPU_LOG_RECORDS`` (torch's "No CUDA runtime is found" log line, which 0.19's
+import of ``torch.utils.cpp_extension`` at random.py:17 triggers on every machine without
+CUDA), each by its exact message *and* the module or logger that emits it, so every other
+warning is still shown. It returns the one line that replaces them. It does nothing on
+CUDA machines or when the user set ``-W``/``PYTHONWARNINGS``.
 """
 
 from __future__ import annotations
@@ -83,36 +102,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from packaging.version import Version
 from torch.overrides import TorchFunctionMode
 
-SUPPORTED_MEGATRON_CORE = Version("0.16.1")
+from megatron_lrmoe.megatron_support import check_megatron_core_version
 
 logger = logging.getLogger(__name__)
 
 _enabled_fixes: list[str] = []
 _device_mode: TorchFunctionMode | None = None
 _warnings_quieted = False
-
-
-class UnsupportedMegatronVersion(RuntimeError):
-    """Raised when the installed megatron-core is not the version the fixes target."""
-
-
-def check_megatron_core_version() -> Version:
-    """Return the installed megatron-core version, refusing any but the tested one."""
-    from megatron.core import package_info
-
-    installed = Version(package_info.__version__)
-    if installed != SUPPORTED_MEGATRON_CORE:
-        raise UnsupportedMegatronVersion(
-            f"megatron_lrmoe's CPU runtime was written and tested against megatron-core "
-            f"{SUPPORTED_MEGATRON_CORE}, but {installed} is installed. Its fixes patch "
-            f"version-specific internals; install megatron-core=={SUPPORTED_MEGATRON_CORE} "
-            f"(bash scripts/setup.sh does) or run on a CUDA machine, where the CPU runtime "
-            f"is not used."
-        )
-    return installed
 
 
 # ---------------------------------------------------------------------------
@@ -216,17 +214,6 @@ def _fix_cpu_rng_for_megatron_tracker() -> None:
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)  # type: ignore
     torch.cuda.manual_seed_all = torch.cuda.manual_seed  # type: ignore[assignment]
     logging.getLogger(megatron_random.__name__).addFilter(_DropTrackerCpuStateWarning())
-
-
-# ---------------------------------------------------------------------------
-# te_general_gemm_placeholder
-# ---------------------------------------------------------------------------
-
-
-def _fix_te_general_gemm_placeholder() -> None:
-    from megatron_lrmoe.runtime.compat import define_te_general_gemm_when_te_absent
-
-    define_te_general_gemm_when_te_absent()
 
 
 # ---------------------------------------------------------------------------
@@ -360,6 +347,27 @@ KNOWN_CPU_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
      "torch.distributed.c10d_logger"),
 )
 
+#: (logger, level, exact format string) of the log records every CPU run prints once per
+#: rank: torch logs where it would look for CUDA when ``torch.utils.cpp_extension`` is
+#: imported without a CUDA device (megatron-core 0.19 imports it in tensor_parallel/random.py
+#: to build a C++ helper for recompute; that build needs no CUDA). The format string is
+#: matched, so the path it names may differ; nothing else is hidden.
+KNOWN_CPU_LOG_RECORDS: tuple[tuple[str, int, str], ...] = (
+    ("torch.utils.cpp_extension", logging.WARNING,
+     "No CUDA runtime is found, using CUDA_HOME='%s'"),
+)
+
+
+class _DropKnownRecord(logging.Filter):
+    """Drops the records of one logger that have one exact level and format string."""
+
+    def __init__(self, level: int, msg: str) -> None:
+        super().__init__()
+        self.level, self.msg = level, msg
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == self.level and record.msg == self.msg)
+
 
 def _absent_backends_line() -> str | None:
     absent = [name for name, module in (("Transformer Engine", "transformer_engine"),
@@ -372,9 +380,9 @@ def _absent_backends_line() -> str | None:
 
 
 def quiet_known_cpu_warnings() -> str | None:
-    """Hide the warnings of ``KNOWN_CPU_WARNINGS`` in this process (CPU only).
+    """Hide ``KNOWN_CPU_WARNINGS`` and ``KNOWN_CPU_LOG_RECORDS`` in this process (CPU only).
 
-    Each filter names one exact message and the module that emits it. Call it before
+    Each filter names one exact message and the module or logger that emits it. Call it before
     megatron.core is imported (most of these fire at import). Returns the one line
     that says what is absent, the first time it installs the filters; None on a CUDA
     machine, when ``-W``/``PYTHONWARNINGS`` configure warnings, or on later calls.
@@ -385,6 +393,9 @@ def quiet_known_cpu_warnings() -> str | None:
     for category, message, module in KNOWN_CPU_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(message) + r"\Z",
                                 category=category, module=re.escape(module) + r"\Z")
+    # A logger's own filters see only the records it creates, not those of its children.
+    for name, level, msg in KNOWN_CPU_LOG_RECORDS:
+        logging.getLogger(name).addFilter(_DropKnownRecord(level, msg))
     _warnings_quieted = True
     return _absent_backends_line()
 
@@ -393,7 +404,6 @@ FIXES: dict[str, Callable[[], None]] = {
     "inert_cuda_streams": _fix_inert_cuda_streams,
     "cpu_current_device": _fix_cpu_current_device,
     "cpu_rng_for_megatron_tracker": _fix_cpu_rng_for_megatron_tracker,
-    "te_general_gemm_placeholder": _fix_te_general_gemm_placeholder,
     "checkpoint_without_output_without_te": _fix_checkpoint_without_output_without_te,
     "numpy_split_sizes_for_gloo": _fix_numpy_split_sizes_for_gloo,
     "cpu_device_mode": _fix_cpu_device_mode,
@@ -402,7 +412,7 @@ FIXES: dict[str, Callable[[], None]] = {
 
 
 def enable_cpu_runtime() -> bool:
-    """Make Megatron-Core 0.16.1 runnable on CPU with gloo. Idempotent.
+    """Make Megatron-Core runnable on CPU with gloo. Idempotent.
 
     Returns True when the CPU runtime is active, False when CUDA is available (in
     which case nothing is changed).

@@ -41,8 +41,8 @@ from megatron.core.utils import get_model_config, unwrap_model
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 # The distributed optimizer's default sharding ("fully_sharded_model_space") relies on
-# ShardedTensor.flattened_range, which megatron-core 0.16.1's dist_checkpointing refuses;
-# "dp_reshardable" is what Megatron-LM 0.16 saves by default.
+# ShardedTensor.flattened_range, which dist_checkpointing refuses; "dp_reshardable" is
+# what Megatron-LM saves by default (megatron/training/checkpointing.py, core_v0.19.0).
 SHARDED_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
@@ -137,7 +137,7 @@ def _materialize_optimizer_state(optimizer) -> None:
 def _restore_step_counters(optimizer) -> None:
     """Give each parameter its own, correct Adam ``step`` after a load.
 
-    Without TE/apex, megatron-core 0.16.1's DistributedOptimizer keeps torch
+    Without TE/apex, megatron-core's DistributedOptimizer (read in 0.16.1) keeps torch
     Adam's per-parameter ``step`` out of the checkpointed parameter state (a
     non-persistent local object: the load template's value comes back) and saves
     the count once, in the param groups. Its load_state_dict also hands one
