@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from megatron_lrmoe.lrmoe.megatron_options import MEGATRON_OPTIONS
 from megatron_lrmoe.lrmoe.options import (
     OPTIONS,
     LRMoEConfigError,
@@ -111,16 +112,15 @@ def validate_lrmoe_flags(view: Any) -> None:
 
 
 def _lrmoe_view(args: argparse.Namespace) -> SimpleNamespace:
-    """The launcher's parsed flags that LRMoE checks, under the config's field names."""
+    """The launcher's parsed flags that LRMoE checks, under the config's field names: the
+    LRMoE options, and every flag of the launcher that the Megatron option table
+    classifies (so a refused one is named at parse time, before any process group)."""
     return SimpleNamespace(
+        **{row.name: getattr(args, row.name) for row in MEGATRON_OPTIONS
+           if hasattr(args, row.name)},
         **{o.field: getattr(args, o.field) for o in OPTIONS},
         num_moe_experts=args.num_experts,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         add_bias_linear=not args.disable_bias_linear,
-        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        recompute_granularity=args.recompute_granularity,
-        recompute_modules=args.recompute_modules,
     )
 
 

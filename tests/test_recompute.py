@@ -279,7 +279,8 @@ def test_recompute_runs_under_the_cpu_runtime(gloo2):
 
 def test_unknown_recompute_module_is_refused_by_name():
     """A module LRMoE does not implement (say one a later Megatron adds) is refused,
-    naming the flag, never accepted as a no-op; every module Megatron 0.16 has passes."""
+    naming the flag, never accepted as a no-op; every module Megatron 0.19 has passes
+    (test_megatron_options.py checks the list against Megatron's own validation)."""
     from types import SimpleNamespace
 
     from megatron_lrmoe.lrmoe.options import (
@@ -289,7 +290,7 @@ def test_unknown_recompute_module_is_refused_by_name():
     )
 
     megatron_modules = {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
-                        "shared_experts"}
+                        "shared_experts", "gdn_norm_out"}
     assert set(RECOMPUTE_MODULES) == megatron_modules
     check_recompute(SimpleNamespace(recompute_granularity="selective",
                                     recompute_modules=sorted(megatron_modules)))

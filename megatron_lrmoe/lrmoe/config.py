@@ -4,8 +4,9 @@ The fields are generated from ``options.OPTIONS`` (the one definition of every
 ``--moe-lrmoe*`` option), so a field, its flag, default, choices, check and help text
 cannot drift apart. Same-named fields are how Megatron-LM's
 ``core_transformer_config_from_args`` fills a config class. ``__post_init__`` runs
-``options.validate_lrmoe``: every option's check, and with ``moe_lrmoe`` the checks of
-its combination with Megatron's settings; errors name the flag.
+``options.validate_lrmoe`` before and after Megatron's own: every option's check, and
+with ``moe_lrmoe`` the checks of its combination with Megatron's settings
+(lrmoe/megatron_options.py); errors name the flag.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ __all__ = ["LRMoETransformerConfig"]
 
 
 def _post_init(self) -> None:
+    # LRMoE's checks run on the values as given too, before Megatron's: an option that
+    # --moe-lrmoe refuses is then refused by its own name, not by whatever Megatron's
+    # validation of it says (the flex dispatcher's knobs, FP8 recipes ...). They run again
+    # on what Megatron derives (expert TP from TP, deprecated spellings migrated).
+    validate_lrmoe(self)
     TransformerConfig.__post_init__(self)
     validate_lrmoe(self)
 

@@ -14,7 +14,8 @@ type, default, choices, check and help text. From it come
 Errors name the flag (``flag_of``: one mapping from config field to flag), e.g.
 ``--moe-lrmoe-bwd-capacity-factor: must be > 0 or inf, got -1``. What combines an
 option with other settings (the all-to-all dispatcher, no expert biases, ...) is
-checked in one function, ``check_combination``.
+checked in one function, ``check_combination``; what it accepts and refuses of
+Megatron's own options is the table ``MEGATRON_OPTIONS`` (lrmoe/megatron_options.py).
 
 This module imports neither torch nor Megatron: the launchers build their parsers and
 the flag tools read configs from the table alone (``python -m megatron_lrmoe.megatron_lm
@@ -34,6 +35,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from megatron_lrmoe.lrmoe.megatron_options import MEGATRON_OPTIONS
 
 __all__ = [
     "OPTIONS", "RECOMPUTE_MODULES", "LRMoEConfigError", "Option", "check_capacity_factor",
@@ -112,11 +115,11 @@ def check_calibration_file(value: Any) -> str | None:
 # The table
 # -----------------------------------------------------------------------------
 
-# Config fields whose Megatron-LM flag is not the field name with dashes.
+# Config fields whose Megatron-LM flag is not the field name with dashes: the MoE switch,
+# and those the Megatron option table names (lrmoe/megatron_options.py).
 _FLAGS = {
-    "add_bias_linear": "--disable-bias-linear",
     "num_moe_experts": "--num-experts",
-    "fp8": "--fp8-format",
+    **{row.name: row.flag for row in MEGATRON_OPTIONS if row.flag is not None},
 }
 
 
@@ -226,33 +229,6 @@ def option(field: str) -> Option:
 
 _ABSENT = object()
 
-# (field, is it refused with --moe-lrmoe?, why). Checked in this order; a field the
-# checked object does not carry (a view of parsed flags) is skipped.
-_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("moe_token_dispatcher_type", lambda v: v != "alltoall",
-     "--moe-lrmoe needs --moe-token-dispatcher-type alltoall (its backward region is an "
-     "all-to-all dispatcher), got {value!r}"),
-    ("add_bias_linear", bool,
-     "--moe-lrmoe needs --disable-bias-linear (expert biases are not supported)"),
-    ("moe_expert_capacity_factor", lambda v: v is not None,
-     "--moe-lrmoe keeps the forward exact: drop --moe-expert-capacity-factor (a forward "
-     "capacity drops pairs in forward)"),
-    ("expert_tensor_parallel_size", lambda v: v not in (None, 1),
-     "--moe-lrmoe needs --expert-tensor-parallel-size 1 (expert tensor parallelism is not "
-     "supported yet; Megatron-LM defaults it to --tensor-model-parallel-size), got {value}"),
-    ("moe_apply_probs_on_input", bool,
-     "not supported with --moe-lrmoe (LRMoE applies the probabilities after the combine)"),
-    ("overlap_moe_expert_parallel_comm", bool, "not supported with --moe-lrmoe"),
-    ("delay_wgrad_compute", bool, "not supported with --moe-lrmoe"),
-    ("moe_shared_expert_overlap", bool, "not supported with --moe-lrmoe"),
-    ("cuda_graph_impl", lambda v: v != "none",
-     "CUDA graphs over the MoE layer are not supported with --moe-lrmoe"),
-    ("context_parallel_size", lambda v: v != 1,
-     "context parallelism is not supported with --moe-lrmoe yet"),
-    ("moe_latent_size", lambda v: v is not None, "not supported with --moe-lrmoe"),
-    ("fp8", bool, "FP8 experts are not supported with --moe-lrmoe yet"),
-)
-
 # Megatron's selective-recompute modules (``--recompute-modules``) and what implements
 # each under --moe-lrmoe (docs/design.md, "Recompute"). Full recompute
 # (``--recompute-granularity full``, uniform or block) needs no entry: Megatron's
@@ -269,6 +245,8 @@ RECOMPUTE_MODULES: dict[str, str] = {
     "moe_act": "by construction: the LRMoE region saves the fc1 output and recomputes the "
                "activation in backward, for retained rows only",
     "shared_experts": "MoELayer.shared_experts_compute, which LRMoELayer.forward calls",
+    "gdn_norm_out": "Megatron's GatedDeltaNet attention (its output norm, outside the MoE "
+                    "layer)",
 }
 _DEFAULT_RECOMPUTE_MODULES = ("core_attn",)    # Megatron's default for "selective"
 
@@ -309,10 +287,12 @@ def check_combination(c: Any) -> None:
     if getattr(c, "num_moe_experts", 1) is None:
         raise LRMoEConfigError("num_moe_experts", "--moe-lrmoe needs an MoE model: set "
                                                   "--num-experts")
-    for field, refused, why in _UNSUPPORTED:
-        value = getattr(c, field, _ABSENT)
-        if value is not _ABSENT and refused(value):
-            raise LRMoEConfigError(field, why.format(value=value))
+    # Megatron's options, as the table classifies them (lrmoe/megatron_options.py), in its
+    # order; the Megatron-LM-only ones where the checked object carries them.
+    for row in MEGATRON_OPTIONS:
+        value = getattr(c, row.name, _ABSENT)
+        if row.refuse is not None and value is not _ABSENT and row.refuse(value):
+            raise LRMoEConfigError(row.name, row.problem_for(value))
     check_recompute(c)
     if c.moe_lrmoe_placement == "memory-aware" and c.moe_lrmoe_memory_budget_gb is None:
         raise LRMoEConfigError("moe_lrmoe_memory_budget_gb",
