@@ -1,41 +1,70 @@
-"""LRMoE inside Megatron-LM's ``pretrain_gpt.py`` (tag core_v0.16.1).
+"""LRMoE inside Megatron-LM's ``pretrain_gpt.py`` (tag core_v0.19.0).
 
 Two entry points use this module and nothing else: ``scripts/pretrain_gpt_lrmoe.py``
-(a wrapper that imports pretrain_gpt.py's own functions) and the few lines that
-``patches/megatron_lm_core_v0.16.1.patch`` adds to pretrain_gpt.py. Both hand over
-the same three things:
+(a wrapper that runs pretrain_gpt.py's ``__main__`` steps with pretrain_gpt.py's own
+functions) and the lines that ``patches/megatron_lm_core_v0.19.0.patch`` adds to
+pretrain_gpt.py. At core_v0.19.0 pretrain_gpt.py's ``__main__`` parses the arguments
+itself (``parse_and_validate_args``), describes the model as a ``GPTModelConfig``
+(``gpt_config_from_args``) and hands ``pretrain`` a config container holding it; the
+model is built by the builder class that config names (``GPTModelConfig.builder`` ->
+``GPTModelBuilder``). Both entry points hand over the same two things:
 
-* ``lrmoe_args_provider(inner)``: the ``extra_args_provider`` of Megatron's
-  ``pretrain``. Adds every ``--moe-lrmoe*`` flag (composed with modelopt's provider
-  when that is installed) and checks the parsed flags before any process group or
-  GPU is touched, failing with argparse's one-line ``error:`` naming the flag.
-* ``lrmoe_builder(gpt_builder)``: a model builder with gpt_builder's signature. With
-  ``--moe-lrmoe`` absent it *is* gpt_builder (same call, same model). With it, the
-  config is built as ``core_transformer_config_from_args(args,
-  LRMoETransformerConfig)`` and every spec gpt_builder hands to ``GPTModel``
-  (layer, decoder-block, MTP block, ``--spec``) goes through ``to_lrmoe_spec``, so
-  Megatron-LM keeps choosing the spec flavour (TE or local, ``--moe-layer-freq``,
-  shared experts) and the plugin only swaps the MoE positions.
-* LRMoE's step state (docs/design.md, "Step state"), installed by the builder with
-  ``--moe-lrmoe``: the planners are built right after the model (machine constants
-  from ``--moe-lrmoe-calibration`` or one measurement, printed with their figures);
-  the step boundary is ``training_log``, which Megatron-LM's loop calls once per
-  iteration after the optimizer step (the plugin wraps
-  ``megatron.training.training.training_log``: Megatron has no per-iteration hook
-  outside the pipeline schedule); the re-run state machine snapshots and restores the
-  LRMoE state through its public ``state_save_func`` / ``state_restore_func`` (chained
-  to Megatron-LM's own); and the step state goes into ``torch_dist`` checkpoints as
-  each layer's extra state, flagged in the sharded state dict metadata that
-  Megatron-LM builds and saves as the checkpoint's content metadata (the plugin wraps
-  ``megatron.training.checkpointing._build_sharded_state_dict_metadata``, the one
-  place that metadata is made; on load Megatron-LM hands back the checkpoint's own).
-* LRMoE statistics in Megatron-LM's logs: after each ``training_log`` call, at
-  ``--moe-lrmoe-log-interval`` (default ``--log-interval``), the per-layer
-  statistics are reduced over all ranks and written as ``lrmoe/...`` scalars to
-  Megatron's TensorBoard / W&B writers and as one line on the last rank.
+* ``lrmoe_args_provider(inner)``: the ``extra_args_provider`` of
+  ``parse_and_validate_args``. Adds every ``--moe-lrmoe*`` flag (composed with
+  modelopt's provider when that is installed) and checks the parsed flags before any
+  process group or GPU is touched, failing with argparse's one-line ``error:`` naming
+  the flag.
+* ``lrmoe_model_config(args, model_cfg)``: the model config of the run. With
+  ``--moe-lrmoe`` absent it *is* ``model_cfg`` (same config, same builder, same model).
+  With it, the same GPT settings (``gpt_config_from_args``) around an
+  ``LRMoETransformerConfig`` (``core_transformer_config_from_args(args,
+  LRMoETransformerConfig)``), in an ``LRMoEGPTModelConfig``: a ``GPTModelConfig`` with
+  no new fields whose builder, ``LRMoEGPTModelBuilder``, is ``GPTModelBuilder`` with
+  every spec it hands to ``GPTModel`` (layer or decoder-block spec, ``--spec``, the MTP
+  block) put through ``to_lrmoe_spec``. Megatron-LM keeps choosing the spec flavour (TE
+  or local, ``--moe-layer-freq``, shared experts, experimental attention variants) and
+  the plugin only swaps the MoE positions; a model with an unconverted MoE layer is
+  refused.
+
+``lrmoe_builder(gpt_builder)`` does the same for the older model-provider path that
+core_v0.19.0's ``pretrain(..., model_provider=...)`` still accepts (``gpt_builders.py``,
+``model_provider.py``), for scripts that build through it.
+
+Every LRMoE model, whichever way it is built, gets LRMoE's step state (docs/design.md,
+"Step state"): the planners are built right after the model (machine constants from
+``--moe-lrmoe-calibration`` or one measurement, printed with their figures); the step
+boundary is ``training_log``, which Megatron-LM's loop calls once per iteration after
+the optimizer step (Megatron has no per-iteration hook outside the pipeline schedule);
+the re-run state machine snapshots and restores the LRMoE state through its public
+``state_save_func`` / ``state_restore_func`` (chained to Megatron-LM's own); and the
+step state goes into ``torch_dist`` checkpoints as each layer's extra state, flagged in
+the sharded state dict metadata that Megatron-LM builds and saves as the checkpoint's
+content metadata (on load Megatron-LM hands back the checkpoint's own). After each
+``training_log`` call, at ``--moe-lrmoe-log-interval`` (default ``--log-interval``), the
+per-layer statistics are reduced over all ranks and written as ``lrmoe/...`` scalars
+to Megatron's TensorBoard / W&B writers and as one line on the last rank.
+
+Megatron-LM internals this module touches, each read from core_v0.19.0 (everything
+else it uses is Megatron-LM's public API: ``parse_and_validate_args``,
+``core_transformer_config_from_args``, ``gpt_config_from_args``,
+``pretrain_cfg_container_from_args``, ``GPTModelConfig`` / ``GPTModelBuilder``,
+``pretrain``, ``get_args`` and the writers):
+
+* ``megatron.training.checkpointing._build_sharded_state_dict_metadata`` (private,
+  wrapped): the one place the sharded state dict metadata of a save is made; the
+  wrapper adds the LRMoE step-state flag when ``args.moe_lrmoe``.
+* ``megatron.training.training.training_log`` (module attribute, wrapped): ``train()``
+  looks it up in its module at every iteration; the wrapper ends the LRMoE step first
+  and logs the LRMoE statistics after it.
+* the module global ``GPTModel`` of ``megatron.training.models.gpt`` (looked up by
+  ``GPTModelBuilder.build_model``) and of ``gpt_builders`` (``gpt_builder``): swapped
+  for a spec-converting call while one LRMoE model is being built, then restored.
 
 The module imports neither torch nor Megatron at import time: ``find_megatron_lm``
-must be able to put the checkout first on ``sys.path`` before ``megatron`` loads.
+must be able to put the checkout first on ``sys.path`` before ``megatron`` loads. The
+two classes ``LRMoEGPTModelConfig`` and ``LRMoEGPTModelBuilder`` subclass Megatron-LM's
+and are therefore made on first access (``__getattr__`` of this module), which is how
+``GPTModelConfig.get_builder_cls`` finds the builder by its import path.
 """
 
 from __future__ import annotations
@@ -44,11 +73,10 @@ import argparse
 import functools
 import inspect
 import os
-import re
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -60,10 +88,9 @@ from megatron_lrmoe.arguments import (
     load_yaml_config,
     validate_lrmoe_flags,
 )
+from megatron_lrmoe.lrmoe.megatron_options import MEGATRON_OPTIONS
 from megatron_lrmoe.lrmoe.options import OPTIONS, LRMoEConfigError
-
-MEGATRON_LM_TAG = "core_v0.16.1"
-MEGATRON_LM_VERSION = "0.16.1"
+from megatron_lrmoe.megatron_support import MEGATRON_LM_TAG, line, megatron_lm_version, supported
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 Builder = Callable[..., Any]
@@ -78,8 +105,8 @@ def find_megatron_lm(path: str | None = None) -> str:
     """Put a Megatron-LM checkout first on ``sys.path`` and return its directory.
 
     ``path`` or ``$MEGATRON_LM`` names the checkout; without either, an importable
-    ``pretrain_gpt`` module is used. Refuses a checkout whose megatron-core is not
-    0.16.1, since the plugin is built and tested against that version only.
+    ``pretrain_gpt`` module is used. Refuses a checkout whose megatron-core is not of
+    the supported line (``megatron_support``).
     """
     path = path or os.environ.get("MEGATRON_LM")
     if path:
@@ -96,23 +123,12 @@ def find_megatron_lm(path: str | None = None) -> str:
                               f"(a {MEGATRON_LM_TAG} checkout) or put it on PYTHONPATH")
         root = os.path.dirname(os.path.abspath(spec.origin))
     version = megatron_lm_version(root)
-    if version != MEGATRON_LM_VERSION:
+    if version is None or not supported(version):
         raise ConfigError(f"{root}: megatron-core {version}, but megatron-lrmoe supports "
-                          f"{MEGATRON_LM_VERSION} only; git checkout {MEGATRON_LM_TAG}")
+                          f"{line()}.x only; git -C {root} checkout {MEGATRON_LM_TAG}")
     if root not in sys.path:
         sys.path.insert(0, root)
     return root
-
-
-def megatron_lm_version(root: str) -> str | None:
-    """megatron-core version of a checkout, read from its package_info.py (no import)."""
-    info = os.path.join(root, "megatron", "core", "package_info.py")
-    if not os.path.isfile(info):
-        return None
-    with open(info) as f:
-        text = f.read()
-    parts = [re.search(rf"^{name}\s*=\s*(\d+)", text, re.M) for name in ("MAJOR", "MINOR", "PATCH")]
-    return ".".join(m.group(1) for m in parts) if all(parts) else None  # type: ignore[union-attr]
 
 
 # -----------------------------------------------------------------------------
@@ -121,8 +137,9 @@ def megatron_lm_version(root: str) -> str | None:
 
 
 def lrmoe_args_provider(inner: ArgsProvider | None = None) -> ArgsProvider:
-    """``extra_args_provider`` for Megatron's ``pretrain``: ``inner``'s flags (e.g.
-    modelopt's), the ``--moe-lrmoe*`` flags, and a check of them right after parsing."""
+    """``extra_args_provider`` for Megatron-LM's ``parse_and_validate_args``: ``inner``'s
+    flags (e.g. modelopt's), the ``--moe-lrmoe*`` flags, and a check of them right after
+    parsing."""
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if inner is not None:
@@ -137,7 +154,8 @@ def lrmoe_args_provider(inner: ArgsProvider | None = None) -> ArgsProvider:
 def _check_when_parsed(parser: argparse.ArgumentParser) -> None:
     """Run ``check_megatron_lm_args`` on what ``parser`` parses (argparse's
     ``parse_args`` goes through ``parse_known_args``), so a bad LRMoE flag stops
-    the run before Megatron initializes CUDA and the process groups."""
+    the run before Megatron initializes CUDA and the process groups, and before
+    ``--yaml-cfg`` replaces the parsed namespace."""
     parse_known = parser.parse_known_args
 
     @functools.wraps(parse_known)
@@ -176,13 +194,15 @@ def _refuse_bypassing_paths(args: argparse.Namespace) -> None:
             "configs/qwen3_30b_a3b.yaml turns into flags with "
             "`python -m megatron_lrmoe.megatron_lm flags FILE.yaml`)")
     refused = {
-        "use_legacy_models": "--use-legacy-models: LRMoE needs the megatron.core GPTModel",
         "multi_latent_attention": "--multi-latent-attention: Megatron-LM then builds an "
-                                  "MLATransformerConfig, which has no --moe-lrmoe* fields",
-        "heterogeneous_layers_config_path": "--heterogeneous-layers-config-path: not "
-                                            "supported with --moe-lrmoe",
-        "export_kd_teacher_load": "--export-kd-teacher-load: modelopt's model builder "
-                                  "would bypass the LRMoE spec conversion",
+                                  "MLATransformerConfig, which has no --moe-lrmoe* fields; "
+                                  "drop one of the two",
+        "heterogeneous_layers_config_path": "--heterogeneous-layers-config-path: Megatron-LM "
+                                            "then builds a HeterogeneousTransformerConfig, "
+                                            "which has no --moe-lrmoe* fields; drop one of "
+                                            "the two",
+        "export_kd_teacher_load": "--export-kd-teacher-load: ModelOpt's model builder "
+                                  "would bypass the LRMoE spec conversion; drop one of the two",
     }
     for dest, why in refused.items():
         if getattr(args, dest, None):
@@ -191,9 +211,12 @@ def _refuse_bypassing_paths(args: argparse.Namespace) -> None:
 
 def _lrmoe_view(args: argparse.Namespace) -> SimpleNamespace:
     """Megatron-LM's parsed args that LRMoE checks at parse time, under the config's
-    field names (what the namespace lacks is left out, and checked on the config)."""
-    names = [o.field for o in OPTIONS] + ["moe_token_dispatcher_type", "add_bias_linear",
-                                          "moe_expert_capacity_factor"]
+    field names: the LRMoE options, and every Megatron option of the option table
+    (``MEGATRON_OPTIONS``; Megatron-LM-only dests such as ``--moe-use-upcycling`` or the
+    deprecated ``--cuda-graph-scope`` included), so a refused one is named before any
+    process group. What the namespace lacks is left out, and checked on the config."""
+    names = ([row.name for row in MEGATRON_OPTIONS] + [o.field for o in OPTIONS]
+             + ["add_bias_linear"])
     view = {name: getattr(args, name) for name in names if hasattr(args, name)}
     view["num_moe_experts"] = getattr(args, "num_experts", None)
     etp = getattr(args, "expert_tensor_parallel_size", None)
@@ -203,7 +226,7 @@ def _lrmoe_view(args: argparse.Namespace) -> SimpleNamespace:
     return SimpleNamespace(**view)
 
 
-def lrmoe_config_from_args(args: argparse.Namespace):
+def lrmoe_config_from_args(args: argparse.Namespace) -> Any:
     """``LRMoETransformerConfig`` from Megatron-LM's args, the way Megatron-LM builds
     its TransformerConfig. LRMoE's refusals come back as ``ConfigError`` naming the
     flag; Megatron's own errors pass through unchanged."""
@@ -223,16 +246,22 @@ def lrmoe_config_from_args(args: argparse.Namespace):
 
 
 def _check_memory_budget(args: argparse.Namespace, config) -> None:
-    """Refuse a --moe-lrmoe-memory-budget-gb below the balanced dropless need, at start-up."""
+    """Refuse a --moe-lrmoe-memory-budget-gb below the balanced dropless need, at start-up
+    (after ``parse_and_validate_args``, which makes Megatron's micro-batch calculator)."""
     if getattr(args, "moe_lrmoe_memory_budget_gb", None) is None:
         return
-    from megatron.core import num_microbatches_calculator as nmc
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     from megatron_lrmoe.lrmoe.planner_config import check_memory_budget
 
     tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
-    microbatches = (nmc.get_num_microbatches()
-                    if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None else 1)
+    try:
+        microbatches = get_num_microbatches()
+    except AttributeError as exc:  # the calculator is None before set_global_variables
+        raise ConfigError("--moe-lrmoe-memory-budget-gb: checked against the micro-batches "
+                          "of a step, which Megatron-LM knows only after "
+                          "megatron.training.arguments.parse_and_validate_args; build the "
+                          "LRMoE config after it") from exc
     try:
         import torch
 
@@ -249,8 +278,98 @@ def _check_memory_budget(args: argparse.Namespace, config) -> None:
 
 
 # -----------------------------------------------------------------------------
-# Model
+# Model: the model config and its builder (pretrain_gpt.py at core_v0.19.0)
 # -----------------------------------------------------------------------------
+
+
+def lrmoe_model_config(args: argparse.Namespace, model_cfg: Any) -> Any:
+    """The model config pretrain_gpt.py hands to ``pretrain`` (in its config container).
+
+    Without ``--moe-lrmoe``: ``model_cfg`` itself. With it: an ``LRMoEGPTModelConfig``
+    made by Megatron-LM's ``gpt_config_from_args`` from the same args around
+    ``lrmoe_config_from_args(args)``, so every GPT setting (vocabulary, rope, ``--spec``
+    ...) is what pretrain_gpt.py would have set. Refuses a ``model_cfg`` of another
+    class (ModelOpt's, chosen when ``--load`` holds ModelOpt state): its builder would
+    bypass the LRMoE spec conversion.
+    """
+    if not getattr(args, "moe_lrmoe", False):
+        return model_cfg
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models import GPTModelConfig
+
+    if type(model_cfg) is not GPTModelConfig:
+        raise ConfigError(
+            f"--moe-lrmoe: pretrain_gpt.py chose a {type(model_cfg).__name__}, whose builder "
+            "would bypass the LRMoE spec conversion (ModelOpt is enabled when --load holds "
+            "a ModelOpt checkpoint); train LRMoE from a plain Megatron checkpoint, or drop "
+            "--moe-lrmoe")
+    from megatron_lrmoe.runtime.compat import fp8_off_in_checkpoint_without_output_when_te_absent
+
+    # As the lean launcher does: selective recompute (layernorm, moe_act) without
+    # Transformer Engine otherwise raises NameError in Megatron's CheckpointWithoutOutput.
+    fp8_off_in_checkpoint_without_output_when_te_absent()
+    config_cls, _ = _model_classes()
+    return gpt_config_from_args(args, config=lrmoe_config_from_args(args),
+                                model_config_cls=config_cls)
+
+
+_MODEL_CLASSES: tuple[type, type] | None = None
+
+
+def _model_classes() -> tuple[type, type]:
+    """``(LRMoEGPTModelConfig, LRMoEGPTModelBuilder)``, made on first use: they
+    subclass Megatron-LM's classes, which must not load before ``find_megatron_lm``."""
+    global _MODEL_CLASSES
+    if _MODEL_CLASSES is not None:
+        return _MODEL_CLASSES
+    from megatron.training import get_args
+    from megatron.training.models import GPTModelBuilder, GPTModelConfig
+
+    class LRMoEGPTModelConfig(GPTModelConfig):
+        """A ``GPTModelConfig`` (no new fields) whose builder is ``LRMoEGPTModelBuilder``;
+        the same pattern as ModelOpt's ``ModelOptModelConfig``. Its ``transformer`` is
+        an ``LRMoETransformerConfig`` with ``moe_lrmoe`` (``lrmoe_model_config``)."""
+
+        # Resolved by GPTModelConfig.get_builder_cls through this module's __getattr__.
+        builder = f"{__name__}.LRMoEGPTModelBuilder"
+
+    class LRMoEGPTModelBuilder(GPTModelBuilder):
+        """``GPTModelBuilder`` that builds the LRMoE model of an ``LRMoEGPTModelConfig``:
+        Megatron-LM's own ``build_model`` (and through it ``build_distributed_models``)
+        with the specs converted, then the LRMoE step state set up per model chunk."""
+
+        def build_model(self, pg_collection: Any, pre_process: bool | None = None,
+                        post_process: bool | None = None, vp_stage: int | None = None):
+            from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
+
+            config = self._model_config.transformer
+            if not (isinstance(config, LRMoETransformerConfig) and config.moe_lrmoe):
+                raise ConfigError("--moe-lrmoe: LRMoEGPTModelBuilder got a model config "
+                                  f"whose transformer is a {type(config).__name__} without "
+                                  "moe_lrmoe; make it with "
+                                  "megatron_lrmoe.megatron_lm.lrmoe_model_config")
+            with _specs_converted(GPTModelBuilder.build_model.__globals__,
+                                  "GPTModelBuilder.build_model"):
+                model = super().build_model(pg_collection, pre_process, post_process,
+                                            vp_stage)
+            _finish_build(get_args(), model, config)
+            return model
+
+    # Named as this module's attributes, so that Megatron-LM's config serialization
+    # (ModelConfig.as_dict / from_dict: module + qualified name) finds them again.
+    for cls in (LRMoEGPTModelConfig, LRMoEGPTModelBuilder):
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    _MODEL_CLASSES = (LRMoEGPTModelConfig, LRMoEGPTModelBuilder)
+    return _MODEL_CLASSES
+
+
+def __getattr__(name: str) -> Any:
+    """``LRMoEGPTModelConfig`` and ``LRMoEGPTModelBuilder`` (PEP 562), made on access."""
+    if name in ("LRMoEGPTModelConfig", "LRMoEGPTModelBuilder"):
+        config_cls, builder_cls = _model_classes()
+        return config_cls if name == "LRMoEGPTModelConfig" else builder_cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Models built with LRMoE layers, in build order (the same on every rank: the step
 # boundary pools counts over ranks layer by layer).
@@ -258,13 +377,14 @@ _BUILT: list[weakref.ref] = []
 
 
 def built_models() -> list[Any]:
-    """The live models ``lrmoe_builder`` built, in build order."""
+    """The live LRMoE model chunks built by this module, in build order."""
     _BUILT[:] = [ref for ref in _BUILT if ref() is not None]
     return [model for model in (ref() for ref in _BUILT) if model is not None]
 
 
 def lrmoe_builder(base: Builder) -> Builder:
-    """A model builder with ``gpt_builder``'s signature that builds LRMoE models
+    """A model builder with ``gpt_builder``'s signature (the ``model_provider`` path,
+    ``partial(model_provider, lrmoe_builder(gpt_builder))``) that builds LRMoE models
     under ``--moe-lrmoe`` and is ``base`` itself otherwise."""
 
     @functools.wraps(base)
@@ -274,39 +394,38 @@ def lrmoe_builder(base: Builder) -> Builder:
             return base(args, pre_process, post_process, vp_stage, config=config,
                         pg_collection=pg_collection)
         from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
-        from megatron_lrmoe.runtime.compat import define_te_general_gemm_when_te_absent
 
-        define_te_general_gemm_when_te_absent()
         if config is None:
             config = lrmoe_config_from_args(args)
         elif not (isinstance(config, LRMoETransformerConfig) and config.moe_lrmoe):
             raise ConfigError("--moe-lrmoe: the caller passed a config without the LRMoE "
                               "fields; build it with megatron_lrmoe.megatron_lm."
                               "lrmoe_config_from_args")
-        with _specs_converted(base):
+        namespace = getattr(base, "__globals__", None)
+        if namespace is None:
+            raise ConfigError(f"--moe-lrmoe: cannot convert the specs of {base!r} (not a "
+                              "Python function like gpt_builder)")
+        with _specs_converted(namespace, getattr(base, "__qualname__", repr(base))):
             model = base(args, pre_process, post_process, vp_stage, config=config,
                          pg_collection=pg_collection)
-        _check_converted(model)
-        _setup_step_state(args, model, config)
-        _BUILT.append(weakref.ref(model))
-        install_lrmoe_hooks()
+        _finish_build(args, model, config)
         return model
 
     return builder
 
 
 @contextmanager
-def _specs_converted(base: Builder) -> Iterator[None]:
-    """While ``base`` runs, its ``GPTModel`` converts the specs it is given.
+def _specs_converted(namespace: MutableMapping[str, Any], owner: str) -> Iterator[None]:
+    """While ``owner`` runs, the ``GPTModel`` it calls from ``namespace`` (its module's
+    globals) converts the specs it is given.
 
-    gpt_builder picks the spec (TE or local, decoder block with --moe-layer-freq,
-    --spec, MTP block) and passes it straight to GPTModel: converting there covers
-    every flavour without repeating Megatron-LM's choice.
+    GPTModelBuilder.build_model and gpt_builder pick the spec (TE or local, decoder block
+    with --moe-layer-freq, --spec, MTP block) and pass it straight to GPTModel:
+    converting there covers every flavour without repeating Megatron-LM's choice.
     """
-    namespace = getattr(base, "__globals__", {})
     real = namespace.get("GPTModel")
     if real is None:
-        raise ConfigError(f"--moe-lrmoe: cannot convert the specs of {base!r} (it does not "
+        raise ConfigError(f"--moe-lrmoe: cannot convert the specs of {owner} (it does not "
                           "build megatron.core's GPTModel)")
     from megatron_lrmoe.lrmoe.spec import to_lrmoe_spec
 
@@ -319,11 +438,22 @@ def _specs_converted(base: Builder) -> Iterator[None]:
             kwargs["mtp_block_spec"] = to_lrmoe_spec(kwargs["mtp_block_spec"])
         return real(*args, **kwargs)
 
+    # Megatron-LM internal (core_v0.19.0): the module global GPTModel of
+    # megatron.training.models.gpt / gpt_builders, looked up when the model is built.
     namespace["GPTModel"] = gpt_model
     try:
         yield
     finally:
         namespace["GPTModel"] = real
+
+
+def _finish_build(args: argparse.Namespace, model: Any, config: Any) -> None:
+    """After an LRMoE model chunk is built: refuse unconverted MoE layers, set up its
+    step state, remember it for the step boundary and install the hooks."""
+    _check_converted(model)
+    _setup_step_state(args, model, config)
+    _BUILT.append(weakref.ref(model))
+    install_lrmoe_hooks()
 
 
 def _check_converted(model: Any) -> None:
@@ -339,7 +469,7 @@ def _check_converted(model: Any) -> None:
 
 
 # -----------------------------------------------------------------------------
-# Logging
+# Step state, hooks and logging
 # -----------------------------------------------------------------------------
 
 
@@ -354,7 +484,7 @@ def _setup_step_state(args: argparse.Namespace, model: Any, config: Any) -> None
     tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
     machine = setup_lrmoe_layers([model], args.micro_batch_size * args.seq_length // tp,
                                  get_num_microbatches, config)
-    if machine is not None and not _BUILT:
+    if machine is not None and not built_models():
         print_rank_0(machine_constants_line(machine))
 
 
@@ -367,6 +497,8 @@ def install_lrmoe_hooks() -> None:
     from megatron_lrmoe.lrmoe.step import chain_to_rerun_state_machine
 
     chain_to_rerun_state_machine(built_models)
+    # Megatron-LM internal (core_v0.19.0): train() calls the module attribute
+    # training.training_log once per iteration; wrapped, not replaced.
     original = training.training_log
     if not getattr(original, "_lrmoe", False):
         signature = inspect.signature(original)
@@ -389,6 +521,8 @@ def install_lrmoe_hooks() -> None:
 
         training_log._lrmoe = True  # type: ignore[attr-defined]
         training.training_log = training_log
+    # Megatron-LM private (core_v0.19.0): checkpointing._build_sharded_state_dict_metadata
+    # makes the content metadata of every save (and of local-checkpoint loads); wrapped.
     build_metadata = checkpointing._build_sharded_state_dict_metadata
     if not getattr(build_metadata, "_lrmoe", False):
 
@@ -451,26 +585,41 @@ def format_lrmoe_line(iteration: int, stats: dict[str, float]) -> str:
 
 
 def run_pretrain_gpt() -> None:
-    """pretrain_gpt.py's ``__main__`` with the LRMoE provider and builder (the body
-    of ``scripts/pretrain_gpt_lrmoe.py``); Megatron parses ``sys.argv`` itself."""
+    """pretrain_gpt.py's ``__main__`` (core_v0.19.0) with the LRMoE argument provider and
+    model config, calling pretrain_gpt.py's own functions (the body of
+    ``scripts/pretrain_gpt_lrmoe.py``); Megatron parses ``sys.argv`` itself."""
     start = time.time()
     find_megatron_lm()
     import pretrain_gpt
     from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
+    from megatron.training.argument_utils import (
+        gpt_config_from_args,
+        pretrain_cfg_container_from_args,
+    )
+    from megatron.training.arguments import parse_and_validate_args
 
     set_startup_timestamps(program_start=start, main_entry=time.time())
     datasets = pretrain_gpt.train_valid_test_datasets_provider
     datasets.is_distributed = True
     pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    modelopt = pretrain_gpt.add_modelopt_args if pretrain_gpt.has_nvidia_modelopt else None
+    modelopt = pretrain_gpt.has_nvidia_modelopt
+    args = parse_and_validate_args(
+        extra_args_provider=lrmoe_args_provider(pretrain_gpt.add_modelopt_args if modelopt
+                                                else None),
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+    )
+    if modelopt:
+        pretrain_gpt.maybe_enable_modelopt(args)
+    if modelopt and getattr(args, "modelopt_enabled", False):
+        model_cfg = gpt_config_from_args(args, model_config_cls=pretrain_gpt.ModelOptModelConfig)
+    else:
+        model_cfg = gpt_config_from_args(args)
     pretrain(
+        pretrain_cfg_container_from_args(args, lrmoe_model_config(args, model_cfg)),
         datasets,
-        functools.partial(pretrain_gpt.model_provider, lrmoe_builder(pretrain_gpt.gpt_builder)),
         ModelType.encoder_or_decoder,
         pretrain_gpt.forward_step,
-        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-        extra_args_provider=lrmoe_args_provider(modelopt),
         store=store,
         get_embedding_ranks=pretrain_gpt.get_embedding_ranks,
     )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GLM-4.5-Air (106B-A12B) pretraining with LRMoE on Megatron-LM (core_v0.16.1); model and
+# GLM-4.5-Air (106B-A12B) pretraining with LRMoE on Megatron-LM (core_v0.19.0); model and
 # training values from configs/glm45_air.yaml (the same file the lean launcher reads).
 #
 #   MEGATRON_LM=/path/to/Megatron-LM DATA_PATH=/data/corpus_text_document NNODES=4 \

@@ -7,7 +7,7 @@
 # (Megatron-LM-only model flags); the user's command-line arguments are "$@".
 #
 # Variables (all optional unless noted):
-#   MEGATRON_LM      Megatron-LM checkout at core_v0.16.1 (required to run)
+#   MEGATRON_LM      Megatron-LM checkout at core_v0.19.0 (required to run)
 #   DATA_PATH        Megatron indexed dataset prefix(es) (required to run, or MOCK_DATA=1)
 #   TOKENIZER_MODEL  HF tokenizer name or path (default: the model's)
 #   CHECKPOINT_DIR   --save directory (default runs/$MODEL_NAME[-baseline]/checkpoints)
@@ -55,7 +55,7 @@ EP=${EP:-$L_EP}
 
 MLM=${MEGATRON_LM:-}
 if [ -z "$MLM" ]; then
-  [ "$DRY_RUN" = 1 ] || die "set MEGATRON_LM=/path/to/Megatron-LM (a core_v0.16.1 checkout)"
+  [ "$DRY_RUN" = 1 ] || die "set MEGATRON_LM=/path/to/Megatron-LM (a core_v0.19.0 checkout)"
   MLM="\$MEGATRON_LM"
 fi
 if [ -z "${DATA_PATH:-}" ] && [ "${MOCK_DATA:-0}" != 1 ] && [ "$DRY_RUN" = 0 ]; then

@@ -6,8 +6,10 @@
 
 Same flags as pretrain_gpt.py plus ``--moe-lrmoe*``; without ``--moe-lrmoe`` the run is
 pretrain_gpt.py's. The checkout comes from ``$MEGATRON_LM`` or an importable
-``pretrain_gpt`` module and must be at tag core_v0.16.1. All logic lives in
-``megatron_lrmoe.megatron_lm``.
+``pretrain_gpt`` module and must be of tag core_v0.19.0 (any megatron-core 0.19.x). It
+runs pretrain_gpt.py's ``__main__`` steps with pretrain_gpt.py's own dataset provider,
+forward step and embedding ranks; all logic lives in ``megatron_lrmoe.megatron_lm``
+(``run_pretrain_gpt``).
 """
 
 import os

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Qwen3-30B-A3B pretraining with LRMoE on Megatron-LM (core_v0.16.1); model and training values
+# Qwen3-30B-A3B pretraining with LRMoE on Megatron-LM (core_v0.19.0); model and training values
 # from configs/qwen3_30b_a3b.yaml (the same file the lean launcher reads).
 #
 #   MEGATRON_LM=/path/to/Megatron-LM DATA_PATH=/data/corpus_text_document \

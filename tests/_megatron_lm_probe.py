@@ -1,26 +1,41 @@
 """Run by tests/test_megatron_lm_integration.py in a fresh interpreter against a
-Megatron-LM checkout ($MEGATRON_LM, core_v0.16.1); prints one JSON line per check.
+Megatron-LM checkout ($MEGATRON_LM, core_v0.19.0); prints one JSON line per check.
 
+    python tests/_megatron_lm_probe.py flags  -- <pretrain_gpt.py flags>
+        # Megatron-LM's parse_args with the LRMoE provider only (strict: unknown flags fail)
     python tests/_megatron_lm_probe.py parse  -- <pretrain_gpt.py flags>
-    python tests/_megatron_lm_probe.py build  -- <flags>   # model on the meta device
-        # (adds --use-cpu-initialization: without it Megatron's layers allocate on
+        # Megatron-LM's parser with the LRMoE provider, its validate_args, and the model
+        # config pretrain_gpt.py's __main__ would hand to pretrain() (lrmoe_model_config)
+    python tests/_megatron_lm_probe.py build  PATH -- <flags>   # model on the meta device
+        # PATH config: the config's builder (LRMoEGPTModelBuilder / GPTModelBuilder), as
+        # pretrain() builds it; PATH provider: partial(model_provider,
+        # lrmoe_builder(gpt_builder)), the model-provider path. Adds
+        # --use-cpu-initialization: without it Megatron's layers allocate on
         # torch.cuda.current_device(), which the CPU runtime answers with the CPU, so
-        # most weights would land in CPU memory despite torch.device("meta"))
+        # most weights would land in CPU memory despite torch.device("meta").
     python tests/_megatron_lm_probe.py checkpoint DIR -- <flags>
         # Megatron-LM's own save_checkpoint/load_checkpoint (torch_dist, its default
-        # --dist-ckpt-strictness) across LRMoE and plain models built by the builder
+        # --dist-ckpt-strictness) across LRMoE and plain models built by the builders
+    python tests/_megatron_lm_probe.py rerun -- <flags>
+        # Megatron-LM's own setup_model_and_optimizer, train_step and training_log with
+        # its re-run state machine
     python tests/_megatron_lm_probe.py train  PATCHED_DIR -- <flags>
-        # runs PATCHED_DIR/pretrain_gpt.py's __main__ with Megatron's pretrain() replaced by
-        # a CPU stand-in (parse, build with the CPU runtime, one forward/backward step)
-    torchrun ... tests/_megatron_lm_probe.py pretrain PATCHED_DIR -- <flags>
-        # runs PATCHED_DIR/pretrain_gpt.py's __main__ with Megatron-LM's own pretrain():
+        # runs PATCHED_DIR/pretrain_gpt.py's __main__ (its own parse_and_validate_args,
+        # gpt_config_from_args and the patch's lrmoe_model_config) with Megatron's
+        # pretrain() replaced by a CPU stand-in (build the config's model with the CPU
+        # runtime, one forward/backward step)
+    torchrun ... tests/_megatron_lm_probe.py pretrain SCRIPT -- <flags>
+        # runs SCRIPT's __main__ (PATCHED_DIR/pretrain_gpt.py, or the wrapper
+        # scripts/pretrain_gpt_lrmoe.py with $MEGATRON_LM) with Megatron-LM's own pretrain():
         # initialize_megatron, setup_model_and_optimizer (--load), data iterators, train()
         # with its saves, re-runs and exits; CPU stand-ins only where it needs CUDA
         # (_cpu_megatron_lm). Reports every iteration's loss and LRMoE step state and a
         # digest of the last checkpoint it saved.
 
-Megatron-LM's initialize_megatron needs CUDA, so the stand-in does what it does on CPU:
-parse_args + validate_args + set_args, then a gloo world of one and parallel_state.
+Megatron-LM's initialize_megatron needs CUDA, so the single-process probes do what it
+does on CPU (_init_world): a gloo world of one, parallel_state and the RNG tracker, and
+the re-run state machine; the arguments and the micro-batch calculator come from
+Megatron-LM's own parse_args / validate_args / set_global_variables (_parse).
 """
 
 from __future__ import annotations
@@ -29,18 +44,32 @@ import json
 import os
 import sys
 
+ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}  # pretrain_gpt.py's args_defaults
+
 
 def _parse(argv: list[str], provider=None):
+    """What parse_and_validate_args does (core_v0.19.0), without building the tokenizer:
+    the probes give --vocab-size and set the padded size to it (no download)."""
     from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.global_vars import set_args
+    from megatron.training.global_vars import set_global_variables
 
     from megatron_lrmoe.megatron_lm import lrmoe_args_provider
 
     sys.argv = ["pretrain_gpt.py", *argv]
     args = parse_args(provider or lrmoe_args_provider(None))
-    validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-    set_args(args)
+    validate_args(args, ARGS_DEFAULTS)
+    set_global_variables(args, build_tokenizer=False)
+    args.padded_vocab_size = args.vocab_size
     return args
+
+
+def _model_config(args):
+    """The model config of pretrain_gpt.py's __main__ with the patch (no ModelOpt)."""
+    from megatron.training.argument_utils import gpt_config_from_args
+
+    from megatron_lrmoe.megatron_lm import lrmoe_model_config
+
+    return lrmoe_model_config(args, gpt_config_from_args(args))
 
 
 def _init_world() -> None:
@@ -56,17 +85,18 @@ def _init_world() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
-    # What initialize_megatron sets up besides: the micro-batch calculator and the re-run
-    # state machine (with Megatron-LM's own state functions, which LRMoE chains onto).
+    # What initialize_megatron sets up besides: the re-run state machine (with
+    # Megatron-LM's own state functions, which LRMoE chains onto).
     from megatron.core import rerun_state_machine as rsm
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-    from megatron.training import get_args
 
-    args = get_args()
-    init_num_microbatches_calculator(0, None, args.global_batch_size or args.micro_batch_size,
-                                     args.micro_batch_size, 1)
     rsm.initialize_rerun_state_machine(state_save_func=lambda: {"megatron": 1},
                                        state_restore_func=lambda state: None)
+
+
+def _pg_collection():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups()
 
 
 def _describe(model) -> dict:
@@ -79,44 +109,77 @@ def _describe(model) -> dict:
             "devices": sorted({p.device.type for p in model.parameters()})}
 
 
-def parse(argv: list[str]) -> dict:
-    from megatron_lrmoe.megatron_lm import lrmoe_config_from_args
+def flags(argv: list[str]) -> dict:
+    """Megatron-LM's own parse_args with the LRMoE provider, nothing else: the flags are
+    all known to core_v0.19.0's parser (it refuses an unknown one) or to ours."""
+    from megatron.training.arguments import parse_args
 
+    from megatron_lrmoe.megatron_lm import lrmoe_args_provider
+
+    sys.argv = ["pretrain_gpt.py", *argv]
+    args = parse_args(lrmoe_args_provider(None))
+    return {"moe_lrmoe": args.moe_lrmoe, "num_experts": args.num_experts,
+            "data_path": args.data_path}
+
+
+def parse(argv: list[str]) -> dict:
     args = _parse(argv)
-    out = {"moe_lrmoe": args.moe_lrmoe}
+    model_cfg = _model_config(args)
+    out = {"moe_lrmoe": args.moe_lrmoe, "model_config": type(model_cfg).__name__,
+           "builder": model_cfg.get_builder_cls().__name__,
+           "transformer_config": type(model_cfg.transformer).__name__}
     if args.moe_lrmoe:
-        config = lrmoe_config_from_args(args)
-        out["config_class"] = type(config).__name__
+        config = model_cfg.transformer
         out["fields"] = {k: getattr(config, k) for k in (
             "moe_lrmoe", "moe_lrmoe_bwd_capacity_factor", "moe_lrmoe_min_retention",
             "moe_lrmoe_metric", "moe_lrmoe_selection", "moe_lrmoe_placement",
             "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "num_layers",
             "hidden_size", "num_query_groups", "kv_channels", "qk_layernorm",
             "moe_token_dispatcher_type", "expert_tensor_parallel_size")}
+        # The GPT settings are gpt_config_from_args's, as without --moe-lrmoe.
+        out["gpt_fields"] = {k: getattr(model_cfg, k) for k in (
+            "vocab_size", "seq_length", "rotary_base", "position_embedding_type",
+            "share_embeddings_and_output_weights")}
+        # A model config of another class (ModelOpt's ModelOptModelConfig, when --load holds
+        # ModelOpt state) would bring its own builder: refused.
+        from megatron.training.argument_utils import gpt_config_from_args
+        from megatron.training.models import GPTModelConfig
+
+        from megatron_lrmoe.arguments import ConfigError
+        from megatron_lrmoe.megatron_lm import lrmoe_model_config
+
+        other = type("OtherModelConfig", (GPTModelConfig,), {"builder": "elsewhere.Builder"})
+        try:
+            lrmoe_model_config(args, gpt_config_from_args(args, model_config_cls=other))
+        except ConfigError as exc:
+            out["other_config_refused"] = str(exc)
     return out
 
 
-def build(argv: list[str]) -> dict:
+def build(path: str, argv: list[str]) -> dict:
     import functools
+    import resource
 
-    import pretrain_gpt
     import torch
-
-    from megatron_lrmoe.megatron_lm import lrmoe_builder
 
     if "--use-cpu-initialization" not in argv:
         # Megatron's layers then create weights without a device argument, so the
         # meta default device below applies to all of them (checked by _describe's devices).
         argv = [*argv, "--use-cpu-initialization"]
     args = _parse(argv)
-    args.padded_vocab_size = args.vocab_size
     _init_world()
-    provider = functools.partial(pretrain_gpt.model_provider,
-                                 lrmoe_builder(pretrain_gpt.gpt_builder))
     with torch.device("meta"):
-        model = provider(True, True)
-    import resource
+        if path == "config":
+            model_cfg = _model_config(args)
+            model = model_cfg.get_builder_cls()(model_cfg).build_model(_pg_collection(),
+                                                                      True, True)
+        else:
+            import pretrain_gpt
 
+            from megatron_lrmoe.megatron_lm import lrmoe_builder
+
+            model = functools.partial(pretrain_gpt.model_provider,
+                                      lrmoe_builder(pretrain_gpt.gpt_builder))(True, True)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # Linux: KiB
     return {**_describe(model), "peak_rss_mib": peak_mib}
 
@@ -125,26 +188,20 @@ def checkpoint(workdir: str, argv: list[str]) -> dict:
     """Save and load through Megatron-LM's checkpointing (torch_dist, default strictness):
     an LRMoE model's step state comes back into a new LRMoE model; a plain model loads an
     LRMoE checkpoint, and an LRMoE model a plain one, without an error (planner fresh)."""
-    import functools
-
-    import pretrain_gpt
     import torch
     from megatron.training import checkpointing
 
     from megatron_lrmoe.lrmoe.step import finish_lrmoe_step, lrmoe_layers
-    from megatron_lrmoe.megatron_lm import lrmoe_builder
 
     lrmoe_ckpt, plain_ckpt = os.path.join(workdir, "lrmoe"), os.path.join(workdir, "plain")
     args = _parse([*argv, "--ckpt-format", "torch_dist", "--no-save-optim", "--no-load-optim",
                    "--no-load-rng"])
-    args.padded_vocab_size = args.vocab_size
     _init_world()
-    provider = functools.partial(pretrain_gpt.model_provider,
-                                 lrmoe_builder(pretrain_gpt.gpt_builder))
 
     def build(lrmoe: bool):
         args.moe_lrmoe = lrmoe
-        return provider(True, True)
+        model_cfg = _model_config(args)
+        return model_cfg.get_builder_cls()(model_cfg).build_model(_pg_collection(), True, True)
 
     def step(model) -> None:   # a forward-backward, then the step boundary the plugin runs
         tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length))
@@ -200,32 +257,25 @@ def checkpoint(workdir: str, argv: list[str]) -> dict:
 
 
 def rerun(argv: list[str]) -> dict:
-    """Megatron-LM's own train_step and training_log (core_v0.16.1) on an LRMoE model, with
-    the re-run state machine in validate_results mode and its error injector (rate 1,
+    """Megatron-LM's own setup_model_and_optimizer (from the config container, as
+    pretrain() calls it), train_step and training_log (core_v0.19.0) on an LRMoE model,
+    with the re-run state machine in validate_results mode and its error injector (rate 1,
     transient, the loss check not fatal): every step after the first runs twice. Returns
     the losses, forward-backward passes and planner states, to compare with a run
     without re-runs."""
-    import functools
-
-    import pretrain_gpt
     import torch
     from megatron.core import rerun_state_machine as rsm
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
-    from megatron.training import global_vars, training
+    from megatron.training import training
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     from megatron_lrmoe.lrmoe.step import lrmoe_layers
-    from megatron_lrmoe.megatron_lm import lrmoe_builder
 
     injected = "--error-injection-rate" in argv
     args = _parse([*argv, "--log-interval", "1000", "--eval-interval", "1000"])
-    args.padded_vocab_size = args.vocab_size
     _init_world()
-    for setter in (global_vars._set_tensorboard_writer, global_vars._set_wandb_writer,
-                   global_vars._set_one_logger, global_vars._set_adlr_autoresume,
-                   global_vars._set_timers, global_vars._set_energy_monitor):
-        setter(args)   # what set_global_variables does besides args and the calculator
     # initialize_megatron's machine, with Megatron-LM's own state functions.
     from megatron.core import tensor_parallel
 
@@ -239,10 +289,10 @@ def rerun(argv: list[str]) -> dict:
         error_injector=rsm.RerunErrorInjector(
             error_injection_rate=args.error_injection_rate,
             error_injection_type=rsm.RerunDiagnostic(args.error_injection_type)))
-    provider = functools.partial(pretrain_gpt.model_provider,
-                                 lrmoe_builder(pretrain_gpt.gpt_builder))
     model, optimizer, scheduler = training.setup_model_and_optimizer(
-        provider, ModelType.encoder_or_decoder)
+        ModelType.encoder_or_decoder,
+        cfg_container=pretrain_cfg_container_from_args(args, _model_config(args)),
+        pg_collection=_pg_collection())
     config = get_model_config(model[0])
     machine = rsm.get_rerun_state_machine()
     generator = torch.Generator().manual_seed(7)
@@ -293,12 +343,14 @@ def train(patched_dir: str, argv: list[str]) -> dict:
 
     result: dict = {}
 
-    def cpu_pretrain(datasets, model_provider, model_type, forward_step,
-                     extra_args_provider=None, args_defaults=None, **_kw):
-        args = _parse(argv, provider=extra_args_provider)
-        args.padded_vocab_size = args.vocab_size
+    def cpu_pretrain(full_config, datasets, model_type, forward_step, **_kw):
+        from megatron.training import get_args
+
+        args = get_args()    # parsed and validated by pretrain_gpt.py's __main__
         _init_world()
-        model = model_provider(True, True)
+        model_cfg = full_config.model
+        result["model_config"] = type(model_cfg).__name__
+        model = model_cfg.get_builder_cls()(model_cfg).build_model(_pg_collection(), True, True)
         result.update(_describe(model))
         tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length))
         position_ids = torch.arange(args.seq_length).unsqueeze(0).expand_as(tokens)
@@ -311,6 +363,7 @@ def train(patched_dir: str, argv: list[str]) -> dict:
         stats = [m.lrmoe_stats.summary() for m in model.modules() if isinstance(m, LRMoELayer)]
         result["retained"] = [s["retained-fraction"] for s in stats]
 
+    # pretrain_gpt.py imports pretrain from megatron.training when it runs.
     training.pretrain = cpu_pretrain
     sys.argv = ["pretrain_gpt.py", *argv]
     runpy.run_path(os.path.join(patched_dir, "pretrain_gpt.py"), run_name="__main__")
@@ -323,7 +376,7 @@ def train(patched_dir: str, argv: list[str]) -> dict:
 
 
 def _cpu_megatron_lm() -> None:
-    """Let Megatron-LM's ``pretrain()`` (core_v0.16.1) run on the CPU with gloo, one process
+    """Let Megatron-LM's ``pretrain()`` (core_v0.19.0) run on the CPU with gloo, one process
     per rank (torchrun), changing only what needs a GPU:
 
     * the CPU runtime (megatron_lrmoe.runtime.cpu), as the lean launcher uses it;
@@ -370,12 +423,12 @@ def _cpu_megatron_lm() -> None:
     initialize._initialize_distributed = seen_with_one_device(initialize._initialize_distributed)
     initialize._set_random_seed = seen_with_one_device(initialize._set_random_seed)
     initialize._compile_dependencies = _cpu_compile_dependencies
-    training.set_jit_fusion_options = lambda: None
+    training.set_jit_fusion_options = lambda *args, **kwargs: None
 
 
 def _cpu_compile_dependencies() -> None:
     """The dataset index helpers (megatron/core/datasets/helpers.cpp), which Megatron-LM
-    compiles with make on rank 0: taken from the installed megatron-core 0.16.1 when its
+    compiles with make on rank 0: taken from the installed megatron-core when its
     helpers.cpp is the checkout's (the checkout is the test's own copy)."""
     import filecmp
     import glob
@@ -444,8 +497,10 @@ def _checkpoint_digest(path: str) -> dict:
             "opt_param_scheduler": _jsonable(common.get("opt_param_scheduler"))}
 
 
-def pretrain(patched_dir: str, argv: list[str]) -> dict:
-    """PATCHED_DIR/pretrain_gpt.py's __main__ with Megatron-LM's own pretrain() on the CPU.
+def pretrain(script: str, argv: list[str]) -> dict:
+    """SCRIPT's __main__ with Megatron-LM's own pretrain() on the CPU: a patched
+    pretrain_gpt.py, or the wrapper scripts/pretrain_gpt_lrmoe.py (which finds the
+    checkout through $MEGATRON_LM).
 
     Records, after each iteration's training_log (where the plugin ends the LRMoE step):
     the iteration's loss as train_step reduced it, bitwise, and every LRMoE layer's step
@@ -484,7 +539,7 @@ def pretrain(patched_dir: str, argv: list[str]) -> dict:
 
     training.training_log = training_log
     exit_code = None
-    sys.argv = [os.path.join(patched_dir, "pretrain_gpt.py"), *argv]
+    sys.argv = [script, *argv]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as exc:
@@ -510,8 +565,11 @@ def main() -> None:
         find_megatron_lm(positional[0])
         out = train(positional[0], argv)
     elif command == "pretrain":
-        find_megatron_lm(positional[0])
-        out = pretrain(positional[0], argv)
+        script = positional[0]
+        # A patched pretrain_gpt.py names its checkout; the wrapper reads $MEGATRON_LM.
+        find_megatron_lm(os.path.dirname(script) if os.path.basename(script) == "pretrain_gpt.py"
+                         else None)
+        out = pretrain(script, argv)
         if out["rank"] != 0:    # one report per run (torchrun passes every rank's output)
             return
     elif command == "checkpoint":
@@ -520,9 +578,12 @@ def main() -> None:
     elif command == "rerun":
         find_megatron_lm()
         out = rerun(argv)
+    elif command == "build":
+        find_megatron_lm()
+        out = build(positional[0], argv)
     else:
         find_megatron_lm()
-        out = {"parse": parse, "build": build}[command](argv)
+        out = {"parse": parse, "flags": flags}[command](argv)
     print("PROBE " + json.dumps(out), flush=True)
 
 

@@ -1,5 +1,6 @@
 """Megatron-LM integration: launch scripts, the configs on both entry points, and (opt-in,
-with $MEGATRON_LM at core_v0.16.1) the patch and the wrapper against Megatron-LM itself."""
+with $MEGATRON_LM at a core_v0.19.0 checkout) the patch and the wrapper against Megatron-LM
+itself."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import sys
 
 import pytest
 import yaml
+
+from megatron_lrmoe.megatron_support import MEGATRON_LM_TAG, line, megatron_lm_version, supported
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["scripts/qwen3_30b_a3b_lrmoe.sh", "scripts/glm45_air_lrmoe.sh",
@@ -113,14 +116,54 @@ def test_patch_script_refusals_are_exactly_one_message(tmp_path):
 
     missing = tmp_path / "nowhere"
     assert refuse(missing) == f"error: {missing}: no such directory\n"
-    old = tmp_path / "mlm-0.15"
+    old = tmp_path / "mlm-0.16"
     (old / "megatron" / "core").mkdir(parents=True)
     (old / "pretrain_gpt.py").write_text("")
     assert refuse(old) == (f"error: {old}: no megatron/core/package_info.py; "
                            f"is this Megatron-LM?\n")
-    (old / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 15\nPATCH = 0\n")
-    assert refuse(old) == (f"error: {old} is megatron-core 0.15.0, the patch is for 0.16.1; "
-                           f"run: git -C {old} checkout core_v0.16.1\n")
+    info = old / "megatron" / "core" / "package_info.py"
+    info.write_text("MAJOR = 0\nMINOR = 16\nPATCH = 1\n")
+    assert refuse(old) == (f"error: {old} is megatron-core 0.16.1, the patch is for {line()}.x; "
+                           f"run: git -C {old} checkout {MEGATRON_LM_TAG}\n")
+
+
+def test_patch_script_accepts_any_release_of_the_supported_line(tmp_path):
+    """The version check takes major.minor (core_v0.19.0 reports 0.19.1): a later 0.19.x
+    gets past it to the patch itself, which then does not fit this empty pretrain_gpt.py
+    (exit 1, with what to do)."""
+    mlm = tmp_path / "mlm"
+    (mlm / "megatron" / "core").mkdir(parents=True)
+    (mlm / "pretrain_gpt.py").write_text("")
+    major, minor = line().split(".")
+    (mlm / "megatron" / "core" / "package_info.py").write_text(
+        f"MAJOR = {major}\nMINOR = {minor}\nPATCH = 7\n")
+    out = subprocess.run(["bash", os.path.join(REPO, "scripts", "apply_megatron_patch.sh"),
+                          str(mlm)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out
+    assert "the patch does not apply" in out.stderr and "is megatron-core" not in out.stderr
+    assert f"git -C {mlm} checkout {MEGATRON_LM_TAG} -- pretrain_gpt.py" in out.stderr
+    assert (mlm / "pretrain_gpt.py").read_text() == ""
+
+
+def test_integration_module_loads_neither_torch_nor_megatron():
+    """The wrapper imports megatron_lrmoe.megatron_lm before find_megatron_lm puts the
+    checkout first on sys.path: importing it must not load megatron (nor torch)."""
+    code = ("import sys, megatron_lrmoe.megatron_lm; "
+            "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out
+
+
+def test_without_moe_lrmoe_the_model_config_is_pretrain_gpts_own():
+    """The patch's lrmoe_model_config hands back pretrain_gpt.py's object untouched when
+    --moe-lrmoe is absent (same config, same builder, same model)."""
+    import argparse
+
+    from megatron_lrmoe.megatron_lm import lrmoe_model_config
+
+    model_cfg = object()
+    assert lrmoe_model_config(argparse.Namespace(moe_lrmoe=False), model_cfg) is model_cfg
 
 
 # -----------------------------------------------------------------------------
@@ -213,7 +256,7 @@ def test_tiny_variant_trains_through_the_launcher(gloo2, corpus, tmp_path, name)
 
 
 # -----------------------------------------------------------------------------
-# Opt-in: against a Megatron-LM checkout ($MEGATRON_LM at core_v0.16.1)
+# Opt-in: against a Megatron-LM checkout ($MEGATRON_LM at core_v0.19.0)
 # -----------------------------------------------------------------------------
 
 
@@ -221,15 +264,14 @@ def _megatron_lm() -> str | None:
     path = os.environ.get("MEGATRON_LM")
     if not path:
         return None
-    from megatron_lrmoe.megatron_lm import megatron_lm_version
-
-    return path if megatron_lm_version(path) == "0.16.1" else None
+    version = megatron_lm_version(path)
+    return path if version is not None and supported(version) else None
 
 
 needs_megatron_lm = pytest.mark.skipif(
     _megatron_lm() is None,
-    reason="opt-in: set MEGATRON_LM to a Megatron-LM core_v0.16.1 checkout (its imports also "
-           "need six, regex, pydantic and triton)")
+    reason=f"opt-in: set MEGATRON_LM to a Megatron-LM {MEGATRON_LM_TAG} checkout "
+           f"(megatron-core {line()}.x)")
 
 # Megatron-LM's Qwen3-30B-A3B flags (examples/post_training/modelopt and examples/rl), with
 # the CPU-only switches (local transformer, no fused kernels) and a token count for NullTokenizer.
@@ -274,30 +316,51 @@ def test_patch_applies_cleanly_and_twice_is_a_no_op(tmp_path):
     first = subprocess.run(["bash", *apply], capture_output=True, text=True)
     assert first.returncode == 0 and "applied" in first.stdout, first.stderr
     patched = (copy / "pretrain_gpt.py").read_text()
-    assert patched.count("lrmoe_") == 4
+    with open(os.path.join(_megatron_lm(), "pretrain_gpt.py")) as f:
+        original = f.read()
+    # The three lines the patch adds or changes, and nothing else.
+    import difflib
+
+    changed = [d for d in difflib.ndiff(original.splitlines(), patched.splitlines())
+               if d[:2] in ("+ ", "- ")]
+    assert changed == [
+        "+ from megatron_lrmoe.megatron_lm import lrmoe_args_provider, lrmoe_model_config"
+        "  # LRMoE plugin",
+        "-         extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,",
+        "+         extra_args_provider=lrmoe_args_provider(add_modelopt_args if "
+        "has_nvidia_modelopt else None),",
+        "+     model_cfg = lrmoe_model_config(args, model_cfg)  # LRMoE plugin"], changed
     second = subprocess.run(["bash", *apply], capture_output=True, text=True)
     assert second.returncode == 0 and "already applied" in second.stdout
     assert (copy / "pretrain_gpt.py").read_text() == patched
     undo = subprocess.run(["bash", apply[0], "--revert", str(copy)], capture_output=True,
                           text=True)
     assert undo.returncode == 0
-    with open(os.path.join(_megatron_lm(), "pretrain_gpt.py")) as f:
-        original = f.read()
     assert (copy / "pretrain_gpt.py").read_text() == original
 
 
 @needs_megatron_lm
 def test_megatron_lm_parser_gives_the_lrmoe_config():
-    fields = _probe_result(_probe("parse", "--", *QWEN3_ARGS, *LRMOE_ARGS))["fields"]
-    assert fields == {
+    parsed = _probe_result(_probe("parse", "--", *QWEN3_ARGS, *LRMOE_ARGS))
+    assert (parsed["model_config"], parsed["builder"], parsed["transformer_config"]) == (
+        "LRMoEGPTModelConfig", "LRMoEGPTModelBuilder", "LRMoETransformerConfig")
+    assert parsed["fields"] == {
         "moe_lrmoe": True, "moe_lrmoe_bwd_capacity_factor": 0.8, "moe_lrmoe_min_retention": 0.1,
         "moe_lrmoe_metric": "grad", "moe_lrmoe_selection": "sample",
         "moe_lrmoe_placement": "static", "num_moe_experts": 128, "moe_router_topk": 8,
         "moe_ffn_hidden_size": 768, "num_layers": 48, "hidden_size": 2048,
         "num_query_groups": 4, "kv_channels": 128, "qk_layernorm": True,
         "moe_token_dispatcher_type": "alltoall", "expert_tensor_parallel_size": 1}
-    # Without --moe-lrmoe the run is pretrain_gpt.py's: no LRMoE config is built.
-    assert _probe_result(_probe("parse", "--", *QWEN3_ARGS)) == {"moe_lrmoe": False}
+    assert parsed["gpt_fields"] == {
+        "vocab_size": 151936, "seq_length": 40960, "rotary_base": 1000000,
+        "position_embedding_type": "rope", "share_embeddings_and_output_weights": False}
+    assert parsed["other_config_refused"].startswith(
+        "--moe-lrmoe: pretrain_gpt.py chose a OtherModelConfig, whose builder would bypass "
+        "the LRMoE spec conversion")
+    # Without --moe-lrmoe the run is pretrain_gpt.py's: its own config, builder and class.
+    assert _probe_result(_probe("parse", "--", *QWEN3_ARGS)) == {
+        "moe_lrmoe": False, "model_config": "GPTModelConfig", "builder": "GPTModelBuilder",
+        "transformer_config": "TransformerConfig"}
 
 
 @needs_megatron_lm
@@ -306,7 +369,13 @@ def test_megatron_lm_parser_gives_the_lrmoe_config():
     (["--moe-lrmoe-min-retention", "1.5"], "--moe-lrmoe-min-retention: must be in [0, 1]"),
     (["--moe-token-dispatcher-type", "allgather"], "needs --moe-token-dispatcher-type alltoall"),
     (["--yaml-cfg", "x.yaml"], "--yaml-cfg builds a plain TransformerConfig"),
+    (["--multi-latent-attention"], "--multi-latent-attention: Megatron-LM then builds an "
+                                   "MLATransformerConfig"),
     (["--tensor-model-parallel-size", "2"], "--expert-tensor-parallel-size 1"),
+    # Megatron-LM-only dests, checked against the option table at parse time: a deprecated
+    # spelling (0.19 turns --cuda-graph-scope into --cuda-graph-modules) and upcycling.
+    (["--cuda-graph-scope", "attn"], "--cuda-graph-scope: CUDA graphs are not supported"),
+    (["--moe-use-upcycling"], "--moe-use-upcycling: not supported with --moe-lrmoe"),
 ])
 def test_bad_values_fail_with_a_clear_message(bad, message):
     out = _probe("parse", "--", *QWEN3_ARGS, *LRMOE_ARGS, *bad)
@@ -314,26 +383,64 @@ def test_bad_values_fail_with_a_clear_message(bad, message):
     assert message in out.stderr, out.stderr[-2000:]
 
 
+def _build(path: str, argv: list[str]) -> dict:
+    return _probe_result(_probe("build", path, "--", *argv))
+
+
 @needs_megatron_lm
-def test_wrapper_builds_qwen3_with_lrmoe_layers_on_the_meta_device():
-    argv = [*QWEN3_ARGS, *LRMOE_ARGS, "--num-layers", "2"]
-    built = _probe_result(_probe("build", "--", *argv))
+@pytest.mark.parametrize("path", ["config", "provider"])
+def test_builders_make_qwen3_with_lrmoe_layers_on_the_meta_device(path):
+    """Both build paths: the model config's builder (what pretrain() calls with the patch
+    or the wrapper) and partial(model_provider, lrmoe_builder(gpt_builder))."""
+    argv = [*QWEN3_ARGS, "--num-layers", "2"]
+    built = _build(path, [*argv, *LRMOE_ARGS])
     assert built["moe_layers"] == ["LRMoELayer", "LRMoELayer"]
     assert built["experts"] == ["LRMoESequentialMLP"]
     assert built["devices"] == ["meta"], "every parameter on the meta device, none in memory"
-    baseline = _probe_result(_probe("build", "--", *QWEN3_ARGS, "--num-layers", "2"))
+    baseline = _build(path, argv)
     assert baseline["moe_layers"] == ["MoELayer", "MoELayer"]
+    assert baseline["experts"] == ["SequentialMLP"]
     assert baseline["devices"] == ["meta"]
     assert baseline["params"] == built["params"], "same parameters with and without LRMoE"
 
 
 @needs_megatron_lm
-def test_wrapper_builds_full_qwen3_30b_a3b_on_the_meta_device():
-    """All 48 layers, 30.5 B parameters, without allocating their memory."""
-    built = _probe_result(_probe("build", "--", *QWEN3_ARGS, *LRMOE_ARGS))
+def test_full_qwen3_30b_a3b_has_the_same_parameters_with_and_without_lrmoe():
+    """All 48 layers, 30.5 B parameters, on the meta device (no memory for the weights)."""
+    built = _build("config", [*QWEN3_ARGS, *LRMOE_ARGS])
     assert built["moe_layers"] == ["LRMoELayer"] * 48 and built["devices"] == ["meta"]
     assert 30.0e9 < built["params"] < 31.0e9, built["params"]
     assert built["peak_rss_mib"] < 8 * 1024, built  # the weights alone would be 61 GB in bf16
+    baseline = _build("config", QWEN3_ARGS)
+    assert baseline["moe_layers"] == ["MoELayer"] * 48
+    assert baseline["params"] == built["params"]
+
+
+# What configs/*.yaml leaves to the launch scripts, for a CPU build: the local transformer
+# without fused kernels, bf16, and the Hugging Face vocabulary size (no tokenizer download).
+CPU_SWITCHES = ["--transformer-impl", "local", "--no-rope-fusion", "--no-bias-swiglu-fusion",
+                "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+                "--no-persist-layer-norm", "--tokenizer-type", "NullTokenizer", "--bf16"]
+
+
+@needs_megatron_lm
+def test_full_glm45_air_has_the_same_parameters_with_and_without_lrmoe():
+    """configs/glm45_air.yaml's model (46 layers: the first dense, 45 MoE with a shared
+    expert, QKV bias, sigmoid router with expert bias) plus the launch script's MTP layer,
+    on the meta device: every MoE layer, the MTP one included, is LRMoE's, and the
+    parameters are the baseline's (106.9 B, 109.2 B with the MTP layer)."""
+    from megatron_lrmoe.megatron_lm import config_to_flags
+
+    path = os.path.join(REPO, CONFIGS["glm"])
+    extra = [*CPU_SWITCHES, "--vocab-size", "151552", "--mtp-num-layers", "1"]
+    built = _build("config", [*config_to_flags(path), *extra])
+    assert built["moe_layers"] == ["LRMoELayer"] * 46, "45 decoder MoE layers and the MTP one"
+    assert built["experts"] == ["LRMoESequentialMLP"] and built["devices"] == ["meta"]
+    assert 109.0e9 < built["params"] < 109.5e9, built["params"]
+    assert built["peak_rss_mib"] < 8 * 1024, built
+    baseline = _build("config", [*config_to_flags(path, lrmoe=False), *extra])
+    assert baseline["moe_layers"] == ["MoELayer"] * 46
+    assert baseline["params"] == built["params"]
 
 
 @pytest.fixture(scope="module")
@@ -356,26 +463,54 @@ def test_patched_pretrain_gpt_trains_a_step_on_cpu(patched_megatron_lm):
             "--moe-lrmoe-bwd-capacity-factor", "0.5"]
     tiny.remove("--bf16")
     result = _probe_result(_probe("train", str(copy), "--", *tiny))
+    assert result["model_config"] == "LRMoEGPTModelConfig"
     assert result["moe_layers"] == ["LRMoELayer", "LRMoELayer"]
     assert result["grads"] > 0 and result["loss"] > 0
     assert all(0.0 < r < 1.0 for r in result["retained"]), result["retained"]
 
 
+LAUNCH_SCRIPTS = ["scripts/qwen3_30b_a3b_lrmoe.sh", "scripts/glm45_air_lrmoe.sh"]
+
+
+def _entry_argv(cmd: list[str]) -> list[str]:
+    """The flags a dry-run command hands to pretrain_gpt.py (after the entry script)."""
+    entry = next(i for i, c in enumerate(cmd) if c.endswith(("pretrain_gpt_lrmoe.py",
+                                                               "pretrain_gpt.py")))
+    return cmd[entry + 1:]
+
+
 @needs_megatron_lm
-@pytest.mark.parametrize("script", ["scripts/qwen3_30b_a3b_lrmoe.sh",
-                                    "scripts/glm45_air_lrmoe.sh"])
-def test_launch_script_flags_parse_in_megatron_lm(script):
-    """Every flag the launch scripts pass is one Megatron-LM's parser (plus ours) knows."""
+@pytest.mark.parametrize("script", LAUNCH_SCRIPTS)
+@pytest.mark.parametrize("env", [{}, {"LRMOE": "0"}, {"LAYOUT": "40gb", "MTP": "1"}],
+                         ids=["lrmoe", "baseline", "40gb-mtp"])
+def test_launch_script_dry_run_flags_are_megatron_lm_flags(script, env):
+    """The exact flags of --dry-run, parsed by the checkout's own parser
+    (megatron.training.arguments.parse_args, strict: an unknown or renamed flag is an
+    error) with the LRMoE provider."""
+    cmd = _dry_run(script, MEGATRON_LM=_megatron_lm(), DATA_PATH="/data/x_text_document", **env)
+    out = _probe("flags", "--", *_entry_argv(cmd))
+    parsed = _probe_result(out)
+    assert parsed["moe_lrmoe"] is (env.get("LRMOE") != "0")
+    assert parsed["num_experts"] == 128 and parsed["data_path"] == ["/data/x_text_document"]
+
+
+@needs_megatron_lm
+@pytest.mark.parametrize("script", LAUNCH_SCRIPTS)
+def test_launch_script_flags_validate_in_megatron_lm(script):
+    """Every flag the launch scripts pass (the optimizer offload included: validate_args
+    does not need Transformer Engine for it), through Megatron-LM's parser, its
+    validate_args and the LRMoE model config, on one rank (TP=PP=EP=1)."""
     cmd = _dry_run(script, MEGATRON_LM=_megatron_lm(), NNODES="1", TP="1", PP="1", EP="1")
-    entry = next(i for i, c in enumerate(cmd) if c.endswith("pretrain_gpt_lrmoe.py"))
-    # CPU stand-ins for the GPU kernels (TE, fused rope/softmax/swiglu), as in QWEN3_ARGS.
-    argv = cmd[entry + 1:] + ["--transformer-impl", "local", "--no-rope-fusion",
-                              "--no-bias-swiglu-fusion", "--no-masked-softmax-fusion",
-                              "--no-gradient-accumulation-fusion", "--no-persist-layer-norm"]
-    argv = [a for a in argv if a not in ("--use-precision-aware-optimizer",
-                                         "--optimizer-cpu-offload")]  # need TE's fused Adam
-    out = _probe("parse", "--", *argv)
-    assert _probe_result(out)["moe_lrmoe"] is True
+    # CPU stand-ins for the GPU kernels (TE, fused rope/softmax/swiglu), as in QWEN3_ARGS,
+    # and the vocabulary size the Hugging Face tokenizer would give (no download here).
+    vocab = "151936" if "qwen3" in script else "151552"
+    argv = _entry_argv(cmd) + ["--transformer-impl", "local", "--no-rope-fusion",
+                               "--no-bias-swiglu-fusion", "--no-masked-softmax-fusion",
+                               "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+                               "--vocab-size", vocab]
+    parsed = _probe_result(_probe("parse", "--", *argv))
+    assert parsed["moe_lrmoe"] is True and parsed["model_config"] == "LRMoEGPTModelConfig"
+    assert parsed["fields"]["num_moe_experts"] == 128
 
 
 @needs_megatron_lm
@@ -449,15 +584,21 @@ def _loop_flags(save: str, *extra: str) -> list[str]:
     return flags
 
 
-def _pretrain(patched: str, flags: list[str], timeout: int = 300) -> tuple[dict, str]:
+def _pretrain(patched: str, flags: list[str], timeout: int = 300,
+              wrapper_of: str | None = None) -> tuple[dict, str]:
     """The probe's ``pretrain`` under torchrun on two ranks: rank 0's report, and the
-    run's output (Megatron-LM's log lines)."""
+    run's output (Megatron-LM's log lines). Runs the patched checkout's pretrain_gpt.py,
+    or with ``wrapper_of`` (an unpatched checkout) scripts/pretrain_gpt_lrmoe.py on it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    script = os.path.join(patched, "pretrain_gpt.py")
+    if wrapper_of is not None:
+        env["MEGATRON_LM"] = wrapper_of
+        script = os.path.join(REPO, "scripts", "pretrain_gpt_lrmoe.py")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "2",
                           os.path.join(REPO, "tests", "_megatron_lm_probe.py"), "pretrain",
-                          patched, "--", *flags],
+                          script, "--", *flags],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return _probe_result(out), out.stdout
 
@@ -555,3 +696,33 @@ def test_megatron_lm_fatal_rerun_checkpoint_holds_the_pre_step_state(
     assert fatal["iterations"][0]["lrmoe"] == after[1]
     assert list(fatal["checkpoint"]["lrmoe"].values()) == after[1]
     assert after[2] != after[1]
+
+
+@pytest.fixture(scope="module")
+def unpatched_megatron_lm(tmp_path_factory) -> str:
+    """A copy of the checkout, unpatched (the probe puts the dataset helpers into it)."""
+    copy = tmp_path_factory.mktemp("megatron_lm_plain") / "mlm"
+    shutil.copytree(_megatron_lm(), copy, ignore=shutil.ignore_patterns("__pycache__", ".git"))
+    return str(copy)
+
+
+@needs_megatron_lm
+def test_wrapper_trains_exactly_as_the_patched_pretrain_gpt(unpatched_megatron_lm,
+                                                            uninterrupted_loop, tmp_path):
+    """scripts/pretrain_gpt_lrmoe.py on the unpatched checkout runs Megatron-LM's pretrain()
+    as the patched pretrain_gpt.py does: the same losses, LRMoE step states, LRMoE log
+    lines and final checkpoint, bitwise."""
+    straight, straight_log, _ = uninterrupted_loop
+    wrapped, wrapped_log = _pretrain(unpatched_megatron_lm,
+                                     _loop_flags(str(tmp_path / "wrapper")),
+                                     wrapper_of=unpatched_megatron_lm)
+    assert wrapped["world"] == 2 and wrapped["exit_code"] is None
+    assert wrapped["iterations"] == straight["iterations"]
+    assert wrapped["checkpoint"] == straight["checkpoint"]
+    assert _logged_losses(wrapped_log) == _logged_losses(straight_log)
+
+    def lrmoe_lines(log: str) -> list[str]:
+        return re.findall(r" \[LRMoE\] iteration .*", log)
+
+    assert len(lrmoe_lines(wrapped_log)) == LOOP_ITERS
+    assert lrmoe_lines(wrapped_log) == lrmoe_lines(straight_log)

@@ -383,16 +383,12 @@ MEGATRON_LM_ONLY_REFUSING = [row.name for row in MEGATRON_OPTIONS
                              if row.args_only and row.refuse is not None]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "megatron_lm._lrmoe_view passes only the LRMoE options and three Megatron dests to the "
-    "parse-time check; it must also pass the table's Megatron-LM-only arguments (rows with "
-    "args_only) for these to be named at parse time. Until then --moe-use-upcycling fails "
-    "later, when the dense model is built (--num-experts), and --cuda-graph-scope is refused "
-    "as --cuda-graph-modules when the config is built."))
 @pytest.mark.parametrize("name", MEGATRON_LM_ONLY_REFUSING)
 def test_megatron_lm_parse_time_check_sees_megatron_lm_only_arguments(name):
-    args = argparse.Namespace(**{o.field: o.default for o in OPTIONS}, moe_lrmoe=True,
-                              num_experts=4, moe_token_dispatcher_type="alltoall",
+    """Megatron-LM-only arguments (no TransformerConfig field) are refused at parse time,
+    named, not later under another flag's name."""
+    defaults = {o.field: o.default for o in OPTIONS} | {"moe_lrmoe": True}
+    args = argparse.Namespace(**defaults, num_experts=4, moe_token_dispatcher_type="alltoall",
                               add_bias_linear=False, moe_expert_capacity_factor=None,
                               expert_tensor_parallel_size=1, tensor_model_parallel_size=1,
                               yaml_cfg=None, **{name: REFUSED_EXAMPLES[name]})

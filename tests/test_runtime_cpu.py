@@ -61,7 +61,7 @@ _BLOCKERS = textwrap.dedent(
     probe("recompute_under_cpu_device_mode",
           lambda: tensor_parallel.checkpoint(
               cuda_literal_layer, False, torch.ones(2, requires_grad=True)).sum().backward())
-    # 0.16.1 needed a fix for this one (te_general_gemm_placeholder); 0.19 does not.
+    # Megatron's own placeholder without TE (moe_utils); no fix needed for it.
     out["te_general_gemm"] = repr(moe_utils.te_general_gemm)
     print(json.dumps(out))
     """

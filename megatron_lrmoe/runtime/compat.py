@@ -4,11 +4,8 @@
 ``moe_act``) sets ``self.fp8 = fp8 is not None`` (megatron/core/tensor_parallel/random.py:740
 in 0.19.2), True for its default ``fp8=False``, and then asks Transformer Engine's
 ``FP8GlobalStateManager`` (random.py:693), a NameError without TE. Without TE there is no
-FP8, so the flag is made False. The launcher applies this on every machine; the CPU
-runtime includes it.
-
-(0.16.1 also needed ``moe_utils.te_general_gemm`` defined without TE; 0.19 defines it as
-``None`` itself, moe_utils.py:41-53.)
+FP8, so the flag is made False. The launcher applies this on every machine, the
+Megatron-LM integration with ``--moe-lrmoe``; the CPU runtime includes it.
 """
 
 from __future__ import annotations
