@@ -297,9 +297,22 @@ def test_explicit_backend_for_another_device_is_refused(kernels):
         resolve_backend("cpu", "cuda")
 
 
-def test_cuda_request_without_cuda_build(kernels, fresh_warnings, caplog):
-    if kernels.built_with_cuda():
-        pytest.skip("this build has CUDA support")
+class _WithoutCuda:
+    """The compiled extension as a build without its CUDA part would present it."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def built_with_cuda(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def test_cuda_request_without_cuda_build(kernels, fresh_warnings, caplog, monkeypatch):
+    # Where nvcc was found the build has CUDA (setup.sh): stand in for one without it.
+    monkeypatch.setattr(backend_mod, "_kernels", _WithoutCuda(kernels))
     with pytest.raises(ValueError, match=r"--moe-lrmoe-kernels cuda.*bash scripts/setup\.sh"):
         resolve_backend("cuda", "cuda")
     with caplog.at_level(logging.WARNING, logger=backend_mod.__name__):
