@@ -34,7 +34,6 @@
 #include <tuple>
 
 #include "combine_rows.h"
-#include "compact_rows.h"
 #include "scatter_add_rows.h"
 #include "select_rows.h"
 
@@ -51,10 +50,7 @@ namespace lrmoe {
 // ATen, and kernels/scatter_add_rows.h stays free of torch for nvcc).
 void scatter_add_rows_cpu(const at::Tensor& out, const at::Tensor& index, const at::Tensor& src,
                           const std::optional<at::Tensor>& scale);
-// Defined in kernels/compact_rows.cpp and kernels/select_rows.cpp, for the
-// same reason.
-void compact_rows_cpu(const at::Tensor& out, const at::Tensor& src, const at::Tensor& kept_index,
-                      const std::optional<at::Tensor>& scale);
+// Defined in kernels/select_rows.cpp, for the same reason.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows_cpu(const at::Tensor& metric,
                                                                const at::Tensor& cell_offsets,
                                                                const at::Tensor& quotas,
@@ -164,39 +160,6 @@ void check_scatter_args(const at::Tensor& out, const at::Tensor& index, const at
                       ", out on ", device);
     TORCH_CHECK_VALUE(s.is_contiguous(), "scatter_add_rows: scale must be contiguous");
     at::assert_no_overlap(out, s);
-  }
-}
-
-void check_compact_args(const at::Tensor& src, const at::Tensor& kept_index,
-                        const std::optional<at::Tensor>& scale) {
-  TORCH_CHECK_VALUE(src.dim() == 2, "compact_rows: src must be 2-D [P, H], got shape ",
-                    src.sizes());
-  TORCH_CHECK_VALUE(kept_index.dim() == 1, "compact_rows: kept_index must be 1-D [K], got shape ",
-                    kept_index.sizes());
-  TORCH_CHECK_TYPE(is_supported_float(src.scalar_type()),
-                   "compact_rows: src must be float32, float64, float16 or bfloat16, got ",
-                   src.scalar_type());
-  TORCH_CHECK_TYPE(kept_index.scalar_type() == at::kLong || kept_index.scalar_type() == at::kInt,
-                   "compact_rows: kept_index must be int64 or int32, got ",
-                   kept_index.scalar_type());
-  const at::Device device = src.device();
-  TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(),
-                    "compact_rows: tensors must be on a CPU or CUDA device, got ", device);
-  TORCH_CHECK_VALUE(kept_index.device() == device, "compact_rows: kept_index is on ",
-                    kept_index.device(), ", src on ", device);
-  TORCH_CHECK_VALUE(src.is_contiguous(), "compact_rows: src must be contiguous");
-  TORCH_CHECK_VALUE(kept_index.is_contiguous(), "compact_rows: kept_index must be contiguous");
-  if (scale.has_value()) {
-    const at::Tensor& s = *scale;
-    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == kept_index.size(0),
-                      "compact_rows: scale must be 1-D [K] with K = ", kept_index.size(0),
-                      ", got shape ", s.sizes());
-    TORCH_CHECK_TYPE(s.scalar_type() == src.scalar_type() || s.scalar_type() == at::kFloat,
-                     "compact_rows: scale must have src's dtype (", src.scalar_type(),
-                     ") or float32, got ", s.scalar_type());
-    TORCH_CHECK_VALUE(s.device() == device, "compact_rows: scale is on ", s.device(), ", src on ",
-                      device);
-    TORCH_CHECK_VALUE(s.is_contiguous(), "compact_rows: scale must be contiguous");
   }
 }
 
@@ -368,41 +331,6 @@ at::Tensor scatter_add_rows(at::Tensor out, const at::Tensor& index, const at::T
   return out;
 #else
   TORCH_CHECK_VALUE(false, "scatter_add_rows: out is on ", out.device(),
-                    " but megatron_lrmoe._kernels was built without CUDA support; rebuild it "
-                    "on a machine with a CUDA build of torch and the CUDA toolkit");
-  return out;
-#endif
-}
-
-// out[j, :] = scale[j] * src[kept_index[j], :]; returns the new [K, H] out.
-at::Tensor compact_rows(const at::Tensor& src, const at::Tensor& kept_index,
-                        const std::optional<at::Tensor>& scale, bool check) {
-  check_compact_args(src, kept_index, scale);
-  at::Tensor out = at::empty({kept_index.size(0), src.size(1)}, src.options());
-  if (kept_index.size(0) == 0) {
-    return out;
-  }
-
-  if (src.device().is_cpu()) {
-    compact_rows_cpu(out, src, kept_index, scale);
-    return out;
-  }
-
-#ifdef WITH_CUDA
-  const c10::cuda::CUDAGuard guard(src.device());
-  if (check) {
-    check_index_range_cuda(kept_index, src.size(0), "compact_rows", "kept_index", "P", "src");
-  }
-  const char* err = compact_rows_cuda(
-      out.data_ptr(), src.const_data_ptr(), kept_index.const_data_ptr(),
-      scale.has_value() ? scale->const_data_ptr() : nullptr, src.size(0), kept_index.size(0),
-      src.size(1), to_float_type(src.scalar_type()), to_index_type(kept_index.scalar_type()),
-      to_scale_type(scale, src.scalar_type()),
-      c10::cuda::getCurrentCUDAStream(src.device().index()).stream());
-  TORCH_CHECK(err == nullptr, "compact_rows: CUDA launch failed: ", err);
-  return out;
-#else
-  TORCH_CHECK_VALUE(false, "compact_rows: src is on ", src.device(),
                     " but megatron_lrmoe._kernels was built without CUDA support; rebuild it "
                     "on a machine with a CUDA build of torch and the CUDA toolkit");
   return out;
@@ -606,10 +534,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_add_rows", &lrmoe::scatter_add_rows,
         "out[index[i], :] += scale[i] * src[i, :] in place; returns out", py::arg("out"),
         py::arg("index"), py::arg("src"), py::arg("scale") = py::none(),
-        py::arg("check") = true, py::call_guard<py::gil_scoped_release>());
-  m.def("compact_rows", &lrmoe::compact_rows,
-        "out[j, :] = scale[j] * src[kept_index[j], :]; returns the new [K, H] out",
-        py::arg("src"), py::arg("kept_index"), py::arg("scale") = py::none(),
         py::arg("check") = true, py::call_guard<py::gil_scoped_release>());
   m.def("select_rows", &lrmoe::select_rows,
         "per-cell row selection (rule 'topk', 'sample', 'uniform' or 'hybrid'); returns "

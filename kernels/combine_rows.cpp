@@ -17,7 +17,7 @@
 // adds column c in ascending order), combined by a fixed pairwise tree: a
 // fixed order (bitwise reproducible on this backend) that the compiler can
 // vectorise without reassociating. The scaled row is one product in op-math
-// rounded once, as compact_rows rounds.
+// rounded once, as scatter_add_rows rounds its products.
 //
 // -ffp-contract=off (setup.py) keeps products and sums from fusing into FMAs.
 // Tensor checks are done by the caller (kernels/bindings.cpp); this file

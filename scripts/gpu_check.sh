@@ -8,7 +8,7 @@
 #      machine by scripts/prepare_gpu_wheels.sh into the git-ignored wheels/) into
 #      .gpu_site/ with pip --no-index, and build megatron_lrmoe._kernels in place with the
 #      machine's torch. Online (no WHEELS): LRMOE_GPU=1 bash scripts/setup.sh.
-#   2. the CUDA backend of scatter_add_rows, select_rows, compact_rows, combine_rows and
+#   2. the CUDA backend of scatter_add_rows, select_rows, combine_rows and
 #      combine_rows_backward against their pure-torch references on random inputs
 #      (inline below: the kernel test files have no CUDA-parametrised cases)
 #   3. scripts/gpu_sync_check.py: the LRMoE forward after the counts exchange and the
@@ -128,15 +128,15 @@ PYEOF
 # shellcheck disable=SC2329  # invoked through bash -c (export -f) under timeout
 cuda_kernel_check() {
   "$PY" - <<'PYEOF'
-"""CUDA backend of the three compaction kernels vs their pure-torch references."""
+"""CUDA backend of the compaction and combine kernels vs their pure-torch references."""
 import sys
 
 import torch
 
 from megatron_lrmoe.ops import (
     combine_rows, combine_rows_backward, combine_rows_backward_reference, combine_rows_reference,
-    compact_rows, compact_rows_reference, cuda_kernels_available, describe_backend,
-    scatter_add_rows, scatter_add_rows_reference, select_rows, select_rows_reference,
+    cuda_kernels_available, describe_backend, scatter_add_rows, scatter_add_rows_reference,
+    select_rows, select_rows_reference,
 )
 
 assert torch.cuda.is_available(), "no CUDA device"
@@ -153,19 +153,6 @@ def check(name, ok, detail=""):
     if not ok:
         failures.append(name)
 
-
-# compact_rows: bitwise (one rounding of scale x row in op-math, every backend).
-for dtype in (torch.float32, torch.bfloat16, torch.float16):
-    for p, k, h in ((0, 0, 8), (7, 3, 1), (1000, 613, 2048), (4096, 4096, 2048)):
-        src = torch.randn(p, h, generator=g).to(dtype)
-        idx = torch.randint(0, max(p, 1), (k,), generator=g) if p else torch.zeros(0, dtype=torch.long)
-        for scale in (None, torch.rand(k, generator=g), torch.rand(k, generator=g).to(dtype)):
-            ref = compact_rows_reference(src, idx, scale)
-            out = compact_rows(src.to(dev), idx.to(dev), None if scale is None else scale.to(dev),
-                               backend="cuda")
-            tag = "none" if scale is None else str(scale.dtype)
-            check(f"compact_rows {dtype} P={p} K={k} H={h} scale={tag}",
-                  out.is_cuda and torch.equal(out.cpu(), ref))
 
 # select_rows: bitwise for every rule (the recipes are fixed operation for operation).
 for rule, fraction in (("topk", 0.5), ("sample", 0.5), ("uniform", 0.5), ("hybrid", 0.5),

@@ -1,11 +1,11 @@
-"""Compaction kernels: select_rows and compact_rows vs brute force, statistics, round trip.
+"""Compaction kernels: select_rows vs brute force, statistics, round trip with scatter_add_rows.
 
 Oracles, all written from the specs in the ops' docstrings and independent of
 the ops' code: ``brute_select`` below (per cell, in plain Python: topk by
 sorting on (-metric, position); sample by the documented recipe step by step in
 Python floats; uniform/hybrid by the documented splitmix64 keys, computed by
 this file's own splitmix64 on Python ints, checked against SplitMix64's known
-outputs); a per-row loop for compact_rows; the iterative capping of the
+outputs); the iterative capping of the
 inclusion probabilities; and statistical tests of the sampling design with
 fixed seeds. Every CPU backend ("cpu" = compiled, "torch") must equal the
 brute force bitwise.
@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_lrmoe.ops import compact_rows, scatter_add_rows, select_rows
+from megatron_lrmoe.ops import scatter_add_rows, select_rows
 from megatron_lrmoe.ops.select import _sample_cell, cell_uniform, splitmix64
 
 RULES = ["topk", "sample", "uniform", "hybrid"]  # hybrid at its default fraction 0.5
@@ -610,138 +610,7 @@ def test_select_ignores_autograd(kernels):
 
 
 # ---------------------------------------------------------------------------
-# compact_rows
-# ---------------------------------------------------------------------------
-
-# (P, K, H): rows of src, kept rows, hidden size.
-COMPACT_SHAPES = [
-    (5, 0, 8),  # K = 0
-    (0, 0, 3),  # P = 0
-    (7, 5, 0),  # H = 0
-    (1, 6, 5),  # every index repeats row 0
-    (40, 17, 1),
-    (300, 120, 700),
-]
-
-
-def naive_compact(src: torch.Tensor, index: torch.Tensor,
-                  scale: torch.Tensor | None) -> torch.Tensor:
-    """The spec as a loop: row by row, the product in op-math, rounded to the dtype once."""
-    acc = torch.float64 if src.dtype == torch.float64 else torch.float32
-    out = torch.empty(index.numel(), src.shape[1], dtype=src.dtype)
-    for j, i in enumerate(index.tolist()):
-        out[j] = src[i] if scale is None else (src[i].to(acc) * scale[j].to(acc)).to(src.dtype)
-    return out
-
-
-def make_compact_inputs(p, k, h, dtype, index_dtype, scale_dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randn(p, h, generator=g).to(dtype)
-    index = torch.randint(0, max(p, 1), (k,), generator=g).to(index_dtype)
-    scale = None if scale_dtype is None else (torch.rand(k, generator=g) * 3).to(scale_dtype)
-    return src, index, scale
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("shape", COMPACT_SHAPES, ids=lambda s: "P{}-K{}-H{}".format(*s))
-@pytest.mark.parametrize("scale_kind", ["none", "same", "fp32"])
-@pytest.mark.parametrize("index_dtype", INDEX_DTYPES, ids=str)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_compact_matches_naive_loop(kernels, backend, shape, scale_kind, index_dtype, dtype):
-    p, k, h = shape
-    scale_dtype = {"none": None, "same": dtype, "fp32": torch.float32}[scale_kind]
-    src, index, scale = make_compact_inputs(p, k, h, dtype, index_dtype, scale_dtype)
-    src_before = src.clone()
-    out = compact_rows(src, index, scale, backend=backend)
-    assert out.shape == (k, h) and out.dtype == dtype and out.is_contiguous()
-    assert torch.equal(out, naive_compact(src, index, scale))
-    assert torch.equal(src, src_before)
-    if k and h:
-        assert out.data_ptr() != src.data_ptr()
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    p=st.integers(1, 30),
-    k=st.integers(0, 50),
-    h=st.integers(0, 300),
-    dtype=st.sampled_from(FLOAT_DTYPES),
-    scaled=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_compact_random_shapes(kernels, p, k, h, dtype, scaled, seed):
-    src, index, scale = make_compact_inputs(
-        p, k, h, dtype, torch.int64, torch.float32 if scaled else None, seed
-    )
-    expected = naive_compact(src, index, scale)
-    for backend in CPU_BACKENDS:
-        assert torch.equal(compact_rows(src, index, scale, backend=backend), expected)
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("bad", [7, -1, 1000])
-@pytest.mark.parametrize("index_dtype", INDEX_DTYPES, ids=str)
-def test_compact_out_of_range_index_raises(kernels, backend, bad, index_dtype):
-    src, index, _ = make_compact_inputs(7, 9, 3, torch.float32, index_dtype, None)
-    index[4] = bad
-    with pytest.raises(IndexError, match=rf"{bad}.*outside \[0, P\) with P = 7"):
-        compact_rows(src, index, backend=backend)
-    with pytest.raises(IndexError, match=r"outside \[0, P\) with P = 0"):
-        compact_rows(src[:0], index, backend=backend)
-
-
-def _bad_compact_calls():
-    return [
-        ("src-int", TypeError, lambda s, i: (s.long(), i, None)),
-        ("index-float", TypeError, lambda s, i: (s, i.float(), None)),
-        ("scale-f64", TypeError, lambda s, i: (s, i, torch.ones(4, dtype=torch.float64))),
-        ("src-1d", ValueError, lambda s, i: (s[:, 0], i, None)),
-        ("index-2d", ValueError, lambda s, i: (s, i[None], None)),
-        ("scale-len", ValueError, lambda s, i: (s, i, torch.ones(3))),
-        ("index-meta", ValueError, lambda s, i: (s, i.to("meta"), None)),
-        ("scale-meta", ValueError, lambda s, i: (s, i, torch.ones(4, device="meta"))),
-    ]
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize(
-    "exc,make_args", [c[1:] for c in _bad_compact_calls()], ids=[c[0] for c in _bad_compact_calls()]
-)
-def test_compact_bad_arguments_raise(kernels, backend, exc, make_args):
-    src, index, _ = make_compact_inputs(6, 4, 3, torch.float32, torch.int64, None)
-    with pytest.raises(exc, match="compact_rows"):
-        compact_rows(*make_args(src, index), backend=backend)
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_compact_accepts_strided_inputs_by_copying(kernels, backend):
-    src, index, scale = make_compact_inputs(12, 8, 10, torch.float32, torch.int64, torch.float32)
-    src_t = src.t().contiguous().t()
-    index_s = torch.stack([index, index], 1)[:, 0]
-    scale_s = torch.stack([scale, scale], 1)[:, 0]
-    out = compact_rows(src_t, index_s, scale_s, backend=backend)
-    assert torch.equal(out, naive_compact(src, index, scale))
-
-
-def test_compact_binding_refuses_strided_inputs(kernels):
-    src, index, _ = make_compact_inputs(12, 8, 10, torch.float32, torch.int64, None)
-    with pytest.raises(ValueError, match="src must be contiguous"):
-        kernels.compact_rows(src.t().contiguous().t(), index)
-    with pytest.raises(ValueError, match="kept_index must be contiguous"):
-        kernels.compact_rows(src, torch.stack([index, index], 1)[:, 0])
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_compact_refused_under_autograd(kernels, backend):
-    src = torch.randn(4, 3, requires_grad=True)
-    with pytest.raises(RuntimeError, match="no autograd"):
-        compact_rows(src, torch.tensor([0, 2]), backend=backend)
-    with torch.no_grad():
-        assert torch.equal(compact_rows(src, torch.tensor([0, 2]), backend=backend), src[[0, 2]])
-
-
-# ---------------------------------------------------------------------------
-# Round trip: select -> compact -> scatter_add_rows into zeros
+# Round trip: select -> pack the kept rows -> scatter_add_rows into zeros
 # ---------------------------------------------------------------------------
 
 
@@ -758,14 +627,14 @@ def test_round_trip_compact_then_scatter(kernels, rule, dtype):
     mask = torch.zeros(p, dtype=torch.bool)
     mask[kept] = True
 
-    packed = compact_rows(src, kept, backend="cpu")
+    packed = src.index_select(0, kept)  # the kept rows, packed with plain torch indexing
     out = scatter_add_rows(torch.zeros(p, h, dtype=dtype), kept, packed, backend="cpu")
     assert torch.equal(out[mask], src[mask]), "kept rows come back unchanged"
     assert bool((out[~mask] == 0).all()), "dropped rows stay zero"
 
-    # Scaled on the way out: each kept row is src * scale, rounded once.
-    packed = compact_rows(src, kept, scale, backend="cpu")
-    out = scatter_add_rows(torch.zeros(p, h, dtype=dtype), kept, packed, backend="cpu")
+    # Scaled on the way back (scatter_add_rows' fp32 scale): each kept row is
+    # src * scale, rounded once.
+    out = scatter_add_rows(torch.zeros(p, h, dtype=dtype), kept, packed, scale, backend="cpu")
     expected = torch.zeros(p, h, dtype=dtype)
     expected[kept] = (src[kept].float() * scale[:, None]).to(dtype)
     assert torch.equal(out, expected)

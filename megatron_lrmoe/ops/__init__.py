@@ -19,7 +19,6 @@ from megatron_lrmoe.ops.combine import (
     combine_rows_backward_reference,
     combine_rows_reference,
 )
-from megatron_lrmoe.ops.compact import compact_rows, compact_rows_reference
 from megatron_lrmoe.ops.scatter_add_rows import scatter_add_rows, scatter_add_rows_reference
 from megatron_lrmoe.ops.select import select_rows, select_rows_reference
 
@@ -29,8 +28,6 @@ __all__ = [
     "combine_rows_backward",
     "combine_rows_backward_reference",
     "combine_rows_reference",
-    "compact_rows",
-    "compact_rows_reference",
     "cuda_kernels_available",
     "debug_checks",
     "describe_backend",

@@ -31,7 +31,7 @@ Backward: ``combine_rows_backward(dy, src, token, scale, slot, w, n_out)``
   dscale[i] = <dy[token[i]], src[i]>                       for every pair
   out[slot[i]] = (scale[i] * w[slot[i]]) * dy[token[i]]    for slot[i] >= 0
   The factor scale * w is formed in op-math and rounded once with the row
-  (compact_rows' rounding). Rows of ``out`` that no slot names are left
+  (as scatter_add_rows rounds its products). Rows of ``out`` that no slot names are left
   unwritten: ``slot`` must map the kept pairs one-to-one onto [0, K). The dot
   product's summation order is each backend's own (reproducible per backend, not
   bitwise across them).
