@@ -18,8 +18,10 @@ bound row work, all-to-all bytes, router, fixed per-call cost, the planner's hos
 the replica refresh per step, the MoE
 memory per rank against the budget, the MoE time per optimizer step and, with
 steps-to-target ratios measured by the time-to-loss study (an assumption, stated in the
-report), the projected cumulative MoE time to the target relative to dropless and to
-SYMI-style. docs/simulate.md describes the assumptions.
+report; the measured steps are read from ``--steps-to-target``, by default
+``STEPS_TO_TARGET_FILE`` under benchmarks/results/), the projected cumulative MoE time to
+the target relative to dropless and to SYMI-style. docs/simulate.md describes the
+assumptions.
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ from megatron_lrmoe.lrmoe.region import default_retention_in_forward
 from megatron_lrmoe.provenance import code_version
 from megatron_lrmoe.routing_trace import read_routing_trace, regroup_sources
 
-__all__ = ["CLUSTERS", "MODELS", "POLICIES", "ClusterSpec", "ModelSpec", "Policy",
-           "capacity_drop", "machine_constants", "node_calibration", "simulate",
-           "source_batches"]
+__all__ = ["CLUSTERS", "MODELS", "POLICIES", "STEPS_TO_TARGET_FILE", "ClusterSpec",
+           "ModelSpec", "Policy", "capacity_drop", "load_steps_to_target", "machine_constants",
+           "node_calibration", "simulate", "source_batches", "steps_ratios"]
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -445,21 +447,66 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
 
 
 # ------------------------------------------------------------------------------ report
-# Steps to the dropless run's 100% loss target, (policy's steps, the same seed's dropless
-# steps), measured by the time-to-loss study at the GEMM-bound shape (hidden 384, expert
-# FFN 1024, 4 micro-batches; benchmarks/results/time_to_loss/h384_f1024_mb4/): stdlib
-# seeds 1-3 (confirm/, seed 1 also screen/) and the man pages' seed 1 (manpages/);
-# lrmoe-drop (uniform 0.75, static) ran in the screen only. STEPS_RATIO is the median of
-# the per-pair ratios: an assumption at other scales; --steps-ratio overrides.
-STEPS_TO_TARGET = {
-    "capacity-drop": ((171, 150), (165, 145), (108, 128), (189, 141)),
-    "symi": ((143, 150), (142, 145), (108, 128), (139, 141)),
-    "lrmoe-drop": ((169, 150),),
-    "lrmoe-ma": ((141, 150), (135, 145), (119, 128), (162, 141)),
-}
-STEPS_RATIO = {"dropless": 1.0} | {
-    name: statistics.median(steps / dropless for steps, dropless in pairs)
-    for name, pairs in STEPS_TO_TARGET.items()}
+# The steps-to-target figures are measured data, so they live with the study they come
+# from, not here: steps_to_target.json lists, per policy, (policy's steps, the same seed's
+# dropless steps) to the dropless run's 100% loss target with the runs and the commit of
+# each (docs/simulate.md, "Outputs"). A policy's ratio is the median of its per-pair
+# ratios: an assumption at other scales; --steps-ratio overrides single policies.
+STEPS_TO_TARGET_FILE = (ROOT / "benchmarks" / "results" / "time_to_loss" / "h384_f1024_mb4"
+                        / "steps_to_target.json")
+
+
+def _steps(value: object) -> bool:
+    # bool is an int to Python, but true/false in the file is a typo, not a step count.
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def load_steps_to_target(path: Path) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Per policy other than dropless (``POLICIES`` order), its (steps, the same seed's
+    dropless steps) pairs from a steps-to-target file (``STEPS_TO_TARGET_FILE`` is the
+    shipped one; its ``"what"`` and ``"fields"`` describe the format). Raises ValueError
+    naming ``--steps-to-target`` and the file when it is missing or malformed."""
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"--steps-to-target {path}: {problem}")
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise bad(f"cannot read it ({e.strerror or e})") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"not JSON ({e})") from e
+    policies = doc.get("policies") if isinstance(doc, dict) else None
+    if not isinstance(policies, dict):
+        raise bad('expected a JSON object with a "policies" object')
+    # Every policy the simulator prices needs its figures: one left out would project
+    # to NaN (or, for SYMI-style, silently to 1.0 in the "vs SYMI" column).
+    wanted = [p.name for p in POLICIES if p.name != "dropless"]
+    unknown = sorted(set(policies) - set(wanted))
+    missing = [name for name in wanted if name not in policies]
+    if unknown or missing:
+        raise bad(f"policies must be exactly {', '.join(wanted)} (dropless is 1 by "
+                  f"definition); unknown: {', '.join(unknown) or '-'}, missing: "
+                  f"{', '.join(missing) or '-'}")
+    out: dict[str, tuple[tuple[int, int], ...]] = {}
+    for name in wanted:
+        pairs = policies[name].get("pairs") if isinstance(policies[name], dict) else None
+        if not isinstance(pairs, list) or not pairs:
+            raise bad(f'policy {name!r}: expected {{"pairs": [...]}} with at least one pair')
+        for i, pair in enumerate(pairs):
+            if not (isinstance(pair, dict) and _steps(pair.get("steps"))
+                    and _steps(pair.get("dropless_steps"))):
+                raise bad(f'policy {name!r}, pair {i}: expected "steps" and "dropless_steps" '
+                          f"as integers >= 1, got {pair!r}")
+        out[name] = tuple((pair["steps"], pair["dropless_steps"]) for pair in pairs)
+    return out
+
+
+def steps_ratios(steps_to_target: dict[str, tuple[tuple[int, int], ...]]) -> dict[str, float]:
+    """Steps to target relative to dropless per policy: dropless 1, every other policy the
+    median of its pairs' steps / dropless steps."""
+    return {"dropless": 1.0} | {
+        name: statistics.median(steps / dropless for steps, dropless in pairs)
+        for name, pairs in steps_to_target.items()}
 
 
 PART_NAMES = ("gemm", "memory", "alltoall", "router", "fixed", "planner")
@@ -580,9 +627,15 @@ def main(argv: list[str] | None = None) -> int:
                          "(GEMM rate and tables, memory rate, a measured layer fixed cost); "
                          "the interconnect stays the cluster's (a one-GPU calibration's "
                          "all-to-all is a memory copy)")
+    ap.add_argument("--steps-to-target", type=Path, default=STEPS_TO_TARGET_FILE,
+                    metavar="FILE",
+                    help="JSON of measured steps to the loss target per policy and seed, "
+                         "whose per-policy median ratio to dropless scales the projection "
+                         "(default: the time-to-loss study's, "
+                         f"{STEPS_TO_TARGET_FILE.relative_to(ROOT)})")
     ap.add_argument("--steps-ratio", nargs="*", default=[], metavar="POLICY=RATIO",
-                    help="steps to target relative to dropless (default: the time-to-loss "
-                         "study's)")
+                    help="steps to target relative to dropless, replacing --steps-to-target's "
+                         "for the policies given")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--planner-ms", type=float, default=None,
                     help="the planner's host time per call (ms) for the policies that run it; "
@@ -596,7 +649,10 @@ def main(argv: list[str] | None = None) -> int:
     calibration = json.loads(args.calibration.read_text()) if args.calibration else None
     if calibration is not None and args.calibration_scope == "node":
         calibration = node_calibration(calibration)
-    steps_ratio = dict(STEPS_RATIO)
+    try:
+        steps_ratio = steps_ratios(load_steps_to_target(args.steps_to_target))
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
     for item in args.steps_ratio:
         name, _, value = item.partition("=")
         if name not in steps_ratio or not value:

@@ -94,7 +94,14 @@ INVALID = [
     (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
     (["--sequence-parallel"], 2, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (["--max-position-embeddings", "32"], 2, "--seq-length (64) exceeds --max-position-embeddings"),
-    (["--lr-warmup-iters", "11"], 2, "--lr-warmup-iters (11) must be below --train-iters (10)"),
+    (["--lr-warmup-iters", "11"], 2, "--lr-warmup-iters (11) must be below --train-iters (10); "
+                                     "lower it, or give --lr-warmup-fraction"),
+    (["--lr-warmup-fraction", "1"], 2, "--lr-warmup-fraction must be in [0, 1), got 1.0"),
+    (["--lr-warmup-fraction", "0.5", "--lr-warmup-iters", "2"], 2,
+     "--lr-warmup-iters (2) and --lr-warmup-fraction (0.5) are exclusive"),
+    (["--lr-warmup-fraction", "0.5", "--lr-decay-iters", "40"], 2,
+     "--lr-warmup-fraction (0.5) x --lr-decay-iters (40) gives 20 warm-up iterations, not "
+     "below --train-iters (10)"),
     (["--save-interval", "5"], 2, "--save-interval needs --save"),
     (["--moe-grouped-gemm"], 2, "--moe-grouped-gemm needs Transformer Engine"),
     (["--num-query-groups", "2"], 2, "--num-query-groups needs --group-query-attention"),
@@ -113,6 +120,34 @@ def test_invalid_configuration_names_the_flag(world, extra, world_size, message)
     with pytest.raises(ConfigError) as err:
         parse_args(BASE + extra)
     assert message in str(err.value)
+
+
+TINY_MOE = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "configs", "tiny_moe.yaml")]
+
+
+def test_demo_warmup_scales_with_the_run(world, tmp_path):
+    """configs/tiny_moe.yaml's warm-up is a fraction: 20 iterations of 200 as before (every
+    value the builders read is the same as with --lr-warmup-iters 20), 2 of a 20-iteration
+    run; a warm-up given on the command line replaces the config's fraction."""
+    config = ["--config", *TINY_MOE, "--mock-data"]
+    default = parse_args(config)
+    assert (default.train_iters, default.lr_warmup_iters) == (200, 20)
+    old_style = parse_args(config + ["--lr-warmup-iters", "20"])
+    assert old_style.lr_warmup_fraction is None
+    assert {k: v for k, v in vars(default).items() if k != "lr_warmup_fraction"} == {
+        k: v for k, v in vars(old_style).items() if k != "lr_warmup_fraction"}
+    assert parse_args(config + ["--train-iters", "20"]).lr_warmup_iters == 2
+    assert parse_args(config + ["--train-iters", "5"]).lr_warmup_iters == 0  # round(0.5)
+    assert parse_args(config + ["--train-iters", "20", "--lr-warmup-iters=5"]).lr_warmup_iters == 5
+    # The other way round: a config's iterations, a command-line fraction.
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lr-warmup-iters: 8\n")
+    args = parse_args(BASE + ["--config", str(cfg), "--lr-warmup-fraction", "0.2"])
+    assert (args.lr_warmup_iters, args.lr_warmup_fraction) == (2, 0.2)
+    cfg.write_text("lr-warmup-iters: 8\nlr-warmup-fraction: 0.2\n")
+    with pytest.raises(ConfigError, match="are exclusive"):
+        parse_args(BASE + ["--config", str(cfg)])
 
 
 def test_missing_data_path(world):
@@ -167,7 +202,7 @@ def test_megatron_core_refusal_is_reported_cleanly():
 
 
 # -----------------------------------------------------------------------------
-# LRMoE options: one table (lrmoe/config.py OPTIONS), the flags of both entry points
+# LRMoE options: one table (lrmoe/options.py OPTIONS), the flags of both entry points
 # generated from it, every check naming the flag whichever path raised it.
 # -----------------------------------------------------------------------------
 
@@ -388,15 +423,53 @@ def test_generated_flags_equal_the_table(entry):
 
 
 def test_config_fields_equal_the_table():
+    """The config's moe_lrmoe* fields are written out in lrmoe/config.py: one per option,
+    in the table's order, with its annotation and default, so the two cannot drift."""
     from megatron.core.transformer import TransformerConfig
 
     from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
 
     assert issubclass(LRMoETransformerConfig, TransformerConfig)
+    assert dataclasses.is_dataclass(LRMoETransformerConfig)
     fields = [f for f in dataclasses.fields(LRMoETransformerConfig)
               if f.name.startswith("moe_lrmoe")]
-    assert [(f.name, f.default) for f in fields] == [(o.field, o.default) for o in OPTIONS]
-    assert LRMoETransformerConfig(**LRMOE_CONFIG).moe_lrmoe_bwd_capacity_factor == 1.0
+    # Only the LRMoE fields are named so: none of Megatron's is (a later Megatron adding
+    # one would be shadowed silently).
+    assert not [f.name for f in dataclasses.fields(TransformerConfig)
+                if f.name.startswith("moe_lrmoe")]
+    assert [f.name for f in fields] == [o.field for o in OPTIONS]
+    for f, o in zip(fields, OPTIONS, strict=True):
+        # The type itself, not a string: the module must not postpone annotations.
+        assert f.type == o.annotation, f.name
+        assert f.default == o.default and type(f.default) is type(o.default), f.name
+        assert f.default_factory is dataclasses.MISSING and f.init, f.name
+        assert f.metadata["option"] is o and f.metadata["help"] == o.help, f.name
+    built = LRMoETransformerConfig(**LRMOE_CONFIG)
+    assert built.moe_lrmoe_bwd_capacity_factor == 1.0
+    assert {o.field: getattr(built, o.field) for o in OPTIONS[1:]} == {
+        o.field: o.default for o in OPTIONS[1:]}
+
+
+def test_config_survives_copy_and_pickle():
+    # Megatron's SequentialMLP deepcopies the config when moe_ffn_hidden_size differs
+    # from ffn_hidden_size; checkpoints and spawned workers pickle it.
+    import copy
+    import pickle
+
+    from megatron_lrmoe.lrmoe.config import LRMoETransformerConfig
+
+    config = LRMoETransformerConfig(**{**LRMOE_CONFIG, "moe_lrmoe_selection": "hybrid",
+                                       "moe_lrmoe_hybrid_fraction": 0.25,
+                                       "moe_lrmoe_log_interval": 3})
+    for clone in (copy.deepcopy(config), pickle.loads(pickle.dumps(config))):
+        assert type(clone) is LRMoETransformerConfig
+        assert dataclasses.asdict(clone).keys() == dataclasses.asdict(config).keys()
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            if not callable(value):     # init methods: new partials, equal only by identity
+                assert getattr(clone, f.name) == value, f.name
+        assert (clone.moe_lrmoe_selection, clone.moe_lrmoe_hybrid_fraction,
+                clone.moe_lrmoe_log_interval) == ("hybrid", 0.25, 3)
 
 
 def test_lrmoe_values_without_moe_lrmoe_are_checked(world, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -11,14 +12,17 @@ from megatron_lrmoe import routing_trace as rt
 from megatron_lrmoe.simulate import (
     CLUSTERS,
     POLICIES,
+    STEPS_TO_TARGET_FILE,
     ModelSpec,
     capacity_drop,
+    load_steps_to_target,
     load_traces,
     machine_constants,
     main,
     node_calibration,
     simulate,
     source_batches,
+    steps_ratios,
 )
 
 H100 = CLUSTERS["h100"]
@@ -230,3 +234,105 @@ def test_model_specs_count_moe_layers():
     qwen = ModelSpec.from_config("qwen3-30b-a3b", MODELS["qwen3-30b-a3b"])
     assert (glm.num_layers, qwen.num_layers) == (45, 48)   # GLM's first layer is dense
     assert (qwen.num_experts, qwen.topk, qwen.ffn_hidden_size) == (128, 8, 768)
+
+
+# The time-to-loss study's steps to the 100% target as simulate.py held them before they
+# moved to STEPS_TO_TARGET_FILE (commit 5857613): data, so written out here as the
+# independent check that the shipped file still says the same.
+STUDY_STEPS = {
+    "capacity-drop": ((171, 150), (165, 145), (108, 128), (189, 141)),
+    "symi": ((143, 150), (142, 145), (108, 128), (139, 141)),
+    "lrmoe-drop": ((169, 150),),
+    "lrmoe-ma": ((141, 150), (135, 145), (119, 128), (162, 141)),
+}
+
+
+def test_shipped_steps_to_target_are_the_studys():
+    steps = load_steps_to_target(STEPS_TO_TARGET_FILE)
+    assert steps == STUDY_STEPS
+    ratios = steps_ratios(steps)
+    assert list(ratios) == [p.name for p in POLICIES]
+    # The ratios simulate.STEPS_RATIO held before the move, to the last bit (the middle
+    # two of each policy's four sorted per-pair ratios, averaged), and as the report
+    # prints them (docs/simulate.md, "Outputs").
+    assert ratios == {"dropless": 1.0, "capacity-drop": 1.1389655172413793,
+                      "symi": 0.9663218390804598, "lrmoe-drop": 1.1266666666666667,
+                      "lrmoe-ma": 0.9355172413793102}
+    assert ratios["symi"] == (143 / 150 + 142 / 145) / 2
+    assert [round(r, 3) for r in ratios.values()] == [1.0, 1.139, 0.966, 1.127, 0.936]
+
+
+def test_shipped_steps_to_target_match_the_run_reports():
+    # Every pair names the two runs it comes from: their report's per-seed steps and the
+    # code commit each run recorded must be the file's.
+    doc = json.loads(STEPS_TO_TARGET_FILE.read_text())
+    root = STEPS_TO_TARGET_FILE.parents[4] / doc["root"]
+    assert root == STEPS_TO_TARGET_FILE.parent
+    for entry in doc["policies"].values():
+        for pair in entry["pairs"]:
+            stage = pair["run"].split("/")[0]
+            per_seed = json.loads((root / stage / "report.json").read_text())["per_seed"]
+            steps = {(r["policy"], r["seed"]): r["steps"] for r in per_seed}
+            assert steps[(entry["study_policy"], pair["seed"])] == pair["steps"]
+            assert steps[("megatron-dropless", pair["seed"])] == pair["dropless_steps"]
+            for run in (pair["run"], pair["dropless_run"]):
+                done = json.loads((root / run / "done.json").read_text())
+                assert done["code"] == f"commit {pair['code']}"
+
+
+def _steps_file(tmp_path, policies) -> str:
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps({"policies": policies}))
+    return str(path)
+
+
+def _pairs(*pairs):
+    return {"pairs": [{"steps": s, "dropless_steps": d} for s, d in pairs]}
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda p: p.pop("symi"), "missing: symi"),
+    (lambda p: p.update(dropless=_pairs((1, 1))), "unknown: dropless"),
+    (lambda p: p.update(symi={"pairs": []}), "policy 'symi': expected"),
+    (lambda p: p.update(symi=_pairs((0, 150))), "policy 'symi', pair 0"),
+    (lambda p: p.update(symi=_pairs((140, 150.0))), "policy 'symi', pair 0"),
+    (lambda p: p.update(symi=_pairs((140, 150), (True, 150))), "policy 'symi', pair 1"),
+])
+def test_malformed_steps_to_target_names_the_option(tmp_path, change, problem):
+    policies = {name: _pairs(*pairs) for name, pairs in STUDY_STEPS.items()}
+    assert load_steps_to_target(_steps_file(tmp_path, policies)) == STUDY_STEPS
+    change(policies)
+    path = _steps_file(tmp_path, policies)
+    with pytest.raises(ValueError, match=f"^--steps-to-target {path}: .*{problem}"):
+        load_steps_to_target(path)
+    # The command line stops with the same words, before simulating anything.
+    with pytest.raises(SystemExit, match=f"^--steps-to-target {path}: .*{problem}"):
+        main(["--steps-to-target", path, "--ep", "8", "--layers", "1", "--steps", "1"])
+
+
+def test_missing_or_unparsable_steps_to_target_names_the_option(tmp_path):
+    missing = tmp_path / "none.json"
+    with pytest.raises(SystemExit, match=f"^--steps-to-target {missing}: cannot read it"):
+        main(["--steps-to-target", str(missing), "--ep", "8"])
+    for text, problem in (("{", "not JSON"), ("[]", '"policies" object'),
+                          ('{"policies": []}', '"policies" object')):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=f"^--steps-to-target {bad}: .*{problem}"):
+            load_steps_to_target(bad)
+
+
+def test_steps_to_target_file_scales_the_projection(tmp_path, capsys):
+    # Another file's medians reach the report: capacity drop at twice dropless's steps
+    # projects to twice its per-step ratio.
+    policies = {name: _pairs(*pairs) for name, pairs in STUDY_STEPS.items()}
+    policies["capacity-drop"] = _pairs((300, 150), (200, 100), (1, 1))
+    args = ["--ep", "8", "--layers", "1", "--steps", "1", "--planner-ms", "1", "--out"]
+    assert main([*args, str(tmp_path / "a"), "--steps-to-target",
+                 _steps_file(tmp_path, policies)]) == 0
+    capsys.readouterr()
+    md = (tmp_path / "a" / "simulate_qwen3-30b-a3b_h100.md").read_text()
+    row = md.split("| 8 | Megatron capacity drop, cf 1.0 |")[1].split("|")
+    vs_dropless, to_target = float(row[10]), float(row[11])
+    assert to_target == pytest.approx(2 * vs_dropless, abs=2e-3)
+    assert "capacity-drop 2.000" in md

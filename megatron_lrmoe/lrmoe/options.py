@@ -3,8 +3,9 @@
 ``OPTIONS`` is the one definition of every ``--moe-lrmoe*`` option: config field,
 type, default, choices, check and help text. From it come
 
-* the fields of ``LRMoETransformerConfig``, Megatron's TransformerConfig plus the
-  ``moe_lrmoe*`` fields (same-named fields are how Megatron-LM's
+* the ``moe_lrmoe*`` fields of ``LRMoETransformerConfig``, Megatron's TransformerConfig
+  plus one field per option, written out in ``config.py`` with the type and default
+  given here (a test holds the two equal; same-named fields are how Megatron-LM's
   ``core_transformer_config_from_args`` fills a config class);
 * the ``--moe-lrmoe*`` flags of both entry points (``arguments.add_lrmoe_args``:
   the lean launcher's parser and Megatron-LM's argument provider);
@@ -20,7 +21,7 @@ Megatron's own options is the table ``MEGATRON_OPTIONS`` (lrmoe/megatron_options
 This module imports neither torch nor Megatron: the launchers build their parsers and
 the flag tools read configs from the table alone (``python -m megatron_lrmoe.megatron_lm
 flags`` runs before torchrun, where megatron.core may only be reachable through the
-checkout). ``config.py`` builds the config class from it.
+checkout). ``config.py``, which imports Megatron, holds the config class.
 
 Defaults are those of docs/design.md, "Flags"; the backward capacity (1.0) and the
 selection (uniform) were chosen by the time-to-loss studies (docs/benchmarks.md,
