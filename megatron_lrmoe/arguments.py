@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import warnings
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -213,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of --lr-decay-iters, rounded to whole "
+                        "iterations (instead of --lr-warmup-iters, as in Megatron-LM)")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -307,17 +311,42 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> dict[str, An
     return defaults
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse flags (with ``--config`` defaults), fill derived values, validate."""
+def parse_args(argv: Sequence[str] | None = None,
+               world_size: int | None = None) -> argparse.Namespace:
+    """Parse flags (with ``--config`` defaults), fill derived values, validate.
+
+    ``world_size`` defaults to ``WORLD_SIZE`` (torchrun's); the pre-flight check of
+    ``megatron_lrmoe.launch`` passes the one torchrun is about to start.
+    """
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
         parser.set_defaults(**load_yaml_config(pre.config, parser))
     args = parser.parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    _warmup_from_one_source(args, sys.argv[1:] if argv is None else argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     fill_derived_args(args, world_size)
     validate_args(args, world_size)
     return args
+
+
+def _warmup_from_one_source(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """``--lr-warmup-iters`` and ``--lr-warmup-fraction`` are exclusive (Megatron-LM); one
+    given on the command line replaces the other's value from ``--config``, as any
+    command-line flag overrides the file (``--lr-warmup-iters 5`` with a config that sets
+    a fraction)."""
+    given = {flag for flag in ("--lr-warmup-iters", "--lr-warmup-fraction")
+             if any(a == flag or a.startswith(flag + "=") for a in argv)}
+    if given == {"--lr-warmup-iters"}:
+        args.lr_warmup_fraction = None
+    elif given == {"--lr-warmup-fraction"}:
+        args.lr_warmup_iters = 0
+    elif args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        raise ConfigError(
+            f"--lr-warmup-iters ({args.lr_warmup_iters}) and --lr-warmup-fraction "
+            f"({args.lr_warmup_fraction}) are exclusive; give one of them"
+        )
 
 
 def fill_derived_args(args: argparse.Namespace, world_size: int) -> None:
@@ -337,6 +366,10 @@ def fill_derived_args(args: argparse.Namespace, world_size: int) -> None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    # Checked in validate_args; a fraction scales the warm-up with the run's length.
+    if (args.lr_warmup_fraction is not None and 0 <= args.lr_warmup_fraction < 1
+            and args.lr_decay_iters is not None):
+        args.lr_warmup_iters = round(args.lr_warmup_fraction * args.lr_decay_iters)
     if args.transformer_impl is None:
         args.transformer_impl = "transformer_engine" if _te_usable() else "local"
 
@@ -482,11 +515,21 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
             f"({args.data_parallel_size})"
         )
+    if args.lr_warmup_fraction is not None and not 0 <= args.lr_warmup_fraction < 1:
+        raise ConfigError(
+            f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
     if args.lr_warmup_iters and args.lr_warmup_iters >= args.train_iters:
         # Megatron's scheduler needs warm-up strictly shorter than the decay.
+        if args.lr_warmup_fraction is not None:
+            raise ConfigError(
+                f"--lr-warmup-fraction ({args.lr_warmup_fraction}) x --lr-decay-iters "
+                f"({args.lr_decay_iters}) gives {args.lr_warmup_iters} warm-up iterations, "
+                f"not below --train-iters ({args.train_iters}); lower the fraction"
+            )
         raise ConfigError(
             f"--lr-warmup-iters ({args.lr_warmup_iters}) must be below --train-iters "
-            f"({args.train_iters})"
+            f"({args.train_iters}); lower it, or give --lr-warmup-fraction to scale the "
+            f"warm-up with the run"
         )
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr ({args.min_lr}) exceeds --lr ({args.lr})")

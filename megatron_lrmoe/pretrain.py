@@ -7,9 +7,10 @@ schedules (``get_forward_backward_func``), DistributedDataParallel,
 ``get_megatron_optimizer``, OptimizerParamScheduler, dist_checkpointing and
 GPTDataset. On a machine without CUDA it enables the CPU/gloo runtime.
 
-Run it under torchrun, e.g. expert parallel over two CPU processes::
+Run it under torchrun, e.g. expert parallel over two CPU processes, through
+``megatron_lrmoe.launch``, which checks the flags before torchrun starts workers::
 
-    torchrun --nproc-per-node 2 -m megatron_lrmoe.pretrain --config configs/tiny_moe.yaml
+    python -m megatron_lrmoe.launch --nproc-per-node 2 --config configs/tiny_moe.yaml
 
 The file reads top to bottom: setup, then the training loop, then the summary.
 """
@@ -279,23 +280,30 @@ def evaluate(args, model, forward_backward, valid_dataset, device, moe_timer) ->
 
 
 def main(argv: list[str] | None = None) -> dict:
-    # On CPU, before anything imports megatron.core (most of its known benign warnings
-    # fire at import): hide those, and say in one line what they were about.
-    cpu_note = None
-    if not torch.cuda.is_available():
-        from megatron_lrmoe.runtime.cpu import quiet_known_cpu_warnings
+    # Before anything imports megatron.core (most of its known benign warnings fire at
+    # import): hide those; on CPU, say in one line what they were about.
+    from megatron_lrmoe.runtime.cpu import quiet_known_warnings
 
-        cpu_note = quiet_known_cpu_warnings()
+    cpu_note = quiet_known_warnings()
+    args = parse_args_or_exit(argv)
+    if cpu_note and int(os.environ.get("RANK", "0")) == 0:
+        print(cpu_note, flush=True)
+    return train(args)
+
+
+def parse_args_or_exit(argv: list[str] | None = None,
+                       world_size: int | None = None) -> argparse.Namespace:
+    """Every check that needs no process group (ours, then Megatron-Core's config); a
+    refusal is one ``error:`` line on stderr (rank 0) and exit status 2. Also the
+    pre-flight check of ``megatron_lrmoe.launch``, before torchrun starts workers."""
     try:
-        args = parse_args(argv)
+        args = parse_args(argv, world_size)
         check_megatron_accepts(args)
     except ConfigError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    if cpu_note and int(os.environ.get("RANK", "0")) == 0:
-        print(cpu_note, flush=True)
-    return train(args)
+    return args
 
 
 def check_megatron_accepts(args: argparse.Namespace) -> None:

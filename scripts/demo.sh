@@ -3,6 +3,8 @@
 # the LRMoE layer (--moe-lrmoe with its defaults: backward capacity 1.0, uniform selection), expert parallel over 2 processes
 # (gloo), on the CPython standard library sources.
 #   bash scripts/demo.sh [extra launcher flags, e.g. --train-iters 50]
+#                                    # (the LR warm-up is 10% of --train-iters: the config's
+#                                    # --lr-warmup-fraction; --lr-warmup-iters N overrides it)
 #   LRMOE=0 bash scripts/demo.sh     # the same run with Megatron's own MoE layer
 # Bootstraps .venv and prepares the corpus (both once), trains for a few minutes, then
 # writes the run's report (PNGs under runs/demo/report/) and prints its files.
@@ -17,8 +19,10 @@ run=runs/demo
 lrmoe=(--moe-lrmoe)
 if [ "${LRMOE:-1}" = 0 ]; then lrmoe=(); run=runs/demo_megatron; fi
 mkdir -p "$run"
-.venv/bin/torchrun --nproc-per-node 2 --master-port "${MASTER_PORT:-29512}" \
-  -m megatron_lrmoe.pretrain --config configs/tiny_moe.yaml \
+# megatron_lrmoe.launch checks the flags first (a refused one: one error line, exit 2),
+# then runs torchrun ... -m megatron_lrmoe.pretrain with them.
+.venv/bin/python -m megatron_lrmoe.launch --nproc-per-node 2 --master-port "${MASTER_PORT:-29512}" \
+  --config configs/tiny_moe.yaml \
   --data-path data/stdlib --data-cache-path data/cache \
   --tensorboard-dir "$run/tensorboard" --log-json "$run/log.jsonl" "${lrmoe[@]}" "$@"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -170,3 +171,80 @@ def _free_port() -> int:
     from megatron_lrmoe.testing.gloo_pool import free_port
 
     return free_port()
+
+
+# -----------------------------------------------------------------------------
+# megatron_lrmoe.launch: the flags are checked before torchrun starts any worker
+# -----------------------------------------------------------------------------
+
+
+def test_launch_splits_torchrun_options_from_launcher_flags():
+    from megatron_lrmoe.launch import split_argv, world_size_of
+
+    torchrun, flags = split_argv(["--nproc-per-node", "2", "--master-port=29999", "--standalone",
+                                  "--config", "c.yaml", "--log-interval", "5"])
+    assert torchrun == ["--nproc-per-node", "2", "--master-port=29999", "--standalone"]
+    assert flags == ["--config", "c.yaml", "--log-interval", "5"]
+    assert split_argv(["--nnodes", "1", "--", "--seed", "1"]) == (["--nnodes", "1"],
+                                                                  ["--seed", "1"])
+    assert world_size_of(["--nnodes", "2", "--nproc_per_node", "3"]) == 6
+    assert world_size_of([]) == 1
+    assert world_size_of(["--nnodes", "1:2", "--nproc-per-node", "2"]) is None  # elastic
+
+
+def test_launch_flag_names_do_not_overlap_torchrun_options():
+    """The split takes the first name torchrun does not know as the launcher's: a flag of
+    the launcher with a torchrun name would be handed to torchrun instead."""
+    from torch.distributed.run import get_args_parser
+
+    from megatron_lrmoe.arguments import build_parser
+
+    ours = set(build_parser()._option_string_actions) - {"-h", "--help"}
+    assert not ours & set(get_args_parser()._option_string_actions)
+
+
+def _launch(*argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "megatron_lrmoe.launch", *argv], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_launch_refuses_before_any_worker_starts():
+    """One error line, exit status 2, no worker output and no torchrun traceback; the world
+    size checked is the one --nproc-per-node asks for."""
+    port = str(_free_port())
+    proc = _launch("--nproc-per-node", "3", "--master-port", port, *TINY, "--mock-data",
+                   "--train-iters", "4", "--expert-model-parallel-size", "2")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("error: --expert-model-parallel-size (2) x "
+                           "--expert-tensor-parallel-size (1) must divide the ranks of a pipeline "
+                           "stage (3); launch more processes or lower them\n")
+    assert proc.stdout == ""
+    proc = _launch("--nproc-per-node", "2", "-m", "megatron_lrmoe.pretrain", *TINY)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: -m is not for megatron_lrmoe.launch"), proc.stderr
+
+
+def test_demo_refused_flag_prints_one_error_line(tmp_path):
+    """The demo as a user runs it, with setup stubbed (the suite's environment is set up
+    already; a real setup.sh run may rebuild it): a refused flag is exactly one line on
+    stderr and exit status 2. Its corpus is the demo's own (data/, prepared once)."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(REPO, "scripts", "demo.sh"), root / "scripts" / "demo.sh")
+    (root / "scripts" / "setup.sh").write_text("exit 0\n")
+    os.makedirs(os.path.join(REPO, "data"), exist_ok=True)
+    for name in (".venv", "configs", "data"):
+        os.symlink(os.path.join(REPO, name), root / name)
+    env = dict(os.environ, PYTHONPATH=REPO, MASTER_PORT=str(_free_port()))
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(["bash", str(root / "scripts" / "demo.sh"), "--train-iters", "20",
+                           "--lr-warmup-iters", "20"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=900, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("error: --lr-warmup-iters (20) must be below --train-iters (20); "
+                           "lower it, or give --lr-warmup-fraction to scale the warm-up with "
+                           "the run\n")
+    assert "report of" not in proc.stdout  # nothing after the refusal ran
+    assert not (root / "runs").exists() or not os.listdir(root / "runs" / "demo")

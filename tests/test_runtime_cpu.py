@@ -109,15 +109,37 @@ def test_noop_when_cuda_available(monkeypatch):
 
 _WARNINGS = textwrap.dedent(
     """
-    import logging, os, sys, warnings
+    import logging, os, sys, tempfile, warnings
     if sys.argv[1] == "quiet":
-        from megatron_lrmoe.runtime.cpu import quiet_known_cpu_warnings
-        print("NOTE", quiet_known_cpu_warnings(), flush=True)
+        from megatron_lrmoe.runtime.cpu import quiet_known_warnings
+        print("NOTE", quiet_known_warnings(), flush=True)
     import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs  # import time
     import torch, torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
     dist.init_process_group("gloo", rank=0, world_size=1)
     dist.all_gather_into_tensor(torch.empty(1), torch.ones(1))
+    # The device-independent ones, from their real emitters (a launcher run's order):
+    import megatron.core.models.mimo.config.base_configs  # warns at class definition
+    from megatron.core import rerun_state_machine as rsm
+    rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.DISABLED)
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    try:  # logs its deprecation first, then fails on the missing config
+        GPTModel(config=None, transformer_layer_spec=None, vocab_size=8, max_sequence_length=8)
+    except AttributeError:
+        pass
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    with tempfile.TemporaryDirectory() as tmp:
+        try:  # a synchronous save logs the async deprecation, then needs CUDA here
+            TorchDistSaveShardedStrategy("torch_dist", 1).save({}, tmp)
+        except RuntimeError:
+            pass
+    logging.getLogger("megatron.core.rerun_state_machine").warning(
+        "RerunStateMachine initialized in mode RerunMode.VALIDATE_RESULTS")
+    logging.getLogger("megatron.core.models.gpt.gpt_model").warning("UNRELATED from gpt_model")
+    logging.getLogger("megatron_lrmoe.elsewhere").warning(
+        "RerunStateMachine initialized in mode RerunMode.DISABLED")
+    warnings.warn_explicit("UNRELATED from base_configs", UserWarning, "z.py", 1,
+                           "megatron.core.models.mimo.config.base_configs")
     # Other warnings from the same modules, and a known message from another module:
     for module in ("megatron.core.optimizer", "megatron.core.models.backends",
                    "torch.distributed.c10d_logger"):
@@ -158,12 +180,15 @@ def _warning_lines(stderr: str) -> list[str]:
             or re.match(r"(\[rank\d+\]:)?[WE]\d{4} ", line)]
 
 
-def test_known_cpu_warnings_are_hidden_and_nothing_else():
+def test_known_warnings_are_hidden_and_nothing_else():
     known = [f"{category.__name__}: {message}\n"
-             for category, message, _module in runtime.KNOWN_CPU_WARNINGS]
+             for category, message, _module in runtime.KNOWN_CPU_WARNINGS + runtime.KNOWN_WARNINGS]
     known_logs = [f"] {msg % _CUDA_HOME}\n" for _name, _level, msg in runtime.KNOWN_CPU_LOG_RECORDS]
-    loud = _run_warnings_script("loud").stderr
+    # megatron-core's records reach the last-resort handler: the bare message on a line.
+    known_logs += [f"\n{msg}\n" for _name, _level, msg in runtime.KNOWN_LOG_RECORDS]
+    loud = "\n" + _run_warnings_script("loud").stderr  # every message starts a line
     quiet = _run_warnings_script("quiet")
+    quiet.stderr = "\n" + quiet.stderr
     # Without the filters every known warning is printed (so the lists match megatron-core
     # 0.19.2 and torch as installed) ...
     for text in known + known_logs:
@@ -172,8 +197,12 @@ def test_known_cpu_warnings_are_hidden_and_nothing_else():
     # what is absent instead.
     elsewhere = "y.py:1: UserWarning: Apex is not installed. Falling back to Torch Norm\n"
     assert quiet.stderr.count(elsewhere) == 1, quiet.stderr
+    # (the rerun line is planted once from another logger: it must show exactly once)
+    rerun = "\nRerunStateMachine initialized in mode RerunMode.DISABLED\n"
+    assert quiet.stderr.count(rerun) == 1, quiet.stderr
+    rest = quiet.stderr.replace(elsewhere, "").replace(rerun, "\n")
     for text in known + known_logs:
-        assert text not in quiet.stderr.replace(elsewhere, ""), (text, quiet.stderr)
+        assert text not in rest, (text, quiet.stderr)
     assert quiet.stdout.splitlines()[0] == (
         "NOTE cpu runtime: Transformer Engine and Apex not installed; "
         "using megatron-core's local implementations")
@@ -185,9 +214,12 @@ def test_known_cpu_warnings_are_hidden_and_nothing_else():
     assert "] UNRELATED from cpp_extension\n" in quiet.stderr, quiet.stderr
     assert "] No CUDA runtime is found, using CUDA_HOME='/as-an-error'\n" in quiet.stderr
     assert "\nNo CUDA runtime is found, using CUDA_HOME='/elsewhere'\n" in quiet.stderr
+    assert "\nRerunStateMachine initialized in mode RerunMode.VALIDATE_RESULTS\n" in quiet.stderr
+    assert "\nUNRELATED from gpt_model\n" in quiet.stderr
+    assert "z.py:1: UserWarning: UNRELATED from base_configs" in quiet.stderr
     # ... and the lists are complete: nothing but what the script sent itself is left.
-    planted = ("x.py:1: ", "y.py:1: ", "] UNRELATED from ", "] No CUDA runtime is found, "
-               "using CUDA_HOME='/as-an-error'")
+    planted = ("x.py:1: ", "y.py:1: ", "z.py:1: ", "] UNRELATED from ",
+               "] No CUDA runtime is found, using CUDA_HOME='/as-an-error'")
     left = [line for line in _warning_lines(quiet.stderr)
             if not any(mark in line for mark in planted)]
     assert not left, quiet.stderr
@@ -202,6 +234,35 @@ def test_known_cpu_warnings_left_alone_with_cuda(monkeypatch):
     assert runtime.quiet_known_cpu_warnings() is None
     assert list(warnings.filters) == before
     assert [list(logger.filters) for logger in loggers] == filters_before
+
+
+def test_device_independent_warnings_hidden_with_cuda(monkeypatch):
+    """On CUDA the command-line tools hide exactly the device-independent rows: one
+    warnings filter per KNOWN_WARNINGS row, one record filter per KNOWN_LOG_RECORDS row,
+    nothing of the CPU lists."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime, "_warnings_quieted", False)
+    monkeypatch.setattr(runtime, "_device_warnings_quieted", False)
+    monkeypatch.setattr(sys, "warnoptions", [])
+    rows = runtime.KNOWN_LOG_RECORDS + runtime.KNOWN_CPU_LOG_RECORDS
+    names = [name for name, _level, _msg in rows]
+    before = {name: list(logging.getLogger(name).filters) for name in names}
+    with warnings.catch_warnings():
+        filters_before = list(warnings.filters)
+        try:
+            assert runtime.quiet_known_warnings() is None  # no CPU note on CUDA
+            added = warnings.filters[:len(warnings.filters) - len(filters_before)]
+            assert sorted((f[1].pattern, f[2], f[3].pattern) for f in added) == sorted(
+                (re.escape(m) + r"\Z", c, re.escape(mod) + r"\Z")
+                for c, m, mod in runtime.KNOWN_WARNINGS)
+            for name, level, msg in runtime.KNOWN_LOG_RECORDS:
+                new = logging.getLogger(name).filters[len(before[name]):]
+                assert [(f.level, f.msg) for f in new] == [(level, msg)]
+            for name, _level, _msg in runtime.KNOWN_CPU_LOG_RECORDS:
+                assert logging.getLogger(name).filters == before[name]
+        finally:
+            for name in names:
+                logging.getLogger(name).filters[:] = before[name]
 
 
 # ---------------------------------------------------------------------------

@@ -6,13 +6,6 @@ python -m megatron_lrmoe.data.prepare ...    -> the same, from the shell
 """
 
 from megatron_lrmoe.data.corpus import Corpus, CorpusFile, DataPrepError, harvest, stdlib_corpus
-from megatron_lrmoe.data.tokenizers import (
-    TOKENIZER_TYPES,
-    ByteLevelTokenizer,
-    SentencePieceTokenizer,
-    build_tokenizer,
-    train_sentencepiece,
-)
 
 __all__ = [
     "TOKENIZER_TYPES",
@@ -32,8 +25,12 @@ __all__ = [
 
 
 # The prepare tool is imported lazily: ``python -m megatron_lrmoe.data.prepare`` would
-# otherwise find its own module already imported by this package (a runpy warning).
+# otherwise find its own module already imported by this package (a runpy warning). So
+# are the tokenizers, which import megatron.core: the prepare command hides megatron-core's
+# known import-time notices before its first import of Megatron.
 _PREPARE_NAMES = ("load_meta", "prepare_dataset", "unigram_entropy_nats")
+_TOKENIZER_NAMES = ("TOKENIZER_TYPES", "ByteLevelTokenizer", "SentencePieceTokenizer",
+                    "build_tokenizer", "train_sentencepiece")
 
 
 def __getattr__(name: str):
@@ -41,4 +38,8 @@ def __getattr__(name: str):
         from megatron_lrmoe.data import prepare
 
         return getattr(prepare, name)
+    if name in _TOKENIZER_NAMES:
+        from megatron_lrmoe.data import tokenizers
+
+        return getattr(tokenizers, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,15 +30,22 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 
-import megatron.core
-import numpy
-from megatron.core.datasets.indexed_dataset import (
+if __name__ == "__main__":
+    # The command line: megatron.core's known benign notices fire at import, so hide them
+    # first (runtime/cpu.py, quiet_known_warnings; the package imports nothing of Megatron).
+    from megatron_lrmoe.runtime.cpu import quiet_known_warnings
+
+    quiet_known_warnings()
+
+import megatron.core  # noqa: E402
+import numpy  # noqa: E402
+from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder,
     get_bin_path,
     get_idx_path,
 )
 
-from megatron_lrmoe.data.corpus import (
+from megatron_lrmoe.data.corpus import (  # noqa: E402
     Corpus,
     DataPrepError,
     content_sha256,
@@ -47,7 +54,7 @@ from megatron_lrmoe.data.corpus import (
     read_text,
     stdlib_corpus,
 )
-from megatron_lrmoe.data.tokenizers import build_tokenizer, train_sentencepiece
+from megatron_lrmoe.data.tokenizers import build_tokenizer, train_sentencepiece  # noqa: E402
 
 META_FORMAT = "megatron-lrmoe-dataset/1"
 

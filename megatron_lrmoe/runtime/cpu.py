@@ -88,6 +88,12 @@ import of ``torch.utils.cpp_extension`` at random.py:17 triggers on every machin
 CUDA), each by its exact message *and* the module or logger that emits it, so every other
 warning is still shown. It returns the one line that replaces them. It does nothing on
 CUDA machines or when the user set ``-W``/``PYTHONWARNINGS``.
+
+The command-line tools (the launcher, its pre-flight ``megatron_lrmoe.launch``, the
+prepare tool) call ``quiet_known_warnings()`` instead: the CPU lists on CPU as above, and
+on every device ``KNOWN_WARNINGS`` / ``KNOWN_LOG_RECORDS``, megatron-core 0.19.2's notices
+that are not about the CPU and that a user of these tools cannot act on (docs/decisions.md,
+"Launcher"). Same rule: exact message and emitter, nothing else hidden.
 """
 
 from __future__ import annotations
@@ -111,6 +117,7 @@ logger = logging.getLogger(__name__)
 _enabled_fixes: list[str] = []
 _device_mode: TorchFunctionMode | None = None
 _warnings_quieted = False
+_device_warnings_quieted = False
 
 
 # ---------------------------------------------------------------------------
@@ -358,6 +365,38 @@ KNOWN_CPU_LOG_RECORDS: tuple[tuple[str, int, str], ...] = (
 )
 
 
+_MCORE_ASYNC_SAVE = ("MCore's async save is deprecated and will be removed in the future "
+                     "releases. Please, use NVRx async solution by setting `async_strategy` "
+                     "to `nvrx`.")
+_GPT_MODEL = ("GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes, no new "
+              "features. Please reference the migration guide "
+              "`docs/user-guide/hybrid-model-migration.md` for details on how to use "
+              "`HybridModel`")
+
+#: (category, exact message, emitting module) of the warnings megatron-core 0.19.2 prints
+#: on every device in a launcher run that the user cannot act on: get_megatron_optimizer
+#: imports the experimental MIMO model (optimizer/__init__.py:1019), whose config class
+#: warns at definition, once per rank. Hidden on CUDA too; nothing else is.
+KNOWN_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
+    (UserWarning, "MimoModelConfig is experimental and still under active development. "
+     "The API may change without notice in future releases.",
+     "megatron.core.models.mimo.config.base_configs"),
+)
+
+#: (logger, level, exact format string) of megatron-core 0.19.2's log records of the same
+#: kind, on every device: GPTModel's deprecation in favour of HybridModel (the launcher
+#: builds GPTModel; porting is this project's work, tracked in docs/decisions.md), the
+#: rerun state machine announcing the mode the launcher itself sets (DISABLED, as
+#: Megatron-LM's default), and the deprecation that dist_checkpointing's *synchronous*
+#: save logs because it runs through the async path internally (strategies/torch.py:727).
+KNOWN_LOG_RECORDS: tuple[tuple[str, int, str], ...] = (
+    ("megatron.core.models.gpt.gpt_model", logging.WARNING, _GPT_MODEL),
+    ("megatron.core.rerun_state_machine", logging.WARNING,
+     "RerunStateMachine initialized in mode RerunMode.DISABLED"),
+    ("megatron.core.dist_checkpointing.strategies.torch", logging.WARNING, _MCORE_ASYNC_SAVE),
+)
+
+
 class _DropKnownRecord(logging.Filter):
     """Drops the records of one logger that have one exact level and format string."""
 
@@ -390,14 +429,33 @@ def quiet_known_cpu_warnings() -> str | None:
     global _warnings_quieted
     if _warnings_quieted or torch.cuda.is_available() or sys.warnoptions:
         return None
-    for category, message, module in KNOWN_CPU_WARNINGS:
+    _hide(KNOWN_CPU_WARNINGS, KNOWN_CPU_LOG_RECORDS)
+    _warnings_quieted = True
+    return _absent_backends_line()
+
+
+def quiet_known_warnings() -> str | None:
+    """The command-line tools' call: hide ``KNOWN_WARNINGS`` and ``KNOWN_LOG_RECORDS`` on
+    every device, and on a machine without CUDA the CPU lists too
+    (``quiet_known_cpu_warnings``, whose note it returns). Call it before megatron.core
+    is imported. Nothing is hidden when ``-W``/``PYTHONWARNINGS`` configure warnings.
+    """
+    global _device_warnings_quieted
+    if not (_device_warnings_quieted or sys.warnoptions):
+        _hide(KNOWN_WARNINGS, KNOWN_LOG_RECORDS)
+        _device_warnings_quieted = True
+    return quiet_known_cpu_warnings()
+
+
+def _hide(known_warnings: tuple[tuple[type[Warning], str, str], ...],
+          known_records: tuple[tuple[str, int, str], ...]) -> None:
+    """One filter per row: the exact message from the exact module or logger."""
+    for category, message, module in known_warnings:
         warnings.filterwarnings("ignore", message=re.escape(message) + r"\Z",
                                 category=category, module=re.escape(module) + r"\Z")
     # A logger's own filters see only the records it creates, not those of its children.
-    for name, level, msg in KNOWN_CPU_LOG_RECORDS:
+    for name, level, msg in known_records:
         logging.getLogger(name).addFilter(_DropKnownRecord(level, msg))
-    _warnings_quieted = True
-    return _absent_backends_line()
 
 
 FIXES: dict[str, Callable[[], None]] = {
