@@ -46,7 +46,7 @@ def _str2float_or_none(value: str) -> float | None:
     return None if value.lower() in ("none", "null") else float(value)
 
 
-def _moe_layer_freq(value: Any) -> int | list[int]:
+def moe_layer_freq(value: Any) -> int | list[int]:
     """``--moe-layer-freq``: an int N (every N-th layer is MoE) or a 0/1 list.
 
     Megatron-LM accepts a Python list expression such as ``([0]+[1]*23)``; it is
@@ -94,8 +94,8 @@ class UnusedLRMoEOptionWarning(UserWarning):
 def validate_lrmoe_flags(view: Any) -> None:
     """Check the ``--moe-lrmoe*`` flags of either entry point, naming the flag.
 
-    ``view`` holds the parsed flags under ``LRMoETransformerConfig``'s field names (each
-    entry point maps its own flags: ``_lrmoe_view`` here, ``megatron_lm._lrmoe_view``).
+    ``view`` holds the parsed flags under ``LRMoETransformerConfig``'s field names
+    (``lrmoe_view``, which maps either entry point's namespace).
     The checks are the config's (``validate_lrmoe``): every option's value always, the
     combinations with ``--moe-lrmoe``. Valid values given without ``--moe-lrmoe`` only
     warn (rank 0): they have no effect, and dropping ``--moe-lrmoe`` alone is how a
@@ -112,17 +112,38 @@ def validate_lrmoe_flags(view: Any) -> None:
                       stacklevel=2)
 
 
-def _lrmoe_view(args: argparse.Namespace) -> SimpleNamespace:
-    """The launcher's parsed flags that LRMoE checks, under the config's field names: the
-    LRMoE options, and every flag of the launcher that the Megatron option table
-    classifies (so a refused one is named at parse time, before any process group)."""
-    return SimpleNamespace(
-        **{row.name: getattr(args, row.name) for row in MEGATRON_OPTIONS
-           if hasattr(args, row.name)},
-        **{o.field: getattr(args, o.field) for o in OPTIONS},
-        num_moe_experts=args.num_experts,
-        add_bias_linear=not args.disable_bias_linear,
-    )
+def lrmoe_view(args: argparse.Namespace) -> SimpleNamespace:
+    """The parsed args of either entry point (the launcher's, or Megatron-LM's) that LRMoE
+    checks at parse time, under the config's field names: the LRMoE options, and every
+    Megatron option of the option table (``MEGATRON_OPTIONS``; Megatron-LM-only dests
+    such as ``--moe-use-upcycling`` or the deprecated ``--cuda-graph-scope`` included)
+    that the namespace has, so a refused one is named before any process group. What
+    the namespace lacks is left out, and checked on the config.
+
+    ``--disable-bias-linear`` is the launcher's dest (Megatron-LM stores it as
+    ``add_bias_linear``); ``--expert-tensor-parallel-size`` not given is
+    ``--tensor-model-parallel-size``, as both entry points derive it (Megatron-LM's
+    validate_args, the launcher's ``fill_derived_args``).
+    """
+    names = ([row.name for row in MEGATRON_OPTIONS] + [o.field for o in OPTIONS]
+             + ["add_bias_linear"])
+    view = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    view["num_moe_experts"] = getattr(args, "num_experts", None)
+    if hasattr(args, "disable_bias_linear"):
+        view["add_bias_linear"] = not args.disable_bias_linear
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    view["expert_tensor_parallel_size"] = (
+        etp if etp is not None else getattr(args, "tensor_model_parallel_size", 1))
+    return SimpleNamespace(**view)
+
+
+def tokens_per_rank(args: argparse.Namespace) -> int:
+    """Tokens of one micro-batch on one rank, from either entry point's args: micro-batch
+    size x sequence length, divided by TP under sequence parallelism (what each LRMoE
+    layer's planner and the memory budget are sized for, and what one recorded
+    micro-batch of routing holds)."""
+    tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    return args.micro_batch_size * args.seq_length // tp
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                    help="default --ffn-hidden-size")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
-    g.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=1)
+    g.add_argument("--moe-layer-freq", type=moe_layer_freq, default=1)
     g.add_argument("--moe-token-dispatcher-type", default="allgather",
                    help="allgather or alltoall (flex needs DeepEP and is not supported)")
     g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
@@ -465,7 +486,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             raise ConfigError("--moe-permute-fusion needs Transformer Engine on CUDA")
     elif args.expert_model_parallel_size > 1 and not args.moe_lrmoe:
         raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
-    validate_lrmoe_flags(_lrmoe_view(args))
+    validate_lrmoe_flags(lrmoe_view(args))
 
     # Parallel layout.
     tp, pp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,

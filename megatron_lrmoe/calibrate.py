@@ -63,6 +63,7 @@ from megatron_lrmoe.lrmoe.machine import (
     measure_memory_rate,
     synchronize,
 )
+from megatron_lrmoe.runtime.local_gloo import run_on_local_ranks
 
 __all__ = ["main"]
 
@@ -177,8 +178,8 @@ def _median_over_rounds(rounds: list[list[float]]) -> list[float]:
 
 
 def _rates_task(cfg: dict) -> list[list[float]]:
-    """``_compute_rate_rounds`` on each rank of a ``GlooPool``, every measurement started
-    together on all ranks."""
+    """``_compute_rate_rounds`` on each local gloo rank (``run_on_local_ranks``), every
+    measurement started together on all ranks."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -190,14 +191,10 @@ def measure_rates_concurrently(processes: int, cfg: dict) -> list[float]:
     figure the slowest process's: EP ranks that share a CPU machine also share its
     caches, memory bandwidth and, with SMT, its cores, so one process alone on the
     machine measures a rate that training does not reach."""
-    from megatron_lrmoe import calibrate as this  # the workers import tasks by module name
-    from megatron_lrmoe.testing.gloo_pool import GlooPool
+    from megatron_lrmoe import calibrate as this  # the ranks import tasks by module name
 
-    pool = GlooPool(processes)
-    try:
-        per_rank = pool.run(this._rates_task, cfg, timeout=1800.0 * cfg["rounds"])
-    finally:
-        pool.close()
+    per_rank = run_on_local_ranks(this._rates_task, processes, cfg,
+                                  timeout=1800.0 * cfg["rounds"])
     # Per round the slowest process's figure, then the median over the rounds.
     slowest = [[min(values) for values in zip(*ranks, strict=True)]
                for ranks in zip(*per_rank, strict=True)]
@@ -210,8 +207,9 @@ def measure_rates_concurrently(processes: int, cfg: dict) -> list[float]:
 
 
 def _layer_fixed_task(cfg: dict) -> dict[str, list[float]]:
-    """On each rank of a ``GlooPool``: forward and backward seconds of one LRMoE layer
-    at ``cfg``'s tiny shape, per repetition, and the planner's host time per forward."""
+    """On each local gloo rank (``run_on_local_ranks``): forward and backward seconds of
+    one LRMoE layer at ``cfg``'s tiny shape, per repetition, and the planner's host time
+    per forward."""
     import gc
     import math
 
@@ -280,16 +278,11 @@ def measure_layer_fixed(experts: int, topk: int, gated: bool, latency: float,
     time; from the layer at a tiny shape over two local gloo processes (module doc).
     ``clock="cpu"``: each rank's main-thread CPU time, which leaves out the waits in
     collectives (so the latencies are not subtracted) but not the planner's time."""
-    from megatron_lrmoe import calibrate as this  # the workers import tasks by module name
-    from megatron_lrmoe.testing.gloo_pool import GlooPool
+    from megatron_lrmoe import calibrate as this  # the ranks import tasks by module name
 
     cfg = dict(hidden=64, tokens=16, experts=experts, topk=topk, gated=gated,
                repeats=max(repeats, 5), warmup=max(warmup, 2), clock=clock)
-    pool = GlooPool(2)
-    try:
-        per_rank = pool.run(this._layer_fixed_task, cfg, timeout=600.0)
-    finally:
-        pool.close()
+    per_rank = run_on_local_ranks(this._layer_fixed_task, 2, cfg, timeout=600.0)
     # Each repetition's time is its slowest rank's; then the median over repetitions.
     cpu = clock == "cpu"
     fwd = statistics.median(max(r["forward"][i] - (0.0 if cpu else r["planner"][i])

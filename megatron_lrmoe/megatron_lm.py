@@ -78,7 +78,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 from megatron_lrmoe.arguments import (
@@ -86,10 +85,11 @@ from megatron_lrmoe.arguments import (
     add_lrmoe_args,
     build_parser,
     load_yaml_config,
+    lrmoe_view,
+    tokens_per_rank,
     validate_lrmoe_flags,
 )
-from megatron_lrmoe.lrmoe.megatron_options import MEGATRON_OPTIONS
-from megatron_lrmoe.lrmoe.options import OPTIONS, LRMoEConfigError
+from megatron_lrmoe.lrmoe.options import LRMoEConfigError
 from megatron_lrmoe.megatron_support import MEGATRON_LM_TAG, line, megatron_lm_version, supported
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -182,7 +182,7 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
     """
     if getattr(args, "moe_lrmoe", False):
         _refuse_bypassing_paths(args)
-    validate_lrmoe_flags(_lrmoe_view(args))
+    validate_lrmoe_flags(lrmoe_view(args))
 
 
 def _refuse_bypassing_paths(args: argparse.Namespace) -> None:
@@ -207,23 +207,6 @@ def _refuse_bypassing_paths(args: argparse.Namespace) -> None:
     for dest, why in refused.items():
         if getattr(args, dest, None):
             raise ConfigError(why)
-
-
-def _lrmoe_view(args: argparse.Namespace) -> SimpleNamespace:
-    """Megatron-LM's parsed args that LRMoE checks at parse time, under the config's
-    field names: the LRMoE options, and every Megatron option of the option table
-    (``MEGATRON_OPTIONS``; Megatron-LM-only dests such as ``--moe-use-upcycling`` or the
-    deprecated ``--cuda-graph-scope`` included), so a refused one is named before any
-    process group. What the namespace lacks is left out, and checked on the config."""
-    names = ([row.name for row in MEGATRON_OPTIONS] + [o.field for o in OPTIONS]
-             + ["add_bias_linear"])
-    view = {name: getattr(args, name) for name in names if hasattr(args, name)}
-    view["num_moe_experts"] = getattr(args, "num_experts", None)
-    etp = getattr(args, "expert_tensor_parallel_size", None)
-    # Megatron-LM's validate_args sets it to --tensor-model-parallel-size when not given.
-    view["expert_tensor_parallel_size"] = (
-        etp if etp is not None else getattr(args, "tensor_model_parallel_size", 1))
-    return SimpleNamespace(**view)
 
 
 def lrmoe_config_from_args(args: argparse.Namespace) -> Any:
@@ -254,7 +237,6 @@ def _check_memory_budget(args: argparse.Namespace, config) -> None:
 
     from megatron_lrmoe.lrmoe.planner_config import check_memory_budget
 
-    tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
     try:
         microbatches = get_num_microbatches()
     except AttributeError as exc:  # the calculator is None before set_global_variables
@@ -266,7 +248,7 @@ def _check_memory_budget(args: argparse.Namespace, config) -> None:
         import torch
 
         fit = check_memory_budget(config, args.expert_model_parallel_size,
-                                  args.micro_batch_size * args.seq_length // tp, microbatches,
+                                  tokens_per_rank(args), microbatches,
                                   "cuda" if torch.cuda.is_available() else "cpu",
                                   args.micro_batch_size)
     except ValueError as exc:
@@ -481,9 +463,7 @@ def _setup_step_state(args: argparse.Namespace, model: Any, config: Any) -> None
 
     from megatron_lrmoe.lrmoe.step import machine_constants_line, setup_lrmoe_layers
 
-    tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
-    machine = setup_lrmoe_layers([model], args.micro_batch_size * args.seq_length // tp,
-                                 get_num_microbatches, config)
+    machine = setup_lrmoe_layers([model], tokens_per_rank(args), get_num_microbatches, config)
     if machine is not None and not built_models():
         print_rank_0(machine_constants_line(machine))
 
@@ -572,11 +552,11 @@ def log_lrmoe_stats(iteration: int) -> dict[str, float]:
 
 
 def format_lrmoe_line(iteration: int, stats: dict[str, float]) -> str:
-    """The one-line summary, the same words as the lean launcher's."""
-    return (f" [LRMoE] iteration {iteration:8d} | retained {stats['lrmoe/retained-fraction']:.3f}"
-            f" | dropped contribution {stats['lrmoe/dropped-contribution-fraction']:.3f}"
-            f" | backward bytes saved {stats['lrmoe/backward-bytes-saved'] / 2**20:.2f} MiB"
-            f" | routed load max/mean {stats['lrmoe/load-max-over-mean']:.2f}")
+    """The one-line summary: Megatron-LM's iteration prefix and the words of
+    ``telemetry.format_lrmoe_stats``, which the lean launcher prints too."""
+    from megatron_lrmoe.lrmoe.telemetry import format_lrmoe_stats
+
+    return f" [LRMoE] iteration {iteration:8d} | {format_lrmoe_stats(stats)}"
 
 
 # -----------------------------------------------------------------------------

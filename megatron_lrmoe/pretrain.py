@@ -30,7 +30,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_lrmoe.arguments import ConfigError, parse_args
+from megatron_lrmoe.arguments import ConfigError, parse_args, tokens_per_rank
 
 # -----------------------------------------------------------------------------
 # Distributed setup
@@ -89,6 +89,14 @@ def initialize_distributed(args: argparse.Namespace) -> tuple[torch.device, bool
 def log0(*parts: object) -> None:
     if dist.get_rank() == 0:
         print(*parts, flush=True)
+
+
+def lrmoe_log_line(iteration: int, stats: dict[str, float]) -> str:
+    """The launcher's LRMoE log line: its iteration prefix and the words Megatron-LM's
+    prints too (``telemetry.format_lrmoe_stats``)."""
+    from megatron_lrmoe.lrmoe.telemetry import format_lrmoe_stats
+
+    return f"iter {iteration:6d} | LRMoE {format_lrmoe_stats(stats)}"
 
 
 # -----------------------------------------------------------------------------
@@ -354,8 +362,7 @@ def train(args: argparse.Namespace) -> dict:
     if args.moe_lrmoe:
         from megatron_lrmoe.lrmoe.planner_config import check_memory_budget
 
-        tokens = args.micro_batch_size * args.seq_length // (
-            args.tensor_model_parallel_size if args.sequence_parallel else 1)
+        tokens = tokens_per_rank(args)
         try:
             fit = check_memory_budget(config, args.expert_model_parallel_size, tokens,
                                       args.num_microbatches, device.type,
@@ -495,13 +502,7 @@ def train(args: argparse.Namespace) -> dict:
             lrmoe_stats = collect_lrmoe_stats(model, args.num_layers, args.num_experts)
             record.update(lrmoe_stats)
             if "lrmoe/retained-fraction" in lrmoe_stats:
-                logger.line(
-                    f"iter {progress.iteration:6d} | LRMoE retained "
-                    f"{lrmoe_stats['lrmoe/retained-fraction']:.3f} | dropped contribution "
-                    f"{lrmoe_stats['lrmoe/dropped-contribution-fraction']:.3f} | backward "
-                    f"bytes saved {lrmoe_stats['lrmoe/backward-bytes-saved'] / 2**20:.2f} MiB | "
-                    f"routed load max/mean {lrmoe_stats['lrmoe/load-max-over-mean']:.2f}"
-                )
+                logger.line(lrmoe_log_line(progress.iteration, lrmoe_stats))
 
         if args.eval_iters > 0 and (
             progress.iteration % args.eval_interval == 0 or progress.iteration == args.train_iters

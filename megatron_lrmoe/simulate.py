@@ -225,10 +225,10 @@ class ModelSpec:
 def _moe_layer_count(freq: int | str, num_layers: int) -> int:
     """MoE layers of Megatron's ``--moe-layer-freq`` (an int, or a pattern such as
     ``([0]*1+[1]*45)``), parsed and counted as the launcher does."""
-    from megatron_lrmoe.arguments import _moe_layer_freq
+    from megatron_lrmoe.arguments import moe_layer_freq
     from megatron_lrmoe.lrmoe.planner_config import moe_layers_per_stage
 
-    pattern = _moe_layer_freq(freq)
+    pattern = moe_layer_freq(freq)
     if isinstance(pattern, list) and len(pattern) != num_layers:
         raise ValueError(f"moe-layer-freq {freq!r} lists {len(pattern)} layers, the model "
                          f"has {num_layers}")

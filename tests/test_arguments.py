@@ -18,7 +18,9 @@ from megatron_lrmoe.arguments import (
     ConfigError,
     UnusedLRMoEOptionWarning,
     build_parser,
+    lrmoe_view,
     parse_args,
+    tokens_per_rank,
 )
 from megatron_lrmoe.lrmoe.options import OPTIONS, option
 
@@ -514,6 +516,40 @@ def test_megatron_lm_combination_checks_name_the_flag():
         check(_megatron_lm_args(moe_lrmoe=False, **overrides))  # Megatron's own run: fine
     check(_megatron_lm_args(moe_lrmoe=True, tensor_model_parallel_size=2,
                             expert_tensor_parallel_size=1))
+
+
+def test_one_lrmoe_view_maps_both_entry_points(world):
+    """``lrmoe_view`` is the one mapping of either namespace to the config's field names:
+    the launcher's --disable-bias-linear and Megatron-LM's add_bias_linear dest give the
+    same view, and an --expert-tensor-parallel-size not given is the TP size in both."""
+    launcher = parse_args(BASE + ["--disable-bias-linear", "--tensor-model-parallel-size", "2",
+                                  "--sequence-parallel", "--moe-token-dispatcher-type",
+                                  "alltoall"])
+    launcher_view = lrmoe_view(launcher)
+    megatron_view = lrmoe_view(_megatron_lm_args(tensor_model_parallel_size=2))
+    for name in [o.field for o in OPTIONS] + ["num_moe_experts", "add_bias_linear",
+                                              "moe_token_dispatcher_type",
+                                              "expert_tensor_parallel_size"]:
+        assert getattr(launcher_view, name) == getattr(megatron_view, name), name
+    assert launcher_view.add_bias_linear is False
+    assert launcher_view.num_moe_experts == 4
+    assert launcher_view.expert_tensor_parallel_size == 2
+    assert lrmoe_view(parse_args(BASE)).add_bias_linear is True
+    missing = lrmoe_view(argparse.Namespace(num_experts=None))
+    assert vars(missing) == {"num_moe_experts": None, "expert_tensor_parallel_size": 1}
+
+
+def test_tokens_per_rank_of_either_entry_point(world):
+    """One micro-batch's tokens on one rank: micro-batch x sequence, split by TP only
+    under sequence parallelism (both entry points' namespaces carry these dests)."""
+    assert tokens_per_rank(parse_args(BASE)) == 2 * 64
+    assert tokens_per_rank(parse_args(BASE + ["--tensor-model-parallel-size", "2",
+                                              "--sequence-parallel"])) == 64
+    megatron_args = argparse.Namespace(micro_batch_size=3, seq_length=100,
+                                       tensor_model_parallel_size=4, sequence_parallel=True)
+    assert tokens_per_rank(megatron_args) == 3 * 100 // 4
+    megatron_args.sequence_parallel = False
+    assert tokens_per_rank(megatron_args) == 300
 
 
 @pytest.fixture

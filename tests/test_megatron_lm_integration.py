@@ -166,6 +166,29 @@ def test_without_moe_lrmoe_the_model_config_is_pretrain_gpts_own():
     assert lrmoe_model_config(argparse.Namespace(moe_lrmoe=False), model_cfg) is model_cfg
 
 
+def test_both_entry_points_print_the_lrmoe_line_of_one_formatter(monkeypatch):
+    """The lean launcher's LRMoE log line and Megatron-LM's carry the words of one
+    formatter (``telemetry.format_lrmoe_stats``), as the README says: for the same
+    statistics the same words, each after its own iteration prefix."""
+    from megatron_lrmoe import pretrain
+    from megatron_lrmoe.lrmoe import telemetry
+    from megatron_lrmoe.megatron_lm import format_lrmoe_line
+
+    stats = {"lrmoe/retained-fraction": 0.912, "lrmoe/dropped-contribution-fraction": 0.031,
+             "lrmoe/backward-bytes-saved": 412.5 * 2**20, "lrmoe/load-max-over-mean": 1.37}
+    words = telemetry.format_lrmoe_stats(stats)
+    megatron_line = format_lrmoe_line(100, stats)
+    launcher_line = pretrain.lrmoe_log_line(100, stats)
+    assert megatron_line == f" [LRMoE] iteration      100 | {words}"
+    assert launcher_line == f"iter    100 | LRMoE {words}"
+    assert megatron_line.split(" | ", 1)[1] == launcher_line.split(" | LRMoE ", 1)[1] == words
+    with open(os.path.join(REPO, "README.md")) as readme:   # the README's example line
+        assert megatron_line in readme.read().splitlines()
+    monkeypatch.setattr(telemetry, "format_lrmoe_stats", lambda _: "WORDS")
+    assert format_lrmoe_line(7, stats) == " [LRMoE] iteration        7 | WORDS"
+    assert pretrain.lrmoe_log_line(7, stats) == "iter      7 | LRMoE WORDS"
+
+
 # -----------------------------------------------------------------------------
 # The configs on the lean launcher
 # -----------------------------------------------------------------------------

@@ -98,7 +98,9 @@ class Placement:
         return expert // self.experts_per_rank
 
     @cached_property
-    def _rank_starts(self) -> tuple[int, ...]:
+    def rank_starts(self) -> tuple[int, ...]:
+        """[R + 1] first instance id of each rank, then the number of instances: rank
+        ``r`` hosts instances ``rank_starts[r]`` up to ``rank_starts[r + 1]``."""
         counts = [0] * (self.num_ranks + 1)
         for r in self.instance_rank:
             counts[r + 1] += 1
@@ -108,7 +110,7 @@ class Placement:
 
     def rank_instances(self, rank: int) -> range:
         """Instance ids on ``rank`` (contiguous: homes first, then replicas by expert)."""
-        return range(self._rank_starts[rank], self._rank_starts[rank + 1])
+        return range(self.rank_starts[rank], self.rank_starts[rank + 1])
 
     @cached_property
     def _instances_of(self) -> tuple[tuple[int, ...], ...]:

@@ -9,15 +9,12 @@ functions of the smoothed loads; ``planner.LayerPlanner`` calls them at a step b
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megatron_lrmoe.lrmoe.placement import Placement
+from megatron_lrmoe.lrmoe.plan_types import MicroBatchPlan, PlannerSettings
 from megatron_lrmoe.lrmoe.retention import UNLIMITED_CAPACITY
-
-if TYPE_CHECKING:
-    from megatron_lrmoe.lrmoe.planner import MicroBatchPlan, PlannerSettings
 
 __all__ = ["greedy_replicas", "popularity_placement"]
 

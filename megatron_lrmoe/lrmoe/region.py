@@ -54,7 +54,7 @@ from megatron_lrmoe.lrmoe.expert_gemms import experts_backward, experts_forward,
 from megatron_lrmoe.lrmoe.region_layout import CallLayout, chunk_permutation
 from megatron_lrmoe.lrmoe.retention import RetentionPlan
 from megatron_lrmoe.ops import combine_rows, combine_rows_backward, scatter_add_rows, select_rows
-from megatron_lrmoe.ops.select import _splitmix64_tensor
+from megatron_lrmoe.ops.select import splitmix64_tensor
 
 __all__ = ["ExpertWeights", "KeptPairs", "KeptPairsLog", "RegionContext", "RegionStats",
            "lrmoe_region", "record_kept_pairs", "rule_reads_metric"]
@@ -277,7 +277,7 @@ def _pair_metric(name: str, dy: torch.Tensor | None, pair_token: torch.Tensor, p
         return metric * a if name == "grad_act" else metric
     if name == "prob":
         return p.detach().float()
-    bits = _splitmix64_tensor(torch.arange(p.shape[0], device=p.device) + seed)
+    bits = splitmix64_tensor(torch.arange(p.shape[0], device=p.device) + seed)
     return ((bits >> 11) & ((1 << 53) - 1)).double().mul(2.0**-53).float()
 
 

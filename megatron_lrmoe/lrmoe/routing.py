@@ -115,7 +115,7 @@ class _RoutingLayout:
             involved_set=frozenset(involved),
             involved_array=np.asarray(involved, dtype=np.int64),
             rank_degree=np.asarray([len(v) for v in incidence], dtype=np.float64),
-            rank_starts=np.asarray(placement._rank_starts[:-1], dtype=np.int64),
+            rank_starts=np.asarray(placement.rank_starts[:-1], dtype=np.int64),
             width_of=valid.sum(1),
             rank_or_sentinel=np.where(valid, rank_table, num_ranks),
             valid_flat=kk * width + jj,

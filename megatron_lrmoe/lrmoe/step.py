@@ -40,16 +40,11 @@ import torch.distributed as dist
 from megatron_lrmoe.lrmoe.cost_model import MachineConstants
 from megatron_lrmoe.lrmoe.moe_layer import PLANNER_STATE_FLAG, LRMoELayer, MicrobatchesPerStep
 from megatron_lrmoe.lrmoe.planner_config import agreed_machine_constants, needs_cost_model
+from megatron_lrmoe.lrmoe.telemetry import lrmoe_layers
 
 __all__ = ["PLANNER_STATE_FLAG", "chain_to_rerun_state_machine", "checkpoint_content_metadata",
            "finish_lrmoe_step", "lrmoe_layers", "machine_constants_line", "restore_lrmoe_state",
            "setup_lrmoe_layers", "snapshot_lrmoe_state"]
-
-
-def lrmoe_layers(model_chunks: Iterable[torch.nn.Module]) -> list[LRMoELayer]:
-    """The LRMoE layers of the model chunks, in chunk then module order (the same on
-    every rank of a pipeline stage, which the pooled all-reduce relies on)."""
-    return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, LRMoELayer)]
 
 
 def _device() -> torch.device:

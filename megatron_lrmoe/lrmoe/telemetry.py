@@ -17,6 +17,7 @@ figure of those steps, and ``metric-measured-calls`` says how many calls it cove
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,8 @@ import torch.distributed as dist
 
 from megatron_lrmoe.lrmoe.region import RegionStats
 
-__all__ = ["TOTAL_FIELDS", "LRMoELayerStats", "collect_lrmoe_stats", "lrmoe_layers", "summarize"]
+__all__ = ["TOTAL_FIELDS", "LRMoELayerStats", "collect_lrmoe_stats", "format_lrmoe_stats",
+           "lrmoe_layers", "summarize"]
 
 
 @dataclass
@@ -132,10 +134,25 @@ def summarize(totals: list[float], load_max_over_mean: float,
     }
 
 
-def lrmoe_layers(model_chunks) -> list:
-    """The LRMoE layers of the model chunks (the modules that keep ``LRMoELayerStats``)."""
+def lrmoe_layers(model_chunks: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The LRMoE layers of the model chunks, in chunk then module order (the same on
+    every rank of a pipeline stage, which the pooled all-reduces of the step state and
+    of these statistics rely on). An LRMoE layer is a module that keeps
+    ``LRMoELayerStats`` (``LRMoELayer`` does, and only it; matched by that attribute
+    because ``moe_layer`` imports this module). The one definition:
+    ``megatron_lrmoe.lrmoe.step`` re-exports it."""
     return [m for chunk in model_chunks for m in chunk.modules()
             if isinstance(getattr(m, "lrmoe_stats", None), LRMoELayerStats)]
+
+
+def format_lrmoe_stats(stats: Mapping[str, float]) -> str:
+    """The words of the LRMoE log line, from ``collect_lrmoe_stats``' figures: both entry
+    points print them after their own iteration prefix (the lean launcher's
+    ``lrmoe_log_line``, Megatron-LM's ``megatron_lm.format_lrmoe_line``)."""
+    return (f"retained {stats['lrmoe/retained-fraction']:.3f}"
+            f" | dropped contribution {stats['lrmoe/dropped-contribution-fraction']:.3f}"
+            f" | backward bytes saved {stats['lrmoe/backward-bytes-saved'] / 2**20:.2f} MiB"
+            f" | routed load max/mean {stats['lrmoe/load-max-over-mean']:.2f}")
 
 
 def collect_lrmoe_stats(model_chunks, num_layers: int, num_experts: int) -> dict[str, float]:

@@ -170,7 +170,7 @@ def _mul64(z: torch.Tensor, m: int) -> torch.Tensor:
     return (z.view(torch.uint64) * torch.tensor(m, dtype=torch.uint64)).view(torch.int64)
 
 
-def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+def splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
     """``splitmix64`` of every int64 bit pattern in ``x`` (two's-complement wrap-around)."""
     z = x + _signed(0x9E3779B97F4A7C15)
     z = _mul64(z ^ _lsr(z, 30), 0xBF58476D1CE4E5B9)
@@ -185,8 +185,8 @@ def row_keys(seed: int, cell_offsets: torch.Tensor) -> torch.Tensor:
     n_cells = sizes.numel()
     cell = torch.repeat_interleave(torch.arange(n_cells), sizes)
     base = torch.full((n_cells,), _signed(splitmix64(seed & _MASK64)), dtype=torch.int64)
-    h = _splitmix64_tensor(base + torch.arange(n_cells))  # [C]
-    return _splitmix64_tensor(h[cell] + (torch.arange(cell.numel()) - off[:-1][cell]))
+    h = splitmix64_tensor(base + torch.arange(n_cells))  # [C]
+    return splitmix64_tensor(h[cell] + (torch.arange(cell.numel()) - off[:-1][cell]))
 
 
 # ---------------------------------------------------------------------------

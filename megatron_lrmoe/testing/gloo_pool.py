@@ -20,6 +20,11 @@ Time is bounded: a task that exceeds its timeout (or a rank that dies, or a
 rank that raises while the others wait in a collective) kills the pool; it is
 restarted on the next ``run`` and the caller gets ``TaskFailed`` with every
 traceback that arrived.
+
+Each worker is set up by ``runtime.local_gloo.init_local_rank``, the production code's
+own local-rank set-up (one-shot runs outside tests: ``runtime.local_gloo``); what is
+here on top is for tests only: workers kept alive across tasks and the clean-up that
+this takes.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ import gc
 import importlib
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -40,17 +44,13 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from megatron_lrmoe.runtime.local_gloo import free_port, init_local_rank
+
 __all__ = ["GlooPool", "TaskFailed", "free_port", "thread_count"]
 
 
 class TaskFailed(RuntimeError):
     """A task raised on some rank, timed out, or a worker died."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def thread_count() -> int:
@@ -164,19 +164,10 @@ def _cleanup_megatron_state() -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    from megatron_lrmoe.runtime.cpu import enable_cpu_runtime
-
-    enable_cpu_runtime()
+    init_local_rank(rank, world_size, port)
     _track_ddp_instances()
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     # Threads that outlive a task (after the cleanup) are released by a full garbage
     # collection when they can be: some models leave their groups in plain reference
     # cycles. What survives one becomes the new baseline, so a task that leaves

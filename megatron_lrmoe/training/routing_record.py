@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrmoe import routing_trace as rt
+from megatron_lrmoe.arguments import tokens_per_rank
 
 __all__ = ["RoutingRecorder", "RoutingRecordError", "start_recording"]
 
@@ -194,14 +195,13 @@ def start_recording(args: argparse.Namespace, model_chunks) -> RoutingRecorder:
     moe_layers = sorted({n for row in everyone for n in row["layers"]})
     sources = {n: [{k: row[k] for k in ("rank", "ep_rank", "ep_group")}
                    for row in everyone if n in row["layers"]] for n in moe_layers}
-    sp = args.tensor_model_parallel_size if args.sequence_parallel else 1
     parallel = {
         "world_size": dist.get_world_size(), "tp": args.tensor_model_parallel_size,
         "pp": args.pipeline_model_parallel_size, "ep": args.expert_model_parallel_size,
         "dp": ps.get_data_parallel_world_size(),
         "microbatches_per_step": args.num_microbatches,
         "micro_batch_size": args.micro_batch_size, "seq_length": args.seq_length,
-        "tokens_per_source": args.micro_batch_size * args.seq_length // sp,
+        "tokens_per_source": tokens_per_rank(args),
     }
     header = rt.make_header(model_description(args, moe_layers), parallel, sources)
     header["command"] = " ".join(_command())
