@@ -173,7 +173,7 @@ def _greedy_move(load: list[float], spread: list[dict[int, float]], on_rank: lis
         ranks = [*hosts, v]
         others = [load[r] - h for r, h in hosts.items()]
         others.append(load[v])
-        new = dict(zip(ranks, _water_fill(float(routed[e]), others), strict=True))
+        new = dict(zip(ranks, _spread_to_level(float(routed[e]), others), strict=True))
         if new[u] >= hosts[u] - 1e-9:
             continue
         if all(r == u or o + new[r] <= top
@@ -193,7 +193,7 @@ def _greedy_move(load: list[float], spread: list[dict[int, float]], on_rank: lis
     return True
 
 
-def _water_fill(amount: float, others: list[float]) -> list[float]:
+def _spread_to_level(amount: float, others: list[float]) -> list[float]:
     """Continuous water-filling of ``amount`` over ranks with loads ``others``: what
     each rank gets so that the receiving ranks end level and no other rank is above
     that level."""

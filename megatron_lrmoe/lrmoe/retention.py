@@ -300,7 +300,7 @@ def plan_retention(
         else:                                           # m = 0: no floors, T_r = min(L_r, C)
             floors = np.zeros_like(routed_loc)
             target = np.minimum(load, capacity)
-        kept_loc, level = _water_fill(routed_loc, floors, target, load, bound)
+        kept_loc, level = _integer_fill_with_floors(routed_loc, floors, target, load, bound)
         kept = kept_loc.reshape(-1)[layout.position]    # each instance sits in one slot
 
     return RetentionPlan(
@@ -384,7 +384,7 @@ def _layout(
 # ---------------------------------------------------------------------------
 
 
-def _water_fill(
+def _integer_fill_with_floors(
     routed: np.ndarray, floors: np.ndarray, target: np.ndarray, load: np.ndarray, bound: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Integer water-filling with floors, every rank at once.
