@@ -94,8 +94,11 @@ def run_on_local_ranks(fn: Callable, world_size: int, *args: Any, timeout: float
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                if not all(p.is_alive() for p in procs):
-                    break
+                # A rank that ended without reporting died; one that reported may have
+                # exited already while the others still run. A dead rank's last words may
+                # still be in the pipe: read on briefly before giving up.
+                if any(not p.is_alive() and r not in got for r, p in enumerate(procs)):
+                    deadline = min(deadline, time.monotonic() + 2)
                 continue
             got[rank] = (ok, value)
             if not ok:   # one rank failed: give the others a moment to report, then stop
