@@ -4,17 +4,17 @@
 #   bash scripts/apply_megatron_patch.sh /path/to/Megatron-LM           # apply (idempotent)
 #   bash scripts/apply_megatron_patch.sh --revert /path/to/Megatron-LM  # undo
 #
-# The patch (patches/megatron_lm_<tag>.patch) imports megatron_lrmoe.megatron_lm and changes
+# The patch (patches/megatron_lm_<tag>.patch) imports megatron_lrmoe.integration.megatron_lm and changes
 # two lines of pretrain_gpt.py's __main__: parse_and_validate_args gets the LRMoE argument
 # provider, and the model config goes through lrmoe_model_config before pretrain() gets it.
 # pretrain_gpt.py then needs megatron-lrmoe importable (pip install -e .).
 # The tag and the supported megatron-core line (any 0.19.x; the tag reports 0.19.1) are read
-# from megatron_lrmoe/megatron_support.py, where the package defines them.
+# from megatron_lrmoe/config/megatron_support.py, where the package defines them.
 # Exit status: 0 applied (or already applied), 1 cannot apply, 2 usage / wrong checkout.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-SUPPORT="$REPO/megatron_lrmoe/megatron_support.py"
+SUPPORT="$REPO/megatron_lrmoe/config/megatron_support.py"
 TAG=$(sed -nE 's/^MEGATRON_LM_TAG *= *"([^"]+)".*/\1/p' "$SUPPORT" 2>/dev/null || true)
 LINE=$(sed -nE 's/^SUPPORTED_LINE[^=]*= *\( *([0-9]+) *, *([0-9]+) *\).*/\1.\2/p' "$SUPPORT" \
        2>/dev/null || true)

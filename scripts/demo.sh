@@ -19,13 +19,13 @@ run=runs/demo
 lrmoe=(--moe-lrmoe)
 if [ "${LRMOE:-1}" = 0 ]; then lrmoe=(); run=runs/demo_megatron; fi
 mkdir -p "$run"
-# megatron_lrmoe.launch checks the flags first (a refused one: one error line, exit 2),
-# then runs torchrun ... -m megatron_lrmoe.pretrain with them.
-.venv/bin/python -m megatron_lrmoe.launch --nproc-per-node 2 --master-port "${MASTER_PORT:-29512}" \
+# megatron_lrmoe.launcher checks the flags first (a refused one: one error line, exit 2),
+# then runs torchrun ... -m megatron_lrmoe.launcher.pretrain with them.
+.venv/bin/python -m megatron_lrmoe.launcher --nproc-per-node 2 --master-port "${MASTER_PORT:-29512}" \
   --config configs/tiny_moe.yaml \
   --data-path data/stdlib --data-cache-path data/cache \
   --tensorboard-dir "$run/tensorboard" --log-json "$run/log.jsonl" "${lrmoe[@]}" "$@"
 
 # The run's report: loss, MoE time, LRMoE statistics and routed load as PNGs.
-echo "report of $run (python -m megatron_lrmoe.report):"
-.venv/bin/python -m megatron_lrmoe.report "$run" --out "$run/report"
+echo "report of $run (python -m megatron_lrmoe.tools.report):"
+.venv/bin/python -m megatron_lrmoe.tools.report "$run" --out "$run/report"

@@ -5,21 +5,21 @@
 #   1. environment. Offline (WHEELS=DIR, the GPU machine of this project: Python 3.12 with
 #      its own CUDA torch, nothing else, no registry): install the wheels of DIR
 #      (megatron-core 0.19.2 and the packages the check imports, prepared on a networked
-#      machine by scripts/prepare_gpu_wheels.sh into the git-ignored wheels/) into
+#      machine by scripts/dev/prepare_gpu_wheels.sh into the git-ignored wheels/) into
 #      .gpu_site/ with pip --no-index, and build megatron_lrmoe._kernels in place with the
 #      machine's torch. Online (no WHEELS): LRMOE_GPU=1 bash scripts/setup.sh.
 #   2. the CUDA backend of scatter_add_rows, select_rows, combine_rows and
 #      combine_rows_backward against their pure-torch references on random inputs
 #      (inline below: the kernel test files have no CUDA-parametrised cases)
-#   3. scripts/gpu_sync_check.py: the LRMoE forward after the counts exchange and the
+#   3. scripts/dev/gpu_sync_check.py: the LRMoE forward after the counts exchange and the
 #      whole LRMoE backward under torch.cuda.set_sync_debug_mode("error") (bf16 grouped
 #      GEMMs and fp32 loop; gamma inf and 0.75; uniform, topk, sample), and the cost of
 #      the grouped path's per-call weight stack against its GEMMs
-#   4. scripts/bench_moe_layer.py on a Qwen3-30B-A3B-shaped MoE layer (H=2048, F=768,
+#   4. benchmarks/bench_moe_layer.py on a Qwen3-30B-A3B-shaped MoE layer (H=2048, F=768,
 #      128 experts, top-8, bf16, EP=1, one process): Megatron's MoELayer (SequentialMLP)
 #      beside LRMoE at gamma inf, 1.0 and 0.75 with grouped GEMMs; memory and host reads
 #      per layer call are in its table
-#   5. python -m megatron_lrmoe.calibrate on the GPU at the Qwen3-30B-A3B expert shape
+#   5. python -m megatron_lrmoe.tools.calibrate on the GPU at the Qwen3-30B-A3B expert shape
 #      (bf16, 16 local experts as at EP 8, GEMM rate tables at 64-8192 rows, memory rate,
 #      median of 3 rounds) into benchmarks/results/calibration_h200_qwen3_<date>.json: the
 #      node-local constants of the simulator's H200 column (issue 14; the projection runs
@@ -284,19 +284,19 @@ PYEOF
 
   run_step "2 CUDA kernels vs references" 45 bash -c cuda_kernel_check
   run_step "3 sync-free LRMoE region (sync-debug mode error) and weight-stack cost" 60 \
-    "$PY" scripts/gpu_sync_check.py
+    "$PY" scripts/dev/gpu_sync_check.py
   run_step "4 layer benchmark (Qwen3-30B-A3B-shaped, bf16, EP=1, grouped GEMMs)" 150 \
-    "$PY" scripts/bench_moe_layer.py --device cuda --ep 1 --hidden 2048 --ffn 768 \
+    "$PY" benchmarks/bench_moe_layer.py --device cuda --ep 1 --hidden 2048 --ffn 768 \
       --experts 128 --topk 8 --dtype bf16 --tokens 8192 --capacities inf,1.0,0.75 \
       --grouped-gemm on --routings skewed,router --warmup 2 --reps 7 --out "$BENCH_MD"
   run_step "5 calibration at the Qwen3-30B-A3B expert shape (bf16, one GPU)" 90 \
-    "$PY" -m megatron_lrmoe.calibrate --device cuda --dtype bf16 --hidden-size 2048 \
+    "$PY" -m megatron_lrmoe.tools.calibrate --device cuda --dtype bf16 --hidden-size 2048 \
       --ffn-hidden-size 768 --experts 128 --topk 8 --tokens 4096 --rows 2048 \
       --local-experts 16 --gemm-rows 64,128,256,512,1024,2048,4096,8192 --rounds 3 \
       --output "$CALIBRATION"
   # CPU-backend tests and the nvcc compile check, with what is left of the budget.
   run_step "6 kernel test files (CPU backend, nvcc compile check)" 120 \
-    "$PY" -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_compaction_kernels.py
+    "$PY" -m pytest -q -x -p no:cacheprovider tests/ops/test_kernels.py tests/ops/test_compaction_kernels.py
 }
 
 mkdir -p "$RESULTS"

@@ -73,7 +73,7 @@ TOKENIZER_MODEL=${TOKENIZER_MODEL:-$TOKENIZER_DEFAULT}
 config_args=(flags "$REPO/$CONFIG")
 [ "$LRMOE" = 1 ] || config_args+=(--no-lrmoe)
 mapfile -t MODEL_FLAGS < <(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" \
-  "$PYTHON" -m megatron_lrmoe.megatron_lm "${config_args[@]}")
+  "$PYTHON" -m megatron_lrmoe.integration.megatron_lm "${config_args[@]}")
 [ "${#MODEL_FLAGS[@]}" -gt 0 ] || die "could not read $CONFIG with $PYTHON (is PyYAML installed?)"
 
 PARALLEL_FLAGS=(

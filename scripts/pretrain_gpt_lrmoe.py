@@ -8,7 +8,7 @@ Same flags as pretrain_gpt.py plus ``--moe-lrmoe*``; without ``--moe-lrmoe`` the
 pretrain_gpt.py's. The checkout comes from ``$MEGATRON_LM`` or an importable
 ``pretrain_gpt`` module and must be of tag core_v0.19.0 (any megatron-core 0.19.x). It
 runs pretrain_gpt.py's ``__main__`` steps with pretrain_gpt.py's own dataset provider,
-forward step and embedding ranks; all logic lives in ``megatron_lrmoe.megatron_lm``
+forward step and embedding ranks; all logic lives in ``megatron_lrmoe.integration.megatron_lm``
 (``run_pretrain_gpt``).
 """
 
@@ -18,8 +18,8 @@ import sys
 # Run from a source tree without installing: the package sits next to scripts/.
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lrmoe.arguments import ConfigError  # noqa: E402
-from megatron_lrmoe.megatron_lm import run_pretrain_gpt  # noqa: E402
+from megatron_lrmoe.config.flags import ConfigError  # noqa: E402
+from megatron_lrmoe.integration.megatron_lm import run_pretrain_gpt  # noqa: E402
 
 if __name__ == "__main__":
     try:

@@ -11,7 +11,7 @@ from megatron_lrmoe.testing.gloo_pool import GlooPool
 
 # Property tests draw the same examples on every run (CI gates on them; a new random
 # counterexample should not fail a change that did not cause it). To search new ones:
-# HYPOTHESIS_PROFILE=explore bash scripts/test.sh tests/test_placement.py; a failure
+# HYPOTHESIS_PROFILE=explore bash scripts/test.sh tests/planning/test_placement.py; a failure
 # found that way becomes an @example of its test.
 settings.register_profile("fixed", derandomize=True)
 settings.register_profile("explore", derandomize=False)

@@ -127,7 +127,7 @@ def _path(graph: dict[str, set[str]], component: list[str]) -> str:
 def test_the_graph_sees_every_kind_of_import():
     graph = _graph()
     # A module-level import, a ``from package import module`` and a function-level one.
-    assert f"{PACKAGE}.lrmoe.placement" in graph[f"{PACKAGE}.lrmoe.planner"]
+    assert f"{PACKAGE}.planning.placement" in graph[f"{PACKAGE}.planning.planner"]
     assert f"{PACKAGE}.ops.backend" in graph[f"{PACKAGE}.ops"]
     assert len(graph) > 40
 
@@ -151,3 +151,38 @@ def test_production_code_does_not_import_the_test_harness():
         if target == TESTING or target.startswith(f"{TESTING}."))
     assert not offenders, "production modules import megatron_lrmoe.testing:\n  " + \
         "\n  ".join(offenders)
+
+
+# What each layer may import from the package: planning stays pure (host-side values and
+# the option table), the layer builds on planning and the ops, and nothing below the
+# integration, the launcher and the tools reaches up into them.
+ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
+    "ops": ("ops", "_kernels"),
+    "planning": ("planning", "config.options"),
+    "config": ("config", "planning"),
+    "layer": ("layer", "config", "planning", "ops"),
+}
+
+
+def _allowed(target: str, prefixes: tuple[str, ...]) -> bool:
+    rest = target.removeprefix(f"{PACKAGE}.")
+    return target == PACKAGE or any(rest == p or rest.startswith(f"{p}.") for p in prefixes)
+
+
+def test_layers_import_only_downward():
+    offenders = sorted(
+        f"{name} imports {target}"
+        for name, targets in _graph().items()
+        for layer, prefixes in ALLOWED_IMPORTS.items()
+        if name.startswith(f"{PACKAGE}.{layer}.") or name == f"{PACKAGE}.{layer}"
+        for target in targets
+        if not _allowed(target, prefixes))
+    assert not offenders, "imports against the layering:\n  " + "\n  ".join(offenders)
+
+
+def test_the_layering_check_sees_an_upward_import():
+    graph = _graph()
+    graph[f"{PACKAGE}.planning.planner"] = {f"{PACKAGE}.layer.region"}
+    bad = [t for t in graph[f"{PACKAGE}.planning.planner"]
+           if not _allowed(t, ALLOWED_IMPORTS["planning"])]
+    assert bad == [f"{PACKAGE}.layer.region"]

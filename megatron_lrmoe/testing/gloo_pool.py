@@ -44,7 +44,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from megatron_lrmoe.runtime.local_gloo import free_port, init_local_rank
+from megatron_lrmoe.integration.runtime.local_gloo import free_port, init_local_rank
 
 __all__ = ["GlooPool", "TaskFailed", "free_port", "thread_count"]
 

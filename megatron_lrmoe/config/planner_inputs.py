@@ -1,0 +1,197 @@
+"""From Megatron's config to the pure planner's inputs (PlannerSettings, MoEShape, machine).
+
+The planner is a function of plain numbers; this module is the one place that reads
+them off an ``LRMoETransformerConfig`` and the run's layout, for the layer (at model
+setup, ``integration/step_hooks.py``, when the entry point knows the tokens per micro-batch) and for
+the launchers' start-up budget check (from the command line, before any model exists).
+
+Budget unit: ``--moe-lrmoe-memory-budget-gb`` is in GiB (2**30 bytes), the unit
+``torch.cuda.memory_allocated`` and ``nvidia-smi`` figures are usually read in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+
+from megatron_lrmoe.config.options import option
+from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
+from megatron_lrmoe.planning.machine import default_machine_constants
+from megatron_lrmoe.planning.planner import PlannerSettings
+from megatron_lrmoe.planning.retention import retention_in_forward
+
+__all__ = ["GIB", "agreed_machine_constants", "check_memory_budget", "fitting_micro_batch_size",
+           "machine_constants", "moe_layers_per_stage",
+           "moe_shape", "needs_cost_model", "planner_settings"]
+
+GIB = 2**30
+
+
+def moe_layers_per_stage(num_layers: int, moe_layer_freq, pipeline_size: int) -> int:
+    """MoE layers one pipeline stage holds (the most of any stage, with an even split)."""
+    if isinstance(moe_layer_freq, int):
+        moe = sum(1 for i in range(num_layers) if i % moe_layer_freq == 0)
+    else:
+        moe = sum(1 for flag in moe_layer_freq if flag)
+    return max(1, -(-moe // max(1, pipeline_size)))
+
+
+def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
+              ep_size: int | None = None) -> MoEShape:
+    """The MoE layer's shape on one EP rank for the cost model (``ep_size``: the EP group's
+    size, default the config's)."""
+    dtype = config.params_dtype
+    pp = config.pipeline_model_parallel_size or 1
+    ep = ep_size or config.expert_model_parallel_size or 1
+    return MoEShape(
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
+        num_experts=config.num_moe_experts,
+        topk=config.moe_router_topk,
+        gated=bool(config.gated_linear_unit),
+        dtype_bytes=torch.empty(0, dtype=dtype).element_size(),
+        tokens_per_rank=max(1, int(tokens_per_rank)),
+        num_layers=moe_layers_per_stage(config.num_layers, config.moe_layer_freq, pp),
+        # 1F1B keeps up to PP micro-batches' activations alive on the first stage.
+        microbatches_in_flight=pp,
+        microbatches_per_step=max(1, int(microbatches_per_step)),
+        grad_dtype_bytes=4 if dtype in (torch.bfloat16, torch.float16) else None,
+        expert_parallel_size=ep,
+        # The region's GEMMs run grouped on request and, by default, on CUDA (where a
+        # failed probe falls back to the loop, which holds less: the model errs safe).
+        grouped_gemm=bool(config.moe_grouped_gemm) or torch.cuda.is_available(),
+        # A plain Megatron config (the simulator's baselines) has no LRMoE fields: the
+        # option table's defaults then.
+        forward_retention=retention_in_forward(
+            getattr(config, "moe_lrmoe_selection", option("moe_lrmoe_selection").default),
+            getattr(config, "moe_lrmoe_metric", option("moe_lrmoe_metric").default)),
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def machine_constants(calibration: str | None, device_type: str) -> MachineConstants:
+    """Measured constants: the calibration JSON if given, else a quick in-process
+    measurement (labelled as such in ``source``); cached per process."""
+    if calibration:
+        return MachineConstants.from_json(calibration)
+    return default_machine_constants(device_type)
+
+
+def agreed_machine_constants(calibration: str | None, device: torch.device,
+                             group=None) -> MachineConstants:
+    """``machine_constants``, identical on every rank of ``group``.
+
+    Every rank that plans a layer must plan from the same numbers (the planners' outputs
+    must agree without communication, within an EP group and, since the expert-data-
+    parallel replicas of a layer share one planner state, across EP groups too). A
+    calibration file is the same everywhere; an in-process measurement is not, so the
+    ranks average theirs (one all-reduce over ``group``, once at model setup).
+    """
+    constants = machine_constants(calibration, device.type)
+    if calibration or group is None or dist.get_world_size(group) == 1:
+        return constants
+    values = torch.tensor([constants.gemm_flops_per_s, constants.alltoall_bytes_per_s,
+                           constants.alltoall_latency_s], dtype=torch.float64, device=device)
+    dist.all_reduce(values, group=group)
+    gemm, bandwidth, latency = (values / dist.get_world_size(group)).tolist()
+    return dataclasses.replace(constants, gemm_flops_per_s=gemm, alltoall_bytes_per_s=bandwidth,
+                               alltoall_latency_s=latency,
+                               source=constants.source + " (averaged over all ranks)")
+
+
+def needs_cost_model(config) -> bool:
+    """Whether the layer's planner needs the cost model (and so the machine constants and
+    the tokens per micro-batch): with a memory budget or memory-aware placement."""
+    return (config.moe_lrmoe_memory_budget_gb is not None
+            or config.moe_lrmoe_placement == "memory-aware")
+
+
+def planner_settings(config, ep_size: int, tokens_per_rank: int | None = None,
+                     microbatches_per_step: int = 1,
+                     machine: MachineConstants | None = None) -> PlannerSettings:
+    """PlannerSettings of one LRMoE layer (raises ValueError naming the setting).
+
+    ``tokens_per_rank`` and ``machine`` are needed when ``needs_cost_model(config)``;
+    pure otherwise (no measurement, no communication: ``agreed_machine_constants`` is
+    the caller's, once for all layers)."""
+    cost = None
+    if needs_cost_model(config):
+        if tokens_per_rank is None or machine is None:
+            raise ValueError("the planner of this configuration (--moe-lrmoe-memory-budget-gb "
+                             "or --moe-lrmoe-placement memory-aware) needs the tokens per "
+                             "micro-batch and the machine constants")
+        cost = CostModel(moe_shape(config, tokens_per_rank, microbatches_per_step, ep_size),
+                         machine)
+    budget = config.moe_lrmoe_memory_budget_gb
+    return PlannerSettings(
+        policy=config.moe_lrmoe_placement,
+        num_ranks=ep_size,
+        num_experts=config.num_moe_experts,
+        capacity_factor=config.moe_lrmoe_bwd_capacity_factor,
+        min_retention=config.moe_lrmoe_min_retention,
+        slots_per_rank=config.moe_lrmoe_slots_per_rank,
+        budget_bytes=None if budget is None else budget * GIB,
+        load_smoothing=config.moe_lrmoe_load_smoothing,
+        cost=cost,
+    )
+
+
+def check_memory_budget(config, ep_size: int, tokens_per_rank: int,
+                        microbatches_per_step: int = 1, device_type: str = "cpu",
+                        micro_batch_size: int | None = None) -> str | None:
+    """Start-up check of ``--moe-lrmoe-memory-budget-gb`` against the balanced dropless need
+    of the configured shapes (docs/design.md, "Memory budget"); raises ValueError naming
+    the flag and the number needed. Returns the line to print: the largest micro-batch
+    sizes the budget holds at balanced routing, dropless and at the configured retention
+    (``micro_batch_size``: the run's, whose tokens are ``tokens_per_rank``). None
+    without a budget."""
+    budget = config.moe_lrmoe_memory_budget_gb
+    if not config.moe_lrmoe or budget is None:
+        return None
+    shape = moe_shape(config, tokens_per_rank, microbatches_per_step, ep_size)
+    cost = CostModel(shape, machine_constants(config.moe_lrmoe_calibration, device_type))
+    need = cost.balanced_dropless_need()
+    if budget * GIB < need:
+        raise ValueError(
+            f"--moe-lrmoe-memory-budget-gb {budget:g} is below what the MoE layers need per "
+            f"rank with perfectly balanced routing and nothing dropped: {need / GIB:.4g} GiB "
+            f"({shape.num_layers} MoE layer(s) x {shape.microbatches_in_flight} micro-batch(es) "
+            f"in flight, {shape.tokens_per_rank} tokens x top-{shape.topk} per rank); raise it "
+            "to at least that")
+    if micro_batch_size is None:
+        return None
+    gamma = config.moe_lrmoe_bwd_capacity_factor
+    retention = min(1.0, max(gamma, config.moe_lrmoe_min_retention))
+    per_sequence = tokens_per_rank / micro_batch_size
+    dropless = fitting_micro_batch_size(cost, budget * GIB, per_sequence, 1.0)
+    lrmoe = fitting_micro_batch_size(cost, budget * GIB, per_sequence, retention)
+    where = ("x and z saved for retained rows only" if shape.forward_retention
+             else "retention drawn in backward: x and z saved for every routed row")
+    return (f"--moe-lrmoe-memory-budget-gb {budget:g}: at balanced routing the MoE layers fit "
+            f"micro-batch size <= {dropless} dropless, <= {lrmoe} at retention "
+            f"{retention:g} ({where}); this run uses {micro_batch_size}")
+
+
+def fitting_micro_batch_size(cost: CostModel, budget_bytes: float, tokens_per_sequence: float,
+                             retention: float, limit: int = 1 << 16) -> int:
+    """The largest micro-batch size whose MoE layers fit ``budget_bytes`` per rank at
+    perfectly balanced routing with ``retention`` of each rank's rows kept (0 if none;
+    at most ``limit``). Memory grows with the micro-batch size, so a bisection over it
+    on ``CostModel.balanced_need`` finds it."""
+    def fits(size: int) -> bool:
+        tokens = max(1, round(size * tokens_per_sequence))
+        resized = CostModel(dataclasses.replace(cost.shape, tokens_per_rank=tokens),
+                            cost.machine)
+        return resized.balanced_need(retention) <= budget_bytes
+
+    low, high = 0, 1
+    while high <= limit and fits(high):
+        low, high = high, 2 * high
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low

@@ -1,0 +1,1 @@
+"""Glue to Megatron: step hooks, Megatron-LM, supported versions, Megatron's privates, runtimes."""

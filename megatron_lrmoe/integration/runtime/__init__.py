@@ -1,0 +1,1 @@
+"""Runtimes that let Megatron-Core run without Transformer Engine or a GPU."""

@@ -1,0 +1,200 @@
+"""LRMoE's step state at Megatron's step boundaries, for a whole model.
+
+Design: docs/design.md, "Step state". Every LRMoE layer keeps state across training
+steps: its planner (smoothed routed counts, step, placement), the number of steps it
+finished (which seeds its random draws) and, within a step, the micro-batch ordinal,
+pending observations, the backward count and the replica refresh mark. The entry
+points (``megatron_lrmoe/launcher/pretrain.py`` and the Megatron-LM integration,
+``megatron_lrmoe/integration/megatron_lm.py``) drive it through the functions here, at three
+explicit points:
+
+* ``setup_lrmoe_layers``: right after the model is built, before a checkpoint is
+  loaded. Builds each layer's planner from the tokens of one micro-batch and, where
+  the cost model needs them, machine constants from the calibration file or from one
+  measurement averaged over all ranks (returned, for the caller to log with its
+  figures). Tells every layer the micro-batches of a step (Megatron's
+  ``get_num_microbatches``), which is how it finds a step's last backward.
+* ``finish_lrmoe_step``: once per optimizer step (taken or skipped), after
+  ``optimizer.step()``. Pools each layer's observed counts over its expert-data-parallel
+  group (one all-reduce for all layers) so that every replica of a layer folds the same
+  counts, then advances every planner, marks the replicas for refresh and moves the
+  draws to the next step's seeds.
+* ``snapshot_lrmoe_state`` / ``restore_lrmoe_state``: what a step changed, undone;
+  ``chain_to_rerun_state_machine`` hands them to Megatron's ``RerunStateMachine``
+  (its public ``state_save_func`` / ``state_restore_func``, chained to what is there),
+  so a re-run step counts once.
+
+Checkpoints need no launcher code: the state is each layer's module extra state
+(``LRMoELayer.get_extra_state``), present in the sharded state dict when the sharded
+state dict metadata carries ``PLANNER_STATE_FLAG`` (``checkpoint_content_metadata``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_lrmoe.config.planner_inputs import agreed_machine_constants, needs_cost_model
+from megatron_lrmoe.layer.moe_layer import PLANNER_STATE_FLAG, LRMoELayer, MicrobatchesPerStep
+from megatron_lrmoe.layer.telemetry import lrmoe_layers
+from megatron_lrmoe.planning.cost_model import MachineConstants
+
+__all__ = ["PLANNER_STATE_FLAG", "chain_to_rerun_state_machine", "checkpoint_content_metadata",
+           "finish_lrmoe_step", "lrmoe_layers", "machine_constants_line", "restore_lrmoe_state",
+           "setup_lrmoe_layers", "snapshot_lrmoe_state"]
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def setup_lrmoe_layers(model_chunks: Iterable[torch.nn.Module], tokens_per_rank: int,
+                       microbatches_per_step: MicrobatchesPerStep,
+                       config=None) -> MachineConstants | None:
+    """Build every LRMoE layer's planner at model setup (docs/design.md, "Step state").
+
+    ``tokens_per_rank``: tokens of one micro-batch on one rank (micro-batch size x
+    sequence length, divided by TP under sequence parallelism). ``microbatches_per_step``:
+    an int or a function (Megatron's ``get_num_microbatches``, which follows a batch-size
+    ramp-up). ``config``: the run's TransformerConfig, for ranks whose pipeline stage has
+    no LRMoE layer (default: the first layer's).
+
+    Collective over all ranks when the cost model needs machine constants and no
+    calibration file is given (one measurement per process, averaged, so that every
+    rank plans from the same numbers). Returns those constants, or None when no
+    layer's planner needs them.
+    """
+    layers = lrmoe_layers(model_chunks)
+    config = config if config is not None else (layers[0].config if layers else None)
+    machine = None
+    if config is not None and getattr(config, "moe_lrmoe", False) and needs_cost_model(config):
+        group = dist.group.WORLD if dist.is_initialized() else None
+        machine = agreed_machine_constants(config.moe_lrmoe_calibration, _device(), group)
+    for layer in layers:
+        layer.setup_planner(tokens_per_rank, microbatches_per_step, machine)
+    # One layer per pipeline stage says where the planner state came from at a load.
+    if layers and _is_first_rank_of_stage():
+        layers[0].reports_checkpoint_state = True
+    return machine
+
+
+def _is_first_rank_of_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return True
+    return (ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
+
+
+def finish_lrmoe_step(model_chunks: Iterable[torch.nn.Module]) -> None:
+    """End of one training step for every LRMoE layer: call once per optimizer step,
+    taken or skipped, on every rank (collective over each expert-data-parallel group).
+
+    The layers of one rank share their expert-data-parallel group (the pipeline stage's
+    ranks with the same expert-parallel position); their step's counts are summed over
+    it in one all-reduce, so every replica of a layer folds the same counts and all
+    replicas keep one planner state, which is what one checkpoint copy can restore.
+    """
+    layers = lrmoe_layers(model_chunks)
+    if not layers:
+        return
+    pooled = _pooled_observations(layers)
+    for layer, observations in zip(layers, pooled, strict=True):
+        layer.finish_step(observations)
+
+
+def _pooled_observations(layers: list[LRMoELayer]) -> list[tuple[torch.Tensor | None, int] | None]:
+    """Each layer's (counts sum, micro-batches) summed over its expert-data-parallel group;
+    None where the group is a single rank (the layer's own observations stand)."""
+    groups: dict[int, list[int]] = {}
+    for i, layer in enumerate(layers):
+        group = layer.expert_data_parallel_group
+        if group is not None and dist.get_world_size(group) > 1:
+            groups.setdefault(id(group), []).append(i)
+    out: list[tuple[torch.Tensor | None, int] | None] = [None] * len(layers)
+    for members in groups.values():
+        rows = []
+        for i in members:
+            planner = layers[i].placement_planner
+            counts, micro = planner.observations()
+            shape = (planner.settings.num_ranks, planner.settings.num_experts)
+            counts = torch.zeros(shape, dtype=torch.float64) if counts is None else counts
+            rows.append(torch.cat([torch.tensor([float(micro)], dtype=torch.float64),
+                                   counts.reshape(-1)]))
+        flat = torch.cat(rows).to(_device())
+        # Integer-valued float64 sums: exact, hence bitwise identical on every rank.
+        dist.all_reduce(flat, group=layers[members[0]].expert_data_parallel_group)
+        flat = flat.cpu()
+        offset = 0
+        for i, row in zip(members, rows, strict=True):
+            chunk = flat[offset:offset + row.numel()]
+            offset += row.numel()
+            planner = layers[i].placement_planner
+            micro = int(chunk[0])
+            counts = chunk[1:].reshape(planner.settings.num_ranks, planner.settings.num_experts)
+            out[i] = (counts.clone() if micro else None, micro)
+    return out
+
+
+def snapshot_lrmoe_state(model_chunks: Iterable[torch.nn.Module]) -> list[dict[str, Any]]:
+    """A copy of every LRMoE layer's step state (see ``LRMoELayer.step_state``)."""
+    return [layer.step_state() for layer in lrmoe_layers(model_chunks)]
+
+
+def restore_lrmoe_state(model_chunks: Iterable[torch.nn.Module],
+                        snapshot: list[dict[str, Any]]) -> None:
+    """Undo what the layers did since ``snapshot_lrmoe_state`` returned ``snapshot``."""
+    layers = lrmoe_layers(model_chunks)
+    if len(layers) != len(snapshot):
+        raise RuntimeError(f"LRMoE state snapshot of {len(snapshot)} layers, the model has "
+                           f"{len(layers)}")
+    for layer, state in zip(layers, snapshot, strict=True):
+        layer.load_step_state(state)
+
+
+def chain_to_rerun_state_machine(model_chunks: Callable[[], list[torch.nn.Module]]) -> bool:
+    """Make Megatron's re-run state machine snapshot and restore the LRMoE state with the
+    state it already saves (chained: its own functions still run first). Idempotent per
+    machine instance; returns whether this call installed the chain.
+
+    ``model_chunks``: returns the current model chunks when called (the machine saves
+    at the start of every step and restores before a re-run).
+    """
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    if getattr(machine.state_save_func, "_lrmoe_chained", False):
+        return False
+    inner_save, inner_restore = machine.state_save_func, machine.state_restore_func
+
+    def state_save_func() -> dict[str, Any]:
+        return {"inner": inner_save() if inner_save is not None else None,
+                "lrmoe": snapshot_lrmoe_state(model_chunks())}
+
+    def state_restore_func(state: dict[str, Any]) -> None:
+        if state.get("inner") and inner_restore is not None:
+            inner_restore(state["inner"])
+        restore_lrmoe_state(model_chunks(), state["lrmoe"])
+
+    state_save_func._lrmoe_chained = True  # type: ignore[attr-defined]
+    machine.state_save_func, machine.state_restore_func = state_save_func, state_restore_func
+    return True
+
+
+def machine_constants_line(machine: MachineConstants) -> str:
+    """The planner's machine constants in one log line, with their figures and source."""
+    return (f"LRMoE planner machine constants: expert GEMM {machine.gemm_flops_per_s / 1e9:.4g} "
+            f"GFLOP/s, all-to-all {machine.alltoall_bytes_per_s / 1e9:.4g} GB/s, latency "
+            f"{machine.alltoall_latency_s * 1e6:.4g} us ({machine.source})")
+
+
+def checkpoint_content_metadata(config) -> dict[str, Any]:
+    """What an LRMoE run adds to the sharded state dict metadata it saves with: the flag
+    that puts every layer's step state in the checkpoint. Empty without ``moe_lrmoe``."""
+    return {PLANNER_STATE_FLAG: True} if getattr(config, "moe_lrmoe", False) else {}

@@ -1,0 +1,595 @@
+"""Lean GPT(-MoE) pretraining on megatron.core: ``python -m megatron_lrmoe.launcher.pretrain``.
+
+For machines without a Megatron-LM checkout (the CPU demo, quick experiments).
+It takes Megatron-LM's flag names (see ``arguments.py``) and uses Megatron-Core
+for everything that matters: GPTModel and its layer specs, the pipeline
+schedules (``get_forward_backward_func``), DistributedDataParallel,
+``get_megatron_optimizer``, OptimizerParamScheduler, dist_checkpointing and
+GPTDataset. On a machine without CUDA it enables the CPU/gloo runtime.
+
+Run it under torchrun, e.g. expert parallel over two CPU processes, through
+``megatron_lrmoe.launcher``, which checks the flags before torchrun starts workers::
+
+    python -m megatron_lrmoe.launcher --nproc-per-node 2 --config configs/tiny_moe.yaml
+
+The file reads top to bottom: setup, then the training loop, then the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_lrmoe.config.flags import ConfigError, tokens_per_rank
+from megatron_lrmoe.launcher.arguments import parse_args
+
+# -----------------------------------------------------------------------------
+# Distributed setup
+# -----------------------------------------------------------------------------
+
+
+def initialize_distributed(args: argparse.Namespace) -> tuple[torch.device, bool]:
+    """Process group (gloo on CPU), Megatron's parallel state and RNG tracker.
+
+    Returns the device and whether this call created the process group (a caller
+    that already has one, such as the test harness, keeps it after training).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_lrmoe.integration.runtime.compat import (
+        fp8_off_in_checkpoint_without_output_when_te_absent,
+    )
+
+    fp8_off_in_checkpoint_without_output_when_te_absent()  # Megatron's layernorm recompute
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        from megatron_lrmoe.integration.runtime.cpu import enable_cpu_runtime
+
+        enable_cpu_runtime()
+    # Single-process runs without torchrun get a loopback rendezvous.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(backend=args.distributed_backend or ("nccl" if cuda else "gloo"))
+    if dist.get_world_size() != args.world_size:
+        raise ConfigError(
+            f"the process group has {dist.get_world_size()} ranks but WORLD_SIZE says "
+            f"{args.world_size}"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
+    # Explicitly, as Megatron-LM's initialize_megatron does (its default --rerun-mode
+    # disabled); otherwise the schedule's first call warns of an implicit initialization.
+    # Fresh for each run (a process that trains twice, like the test harness, re-creates it).
+    from megatron.core import rerun_state_machine as rsm
+
+    rsm.destroy_rerun_state_machine()
+    rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.DISABLED)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return device, created
+
+
+def log0(*parts: object) -> None:
+    if dist.get_rank() == 0:
+        print(*parts, flush=True)
+
+
+def lrmoe_log_line(iteration: int, stats: dict[str, float]) -> str:
+    """The launcher's LRMoE log line: its iteration prefix and the words Megatron-LM's
+    prints too (``telemetry.format_lrmoe_stats``)."""
+    from megatron_lrmoe.layer.telemetry import format_lrmoe_stats
+
+    return f"iter {iteration:6d} | LRMoE {format_lrmoe_stats(stats)}"
+
+
+# -----------------------------------------------------------------------------
+# Loss and forward step (the same contract as Megatron-LM's pretrain_gpt.py)
+# -----------------------------------------------------------------------------
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of masked per-token losses and the token count; the schedule normalises."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().detach().to(torch.int)
+    report = torch.cat([loss_sum.detach().view(1), num_tokens.view(1).float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+# -----------------------------------------------------------------------------
+# Step statistics, reduced over ranks once per step (outside the timed regions)
+# -----------------------------------------------------------------------------
+
+
+@dataclass
+class StepStats:
+    loss_sum: float = 0.0
+    loss_tokens: float = 0.0
+    moe_forward_s: float = 0.0
+    moe_backward_s: float = 0.0
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.loss_tokens, 1.0)
+
+
+def _local_loss(losses_reduced: list[dict]) -> tuple[float, float]:
+    total = sum((d["lm loss"] for d in losses_reduced), torch.zeros(2))
+    return float(total[0]), float(total[1])
+
+
+def reduce_step_stats(losses_reduced: list[dict], moe_forward_s: float, moe_backward_s: float):
+    """Global loss (over data-parallel ranks) and MoE time (max per stage, sum over stages).
+
+    One all_gather of a 6-vector per rank; the same result on every rank.
+    """
+    from megatron.core import parallel_state as ps
+
+    counts_loss = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    loss_sum, loss_tokens = _local_loss(losses_reduced) if counts_loss else (0.0, 0.0)
+    row = torch.tensor(
+        [moe_forward_s, moe_backward_s, ps.get_pipeline_model_parallel_rank(), loss_sum,
+         loss_tokens, 0.0],
+        dtype=torch.float64,
+    )
+    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    table = torch.stack(rows)
+    stats = StepStats(loss_sum=float(table[:, 3].sum()), loss_tokens=float(table[:, 4].sum()))
+    for stage in table[:, 2].unique():
+        in_stage = table[table[:, 2] == stage]
+        stats.moe_forward_s += float(in_stage[:, 0].max())
+        stats.moe_backward_s += float(in_stage[:, 1].max())
+    return stats
+
+
+# -----------------------------------------------------------------------------
+# Logging sinks: progress bar, TensorBoard, JSON lines (rank 0 only)
+# -----------------------------------------------------------------------------
+
+
+@dataclass
+class Logger:
+    args: argparse.Namespace
+    writer: object | None = None
+    json_file: object | None = None
+    bar: object | None = None
+    history: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, args: argparse.Namespace, start_iteration: int) -> Logger:
+        log = cls(args)
+        if dist.get_rank() != 0:
+            return log
+        if args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            log.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+        if args.log_json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
+            log.json_file = open(args.log_json, "a")  # noqa: SIM115 - closed in close()
+        if not args.no_progress_bar:
+            from tqdm import tqdm
+
+            log.bar = tqdm(total=args.train_iters, initial=start_iteration, unit="it",
+                           dynamic_ncols=True, file=sys.stdout)
+        return log
+
+    def write(self, record: dict) -> None:
+        self.history.append(record)  # every rank: the records are reduced globally
+        if dist.get_rank() != 0:
+            return
+        if self.json_file:
+            self.json_file.write(json.dumps(record) + "\n")
+            self.json_file.flush()
+        if self.writer:
+            step = record["iteration"]
+            for key, value in record.items():
+                if key != "iteration" and isinstance(value, int | float):
+                    self.writer.add_scalar(key, value, step)
+
+    def line(self, text: str) -> None:
+        if dist.get_rank() != 0:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def advance(self, postfix: dict) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        for sink in (self.bar, self.json_file, self.writer):
+            if sink is not None:
+                sink.close()
+
+
+# -----------------------------------------------------------------------------
+# Evaluation
+# -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def params_gathered(args: argparse.Namespace, model):
+    """With --overlap-param-gather, parameters are gathered lazily by forward pre-hooks;
+    evaluation and checkpointing need them complete first (as in Megatron-LM)."""
+    if not args.overlap_param_gather:
+        yield
+        return
+    for chunk in model:
+        chunk.disable_forward_pre_hook()
+    try:
+        yield
+    finally:
+        for chunk in model:
+            chunk.enable_forward_pre_hook()
+
+
+def evaluate(args, model, forward_backward, valid_dataset, device, moe_timer) -> float:
+    """Mean validation loss over ``--eval-iters`` global batches, the same ones every time."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_lrmoe.launcher.data_iterators import MicroBatchIterator
+
+    for chunk in model:
+        chunk.eval()
+    iterator = MicroBatchIterator(
+        valid_dataset, args.micro_batch_size, ps.get_data_parallel_rank(),
+        ps.get_data_parallel_world_size(), 0, device,
+    )
+    total = StepStats()
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses = forward_backward(
+                forward_step_func=forward_step, data_iterator=iterator, model=model,
+                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+                forward_only=True,
+            )
+            step = reduce_step_stats(losses, 0.0, 0.0)
+            total.loss_sum += step.loss_sum
+            total.loss_tokens += step.loss_tokens
+    moe_timer.reset()  # evaluation is not training time
+    for chunk in model:
+        chunk.train()
+    return total.loss
+
+
+# -----------------------------------------------------------------------------
+# Main
+# -----------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    # Before anything imports megatron.core (most of its known benign warnings fire at
+    # import): hide those; on CPU, say in one line what they were about.
+    from megatron_lrmoe.integration.runtime.cpu import quiet_known_warnings
+
+    cpu_note = quiet_known_warnings()
+    args = parse_args_or_exit(argv)
+    if cpu_note and int(os.environ.get("RANK", "0")) == 0:
+        print(cpu_note, flush=True)
+    return train(args)
+
+
+def parse_args_or_exit(argv: list[str] | None = None,
+                       world_size: int | None = None) -> argparse.Namespace:
+    """Every check that needs no process group (ours, then Megatron-Core's config); a
+    refusal is one ``error:`` line on stderr (rank 0) and exit status 2. Also the
+    pre-flight check of ``megatron_lrmoe.launcher``, before torchrun starts workers."""
+    try:
+        args = parse_args(argv, world_size)
+        check_megatron_accepts(args)
+    except ConfigError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return args
+
+
+def check_megatron_accepts(args: argparse.Namespace) -> None:
+    """Build the TransformerConfig once before any process group exists, so that
+    Megatron-Core's own refusals (its __post_init__ checks) surface as a clean error."""
+    from megatron_lrmoe.config.options import LRMoEConfigError
+    from megatron_lrmoe.launcher.builders import transformer_config_from_args
+
+    try:
+        transformer_config_from_args(args)
+    except LRMoEConfigError as exc:  # ours: already names the flag
+        raise ConfigError(str(exc)) from exc
+    except (ValueError, AssertionError) as exc:
+        raise ConfigError(f"Megatron-Core refuses this configuration: {exc}") from exc
+
+
+def train(args: argparse.Namespace) -> dict:
+    device, owns_process_group = initialize_distributed(args)
+
+    from megatron.core import num_microbatches_calculator
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    from megatron_lrmoe.launcher import builders, checkpointing
+    from megatron_lrmoe.launcher.data_iterators import MicroBatchIterator
+    from megatron_lrmoe.launcher.moe_timing import MoETimer, attach_moe_timer
+
+    args.num_microbatches = args.global_batch_size // (
+        args.micro_batch_size * ps.get_data_parallel_world_size()
+    )
+    # Megatron's own micro-batch bookkeeping, as Megatron-LM sets it up: LRMoE layers are
+    # told its get_num_microbatches to find a step's last backward (replica gradients).
+    num_microbatches_calculator.init_num_microbatches_calculator(
+        dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
+        ps.get_data_parallel_world_size())
+    log0(
+        f"megatron_lrmoe.launcher.pretrain: world {dist.get_world_size()} ({dist.get_backend()}), "
+        f"TP {args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size} "
+        f"EP {args.expert_model_parallel_size} DP {ps.get_data_parallel_world_size()}, "
+        f"{torch.get_num_threads()} thread(s)/rank, {args.num_microbatches} micro-batch(es)/step"
+    )
+
+    # ---- model, optimizer, scheduler ----------------------------------------
+    tokenizer = builders.build_tokenizer_from_args(args)
+    config = builders.transformer_config_from_args(args)
+    if args.moe_lrmoe:
+        from megatron_lrmoe.config.planner_inputs import check_memory_budget
+
+        tokens = tokens_per_rank(args)
+        try:
+            fit = check_memory_budget(config, args.expert_model_parallel_size, tokens,
+                                      args.num_microbatches, device.type,
+                                      args.micro_batch_size)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if fit:
+            log0(f"megatron_lrmoe.launcher.pretrain: {fit}")
+    model = builders.build_model(
+        args, config, tokenizer.vocab_size, spec_transform=builders.lrmoe_spec_transform(args)
+    )
+    if args.moe_lrmoe:   # planners built now, before any checkpoint is loaded or step runs
+        from megatron_lrmoe.integration.step_hooks import (
+            finish_lrmoe_step,
+            machine_constants_line,
+            setup_lrmoe_layers,
+        )
+
+        machine = setup_lrmoe_layers(
+            model, tokens, num_microbatches_calculator.get_num_microbatches, config)
+        if machine is not None:
+            log0(machine_constants_line(machine))
+    optimizer = builders.build_optimizer(args, model)
+    scheduler = builders.build_scheduler(args, optimizer)
+    model_config = get_model_config(model[0])
+    model_config.grad_scale_func = optimizer.scale_loss
+    model_config.finalize_model_grads_func = finalize_model_grads
+    if args.overlap_grad_reduce:
+        model_config.no_sync_func = model[0].no_sync
+        model_config.grad_sync_func = model[0].start_grad_sync
+    if args.moe_lrmoe:
+        from megatron_lrmoe.layer.telemetry import collect_lrmoe_stats
+    moe_timer = MoETimer(sync_cuda=torch.cuda.is_available())
+    moe_layers = 0 if args.no_moe_timing else attach_moe_timer(model[0], moe_timer)
+    recorder = None
+    if args.record_routing:   # after the timer: the count reduction then falls outside its spans
+        from megatron_lrmoe.launcher.routing_record import RoutingRecordError, start_recording
+
+        try:
+            recorder = start_recording(args, model)
+        except RoutingRecordError as error:
+            raise ConfigError(str(error)) from None
+    n_params = sum(p.numel() for p in model[0].parameters())
+    log0(f"model: {n_params / 1e6:.2f} M parameters on rank 0, {moe_layers} MoE layer(s) timed")
+
+    # ---- checkpoint resume ---------------------------------------------------
+    progress = checkpointing.TrainingProgress()
+    if args.load:
+        loaded = checkpointing.load_checkpoint(
+            args.load, model, optimizer, scheduler,
+            load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng,
+        )
+        if loaded is None:
+            log0(f"--load {args.load}: no checkpoint yet, starting from scratch")
+        else:
+            progress = loaded
+            log0(f"resumed from {args.load} at iteration {progress.iteration}")
+
+    # ---- data ----------------------------------------------------------------
+    train_ds, valid_ds, _ = builders.build_datasets(args, tokenizer)
+    train_iter = MicroBatchIterator(
+        train_ds, args.micro_batch_size, ps.get_data_parallel_rank(),
+        ps.get_data_parallel_world_size(), progress.consumed_train_samples, device,
+    )
+    forward_backward = get_forward_backward_func()
+    tokens_per_step = args.global_batch_size * args.seq_length
+
+    # ---- training loop -------------------------------------------------------
+    logger = Logger.create(args, progress.iteration)
+    cumulative_moe_s = 0.0
+    train_start = time.perf_counter()
+    interval = StepStats()
+    interval_steps, interval_time = 0, 0.0
+    val_loss = None
+    while progress.iteration < args.train_iters:
+        step_start = time.perf_counter()
+        moe_timer.reset()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(
+            forward_step_func=forward_step, data_iterator=train_iter, model=model,
+            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+            forward_only=False,
+        )
+        update_ok, grad_norm, _ = optimizer.step()
+        if args.moe_lrmoe:   # the step boundary of LRMoE's planners and replicas
+            finish_lrmoe_step(model)
+        if update_ok:
+            scheduler.step(increment=args.global_batch_size)
+        step_time = time.perf_counter() - step_start
+        progress.iteration += 1
+        progress.consumed_train_samples += args.global_batch_size
+
+        stats = reduce_step_stats(losses, moe_timer.forward_seconds, moe_timer.backward_seconds)
+        cumulative_moe_s += stats.moe_forward_s + stats.moe_backward_s
+        record = {
+            "iteration": progress.iteration,
+            "lm-loss": stats.loss,
+            "learning-rate": optimizer.param_groups[0]["lr"],
+            "grad-norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "step-time-s": step_time,
+            "tokens-per-sec": tokens_per_step / step_time,
+            "moe-forward-s": stats.moe_forward_s,
+            "moe-backward-s": stats.moe_backward_s,
+            "moe-cumulative-s": cumulative_moe_s,
+            "consumed-samples": progress.consumed_train_samples,
+        }
+        if recorder is not None:   # one all_gather of the step's routed counts
+            record.update(recorder.end_step(progress.iteration))
+        interval.loss_sum += stats.loss_sum
+        interval.loss_tokens += stats.loss_tokens
+        interval.moe_forward_s += stats.moe_forward_s
+        interval.moe_backward_s += stats.moe_backward_s
+        interval_steps += 1
+        interval_time += step_time
+        logger.advance({"loss": f"{stats.loss:.3f}"})
+
+        if progress.iteration % args.log_interval == 0 or progress.iteration == args.train_iters:
+            logger.line(
+                f"iter {progress.iteration:6d}/{args.train_iters} | loss {interval.loss:.4f} | "
+                f"lr {record['learning-rate']:.3e} | grad norm {record['grad-norm']:.3f} | "
+                f"{tokens_per_step * interval_steps / interval_time:8.0f} tok/s | "
+                f"MoE fwd {1e3 * interval.moe_forward_s / interval_steps:7.1f} ms "
+                f"bwd {1e3 * interval.moe_backward_s / interval_steps:7.1f} ms per step "
+                f"({100 * (interval.moe_forward_s + interval.moe_backward_s) / interval_time:.0f}%"
+                f" of step time)"
+            )
+            interval = StepStats()
+            interval_steps, interval_time = 0, 0.0
+
+        lrmoe_interval = args.moe_lrmoe_log_interval or args.log_interval
+        if args.moe_lrmoe and (
+            progress.iteration % lrmoe_interval == 0 or progress.iteration == args.train_iters
+        ):
+            lrmoe_stats = collect_lrmoe_stats(model, args.num_layers, args.num_experts)
+            record.update(lrmoe_stats)
+            if "lrmoe/retained-fraction" in lrmoe_stats:
+                logger.line(lrmoe_log_line(progress.iteration, lrmoe_stats))
+
+        if args.eval_iters > 0 and (
+            progress.iteration % args.eval_interval == 0 or progress.iteration == args.train_iters
+        ):
+            with params_gathered(args, model):
+                val_loss = evaluate(args, model, forward_backward, valid_ds, device, moe_timer)
+            record["validation-loss"] = val_loss
+            logger.line(f"iter {progress.iteration:6d} | validation loss {val_loss:.4f}")
+        logger.write(record)
+
+        exiting = bool(args.exit_interval) and progress.iteration % args.exit_interval == 0
+        last = exiting or progress.iteration == args.train_iters
+        periodic = bool(args.save_interval) and progress.iteration % args.save_interval == 0
+        if args.save and (periodic or last):
+            with params_gathered(args, model):
+                path = checkpointing.save_checkpoint(
+                    args.save, model, optimizer, scheduler, progress
+                )
+            logger.line(f"saved checkpoint {path}")
+        if exiting:
+            logger.line(f"exiting at iteration {progress.iteration} (--exit-interval)")
+            break
+    logger.close()
+    if recorder is not None:
+        recorder.close()
+    wall = time.perf_counter() - train_start
+
+    # ---- summary -------------------------------------------------------------
+    history = logger.history
+    summary = {
+        "iterations": progress.iteration,
+        "wall-s": wall,
+        "final-lm-loss": history[-1]["lm-loss"] if history else None,
+        "first-lm-loss": history[0]["lm-loss"] if history else None,
+        "validation-loss": val_loss,
+        "moe-cumulative-s": cumulative_moe_s,
+        "losses": [r["lm-loss"] for r in history],
+    }
+    if history and dist.get_rank() == 0:
+        print_summary(args, summary, wall)
+    dist.barrier()
+    num_microbatches_calculator.destroy_num_microbatches_calculator()
+    ps.destroy_model_parallel()
+    if owns_process_group:
+        dist.destroy_process_group()
+    return summary
+
+
+def print_summary(args: argparse.Namespace, summary: dict, wall: float) -> None:
+    lines = [
+        "",
+        "=" * 72,
+        f"trained {summary['iterations']} iterations in {wall:.1f} s "
+        f"({args.global_batch_size * args.seq_length * len(summary['losses']) / wall:.0f} tok/s)",
+        f"training loss {summary['first-lm-loss']:.4f} -> {summary['final-lm-loss']:.4f}",
+    ]
+    if summary["validation-loss"] is not None:
+        lines.append(f"validation loss {summary['validation-loss']:.4f}")
+    baseline = unigram_baseline(args)
+    if baseline is not None:
+        lines.append(
+            f"unigram baseline of the corpus {baseline:.4f} nats/token "
+            f"(a model that learned nothing beyond token frequencies scores this)"
+        )
+    lines.append(
+        f"time inside MoE layers (forward + backward, slowest rank per stage): "
+        f"{summary['moe-cumulative-s']:.1f} s = {100 * summary['moe-cumulative-s'] / wall:.0f}% "
+        f"of wall time"
+    )
+    lines.append("=" * 72)
+    print("\n".join(lines), flush=True)
+
+
+def unigram_baseline(args: argparse.Namespace) -> float | None:
+    """Unigram entropy recorded by the prepare tool next to a single data prefix."""
+    if args.mock_data or not args.data_path or len(args.data_path) != 1:
+        return None
+    meta = args.data_path[0] + ".meta.json"
+    if not os.path.isfile(meta):
+        return None
+    with open(meta) as f:
+        value = json.load(f).get("unigram_entropy_nats")
+    return float(value) if value is not None and math.isfinite(value) else None
+
+
+if __name__ == "__main__":
+    main()

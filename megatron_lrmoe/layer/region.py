@@ -1,0 +1,562 @@
+"""The LRMoE region: dispatch -> experts -> weighted combine as one autograd function.
+
+Notation (docs/design.md, "Notation"), per MoE layer and micro-batch, on source rank s:
+  R   ranks of the expert-parallel group; I instances, L of them local to this rank
+  T   tokens of this rank; H hidden size; F expert FFN size (F1 = 2F rows of W1 when gated)
+  P   routed pairs of this rank, in its send order: by instance (= destination rank,
+      then local instance), then by token
+  Pr  pairs this rank's instances receive: "src-major" (source, instance, token) as
+      the all-to-all delivers them, "exp-major" (instance, source, token) for the GEMMs
+  K   pairs this rank keeps as a source in backward; Kr rows its instances keep
+  n[s, i], q[s, i]  routed and retained pairs of cell (s, i) (the RetentionPlan)
+
+Forward (exact): every pair is dispatched and computed; each instance returns its
+unweighted output row o(t, e) to the source, which forms y(t) = sum_e p(t, e) o(t, e)
+inside the region (``combine_rows``: deterministic, no atomics). The side statistic
+a(t, e) = ||h(t, e)|| travels back in a second small all-to-all, only when the metric
+needs it or the call measures statistics.
+
+Retention drawn in forward (``retention_in_forward``: rules that do not read the backward
+gradient, the default ``uniform`` among them): the source selects its kept pairs right
+after the dispatch, the receivers learn their exp-major positions in one small
+all-to-all, and compact x_exp and z to the retained rows after the expert GEMMs, so the
+saved activations fall with the retention. Backward then skips its selection and its
+position exchange.
+
+Backward (recalibrated), on the source: the metric per pair (skipped when the rule
+ignores it, except on measured calls), the selection of q[s, i] pairs per cell, then one
+pass over dy per pair (``combine_rows_backward``) gives the router gradient <dy, o> of
+every pair, kept or dropped, and the kept rows p * w * dy already in send order. Rows go
+to their instances with the retained split sizes, with each row's exp-major position
+at the receiver (skipped for receivers that keep every row); the experts' backward runs
+over the retained rows only; dX comes back and is scatter-added into the token
+gradients. A dropped pair contributes nothing to dX or dW; its router gradient is exact.
+
+Host reads: none. Every size and index the host needs comes from the plan
+(``CallLayout``); index tables go to the device in one non-blocking copy per call.
+The layer's counts exchange, before the region, is the one host read per forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_lrmoe.layer.comm import all_to_all_rows
+from megatron_lrmoe.layer.expert_gemms import experts_backward, experts_forward, use_grouped_mm
+from megatron_lrmoe.layer.region_layout import CallLayout, chunk_permutation
+from megatron_lrmoe.ops import combine_rows, combine_rows_backward, scatter_add_rows, select_rows
+from megatron_lrmoe.ops.select import splitmix64_tensor
+from megatron_lrmoe.planning.retention import (
+    RetentionPlan,
+    retention_in_forward,
+    rule_reads_metric,
+)
+
+__all__ = ["ExpertWeights", "KeptPairs", "KeptPairsLog", "RegionContext", "RegionStats",
+           "lrmoe_region", "record_kept_pairs"]
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """The local experts' weights and activation, as the region computes them.
+
+    One entry per local instance, in the plan's instance order on this rank: the
+    home experts (Megatron's parameters, the region's autograd inputs) first, then
+    the replicas this rank hosts (plain tensors; their gradients go to
+    ``RegionContext.on_replica_grads``). w1[l]: [F1, H] (F1 = 2F when gated),
+    w2[l]: [H, F]; activation maps the fc1 output [N, F1] to h [N, F].
+    """
+
+    w1: tuple[torch.Tensor, ...]
+    w2: tuple[torch.Tensor, ...]
+    activation: Callable[[torch.Tensor], torch.Tensor]
+    gradient_accumulation_fusion: bool = False
+    num_home: int | None = None
+    """How many leading entries are home experts (None: all)."""
+
+    @property
+    def homes(self) -> int:
+        return len(self.w1) if self.num_home is None else self.num_home
+
+    def with_replicas(self, w1: tuple[torch.Tensor, ...],
+                      w2: tuple[torch.Tensor, ...]) -> ExpertWeights:
+        """These home experts followed by replica weights ``w1``, ``w2``."""
+        return dataclasses.replace(self, w1=self.w1[: self.homes] + tuple(w1),
+                                   w2=self.w2[: self.homes] + tuple(w2), num_home=self.homes)
+
+
+@dataclass
+class RegionStats:
+    """What one region call did, filled in forward (routing) and backward (drop).
+
+    Counts are host integers from the plan; the metric sums stay on the device
+    (``metric_sums``) until the statistics are collected, once per log interval.
+    """
+
+    routed_pairs: int = 0
+    retained_pairs: int = 0
+    metric_sums: torch.Tensor | None = None
+    """[2] fp32 on the device: (total metric, dropped metric) of this source's pairs;
+    None when the call did not compute the metric (rule ignores it, call not measured)."""
+    backward_bytes_sent: int = 0
+    backward_bytes_dense: int = 0
+    expert_backward_rows: int = 0
+    routing_overflow: int = 0
+    """Pairs routed beyond a rank's buffer capacity (to the home instance; forward exact)."""
+    planner_s: float = 0.0
+    """Host seconds the placement planner took for this call (routing + quotas)."""
+    budget_adjusted: bool = False
+    """The planner lowered quotas or could not fit the budget for this call (its notes)."""
+    grouped_gemm: bool = False
+    """The expert GEMMs ran grouped (grouped_mm), not as the per-expert loop."""
+    backward_done: bool = False
+
+
+@dataclass(frozen=True)
+class KeptPairs:
+    """One region backward's kept pairs on one source rank (the debug view).
+
+    Pair indices refer to this source's pair list in send order (instance-major, then
+    token): ``pair_token[i]`` and ``pair_expert[i]`` name pair i. ``kept`` [K] lists the
+    kept pairs by cell in send order, ``scale`` [K] their weights w (1 for ``topk`` and
+    for whole cells). Tensors are copies on the region's device.
+    """
+
+    layer: int
+    call: int
+    rank: int
+    pair_token: torch.Tensor
+    pair_expert: torch.Tensor
+    kept: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass
+class KeptPairsLog:
+    """Records of every region backward run while ``record_kept_pairs`` was active."""
+
+    records: list[KeptPairs] = field(default_factory=list)
+
+    def of_layer(self, layer: int) -> list[KeptPairs]:
+        return [r for r in self.records if r.layer == layer]
+
+
+_recording = threading.local()
+
+
+@contextmanager
+def record_kept_pairs() -> Iterator[KeptPairsLog]:
+    """Opt-in debug view: record, per layer and call, the pairs each backward kept.
+
+    Region calls whose forward runs inside the block record their backward (also
+    when it runs after the block). Off (the default), a region pays one attribute
+    read per forward.
+    """
+    log = KeptPairsLog()
+    previous = getattr(_recording, "log", None)
+    _recording.log = log
+    try:
+        yield log
+    finally:
+        _recording.log = previous
+
+
+def active_kept_pairs_log() -> KeptPairsLog | None:
+    """The log of the innermost active ``record_kept_pairs`` block, if any."""
+    return getattr(_recording, "log", None)
+
+
+@dataclass
+class RegionContext:
+    """Everything the region needs besides tensors: the plan and the run's options."""
+
+    plan: RetentionPlan
+    group: dist.ProcessGroup | None
+    rank: int
+    metric: str = "grad_act"
+    selection: str = "topk"
+    hybrid_fraction: float = 0.5
+    """Share of each cell's quota that ``selection="hybrid"`` keeps by top metric."""
+    seed: int = 0
+    kernels: str = "auto"
+    grouped_gemm: bool | None = None
+    """None: grouped GEMMs on CUDA where they apply, else the loop; True: grouped on
+    every device where they apply (``--moe-grouped-gemm``); False: the loop."""
+    measure: bool = True
+    """Compute the metric (and a) for the statistics even when the rule ignores it."""
+    layer: int = 0
+    call: int = 0
+    record: KeptPairsLog | None = None
+    """Debug view (``record_kept_pairs``): where this call's backward records its kept pairs."""
+    stats: RegionStats = field(default_factory=RegionStats)
+    on_replica_grads: ReplicaGradHook | None = None
+    """Called in backward with the replicas' (dW1, dW2); returns additions to the home
+    experts' gradients (empty lists: none this micro-batch). Required with replicas."""
+
+    @property
+    def needs_metric(self) -> bool:
+        return rule_reads_metric(self.selection) or self.measure
+
+    @property
+    def forward_retention(self) -> bool:
+        return retention_in_forward(self.selection, self.metric)
+
+    @property
+    def needs_norm(self) -> bool:
+        """Whether forward must return a = ||h|| (the grad_act metric reads it)."""
+        return self.needs_metric and self.metric == "grad_act"
+
+
+# (replica dW1s, replica dW2s) -> (home dW1 additions, home dW2 additions)
+ReplicaGradHook = Callable[[list[torch.Tensor], list[torch.Tensor]],
+                           tuple[list[torch.Tensor], list[torch.Tensor]]]
+
+
+def _local_instances(plan: RetentionPlan, rank: int) -> range:
+    """This rank's instance columns: contiguous, since instances are rank-major."""
+    return _rank_columns(plan.instance_rank, rank)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_columns(instance_rank: tuple[int, ...], rank: int) -> range:
+    """Checked once per placement (and rank), not on every forward."""
+    ids = [i for i, r in enumerate(instance_rank) if r == rank]
+    ranks = list(instance_rank)
+    if not ids or ranks != sorted(ranks):
+        raise ValueError("the region needs instances in rank-major order with at least one "
+                         f"on every rank (rank {rank} has instances {ids})")
+    return range(ids[0], ids[-1] + 1)
+
+
+def _exchange(rows: torch.Tensor, send: list[int], recv: list[int],
+              group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The all-to-all of rows; on one rank the rows themselves (no copy)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return rows
+    return all_to_all_rows(rows, send, recv, group)
+
+
+def _pair_metric(name: str, dy: torch.Tensor | None, pair_token: torch.Tensor, p: torch.Tensor,
+                 a: torch.Tensor | None, seed: int) -> torch.Tensor:
+    """m(t, e) per pair, float32 (docs/design.md, "Selection rules").
+
+    ||g(t, e)|| = p(t, e) ||dy(t)||: one norm per token, not per pair. ``random`` draws
+    from the counter-based generator on the device (splitmix64 of seed and pair index).
+    ``prob`` and ``random`` do not read ``dy`` (None in forward).
+    """
+    if name in ("grad_act", "grad"):
+        norms = torch.linalg.vector_norm(dy, dim=1, dtype=torch.float32)   # [T]
+        metric = p.float() * norms.index_select(0, pair_token)
+        return metric * a if name == "grad_act" else metric
+    if name == "prob":
+        return p.detach().float()
+    bits = splitmix64_tensor(torch.arange(p.shape[0], device=p.device) + seed)
+    return ((bits >> 11) & ((1 << 53) - 1)).double().mul(2.0**-53).float()
+
+
+# -----------------------------------------------------------------------------
+# The autograd region
+# -----------------------------------------------------------------------------
+
+
+class _LRMoERegion(torch.autograd.Function):
+    """Inputs: tokens x [T, H], pair_token [P] (int64), pair_prob [P] (differentiable:
+    the router gradient), ctx_obj, experts, then w1[0..homes), w2[0..homes).
+    Output: y [T, H] = sum over each token's pairs of p * o."""
+
+    @staticmethod
+    def forward(ctx, x, pair_token, pair_prob, rc: RegionContext, experts: ExpertWeights,
+                *weights):
+        plan, group, s = rc.plan, rc.group, rc.rank
+        local = _local_instances(plan, s)
+        if len(local) != len(experts.w1):
+            raise ValueError(f"rank {s} hosts {len(local)} instances but got weights for "
+                             f"{len(experts.w1)}")
+        lay = CallLayout(plan, s, local)
+        tables_buffer, tables = lay.device_tables(x.device)
+        grouped = use_grouped_mm(rc.grouped_gemm, x, experts.w1[0], experts.w2[0])
+        offs = tables.offs_fwd.to(torch.int32) if grouped else None
+
+        # ---- dispatch every pair ------------------------------------------------
+        x_recv = _exchange(x.index_select(0, pair_token), lay.send_fwd, lay.recv_fwd, group)
+        if lay.fwd_identity:
+            x_exp = x_recv                                                # [Pr, H] exp-major
+        else:
+            to_expert = chunk_permutation(tables.fwd[0], tables.fwd[1], lay.received)
+            x_exp = x_recv.index_select(0, to_expert)
+        del x_recv   # free the receive buffer now, not when forward returns
+        kept = scale = keep_rows = None
+        if rc.forward_retention:
+            kept, scale, keep_rows = _retain_in_forward(rc, lay, tables, pair_token,
+                                                        pair_prob, x.device)
+
+        # ---- experts on every pair --------------------------------------------------
+        z, o_exp, a_exp = experts_forward(x_exp, lay.rows_fwd, offs, experts.w1, experts.w2,
+                                          experts.activation, rc.needs_norm, grouped)
+        if keep_rows is not None:
+            # Only the retained rows' x and z are needed in backward: compact them now,
+            # in the exp-major order the retained gradient rows will arrive in.
+            x_exp = x_exp.index_select(0, keep_rows)
+            z = z.index_select(0, keep_rows)
+        # ---- back to the sources, then the weighted combine -------------------------
+        if not lay.fwd_identity:
+            back = chunk_permutation(tables.fwd[2], tables.fwd[3], lay.received)
+            o_exp = o_exp.index_select(0, back)
+            a_exp = None if a_exp is None else a_exp.index_select(0, back)
+        o = _exchange(o_exp, lay.recv_fwd, lay.send_fwd, group)              # [P, H]
+        a = None if a_exp is None else _exchange(a_exp, lay.recv_fwd, lay.send_fwd, group)
+        del o_exp, a_exp
+        sorted_token, by_token = torch.sort(pair_token, stable=True)
+        token_offsets = torch.searchsorted(
+            sorted_token, torch.arange(x.shape[0] + 1, device=x.device))
+        y = combine_rows(o, pair_prob, by_token, token_offsets, backend=rc.kernels)
+
+        ctx.rc, ctx.experts, ctx.layout, ctx.grouped = rc, experts, lay, grouped
+        ctx.save_for_backward(x_exp, z, o, pair_token, pair_prob, a, tables_buffer, kept,
+                              scale)
+        rc.stats.routed_pairs = lay.num_pairs
+        rc.stats.grouped_gemm = grouped
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        rc, experts, lay = ctx.rc, ctx.experts, ctx.layout
+        x_exp, z, o, pair_token, pair_prob, a, tables_buffer, kept, scale = ctx.saved_tensors
+        tables = lay.views(tables_buffer)
+        group, device = rc.group, dy.device
+        dy = dy.contiguous()
+        in_forward = rc.forward_retention
+
+        # ---- source side: metric and selection per (s, i) cell ----------------------
+        metric = (_pair_metric(rc.metric, dy, pair_token, pair_prob, a, rc.seed)
+                  if rc.needs_metric else None)
+        slot = None
+        if not lay.source_keeps_all:
+            if not in_forward:
+                kept, scale = _select(rc, lay, tables, metric)
+            slot = torch.full((lay.num_pairs,), -1, dtype=torch.int64, device=device)
+            slot.index_copy_(0, kept, torch.arange(lay.num_kept, device=device))
+        # ---- one pass over dy per pair: router gradient, kept rows in send order -----
+        dprob, g_kept = combine_rows_backward(
+            dy, o, pair_token, pair_prob, slot,
+            None if rc.selection == "topk" else scale, lay.num_kept, backend=rc.kernels)
+
+        # ---- retained all-to-all: rows, and their exp-major positions ---------------
+        g_recv = _exchange(g_kept, lay.send_bwd, lay.recv_bwd, group)        # [Kr, H]
+        del g_kept
+        positions = None
+        if lay.positions_exchanged and not in_forward:
+            positions = _exchange(_positions(lay, tables, kept, device), lay.send_pos,
+                                  lay.recv_pos, group)
+        if lay.bwd_identity:
+            g_exp = g_recv
+        else:
+            to_expert = chunk_permutation(tables.bwd[0], tables.bwd[1], lay.received_kept)
+            g_exp = g_recv.index_select(0, to_expert)
+            if positions is not None and not lay.receiver_keeps_all:
+                positions = positions.index_select(0, to_expert)
+        del g_recv
+        # Every row kept, or compacted in forward: they are x_exp's and z's rows in order
+        # already. Else the positions name them (gathered per instance by the loop).
+        rows = None if lay.receiver_keeps_all or in_forward else positions.long()
+
+        # ---- expert backward over retained rows only ------------------------------
+        offs = tables.offs_bwd.to(torch.int32) if ctx.grouped else None
+        homes = experts.homes
+        # Frozen home experts and no replica: no weight gradient to compute (the dW GEMMs
+        # are local, so skipping them keeps every rank's collectives in step).
+        weight_grads = any(ctx.needs_input_grad[5:]) or homes < len(experts.w1)
+        fuse = experts.gradient_accumulation_fusion
+
+        def sink(projection: int, e: int, grad: torch.Tensor) -> bool:
+            # Home experts' dW go where they end up as soon as each exists (replicas'
+            # go to the replica hook below).
+            weights = experts.w1 if projection == 1 else experts.w2
+            return e < homes and _accumulate_now(weights[e], grad, fuse)
+
+        dx_rows, dw1, dw2 = experts_backward(x_exp, z, g_exp, lay.rows_bwd, offs,
+                                             experts.w1, experts.w2, experts.activation,
+                                             ctx.grouped, weight_grads, sink, rows)
+        del g_exp, rows
+        if not lay.bwd_identity:
+            back = chunk_permutation(tables.bwd[2], tables.bwd[3], lay.received_kept)
+            dx_rows = dx_rows.index_select(0, back)
+        dx_back = _exchange(dx_rows, lay.recv_bwd, lay.send_bwd, group)      # [K, H]
+        del dx_rows
+
+        # ---- source side: scatter-add into token gradients ------------------------
+        dx = torch.zeros((dy.shape[0], dy.shape[1]), dtype=dy.dtype, device=device)
+        kept_token = pair_token if kept is None else pair_token.index_select(0, kept)
+        scatter_add_rows(dx, kept_token, dx_back, backend=rc.kernels)
+
+        _record_backward(rc, lay, metric, kept, scale, pair_token, dy)
+        if not weight_grads:
+            return (dx if ctx.needs_input_grad[0] else None, None,
+                    dprob.to(pair_prob.dtype) if ctx.needs_input_grad[2] else None,
+                    None, None, *(None,) * (2 * homes))
+        extra1, extra2 = [], []
+        if rc.on_replica_grads is not None:
+            extra1, extra2 = rc.on_replica_grads(dw1[homes:], dw2[homes:])
+        elif homes < len(experts.w1):
+            raise RuntimeError("replicas need RegionContext.on_replica_grads")
+        extra = (*extra1, *extra2) or (None,) * (2 * homes)
+        weights = (*experts.w1[:homes], *experts.w2[:homes])
+        grads = [_weight_grad(w, d, fuse, e)
+                 for w, d, e in zip(weights, (*dw1[:homes], *dw2[:homes]), extra, strict=True)]
+        # dx and dprob are computed whatever needs_input_grad says: the collectives
+        # above must run on every rank alike.
+        return (dx if ctx.needs_input_grad[0] else None, None,
+                dprob.to(pair_prob.dtype) if ctx.needs_input_grad[2] else None,
+                None, None, *grads)
+
+
+def _select(rc: RegionContext, lay: CallLayout, tables,
+            metric: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept [K], scale [K]): the rule's draw of q[s, i] pairs per cell of this source."""
+    kept, scale, _ = select_rows(
+        metric if rule_reads_metric(rc.selection) else None, tables.cell_offsets,
+        tables.quotas, rule=rc.selection, seed=rc.seed, backend=rc.kernels,
+        hybrid_fraction=rc.hybrid_fraction, n_kept=lay.num_kept, num_rows=lay.num_pairs)
+    return kept, scale
+
+
+def _retain_in_forward(rc: RegionContext, lay: CallLayout, tables, pair_token: torch.Tensor,
+                       pair_prob: torch.Tensor, device: torch.device
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                  torch.Tensor | None]:
+    """The retained set drawn in forward (``retention_in_forward``): (kept, scale) of this
+    source (None: it keeps every pair), and the exp-major rows this rank's instances keep
+    (None: every row). The exp-major positions of the kept rows go to the receivers that
+    drop, in one small all-to-all (collective: every rank calls it alike)."""
+    kept = scale = keep_rows = None
+    if not lay.source_keeps_all:
+        metric = (_pair_metric(rc.metric, None, pair_token, pair_prob, None, rc.seed)
+                  if rule_reads_metric(rc.selection) else None)
+        kept, scale = _select(rc, lay, tables, metric)
+    if lay.positions_exchanged:
+        positions = _exchange(_positions(lay, tables, kept, device), lay.send_pos,
+                              lay.recv_pos, rc.group)
+        if not lay.receiver_keeps_all:
+            if not lay.bwd_identity:
+                positions = positions.index_select(0, chunk_permutation(
+                    tables.bwd[0], tables.bwd[1], lay.received_kept))
+            keep_rows = positions.long()
+    return kept, scale, keep_rows
+
+
+def _positions(lay: CallLayout, tables, kept: torch.Tensor | None,
+               device: torch.device) -> torch.Tensor:
+    """int32 exp-major row at its receiver of every kept row sent to a receiver that
+    does not keep all its rows (the others need none), in send order."""
+    base = kept if kept is not None else torch.arange(lay.num_pairs, device=device)
+    quotas = tables.quotas
+    rows = (base + torch.repeat_interleave(tables.pos_delta, quotas,
+                                           output_size=lay.num_kept)).to(torch.int32)
+    if lay.send_pos == lay.send_bwd:
+        return rows
+    parts, start = [], 0
+    for sent, count in zip(lay.send_pos, lay.send_bwd, strict=True):
+        if sent:
+            parts.append(rows[start:start + count])
+        start += count
+    return torch.cat(parts) if parts else rows[:0]
+
+
+def _accumulate_now(weight: torch.Tensor, grad: torch.Tensor, fuse: bool) -> bool:
+    """Add one expert's weight gradient where it ends up, now: the region then never holds
+    every expert's dW at once (L x the expert weights of temporaries).
+
+    Destinations: Megatron's ``main_grad`` under its DDP (which sets
+    ``grad_added_to_main_grad`` and skips its own add when it is flagged, as with its
+    linear layers' gradient accumulation fusion) or with fusion; else an existing
+    ``.grad``. False: no destination yet (a plain run's first accumulation): the gradient
+    is returned to autograd instead.
+    """
+    main = getattr(weight, "main_grad", None)
+    if main is not None and (fuse or hasattr(weight, "grad_added_to_main_grad")):
+        main.add_(grad.to(main.dtype))
+        if hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True
+        return True
+    if (weight.grad is not None and weight.grad.layout == torch.strided
+            and weight.grad.shape == grad.shape):
+        weight.grad.add_(grad.to(weight.grad.dtype))
+        return True
+    return False
+
+
+def _weight_grad(weight: torch.Tensor, grad: torch.Tensor | None, fuse: bool,
+                 extra: torch.Tensor | None = None):
+    """What autograd receives for a home weight: its gradient plus the replicas' ``extra``,
+    or, when ``_accumulate_now`` took the gradient (``grad`` None), a zero that costs no
+    memory (an expanded scalar), so the hooks that wait for a gradient still fire
+    (Megatron DDP's skips the add, as flagged); None under fusion without the flag,
+    as Megatron's own linear layers return then."""
+    if grad is not None:
+        return grad if extra is None else grad + extra.to(grad.dtype)
+    if extra is not None and not _accumulate_now(weight, extra, fuse):
+        raise RuntimeError("a weight gradient was accumulated but its destination is gone")
+    if (fuse and getattr(weight, "main_grad", None) is not None
+            and not hasattr(weight, "grad_added_to_main_grad")):
+        return None
+    return weight.new_zeros(()).expand_as(weight)
+
+
+def _record_backward(rc: RegionContext, lay: CallLayout, metric: torch.Tensor | None,
+                     kept: torch.Tensor | None, scale: torch.Tensor | None,
+                     pair_token: torch.Tensor, dy: torch.Tensor) -> None:
+    """Statistics (host counts from the plan; metric sums stay on the device) and,
+    when recording, the debug view. Bytes are those handed to the backward
+    all-to-alls (rows + int32 positions), against the dense gradient rows."""
+    stats = rc.stats
+    row_bytes = dy.shape[1] * dy.element_size()
+    stats.retained_pairs = lay.num_kept
+    # Positions travel in forward when the retained set is drawn there.
+    positions = 0 if rc.forward_retention else 4 * sum(lay.send_pos)
+    stats.backward_bytes_sent = lay.num_kept * row_bytes + positions
+    stats.backward_bytes_dense = lay.num_pairs * row_bytes
+    stats.expert_backward_rows = lay.received_kept
+    if metric is not None:
+        total = metric.sum()
+        dropped = total - metric.index_select(0, kept).sum() if kept is not None else \
+            torch.zeros_like(total)
+        stats.metric_sums = torch.stack([total, dropped])
+    stats.backward_done = True
+    if rc.record is not None:
+        device = pair_token.device
+        instances = torch.repeat_interleave(
+            torch.arange(lay.num_instances, device=device),
+            rc.plan.counts[rc.rank].to(device), output_size=lay.num_pairs)
+        expert_of = torch.tensor(rc.plan.instance_expert, device=device)
+        rc.record.records.append(KeptPairs(
+            layer=rc.layer, call=rc.call, rank=rc.rank, pair_token=pair_token.clone(),
+            pair_expert=expert_of.index_select(0, instances),
+            kept=(torch.arange(lay.num_pairs, device=device) if kept is None else kept.clone()),
+            scale=(torch.ones(lay.num_kept, device=device) if scale is None or
+                   rc.selection == "topk" else scale.clone())))
+
+
+def lrmoe_region(
+    x: torch.Tensor,
+    pair_token: torch.Tensor,
+    pair_prob: torch.Tensor,
+    rc: RegionContext,
+    experts: ExpertWeights,
+) -> torch.Tensor:
+    """y [T, H] = sum over every routed pair of p * o (the routed part of the layer).
+
+    ``pair_token`` [P] lists each pair's token in send order (instance-major, then
+    token); ``pair_prob`` [P] their routing probabilities, differentiable: the router
+    gradient <dy, o> comes back through it.
+    """
+    homes = experts.homes
+    return _LRMoERegion.apply(x, pair_token, pair_prob, rc, experts,
+                              *experts.w1[:homes], *experts.w2[:homes])

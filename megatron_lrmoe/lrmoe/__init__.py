@@ -1,1 +1,0 @@
-"""LRMoE core: retention planner, autograd region and configuration."""

@@ -1,0 +1,1 @@
+"""Pure host-side planning: planner, placement, instance assignment, retention, cost model."""

@@ -1,0 +1,1110 @@
+"""The planner's memory and time model (docs/design.md, "Cost model").
+
+Pure: a model shape and measured machine constants in, bytes and seconds out. No
+timing constant lives here: GEMM rate and all-to-all bandwidth come from a
+calibration file (``python -m megatron_lrmoe.tools.calibrate``) or, without one, from
+``megatron_lrmoe.planning.machine.default_machine_constants``, which measures quickly.
+
+Notation (docs/design.md, "Notation"): H hidden size, F expert FFN size, F1 = 2F with a
+gated (SwiGLU) first layer else F, k top-k, b bytes per element of the parameters and
+activations, T tokens of a rank, P = T * k pairs each rank sends per micro-batch (its
+source pairs), Lyr the MoE layers of this rank, MiF micro-batches in flight. Per rank
+r: N its routed rows (pairs its instances receive), K its retained rows, Ks the pairs
+it keeps as a source, L its local instances (E / R homes plus its replicas). A row is
+H * b bytes.
+
+Memory of one layer on one rank (``rank_memory``), bytes. It follows the buffers the
+region (lrmoe/region.py, expert_gemms.py) allocates and frees, phase by phase, and takes
+the largest level; tests/planning/test_cost_model.py checks it against a ledger of those
+allocations and against the allocator, benchmarks/bench_moe_layer.py against a measured
+EP=2 forward+backward.
+
+  replicas   num_replicas * instance_bytes: W1 [F1, H] + W2 [H, F] in b bytes plus a
+             gradient buffer of the same shape in ``grad_dtype_bytes``
+  saved      S = N (H + F1) b + P (H b + 32), for each micro-batch in flight: x_exp and
+             z of every routed row, the unweighted expert outputs o [P, H] the source
+             keeps for the router gradient, and 32 bytes of pair metadata (the int64
+             (expert, token) pairs the token index is a view of, the probability, the
+             side statistic a, the probability gather's int64 index). Every micro-batch
+             in flight is assumed to route like this one; under activation recompute of
+             the whole layer (``full``, ``moe``) that over-states what is saved. With
+             ``forward_retention`` x_exp and z are saved for the K retained rows only
+             (S = K (H + F1) b + P (H b + 44)), compacted at the end of the experts'
+             forward (one more forward level: N rows + N F1 b + K H b + max(N H b,
+             K F1 b)), and backward gathers nothing per instance.
+  transient  (peak - S) / Lyr: what one forward+backward holds above S at its peak;
+             one layer computes at a time, so each layer is charged 1/Lyr of its own.
+
+The peak is the largest of these levels. The pair metadata is there throughout; x marks
+the exchange copies (only with R > 1), r the reorders between source-major and
+expert-major rows (only where the rank also hosts more than one instance).
+
+  forward    dispatch    x (P + N) rows (x[pair_token] and the received rows); then
+                         (1 + r) N rows (received, and reordered)
+             experts     N (H + F1) b (x_exp, z) + Xf (the experts' buffers, below)
+             combine     N (H + F1) b + (1 + r) N rows (o and its reorder); then
+                         N (H + F1) b + x (N + P) rows (o, and o received back)
+  backward   all levels add B0 = S + T H b (the layer output y; in a run, its gradient
+             dy) + 28 bytes per source pair (metric, selection, slots, router gradient):
+             first exchange   (x K + Ks) rows (kept gradient rows sent, and received)
+             reorders         (1 + r) K rows, for the gradient rows and later for dX
+             expert backward  K rows (the gradient rows) + Xb (below)
+             second exchange  (K + x Ks) rows (dX sent, and received back)
+             token gradient   Ks rows + T H b
+
+The experts' buffers depend on how the GEMMs run (``MoEShape.grouped_gemm``). c is the
+[n, F] tensors the activation holds at once: 3 gated (silu(z1), z2 + offset, h), 1 plain.
+D is one dW1 [F1, H] plus its copy in the gradient dtype when that differs.
+
+  per-expert loop (the CPU default): z and o, dX are allocated once; one instance runs at
+  a time, and its last tensors live until the next instance replaces them. With n the
+  instance's rows, n' those of the instance before it, d = 1 where the rank drops rows
+  (x and z are then gathered per instance) else 0:
+    Xf = N rows + max_e (c n + n') F b   (n' the last instance before e with rows)
+    Xb = K rows + max_e of  d n H b + (d (H + F1) b + (F + F1) b) n'    gathering x
+                            d n (H + F1) b + (d F1 b + (F + F1) b) n'  gathering z
+                            d n (H + F1) b + c n F b + (F + F1) b n'    the activation
+                            d n (H + F1) b + 3 n F1 b + F1 b n'         its backward
+                            d n (H + F1) b + n (F + F1) b + D           the dW GEMMs
+    Without the per-instance rows (``instance_routed``/``instance_retained``), each
+    alpha n + beta n' is bounded with n, n' <= m = min(K, N) and n + n' <= K:
+    min(alpha, beta) K + |alpha - beta| m; and c n + n' <= c N in forward.
+  grouped (grouped_mm: all rows at once, plus the stacked weights of the rank's L
+  instances, L W1 = L F1 H b and L W2 = L H F b, as per-call copies):
+    Xf = max(L W1, c N F b, N (F b + row) + L W2)
+    Xb = d K (H + F1) b + max(2 K F1 b + L W2, 3 K F1 b,
+                              K (2F + F1) b + K rows + L W1 + D - W1)
+
+A per-rank budget covers all layers (docs/design.md, "Memory budget"); one layer's
+planner compares ``rank_memory`` with its share, budget / Lyr, given every rank's Ks and
+every instance's rows (``plan_memory`` reads them off a plan). ``balanced_dropless_need``
+is Lyr times the layer's memory at perfectly balanced routing (every rank receives P
+pairs, spread evenly over its E / R experts when the EP size is known), no replicas,
+nothing dropped. ``routing_capacity`` (the most N with nothing retained) and
+``retained_limit`` (the most K at a rank's N) invert ``rank_memory`` exactly, every level
+being linear in N, or in K and min(K, M); what they cannot know before a plan exists they
+bound: Ks <= P, and the per-instance rows by the rank's (the limit may be told M, the
+routed rows of the rank's largest instance). A plan within both therefore fits.
+
+Time of one layer and micro-batch (``layer_time``), seconds. Expert-parallel phases
+are separated by all-to-alls, so each phase takes its slowest rank's time. Per rank r,
+with N_r routed rows it receives, K_r retained rows, P_r pairs it sends as a source and
+Ks_r it keeps, T tokens, L = E / R instances per rank:
+
+  forward   max_r [gemm_f(N_r) + mem_f,r] + (max_r a2a pairs_r) (2H + 1) b / bandwidth
+            + router_f + 2 latency + fixed_f + planner
+  backward  max_r [gemm_b(K_r) + mem_b,r] + (max_r a2a pairs_r) (2H b + 4) / bandwidth
+            + router_b + 2 latency + fixed_b
+
+where a2a pairs_r = max(pairs rank r sends to, receives from other ranks) of the
+routed (forward: dispatch H, combine H + 1 values) or retained (backward: gradient
+rows with an int32 position, dX rows) matrix; pairs to the rank itself cross no link.
+With an all-to-all size table (``MachineConstants.alltoall_sizes``) each of a phase's
+two messages takes its own time, the measured times interpolated linearly in bytes
+(a transport's rate can depend on the message size, NCCL's protocols change with it;
+gloo over loopback here showed no trend); the single bandwidth above is the table of
+one point.
+
+- gemm: without rate tables (``MachineConstants.gemm_rows`` empty) n rows cost
+  n 2H(F1 + F) / gemm_rate forward and n 4H(F1 + F) / gemm_rate backward. With them,
+  L t(n / L): one instance's measured GEMM time at n / L rows, interpolated linearly in
+  rows between the measured points (GEMMs of few rows run at a lower rate: each call
+  streams the instance's weights and, in backward, writes and accumulates their
+  gradients whatever its rows). Given a plan's rows per instance (``InstanceRows``, as
+  the simulator passes them), a rank's GEMM time is the sum over its instances of
+  t(n_i), 0 for an instance without rows: t is affine with a large intercept (the
+  per-call weight and gradient traffic), so a rank whose rows sit on few of its
+  instances pays fewer intercepts than L t(n / L) says (routing leaves some experts
+  nearly empty, and Megatron's capacity drop caps the hot ones; replayed on the study's
+  runs the even spread priced the GEMMs up to 12% higher, the capacity drop's backward
+  the most). Without them (the planners' load estimates, which know a rank's rows only)
+  the rows are spread evenly over the L instances.
+- mem: memory-bound element passes (reads + writes) times b over the measured memory
+  rate (0 without one). Forward: per routed row 4H for the two reorders between
+  source- and expert-major order (only with R > 1 and L > 1) plus the activation's
+  passes (gated 6F: silu, the product, the row norm; plain 3F); per source pair 3H (the
+  token gather into send order, the combine's read of o); T H for the output.
+  Backward: per retained row the reorders (4H) plus the activation's passes with its
+  recompute (gated 18F, plain 5F; 13F and 3F for a layer that saved the activation's
+  output instead, Megatron's: ``MoEShape.activation_recompute``) plus 2(H + F1) where
+  the rank drops rows (x and z gathered per instance); per source pair 2H (dy and o
+  read for the router gradient); per kept pair 4H (its gradient row written, dX
+  scatter-added: read, read, write); T H for the zeroed token gradient.
+- router: the gate GEMM (2HE FLOP per token forward, 4HE backward) at gemm_rate and
+  (H + 4E) b, (2H + 4E) b bytes per token at the memory rate (0 without one).
+- fixed: the measured fixed cost of a call per phase (``layer_forward_fixed_s``,
+  ``layer_backward_fixed_s``), beside the two all-to-all latencies.
+- planner: the planner's host time per call where the policy runs it (the caller
+  passes it: the planner pays it alike for every alternative it compares).
+
+The activation recompute's GEMM-free work is in mem; the weights' replica traffic is
+``replica_sync_time``'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from megatron_lrmoe.planning.retention import RetentionPlan
+
+__all__ = ["CostModel", "InstanceRows", "MachineConstants", "MoEShape"]
+
+# Saved per source pair besides o: the int64 (expert, token) pairs the token index is a
+# view of (16), the probability (up to 4 in the dtypes trained), the side statistic a (4),
+# the probability gather's int64 index (8).
+_PAIR_METADATA_BYTES = 32
+# Backward bookkeeping per source pair: metric fp32, slot int64, router gradient fp32,
+# kept index int64 and scale fp32 of a kept pair.
+_SELECTION_BYTES_PER_PAIR = 28
+_POSITION_BYTES = 4         # int32 row position sent with each retained gradient row
+# Element passes (reads + writes, in units of F) of the activation per expert row, (forward,
+# backward). Gated (SwiGLU): forward silu(z1) (read F, write F), silu(z1) * z2 (read 2F,
+# write F), the row norm a (read F) = 6; backward recomputes the forward (5), the two
+# products' gradients (read 2F, write F each = 6), silu's backward (read 2F, write F = 3),
+# dz assembled from its halves (read 2F, write 2F = 4) = 18. Plain: forward act (2) + norm
+# (1) = 3; backward recompute (2) + act backward (read 2F, write F = 3) = 5.
+_ACT_PASSES_GATED = (6.0, 18.0)
+_ACT_PASSES_PLAIN = (3.0, 5.0)
+# Of the backward passes, the recompute of the forward (gated 5, plain 2): a layer that
+# saved the activation's output instead (Megatron's expert MLP) skips them.
+_ACT_RECOMPUTE_PASSES_GATED = 5.0
+_ACT_RECOMPUTE_PASSES_PLAIN = 2.0
+_KEPT_BYTES = 12            # kept index int64 + scale fp32 of a kept source pair
+
+
+@dataclass(frozen=True)
+class MachineConstants:
+    """Measured rates of this machine: what the time model divides by."""
+
+    gemm_flops_per_s: float
+    """Expert GEMM rate of one rank (FLOP/s) at the model's shape and dtype."""
+    alltoall_bytes_per_s: float
+    """All-to-all bandwidth per rank (bytes one rank sends per second)."""
+    alltoall_latency_s: float = 0.0
+    """Fixed cost of one all-to-all call (s)."""
+    source: str = ""
+    """Where the numbers came from (calibration file, machine, method)."""
+    gemm_rows: tuple[float, ...] = ()
+    """Rows per expert GEMM at which the two tables below were measured, ascending. Empty
+    (old calibration files, the GPU presets): every expert GEMM runs at
+    ``gemm_flops_per_s`` whatever its rows."""
+    gemm_forward_flops_per_s: tuple[float, ...] = ()
+    """Forward expert GEMMs of one instance (x W1^T, h W2^T), FLOP/s at each of
+    ``gemm_rows`` (2H(F1 + F) FLOP per row). The time of n rows is interpolated linearly
+    in n between the measured points (``CostModel`` module doc, "Time")."""
+    gemm_backward_flops_per_s: tuple[float, ...] = ()
+    """Backward expert GEMMs of one instance (dh, dW2, dz W1, dW1, and both dW added into
+    the gradient buffers), FLOP/s at each of ``gemm_rows`` (4H(F1 + F) FLOP per row)."""
+    memory_bytes_per_s: float = 0.0
+    """Rate of the memory-bound work around the GEMMs (row gathers and reorders, the
+    combine and its backward, the activation, the router's elementwise work), bytes read
+    plus written per second on one rank. 0 (old calibration files): not priced."""
+    layer_forward_fixed_s: float = 0.0
+    """Fixed cost of one layer call's forward besides the two all-to-all latencies (s):
+    op dispatch and Python of the layer, the counts exchange, small collectives. 0 (old
+    calibration files): not priced."""
+    layer_backward_fixed_s: float = 0.0
+    """Fixed cost of one layer call's backward besides the two all-to-all latencies (s)."""
+    alltoall_sizes: tuple[float, ...] = ()
+    """Bytes one rank sends to the other ranks in one all-to-all, at which
+    ``alltoall_size_bytes_per_s`` was measured, ascending. Empty (old calibration files,
+    the GPU presets): every message moves at ``alltoall_bytes_per_s`` whatever its size."""
+    alltoall_size_bytes_per_s: tuple[float, ...] = ()
+    """All-to-all bandwidth per rank at each of ``alltoall_sizes`` (bytes over the time
+    less ``alltoall_latency_s``). A layer's messages are a few MB, a replica refresh's
+    tens, and a rate measured at one size need not hold at another. The time of b bytes
+    is interpolated linearly in b between the measured points, as the GEMM tables are
+    in rows."""
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_rows", "gemm_forward_flops_per_s", "gemm_backward_flops_per_s",
+                     "alltoall_sizes", "alltoall_size_bytes_per_s"):
+            value = getattr(self, name)
+            if not isinstance(value, list | tuple) or any(
+                    isinstance(v, bool) or not isinstance(v, int | float)
+                    or not (math.isfinite(v) and v > 0) for v in value):
+                raise ValueError(f"MachineConstants.{name} must be a list of positive finite "
+                                 f"numbers, got {value!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in value))
+        if not (len(self.gemm_rows) == len(self.gemm_forward_flops_per_s)
+                == len(self.gemm_backward_flops_per_s)):
+            raise ValueError("MachineConstants.gemm_rows, gemm_forward_flops_per_s and "
+                             "gemm_backward_flops_per_s must have the same length")
+        if len(self.alltoall_sizes) != len(self.alltoall_size_bytes_per_s):
+            raise ValueError("MachineConstants.alltoall_sizes and alltoall_size_bytes_per_s "
+                             "must have the same length")
+        for name in ("gemm_rows", "alltoall_sizes"):
+            points = getattr(self, name)
+            if any(b <= a for a, b in zip(points[:-1], points[1:], strict=True)):
+                raise ValueError(f"MachineConstants.{name} must be strictly ascending, got "
+                                 f"{points!r}")
+        for name in ("memory_bytes_per_s", "layer_forward_fixed_s", "layer_backward_fixed_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    math.isfinite(value) and value >= 0):
+                raise ValueError(f"MachineConstants.{name} must be a finite number >= 0, "
+                                 f"got {value!r}")
+        for name in ("gemm_flops_per_s", "alltoall_bytes_per_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    math.isfinite(value) and value > 0):
+                raise ValueError(f"MachineConstants.{name} must be a positive finite number, "
+                                 f"got {value!r}")
+        lat = self.alltoall_latency_s
+        if isinstance(lat, bool) or not isinstance(lat, int | float) or not (
+                math.isfinite(lat) and lat >= 0):
+            raise ValueError(f"MachineConstants.alltoall_latency_s must be a finite number "
+                             f">= 0, got {lat!r}")
+        if not isinstance(self.source, str):
+            raise ValueError(f"MachineConstants.source must be a string, got {self.source!r}")
+
+    def instance_gemm_seconds(self, rows, flops_per_row: float, forward: bool) -> np.ndarray:
+        """Seconds of one expert instance's forward (or backward) GEMMs at each of
+        ``rows`` rows, ``flops_per_row`` FLOP per row: from the rate tables where measured
+        (interpolated linearly in rows, ``CostModel`` module doc, "Time"), else at
+        ``gemm_flops_per_s``; 0 at 0 rows (no GEMM runs. Both layers still call an empty
+        instance, whose backward zero-fills and accumulates a weight gradient: 0.45 ms on
+        this project's CPU at the study's shape against 3.2 ms at 16 rows, left out)."""
+        rows = np.asarray(rows, dtype=np.float64)
+        if not self.gemm_rows:
+            return rows * flops_per_row / self.gemm_flops_per_s
+        rates = self.gemm_forward_flops_per_s if forward else self.gemm_backward_flops_per_s
+        return np.where(rows > 0, _interpolated_time(rows, self.gemm_rows, rates,
+                                                     flops_per_row), 0.0)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> MachineConstants:
+        """Read a calibration file; errors name the file and the offending key.
+
+        Keys: the fields above, plus an optional ``details`` object that is ignored
+        (the calibration tool records its measurement settings there).
+        """
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as err:
+            raise ValueError(f"{path}: cannot read calibration file: {err}") from err
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON: {err}") from err
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"details"})
+        if unknown:
+            raise ValueError(f"{path}: unknown key(s) {unknown}; expected {sorted(known)}")
+        for key in ("gemm_flops_per_s", "alltoall_bytes_per_s"):
+            if key not in data:
+                raise ValueError(f"{path}: missing key {key!r}")
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from err
+
+    def to_json(self, path: str | os.PathLike, details: dict | None = None) -> None:
+        """Write atomically (temporary file in the same folder, then ``os.replace``)."""
+        path = Path(path)
+        payload = asdict(self)
+        if details:
+            payload["details"] = details
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(payload, f, indent=2)
+                f.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The shapes that set bytes and FLOPs of one MoE layer on one EP rank."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    """Expert FFN size F (Megatron's moe_ffn_hidden_size)."""
+    num_experts: int
+    topk: int
+    gated: bool
+    """SwiGLU/GLU first layer (F1 = 2F)."""
+    dtype_bytes: int
+    """Bytes per element of parameters and activations (2 for bf16)."""
+    tokens_per_rank: int
+    """Tokens one EP rank routes per micro-batch (micro_batch_size * seq_length, divided
+    by the tensor-parallel size with sequence parallel)."""
+    num_layers: int = 1
+    """MoE layers this rank holds (its pipeline stage, all virtual chunks)."""
+    microbatches_in_flight: int = 1
+    """Peak micro-batches with live activations (1 without PP; PP size under 1F1B)."""
+    microbatches_per_step: int = 1
+    """Micro-batches per optimizer step (amortises the per-step replica refresh)."""
+    grad_dtype_bytes: int | None = None
+    """Bytes per element of a replica's gradient buffer (None: ``dtype_bytes``)."""
+    expert_parallel_size: int | None = None
+    """R, ranks of the expert-parallel group. It sets the local experts E / R (whose
+    weights grouped GEMMs stack per call, and over which balanced routing spreads) and
+    whether rows cross ranks at all (R = 1: no exchange or reorder copies). None: more
+    than one rank, E / R unknown (not allowed with ``grouped_gemm``)."""
+    grouped_gemm: bool = False
+    """The region's expert GEMMs run grouped (grouped_mm: activation temporaries over
+    all of a rank's rows at once, stacked weights); False: the per-expert loop (one
+    instance's rows at a time), the CPU default (docs/design.md, "Region")."""
+
+    activation_recompute: bool = True
+    """The backward recomputes the activation from the saved z (the LRMoE region); False:
+    the layer saved the activation's output in forward and its backward reads it
+    (Megatron's expert MLP), without the recompute's element passes. Time only."""
+
+    forward_retention: bool = False
+    """The retained set is drawn in forward (rules that do not read the backward
+    gradient: ``retention.retention_in_forward``). x_exp and z are then saved for the
+    retained rows only, and the source's kept index and scale live from forward on."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("gated", "grouped_gemm", "activation_recompute",
+                          "forward_retention"):
+                if not isinstance(value, bool):
+                    raise ValueError(f"MoEShape.{f.name} must be a bool, got {value!r}")
+                continue
+            if value is None and f.name in ("grad_dtype_bytes", "expert_parallel_size"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEShape.{f.name} must be a positive int, got {value!r}")
+        if self.topk > self.num_experts:
+            raise ValueError(f"MoEShape.topk={self.topk} exceeds num_experts={self.num_experts}")
+        ep = self.expert_parallel_size
+        if ep is not None and self.num_experts % ep:
+            raise ValueError(f"MoEShape.num_experts={self.num_experts} is not a multiple of "
+                             f"expert_parallel_size={ep}")
+        if self.grouped_gemm and ep is None:
+            raise ValueError("MoEShape.grouped_gemm needs expert_parallel_size (grouped GEMMs "
+                             "stack the weights of the E / R local experts per call)")
+
+    @property
+    def fc1_size(self) -> int:
+        """F1: rows of W1 (2F when gated)."""
+        return 2 * self.ffn_hidden_size if self.gated else self.ffn_hidden_size
+
+    @property
+    def weight_elements(self) -> int:
+        """Elements of one expert's weights, W1 [F1, H] + W2 [H, F]."""
+        return (self.fc1_size + self.ffn_hidden_size) * self.hidden_size
+
+    @property
+    def instance_bytes(self) -> int:
+        """Bytes of one replica: weights plus a same-shape gradient buffer."""
+        grad = self.grad_dtype_bytes or self.dtype_bytes
+        return self.weight_elements * (self.dtype_bytes + grad)
+
+    @property
+    def source_pairs(self) -> int:
+        """P: pairs one rank sends per micro-batch (tokens_per_rank * topk)."""
+        return self.tokens_per_rank * self.topk
+
+    @property
+    def forward_flops_per_pair(self) -> int:
+        """2H(F1 + F): the two expert GEMMs of one routed pair."""
+        return 2 * self.weight_elements
+
+    @property
+    def backward_flops_per_pair(self) -> int:
+        """Twice the forward: dX and dW of both GEMMs for one retained pair."""
+        return 4 * self.weight_elements
+
+    @property
+    def forward_alltoall_messages(self) -> tuple[int, int]:
+        """Bytes per pair of the forward's two all-to-alls: the dispatch row (H) and the
+        combine row with the side statistic (H + 1)."""
+        return self.row_bytes, self.row_bytes + self.dtype_bytes
+
+    @property
+    def backward_alltoall_messages(self) -> tuple[int, int]:
+        """Bytes per pair of the backward's two all-to-alls: the gradient row with its
+        int32 position, and the dX row sent back."""
+        return self.row_bytes + _POSITION_BYTES, self.row_bytes
+
+    # ---------------------------------------------------------------- memory terms
+    @property
+    def row_bytes(self) -> int:
+        """One row of H elements: what every exchange, reorder and gradient buffer holds
+        per pair (x, o, g, dX)."""
+        return self.hidden_size * self.dtype_bytes
+
+    @property
+    def saved_bytes_per_routed_pair(self) -> int:
+        """x_exp [H] + z [F1] kept from forward to backward on the expert side."""
+        return (self.hidden_size + self.fc1_size) * self.dtype_bytes
+
+    @property
+    def saved_bytes_per_source_pair(self) -> int:
+        """Unweighted expert output o [H] kept for the router gradient, plus metadata."""
+        return self.row_bytes + self.metadata_bytes_per_source_pair
+
+    @property
+    def metadata_bytes_per_source_pair(self) -> int:
+        """Pair metadata, alive from before the region's forward to the end of its
+        backward: the int64 (expert, token) pairs the token index is a view of, the
+        probability, the side statistic a, the probability gather's int64 index; with
+        ``forward_retention`` also the kept index (int64) and scale (fp32) of a kept pair."""
+        return _PAIR_METADATA_BYTES + (_KEPT_BYTES if self.forward_retention else 0)
+
+    @property
+    def output_bytes(self) -> int:
+        """T x H: the layer output y (in a run's backward, its gradient dy), and the token
+        gradient dX the backward returns."""
+        return self.tokens_per_rank * self.row_bytes
+
+    @property
+    def backward_bytes_per_source_pair(self) -> int:
+        """The source's per-pair bookkeeping in backward (metric, selection, slots,
+        router gradient): at most 28 bytes; 16 with ``forward_retention``, whose kept
+        index and scale exist from forward on (``metadata_bytes_per_source_pair``)."""
+        return _SELECTION_BYTES_PER_PAIR - (_KEPT_BYTES if self.forward_retention else 0)
+
+    @property
+    def weight_gradient_temporary_bytes(self) -> int:
+        """D: one expert's dW1 [F1, H] as the expert backward computes it, plus its copy
+        in the gradient dtype when that differs (the add into a wider main_grad)."""
+        elements = self.fc1_size * self.hidden_size
+        grad = self.grad_dtype_bytes or self.dtype_bytes
+        return elements * (self.dtype_bytes + (grad if grad != self.dtype_bytes else 0))
+
+    @property
+    def forward_activation_factor(self) -> int:
+        """c: [n, F] tensors one instance's activation holds at once in forward: silu(z1),
+        z2 + offset and h when gated; h otherwise."""
+        return 3 if self.gated else 1
+
+
+@dataclass(frozen=True)
+class InstanceRows:
+    """The rows of every expert instance of one layer call: ``rank`` [I] the rank hosting
+    each, ``routed`` [I] the rows it computes in forward, ``retained`` [I] in backward."""
+
+    rank: np.ndarray
+    routed: np.ndarray
+    retained: np.ndarray
+
+    @classmethod
+    def of_plan(cls, plan: RetentionPlan) -> InstanceRows:
+        """Every instance's host rank and routed and retained rows of ``plan``."""
+        return cls(np.asarray(plan.instance_rank, dtype=np.int64),
+                   plan.routed_per_instance.numpy(), plan.retained_per_instance.numpy())
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Memory (bytes) and time (seconds) of one MoE layer, per rank; see the module doc."""
+
+    shape: MoEShape
+    machine: MachineConstants
+
+    # ----------------------------------------------------------------- memory
+    def memory_share(self, budget_bytes: float) -> float:
+        """One layer's share of a per-rank budget covering all Lyr layers."""
+        return float(budget_bytes) / self.shape.num_layers
+
+    # numpy on [R] arrays: the planner calls these once per layer and micro-batch,
+    # where a torch op costs ~10 us and a numpy op ~1 us. Torch CPU tensors are accepted
+    # too (``np.asarray`` reads them), but callers should pass ``tensor.numpy()``.
+    def _layout(self, num_replicas: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """(xc, [R] rc, [R] L): 1.0 where the exchange copies exist (R > 1), 1.0 where
+        the reorder copies exist too (the rank hosts more than one instance), and the
+        local instances (NaN when the EP size is unknown: only grouped GEMMs read it)."""
+        ep = self.shape.expert_parallel_size
+        replicas = np.asarray(num_replicas, dtype=np.float64)
+        if ep is None:
+            return 1.0, np.ones_like(replicas), np.full_like(replicas, np.nan)
+        local = self.shape.num_experts // ep + replicas
+        xc = 0.0 if ep == 1 else 1.0
+        return xc, xc * (local > 1), local
+
+    def _grouped_terms(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+        """(L W1, L W2, D'): the stacked weights of the local instances, per call, and the
+        gradient-dtype copy of one dW1."""
+        s = self.shape
+        w1 = s.fc1_size * s.hidden_size * s.dtype_bytes
+        w2 = s.hidden_size * s.ffn_hidden_size * s.dtype_bytes
+        return local * w1, local * w2, float(s.weight_gradient_temporary_bytes - w1)
+
+    def _loop_backward_levels(self, gathered: float | np.ndarray
+                              ) -> list[tuple[float | np.ndarray, float | np.ndarray, float]]:
+        """The per-expert loop's backward levels above the gradient rows and dX, as
+        (alpha, beta, const): alpha n + beta n' + const bytes for an instance of n
+        retained rows after one of n' (``gathered`` 1 where the rank drops rows, so x
+        and z are gathered per instance, else 0). In the loop's order: gathering x, then
+        z, while the previous instance's x, z, h and dz live; the activation, while the
+        previous h and dz live; the activation's backward (recomputed activation, dh and
+        their gradients: 3 n F1 at its peak) with the previous dz; the dW GEMMs."""
+        s = self.shape
+        row, sr = s.row_bytes, s.saved_bytes_per_routed_pair
+        f_b, f1_b = s.ffn_hidden_size * s.dtype_bytes, s.fc1_size * s.dtype_bytes
+        held = f_b + f1_b                                  # one instance's h and dz per row
+        return [(gathered * row, gathered * sr + held, 0.0),
+                (gathered * sr, gathered * f1_b + held, 0.0),
+                (gathered * sr + s.forward_activation_factor * f_b, held, 0.0),
+                (gathered * sr + 3 * f1_b, f1_b, 0.0),
+                (gathered * sr + held, 0.0, float(s.weight_gradient_temporary_bytes))]
+
+    def _loop_activation(self, instance_routed: np.ndarray, instance_retained: np.ndarray,
+                         rank_starts: np.ndarray, drops: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """[R] bytes of the per-expert loop's activation temporaries at their forward and
+        backward peaks, from the rows of each local instance (module docstring)."""
+        s = self.shape
+        f_b = s.ffn_hidden_size * s.dtype_bytes
+        n_f = np.asarray(instance_routed, dtype=np.float64)
+        n_b = np.asarray(instance_retained, dtype=np.float64)
+        starts = np.asarray(rank_starts, dtype=np.int64)
+        count = n_f.shape[0]
+        index = np.arange(count)
+        sizes = np.diff(np.append(starts, count))
+        first = np.repeat(starts, sizes)                                  # [I] rank's first
+        # Backward: the instance before e on its rank (an empty one replaces the buffers
+        # too). Forward: the last one before e with rows (a skipped one leaves h as it was).
+        before = np.where(index > first, n_b[np.maximum(index - 1, 0)], 0.0)
+        last = np.maximum.accumulate(np.where(n_f > 0, index, -1))
+        prev = np.append(-1, last[:-1])
+        before_f = np.where(prev >= first, n_f[np.maximum(prev, 0)], 0.0)
+        fwd = (s.forward_activation_factor * n_f + before_f) * f_b
+        gathered = np.repeat(np.asarray(drops, dtype=np.float64), sizes)
+        bwd = _max(*(alpha * n_b + beta * before + const
+                     for alpha, beta, const in self._loop_backward_levels(gathered)))
+        return np.maximum.reduceat(fwd, starts), np.maximum.reduceat(bwd, starts)
+
+    def _forward_levels(self, routed: np.ndarray, xc: float, rc: np.ndarray,
+                        local: np.ndarray, act_f: np.ndarray | None,
+                        drops: np.ndarray | float) -> list[tuple]:
+        """The forward's levels (module docstring) as (a, b): a + b K bytes at K retained
+        rows (b = 0 but with ``forward_retention``); ``act_f``: the per-expert loop's
+        activation bytes (unused with grouped GEMMs); ``drops``: 1 where the rank keeps
+        fewer rows than it receives (then, with ``forward_retention``, x_exp and z are
+        compacted to the retained rows at the end of the experts' forward)."""
+        s = self.shape
+        row, sr, p = s.row_bytes, s.saved_bytes_per_routed_pair, s.source_pairs
+        meta = p * s.metadata_bytes_per_source_pair
+        if s.grouped_gemm:
+            f_b = s.ffn_hidden_size * s.dtype_bytes
+            w1, w2, _ = self._grouped_terms(local)
+            experts = _max(w1, s.forward_activation_factor * routed * f_b,
+                           routed * (f_b + row) + w2)
+        else:
+            experts = routed * row + act_f
+        levels = [(meta + xc * (p + routed) * row, 0.0),    # dispatch: x[pair_token], received
+                  (meta + (1 + rc) * routed * row, 0.0),    # received and expert-major
+                  (meta + routed * sr + experts, 0.0)]      # x_exp, z and the experts' buffers
+        if not s.forward_retention:
+            return levels + [
+                (meta + rc * routed * (sr + 2 * row), 0.0),  # o and its source-major reorder
+                (meta + xc * (routed * (sr + row) + p * row), 0.0)]  # o reordered, received
+        hb, f1_b = s.hidden_size * s.dtype_bytes, s.fc1_size * s.dtype_bytes
+        return levels + [
+            # compaction beside o: x_exp, z and x_exp's kept rows; then z and both kept
+            (drops * (meta + routed * (row + f1_b + hb)), drops * hb),
+            (drops * (meta + routed * (row + f1_b)), drops * (hb + f1_b)),
+            (meta + rc * 2 * routed * row, rc * sr),      # the saved rows, o and its reorder
+            (meta + xc * (routed + p) * row, xc * sr)]    # the saved rows, o sent and received
+
+    def rank_memory(self, num_replicas: np.ndarray, routed: np.ndarray,
+                    retained: np.ndarray, sent_kept: np.ndarray | None = None,
+                    instance_routed: np.ndarray | None = None,
+                    instance_retained: np.ndarray | None = None,
+                    rank_starts: np.ndarray | None = None) -> np.ndarray:
+        """[R] float64 bytes one layer holds on each rank: its replicas, the saved buffers
+        of MiF micro-batches routed like this one, and 1/Lyr of the rest of its peak
+        (module docstring). Compare with ``memory_share(budget)``.
+
+        ``sent_kept`` [R]: pairs each rank keeps as a source (None: all P of them, an
+        upper bound). ``instance_routed``, ``instance_retained`` [I] (rank-major) with
+        ``rank_starts`` [R]: the rows of every instance, which set the per-expert loop's
+        activation temporaries (None: bounded by the rank's totals; grouped GEMMs do
+        not need them)."""
+        s = self.shape
+        routed = np.asarray(routed, dtype=np.float64)
+        retained = np.asarray(retained, dtype=np.float64)
+        xc, rc, local = self._layout(num_replicas)
+        kept = (np.asarray(sent_kept, dtype=np.float64) if sent_kept is not None
+                else (s.source_pairs if xc else retained))
+        row, sr, p = s.row_bytes, s.saved_bytes_per_routed_pair, s.source_pairs
+        f_b, f1_b = s.ffn_hidden_size * s.dtype_bytes, s.fc1_size * s.dtype_bytes
+        drops = (retained < routed).astype(np.float64)
+        # Rows whose x_exp and z are saved, and whether backward gathers them per instance
+        # (with forward retention they are compacted in forward instead).
+        fr = s.forward_retention
+        saved = (retained if fr else routed) * sr + p * s.saved_bytes_per_source_pair
+        gathered = 0.0 * drops if fr else drops
+        if s.grouped_gemm:
+            w1, w2, conv = self._grouped_terms(local)
+            act_f = None
+            experts_bwd = gathered * retained * sr + _max(
+                2 * retained * f1_b + w2, 3 * retained * f1_b,
+                retained * (2 * f_b + f1_b + row) + w1 + conv)
+        else:
+            if instance_routed is not None:
+                act_f, act_b = self._loop_activation(instance_routed, instance_retained,
+                                                     rank_starts, gathered)
+            else:
+                # n, n' <= m = min(K, N) and n + n' <= K: alpha n + beta n' is at most
+                # min(alpha, beta) K + |alpha - beta| m.
+                m = np.minimum(retained, routed)
+                act_f = s.forward_activation_factor * routed * f_b
+                act_b = _max(*(np.minimum(alpha, beta) * retained
+                               + np.abs(alpha - beta) * m + const for alpha, beta, const
+                               in self._loop_backward_levels(gathered)))
+            experts_bwd = retained * row + act_b
+        forward = _max(*(a + b * retained for a, b
+                         in self._forward_levels(routed, xc, rc, local, act_f, drops)))
+        base = saved + s.output_bytes + p * s.backward_bytes_per_source_pair
+        backward = base + _max(
+            (xc * retained + kept) * row,               # gradient rows sent and received
+            (1 + rc) * retained * row,                  # received and reordered; dX too
+            retained * row + experts_bwd,               # the expert backward
+            (retained + xc * kept) * row,               # dX sent back and received
+            kept * row + s.output_bytes)                # dX received, token gradient
+        peak = np.maximum(forward, backward)
+        return (np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
+                + s.microbatches_in_flight * saved + (peak - saved) / s.num_layers)
+
+    def plan_memory(self, plan: RetentionPlan, num_replicas: np.ndarray) -> np.ndarray:
+        """[R] ``rank_memory`` at a retention plan: its routed and retained loads, each
+        source's kept pairs and each instance's rows."""
+        counts, quotas = plan.counts.numpy(), plan.quotas.numpy()
+        starts = np.searchsorted(np.asarray(plan.instance_rank), np.arange(plan.num_ranks))
+        inst_routed, inst_retained = np.add.reduce(counts, axis=0), np.add.reduce(quotas,
+                                                                                    axis=0)
+        return self.rank_memory(num_replicas, np.add.reduceat(inst_routed, starts),
+                                np.add.reduceat(inst_retained, starts),
+                                sent_kept=np.add.reduce(quotas, axis=1),
+                                instance_routed=inst_routed, instance_retained=inst_retained,
+                                rank_starts=starts)
+
+    def routing_capacity(self, share: float, num_replicas: np.ndarray) -> np.ndarray:
+        """[R] int64: the most routed pairs a rank can receive within ``share`` when
+        backward drops as much as it may (nothing retained; its pairs as a source all
+        kept, and one instance's activation over all its rows: upper bounds), i.e. the
+        largest N with ``rank_memory(num_replicas, N, 0) <= share``."""
+        s = self.shape
+        xc, rc, local = self._layout(num_replicas)
+        row, sr, p = s.row_bytes, s.saved_bytes_per_routed_pair, s.source_pairs
+        f_b = s.ffn_hidden_size * s.dtype_bytes
+        kept = xc * p
+        meta = p * s.metadata_bytes_per_source_pair
+        # sn: saved bytes per routed row (with forward retention nothing is saved at K = 0).
+        sn = 0.0 if s.forward_retention else sr
+        # Levels a + b N at retained = 0 (module docstring), forward then backward.
+        phases = [(meta + xc * p * row, xc * row), (meta, (1 + rc) * row),
+                  (meta, rc * (sn + 2 * row)), (meta + xc * p * row, xc * (sn + row))]
+        if s.forward_retention:
+            phases.append((meta, sr + row))                 # x_exp and z beside o, compacted
+        if s.grouped_gemm:
+            w1, w2, conv = self._grouped_terms(local)
+            phases += [(meta + w1, sr), (meta, sr + s.forward_activation_factor * f_b),
+                       (meta + w2, sr + f_b + row)]
+            bwd_experts = np.maximum(w2, w1 + conv)
+        else:
+            phases.append((meta, sr + row + s.forward_activation_factor * f_b))
+            bwd_experts = s.weight_gradient_temporary_bytes
+        base = p * s.saved_bytes_per_source_pair + s.output_bytes + \
+            p * s.backward_bytes_per_source_pair
+        phases += [(base + np.maximum(kept * row + s.output_bytes, bwd_experts), sn)]
+        # fixed + MiF S + (level - S) / Lyr <= share, S = N sn + P ss, level = a + b N.
+        mif, lyr = s.microbatches_in_flight, s.num_layers
+        fixed = np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
+        saved_p = p * s.saved_bytes_per_source_pair
+        a, b = (_stack(values, rc.shape) for values in zip(*phases, strict=True))
+        coef = mif * sn + (b - sn) / lyr
+        rhs = share - fixed - mif * saved_p - (a - saved_p) / lyr
+        return _to_count(np.minimum.reduce(_solve(rhs, coef), axis=0))
+
+    def retained_limit(self, share: float, num_replicas: np.ndarray, routed: np.ndarray,
+                       largest_routed: np.ndarray | None = None) -> np.ndarray:
+        """[R] int64: the most retained pairs a rank can keep within ``share`` at its
+        routed load, i.e. the largest K with ``rank_memory(num_replicas, routed, K) <=
+        share`` (0 where not even K = 0 fits). Its pairs as a source count as all kept
+        (an upper bound: the plan is not known yet); ``largest_routed`` [R], the routed
+        rows of each rank's largest instance, tightens the per-expert loop's activation
+        bound (None: the rank's routed rows)."""
+        s = self.shape
+        routed = np.asarray(routed, dtype=np.float64)
+        xc, rc, local = self._layout(num_replicas)
+        row, sr, p = s.row_bytes, s.saved_bytes_per_routed_pair, s.source_pairs
+        f_b, f1_b = s.ffn_hidden_size * s.dtype_bytes, s.fc1_size * s.dtype_bytes
+        largest = routed if largest_routed is None else np.minimum(
+            np.asarray(largest_routed, dtype=np.float64), routed)
+        fr = s.forward_retention
+        # S = saved + K sk: x_exp and z of every routed row, or (forward retention) of the
+        # retained ones.
+        sk = sr if fr else 0.0
+        saved = (0.0 if fr else routed * sr) + p * s.saved_bytes_per_source_pair
+        fixed = np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
+        mif, lyr = s.microbatches_in_flight, s.num_layers
+        # A level may reach room + K sk (1 - MiF Lyr): fixed + MiF S + (level - S) / Lyr
+        # <= share. So every level's slope gains sk (MiF Lyr - 1) against ``room``.
+        room = (share - fixed - mif * saved) * lyr + saved
+        extra = sk * (mif * lyr - 1)
+        # c n_e + n_e' <= (c - 1) * largest + routed for the loop's forward activation.
+        act_f = ((s.forward_activation_factor - 1) * largest + routed) * f_b
+        base = saved + s.output_bytes + p * s.backward_bytes_per_source_pair
+        # Ks = P (a_s = P, b_s = 0) across ranks; Ks = K with one rank. Every backward
+        # level holds S, so its slope has sk too.
+        a_s, b_s = xc * p, 1.0 - xc
+        # Levels a + b K + c min(K, largest), c = 0 but for the loop's activation.
+        common = [(base + a_s * row, (xc + b_s) * row + sk, 0.0),
+                  (base, (1 + rc) * row + sk, 0.0),
+                  (base + xc * a_s * row, (1 + xc * b_s) * row + sk, 0.0),
+                  (base + a_s * row + s.output_bytes, b_s * row + sk, 0.0)]
+        limits = []
+        for drop in (0.0, 1.0):            # the rank keeps every row / drops some
+            # With forward retention the forward's levels depend on K; else they are
+            # checked once below. Backward gathers x and z per instance only without it.
+            gathered = 0.0 if fr else drop
+            phases = list(common)
+            if fr:
+                phases += [(a, b, 0.0) for a, b in
+                           self._forward_levels(routed, xc, rc, local, act_f, drop)]
+            if s.grouped_gemm:
+                w1, w2, conv = self._grouped_terms(local)
+                rows = row + gathered * sr
+                phases += [(base + w2, rows + 2 * f1_b + sk, 0.0),
+                           (base, rows + 3 * f1_b + sk, 0.0),
+                           (base + w1 + conv, rows + 2 * f_b + f1_b + row + sk, 0.0)]
+            else:
+                phases += [(base + const, 2 * row + min(alpha, beta) + sk, abs(alpha - beta))
+                           for alpha, beta, const in self._loop_backward_levels(gathered)]
+            a, b, c = (_stack(values, routed.shape) for values in zip(*phases, strict=True))
+            limits.append(np.minimum.reduce(
+                _solve_piecewise(room - a, b + extra, c, largest), axis=0))
+        keep_all, drop = limits
+        limit = np.where(keep_all >= routed, keep_all, drop)
+        # The forward must fit at all (the backward's levels at K = 0 are in the phases;
+        # with forward retention the forward's too).
+        fits = fr or _max(*(a for a, _ in self._forward_levels(
+            routed, xc, rc, local, act_f, 0.0))) <= room
+        return np.where(fits, _to_count(limit), 0).astype(np.int64)
+
+    def balanced_dropless_need(self) -> float:
+        """Bytes per rank for all layers and micro-batches in flight when every rank
+        receives exactly its P source pairs (spread evenly over its E / R experts when
+        the EP size is known; else bounded as without per-instance rows), with no
+        replicas and no drop. A budget below this cannot hold even perfectly balanced
+        routing: refuse it at start-up."""
+        return self.balanced_need(1.0)
+
+    def balanced_need(self, retention: float) -> float:
+        """``balanced_dropless_need`` with a fraction ``retention`` in [0, 1] of every
+        instance's rows retained (and of every rank's pairs kept as a source)."""
+        s = self.shape
+        p = np.array([float(s.source_pairs)])
+        kept = p * min(1.0, max(0.0, float(retention)))
+        ep = s.expert_parallel_size
+        extra = {}
+        if ep is not None and not s.grouped_gemm:
+            local = s.num_experts // ep
+            rows = np.full(local, float(s.source_pairs) / local)
+            extra = dict(instance_routed=rows, instance_retained=rows * kept[0] / p[0],
+                         rank_starts=np.zeros(1, dtype=np.int64))
+        per_layer = self.rank_memory(np.zeros(1), p, kept, sent_kept=kept, **extra)
+        return float(per_layer[0]) * s.num_layers
+
+    # ------------------------------------------------------------------- time
+    def layer_time(self, routed_matrix: np.ndarray, retained_matrix: np.ndarray,
+                   planner_s: float = 0.0, instances: InstanceRows | None = None
+                   ) -> tuple[float, float]:
+        """Estimated (forward_s, backward_s) of one layer and micro-batch from a plan's
+        [R, R] routed and retained matrices (source rank x destination rank), numpy
+        arrays: ``plan.routed_matrix.numpy()``, ``plan.retained_matrix.numpy()``.
+        ``planner_s``: the planner's host time per call, added to the forward (0 where
+        no planner runs, or where every alternative pays it alike). ``instances``: the
+        rows of every expert instance (``InstanceRows.of_plan``), which prices the GEMMs
+        instance by instance; without them a rank's rows are spread evenly over its
+        instances (module doc, "Time")."""
+        p = self.layer_time_parts(routed_matrix, retained_matrix, planner_s, instances)
+        return (sum(v for k, v in p.items() if k.startswith("forward_")),
+                sum(v for k, v in p.items() if k.startswith("backward_")))
+
+    def layer_time_parts(self, routed_matrix: np.ndarray, retained_matrix: np.ndarray,
+                         planner_s: float = 0.0, instances: InstanceRows | None = None
+                         ) -> dict[str, float]:
+        """``layer_time`` split into its terms (seconds), per phase (``forward_*``,
+        ``backward_*``): ``gemm`` (expert GEMMs) and ``memory`` (the memory-bound row
+        work) of the slowest rank (the one with the largest sum of the two),
+        ``alltoall`` (bytes of the busiest link), ``router``, ``fixed`` (the two
+        all-to-all latencies plus the measured fixed cost of a call) and, in forward,
+        ``planner`` (``planner_s``)."""
+        routed = np.asarray(routed_matrix, dtype=np.float64)
+        retained = np.asarray(retained_matrix, dtype=np.float64)
+        if routed.size:
+            num_ranks = routed.shape[1]
+            routed_rows, retained_rows = routed.sum(axis=0), retained.sum(axis=0)
+            sent, kept = routed.sum(axis=1), retained.sum(axis=1)
+        else:
+            num_ranks = 1
+            routed_rows = retained_rows = sent = kept = np.zeros(1)
+        f_gemm, f_mem, b_gemm, b_mem = self._rank_times(routed_rows, retained_rows, sent,
+                                                        kept, num_ranks, instances)
+        f, b = int(np.argmax(f_gemm + f_mem)), int(np.argmax(b_gemm + b_mem))
+        f_router, b_router = self._router_times()
+        f_fixed, b_fixed = self._fixed_times()
+        return {
+            "forward_gemm": float(f_gemm[f]),
+            "forward_memory": float(f_mem[f]),
+            "forward_alltoall": float(self._alltoall_time(_alltoall_pairs(routed_matrix),
+                                                          forward=True)),
+            "forward_router": f_router,
+            "forward_fixed": f_fixed,
+            "forward_planner": float(planner_s),
+            "backward_gemm": float(b_gemm[b]),
+            "backward_memory": float(b_mem[b]),
+            "backward_alltoall": float(self._alltoall_time(_alltoall_pairs(retained_matrix),
+                                                           forward=False)),
+            "backward_router": b_router,
+            "backward_fixed": b_fixed,
+        }
+
+    def load_time(self, max_routed: float, max_retained: float, alltoall_routed: float,
+                  alltoall_retained: float, num_ranks: int | None = None) -> float:
+        """Forward + backward seconds from the per-rank maxima ``layer_time`` uses (for
+        planners that estimate loads without building a plan): the busiest rank receives
+        ``max_routed`` rows and keeps ``max_retained``, every source sends its P pairs and
+        keeps min(P, ``max_retained``). ``num_ranks``: the EP size (default: the shape's)."""
+        return float(self.load_times(np.array([float(max_routed)]),
+                                     np.array([float(max_retained)]),
+                                     np.array([float(alltoall_routed)]),
+                                     np.array([float(alltoall_retained)]), num_ranks)[0])
+
+    def load_times(self, max_routed: np.ndarray, max_retained: np.ndarray,
+                   alltoall_routed: np.ndarray, alltoall_retained: np.ndarray,
+                   num_ranks: int | None = None) -> np.ndarray:
+        """``load_time`` of many load estimates at once (float64 arrays of one shape),
+        element by element the same arithmetic: a planner that judges a sequence of
+        candidates prices them in one call."""
+        p = float(self.shape.source_pairs)
+        max_routed = np.asarray(max_routed, dtype=np.float64)
+        max_retained = np.asarray(max_retained, dtype=np.float64)
+        f_gemm, f_mem, b_gemm, b_mem = self._rank_times(
+            max_routed, max_retained, np.full_like(max_routed, p),
+            np.minimum(p, max_retained), num_ranks)
+        f_fixed, b_fixed = self._fixed_times()
+        return ((f_gemm + f_mem + b_gemm + b_mem) + sum(self._router_times())
+                + self._alltoall_time(alltoall_routed, forward=True)
+                + self._alltoall_time(alltoall_retained, forward=False) + f_fixed + b_fixed)
+
+    def _local_instances(self, num_ranks: int | None) -> float:
+        """L, instances per rank for the rows-per-GEMM of the rate tables: E / R (replicas
+        not counted); 1 when the EP size is unknown."""
+        ranks = num_ranks or self.shape.expert_parallel_size
+        return max(1.0, self.shape.num_experts / ranks) if ranks else 1.0
+
+    def _gemm_time(self, rows: np.ndarray, forward: bool, num_ranks: int | None
+                   ) -> np.ndarray:
+        """[R] seconds of the expert GEMMs of ranks with ``rows`` rows each, spread evenly
+        over their L instances: L times one instance's time at rows / L rows
+        (``MachineConstants.instance_gemm_seconds``; without rate tables that is rows x
+        FLOP per row / ``gemm_flops_per_s`` whatever L)."""
+        s = self.shape
+        flops = s.forward_flops_per_pair if forward else s.backward_flops_per_pair
+        local = self._local_instances(num_ranks)
+        return local * self.machine.instance_gemm_seconds(rows / local, flops, forward)
+
+    def _instance_gemm_times(self, instances: InstanceRows, num_ranks: int
+                             ) -> tuple[np.ndarray, np.ndarray]:
+        """([R] forward, [R] backward) seconds of the expert GEMMs, instance by instance:
+        a rank's is the sum over its instances of one instance's time at that instance's
+        rows (0 for an instance without rows: ``MachineConstants.instance_gemm_seconds``)."""
+        s, m = self.shape, self.machine
+        rank = np.asarray(instances.rank, dtype=np.int64)
+        fwd = m.instance_gemm_seconds(instances.routed, s.forward_flops_per_pair, True)
+        bwd = m.instance_gemm_seconds(instances.retained, s.backward_flops_per_pair, False)
+        return (np.bincount(rank, weights=fwd, minlength=num_ranks),
+                np.bincount(rank, weights=bwd, minlength=num_ranks))
+
+    def _rank_times(self, routed: np.ndarray, retained: np.ndarray, sent: np.ndarray,
+                    kept: np.ndarray, num_ranks: int | None,
+                    instances: InstanceRows | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """([R] forward GEMM s, forward memory s, backward GEMM s, backward memory s) of
+        ranks receiving ``routed`` rows and keeping ``retained`` of them, sending ``sent``
+        pairs as sources and keeping ``kept``; the GEMMs instance by instance where
+        ``instances`` are given, else spread evenly. Memory: the element passes of the
+        module doc ("Time") times dtype bytes over ``memory_bytes_per_s`` (0 when
+        unmeasured)."""
+        s, m = self.shape, self.machine
+        if instances is not None:
+            f_gemm, b_gemm = self._instance_gemm_times(instances, len(routed))
+        else:
+            f_gemm = self._gemm_time(routed, True, num_ranks)
+            b_gemm = self._gemm_time(retained, False, num_ranks)
+        if m.memory_bytes_per_s <= 0:
+            zero = np.zeros_like(routed)
+            return f_gemm, zero, b_gemm, zero
+        h, f, f1, t = s.hidden_size, s.ffn_hidden_size, s.fc1_size, s.tokens_per_rank
+        ranks = num_ranks or s.expert_parallel_size or 2
+        # Reorders between source-major and expert-major rows: only across ranks, and
+        # only where a rank hosts more than one instance.
+        reorder = 4.0 if ranks > 1 and self._local_instances(ranks) > 1 else 0.0
+        act_f, act_b = (_ACT_PASSES_GATED if s.gated else _ACT_PASSES_PLAIN)
+        if not s.activation_recompute:
+            act_b -= _ACT_RECOMPUTE_PASSES_GATED if s.gated else _ACT_RECOMPUTE_PASSES_PLAIN
+        gathered = np.where(retained < routed, 2.0 * (h + f1), 0.0)   # x, z per instance
+        f_elems = routed * (reorder * h + act_f * f) + sent * 3 * h + t * h
+        b_elems = (retained * (reorder * h + act_b * f) + retained * gathered
+                   + sent * 2 * h + kept * 4 * h + t * h)
+        per_byte = s.dtype_bytes / m.memory_bytes_per_s
+        return f_gemm, f_elems * per_byte, b_gemm, b_elems * per_byte
+
+    def _router_times(self) -> tuple[float, float]:
+        """(forward s, backward s) of the router over T tokens: the gate GEMM (2HE FLOP
+        per token forward, 4HE backward) at ``gemm_flops_per_s`` and its elementwise work
+        (reading x and writing the gradient of x, plus four passes over the E scores) at
+        ``memory_bytes_per_s``; 0 when that is unmeasured."""
+        s, m = self.shape, self.machine
+        if m.memory_bytes_per_s <= 0:
+            return 0.0, 0.0
+        t, h, e, b = s.tokens_per_rank, s.hidden_size, s.num_experts, s.dtype_bytes
+        return (t * (2 * h * e / m.gemm_flops_per_s + (h + 4 * e) * b / m.memory_bytes_per_s),
+                t * (4 * h * e / m.gemm_flops_per_s
+                     + (2 * h + 4 * e) * b / m.memory_bytes_per_s))
+
+    def _transfer_time(self, num_bytes) -> np.ndarray:
+        """Seconds, besides the latency, of one all-to-all in which the busiest rank sends
+        or receives ``num_bytes`` over its links: at ``alltoall_bytes_per_s``, or from the
+        size table where the calibration measured one."""
+        m = self.machine
+        num_bytes = np.asarray(num_bytes, dtype=np.float64)
+        if not m.alltoall_sizes:
+            return num_bytes / m.alltoall_bytes_per_s
+        return _interpolated_time(num_bytes, m.alltoall_sizes, m.alltoall_size_bytes_per_s, 1.0)
+
+    def _alltoall_time(self, pairs, forward: bool) -> np.ndarray:
+        """Seconds, besides the latencies, of a phase's two all-to-alls when the busiest
+        link carries ``pairs`` pairs (``MoEShape.forward_alltoall_messages``,
+        ``backward_alltoall_messages``)."""
+        s = self.shape
+        messages = s.forward_alltoall_messages if forward else s.backward_alltoall_messages
+        pairs = np.asarray(pairs, dtype=np.float64)
+        return sum(self._transfer_time(pairs * size) for size in messages)
+
+    def _fixed_times(self) -> tuple[float, float]:
+        """(forward s, backward s) fixed per call: two all-to-all latencies each, plus the
+        measured fixed cost of the layer's call."""
+        m = self.machine
+        return (2 * m.alltoall_latency_s + m.layer_forward_fixed_s,
+                2 * m.alltoall_latency_s + m.layer_backward_fixed_s)
+
+    def replica_sync_time(self, replicas: tuple[tuple[int, int], ...], num_ranks: int,
+                          experts_per_rank: int) -> float:
+        """Seconds per step to refresh replicas (home -> host weights) and reduce their
+        gradients (host -> home), each phase paced by its busiest rank; 0 without
+        replicas. Divide by ``shape.microbatches_per_step`` to compare with a layer time."""
+        if not replicas:
+            return 0.0
+        sent = [0] * num_ranks      # per phase, a rank's traffic = max(sent, received)
+        received = [0] * num_ranks
+        for e, r in replicas:
+            sent[e // experts_per_rank] += 1
+            received[r] += 1
+        return self._replica_transfer_time(
+            max(max(a, b) for a, b in zip(sent, received, strict=True)))
+
+    def replica_cost_per_microbatch(self, busiest: int) -> float:
+        """What replicas cost per micro-batch in transfers (seconds), to weigh against the
+        time they save per micro-batch: once per step the refresh (weights, home ->
+        holder, in the weight dtype) and the gradient reduction (holder -> home, in the
+        gradient dtype), two all-to-alls each paced by the rank that sends or receives
+        the most replicas (``busiest``), amortised over ``shape.microbatches_per_step``;
+        0 without replicas. A replica's memory is not a time: the planner's budget
+        qualification weighs it."""
+        if busiest <= 0:
+            return 0.0
+        return self._replica_transfer_time(busiest) / self.shape.microbatches_per_step
+
+    def _replica_transfer_time(self, busiest: int) -> float:
+        """Seconds per step of the refresh (weights, home -> holder, weight dtype) and
+        the gradient reduction (holder -> home, gradient dtype) when the busiest rank
+        sends or receives ``busiest`` replicas in each."""
+        s = self.shape
+        refresh = busiest * s.weight_elements * s.dtype_bytes
+        reduction = busiest * s.weight_elements * (s.grad_dtype_bytes or s.dtype_bytes)
+        return float(self._transfer_time(refresh) + self._transfer_time(reduction)
+                     + 2 * self.machine.alltoall_latency_s)
+
+
+def _interpolated_time(rows: np.ndarray, table_rows: tuple[float, ...],
+                       rates: tuple[float, ...], flops: float) -> np.ndarray:
+    """Seconds of work of ``rows`` units (an instance's GEMM rows, an all-to-all's bytes)
+    from rates measured at ``table_rows`` units, ``flops`` of work per unit: the measured
+    times rows_i x flops / rate_i, interpolated linearly in rows; below the first point
+    extended along the first segment (down to 0 s), above the last at the last point's
+    rate (a single point: that rate throughout)."""
+    rows = np.asarray(rows, dtype=np.float64)
+    xs = np.asarray(table_rows)
+    ts = xs * flops / np.asarray(rates)
+    inside = np.interp(rows, xs, ts)
+    above = ts[-1] + (rows - xs[-1]) * flops / rates[-1]
+    if len(xs) > 1:
+        slope = (ts[1] - ts[0]) / (xs[1] - xs[0])
+        below = np.maximum(ts[0] + (rows - xs[0]) * slope, 0.0)
+    else:
+        below = rows * flops / rates[0]
+    return np.where(rows < xs[0], below, np.where(rows > xs[-1], above, inside))
+
+
+def _max_column_sum(matrix: np.ndarray) -> float:
+    """max over destination ranks of the pairs they receive (0 for an empty matrix)."""
+    return float(np.maximum.reduce(np.add.reduce(matrix, axis=0))) if matrix.size else 0.0
+
+
+def _alltoall_pairs(matrix: np.ndarray) -> float:
+    """max over ranks of max(pairs sent to, received from other ranks) of a numpy [R, R]
+    matrix (source rank x destination rank); pairs to the rank itself cross no link."""
+    if not matrix.size:
+        return 0.0
+    diagonal = np.diagonal(matrix)
+    return float(max(np.maximum.reduce(np.add.reduce(matrix, axis=1) - diagonal),
+                     np.maximum.reduce(np.add.reduce(matrix, axis=0) - diagonal)))
+
+
+def _max(*values) -> np.ndarray:
+    """Elementwise maximum of arrays and scalars (broadcast)."""
+    return functools.reduce(np.maximum, values)
+
+
+def _stack(values, shape: tuple[int, ...]) -> np.ndarray:
+    """[len(values), *shape] float64 of scalars and arrays broadcast to ``shape``."""
+    out = np.empty((len(values), *shape))
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
+
+
+def _solve(rhs: np.ndarray, coef: np.ndarray) -> np.ndarray:
+    """The largest real x with coef * x <= rhs (coef >= 0): +inf where any x fits, -inf
+    where none does."""
+    positive = coef > 0
+    return np.where(positive, rhs / np.where(positive, coef, 1.0),
+                    np.where(rhs >= 0, np.inf, -np.inf))
+
+
+def _solve_piecewise(rhs: np.ndarray, b: np.ndarray, c: float | np.ndarray,
+                     bend: np.ndarray) -> np.ndarray:
+    """The largest real K with b K + c min(K, bend) <= rhs (b, c >= 0): the slope is b + c
+    up to ``bend`` and b beyond it."""
+    below = _solve(rhs, b + c)
+    return np.where(below < bend, below, _solve(rhs - c * bend, b))
+
+
+def _to_count(values: np.ndarray) -> np.ndarray:
+    """floor, at least 0, as int64 (unbounded: 2**62)."""
+    return np.floor(np.clip(values, 0.0, 2.0**62)).astype(np.int64)

@@ -1,0 +1,131 @@
+"""The planner's values: its settings and the plan of one micro-batch.
+
+Shared by ``planner.LayerPlanner`` and the placement policies it calls
+(``placement_policies``), which is why they live below both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lrmoe.config.options import (
+    check_capacity_factor,
+    check_fraction,
+    check_load_smoothing,
+    check_positive_int,
+    check_positive_number,
+    option,
+)
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.instance_assignment import Routing
+from megatron_lrmoe.planning.retention import RetentionPlan
+
+__all__ = ["MicroBatchPlan", "PlannerSettings"]
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """What one layer's planner needs: plain numbers and the cost model.
+
+    ``budget_bytes`` is per rank for all MoE layers and micro-batches in flight
+    (docs/design.md, "Memory budget"); each layer's planner gets
+    ``budget_bytes / cost.shape.num_layers``.
+    A budget below ``cost.balanced_dropless_need()`` is refused here, with that number.
+    """
+
+    policy: str
+    """static | popularity (SYMI-style) | memory-aware (LRMoE)."""
+    num_ranks: int
+    num_experts: int
+    capacity_factor: float = 1.0
+    """gamma of the retention planner; inf drops nothing (and then the budget never
+    lowers it: dropping was switched off, as for the SYMI-style baseline)."""
+    min_retention: float = 0.0
+    slots_per_rank: int | None = None
+    """popularity: instance slots per rank (E/R..E). None: E/R, or what the budget
+    converts to. With a budget as well, the smaller of the two."""
+    budget_bytes: float | None = None
+    load_smoothing: float = 0.5
+    """EMA weight a: smoothed = a * smoothed + (1 - a) * this step's mean counts."""
+    cost: CostModel | None = None
+    """Needed with a budget and for memory-aware."""
+
+    def __post_init__(self) -> None:
+        # The user options' own rules are the option table's checks (lrmoe/options.py);
+        # what is checked here beyond them relates the settings to each other.
+        checks = [("policy", option("moe_lrmoe_placement").problem),
+                  ("num_ranks", check_positive_int), ("num_experts", check_positive_int),
+                  ("capacity_factor", check_capacity_factor), ("min_retention", check_fraction),
+                  ("load_smoothing", check_load_smoothing)]
+        if self.slots_per_rank is not None:
+            checks.append(("slots_per_rank", check_positive_int))
+        if self.budget_bytes is not None:
+            checks.append(("budget_bytes", check_positive_number))
+        for name, check in checks:
+            problem = check(getattr(self, name))
+            if problem is not None:
+                raise ValueError(f"PlannerSettings.{name}: {problem}")
+        if self.num_experts % self.num_ranks:
+            raise ValueError(f"PlannerSettings.num_experts={self.num_experts} must be a "
+                             f"multiple of num_ranks={self.num_ranks}")
+        per_rank = self.num_experts // self.num_ranks
+        slots = self.slots_per_rank
+        if slots is not None and not per_rank <= slots <= self.num_experts:
+            raise ValueError(f"PlannerSettings.slots_per_rank must be in "
+                             f"[{per_rank}, {self.num_experts}] (experts per rank .. experts), "
+                             f"got {slots!r}")
+        if self.cost is not None and self.cost.shape.num_experts != self.num_experts:
+            raise ValueError(f"PlannerSettings.cost: shape has {self.cost.shape.num_experts} "
+                             f"experts, settings {self.num_experts}")
+        ep = None if self.cost is None else self.cost.shape.expert_parallel_size
+        if ep is not None and ep != self.num_ranks:
+            raise ValueError(f"PlannerSettings.cost: shape has expert_parallel_size {ep}, "
+                             f"settings {self.num_ranks} ranks")
+        budget = self.budget_bytes
+        if budget is not None:
+            if self.cost is None:
+                raise ValueError("PlannerSettings.cost is needed with budget_bytes")
+            need = self.cost.balanced_dropless_need()
+            if budget < need:
+                raise ValueError(
+                    f"PlannerSettings.budget_bytes={budget:.6g} is below the balanced dropless "
+                    f"need of {need:.6g} bytes ({need / 2**30:.3f} GiB) per rank: even "
+                    f"perfectly balanced routing does not fit")
+        if self.policy == "memory-aware" and budget is None:
+            raise ValueError("PlannerSettings.budget_bytes: memory-aware placement needs a "
+                             "budget (and a cost model)")
+
+    @property
+    def layer_share(self) -> float | None:
+        """Bytes one layer may hold per rank (budget / MoE layers), or None."""
+        if self.budget_bytes is None or self.cost is None:
+            return None
+        return self.cost.memory_share(self.budget_bytes)
+
+    def popularity_slots(self) -> int:
+        """Instance slots per rank for ``popularity``: the explicit value, the budget's
+        (E/R plus the replicas that fit in the layer share after the balanced dropless
+        execution buffers), or the smaller of the two; at least E/R, at most E."""
+        per_rank = self.num_experts // self.num_ranks
+        slots = self.slots_per_rank
+        share = self.layer_share
+        if share is not None:
+            cost = self.cost
+            balanced = cost.balanced_dropless_need() / cost.shape.num_layers
+            fit = per_rank + int((share - balanced) // cost.shape.instance_bytes)
+            slots = fit if slots is None else min(slots, fit)
+        slots = per_rank if slots is None else slots
+        return max(per_rank, min(slots, self.num_experts))
+
+
+@dataclass(frozen=True, eq=False)
+class MicroBatchPlan:
+    """Routing and retention quotas of one layer and micro-batch (a value)."""
+
+    routing: Routing
+    retention: RetentionPlan
+    """plan_retention over the routing's [R, I] counts and the placement's layout."""
+    capacity_factor_used: float
+    """gamma actually used: below the settings' when the budget required it."""
+    notes: tuple[str, ...] = ()
+    """What the planner did (overflow, lowered gamma, over budget), for logs."""

@@ -1,0 +1,336 @@
+"""The per-layer planner: placement per step, routing and retention per micro-batch.
+
+One ``LayerPlanner`` per MoE layer, identical on every EP rank: each rank feeds it the
+same gathered counts and gets the same answer, so the ranks agree without
+communicating. Pure: counts, plain numbers and frozen values in; placements,
+routings and retention plans out; no process group and no config object
+(``planner_config.py`` derives the settings from Megatron's config).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.instance_assignment import Routing, check_route_counts, route_checked
+from megatron_lrmoe.planning.placement import Placement
+from megatron_lrmoe.planning.placement_policies import greedy_replicas, popularity_placement
+from megatron_lrmoe.planning.plan_types import MicroBatchPlan, PlannerSettings
+from megatron_lrmoe.planning.retention import (
+    RetentionPlan,
+    capacity_for_factor,
+    factor_for_capacity,
+    plan_retention,
+)
+
+__all__ = ["LayerPlanner", "MicroBatchPlan", "PlannerSettings"]
+
+
+@dataclass(frozen=True, eq=False)
+class _PlacementContext:
+    """What ``plan`` needs per placement, computed once when the placement is set."""
+
+    placement: Placement
+    replicas: np.ndarray                # [R] int64 replicas each rank hosts
+    capacity: np.ndarray | None         # [R] int64 routing capacity (None: no budget)
+    rank_starts: np.ndarray             # [R] first instance of each rank
+
+
+class LayerPlanner:
+    """One MoE layer's placement and micro-batch planner (pure; identical on every rank).
+
+    Life cycle per training step: ``plan(counts)`` for each micro-batch (forward),
+    ``observe(counts)`` for each training micro-batch, then ``next_step()`` at the step
+    boundary, which folds the step's mean counts into the smoothed loads and picks the
+    placement of the next step (docs/design.md, "Placement").
+    """
+
+    def __init__(self, settings: PlannerSettings):
+        self.settings = settings
+        self.placement = Placement.static(settings.num_ranks, settings.num_experts)
+        self.step = 0
+        self.smoothed_counts: torch.Tensor | None = None
+        self.placement_notes: tuple[str, ...] = ()
+        """What the last ``next_step`` did, for logs."""
+        self._observed_sum: torch.Tensor | None = None
+        self._observed = 0
+        self._contexts: dict[Placement, _PlacementContext] = {}
+
+    # ------------------------------------------------------------- per batch
+    def observe(self, counts: torch.Tensor) -> None:
+        """Record one training micro-batch's gathered [R, E] counts of this step."""
+        n = torch.from_numpy(check_route_counts(counts, self.placement)).to(torch.float64)
+        self._observed_sum = n if self._observed_sum is None else self._observed_sum + n
+        self._observed += 1
+
+    def observations(self) -> tuple[torch.Tensor | None, int]:
+        """This step's observations so far: (sum of the [R, E] counts, micro-batches)."""
+        return self._observed_sum, self._observed
+
+    def replace_observations(self, counts_sum: torch.Tensor | None, microbatches: int) -> None:
+        """Make (``counts_sum``, ``microbatches``) this step's observations.
+
+        For callers that pool the observations of several planners of the same layer
+        (its expert-data-parallel replicas) before ``next_step``, so that all of them
+        fold the same counts and stay identical.
+        """
+        if counts_sum is not None and tuple(counts_sum.shape) != (self.settings.num_ranks,
+                                                                  self.settings.num_experts):
+            raise ValueError(f"observations of shape {tuple(counts_sum.shape)}, this planner "
+                             f"has (R, E) = {(self.settings.num_ranks, self.settings.num_experts)}")
+        if (counts_sum is None) != (microbatches == 0):
+            raise ValueError("observations: counts without micro-batches or the reverse")
+        self._observed_sum = (None if counts_sum is None
+                              else counts_sum.detach().to("cpu", torch.float64).clone())
+        self._observed = int(microbatches)
+
+    def plan(self, counts: torch.Tensor) -> MicroBatchPlan:
+        """Routing and quotas of one micro-batch under the current placement.
+
+        With a budget the routing respects each rank's buffer capacity (the layer share
+        minus its replicas), and when the plan at gamma does not fit, gamma is lowered
+        until the backward buffers do; the forward never drops. What was done is in
+        ``notes``.
+        """
+        return self._plan(counts, self._context(self.placement))[0]
+
+    def _plan(self, counts: torch.Tensor,
+              ctx: _PlacementContext) -> tuple[MicroBatchPlan, np.ndarray | None]:
+        """(the plan, [R] CostModel.plan_memory of it or None without a budget)."""
+        # numpy on [R] arrays (a torch op costs ~10 us here), as the cost model is.
+        s = self.settings
+        placement = ctx.placement
+        routing, routed = route_checked(check_route_counts(counts, placement), placement,
+                                        ctx.capacity)           # routed: [R] load per rank
+        instance_routed = np.add.reduce(routing.counts.numpy(), axis=0)      # [I]
+        overflow = routing.overflow
+        notes = []
+        if overflow:
+            notes.append(f"overflow: {overflow} pairs above the ranks' buffer "
+                         f"capacity went to home instances")
+        gamma = float(s.capacity_factor)
+        share = s.layer_share
+        retention = self._retention(routing, gamma)
+        memory = None
+        if share is not None:
+            memory = _memory(s.cost, ctx, routed, instance_routed, retention.quotas.numpy())
+        if memory is not None and math.isfinite(gamma) and bool((memory > share).any()):
+            # The plan does not fit: lower gamma to the smallest rank limit. The limits
+            # bound what they cannot know before the plan (each source's kept pairs, the
+            # retained rows per instance), so a plan within them fits.
+            limit = s.cost.retained_limit(
+                share, ctx.replicas, routed,
+                np.maximum.reduceat(instance_routed, ctx.rank_starts))
+            # Ranks that do not fit even keeping nothing (limit 0) stay over budget
+            # whatever gamma is: they do not drag every rank's capacity to 1.
+            short = (routed > limit) & (limit > 0)
+            total = int(np.add.reduce(routed))
+            if short.any() and total:
+                needed = max(int(np.minimum.reduce(limit[short])), 1)
+                if needed < capacity_for_factor(gamma, total, s.num_ranks):
+                    gamma = factor_for_capacity(needed, total, s.num_ranks)
+                    notes.append(f"budget: backward capacity factor lowered from "
+                                 f"{s.capacity_factor:g} to {gamma:.4g} (C={needed})")
+                    retention = self._retention(routing, gamma)
+                    memory = _memory(s.cost, ctx, routed, instance_routed,
+                                     retention.quotas.numpy())
+        if memory is not None:
+            over = memory > share
+            if over.any():
+                notes.append(f"over budget on {int(np.add.reduce(over))} rank(s) by up to "
+                             f"{float(np.maximum.reduce(memory - share)) / 2**20:.1f} MiB "
+                             f"(the forward is never dropped)")
+        return MicroBatchPlan(routing=routing, retention=retention,
+                              capacity_factor_used=gamma, notes=tuple(notes)), memory
+
+    def _retention(self, routing: Routing, gamma: float) -> RetentionPlan:
+        s = self.settings
+        placement = routing.placement
+        return plan_retention(routing.counts, s.num_ranks, gamma, s.min_retention,
+                              instance_rank=placement.instance_rank,
+                              instance_expert=placement.instance_expert)
+
+    def _context(self, placement: Placement) -> _PlacementContext:
+        ctx = self._contexts.get(placement)
+        if ctx is None:
+            if len(self._contexts) >= 8:
+                self._contexts.clear()
+            replicas = np.asarray(placement.replicas_per_rank(), dtype=np.int64)
+            share = self.settings.layer_share
+            cap = (None if share is None
+                   else self.settings.cost.routing_capacity(share, replicas))
+            ctx = _PlacementContext(placement, replicas, cap,
+                                    np.asarray(placement.rank_starts[:-1], dtype=np.int64))
+            self._contexts[placement] = ctx
+        return ctx
+
+    # -------------------------------------------------------------- per step
+    def next_step(self) -> Placement:
+        """Fold this step's observations into the EMA, advance, choose the placement.
+
+        Without observations (evaluation only) nothing changes: not the EMA, not the
+        step counter, not the placement.
+        """
+        if not self._observed:
+            self.placement_notes = ("no training micro-batch observed: placement kept",)
+            return self.placement
+        mean = self._observed_sum / self._observed
+        a = float(self.settings.load_smoothing)
+        self.smoothed_counts = (mean if self.smoothed_counts is None
+                                else a * self.smoothed_counts + (1.0 - a) * mean)
+        self._observed_sum, self._observed = None, 0
+        self.step += 1
+        policy = self.settings.policy
+        if policy == "static":
+            self.placement, self.placement_notes = self.placement, ()
+        elif policy == "popularity":
+            self.placement, self.placement_notes = popularity_placement(
+                self.smoothed_counts.sum(0).numpy(), self.settings.num_ranks,
+                self.settings.num_experts, self.settings.popularity_slots())
+        else:
+            self.placement, self.placement_notes = self._memory_aware_placement()
+        return self.placement
+
+    def _memory_aware_placement(self) -> tuple[Placement, tuple[str, ...]]:
+        """The best prefix of a budget-independent greedy run that the budget admits.
+
+        ``greedy_replicas`` proposes replicas in order on a fluid load estimate of the
+        smoothed counts, without looking at the budget. Its prefixes of all, 3/4, 1/2
+        and 1/4 of the replicas are then planned exactly, like ``plan`` does but with
+        neither routing capacities nor a lowered gamma (``_unbudgeted``), so each
+        prefix's estimated time and peak memory do not depend on the budget either. A
+        prefix qualifies if its time (replica transfers amortised over the step's
+        micro-batches included) is lower than static's and its memory excess over the
+        layer share no larger than static's; the qualifying prefix with the lowest time
+        is kept (ties: fewer replicas), else static.
+
+        Only the qualification reads the budget, and a larger budget admits every prefix
+        a smaller one did (peak <= max(share, static's peak) only loosens), so more
+        memory never ends on a worse estimate: the search is monotone in the budget.
+        """
+        s = self.settings
+        counts = torch.round(self.smoothed_counts).to(torch.int64)
+        static = Placement.static(s.num_ranks, s.num_experts)
+        base, base_time, base_peak = self._unbudgeted(counts, static)
+        share = s.layer_share
+        # At gamma = inf replicas may not add to an excess static already has; at a
+        # finite gamma a candidate must fit outright, or the budget would lower gamma
+        # for it and it would buy its time with drops.
+        allowed = max(share, base_peak) if math.isinf(s.capacity_factor) else share
+        replicas = greedy_replicas(counts.sum(0).tolist(), base, s)
+        n = len(replicas)
+        best: tuple[float, int] | None = None       # (estimated time, prefix size)
+        for size in sorted({n, 3 * n // 4, n // 2, n // 4} - {0}):
+            candidate = Placement(s.num_ranks, s.num_experts, tuple(replicas[:size]))
+            planned, time, peak = self._unbudgeted(counts, candidate)
+            # The routing capacities at this budget must not bind on the candidate's
+            # routing (they only grow with the budget), so the layer's capacity-aware
+            # routing finds the routing judged here, and the judgement stays monotone.
+            capacity = self._context(candidate).capacity
+            fits_routing = capacity is None or bool(
+                (planned.retention.routed_per_rank.numpy() <= capacity).all())
+            # Replicas must pay: the time they save per micro-batch must exceed what
+            # their refresh and gradient reduction cost, amortised over the step's
+            # micro-batches (in ``time``); an equal estimate keeps static.
+            if (time < base_time and peak <= allowed and fits_routing
+                    and (best is None or time < best[0])):
+                best = (time, size)
+        if best is None:
+            return static, (f"memory-aware: no replica pays off within the budget (static "
+                            f"{base_time * 1e3:.3f} ms, greedy proposed {n})",)
+        time, size = best
+        return Placement(s.num_ranks, s.num_experts, tuple(replicas[:size])), (
+            f"memory-aware: {size} replicas, estimated layer time {time * 1e3:.3f} ms vs "
+            f"static {base_time * 1e3:.3f} ms",)
+
+    def _unbudgeted(self, counts: torch.Tensor, placement: Placement
+                    ) -> tuple[MicroBatchPlan, float, float]:
+        """(plan, estimated time, peak memory) of ``placement`` on ``counts`` without the
+        budget's influence: routing without capacities, gamma as set. The time is
+        forward + backward + the amortised replica refresh; the peak is the largest
+        ``CostModel.rank_memory`` over ranks."""
+        s = self.settings
+        cost = s.cost
+        ctx = self._context(placement)
+        routing, routed = route_checked(check_route_counts(counts, placement), placement, None)
+        retention = plan_retention(routing.counts, s.num_ranks, s.capacity_factor,
+                                   s.min_retention, instance_rank=placement.instance_rank,
+                                   instance_expert=placement.instance_expert)
+        quotas = retention.quotas.numpy()
+        peak = float(np.maximum.reduce(_memory(
+            cost, ctx, routed, np.add.reduce(routing.counts.numpy(), axis=0), quotas)))
+        starts = ctx.rank_starts
+        fwd, bwd = cost.layer_time(np.add.reduceat(routing.counts.numpy(), starts, axis=1),
+                                   np.add.reduceat(quotas, starts, axis=1))     # [R, R] each
+        sync = cost.replica_cost_per_microbatch(_busiest(placement))
+        plan = MicroBatchPlan(routing=routing, retention=retention,
+                              capacity_factor_used=float(s.capacity_factor))
+        return plan, fwd + bwd + sync, peak
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Small and picklable: smoothed loads, step, placement and this step's
+        observations so far, so that a resume is exact."""
+        s = self.settings
+        return {
+            "version": 1,
+            "num_ranks": s.num_ranks,
+            "num_experts": s.num_experts,
+            "step": self.step,
+            "smoothed_counts": (None if self.smoothed_counts is None
+                                else self.smoothed_counts.clone()),
+            "replicas": [list(p) for p in self.placement.replicas],
+            "observed_sum": None if self._observed_sum is None else self._observed_sum.clone(),
+            "observed": self._observed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict``. A state of another EP size or expert count is refused
+        (its per-rank loads do not apply); the caller may then start fresh."""
+        s = self.settings
+        shape = (state.get("num_ranks"), state.get("num_experts"))
+        if shape != (s.num_ranks, s.num_experts):
+            raise ValueError(f"planner state is for (R, E) = {shape}, this planner has "
+                             f"{(s.num_ranks, s.num_experts)}")
+        smoothed, observed_sum = state["smoothed_counts"], state["observed_sum"]
+        for name, value in (("smoothed_counts", smoothed), ("observed_sum", observed_sum)):
+            if value is not None and tuple(value.shape) != (s.num_ranks, s.num_experts):
+                raise ValueError(f"planner state {name} has shape {tuple(value.shape)}")
+        self.placement = Placement(s.num_ranks, s.num_experts,
+                                   tuple(tuple(p) for p in state["replicas"]))
+        self.step = int(state["step"])
+        self.smoothed_counts = (None if smoothed is None
+                                else smoothed.detach().to("cpu", torch.float64).clone())
+        self._observed_sum = (None if observed_sum is None
+                              else observed_sum.detach().to("cpu", torch.float64).clone())
+        self._observed = int(state["observed"])
+
+
+def _busiest(placement: Placement) -> int:
+    """The most replicas one rank sends (as home) or receives (as holder): what paces
+    the refresh and the gradient reduction (``CostModel.replica_cost_per_microbatch``)."""
+    sent = [0] * placement.num_ranks
+    received = [0] * placement.num_ranks
+    for e, r in placement.replicas:
+        sent[e // placement.experts_per_rank] += 1
+        received[r] += 1
+    return max(max(sent), max(received))
+
+
+def _memory(cost: CostModel, ctx: _PlacementContext, routed: np.ndarray,
+            instance_routed: np.ndarray, quotas: np.ndarray) -> np.ndarray:
+    """[R] ``CostModel.rank_memory`` of a planned micro-batch: its routed and retained
+    loads, each source's kept pairs and each instance's rows (numpy, as the planner's
+    other per-call arithmetic)."""
+    instance_retained = np.add.reduce(quotas, axis=0)                          # [I]
+    return cost.rank_memory(ctx.replicas, routed,
+                            np.add.reduceat(instance_retained, ctx.rank_starts),
+                            sent_kept=np.add.reduce(quotas, axis=1),
+                            instance_routed=instance_routed,
+                            instance_retained=instance_retained,
+                            rank_starts=ctx.rank_starts)

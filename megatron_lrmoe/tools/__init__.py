@@ -1,0 +1,1 @@
+"""Host tools: calibrate, simulate, report, routing traces, provenance."""

@@ -1,0 +1,192 @@
+"""On one CUDA GPU: the LRMoE region runs without host syncs, and what the weight stack costs.
+
+    python scripts/dev/gpu_sync_check.py        # (scripts/gpu_check.sh runs it)
+
+1. Sync check. For each setting (bf16 with grouped GEMMs, fp32 with the per-expert
+   loop; gamma inf and 0.75; rules uniform, topk, sample) one warm-up step, then one
+   step in which the layer's forward after the counts exchange (the one documented host
+   read: ``RoutedCountsExchange.gather_counts`` is wrapped to switch the mode on as it
+   returns) and its whole backward run under ``torch.cuda.set_sync_debug_mode("error")``:
+   any device-to-host read, blocking copy or stream synchronisation there raises, naming
+   the op. The routing is forced (the router is bypassed, its probabilities a leaf that
+   requires grad), so the backward is the region's and the pair gather's, not Megatron's
+   router (whose code reads values on the host elsewhere). Debug checks are off, as in
+   training (``MEGATRON_LRMOE_DEBUG_CHECKS`` unset).
+2. Weight stack cost (docs/lrmoe.md, "Expert GEMMs"): ``torch.stack`` of the local
+   experts' W1 and W2 (what the grouped path does per call in forward and again in
+   backward) against the grouped forward GEMMs it feeds, Qwen3-30B-A3B shapes (H 2048,
+   F 768, bf16) with 128 local experts (EP=1) and 16 (EP=8), 8192 tokens x top-8 spread
+   over the experts; CUDA events, median of 20.
+
+Exit status 1 if any sync check failed. EP > 1 is not exercised: one GPU, one rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_moe_layer as bench  # noqa: E402  (the layer builders and routings)
+
+
+def _cfg(dtype: str, grouped: str) -> dict:
+    args = bench.parse_args(["--device", "cuda", "--ep", "1", "--hidden", "1024", "--ffn", "512",
+                             "--experts", "32", "--topk", "4", "--tokens", "2048",
+                             "--dtype", dtype, "--grouped-gemm", grouped])
+    return {k: v for k, v in vars(args).items() if k not in ("out", "quick")}
+
+
+def _sync_check(failures: list[str]) -> None:
+    from megatron_lrmoe.layer import counts_exchange
+
+    original = counts_exchange.RoutedCountsExchange.gather_counts
+
+    def gather_then_strict(self, routing_map):
+        counts = original(self, routing_map)          # the documented host read
+        torch.cuda.set_sync_debug_mode("error")       # everything after it: no sync
+        return counts
+
+    for dtype, grouped in (("bf16", "on"), ("fp32", "off")):
+        cfg = _cfg(dtype, grouped)
+        _, lrmoe = bench._build_layers(cfg)
+        dev = torch.device("cuda")
+        probs, routing_map = bench.skewed_routing(cfg["tokens"], cfg["experts"], cfg["topk"],
+                                                  1.2, cfg["seed"], 0, bench.DTYPES[dtype])
+        probs = probs.to(dev).float().requires_grad_(True)
+        routing_map = routing_map.to(dev)
+        lrmoe.route = lambda hidden_states, padding_mask=None, _r=(probs, routing_map): _r
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(cfg["tokens"], 1, cfg["hidden"], generator=g).to(dev, bench.DTYPES[dtype])
+        dy = torch.randn_like(x)
+        for gamma in (math.inf, 0.75):
+            for selection in ("uniform", "topk", "sample"):
+                name = f"{dtype} grouped={grouped} gamma={gamma:g} {selection}"
+                lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
+                lrmoe.config.moe_lrmoe_selection = selection
+                lrmoe.setup_planner(cfg["tokens"], 1)
+                try:
+                    for strict in (False, True):   # a warm-up step, then the checked one
+                        x_in = x.detach().clone().requires_grad_(True)
+                        for p in lrmoe.parameters():
+                            p.grad = None
+                        if strict:
+                            counts_exchange.RoutedCountsExchange.gather_counts = \
+                                gather_then_strict
+                        try:
+                            out, _ = lrmoe(x_in)
+                        finally:
+                            torch.cuda.set_sync_debug_mode("default")
+                            counts_exchange.RoutedCountsExchange.gather_counts = original
+                        if strict:
+                            torch.cuda.set_sync_debug_mode("error")
+                        try:
+                            out.backward(dy)
+                        finally:
+                            torch.cuda.set_sync_debug_mode("default")
+                        lrmoe.finish_step()
+                    torch.cuda.synchronize()
+                    finite = bool(torch.isfinite(x_in.grad).all()) and all(
+                        bool(torch.isfinite(p.grad).all()) for p in lrmoe.parameters()
+                        if p.grad is not None)
+                    grouped_ran = lrmoe.lrmoe_stats.calls[-1].grouped_gemm
+                    ok = finite and grouped_ran == (grouped == "on")
+                    print(f"{'ok  ' if ok else 'FAIL'} sync-free {name} (grouped_mm ran: "
+                          f"{grouped_ran}, gradients finite: {finite})", flush=True)
+                    if not ok:
+                        failures.append(name)
+                except Exception:
+                    torch.cuda.set_sync_debug_mode("default")
+                    failures.append(name)
+                    print(f"FAIL sync-free {name}:\n{traceback.format_exc()}", flush=True)
+                lrmoe.lrmoe_stats.reset()
+        del lrmoe
+        torch.cuda.empty_cache()
+
+
+def _median_ms(fn, reps: int = 20) -> float:
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[3:])
+
+
+def _stack_cost_one(local: int) -> None:
+    """One EP layout: ``local`` experts per rank, the rank's share of 8192 x 8 pairs."""
+    from megatron_lrmoe.layer.expert_gemms import _GROUPED_MM
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    h, f, tokens, topk, experts = 2048, 768, 8192, 8, 128
+    w1 = [torch.randn(2 * f, h, device=dev, dtype=dtype) * 0.02 for _ in range(local)]
+    w2 = [torch.randn(h, f, device=dev, dtype=dtype) * 0.02 for _ in range(local)]
+    rows = tokens * topk * local // experts
+    x = torch.randn(rows, h, device=dev, dtype=dtype)
+    offs = torch.full((local,), rows // local, device=dev).cumsum(0).to(torch.int32)
+    w1s, w2s = torch.stack(w1), torch.stack(w2)
+
+    def stack():
+        torch.stack(w1)
+        torch.stack(w2)
+
+    def gemms():
+        z = _GROUPED_MM(x, w1s.transpose(1, 2), offs=offs)
+        _GROUPED_MM(z[:, :f], w2s.transpose(1, 2), offs=offs)
+
+    t_stack, t_gemm = _median_ms(stack), _median_ms(gemms)
+    weight_mib = sum(t.numel() for t in (*w1, *w2)) * 2 / 2**20
+    print(f"stack of {local} experts' W1+W2 ({weight_mib:.0f} MiB bf16): {t_stack:.3f} ms; "
+          f"grouped forward GEMMs over {rows} rows: {t_gemm:.3f} ms; stack / GEMMs = "
+          f"{t_stack / t_gemm:.2f} (the grouped path stacks in forward and again in backward)",
+          flush=True)
+
+
+def _stack_cost() -> None:
+    for local in (128, 16):
+        _stack_cost_one(local)
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    from megatron_lrmoe.testing.gloo_pool import free_port
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 1
+    os.environ.pop("MEGATRON_LRMOE_DEBUG_CHECKS", None)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    failures: list[str] = []
+    try:
+        _sync_check(failures)
+        try:
+            _stack_cost()
+        except Exception:
+            print(f"stack cost measurement failed:\n{traceback.format_exc()}", flush=True)
+    finally:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    print(f"\n{len(failures)} sync check failure(s)" + (f": {failures}" if failures else ""))
+    print("not exercised: EP > 1 (one GPU cannot run NCCL expert parallelism across ranks)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The cost model's time terms beyond GEMM FLOPs and all-to-all bytes (issue 14): GEMM
+rate by rows, memory-bound row work, router, fixed per call, the planner's host time;
+each against hand arithmetic from the constants (``cost_model`` module doc, "Time"),
+and the calibration tool's measurements of them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_lrmoe.planning.cost_model import (
+    CostModel,
+    InstanceRows,
+    MachineConstants,
+    MoEShape,
+    _interpolated_time,
+)
+from megatron_lrmoe.planning.machine import measure_gemm_table, measure_memory_rate
+from megatron_lrmoe.planning.retention import plan_retention
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# H = 4, F = 2 gated (F1 = 4), E = 4, top-2, 2 bytes, T = 6 tokens (P = 12), EP = 2 (L = 2).
+# Weights (F1 + F) H = 24 elements: 48 FLOP per routed pair forward, 96 backward.
+SHAPE = MoEShape(hidden_size=4, ffn_hidden_size=2, num_experts=4, topk=2, gated=True,
+                 dtype_bytes=2, tokens_per_rank=6, expert_parallel_size=2)
+# One instance's GEMMs: forward 2 rows in 2 us, 8 rows in 4 us (48 FLOP per row at
+# 48 and 96 MFLOP/s); backward 2 rows in 2 us, 8 rows in 6 us (96 FLOP per row).
+MACHINE = MachineConstants(
+    gemm_flops_per_s=1e9, alltoall_bytes_per_s=1e8, alltoall_latency_s=1e-5, source="test",
+    gemm_rows=(2, 8), gemm_forward_flops_per_s=(48e6, 96e6),
+    gemm_backward_flops_per_s=(96e6, 128e6), memory_bytes_per_s=1e9,
+    layer_forward_fixed_s=1e-4, layer_backward_fixed_s=2e-4)
+ROUTED = np.array([[5, 3], [1, 7]])       # source x destination: rows N = (6, 10)
+RETAINED = np.array([[4, 2], [1, 5]])     # K = (5, 7); each source keeps 6
+
+
+def test_interpolated_time_interpolates_and_extends():
+    rows, rates, flops = (2.0, 8.0), (48e6, 96e6), 48.0
+    got = _interpolated_time(np.array([1.0, 2.0, 3.0, 5.0, 8.0, 10.0]), rows, rates, flops)
+    # Inside: 2 us + (n - 2) / 3 us; below: the first segment extended; above: 8 rows'
+    # 4 us + (n - 8) x 48 / 96e6 s.
+    want = [2 - 1 / 3, 2, 2 + 1 / 3, 3, 4, 4 + 1]
+    assert got == pytest.approx(np.array(want) * 1e-6, rel=1e-12)
+    # A steep first segment is cut at 0 s below it.
+    steep = _interpolated_time(np.array([1.0]), (2.0, 8.0), (96e6, 48e6 * 8 / 13), 48.0)
+    assert steep[0] == 0.0
+    # One point: its rate throughout.
+    assert _interpolated_time(np.array([5.0]), (4.0,), (48e6,), 48.0)[0] == pytest.approx(
+        5e-6)
+
+
+def test_layer_time_parts_by_hand():
+    p = CostModel(SHAPE, MACHINE).layer_time_parts(ROUTED, RETAINED, planner_s=5e-5)
+    # GEMM: rank 1's 10 rows over L = 2 instances: 5 rows each, 2 + 3 / 3 = 3 us each.
+    # Memory (elements x 2 B / 1e9): forward 28 N + 120 (N (4H + 6F) + 8 x 3H + T H) ->
+    # rank 1 400 -> 0.8 us, the slowest rank (6.8 us against rank 0's 4.67 + 0.58).
+    assert p["forward_gemm"] == pytest.approx(6e-6, rel=1e-12)
+    assert p["forward_memory"] == pytest.approx(0.8e-6, rel=1e-12)
+    # All-to-all: off-diagonal sent (3, 1), received (1, 3) -> 3 pairs x (2H + 1) x 2 B.
+    assert p["forward_alltoall"] == pytest.approx(54 / 1e8, rel=1e-12)
+    # Router: T (2HE / gemm + (H + 4E) b / memory) = 6 x (32 + 40) ns.
+    assert p["forward_router"] == pytest.approx(6 * 72e-9, rel=1e-12)
+    assert p["forward_fixed"] == pytest.approx(2e-5 + 1e-4, rel=1e-12)
+    assert p["forward_planner"] == 5e-5
+    # Backward GEMM: rank 1's 7 rows, 3.5 per instance: 2 + 1.5 x 2 / 3 = 3 us each.
+    # Memory: 68 K + 184 (K (4H + 18F) + 16 K gathered, both ranks drop, + 8 x 2H +
+    # 6 kept x 4H + T H) -> rank 1 660 -> 1.32 us.
+    assert p["backward_gemm"] == pytest.approx(6e-6, rel=1e-12)
+    assert p["backward_memory"] == pytest.approx(1.32e-6, rel=1e-12)
+    assert p["backward_alltoall"] == pytest.approx(2 * 20 / 1e8, rel=1e-12)
+    assert p["backward_router"] == pytest.approx(6 * (64 + 48) * 1e-9, rel=1e-12)
+    assert p["backward_fixed"] == pytest.approx(2e-5 + 2e-4, rel=1e-12)
+    fwd, bwd = CostModel(SHAPE, MACHINE).layer_time(ROUTED, RETAINED, planner_s=5e-5)
+    assert fwd == pytest.approx(sum(v for k, v in p.items() if k.startswith("forward_")))
+    assert bwd == pytest.approx(sum(v for k, v in p.items() if k.startswith("backward_")))
+
+
+def test_load_time_by_hand():
+    # The busiest rank receives 10 and keeps 7; every source sends P = 12, keeps 7.
+    got = CostModel(SHAPE, MACHINE).load_time(10, 7, 3, 2, num_ranks=2)
+    fwd = 6e-6 + (28 * 10 + 12 * 12 + 24) * 2 / 1e9 + 54 / 1e8 + 6 * 72e-9 + 1.2e-4
+    bwd = 6e-6 + (68 * 7 + 12 * 8 + 7 * 16 + 24) * 2 / 1e9 + 40 / 1e8 + 6 * 112e-9 + 2.2e-4
+    assert got == pytest.approx(fwd + bwd, rel=1e-12)
+    # Many estimates at once: each element the by-hand figure of its own loads (the
+    # second keeps every row it receives, so the source keeps its 12 as well).
+    both = CostModel(SHAPE, MACHINE).load_times(np.array([10.0, 10.0]), np.array([7.0, 10.0]),
+                                                np.array([3.0, 3.0]), np.array([2.0, 0.0]),
+                                                num_ranks=2)
+    assert both[0] == pytest.approx(fwd + bwd, rel=1e-12)
+    assert both[1] == CostModel(SHAPE, MACHINE).load_time(10, 10, 3, 0, num_ranks=2)
+    assert both[1] > both[0]
+
+
+
+def test_gemms_instance_by_instance_by_hand():
+    # Rank 0's instances compute 6 and 0 rows (retain 5 and 0), rank 1's 1 and 9 (retain
+    # 0 and 7): the column sums of ROUTED and RETAINED. Forward t(n) = 2 + (n - 2) / 3 us
+    # (below 2 rows the first segment extended), above 8 rows 4 us + (n - 8) / 2 us.
+    # Backward t(n) = 2 + (n - 2) 2 / 3 us. An instance without rows costs nothing.
+    instances = InstanceRows(rank=np.array([0, 0, 1, 1]), routed=np.array([6, 0, 1, 9]),
+                             retained=np.array([5, 0, 0, 7]))
+    cost = CostModel(SHAPE, MACHINE)
+    p = cost.layer_time_parts(ROUTED, RETAINED, 5e-5, instances)
+    # Rank 1 is the slowest in both phases (rank 0: 10/3 us and 4 us of GEMMs, fewer
+    # rows of memory work): forward 5/3 + 9/2 us, backward 16/3 us.
+    assert p["forward_gemm"] == pytest.approx((5 / 3 + 9 / 2) * 1e-6, rel=1e-12)
+    assert p["backward_gemm"] == pytest.approx(16 / 3 * 1e-6, rel=1e-12)
+    # Spread evenly (no instances): 2 t(5) = 6 us forward, 2 t(3.5) = 6 us backward.
+    even = cost.layer_time_parts(ROUTED, RETAINED, 5e-5)
+    assert even["forward_gemm"] == pytest.approx(6e-6, rel=1e-12)
+    assert even["backward_gemm"] == pytest.approx(6e-6, rel=1e-12)
+    assert {k: v for k, v in p.items() if "gemm" not in k} == {
+        k: v for k, v in even.items() if "gemm" not in k}
+    # Rank 0 instance by instance: 6 rows (10/3 us) and an empty one, against 2 t(3)
+    # = 14/3 us spread evenly; backward t(5) = 4 us against 2 t(2.5) = 14/3 us.
+    fwd, bwd = cost._instance_gemm_times(instances, 2)
+    assert fwd == pytest.approx(np.array([10 / 3, 5 / 3 + 9 / 2]) * 1e-6, rel=1e-12)
+    assert bwd == pytest.approx(np.array([4, 16 / 3]) * 1e-6, rel=1e-12)
+    # Read off a plan: its instances' hosts and column sums.
+    plan = plan_retention(torch.tensor([[5, 0, 1, 2], [1, 0, 0, 7]]), 2, 0.75)
+    got = InstanceRows.of_plan(plan)
+    assert got.rank.tolist() == [0, 0, 1, 1]
+    assert got.routed.tolist() == [6, 0, 1, 9]
+    assert got.retained.tolist() == plan.quotas.sum(0).tolist()
+
+
+def test_alltoall_size_table_by_hand():
+    # Sizes 16 and 64 B at 1e8 and 2e8 B/s: 0.16 and 0.32 us, between them 0.16 us +
+    # (b - 16) / 300 us. Forward: 3 pairs of dispatch (H b = 8 B) and combine (10 B):
+    # 24 and 30 B. Backward: 2 pairs of gradient rows with a position (12 B) and dX
+    # rows (8 B): 24 and 16 B.
+    table = MachineConstants(**{**MACHINE.__dict__, "alltoall_sizes": (16, 64),
+                                "alltoall_size_bytes_per_s": (1e8, 2e8)})
+    p = CostModel(SHAPE, table).layer_time_parts(ROUTED, RETAINED)
+    t = lambda b: (0.16 + (b - 16) / 300) * 1e-6  # noqa: E731
+    assert p["forward_alltoall"] == pytest.approx(t(24) + t(30), rel=1e-12)
+    assert p["backward_alltoall"] == pytest.approx(t(24) + t(16), rel=1e-12)
+    assert CostModel(SHAPE, table).load_time(10, 7, 3, 2, num_ranks=2) == pytest.approx(
+        CostModel(SHAPE, MACHINE).load_time(10, 7, 3, 2, num_ranks=2)
+        - (54 + 40) / 1e8 + t(24) + t(30) + t(24) + t(16), rel=1e-12)
+    # Replicas: one instance's weights and gradient, 24 elements x 2 B each.
+    cost = CostModel(SHAPE, table)
+    assert cost.replica_sync_time(((0, 1),), 2, 2) == pytest.approx(2 * t(48) + 2e-5)
+    # A table of one point is the flat rate.
+    flat = MachineConstants(**{**MACHINE.__dict__, "alltoall_sizes": (100,),
+                               "alltoall_size_bytes_per_s": (1e8,)})
+    assert CostModel(SHAPE, flat).layer_time_parts(ROUTED, RETAINED) == pytest.approx(
+        CostModel(SHAPE, MACHINE).layer_time_parts(ROUTED, RETAINED), rel=1e-12)
+
+
+def test_a_layer_without_activation_recompute_skips_its_passes():
+    # Megatron's expert MLP saved the activation's output: 5F fewer element passes per
+    # retained row in backward (gated), nothing else changes. Rank 1 keeps 7 rows, rank 0
+    # 5; with both ranks' GEMMs alike per row, rank 1 stays the slowest.
+    saved = dataclasses.replace(SHAPE, activation_recompute=False)
+    p = CostModel(SHAPE, MACHINE).layer_time_parts(ROUTED, RETAINED)
+    q = CostModel(saved, MACHINE).layer_time_parts(ROUTED, RETAINED)
+    assert q["backward_memory"] == pytest.approx(p["backward_memory"] - 7 * 5 * 2 * 2 / 1e9,
+                                                 rel=1e-12)
+    assert {k: v for k, v in q.items() if k != "backward_memory"} == pytest.approx(
+        {k: v for k, v in p.items() if k != "backward_memory"}, rel=1e-12)
+    plain = dataclasses.replace(SHAPE, gated=False)
+    p = CostModel(plain, MACHINE).layer_time_parts(ROUTED, RETAINED)
+    q = CostModel(dataclasses.replace(plain, activation_recompute=False),
+                  MACHINE).layer_time_parts(ROUTED, RETAINED)
+    assert q["backward_memory"] == pytest.approx(p["backward_memory"] - 7 * 2 * 2 * 2 / 1e9,
+                                                 rel=1e-12)
+
+
+def test_one_rank_has_no_reorders_and_no_tables_means_the_flat_rate():
+    machine = MachineConstants(gemm_flops_per_s=48e6, alltoall_bytes_per_s=1e8,
+                               memory_bytes_per_s=1e9)
+    shape = MoEShape(hidden_size=4, ffn_hidden_size=2, num_experts=4, topk=2, gated=True,
+                     dtype_bytes=2, tokens_per_rank=6, expert_parallel_size=1)
+    p = CostModel(shape, machine).layer_time_parts(np.array([[12]]), np.array([[12]]))
+    assert p["forward_gemm"] == pytest.approx(12 * 48 / 48e6, rel=1e-12)
+    # 12 x 6F + 12 x 3H + T H = 144 + 144 + 24 elements, no reorder at R = 1.
+    assert p["forward_memory"] == pytest.approx(312 * 2 / 1e9, rel=1e-12)
+    assert p["forward_fixed"] == 0.0 and p["backward_fixed"] == 0.0
+
+
+def test_old_constants_price_only_the_old_terms():
+    machine = MachineConstants(gemm_flops_per_s=1e9, alltoall_bytes_per_s=1e8,
+                               alltoall_latency_s=1e-5)
+    p = CostModel(SHAPE, machine).layer_time_parts(ROUTED, RETAINED, planner_s=0.0)
+    for name in ("memory", "router"):
+        assert p[f"forward_{name}"] == 0.0 and p[f"backward_{name}"] == 0.0
+    assert p["forward_gemm"] == pytest.approx(10 * 48 / 1e9, rel=1e-12)
+    assert p["backward_gemm"] == pytest.approx(7 * 96 / 1e9, rel=1e-12)
+    assert p["forward_fixed"] == p["backward_fixed"] == pytest.approx(2e-5)
+
+
+def test_machine_constants_new_fields_load_and_check(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"gemm_flops_per_s": 1e9, "alltoall_bytes_per_s": 1e8,
+                               "alltoall_latency_s": 1e-5, "source": "old"}))
+    loaded = MachineConstants.from_json(old)
+    assert loaded.gemm_rows == () and loaded.memory_bytes_per_s == 0.0
+    assert loaded.layer_forward_fixed_s == loaded.layer_backward_fixed_s == 0.0
+    path = tmp_path / "new.json"
+    MACHINE.to_json(path)
+    assert MachineConstants.from_json(path) == MACHINE       # lists back to tuples
+    for bad, needle in ((dict(gemm_rows=(2,)), "same length"),
+                        (dict(gemm_rows=(8, 2)), "ascending"),
+                        (dict(gemm_forward_flops_per_s=(0.0, 1.0)), "positive"),
+                        (dict(memory_bytes_per_s=-1.0), "memory_bytes_per_s"),
+                        (dict(layer_backward_fixed_s=float("nan")), "layer_backward"),
+                        (dict(alltoall_sizes=(1.0,)), "same length"),
+                        (dict(alltoall_sizes=(4.0, 2.0), alltoall_size_bytes_per_s=(1.0, 1.0)),
+                         "alltoall_sizes must be strictly ascending")):
+        fields = dict(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0, gemm_rows=(2, 8),
+                      gemm_forward_flops_per_s=(1.0, 1.0),
+                      gemm_backward_flops_per_s=(1.0, 1.0)) | bad
+        with pytest.raises(ValueError, match=needle):
+            MachineConstants(**fields)
+
+
+def test_measurements_return_rates():
+    fwd, bwd = measure_gemm_table(8, 4, [2, 4], experts=2, repeats=1, warmup=0)
+    assert len(fwd) == len(bwd) == 2 and min(fwd + bwd) > 0
+    assert measure_memory_rate(8, 4, 16, repeats=1, warmup=0) > 0
+    assert measure_memory_rate(8, 4, 16, gated=False, repeats=1, warmup=0) > 0
+
+
+def test_calibrate_cli_writes_the_new_constants(tmp_path):
+    out = tmp_path / "cal.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_lrmoe.tools.calibrate", "--output", str(out),
+         "--hidden-size", "32", "--ffn-hidden-size", "16", "--rows", "32",
+         "--local-experts", "1", "--repeats", "2", "--warmup", "0", "--gemm-rows", "4,8",
+         "--tokens", "8", "--topk", "2", "--alltoall", "copy", "--alltoall-mib", "0.25"],
+        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    constants = MachineConstants.from_json(out)
+    assert constants.gemm_rows == (4.0, 8.0)
+    assert len(constants.gemm_backward_flops_per_s) == 2
+    assert constants.memory_bytes_per_s > 0
+    # The layer's fixed cost is measured only beside a gloo all-to-all: not with a copy.
+    assert constants.layer_forward_fixed_s == 0.0 and "not measured" in constants.source
+    assert "memory rate" in result.stdout
+    assert constants.gemm_flops_per_s > 0 and constants.alltoall_bytes_per_s > 0
+    assert "memory copy" in constants.source
+    assert json.loads(out.read_text())["details"]["hidden_size"] == 32
+    assert "expert GEMM rate" in result.stdout
+
+
+def test_calibrate_concurrency_measures_rates_with_the_machine_shared(tmp_path):
+    out = tmp_path / "cal.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    common = [sys.executable, "-m", "megatron_lrmoe.tools.calibrate", "--output", str(out),
+              "--hidden-size", "32", "--ffn-hidden-size", "16", "--rows", "32",
+              "--local-experts", "1", "--repeats", "2", "--warmup", "0", "--gemm-rows", "4,8",
+              "--tokens", "8", "--topk", "2", "--alltoall", "copy", "--alltoall-mib", "0.25"]
+    result = subprocess.run(common + ["--concurrency", "2", "--rounds", "2"],
+                            capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    constants = MachineConstants.from_json(out)
+    assert "slowest of 2 local processes" in constants.source
+    assert "median of 2 rounds" in constants.source
+    assert len(constants.gemm_forward_flops_per_s) == len(constants.gemm_backward_flops_per_s) == 2
+    assert min(constants.gemm_forward_flops_per_s) > 0 and constants.memory_bytes_per_s > 0
+    assert constants.gemm_flops_per_s > 0
+    assert json.loads(out.read_text())["details"]["concurrency"] == 2
+    bad = subprocess.run(common + ["--concurrency", "0"], capture_output=True, text=True,
+                         env=env, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--concurrency 0" in bad.stderr
+    bad = subprocess.run(common + ["--rounds", "0"], capture_output=True, text=True,
+                         env=env, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--rounds 0" in bad.stderr
+
+
+def test_median_over_rounds_is_per_figure():
+    from megatron_lrmoe.tools.calibrate import _median_over_rounds
+
+    rounds = [[1.0, 9.0, 5.0], [3.0, 1.0, 4.0], [2.0, 5.0, 100.0]]
+    assert _median_over_rounds(rounds) == [2.0, 5.0, 5.0]
+
+
+def test_local_alltoall_measures_the_size_table():
+    from megatron_lrmoe.tools.calibrate import _local_alltoall
+
+    bandwidth, latency, table = _local_alltoall(2**16, repeats=2, warmup=0,
+                                                table_bytes=(4096, 2**16))
+    assert bandwidth > 0 and latency >= 0
+    assert len(table) == 2 and min(table) > 0
+
+
+def test_calibrate_refuses_a_size_table_without_an_alltoall(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    base = [sys.executable, "-m", "megatron_lrmoe.tools.calibrate", "--output",
+            str(tmp_path / "cal.json"), "--hidden-size", "32", "--ffn-hidden-size", "16",
+            "--rows", "32", "--local-experts", "1", "--repeats", "1", "--warmup", "0",
+            "--gemm-rows", "", "--tokens", "8", "--topk", "2", "--alltoall", "copy"]
+    for sizes, needle in (("0.25,1", "needs an all-to-all"), ("1,0.25", "strictly ascending"),
+                          ("one", "expected comma-separated MiB")):
+        bad = subprocess.run(base + ["--alltoall-sizes-mib", sizes], capture_output=True,
+                             text=True, env=env, timeout=120, cwd=ROOT)
+        assert bad.returncode != 0 and "--alltoall-sizes-mib" in bad.stderr
+        assert needle in bad.stderr
+    assert not (tmp_path / "cal.json").exists()

@@ -1,0 +1,118 @@
+"""The time-to-loss study driver (benchmarks/studies/time_to_loss.py): its analysis, and a CI-sized
+run whose table must be well formed (its numbers are not checked: tiny and noisy)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
+
+import time_to_loss as ttl  # noqa: E402
+
+
+def test_smoothed_is_a_trailing_mean():
+    assert ttl.smoothed([4.0, 2.0, 6.0, 0.0], 2) == [4.0, 3.0, 4.0, 3.0]
+    assert ttl.smoothed([1.0, 2.0], 5) == [1.0, 1.5]
+
+
+def _records(losses, moe_per_step=0.5, val=None):
+    out = []
+    for i, loss in enumerate(losses, start=1):
+        r = {"iteration": i, "lm-loss": loss, "moe-cumulative-s": moe_per_step * i,
+             "moe-forward-s": moe_per_step / 3, "moe-backward-s": 2 * moe_per_step / 3}
+        if val and i in val:
+            r["validation-loss"] = val[i]
+        out.append(r)
+    return out
+
+
+def test_targets_and_time_to_target():
+    reference = _records([8, 7, 6, 5, 4, 3])
+    targets = ttl.targets_from(reference, steps=4, window=1)
+    assert targets == {0.5: 7, 0.75: 6, 1.0: 5}
+    slower = ttl.analyse_run(_records([9, 8, 7, 6, 5, 4], moe_per_step=0.25, val={4: 6.5}),
+                             targets, steps=4, window=1)
+    assert slower["reached"][0.5] == {"step": 3, "moe_s": 0.75}
+    assert slower["reached"][1.0] == {"step": 5, "moe_s": 1.25}
+    assert slower["val_at_steps"] == 6.5
+    assert slower["moe_fwd_ms"] == pytest.approx(1e3 * 0.25 / 3)
+    assert slower["moe_bwd_ms"] == pytest.approx(2e3 * 0.25 / 3)
+    never = ttl.analyse_run(_records([9, 9, 9, 9, 9, 9]), targets, steps=4, window=1)
+    assert never["reached"][1.0] is None
+    rows = ttl.summarize({("megatron-dropless", 1): ttl.analyse_run(reference, targets, 4, 1),
+                          ("lrmoe-x", 1): slower, ("lrmoe-never", 1): never})
+    by_name = {r["policy"]: r for r in rows}
+    assert by_name["lrmoe-x"]["moe_vs_dropless_1.0"] == pytest.approx(1.25 / 2.0)
+    assert by_name["lrmoe-never"]["steps_1.0"] is None
+    assert rows[0]["policy"] == "megatron-dropless"
+    seeds = {r["policy"]: r for r in ttl.per_seed({
+        ("megatron-dropless", 1): ttl.analyse_run(reference, targets, 4, 1,),
+        ("lrmoe-x", 1): slower, ("lrmoe-never", 1): never})}
+    # 1.25 s against dropless's 2.0 s to the 100% target; no SYMI-style run of the seed.
+    assert seeds["lrmoe-x"]["vs_megatron-dropless"] == pytest.approx(0.625)
+    assert seeds["lrmoe-x"]["vs_symi"] is None and seeds["lrmoe-never"]["moe_s"] is None
+    assert seeds["lrmoe-never"]["vs_megatron-dropless"] is None
+    assert seeds["megatron-dropless"]["vs_megatron-dropless"] == 1.0
+
+
+def test_every_policy_has_the_flags_it_names():
+    table = ttl.policies(0.5)
+    assert table["megatron-dropless"] == []
+    assert "--moe-lrmoe" not in table["megatron-capacity-1.0"]
+    symi = table["symi"]
+    assert symi[symi.index("--moe-lrmoe-placement") + 1] == "popularity"
+    assert symi[symi.index("--moe-lrmoe-bwd-capacity-factor") + 1] == "inf"
+    for selection in ttl.SELECTIONS:
+        flags = table[f"lrmoe-{selection}-g0.75-ma"]
+        assert flags[flags.index("--moe-lrmoe-selection") + 1] == selection
+        assert flags[flags.index("--moe-lrmoe-placement") + 1] == "memory-aware"
+        assert flags[flags.index("--moe-lrmoe-memory-budget-gb") + 1] == "0.5"
+
+
+def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch, capsys):
+    # The driver runs in this process (its interpreter start is not what is tested); each
+    # of its runs is still a real torchrun of the launcher on 2 ranks, as in the study.
+    monkeypatch.chdir(ROOT)                     # the driver names configs/ relative to it
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")       # what the driver sets for itself; undone after
+    out = tmp_path / "study"
+    argv = ["--stage", "ci", "--out-dir", str(out), "--policies", "lrmoe-uniform-g0.75",
+            "--data-path", str(Path(corpus)), "--data-cache-path", str(tmp_path / "cache"),
+            "--port", "29547", "--microbatches", "2"]
+    assert ttl.main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [r["policy"] for r in report["rows"]] == ["megatron-dropless", "lrmoe-uniform-g0.75"]
+    for row in report["rows"]:
+        assert row["seeds"] == 1
+        assert 0.0 < row["retained"] <= 1.0
+        assert row["moe_s_per_step"] > 0
+        assert row["val_at_steps"] is not None
+    assert report["rows"][1]["retained"] < 1.0          # capacity 0.75 drops
+    summary, seeds = (out / "report.md").read_text().split("Per seed:")
+    table = [line for line in summary.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + 2
+    assert all(line.count("|") == len(ttl.COLUMNS) + 1 for line in table)
+    by_seed = [line for line in seeds.splitlines() if line.startswith("| 1 |")]
+    assert [line.split(" | ")[1] for line in by_seed] == ["megatron-dropless",
+                                                         "lrmoe-uniform-g0.75"]
+    assert (out / "loss_vs_moe_time.png").stat().st_size > 0
+    # Study parameters in the report; each run's routing recorded for the simulator.
+    assert "2 micro-batch(es) per step on 2 ranks" in (out / "report.md").read_text()
+    for run in ("megatron-dropless-s1", "lrmoe-uniform-g0.75-s1"):
+        assert (out / "runs" / run / "routing" / "header.json").is_file()
+    # The stage's run report, over both runs (the LRMoE run logs its statistics).
+    for name in ("loss.png", "moe_time.png", "lrmoe.png", "routed_load.png", "index.md"):
+        assert (out / "report" / name).stat().st_size > 0
+    assert "| lrmoe-uniform-g0.75-s1 |" in (out / "report" / "index.md").read_text()
+    for run in ("megatron-dropless-s1", "lrmoe-uniform-g0.75-s1"):   # the torchrun commands
+        assert "torch.distributed.run" in json.loads(
+            (out / "runs" / run / "done.json").read_text())["command"]
+    # Resumable: a second invocation finds both runs done and only rewrites the report.
+    capsys.readouterr()
+    assert ttl.main(argv) == 0
+    assert capsys.readouterr().out.count("done (0 s)") == 2

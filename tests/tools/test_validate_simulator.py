@@ -1,0 +1,63 @@
+"""benchmarks/studies/validate_simulator.py's bookkeeping: which runs it validates and how the
+per-policy summary reads the errors (hand-made rows; the replay itself is the
+simulator's, tested in test_simulate.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
+
+import validate_simulator as vs  # noqa: E402
+
+
+def _row(run: str, fwd: tuple[float, float], bwd: tuple[float, float]) -> dict:
+    return {"run": run, "fwd_sim": fwd[0], "fwd_meas": fwd[1], "bwd_sim": bwd[0],
+            "bwd_meas": bwd[1], "fwd_err": fwd[0] / fwd[1] - 1, "bwd_err": bwd[0] / bwd[1] - 1}
+
+
+def test_phase_split_error_ignores_the_machine_speed():
+    # A run measured on a day 20% slower in both phases: both errors -1/6, the split exact.
+    row = _row("a/x-s1", (100.0, 120.0), (170.0, 204.0))
+    assert row["fwd_err"] == pytest.approx(-1 / 6)
+    assert vs.phase_split_error(row) == pytest.approx(0.0, abs=1e-12)
+    # The backward modelled 10% heavier than the forward.
+    assert vs.phase_split_error(_row("a/x-s1", (100.0, 100.0), (187.0, 170.0))) == (
+        pytest.approx(0.10))
+
+
+def test_summary_groups_seeds_and_counts_runs_within_target():
+    rows = [_row("screen/pol-s1", (110.0, 100.0), (180.0, 150.0)),     # +10%, +20%
+            _row("confirm/pol-s2", (90.0, 100.0), (150.0, 150.0)),     # -10%, 0%
+            _row("confirm/pol-s3", (100.0, 100.0), (171.0, 150.0)),    # 0%, +14%
+            _row("confirm/other-s1", (100.0, 80.0), (100.0, 100.0))]   # +25%, 0%
+    lines = vs.summary_table(rows)
+    [pol] = [line for line in lines if line.startswith("| pol |")]
+    [other] = [line for line in lines if line.startswith("| other |")]
+    cells = [c.strip() for c in pol.strip("|").split("|")]
+    assert cells[:6] == ["pol", "3", "+0.0% (-10.0%..+10.0%)", "3/3",
+                         "+14.0% (+0.0%..+20.0%)", "2/3"]
+    # Phase splits: 1.8/1.5 / 1.1 - 1 = +9.1%, 1/0.9 = +11.1%, +14%: median +11.1%.
+    assert cells[6] == "+11.1%"
+    assert [c.strip() for c in other.strip("|").split("|")][3] == "0/1"
+
+
+def test_distinct_runs_keeps_one_copy_of_a_shared_run(tmp_path: Path):
+    def run(study: str, name: str, log: str, trace: bool = True) -> Path:
+        d = tmp_path / study / "runs" / name
+        (d / "routing").mkdir(parents=True)
+        (d / "done.json").write_text("{}")
+        (d / "log.jsonl").write_text(log)
+        if trace:
+            (d / "routing" / "header.json").write_text("{}")
+        return d
+
+    a = run("screen", "pol-s1", "same log")
+    run("confirm", "pol-s1", "same log")                  # the copy: left out
+    b = run("confirm", "pol-s2", "another log")
+    run("confirm", "pol-s3", "a third log", trace=False)  # no trace: left out
+    assert vs.distinct_runs([tmp_path / "screen", tmp_path / "confirm"]) == [a, b]
