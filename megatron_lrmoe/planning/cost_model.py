@@ -1,144 +1,16 @@
-"""The planner's memory and time model (docs/design.md, "Cost model").
+"""The planner's memory and time model: bytes and seconds of one LRMoE layer on one rank.
 
-Pure: a model shape and measured machine constants in, bytes and seconds out. No
-timing constant lives here: GEMM rate and all-to-all bandwidth come from a
+The model is specified in docs/design.md, "Cost model" (notation in "Notation"); this
+module implements it.
+Pure: a model shape and measured machine constants in, bytes and seconds out. No timing
+constant lives here: GEMM rate, memory rate and all-to-all bandwidth come from a
 calibration file (``python -m megatron_lrmoe.tools.calibrate``) or, without one, from
 ``megatron_lrmoe.planning.machine.default_machine_constants``, which measures quickly.
 
-Notation (docs/design.md, "Notation"): H hidden size, F expert FFN size, F1 = 2F with a
-gated (SwiGLU) first layer else F, k top-k, b bytes per element of the parameters and
-activations, T tokens of a rank, P = T * k pairs each rank sends per micro-batch (its
-source pairs), Lyr the MoE layers of this rank, MiF micro-batches in flight. Per rank
-r: N its routed rows (pairs its instances receive), K its retained rows, Ks the pairs
-it keeps as a source, L its local instances (E / R homes plus its replicas). A row is
-H * b bytes.
-
-Memory of one layer on one rank (``rank_memory``), bytes. It follows the buffers the
-region (lrmoe/region.py, expert_gemms.py) allocates and frees, phase by phase, and takes
-the largest level; tests/planning/test_cost_model.py checks it against a ledger of those
-allocations and against the allocator, benchmarks/bench_moe_layer.py against a measured
-EP=2 forward+backward.
-
-  replicas   num_replicas * instance_bytes: W1 [F1, H] + W2 [H, F] in b bytes plus a
-             gradient buffer of the same shape in ``grad_dtype_bytes``
-  saved      S = N (H + F1) b + P (H b + 32), for each micro-batch in flight: x_exp and
-             z of every routed row, the unweighted expert outputs o [P, H] the source
-             keeps for the router gradient, and 32 bytes of pair metadata (the int64
-             (expert, token) pairs the token index is a view of, the probability, the
-             side statistic a, the probability gather's int64 index). Every micro-batch
-             in flight is assumed to route like this one; under activation recompute of
-             the whole layer (``full``, ``moe``) that over-states what is saved. With
-             ``forward_retention`` x_exp and z are saved for the K retained rows only
-             (S = K (H + F1) b + P (H b + 44)), compacted at the end of the experts'
-             forward (one more forward level: N rows + N F1 b + K H b + max(N H b,
-             K F1 b)), and backward gathers nothing per instance.
-  transient  (peak - S) / Lyr: what one forward+backward holds above S at its peak;
-             one layer computes at a time, so each layer is charged 1/Lyr of its own.
-
-The peak is the largest of these levels. The pair metadata is there throughout; x marks
-the exchange copies (only with R > 1), r the reorders between source-major and
-expert-major rows (only where the rank also hosts more than one instance).
-
-  forward    dispatch    x (P + N) rows (x[pair_token] and the received rows); then
-                         (1 + r) N rows (received, and reordered)
-             experts     N (H + F1) b (x_exp, z) + Xf (the experts' buffers, below)
-             combine     N (H + F1) b + (1 + r) N rows (o and its reorder); then
-                         N (H + F1) b + x (N + P) rows (o, and o received back)
-  backward   all levels add B0 = S + T H b (the layer output y; in a run, its gradient
-             dy) + 28 bytes per source pair (metric, selection, slots, router gradient):
-             first exchange   (x K + Ks) rows (kept gradient rows sent, and received)
-             reorders         (1 + r) K rows, for the gradient rows and later for dX
-             expert backward  K rows (the gradient rows) + Xb (below)
-             second exchange  (K + x Ks) rows (dX sent, and received back)
-             token gradient   Ks rows + T H b
-
-The experts' buffers depend on how the GEMMs run (``MoEShape.grouped_gemm``). c is the
-[n, F] tensors the activation holds at once: 3 gated (silu(z1), z2 + offset, h), 1 plain.
-D is one dW1 [F1, H] plus its copy in the gradient dtype when that differs.
-
-  per-expert loop (the CPU default): z and o, dX are allocated once; one instance runs at
-  a time, and its last tensors live until the next instance replaces them. With n the
-  instance's rows, n' those of the instance before it, d = 1 where the rank drops rows
-  (x and z are then gathered per instance) else 0:
-    Xf = N rows + max_e (c n + n') F b   (n' the last instance before e with rows)
-    Xb = K rows + max_e of  d n H b + (d (H + F1) b + (F + F1) b) n'    gathering x
-                            d n (H + F1) b + (d F1 b + (F + F1) b) n'  gathering z
-                            d n (H + F1) b + c n F b + (F + F1) b n'    the activation
-                            d n (H + F1) b + 3 n F1 b + F1 b n'         its backward
-                            d n (H + F1) b + n (F + F1) b + D           the dW GEMMs
-    Without the per-instance rows (``instance_routed``/``instance_retained``), each
-    alpha n + beta n' is bounded with n, n' <= m = min(K, N) and n + n' <= K:
-    min(alpha, beta) K + |alpha - beta| m; and c n + n' <= c N in forward.
-  grouped (grouped_mm: all rows at once, plus the stacked weights of the rank's L
-  instances, L W1 = L F1 H b and L W2 = L H F b, as per-call copies):
-    Xf = max(L W1, c N F b, N (F b + row) + L W2)
-    Xb = d K (H + F1) b + max(2 K F1 b + L W2, 3 K F1 b,
-                              K (2F + F1) b + K rows + L W1 + D - W1)
-
-A per-rank budget covers all layers (docs/design.md, "Memory budget"); one layer's
-planner compares ``rank_memory`` with its share, budget / Lyr, given every rank's Ks and
-every instance's rows (``plan_memory`` reads them off a plan). ``balanced_dropless_need``
-is Lyr times the layer's memory at perfectly balanced routing (every rank receives P
-pairs, spread evenly over its E / R experts when the EP size is known), no replicas,
-nothing dropped. ``routing_capacity`` (the most N with nothing retained) and
-``retained_limit`` (the most K at a rank's N) invert ``rank_memory`` exactly, every level
-being linear in N, or in K and min(K, M); what they cannot know before a plan exists they
-bound: Ks <= P, and the per-instance rows by the rank's (the limit may be told M, the
-routed rows of the rank's largest instance). A plan within both therefore fits.
-
-Time of one layer and micro-batch (``layer_time``), seconds. Expert-parallel phases
-are separated by all-to-alls, so each phase takes its slowest rank's time. Per rank r,
-with N_r routed rows it receives, K_r retained rows, P_r pairs it sends as a source and
-Ks_r it keeps, T tokens, L = E / R instances per rank:
-
-  forward   max_r [gemm_f(N_r) + mem_f,r] + (max_r a2a pairs_r) (2H + 1) b / bandwidth
-            + router_f + 2 latency + fixed_f + planner
-  backward  max_r [gemm_b(K_r) + mem_b,r] + (max_r a2a pairs_r) (2H b + 4) / bandwidth
-            + router_b + 2 latency + fixed_b
-
-where a2a pairs_r = max(pairs rank r sends to, receives from other ranks) of the
-routed (forward: dispatch H, combine H + 1 values) or retained (backward: gradient
-rows with an int32 position, dX rows) matrix; pairs to the rank itself cross no link.
-With an all-to-all size table (``MachineConstants.alltoall_sizes``) each of a phase's
-two messages takes its own time, the measured times interpolated linearly in bytes
-(a transport's rate can depend on the message size, NCCL's protocols change with it;
-gloo over loopback here showed no trend); the single bandwidth above is the table of
-one point.
-
-- gemm: without rate tables (``MachineConstants.gemm_rows`` empty) n rows cost
-  n 2H(F1 + F) / gemm_rate forward and n 4H(F1 + F) / gemm_rate backward. With them,
-  L t(n / L): one instance's measured GEMM time at n / L rows, interpolated linearly in
-  rows between the measured points (GEMMs of few rows run at a lower rate: each call
-  streams the instance's weights and, in backward, writes and accumulates their
-  gradients whatever its rows). Given a plan's rows per instance (``InstanceRows``, as
-  the simulator passes them), a rank's GEMM time is the sum over its instances of
-  t(n_i), 0 for an instance without rows: t is affine with a large intercept (the
-  per-call weight and gradient traffic), so a rank whose rows sit on few of its
-  instances pays fewer intercepts than L t(n / L) says (routing leaves some experts
-  nearly empty, and Megatron's capacity drop caps the hot ones; replayed on the study's
-  runs the even spread priced the GEMMs up to 12% higher, the capacity drop's backward
-  the most). Without them (the planners' load estimates, which know a rank's rows only)
-  the rows are spread evenly over the L instances.
-- mem: memory-bound element passes (reads + writes) times b over the measured memory
-  rate (0 without one). Forward: per routed row 4H for the two reorders between
-  source- and expert-major order (only with R > 1 and L > 1) plus the activation's
-  passes (gated 6F: silu, the product, the row norm; plain 3F); per source pair 3H (the
-  token gather into send order, the combine's read of o); T H for the output.
-  Backward: per retained row the reorders (4H) plus the activation's passes with its
-  recompute (gated 18F, plain 5F; 13F and 3F for a layer that saved the activation's
-  output instead, Megatron's: ``MoEShape.activation_recompute``) plus 2(H + F1) where
-  the rank drops rows (x and z gathered per instance); per source pair 2H (dy and o
-  read for the router gradient); per kept pair 4H (its gradient row written, dX
-  scatter-added: read, read, write); T H for the zeroed token gradient.
-- router: the gate GEMM (2HE FLOP per token forward, 4HE backward) at gemm_rate and
-  (H + 4E) b, (2H + 4E) b bytes per token at the memory rate (0 without one).
-- fixed: the measured fixed cost of a call per phase (``layer_forward_fixed_s``,
-  ``layer_backward_fixed_s``), beside the two all-to-all latencies.
-- planner: the planner's host time per call where the policy runs it (the caller
-  passes it: the planner pays it alike for every alternative it compares).
-
-The activation recompute's GEMM-free work is in mem; the weights' replica traffic is
-``replica_sync_time``'s.
+The memory levels follow the buffers the region (layer/region.py, layer/expert_gemms.py)
+allocates and frees, phase by phase; tests/planning/test_cost_model.py checks them
+against an independent ledger of those allocations and against the allocator, and
+benchmarks/bench_moe_layer.py against a measured EP=2 forward+backward.
 """
 
 from __future__ import annotations
@@ -656,12 +528,12 @@ class CostModel:
                 act_f, act_b = self._loop_activation(instance_routed, instance_retained,
                                                      rank_starts, gathered)
             else:
-                # n, n' <= m = min(K, N) and n + n' <= K: alpha n + beta n' is at most
-                # min(alpha, beta) K + |alpha - beta| m.
-                m = np.minimum(retained, routed)
+                # n, n' <= min(K, N) and n + n' <= K: alpha n + beta n' is at most
+                # min(alpha, beta) K + |alpha - beta| min(K, N).
+                min_kn = np.minimum(retained, routed)
                 act_f = s.forward_activation_factor * routed * f_b
                 act_b = _max(*(np.minimum(alpha, beta) * retained
-                               + np.abs(alpha - beta) * m + const for alpha, beta, const
+                               + np.abs(alpha - beta) * min_kn + const for alpha, beta, const
                                in self._loop_backward_levels(gathered)))
             experts_bwd = retained * row + act_b
         forward = _max(*(a + b * retained for a, b
