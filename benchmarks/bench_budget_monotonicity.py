@@ -26,13 +26,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench_moe_layer import code_version  # noqa: E402  (sibling script)
-
-from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape  # noqa: E402
-from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings  # noqa: E402
+from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
+from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
+from megatron_lrmoe.tools.provenance import code_version
 
 MACHINE = MachineConstants(gemm_flops_per_s=1e9, alltoall_bytes_per_s=1e9,
                            alltoall_latency_s=1e-6, source="fixed constants")

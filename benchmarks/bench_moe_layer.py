@@ -40,7 +40,7 @@ markdown (``--out``). ``--profile`` appends torch.profiler tables of one step.
 
 Memory and host reads, per setting, in untimed steps after the timed ones: the bytes
 saved for backward (``saved_tensors_hooks``) and the allocator's peak over one
-forward+backward (``_measure_memory``), beside the cost model's prediction for LRMoE;
+forward+backward (``layer_bench.measure_memory``), beside the cost model's prediction for LRMoE;
 and the host reads of device data in one forward and one backward
 (``megatron_lrmoe.testing.host_reads``; on a GPU each is a stall).
 """
@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import math
 import os
 import platform
@@ -63,183 +62,33 @@ from pathlib import Path
 
 import torch
 
-from megatron_lrmoe.tools.provenance import code_version  # sibling scripts import it from here
+from megatron_lrmoe.tools.layer_bench import (
+    DTYPES,
+    GLIBC_CACHING_TUNABLES,
+    build_layers,
+    end_step,
+    gather_counts,
+    measure_memory,
+    one_step,
+    popularity_routing,
+    recorded_popularity,
+    skewed_routing,
+)
+from megatron_lrmoe.tools.provenance import code_version
 
 ROOT = Path(__file__).resolve().parents[1]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INDEX_BYTES = 4  # int32 row positions sent with the retained gradient rows
 TARGET_SLACK = 0.05  # target: backward time <= (r + 0.05) x dropless backward time
-# glibc malloc: never hand big buffers to mmap and never trim the heap (CPU workers only).
-GLIBC_CACHING_TUNABLES = ("glibc.malloc.mmap_max=0", "glibc.malloc.trim_threshold=68719476736")
 
 
 # -----------------------------------------------------------------------------
-# Worker side (runs on every rank; module-level so GlooPool workers can import it)
+# Worker side (runs on every rank; module-level so GlooPool workers can import it;
+# the building blocks it shares with the other benchmarks: megatron_lrmoe.tools.layer_bench)
 # -----------------------------------------------------------------------------
-
-
-def layer_config_kwargs(cfg: dict) -> dict:
-    """TransformerConfig fields of the benchmarked MoE layer (shared by the siblings)."""
-    import torch.nn.functional as F
-
-    dtype = DTYPES[cfg["dtype"]]
-    return dict(
-        num_layers=1, hidden_size=cfg["hidden"], num_attention_heads=16,
-        ffn_hidden_size=cfg["ffn"], moe_ffn_hidden_size=cfg["ffn"],
-        num_moe_experts=cfg["experts"], moe_router_topk=cfg["topk"],
-        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
-        moe_router_load_balancing_type="none", expert_model_parallel_size=cfg["ep"],
-        add_bias_linear=False, bias_activation_fusion=False, gated_linear_unit=True,
-        activation_func=F.silu, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-    )
-
-
-def _build_layers(cfg: dict, variants: dict[str, dict] | None = None):
-    """Megatron's MoELayer and an LRMoELayer with the same weights, on this rank.
-
-    ``variants``: more LRMoE layers (name -> extra LRMoETransformerConfig fields), same
-    weights, returned as a third value (a dict) when given."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-
-    from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
-    from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
-    from megatron_lrmoe.layer.spec import to_lrmoe_spec
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(expert_model_parallel_size=cfg["ep"])
-    model_parallel_cuda_manual_seed(cfg["seed"])
-    common = layer_config_kwargs(cfg)
-    spec = get_gpt_layer_local_spec(num_experts=cfg["experts"]).submodules.mlp
-    megatron = spec(config=TransformerConfig(**common))
-    lrmoe = to_lrmoe_spec(spec)(config=LRMoETransformerConfig(
-        **common, moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=math.inf,
-        moe_lrmoe_kernels=cfg["kernels"]))
-    lrmoe.load_state_dict(megatron.state_dict())  # same keys: interchangeable experts
-    lrmoe.grouped_gemm = {"auto": None, "on": True, "off": False}[cfg["grouped_gemm"]]
-    # Planners built at setup; one micro-batch per step (_one_step ends each step).
-    setup_lrmoe_layers([lrmoe], cfg["tokens"], 1)
-    device = torch.device(cfg["device"])
-    if variants is None:
-        return megatron.to(device).train(), lrmoe.to(device).train()
-    extra = {}
-    for name, fields in variants.items():
-        layer = to_lrmoe_spec(spec)(config=LRMoETransformerConfig(
-            **common, moe_lrmoe=True, moe_lrmoe_kernels=cfg["kernels"], **fields))
-        layer.load_state_dict(megatron.state_dict())
-        layer.grouped_gemm = lrmoe.grouped_gemm
-        setup_lrmoe_layers([layer], cfg["tokens"], 1)   # collective: same order everywhere
-        extra[name] = layer.to(device).train()
-    return megatron.to(device).train(), lrmoe.to(device).train(), extra
-
-
-def popularity_routing(tokens: int, popularity: torch.Tensor, topk: int, seed: int,
-                       rank: int, dtype: torch.dtype):
-    """(probs, routing_map) with top-k experts drawn without replacement by popularity."""
-    experts = popularity.numel()
-    g = torch.Generator().manual_seed(seed + 7919 * (rank + 1))
-    chosen = torch.multinomial(popularity.expand(tokens, experts), topk, replacement=False,
-                               generator=g)
-    routing_map = torch.zeros(tokens, experts, dtype=torch.bool)
-    routing_map.scatter_(1, chosen, True)
-    logits = torch.randn(tokens, experts, generator=g).masked_fill(~routing_map, -math.inf)
-    return torch.softmax(logits, dim=1).to(dtype), routing_map
-
-
-def skewed_routing(tokens: int, experts: int, topk: int, zipf_s: float, seed: int,
-                   rank: int, dtype: torch.dtype, shuffle: bool = False):
-    """(probs [T, E], routing_map [T, E] bool): top-k experts per token drawn without
-    replacement with Zipf(s) popularity, probs = softmax of random logits over them.
-
-    Popularity of expert e is (e + 1)^-s (so under Megatron's layout the lowest ranks
-    hold the hottest experts), or, with ``shuffle``, of a seeded permutation of e."""
-    order = torch.arange(experts)
-    if shuffle:
-        order = torch.randperm(experts, generator=torch.Generator().manual_seed(seed))
-    popularity = torch.empty(experts)
-    popularity[order] = torch.arange(1, experts + 1, dtype=torch.float32).pow(-zipf_s)
-    return popularity_routing(tokens, popularity, topk, seed, rank, dtype)
-
-
-def recorded_popularity(log_path: str, layer: int, experts: int) -> torch.Tensor:
-    """Per-expert popularity [experts] from a launcher JSON-lines log (``--moe-lrmoe``
-    runs record ``lrmoe/layer<N>/expert-load``), summed over the whole run. A log with
-    fewer experts than the benchmark is stretched: each recorded expert becomes
-    experts / recorded equally popular benchmark experts (same per-rank shape)."""
-    key = f"lrmoe/layer{layer}/expert-load"
-    total = None
-    with open(log_path) as f:
-        for line in f:
-            loads = json.loads(line).get(key)
-            if loads is not None:
-                t = torch.tensor(loads, dtype=torch.float64)
-                total = t if total is None else total + t
-    if total is None:
-        raise SystemExit(f"--recorded-log {log_path}: no {key!r} records (run with --moe-lrmoe)")
-    if experts % total.numel():
-        raise SystemExit(f"--experts {experts} must be a multiple of the recorded experts "
-                         f"({total.numel()})")
-    return (total / total.sum()).repeat_interleave(experts // total.numel()).float()
 
 
 def _settings(cfg: dict) -> list[tuple[str, float | None]]:
     return [("megatron", None)] + [("lrmoe", g) for g in cfg["capacities"]]
-
-
-def _gather_counts(routing_map: torch.Tensor, ep: int) -> torch.Tensor:
-    import torch.distributed as dist
-
-    local = routing_map.sum(0).to(torch.int64).cpu()
-    if ep == 1:
-        return local.unsqueeze(0)
-    out = [torch.empty_like(local) for _ in range(ep)]
-    dist.all_gather(out, local)
-    return torch.stack(out)
-
-
-def _one_step(layer, x, dy, sync, barrier):
-    """(forward s, backward s, layer stats or None, process CPU s, minor page faults)."""
-    for p in layer.parameters():
-        p.grad = None
-    x_in = x.detach().clone().requires_grad_(True)
-    if hasattr(layer, "lrmoe_stats"):
-        layer.lrmoe_stats.reset()
-    gc.collect()  # cheap: the long-lived heap was frozen after the build
-    gc.disable()  # no collector pauses inside the timed spans
-    try:
-        barrier()
-        f0 = _minor_faults()
-        c0, t0 = time.process_time(), time.perf_counter()
-        out, _ = layer(x_in)
-        sync()
-        c1, t1 = time.process_time(), time.perf_counter()
-        barrier()
-        c2, t2 = time.process_time(), time.perf_counter()
-        out.backward(dy)
-        sync()
-        c3, t3 = time.process_time(), time.perf_counter()
-        faults = _minor_faults() - f0
-    finally:
-        gc.enable()
-    if hasattr(layer, "finish_step"):
-        layer.finish_step()   # the step boundary, outside the timed spans
-    stats = None
-    if hasattr(layer, "lrmoe_stats") and layer.lrmoe_stats.calls:
-        stats = layer.lrmoe_stats.totals()
-    return t1 - t0, t3 - t2, stats, (c1 - c0) + (c3 - c2), faults
-
-
-def _minor_faults() -> int:
-    """Minor page faults of this process so far (fresh pages the kernel had to zero)."""
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def run_benchmark(cfg: dict) -> dict:
@@ -250,7 +99,7 @@ def run_benchmark(cfg: dict) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(0)
     rank = dist.get_rank()
-    megatron, lrmoe = _build_layers(cfg)
+    megatron, lrmoe = build_layers(cfg)
     dtype = DTYPES[cfg["dtype"]]
     gc.collect()
     gc.freeze()  # Megatron's import heap: a full collection would cost ~0.5 s per step
@@ -292,7 +141,7 @@ def run_benchmark(cfg: dict) -> dict:
         else:
             with torch.no_grad():
                 _, routing_map = megatron.route(x)
-        counts = _gather_counts(routing_map, cfg["ep"])
+        counts = gather_counts(routing_map, cfg["ep"])
         fwd = {s: [] for s in settings}
         bwd = {s: [] for s in settings}
         faults = {s: [] for s in settings}
@@ -307,7 +156,7 @@ def run_benchmark(cfg: dict) -> dict:
                     lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
                     lrmoe.setup_planner(cfg["tokens"], 1)   # rebuilt from the config
                 try:
-                    t_f, t_b, st, cpu, flt = _one_step(layers[name], x, dy, sync, barrier)
+                    t_f, t_b, st, cpu, flt = one_step(layers[name], x, dy, sync, barrier)
                 except Exception:
                     if cfg["ep"] > 1:
                         raise  # the other ranks may wait in a collective: fail the run
@@ -330,8 +179,8 @@ def run_benchmark(cfg: dict) -> dict:
                 lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
                 lrmoe.setup_planner(cfg["tokens"], 1)
             # Twice, keeping the smaller peak: a guard against buffers freed late by
-            # other threads (gloo's are waited for: _PromptCollectiveFrees).
-            memory = min((_measure_memory(cfg, layers[name], x, dy, sync, barrier)
+            # other threads (gloo's are waited for: layer_bench._PromptCollectiveFrees).
+            memory = min((measure_memory(cfg, layers[name], x, dy, sync, barrier)
                           for _ in range(2)), key=lambda m: m["mem_peak"])
             measured[(name, gamma)] = {**memory,
                                        **_count_host_reads(layers[name], x, dy, barrier)}
@@ -343,134 +192,6 @@ def run_benchmark(cfg: dict) -> dict:
         result["profile"] = _profile(cfg, layers, x, dy, sync, barrier)
     gc.unfreeze()
     return result
-
-
-def _end_step(layer) -> None:
-    if hasattr(layer, "finish_step"):
-        layer.finish_step()
-
-
-class _CpuAllocations:
-    """Peak and net bytes the CPU allocator handed out during a span (torch.profiler's
-    memory events: every allocation and free, whichever op or C++ code made it)."""
-
-    def __enter__(self):
-        from torch.profiler import ProfilerActivity, profile
-
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._prof.__exit__(*exc)
-        events = sorted((e.start_ns(), e.nbytes()) for e in
-                        self._prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]" and e.device_type().name == "CPU")
-        level = self.peak = 0
-        for _, nbytes in events:
-            level += nbytes
-            self.peak = max(self.peak, level)
-        self.net = level
-
-
-class _PromptCollectiveFrees:
-    """While active, each blocking ``all_to_all_single`` returns only once the process
-    group has dropped its reference to the input (an untimed wait; allocations and their
-    order are the code's own).
-
-    gloo runs a collective on a worker thread, which releases the work, and with it the
-    input tensor, only after the caller has been woken; on a loaded machine that can be
-    a scheduling slice later, and the input then counts at whatever peak the caller
-    reaches meanwhile (a P x H buffer or more in one run, none in the next). NCCL's
-    inputs follow stream order instead, so this is a CPU measurement artifact, removed
-    for both layers alike (Megatron's dispatcher calls the same function)."""
-
-    def __enter__(self):
-        import torch.distributed as dist
-
-        self._dist, self._original = dist, dist.all_to_all_single
-        original = self._original
-
-        def all_to_all_single(output, input, *args, **kwargs):
-            before = input._use_count()
-            work = original(output, input, *args, **kwargs)
-            if not kwargs.get("async_op", False):
-                deadline = time.perf_counter() + 2.0
-                while input._use_count() > before and time.perf_counter() < deadline:
-                    time.sleep(1e-4)
-            return work
-
-        dist.all_to_all_single = all_to_all_single
-        return self
-
-    def __exit__(self, *exc):
-        self._dist.all_to_all_single = self._original
-
-
-def _measure_memory(cfg, layer, x, dy, sync, barrier) -> dict[str, int]:
-    """Memory of one forward+backward of the layer on this rank, measured.
-
-    saved: bytes of the tensors autograd keeps from forward to backward
-    (``torch.autograd.graph.saved_tensors_hooks``), distinct storages, without the
-    parameters and the layer input (they exist anyway). peak: the most bytes allocated
-    above the level before the forward, over forward and backward (the allocator's own
-    figures: torch.profiler memory events on CPU, max_memory_allocated on CUDA). The
-    weight gradients exist beforehand, as Megatron's gradient buffers do in a run, so
-    only per-call temporaries count: peak = saved + transient buffers (activations,
-    exchange buffers, weight-gradient temporaries) + the output and the input gradient
-    (2 x T x H). On CPU the all-to-alls wait until gloo has released their inputs
-    (``_PromptCollectiveFrees``), so that scheduling delays on a loaded machine do not
-    add a buffer to the peak.
-    """
-    params = list(layer.parameters())
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    keep = {p.untyped_storage().data_ptr() for p in params}
-    x_in = x.detach().clone().requires_grad_(True)
-    keep.add(x_in.untyped_storage().data_ptr())
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in keep:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    if hasattr(layer, "lrmoe_stats"):
-        layer.lrmoe_stats.reset()
-    gc.collect()   # the previous steps' garbage, so none of it is freed inside the spans
-    barrier()
-    if cfg["device"] == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out, _ = layer(x_in)
-        sync()
-        at_backward = torch.cuda.memory_allocated()
-        fwd_peak = torch.cuda.max_memory_allocated() - base
-        torch.cuda.reset_peak_memory_stats()
-        barrier()
-        out.backward(dy)
-        sync()
-        bwd_peak = torch.cuda.max_memory_allocated() - at_backward
-        at_backward -= base
-        peak = max(fwd_peak, at_backward + bwd_peak)
-    else:
-        with _PromptCollectiveFrees():
-            with _CpuAllocations() as fwd, torch.autograd.graph.saved_tensors_hooks(
-                    pack, lambda t: t):
-                out, _ = layer(x_in)
-            barrier()
-            with _CpuAllocations() as bwd:
-                out.backward(dy)
-        fwd_peak, at_backward, bwd_peak = fwd.peak, fwd.net, bwd.peak
-        peak = max(fwd_peak, at_backward + bwd_peak)
-    _end_step(layer)
-    for p in params:
-        p.grad = None
-    return {"mem_saved": sum(saved.values()), "mem_peak": int(peak),
-            "mem_fwd_peak": int(fwd_peak), "mem_at_backward": int(at_backward),
-            "mem_bwd_peak": int(bwd_peak)}
 
 
 def _count_host_reads(layer, x, dy, barrier) -> dict[str, int]:
@@ -510,7 +231,7 @@ def _count_host_reads(layer, x, dy, barrier) -> dict[str, int]:
             del layer.route
         else:
             layer.route = fixed
-    _end_step(layer)
+    end_step(layer)
     return {"reads_fwd": forward, "reads_bwd": backward}
 
 
@@ -536,7 +257,7 @@ def _profile_one(cfg, layer, gamma, x, dy, sync, barrier) -> dict[str, str]:
         activities.append(ProfilerActivity.CUDA)
     if gamma is not None:
         layer.config.moe_lrmoe_bwd_capacity_factor = gamma
-    _one_step(layer, x, dy, sync, barrier)  # warm
+    one_step(layer, x, dy, sync, barrier)  # warm
     for p in layer.parameters():
         p.grad = None
     x_in = x.detach().clone().requires_grad_(True)
@@ -1095,14 +816,13 @@ def main(argv=None) -> int:
         tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
         os.environ["GLIBC_TUNABLES"] = ":".join([*tunables, *GLIBC_CACHING_TUNABLES])
     if args.device == "cpu":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import bench_moe_layer as this  # the workers import the task by module name
-
         from megatron_lrmoe.testing.gloo_pool import GlooPool
 
         pool = GlooPool(args.ep)
         try:
-            per_rank = pool.run(this.run_benchmark, cfg, timeout=3600.0)
+            # The workers are spawned: they load this script as their __main__ too, so
+            # the task resolves there by name (as bench_placement.py's does).
+            per_rank = pool.run(run_benchmark, cfg, timeout=3600.0)
         finally:
             pool.close()
     else:

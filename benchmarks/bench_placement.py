@@ -42,19 +42,18 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_moe_layer import (  # noqa: E402  (sibling script)
+from megatron_lrmoe.tools.layer_bench import (
     DTYPES,
     GLIBC_CACHING_TUNABLES,
-    _build_layers,
-    _gather_counts,
-    _one_step,
-    code_version,
+    build_layers,
+    gather_counts,
     layer_config_kwargs,
+    one_step,
     skewed_routing,
 )
+from megatron_lrmoe.tools.provenance import code_version
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SETTINGS = ("megatron", "symi", "lrmoe-static", "lrmoe")
 
@@ -78,7 +77,7 @@ def run_worker(cfg: dict) -> dict:
     from megatron_lrmoe.planning.retention import plan_retention
 
     rank = dist.get_rank()
-    megatron, _, extra = _build_layers(cfg, _variants(cfg))
+    megatron, _, extra = build_layers(cfg, _variants(cfg))
     layers = {"megatron": megatron, **extra}
     dtype = DTYPES[cfg["dtype"]]
     probs, routing_map = skewed_routing(cfg["tokens"], cfg["experts"], cfg["topk"], cfg["zipf"],
@@ -102,11 +101,11 @@ def run_worker(cfg: dict) -> dict:
     for rep in range(cfg["warmup"] + cfg["reps"]):
         shift = rep % len(SETTINGS)
         for name in SETTINGS[shift:] + SETTINGS[:shift]:
-            t_f, t_b, *_ = _one_step(layers[name], x, dy, lambda: None, barrier)
+            t_f, t_b, *_ = one_step(layers[name], x, dy, lambda: None, barrier)
             if rep >= cfg["warmup"]:
                 times[name][0].append(t_f)
                 times[name][1].append(t_b)
-    counts = _gather_counts(routing_map, cfg["ep"])
+    counts = gather_counts(routing_map, cfg["ep"])
     result = {"rank": rank, "times": times, "plans": {}, "replica_bytes": {}}
     for name, layer in layers.items():
         if name == "megatron":

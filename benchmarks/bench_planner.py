@@ -31,16 +31,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench_moe_layer import code_version  # noqa: E402  (sibling script)
-
-from megatron_lrmoe.planning.cost_model import CostModel, MoEShape  # noqa: E402
-from megatron_lrmoe.planning.instance_assignment import route_pairs  # noqa: E402
-from megatron_lrmoe.planning.machine import default_machine_constants  # noqa: E402
-from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings  # noqa: E402
-from megatron_lrmoe.planning.retention import plan_retention  # noqa: E402
+from megatron_lrmoe.planning.cost_model import CostModel, MoEShape
+from megatron_lrmoe.planning.instance_assignment import route_pairs
+from megatron_lrmoe.planning.machine import default_machine_constants
+from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
+from megatron_lrmoe.planning.retention import plan_retention
+from megatron_lrmoe.tools.provenance import code_version
 
 
 def skewed_counts(num_ranks: int, num_experts: int, pairs: int, zipf: float,

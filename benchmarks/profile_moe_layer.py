@@ -49,10 +49,15 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
+from megatron_lrmoe.tools.moe_layer_profile import new_call, summarise
+from megatron_lrmoe.tools.time_to_loss_policies import (
+    STUDY_CONFIG,
+    config_value,
+    policies,
+    study_budget_gb,
+)
 
-import time_to_loss  # noqa: E402  (the study's policies, base flags and budget)
+ROOT = Path(__file__).resolve().parents[1]
 
 # -----------------------------------------------------------------------------
 # Inside each rank: timers, then the launcher
@@ -60,16 +65,6 @@ import time_to_loss  # noqa: E402  (the study's policies, base flags and budget)
 
 _COLLECTIVES = ("all_to_all_single", "all_to_all", "all_gather_into_tensor", "all_gather",
                 "all_reduce", "reduce_scatter_tensor", "broadcast")
-PHASES = ("fwd", "bwd")
-
-
-def _new_call(layer: int) -> dict:
-    call = {"layer": layer}
-    for phase in PHASES:
-        call.update({f"{phase}_total_s": None, f"{phase}_experts_s": 0.0,
-                     f"{phase}_instance_rows": [], f"{phase}_first_collective_s": None,
-                     f"{phase}_other_collectives_s": 0.0})
-    return call
 
 
 def _rank_entry(out_path: str, launcher_flags: list[str]) -> None:
@@ -117,7 +112,7 @@ def _rank_entry(out_path: str, launcher_flags: list[str]) -> None:
         def wrapper(self, *args, **kwargs):
             if open_call["fwd"] is not None or not (self.training and torch.is_grad_enabled()):
                 return fn(self, *args, **kwargs)
-            call = _new_call(self.layer_number)
+            call = new_call(self.layer_number)
 
             def backward_enters():
                 open_call["bwd"] = call
@@ -221,62 +216,6 @@ def _rank_entry(out_path: str, launcher_flags: list[str]) -> None:
 # -----------------------------------------------------------------------------
 
 
-def _ms_per_step(calls: list[dict], key: str, steps: float) -> float:
-    return 1e3 * sum(c[key] or 0.0 for c in calls) / steps
-
-
-def table_gemm_seconds(instance_rows: list[list[int]], machine, flops_per_row: float,
-                       forward: bool) -> tuple[float, float]:
-    """(instance by instance, spread evenly) seconds the calibration's rate tables give
-    for expert computations with these rows per instance: the sum over instances of one
-    instance's time at its rows (the cost model's, given a plan's instances); and L times
-    the time at the computation's rows / L (L its instances; the cost model's without
-    them)."""
-    each = evenly = 0.0
-    for rows in instance_rows:
-        if not rows:
-            continue
-        each += float(machine.instance_gemm_seconds(rows, flops_per_row, forward).sum())
-        evenly += len(rows) * float(machine.instance_gemm_seconds(
-            sum(rows) / len(rows), flops_per_row, forward))
-    return each, evenly
-
-
-def summarise(calls_per_rank: list[list[dict]], steps: int, skip: int, flops_per_row: float,
-              phase: str, machine=None) -> list[dict]:
-    """Per rank, for ``phase`` ("fwd" or "bwd"): ms per step of each part over the steps
-    after ``skip`` (every step has the same number of training calls), the achieved
-    expert rate (``flops_per_row`` FLOP per row) and, given the calibration's
-    ``machine`` constants, the expert time its rate tables give for the same rows."""
-    out = []
-    for rank, calls in enumerate(calls_per_rank):
-        per_step = len(calls) // steps
-        if per_step == 0 or len(calls) % steps:
-            raise RuntimeError(f"rank {rank}: {len(calls)} training calls in {steps} steps")
-        kept = calls[skip * per_step:]
-        if any(c[f"{phase}_total_s"] is None for c in kept):
-            raise RuntimeError(f"rank {rank}: a training call without its {phase} span")
-        n = len(kept) / per_step
-        total = _ms_per_step(kept, f"{phase}_total_s", n)
-        experts = _ms_per_step(kept, f"{phase}_experts_s", n)
-        first = _ms_per_step(kept, f"{phase}_first_collective_s", n)
-        other = _ms_per_step(kept, f"{phase}_other_collectives_s", n)
-        instance_rows = [rows for c in kept for rows in c[f"{phase}_instance_rows"]]
-        rows = sum(sum(r) for r in instance_rows)
-        seconds = sum(c[f"{phase}_experts_s"] for c in kept)
-        row = {"rank": rank, "calls_per_step": per_step, "total": total,
-               "experts": experts, "arrival_wait": first, "other_collectives": other,
-               "rest": total - experts - first - other, "rows_per_step": rows / n,
-               "expert_gflops": flops_per_row * rows / seconds / 1e9 if seconds else 0.0,
-               "median_call_ms": 1e3 * statistics.median(c[f"{phase}_total_s"] for c in kept)}
-        if machine is not None:
-            each, evenly = table_gemm_seconds(instance_rows, machine, flops_per_row,
-                                              phase == "fwd")
-            row["table_each"], row["table_even"] = 1e3 * each / n, 1e3 * evenly / n
-        out.append(row)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -303,13 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 <= args.skip < args.steps:
         raise SystemExit(f"--skip {args.skip} must be in [0, --steps {args.steps})")
-    warmup = int(time_to_loss._config_value("lr-warmup-iters"))
+    warmup = int(config_value("lr-warmup-iters"))
     if args.steps <= warmup:
         raise SystemExit(f"--steps {args.steps} must exceed the config's --lr-warmup-iters "
                          f"({warmup})")
 
-    micro_batch = int(time_to_loss._config_value("micro-batch-size"))
-    base = ["--config", "configs/time_to_loss.yaml",
+    micro_batch = int(config_value("micro-batch-size"))
+    base = ["--config", STUDY_CONFIG,
             "--hidden-size", str(args.hidden_size),
             "--moe-ffn-hidden-size", str(args.moe_ffn_hidden_size),
             "--global-batch-size", str(micro_batch * 2 * args.microbatches),
@@ -317,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             "--train-iters", str(args.steps), "--eval-interval", str(10 * args.steps),
             "--eval-iters", "1", "--log-interval", str(args.steps), "--no-progress-bar",
             "--seed", str(args.seed)]
-    table = time_to_loss.policies(time_to_loss.study_budget_gb(base, args.budget_replicas))
+    table = policies(study_budget_gb(base, args.budget_replicas))
     chosen = [name for name in args.policies.split(",") if name]
     if bad := [name for name in chosen if name not in table]:
         raise SystemExit(f"unknown policies {bad}; "

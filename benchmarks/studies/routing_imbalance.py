@@ -40,16 +40,15 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from megatron_lrmoe.tools.provenance import code_version  # noqa: E402
-from megatron_lrmoe.tools.routing_traces import (  # noqa: E402
+from megatron_lrmoe.tools.provenance import code_version
+from megatron_lrmoe.tools.routing_traces import (
     RoutingTrace,
     load_max_over_mean,
     read_routing_trace,
     regroup_sources,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MODELS = {"qwen3": "configs/qwen3_30b_a3b.yaml", "glm45": "configs/glm45_air.yaml"}
 TITLES = {"qwen3": "Qwen3-30B-A3B router (128 experts, top-8, softmax, aux loss 1e-3)",

@@ -1,1 +1,2 @@
-"""Host tools: calibrate, simulate, report, routing traces, provenance."""
+"""Host tools: calibrate, simulate, report, routing traces, provenance, and what the
+benchmarks and studies share (layer_bench, time_to_loss, retention_bias, ...)."""

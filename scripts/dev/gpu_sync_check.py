@@ -28,19 +28,19 @@ import os
 import statistics
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import bench_moe_layer as bench  # noqa: E402  (the layer builders and routings)
+from megatron_lrmoe.tools.layer_bench import DTYPES, build_layers, skewed_routing
 
 
 def _cfg(dtype: str, grouped: str) -> dict:
-    args = bench.parse_args(["--device", "cuda", "--ep", "1", "--hidden", "1024", "--ffn", "512",
-                             "--experts", "32", "--topk", "4", "--tokens", "2048",
-                             "--dtype", dtype, "--grouped-gemm", grouped])
-    return {k: v for k, v in vars(args).items() if k not in ("out", "quick")}
+    """The layer_bench fields of one checked layer: bench_moe_layer.py's layer at
+    ``--device cuda --ep 1 --hidden 1024 --ffn 512 --experts 32 --topk 4 --tokens 2048``,
+    its default seed and kernels."""
+    return {"device": "cuda", "ep": 1, "hidden": 1024, "ffn": 512, "experts": 32, "topk": 4,
+            "tokens": 2048, "dtype": dtype, "grouped_gemm": grouped, "seed": 1234,
+            "kernels": "auto"}
 
 
 def _sync_check(failures: list[str]) -> None:
@@ -55,15 +55,15 @@ def _sync_check(failures: list[str]) -> None:
 
     for dtype, grouped in (("bf16", "on"), ("fp32", "off")):
         cfg = _cfg(dtype, grouped)
-        _, lrmoe = bench._build_layers(cfg)
+        _, lrmoe = build_layers(cfg)
         dev = torch.device("cuda")
-        probs, routing_map = bench.skewed_routing(cfg["tokens"], cfg["experts"], cfg["topk"],
-                                                  1.2, cfg["seed"], 0, bench.DTYPES[dtype])
+        probs, routing_map = skewed_routing(cfg["tokens"], cfg["experts"], cfg["topk"], 1.2,
+                                            cfg["seed"], 0, DTYPES[dtype])
         probs = probs.to(dev).float().requires_grad_(True)
         routing_map = routing_map.to(dev)
         lrmoe.route = lambda hidden_states, padding_mask=None, _r=(probs, routing_map): _r
         g = torch.Generator().manual_seed(7)
-        x = torch.randn(cfg["tokens"], 1, cfg["hidden"], generator=g).to(dev, bench.DTYPES[dtype])
+        x = torch.randn(cfg["tokens"], 1, cfg["hidden"], generator=g).to(dev, DTYPES[dtype])
         dy = torch.randn_like(x)
         for gamma in (math.inf, 0.75):
             for selection in ("uniform", "topk", "sample"):

@@ -1,20 +1,14 @@
-"""benchmarks/profile_moe_layer.py's bookkeeping on hand-made calls: ms per step of each
-part, the achieved expert rate, and what the calibration's GEMM tables give for the
-recorded rows (the timers themselves run only inside a training run)."""
+"""benchmarks/profile_moe_layer.py's bookkeeping (megatron_lrmoe.tools.moe_layer_profile)
+on hand-made calls: ms per step of each part, the achieved expert rate, and what the
+calibration's GEMM tables give for the recorded rows (the timers themselves run only
+inside a training run)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import profile_moe_layer as prof  # noqa: E402
-
-from megatron_lrmoe.planning.cost_model import MachineConstants  # noqa: E402
+from megatron_lrmoe.planning.cost_model import MachineConstants
+from megatron_lrmoe.tools import moe_layer_profile as prof
 
 # One instance's forward GEMMs: 2 rows in 2 us, 8 rows in 4 us (48 FLOP per row), so
 # t(n) = 2 + (n - 2) / 3 us between them.
@@ -32,7 +26,7 @@ def test_table_gemm_seconds_each_and_even_by_hand():
 
 
 def _call(total: float, experts: float, first: float, other: float, rows: list[int]) -> dict:
-    call = prof._new_call(1)
+    call = prof.new_call(1)
     call.update({"fwd_total_s": total, "fwd_experts_s": experts, "fwd_instance_rows": [rows],
                  "fwd_first_collective_s": first, "fwd_other_collectives_s": other,
                  "bwd_total_s": 2 * total})

@@ -1,5 +1,6 @@
-"""benchmarks/studies/retention_bias.py's measurement at a tiny shape: properties that hold whatever
-the numbers (docs/convergence.md reads the full-size table).
+"""benchmarks/studies/retention_bias.py's measurement (megatron_lrmoe.tools.retention_bias)
+at a tiny shape: properties that hold whatever the numbers (docs/convergence.md reads the
+full-size table).
 
 - gamma = inf is the reference itself: zero bias, zero spread.
 - The router weight gradient is exact under every rule (docs/design.md, "Exactness" 3).
@@ -15,12 +16,8 @@ the numbers (docs/convergence.md reads the full-size table).
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "studies"))
-
-import retention_bias as rb  # noqa: E402
+from megatron_lrmoe.tools import retention_bias as rb
 
 SEEDS = 48
 

@@ -1,18 +1,18 @@
-"""The time-to-loss study driver (benchmarks/studies/time_to_loss.py): its analysis, and a CI-sized
+"""The time-to-loss study driver (megatron_lrmoe.tools.time_to_loss, run by
+benchmarks/studies/time_to_loss.py) and its policies: its analysis, and a CI-sized
 run whose table must be well formed (its numbers are not checked: tiny and noisy)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
+from megatron_lrmoe.tools import time_to_loss as ttl
+from megatron_lrmoe.tools import time_to_loss_policies as ttp
 
-import time_to_loss as ttl  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_smoothed_is_a_trailing_mean():
@@ -61,13 +61,13 @@ def test_targets_and_time_to_target():
 
 
 def test_every_policy_has_the_flags_it_names():
-    table = ttl.policies(0.5)
+    table = ttp.policies(0.5)
     assert table["megatron-dropless"] == []
     assert "--moe-lrmoe" not in table["megatron-capacity-1.0"]
     symi = table["symi"]
     assert symi[symi.index("--moe-lrmoe-placement") + 1] == "popularity"
     assert symi[symi.index("--moe-lrmoe-bwd-capacity-factor") + 1] == "inf"
-    for selection in ttl.SELECTIONS:
+    for selection in ttp.SELECTIONS:
         flags = table[f"lrmoe-{selection}-g0.75-ma"]
         assert flags[flags.index("--moe-lrmoe-selection") + 1] == selection
         assert flags[flags.index("--moe-lrmoe-placement") + 1] == "memory-aware"

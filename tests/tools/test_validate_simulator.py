@@ -1,18 +1,15 @@
-"""benchmarks/studies/validate_simulator.py's bookkeeping: which runs it validates and how the
+"""benchmarks/studies/validate_simulator.py's bookkeeping
+(megatron_lrmoe.tools.simulator_validation): which runs it validates and how the
 per-policy summary reads the errors (hand-made rows; the replay itself is the
 simulator's, tested in test_simulate.py)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
-
-import validate_simulator as vs  # noqa: E402
+from megatron_lrmoe.tools import simulator_validation as vs
 
 
 def _row(run: str, fwd: tuple[float, float], bwd: tuple[float, float]) -> dict:
@@ -61,3 +58,19 @@ def test_distinct_runs_keeps_one_copy_of_a_shared_run(tmp_path: Path):
     b = run("confirm", "pol-s2", "another log")
     run("confirm", "pol-s3", "a third log", trace=False)  # no trace: left out
     assert vs.distinct_runs([tmp_path / "screen", tmp_path / "confirm"]) == [a, b]
+
+
+def test_run_flags_reads_recorded_runs_of_either_launcher_module(tmp_path):
+    # A run recorded before the layout by role names megatron_lrmoe.pretrain.
+    root = Path(__file__).resolve().parents[2]
+    recorded = root / "benchmarks/results/time_to_loss/confirm/runs/lrmoe-hybrid-g0.75-s1/done.json"
+    flags = vs.run_flags(recorded)
+    assert flags[:2] == ["--config", "configs/time_to_loss.yaml"]
+    # A run of today's launcher.
+    done = tmp_path / "done.json"
+    done.write_text('{"command": "torchrun --nproc-per-node 2 -m '
+                    'megatron_lrmoe.launcher.pretrain --seed 3 --moe-lrmoe"}')
+    assert vs.run_flags(done) == ["--seed", "3", "--moe-lrmoe"]
+    done.write_text('{"command": "torchrun -m something_else --seed 3"}')
+    with pytest.raises(ValueError, match="no launcher module"):
+        vs.run_flags(done)

@@ -1,0 +1,153 @@
+"""The simulator against measured runs: each run's own routing replayed at its own flags,
+simulated MoE times beside the measured ones, and the per-policy summary.
+
+``benchmarks/studies/validate_simulator.py`` is the command line and the report (its
+docstring says what is compared and why the phase split is reported); the replay is
+``megatron_lrmoe.tools.simulate``'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import statistics
+from pathlib import Path
+
+from megatron_lrmoe.planning.cost_model import MoEShape
+from megatron_lrmoe.tools.routing_traces import read_routing_trace
+from megatron_lrmoe.tools.simulate import CLUSTERS, ModelSpec, Policy, simulate
+
+# The launcher's worker module; runs recorded before the package was laid out by role
+# name it ``megatron_lrmoe.pretrain``.
+LAUNCHER_MODULES = ("megatron_lrmoe.launcher.pretrain", "megatron_lrmoe.pretrain")
+
+
+def run_flags(done: Path) -> list[str]:
+    """The launcher flags of a finished run (after ``-m <the launcher's worker module>``)."""
+    command = shlex.split(json.loads(done.read_text())["command"])
+    module = next((m for m in LAUNCHER_MODULES if m in command), None)
+    if module is None:
+        raise ValueError(f"{done}: no launcher module ({' or '.join(LAUNCHER_MODULES)}) "
+                         "in its command")
+    return command[command.index(module) + 1:]
+
+
+def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
+    """(``MoEShape`` of a layer, ``Policy``, budget GiB or None, EP size) of a run's
+    flags."""
+    from megatron_lrmoe.config.planner_inputs import moe_shape
+    from megatron_lrmoe.launcher.arguments import parse_args
+    from megatron_lrmoe.launcher.builders import transformer_config_from_args
+
+    os.environ.setdefault("WORLD_SIZE", "2")
+    args = parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"])
+    config = transformer_config_from_args(args)
+    data_parallel = int(os.environ["WORLD_SIZE"]) // args.pipeline_model_parallel_size
+    shape = moe_shape(config, args.micro_batch_size * args.seq_length,
+                      args.global_batch_size // (args.micro_batch_size * data_parallel))
+    if args.moe_lrmoe:
+        policy = Policy("lrmoe", placement=args.moe_lrmoe_placement,
+                        capacity_factor=args.moe_lrmoe_bwd_capacity_factor,
+                        budget=args.moe_lrmoe_memory_budget_gb is not None)
+    else:
+        policy = Policy("megatron", forward_capacity_factor=args.moe_expert_capacity_factor,
+                        runs_planner=False)
+    return shape, policy, args.moe_lrmoe_memory_budget_gb, args.expert_model_parallel_size
+
+
+def measured(log: Path) -> tuple[float, float, int, float | None]:
+    """(forward s, backward s) per step, medians after the first tenth; steps used; the
+    planner's logged host time per call (s, median; None where no planner ran)."""
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "moe-forward-s" in r]
+    steady = train[len(train) // 10:] or train
+    planner = [r["lrmoe/planner-ms-per-call"] / 1e3 for r in steady
+               if "lrmoe/planner-ms-per-call" in r]
+    return (statistics.median(r["moe-forward-s"] for r in steady),
+            statistics.median(r["moe-backward-s"] for r in steady), len(steady),
+            statistics.median(planner) if planner else None)
+
+
+def validate_run(run: Path, calibration: dict, budget_scale: float = 1.0) -> dict:
+    """One run: its recorded routing replayed at its flags, simulated beside measured
+    forward and backward seconds per step, the error of each and the simulated parts."""
+    flags = run_flags(run / "done.json")
+    shape, policy, budget_gib, ep = run_setting(flags)
+    trace = read_routing_trace(run / "routing")
+    skip = len(trace.iterations) // 10
+    traces = [trace.layer(n)[skip:] for n in trace.layers]
+    steps = max(1, (len(trace.iterations) - skip))
+    model = ModelSpec(run.name, shape.num_layers, shape.hidden_size, shape.ffn_hidden_size,
+                      shape.num_experts, shape.topk, shape.gated, shape.tokens_per_rank, 1,
+                      shape.microbatches_per_step * ep)
+    [result] = simulate(model, CLUSTERS["h100"], ep, traces, policies=(policy,), steps=steps,
+                        budget_gib=None if budget_gib is None else budget_gib * budget_scale,
+                        calibration=calibration, shape=shape, resample=False)
+    # The replica sync splits into the refresh (weights, in forward) and the gradient
+    # reduction (in the last backward), in proportion to their bytes.
+    grad_bytes = shape.grad_dtype_bytes or shape.dtype_bytes
+    refresh_share = shape.dtype_bytes / (shape.dtype_bytes + grad_bytes)
+    sync = shape.num_layers * result.refresh_s_per_step
+    per_step = shape.num_layers * shape.microbatches_per_step
+    fwd_sim = per_step * result.forward_s + refresh_share * sync
+    bwd_sim = per_step * result.backward_s + (1 - refresh_share) * sync
+    fwd_meas, bwd_meas, used, planner_logged = measured(run / "log.jsonl")
+    return {"run": f"{run.parents[1].name}/{run.name}", "steps": used,
+            "fwd_sim": fwd_sim, "fwd_meas": fwd_meas, "planner_logged": planner_logged,
+            "bwd_sim": bwd_sim, "bwd_meas": bwd_meas,
+            "fwd_err": fwd_sim / fwd_meas - 1, "bwd_err": bwd_sim / bwd_meas - 1,
+            "parts": result.parts, "load": result.load_max_over_mean,
+            "retained": result.retained_fraction}
+
+
+def distinct_runs(studies: list[Path]) -> list[Path]:
+    """Finished runs with a routing trace under ``studies``, each once: a stage that
+    reuses another's runs (the confirmation keeps the screen's seed 1) holds copies,
+    recognised by identical logs; the first study given keeps its copy."""
+    runs, seen = [], set()
+    for study in studies:
+        for done in sorted(study.glob("runs/*/done.json")):
+            run = done.parent
+            if not (run / "routing" / "header.json").is_file():
+                continue
+            digest = hashlib.sha256((run / "log.jsonl").read_bytes()).hexdigest()
+            if digest not in seen:
+                seen.add(digest)
+                runs.append(run)
+    return runs
+
+
+def phase_split_error(row: dict) -> float:
+    """The error of the backward-to-forward ratio, simulated over measured, minus 1: how
+    the simulator splits a step between the phases, free of how fast the machine ran
+    while the run was measured (a run measured on a faster or slower day moves both
+    phases alike)."""
+    return (row["bwd_sim"] / row["fwd_sim"]) / (row["bwd_meas"] / row["fwd_meas"]) - 1
+
+
+def summary_table(rows: list[dict]) -> list[str]:
+    """Per policy (runs of all seeds and studies): the median error and its range, and
+    how many runs are within the +-15% target, forward and backward; and the median
+    error of the phase split (``phase_split_error``)."""
+    by_policy: dict[str, list[dict]] = {}
+    for r in rows:
+        by_policy.setdefault(re.sub(r"-s\d+$", "", r["run"].split("/")[-1]), []).append(r)
+
+    def cell(errs: list[float]) -> str:
+        inside = sum(abs(e) <= 0.15 for e in errs)
+        return (f"{statistics.median(errs):+.1%} ({min(errs):+.1%}..{max(errs):+.1%}) | "
+                f"{inside}/{len(errs)}")
+
+    out = ["Per policy: median error over its runs (range), and runs within +-15%; bwd/fwd: "
+           "the median error of the backward-to-forward ratio (free of the machine's speed "
+           "on the day a run was measured).", "",
+           "| policy | runs | fwd error | fwd within | bwd error | bwd within | bwd/fwd error |",
+           "|---|---|---|---|---|---|---|"]
+    for policy, group in sorted(by_policy.items()):
+        split = statistics.median(phase_split_error(r) for r in group)
+        out.append(f"| {policy} | {len(group)} | {cell([r['fwd_err'] for r in group])} | "
+                   f"{cell([r['bwd_err'] for r in group])} | {split:+.1%} |")
+    return out

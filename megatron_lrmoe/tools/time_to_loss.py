@@ -1,0 +1,482 @@
+"""Time to a fixed loss: Megatron dropless, Megatron capacity drop, SYMI-style, LRMoE.
+
+    bash benchmarks/studies/time_to_loss.sh                        # the screen (one seed)
+    bash benchmarks/studies/time_to_loss.sh --stage confirm --policies lrmoe-uniform-g1,...
+    bash benchmarks/studies/time_to_loss.sh --stage ci --out-dir /tmp/ttl   # a few minutes
+
+(``benchmarks/studies/time_to_loss.sh`` prepares the corpora, then runs ``main`` here
+through ``benchmarks/studies/time_to_loss.py``; the policies and the study's model config:
+``megatron_lrmoe.tools.time_to_loss_policies``.)
+
+Every policy trains the same model (configs/time_to_loss.yaml) on the demo corpus
+(the CPython stdlib, prepared by the project's own tool) with the same seed and so
+the same data order, EP=2 on 2 ranks with one thread each (torchrun, gloo), for
+1.5 x ``--steps`` steps. The dropless run of each seed defines that seed's targets:
+its smoothed training loss at 50%, 75% and 100% of ``--steps``. For every run the
+report gives the steps and the cumulative measured MoE-layer time (forward +
+backward, the launcher's ``moe-cumulative-s``: slowest rank per stage) at which its
+smoothed loss first reaches each target, the validation loss at equal tokens (the last
+evaluation at or before ``--steps``) and at the end, the retained fraction and the
+backward bytes saved.
+
+Smoothing: the trailing mean of the per-step training loss over ``--steps / 8``
+steps (at least 1): per-step losses of a small model on varied batches are noisy, and
+a shorter window made the 100% target easier to reach than the 75% one. A target
+counts as reached at the first step whose smoothed loss is at or below it.
+
+Runs are resumable: each finishes by writing ``runs/<policy>-s<seed>/done.json``, and
+a run with that file is never repeated; the report (``report.md``, ``report.json``,
+``loss_vs_moe_time.png``, and the run report ``report/*.png`` of
+``megatron_lrmoe.tools.report``) is rewritten after every finished run, so a study can span
+several sessions. The exact command of every run is in its ``done.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_lrmoe.tools.time_to_loss_policies import (
+    REFERENCE,
+    STUDY_CONFIG,
+    flag_or_config,
+    policies,
+    study_budget_gb,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET_FRACTIONS = (0.5, 0.75, 1.0)
+
+
+# -----------------------------------------------------------------------------
+# Running
+# -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    steps: int
+    seeds: tuple[int, ...]
+    shape: tuple[str, ...] = ()      # launcher flags overriding the config's shape
+    eval_interval: int | None = None
+
+
+STAGES = {
+    "screen": Stage(steps=150, seeds=(1,)),
+    "confirm": Stage(steps=150, seeds=(1, 2, 3)),
+    "ci": Stage(steps=4, seeds=(1,), shape=(
+        "--num-layers", "1", "--hidden-size", "32", "--moe-ffn-hidden-size", "32",
+        "--ffn-hidden-size", "64", "--seq-length", "64", "--max-position-embeddings", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--num-experts", "4",
+        "--lr-warmup-iters", "1", "--eval-iters", "1"), eval_interval=2),
+}
+
+
+def run_command(run_dir: Path, flags: list[str], port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-port", str(port), "-m", "megatron_lrmoe.launcher.pretrain", *flags,
+            "--log-json", str(run_dir / "log.jsonl")]
+
+
+def run_one(run_dir: Path, flags: list[str], port: int) -> dict:
+    """Train one (policy, seed) unless ``done.json`` exists; return its record."""
+    done = run_dir / "done.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "log.jsonl").unlink(missing_ok=True)
+    command = run_command(run_dir, flags, port)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    with open(run_dir / "stdout.txt", "w") as out:
+        code = subprocess.call(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if code != 0:
+        tail = (run_dir / "stdout.txt").read_text().splitlines()[-15:]
+        raise RuntimeError(f"run {run_dir.name} failed ({code}):\n" + "\n".join(tail))
+    from megatron_lrmoe.tools.provenance import code_version
+
+    record = {"command": shlex.join(command), "wall_s": time.perf_counter() - start,
+              "code": code_version()}
+    tmp = done.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, done)   # atomic: a half-written done.json never marks a run done
+    return record
+
+
+# -----------------------------------------------------------------------------
+# Analysis (pure: JSON-lines records in, numbers out)
+# -----------------------------------------------------------------------------
+
+
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` values (fewer at the start): the run report's."""
+    from megatron_lrmoe.tools.report import trailing_mean
+
+    return trailing_mean(values, window)
+
+
+def analyse_run(records: list[dict], targets: dict[float, float], steps: int,
+                window: int) -> dict:
+    train = [r for r in records if "lm-loss" in r]
+    loss = smoothed([r["lm-loss"] for r in train], window)
+    moe = [r["moe-cumulative-s"] for r in train]
+    reached = {}
+    for fraction, target in targets.items():
+        hit = next((i for i, v in enumerate(loss) if v <= target), None)
+        reached[fraction] = None if hit is None else {
+            "step": train[hit]["iteration"], "moe_s": moe[hit]}
+    val = {r["iteration"]: r["validation-loss"] for r in records if "validation-loss" in r}
+    lrmoe = [r for r in records if "lrmoe/retained-fraction" in r]
+    steady = train[len(train) // 10:] or train     # past warm-up and first-call costs
+    return {
+        "moe_fwd_ms": 1e3 * statistics.median(r["moe-forward-s"] for r in steady)
+        if steady else None,
+        "moe_bwd_ms": 1e3 * statistics.median(r["moe-backward-s"] for r in steady)
+        if steady else None,
+        "steps_run": len(train),
+        "reached": reached,
+        "val_at_steps": val[max(i for i in val if i <= steps)] if any(
+            i <= steps for i in val) else None,
+        "val_final": val[max(val)] if val else None,
+        "moe_s_per_step": moe[-1] / len(moe) if moe else None,
+        "moe_s_total": moe[-1] if moe else None,
+        "retained": statistics.fmean(r["lrmoe/retained-fraction"] for r in lrmoe)
+        if lrmoe else 1.0,
+        "bwd_bytes_saved": sum(r["lrmoe/backward-bytes-saved"] for r in lrmoe),
+        # The typical call's placed load (median over the run's log intervals of each
+        # interval's median call, past the first interval, whose step 1 is always
+        # static), beside the worst call of the run.
+        "load_max_over_mean": statistics.median(
+            r.get("lrmoe/load-max-over-mean-median", r["lrmoe/load-max-over-mean"])
+            for r in (lrmoe[1:] or lrmoe)) if lrmoe else None,
+        "load_worst": max((r["lrmoe/load-max-over-mean"] for r in lrmoe), default=None),
+        "curve": {"moe_s": moe, "loss": loss},
+    }
+
+
+def targets_from(reference: list[dict], steps: int, window: int) -> dict[float, float]:
+    loss = smoothed([r["lm-loss"] for r in reference if "lm-loss" in r], window)
+    if len(loss) < steps:
+        raise ValueError(f"the reference run has {len(loss)} steps, fewer than --steps {steps}")
+    return {f: loss[max(1, round(f * steps)) - 1] for f in TARGET_FRACTIONS}
+
+
+def summarize(per_run: dict[tuple[str, int], dict]) -> list[dict]:
+    """One row per policy: medians over its seeds (of the seeds that reached a target)."""
+    names = sorted({name for name, _ in per_run}, key=_policy_order)
+    ref = {seed: a for (name, seed), a in per_run.items() if name == REFERENCE}
+    rows = []
+    for name in names:
+        runs = [(seed, a) for (n, seed), a in sorted(per_run.items()) if n == name]
+        row = {"policy": name, "seeds": len(runs)}
+        for fraction in TARGET_FRACTIONS:
+            hits = [(seed, a["reached"][fraction]) for seed, a in runs if a["reached"][fraction]]
+            row[f"reached_{fraction}"] = len(hits)
+            row[f"steps_{fraction}"] = _median([h["step"] for _, h in hits])
+            row[f"moe_s_{fraction}"] = _median([h["moe_s"] for _, h in hits])
+            ratios = [h["moe_s"] / ref[seed]["reached"][fraction]["moe_s"] for seed, h in hits
+                      if seed in ref and ref[seed]["reached"][fraction]]
+            row[f"moe_vs_dropless_{fraction}"] = _median(ratios)
+        for key in ("val_at_steps", "val_final", "moe_s_per_step", "moe_fwd_ms", "moe_bwd_ms",
+                    "retained", "bwd_bytes_saved", "load_max_over_mean", "load_worst",
+                    "wall_s"):
+            row[key] = _median([a[key] for _, a in runs if a.get(key) is not None])
+        rows.append(row)
+    return rows
+
+
+BASELINES = (REFERENCE, "symi", "megatron-capacity-1.0")
+
+
+def per_seed(per_run: dict[tuple[str, int], dict]) -> list[dict]:
+    """One row per (seed, policy): steps and MoE seconds to the 100% target, the MoE
+    seconds relative to the same seed's run of each baseline (None where either did not
+    reach the target or the baseline did not run), and the validation loss at equal steps
+    relative to that seed's dropless run. The issue's goal figures are per-seed ratios
+    to the three baselines; the summary table's medians hide their spread."""
+    rows = []
+    for (name, seed), a in sorted(per_run.items(), key=lambda kv: (kv[0][1],
+                                                                    _policy_order(kv[0][0]))):
+        hit = a["reached"][1.0]
+        row = {"seed": seed, "policy": name, "steps": hit and hit["step"],
+               "moe_s": hit and hit["moe_s"]}
+        for base in BASELINES:
+            other = per_run.get((base, seed))
+            other_hit = other and other["reached"][1.0]
+            row[f"vs_{base}"] = (hit["moe_s"] / other_hit["moe_s"]
+                                 if hit and other_hit else None)
+        ref = per_run.get((REFERENCE, seed))
+        row["val_vs_dropless"] = (a["val_at_steps"] / ref["val_at_steps"] - 1.0
+                                  if ref and ref["val_at_steps"] and a["val_at_steps"]
+                                  else None)
+        rows.append(row)
+    return rows
+
+
+def per_seed_table(rows: list[dict]) -> str:
+    def fmt(v, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    lines = ["| seed | policy | steps to 100% | MoE s to 100% | vs dropless | vs SYMI-style "
+             "| vs capacity drop | val loss @ steps vs dropless |", "|" + "---|" * 8]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            str(r["seed"]), r["policy"], fmt(r["steps"], "d"), fmt(r["moe_s"], ".1f"),
+            *(fmt(r[f"vs_{b}"], ".2f") for b in BASELINES),
+            fmt(None if r["val_vs_dropless"] is None else 100 * r["val_vs_dropless"], "+.2f")
+            + ("%" if r["val_vs_dropless"] is not None else "")]) + " |")
+    return "\n".join(lines)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _policy_order(name: str) -> tuple[int, str]:
+    return (0 if name.startswith("megatron") else 1 if name == "symi" else 2, name)
+
+
+# -----------------------------------------------------------------------------
+# Report
+# -----------------------------------------------------------------------------
+
+COLUMNS = ("policy", "seeds", "steps to 50/75/100%", "MoE s to 50/75/100%",
+           "MoE s vs dropless at 100%", "val loss @ steps", "val loss @ end",
+           "MoE s / step", "MoE fwd/bwd ms per step", "wall s / run", "retained",
+           "bwd MiB saved", "load max/mean median call / worst")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    def fmt(v, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        steps = "/".join(fmt(r[f"steps_{f}"], ".0f") for f in TARGET_FRACTIONS)
+        moe = "/".join(fmt(r[f"moe_s_{f}"], ".1f") for f in TARGET_FRACTIONS)
+        lines.append("| " + " | ".join([
+            r["policy"], str(r["seeds"]), steps, moe, fmt(r["moe_vs_dropless_1.0"], ".2f"),
+            fmt(r["val_at_steps"], ".4f"), fmt(r["val_final"], ".4f"),
+            fmt(r["moe_s_per_step"], ".3f"),
+            fmt(r["moe_fwd_ms"], ".1f") + "/" + fmt(r["moe_bwd_ms"], ".1f"),
+            fmt(r.get("wall_s"), ".0f"),
+            fmt(r["retained"], ".3f"),
+            fmt(None if r["bwd_bytes_saved"] is None else r["bwd_bytes_saved"] / 2**20, ".1f"),
+            fmt(r["load_max_over_mean"], ".2f") + " / " + fmt(r.get("load_worst"), ".2f"),
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def plot(per_run: dict[tuple[str, int], dict], targets: dict[int, dict[float, float]],
+         path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seed = min(seed for _, seed in per_run)
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for (name, s), a in sorted(per_run.items(), key=lambda kv: _policy_order(kv[0][0])):
+        if s != seed:
+            continue
+        style = "-" if name.startswith("lrmoe") else "--"
+        ax.plot(a["curve"]["moe_s"], a["curve"]["loss"], style, label=name, linewidth=1.2)
+    for fraction, target in targets.get(seed, {}).items():
+        ax.axhline(target, color="grey", linewidth=0.6, linestyle=":")
+        ax.annotate(f"{fraction:.0%} target", (0, target), fontsize=7, color="grey")
+    ax.set_xlabel("cumulative MoE-layer time, forward + backward (s, slowest rank)")
+    ax.set_ylabel("training loss (trailing mean)")
+    ax.set_title(f"Loss vs MoE time, seed {seed}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
+                 base_flags: list[str], budget_gb: float) -> list[dict]:
+    """Analyse every finished run under ``out_dir`` and rewrite the report files."""
+    window = max(1, stage.steps // 8)
+    logs, finished = {}, {}
+    for done in sorted((out_dir / "runs").glob("*/done.json")):
+        name, _, seed = done.parent.name.rpartition("-s")
+        logs[(name, int(seed))] = read_log(done.parent / "log.jsonl")
+        finished[(name, int(seed))] = json.loads(done.read_text())
+    targets = {seed: targets_from(records, stage.steps, window)
+               for (name, seed), records in logs.items() if name == REFERENCE}
+    per_run = {key: analyse_run(records, targets[key[1]], stage.steps, window)
+               for key, records in logs.items() if key[1] in targets}
+    for key, analysed in per_run.items():   # end-to-end wall time beside MoE time
+        analysed["wall_s"] = finished[key]["wall_s"]
+    rows = summarize(per_run) if per_run else []
+    seeds = per_seed(per_run)
+    done = list(finished.values())
+    machine = sum(d["wall_s"] for d in done)
+    # The code each run ran (a study resumed across sessions may span commits).
+    codes = sorted({d.get("code", "not recorded") for d in done})
+    text = "\n".join([
+        f"# Time to a fixed loss ({stage_name})",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Runs finished: {len(logs)}; machine time of the finished runs {machine / 60:.1f} min "
+        f"(2 ranks x 1 thread on {os.cpu_count()} cores, gloo). Each run: "
+        f"{round(1.5 * stage.steps)} steps; targets = the dropless run's trailing-mean "
+        f"training loss (window {window}) at 50/75/100% of {stage.steps} steps, per seed: "
+        + ", ".join(f"seed {s}: " + "/".join(f"{v:.4f}" for v in t.values())
+                    for s, t in sorted(targets.items())) + ".",
+        f"Study parameters: {study_parameters(base_flags)}.",
+        f"Code of the runs: {'; '.join(codes) or '-'}.",
+        f"Base flags: `{shlex.join(base_flags)}`. SYMI-style and memory-aware budget: "
+        f"{budget_gb:.5f} GiB per rank.",
+        "",
+        markdown_table(rows),
+        "",
+        "Steps and MoE seconds are medians over the seeds that reached the target (`-`: "
+        "none did within the run); \"MoE s vs dropless\" is the median of the per-seed "
+        "ratio to that seed's dropless run. Plot: `loss_vs_moe_time.png`; run report "
+        "(loss, MoE time, LRMoE statistics, routed load; `python -m megatron_lrmoe.tools.report`): "
+        "`report/`.",
+        "",
+        "Per seed: MoE seconds to the 100% target relative to the same seed's run of each "
+        "baseline (`-`: one of the two did not reach it, or the baseline did not run), and "
+        "the validation loss at equal steps relative to the seed's dropless run.",
+        "",
+        per_seed_table(seeds),
+    ]) + "\n"
+    (out_dir / "report.md").write_text(text)
+    (out_dir / "report.json").write_text(json.dumps(
+        {"rows": rows, "per_seed": seeds,
+         "targets": {str(k): v for k, v in targets.items()}}, indent=1))
+    if per_run:
+        plot(per_run, targets, out_dir / "loss_vs_moe_time.png")
+    if logs:   # the stage's run report (python -m megatron_lrmoe.tools.report) over every run
+        from megatron_lrmoe.tools.report import build_report
+        from megatron_lrmoe.tools.report import write_report as write_run_report
+
+        write_run_report(build_report([out_dir / "runs" / f"{n}-s{s}" for n, s in logs]),
+                         out_dir / "report")
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# Main
+# -----------------------------------------------------------------------------
+
+
+def study_parameters(base_flags: list[str]) -> str:
+    """Model shape and micro-batches per step of a study's runs (flags over the config)."""
+    def value(name: str):
+        return flag_or_config(base_flags, name)
+
+    micro = int(value("global-batch-size")) // (int(value("micro-batch-size")) * 2)
+    return (f"hidden {value('hidden-size')}, expert FFN {value('moe-ffn-hidden-size')}, "
+            f"{value('num-experts')} experts top-{value('moe-router-topk')}, "
+            f"{value('num-layers')} layers, sequence {value('seq-length')}, micro-batch "
+            f"{value('micro-batch-size')}, {micro} micro-batch(es) per step on 2 ranks")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--stage", choices=tuple(STAGES), default="screen")
+    p.add_argument("--steps", type=int, default=None,
+                   help="the dropless run's steps (targets at 50/75/100%%); runs go to 1.5x")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the stage's)")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated policy names (default: all); the dropless reference "
+                        "is always included")
+    p.add_argument("--budget-replicas", type=float, default=2.0,
+                   help="budget = balanced dropless need + this many expert instances per "
+                        "layer and rank")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="default benchmarks/results/time_to_loss/<stage>")
+    p.add_argument("--data-path", default="data/stdlib",
+                   help="prepared corpus prefix (the demo's; bench_time_to_loss.sh prepares it)")
+    p.add_argument("--data-cache-path", default="data/cache")
+    p.add_argument("--hidden-size", type=int, default=None,
+                   help="model shape (study parameter): hidden size (default: the config's)")
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="model shape (study parameter): expert FFN size (default: the config's)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per optimizer step (study parameter): the global batch "
+                        "becomes micro-batch size x 2 ranks x this (default: the config's)")
+    p.add_argument("--no-record-routing", action="store_true",
+                   help="do not record each run's routing (runs/<run>/routing, which the "
+                        "simulator's validation replays)")
+    p.add_argument("--port", type=int, default=29531)
+    p.add_argument("--list", action="store_true", help="print the policies and exit")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stage = STAGES[args.stage]
+    if args.steps:
+        stage = Stage(args.steps, stage.seeds, stage.shape, stage.eval_interval)
+    if args.seeds:
+        stage = Stage(stage.steps, tuple(int(s) for s in args.seeds.split(",")), stage.shape,
+                      stage.eval_interval)
+    out_dir = args.out_dir or ROOT / "benchmarks" / "results" / "time_to_loss" / args.stage
+    total = round(1.5 * stage.steps)
+    eval_interval = stage.eval_interval or max(1, stage.steps // 4)
+    study_shape = []       # the study parameters, recorded in the report with the flags
+    if args.hidden_size:
+        study_shape += ["--hidden-size", str(args.hidden_size)]
+    if args.moe_ffn_hidden_size:
+        study_shape += ["--moe-ffn-hidden-size", str(args.moe_ffn_hidden_size)]
+    if args.microbatches:
+        micro_batch = int(flag_or_config(list(stage.shape), "micro-batch-size"))
+        study_shape += ["--global-batch-size", str(micro_batch * 2 * args.microbatches)]
+    base = ["--config", STUDY_CONFIG, *stage.shape, *study_shape,
+            "--data-path", args.data_path, "--data-cache-path", args.data_cache_path,
+            "--train-iters", str(total), "--eval-interval", str(eval_interval),
+            "--log-interval", str(max(1, stage.steps // 10)), "--no-progress-bar"]
+    budget_gb = study_budget_gb(base, args.budget_replicas)
+    table = policies(budget_gb)
+    if args.list:
+        for name, flags in table.items():
+            print(f"{name}: {shlex.join(flags)}")
+        return 0
+    chosen = list(table) if not args.policies else [REFERENCE] + [
+        p for p in args.policies.split(",") if p and p != REFERENCE]
+    if bad := [p for p in chosen if p not in table]:
+        raise SystemExit(f"unknown policies {bad}; --list shows them")
+    command = shlex.join(["bash", "benchmarks/studies/time_to_loss.sh", *(
+        sys.argv[1:] if argv is None else argv)])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reported = False     # the report covers every finished run
+    for seed in stage.seeds:
+        for name in chosen:
+            run_dir = out_dir / "runs" / f"{name}-s{seed}"
+            started = time.perf_counter()
+            record = [] if args.no_record_routing else [
+                "--record-routing", str(run_dir / "routing")]
+            ran = not (run_dir / "done.json").exists()
+            run_one(run_dir, base + ["--seed", str(seed), *table[name], *record], args.port)
+            print(f"[time_to_loss] {run_dir.name}: done ({time.perf_counter() - started:.0f} s)",
+                  flush=True)
+            if ran:    # after every new run, so that an interrupted study has its report
+                write_report(out_dir, stage, args.stage, command, base, budget_gb)
+                reported = True
+    if not reported:     # nothing new ran: rewrite it once (with today's analysis)
+        write_report(out_dir, stage, args.stage, command, base, budget_gb)
+    print((out_dir / "report.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The time-to-loss study's model and policies: its config, the launcher flags of every
+policy, and the memory budget that SYMI-style and memory-aware placement share.
+
+The study's driver (``megatron_lrmoe.tools.time_to_loss``) and the layer profile
+(``benchmarks/profile_moe_layer.py``) train the same model under the same policies;
+both read them here, so a policy means one set of flags everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+STUDY_CONFIG = "configs/time_to_loss.yaml"   # relative to ROOT, as the launcher flags name it
+REFERENCE = "megatron-dropless"
+SELECTIONS = ("topk", "sample", "uniform", "hybrid")
+
+
+def policies(budget_gb: float) -> dict[str, list[str]]:
+    """Policy name -> launcher flags. SYMI-style and memory-aware get the same budget."""
+    budget = ["--moe-lrmoe-memory-budget-gb", f"{budget_gb:.6g}"]
+    out = {
+        REFERENCE: [],
+        "megatron-capacity-1.0": ["--moe-expert-capacity-factor", "1.0"],
+        "symi": ["--moe-lrmoe", "--moe-lrmoe-placement", "popularity",
+                 "--moe-lrmoe-bwd-capacity-factor", "inf", *budget],
+    }
+    for selection in SELECTIONS:
+        for gamma in ("1.0", "0.75"):
+            name = f"lrmoe-{selection}-g{gamma}"
+            flags = ["--moe-lrmoe", "--moe-lrmoe-selection", selection,
+                     "--moe-lrmoe-bwd-capacity-factor", gamma]
+            out[name] = flags
+            out[name + "-ma"] = flags + ["--moe-lrmoe-placement", "memory-aware", *budget]
+    # A convergence lever (docs/convergence.md): a minimum retention per expert lowers
+    # the hot experts' estimator variance.
+    flags = ["--moe-lrmoe", "--moe-lrmoe-selection", "uniform",
+             "--moe-lrmoe-bwd-capacity-factor", "0.75", "--moe-lrmoe-min-retention", "0.25"]
+    out["lrmoe-uniform-g0.75-m0.25"] = flags
+    out["lrmoe-uniform-g0.75-m0.25-ma"] = flags + ["--moe-lrmoe-placement", "memory-aware",
+                                                   *budget]
+    return out
+
+
+def study_budget_gb(base_flags: list[str], extra_instances: float) -> float:
+    """Balanced dropless need of the configured shape plus ``extra_instances`` expert
+    instances per layer and rank (GiB), from the cost model (memory only)."""
+    from megatron_lrmoe.config.planner_inputs import GIB, machine_constants, moe_shape
+    from megatron_lrmoe.launcher.arguments import parse_args
+    from megatron_lrmoe.launcher.builders import transformer_config_from_args
+    from megatron_lrmoe.planning.cost_model import CostModel
+
+    os.environ.setdefault("WORLD_SIZE", "2")    # validate as the 2-rank runs will be
+    args = parse_args(base_flags + ["--moe-lrmoe"])
+    shape = moe_shape(transformer_config_from_args(args),
+                      args.micro_batch_size * args.seq_length)
+    cost = CostModel(shape, machine_constants(None, "cpu"))
+    extra = extra_instances * shape.instance_bytes * shape.num_layers
+    return (cost.balanced_dropless_need() + extra) / GIB
+
+
+
+def config_value(name: str) -> Any:
+    """A value of the study's model config (configs/time_to_loss.yaml)."""
+    return _study_config()[name]
+
+
+@functools.lru_cache(maxsize=1)
+def _study_config() -> dict:
+    import yaml
+
+    return yaml.safe_load((ROOT / STUDY_CONFIG).read_text())
+
+
+def flag_or_config(flags: list[str], name: str) -> Any:
+    """The last value of ``--name`` in ``flags``, else the study config's (the launcher
+    lets later flags override earlier ones and the config)."""
+    flag = "--" + name
+    if flag in flags:
+        return flags[len(flags) - 1 - flags[::-1].index(flag) + 1]
+    return config_value(name)
