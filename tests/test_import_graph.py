@@ -155,12 +155,16 @@ def test_production_code_does_not_import_the_test_harness():
 
 # What each layer may import from the package: planning stays pure (host-side values and
 # the option table), the layer builds on planning and the ops, and nothing below the
-# integration, the launcher and the tools reaches up into them.
+# integration, the launcher and the tools reaches up into them. The one exception is
+# integration.megatron_privates, the module through which every Megatron private is
+# touched: the layer reaches Megatron's internals through it too, so it imports nothing
+# of the package at all.
 ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
     "ops": ("ops", "_kernels"),
     "planning": ("planning", "config.options"),
     "config": ("config", "planning"),
-    "layer": ("layer", "config", "planning", "ops"),
+    "layer": ("layer", "config", "planning", "ops", "integration.megatron_privates"),
+    "integration.megatron_privates": (),
 }
 
 
@@ -186,3 +190,14 @@ def test_the_layering_check_sees_an_upward_import():
     bad = [t for t in graph[f"{PACKAGE}.planning.planner"]
            if not _allowed(t, ALLOWED_IMPORTS["planning"])]
     assert bad == [f"{PACKAGE}.layer.region"]
+
+
+def test_megatron_privates_imports_nothing_of_the_package():
+    graph = _graph()
+    assert graph[f"{PACKAGE}.integration.megatron_privates"] == set()
+    # ... and the layer does reach Megatron's privates through it.
+    assert f"{PACKAGE}.integration.megatron_privates" in graph[f"{PACKAGE}.layer.experts"]
+    graph[f"{PACKAGE}.integration.megatron_privates"] = {f"{PACKAGE}.config.flags"}
+    bad = [t for t in graph[f"{PACKAGE}.integration.megatron_privates"]
+           if not _allowed(t, ALLOWED_IMPORTS["integration.megatron_privates"])]
+    assert bad == [f"{PACKAGE}.config.flags"]

@@ -44,21 +44,16 @@ content metadata (on load Megatron-LM hands back the checkpoint's own). After ea
 per-layer statistics are reduced over all ranks and written as ``lrmoe/...`` scalars
 to Megatron's TensorBoard / W&B writers and as one line on the last rank.
 
-Megatron-LM internals this module touches, each read from core_v0.19.0 (everything
-else it uses is Megatron-LM's public API: ``parse_and_validate_args``,
-``core_transformer_config_from_args``, ``gpt_config_from_args``,
-``pretrain_cfg_container_from_args``, ``GPTModelConfig`` / ``GPTModelBuilder``,
-``pretrain``, ``get_args`` and the writers):
-
-* ``megatron.training.checkpointing._build_sharded_state_dict_metadata`` (private,
-  wrapped): the one place the sharded state dict metadata of a save is made; the
-  wrapper adds the LRMoE step-state flag when ``args.moe_lrmoe``.
-* ``megatron.training.training.training_log`` (module attribute, wrapped): ``train()``
-  looks it up in its module at every iteration; the wrapper ends the LRMoE step first
-  and logs the LRMoE statistics after it.
-* the module global ``GPTModel`` of ``megatron.training.models.gpt`` (looked up by
-  ``GPTModelBuilder.build_model``) and of ``gpt_builders`` (``gpt_builder``): swapped
-  for a spec-converting call while one LRMoE model is being built, then restored.
+Everything of Megatron-LM this module uses directly is its public API
+(``parse_and_validate_args``, ``core_transformer_config_from_args``,
+``gpt_config_from_args``, ``pretrain_cfg_container_from_args``, ``GPTModelConfig`` /
+``GPTModelBuilder``, ``pretrain``, ``get_args`` and the writers). The internals it
+needs go through ``megatron_privates``, which lists them with the version each was read
+from: ``training.training_log`` (wrapped: the step boundary and statistics),
+``checkpointing._build_sharded_state_dict_metadata`` (wrapped: the step-state flag),
+``ModelBuilder._model_config`` (read by the LRMoE builder), and the module global
+``GPTModel`` of ``megatron.training.models.gpt`` / ``gpt_builders``
+(swapped for a spec-converting call while one LRMoE model is being built, then restored).
 
 The module imports neither torch nor Megatron at import time: ``find_megatron_lm``
 must be able to put the checkout first on ``sys.path`` before ``megatron`` loads. The
@@ -76,8 +71,8 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator, MutableMapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from megatron_lrmoe.config.flags import (
@@ -329,15 +324,15 @@ def _model_classes() -> tuple[type, type]:
         def build_model(self, pg_collection: Any, pre_process: bool | None = None,
                         post_process: bool | None = None, vp_stage: int | None = None):
             from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+            from megatron_lrmoe.integration.megatron_privates import builder_model_config
 
-            config = self._model_config.transformer
+            config = builder_model_config(self).transformer
             if not (isinstance(config, LRMoETransformerConfig) and config.moe_lrmoe):
                 raise ConfigError("--moe-lrmoe: LRMoEGPTModelBuilder got a model config "
                                   f"whose transformer is a {type(config).__name__} without "
                                   "moe_lrmoe; make it with "
                                   "megatron_lrmoe.integration.megatron_lm.lrmoe_model_config")
-            with _specs_converted(GPTModelBuilder.build_model.__globals__,
-                                  "GPTModelBuilder.build_model"):
+            with _specs_converted(GPTModelBuilder.build_model):
                 model = super().build_model(pg_collection, pre_process, post_process,
                                             vp_stage)
             _finish_build(get_args(), model, config)
@@ -389,11 +384,7 @@ def lrmoe_builder(base: Builder) -> Builder:
             raise ConfigError("--moe-lrmoe: the caller passed a config without the LRMoE "
                               "fields; build it with megatron_lrmoe.integration.megatron_lm."
                               "lrmoe_config_from_args")
-        namespace = getattr(base, "__globals__", None)
-        if namespace is None:
-            raise ConfigError(f"--moe-lrmoe: cannot convert the specs of {base!r} (not a "
-                              "Python function like gpt_builder)")
-        with _specs_converted(namespace, getattr(base, "__qualname__", repr(base))):
+        with _specs_converted(base):
             model = base(args, pre_process, post_process, vp_stage, config=config,
                          pg_collection=pg_collection)
         _finish_build(args, model, config)
@@ -403,36 +394,41 @@ def lrmoe_builder(base: Builder) -> Builder:
 
 
 @contextmanager
-def _specs_converted(namespace: MutableMapping[str, Any], owner: str) -> Iterator[None]:
-    """While ``owner`` runs, the ``GPTModel`` it calls from ``namespace`` (its module's
-    globals) converts the specs it is given.
+def _specs_converted(owner: Callable[..., Any]) -> Iterator[None]:
+    """While ``owner`` runs, the ``GPTModel`` it calls (its module's global) converts the
+    specs it is given.
 
     GPTModelBuilder.build_model and gpt_builder pick the spec (TE or local, decoder block
     with --moe-layer-freq, --spec, MTP block) and pass it straight to GPTModel:
     converting there covers every flavour without repeating Megatron-LM's choice.
     """
-    real = namespace.get("GPTModel")
-    if real is None:
-        raise ConfigError(f"--moe-lrmoe: cannot convert the specs of {owner} (it does not "
-                          "build megatron.core's GPTModel)")
+    from megatron_lrmoe.integration.megatron_privates import (
+        GPTModelNotFound,
+        swap_gpt_model_class,
+    )
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
 
-    def gpt_model(*args: Any, **kwargs: Any):
-        if "transformer_layer_spec" in kwargs:
-            kwargs["transformer_layer_spec"] = to_lrmoe_spec(kwargs["transformer_layer_spec"])
-        elif len(args) > 1:
-            args = (args[0], to_lrmoe_spec(args[1]), *args[2:])
-        if kwargs.get("mtp_block_spec") is not None:
-            kwargs["mtp_block_spec"] = to_lrmoe_spec(kwargs["mtp_block_spec"])
-        return real(*args, **kwargs)
+    def converting(real: Any) -> Callable[..., Any]:
+        def gpt_model(*args: Any, **kwargs: Any):
+            if "transformer_layer_spec" in kwargs:
+                kwargs["transformer_layer_spec"] = to_lrmoe_spec(
+                    kwargs["transformer_layer_spec"])
+            elif len(args) > 1:
+                args = (args[0], to_lrmoe_spec(args[1]), *args[2:])
+            if kwargs.get("mtp_block_spec") is not None:
+                kwargs["mtp_block_spec"] = to_lrmoe_spec(kwargs["mtp_block_spec"])
+            return real(*args, **kwargs)
 
-    # Megatron-LM internal (core_v0.19.0): the module global GPTModel of
-    # megatron.training.models.gpt / gpt_builders, looked up when the model is built.
-    namespace["GPTModel"] = gpt_model
-    try:
+        return gpt_model
+
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(swap_gpt_model_class(owner, converting))
+        except GPTModelNotFound as exc:
+            name = getattr(owner, "__qualname__", repr(owner))
+            raise ConfigError(f"--moe-lrmoe: cannot convert the specs of {name} ({exc})") \
+                from None
         yield
-    finally:
-        namespace["GPTModel"] = real
 
 
 def _finish_build(args: argparse.Namespace, model: Any, config: Any) -> None:
@@ -478,56 +474,61 @@ def install_lrmoe_hooks() -> None:
     """Once per process: the step boundary and statistics after Megatron-LM's
     ``training_log``, the step-state flag in its checkpoint metadata, and the LRMoE
     state in its re-run state machine's snapshots."""
-    from megatron.training import checkpointing, training
-
+    from megatron_lrmoe.integration.megatron_privates import (
+        wrap_sharded_state_dict_metadata,
+        wrap_training_log,
+    )
     from megatron_lrmoe.integration.step_hooks import chain_to_rerun_state_machine
 
     chain_to_rerun_state_machine(built_models)
-    # Megatron-LM internal (core_v0.19.0): train() calls the module attribute
-    # training.training_log once per iteration; wrapped, not replaced.
-    original = training.training_log
-    if not getattr(original, "_lrmoe", False):
-        signature = inspect.signature(original)
+    wrap_training_log(_training_log_wrapper)
+    wrap_sharded_state_dict_metadata(_sharded_state_dict_metadata_wrapper)
 
-        @functools.wraps(original)
-        def training_log(*a: Any, **kw: Any):
-            from megatron_lrmoe.integration.step_hooks import finish_lrmoe_step
 
-            # Megatron-LM's loop calls training_log once per iteration, right after
-            # train_step (forward-backward, possibly re-run, and optimizer.step(), taken
-            # or skipped): LRMoE's step boundary. Not called for an iteration that exits
-            # inside train_step (a re-run asking for a checkpoint), whose state the
-            # re-run state machine restored before that checkpoint.
-            finish_lrmoe_step(built_models())
-            # A re-created state machine (in-process restart) gets the chain again.
-            chain_to_rerun_state_machine(built_models)
-            result = original(*a, **kw)
-            log_lrmoe_stats(int(signature.bind(*a, **kw).arguments["iteration"]))
-            return result
+def _training_log_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron-LM's ``training_log`` with the LRMoE step boundary before it and the LRMoE
+    statistics after it (``megatron_privates.wrap_training_log``)."""
+    signature = inspect.signature(original)
 
-        training_log._lrmoe = True  # type: ignore[attr-defined]
-        training.training_log = training_log
-    # Megatron-LM private (core_v0.19.0): checkpointing._build_sharded_state_dict_metadata
-    # makes the content metadata of every save (and of local-checkpoint loads); wrapped.
-    build_metadata = checkpointing._build_sharded_state_dict_metadata
-    if not getattr(build_metadata, "_lrmoe", False):
+    @functools.wraps(original)
+    def training_log(*a: Any, **kw: Any):
+        from megatron_lrmoe.integration.step_hooks import (
+            chain_to_rerun_state_machine,
+            finish_lrmoe_step,
+        )
 
-        metadata_signature = inspect.signature(build_metadata)
+        # Megatron-LM's loop calls training_log once per iteration, right after
+        # train_step (forward-backward, possibly re-run, and optimizer.step(), taken
+        # or skipped): LRMoE's step boundary. Not called for an iteration that exits
+        # inside train_step (a re-run asking for a checkpoint), whose state the
+        # re-run state machine restored before that checkpoint.
+        finish_lrmoe_step(built_models())
+        # A re-created state machine (in-process restart) gets the chain again.
+        chain_to_rerun_state_machine(built_models)
+        result = original(*a, **kw)
+        log_lrmoe_stats(int(signature.bind(*a, **kw).arguments["iteration"]))
+        return result
 
-        @functools.wraps(build_metadata)
-        def sharded_state_dict_metadata(*a: Any, **kw: Any) -> dict:
-            from megatron_lrmoe.integration.step_hooks import PLANNER_STATE_FLAG
+    return training_log
 
-            # Saved as the checkpoint's content metadata and handed back on load: an
-            # LRMoE checkpoint says it holds the step state, a plain one does not.
-            metadata = build_metadata(*a, **kw)
-            run_args = metadata_signature.bind(*a, **kw).arguments["args"]
-            if getattr(run_args, "moe_lrmoe", False):
-                metadata[PLANNER_STATE_FLAG] = True
-            return metadata
 
-        sharded_state_dict_metadata._lrmoe = True  # type: ignore[attr-defined]
-        checkpointing._build_sharded_state_dict_metadata = sharded_state_dict_metadata
+def _sharded_state_dict_metadata_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron-LM's builder of a save's sharded state dict metadata (its checkpoint
+    content metadata, handed back on load) with the LRMoE step-state flag under
+    ``--moe-lrmoe`` (``megatron_privates.wrap_sharded_state_dict_metadata``)."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def sharded_state_dict_metadata(*a: Any, **kw: Any) -> dict:
+        from megatron_lrmoe.integration.step_hooks import PLANNER_STATE_FLAG
+
+        # An LRMoE checkpoint says it holds the step state, a plain one does not.
+        metadata = original(*a, **kw)
+        if getattr(signature.bind(*a, **kw).arguments["args"], "moe_lrmoe", False):
+            metadata[PLANNER_STATE_FLAG] = True
+        return metadata
+
+    return sharded_state_dict_metadata
 
 
 def log_lrmoe_stats(iteration: int) -> dict[str, float]:
@@ -585,9 +586,11 @@ def run_pretrain_gpt() -> None:
     )
     from megatron.training.arguments import parse_and_validate_args
 
+    from megatron_lrmoe.integration.megatron_privates import mark_datasets_provider_distributed
+
     set_startup_timestamps(program_start=start, main_entry=time.time())
     datasets = pretrain_gpt.train_valid_test_datasets_provider
-    datasets.is_distributed = True
+    mark_datasets_provider_distributed(datasets)
     pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     modelopt = pretrain_gpt.has_nvidia_modelopt
     args = parse_and_validate_args(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from megatron_lrmoe.integration.megatron_privates import forward_pre_hooks
 from megatron_lrmoe.layer.region import ExpertWeights
 
 
@@ -42,7 +43,7 @@ class LRMoESequentialMLP(SequentialMLP):
         """
         for expert in self.local_experts:
             for linear in (expert.linear_fc1, expert.linear_fc2):
-                for hook in tuple(linear._forward_pre_hooks.values()):
+                for hook in forward_pre_hooks(linear):
                     hook(linear, ())
         return ExpertWeights(
             w1=tuple(expert.linear_fc1.weight for expert in self.local_experts),

@@ -15,18 +15,16 @@ def fp8_off_in_checkpoint_without_output_when_te_absent() -> bool:
     """Make ``CheckpointWithoutOutput`` objects non-FP8 when TE is absent.
 
     Returns True when the constructor was wrapped (TE absent), False otherwise.
-    Idempotent."""
-    from megatron.core.tensor_parallel import random as megatron_random
+    Idempotent. Megatron's internals are reached through ``megatron_privates``."""
+    from megatron_lrmoe.integration.megatron_privates import (
+        tensor_parallel_random_has_te,
+        wrap_checkpoint_without_output_init,
+    )
 
-    cls = megatron_random.CheckpointWithoutOutput
-    if megatron_random.HAVE_TE or getattr(cls.__init__, "_lrmoe_fp8_off", False):
+    if tensor_parallel_random_has_te():
         return False
-    init = cls.__init__
+    return wrap_checkpoint_without_output_init(_fp8_off)
 
-    def __init__(self, fp8=False):
-        init(self, fp8)
-        self.fp8 = False      # no FP8 without Transformer Engine
 
-    __init__._lrmoe_fp8_off = True  # type: ignore[attr-defined]
-    cls.__init__ = __init__
-    return True
+def _fp8_off(checkpoint: object) -> None:
+    checkpoint.fp8 = False  # type: ignore[attr-defined]   # no FP8 without Transformer Engine

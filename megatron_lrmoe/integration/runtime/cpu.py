@@ -22,7 +22,9 @@ Rules this module keeps:
 * It refuses to run against a megatron-core outside the 0.19 line
   (``megatron_support``), since every fix below is tied to how 0.19 is written.
 * Each fix is one named function with the reason next to it. Where Megatron has
-  no hook, the patch lives here and nowhere else.
+  no hook, the patch is this module's, and the Megatron internal it touches is reached
+  through ``integration/megatron_privates.py`` (which names each with its version);
+  torch's ``torch.cuda`` functions are replaced here.
 
 The fixes (see ``FIXES``; file:line in megatron/core of 0.19.2):
 
@@ -200,6 +202,10 @@ def _set_cpu_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bo
     torch.set_rng_state(new_state)
 
 
+#: The logger of megatron/core/tensor_parallel/random.py, whose tracker warns.
+_TRACKER_LOGGER = "megatron.core.tensor_parallel.random"
+
+
 class _DropTrackerCpuStateWarning(logging.Filter):
     """The tracker's fork() warns when the CPU generator moved inside a "GPU" fork.
 
@@ -212,15 +218,14 @@ class _DropTrackerCpuStateWarning(logging.Filter):
 
 
 def _fix_cpu_rng_for_megatron_tracker() -> None:
-    from megatron.core.tensor_parallel import random as megatron_random
+    from megatron_lrmoe.integration.megatron_privates import replace_cuda_rng_state_functions
 
-    megatron_random._get_cuda_rng_state = _get_cpu_rng_state
-    megatron_random._set_cuda_rng_state = _set_cpu_rng_state
+    replace_cuda_rng_state_functions(_get_cpu_rng_state, _set_cpu_rng_state)
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore
     torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)  # type: ignore
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)  # type: ignore
     torch.cuda.manual_seed_all = torch.cuda.manual_seed  # type: ignore[assignment]
-    logging.getLogger(megatron_random.__name__).addFilter(_DropTrackerCpuStateWarning())
+    logging.getLogger(_TRACKER_LOGGER).addFilter(_DropTrackerCpuStateWarning())
 
 
 # ---------------------------------------------------------------------------
@@ -241,18 +246,20 @@ def _fix_checkpoint_without_output_without_te() -> None:
 # ---------------------------------------------------------------------------
 
 
-def _fix_numpy_split_sizes_for_gloo() -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
-    move_to_cpu: Callable[..., Any] = moe_utils.maybe_move_tensor_to_cpu
-
+def _move_to_cpu_as_on_gpu(move_to_cpu: Callable[..., Any]) -> Callable[..., Any]:
     def move_to_cpu_as_on_gpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False):
         # Same result types as the GPU path: numpy split sizes, which gloo accepts.
         if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
             return tensor.numpy()
         return move_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu_as_on_gpu
+    return move_to_cpu_as_on_gpu
+
+
+def _fix_numpy_split_sizes_for_gloo() -> None:
+    from megatron_lrmoe.integration.megatron_privates import replace_dispatcher_move_to_cpu
+
+    replace_dispatcher_move_to_cpu(_move_to_cpu_as_on_gpu)
 
 
 # ---------------------------------------------------------------------------
@@ -312,21 +319,9 @@ def _device_mode_on():
 
 
 def _fix_recompute_under_cpu_device_mode() -> None:
-    from megatron.core.tensor_parallel import random as megatron_random
+    from megatron_lrmoe.integration.megatron_privates import run_recompute_under
 
-    checkpoint_backward = megatron_random.CheckpointFunction.backward
-    recompute = megatron_random.CheckpointWithoutOutput._recompute
-
-    def backward_with_device_mode(ctx, *args):
-        with _device_mode_on():
-            return checkpoint_backward(ctx, *args)
-
-    def recompute_with_device_mode(self, *args):
-        with _device_mode_on():
-            return recompute(self, *args)
-
-    megatron_random.CheckpointFunction.backward = staticmethod(backward_with_device_mode)
-    megatron_random.CheckpointWithoutOutput._recompute = recompute_with_device_mode
+    run_recompute_under(_device_mode_on)
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,375 @@
+"""The one module through which megatron-lrmoe touches Megatron's internals.
+
+Everything else in the package uses Megatron's public API only; where the plugin needs
+more (a private function, a module global that Megatron looks up at call time, a method
+it replaces), the access is one named function here, whose docstring names the Megatron
+file:symbol and the version it was read from. ``PRIVATES`` lists them all, and
+tests/integration/test_megatron_privates.py checks both directions: no other module of
+the package touches a Megatron private, and each entry still exists (installed
+megatron-core, and the Megatron-LM checkout when ``$MEGATRON_LM`` names one), so a
+Megatron upgrade fails there, loudly, before a run misbehaves.
+
+The internals, each read from the version named (``MEGATRON_CORE``: megatron-core
+0.19.2, ``MEGATRON_LM``: Megatron-LM core_v0.19.0):
+
+* ``megatron.training.training:training_log`` (Megatron-LM core_v0.19.0; module
+  attribute, wrapped by ``wrap_training_log``): ``train()`` looks it up in its module at
+  every iteration; the Megatron-LM integration ends the LRMoE step before it and logs
+  the LRMoE statistics after it.
+* ``megatron.training.checkpointing:_build_sharded_state_dict_metadata`` (Megatron-LM
+  core_v0.19.0; private, wrapped by ``wrap_sharded_state_dict_metadata``): the one place
+  the sharded state dict metadata of a save is made; the wrapper adds the LRMoE
+  step-state flag under ``--moe-lrmoe``.
+* the module global ``GPTModel`` of ``megatron.training.models.gpt`` (looked up by
+  ``GPTModelBuilder.build_model``) and of ``gpt_builders`` (``gpt_builder``)
+  (Megatron-LM core_v0.19.0; swapped by ``swap_gpt_model_class`` while one LRMoE model
+  is being built, then restored).
+* the attribute ``is_distributed`` of the datasets provider, which
+  ``megatron.training.training:build_train_valid_test_data_loaders`` reads off it
+  (Megatron-LM core_v0.19.0; set by ``mark_datasets_provider_distributed``, as
+  pretrain_gpt.py's ``__main__`` does for its own provider).
+* ``megatron.training.models.base:ModelBuilder._model_config`` (Megatron-LM
+  core_v0.19.0; private instance attribute, read by ``builder_model_config``): the model
+  config a ``GPTModelBuilder`` builds from, which the LRMoE builder checks.
+* ``megatron.core.tensor_parallel.random:_get_cuda_rng_state`` and
+  ``_set_cuda_rng_state`` (megatron-core 0.19.2; private, replaced by
+  ``replace_cuda_rng_state_functions``): the CPU runtime's RNG tracker swaps the CPU
+  generator.
+* ``megatron.core.tensor_parallel.random:CheckpointFunction.backward`` and
+  ``CheckpointWithoutOutput._recompute`` (megatron-core 0.19.2; wrapped by
+  ``run_recompute_under``): the CPU runtime's device mode during recompute.
+* ``megatron.core.tensor_parallel.random:CheckpointWithoutOutput.__init__`` and the
+  module global ``HAVE_TE`` (megatron-core 0.19.2; wrapped by
+  ``wrap_checkpoint_without_output_init``, read by ``tensor_parallel_random_has_te``):
+  no FP8 without Transformer Engine (runtime/compat.py).
+* the module global ``maybe_move_tensor_to_cpu`` of
+  ``megatron.core.transformer.moe.token_dispatcher`` (megatron-core 0.19.2; looked up by
+  ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``, replaced by
+  ``replace_dispatcher_move_to_cpu``): numpy split sizes for gloo on the CPU runtime.
+* ``torch.nn.Module._forward_pre_hooks`` of an expert linear (torch 2.13; read by
+  ``forward_pre_hooks``): the hooks that megatron-core 0.19.2's
+  ``DistributedDataParallel`` registers there (distributed_data_parallel.py:408,
+  ``_make_forward_pre_hook``: the wait for the overlapped parameter all-gather), which
+  the LRMoE region runs itself since it never calls the linears.
+
+This module imports neither torch nor Megatron at import time (the Megatron-LM
+integration must be able to put a checkout first on ``sys.path`` before ``megatron``
+loads; each function imports what it touches), and nothing of the package above it:
+the layer imports it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+MEGATRON_CORE = "megatron-core 0.19.2"
+MEGATRON_LM = "Megatron-LM core_v0.19.0"
+TORCH = "torch 2.13"
+
+# Set on every function this module puts into Megatron, so that a second call is a no-op.
+_MARK = "_lrmoe"
+
+Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronPrivate:
+    """One Megatron internal the plugin touches, and how."""
+
+    module: str              # the module that holds it
+    name: str                # dotted path inside the module
+    version: str             # where it was read: MEGATRON_CORE, MEGATRON_LM or TORCH
+    access: str              # wrapped, replaced, swapped or read
+    accessor: str            # the function of this module that touches it
+    params: tuple[str, ...] = ()        # parameters the plugin binds by name
+    looked_up_by: str | None = None     # a function of ``module`` that reads the global
+    on_instance: bool = False           # an instance attribute set by ``__init__``
+    # An attribute Megatron reads off an object the plugin hands it: checked in the
+    # reader (``looked_up_by``) only.
+    read_off_argument: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.name} ({self.version})"
+
+
+_RANDOM = "megatron.core.tensor_parallel.random"
+
+#: Every Megatron internal touched by the package, in the order of the list above.
+PRIVATES: tuple[MegatronPrivate, ...] = (
+    MegatronPrivate("megatron.training.training", "training_log", MEGATRON_LM, "wrapped",
+                    "wrap_training_log", params=("iteration",), looked_up_by="train"),
+    MegatronPrivate("megatron.training.checkpointing", "_build_sharded_state_dict_metadata",
+                    MEGATRON_LM, "wrapped", "wrap_sharded_state_dict_metadata",
+                    params=("args",), looked_up_by="save_checkpoint"),
+    MegatronPrivate("megatron.training.models.gpt", "GPTModel", MEGATRON_LM, "swapped",
+                    "swap_gpt_model_class", looked_up_by="GPTModelBuilder.build_model"),
+    MegatronPrivate("gpt_builders", "GPTModel", MEGATRON_LM, "swapped",
+                    "swap_gpt_model_class", looked_up_by="gpt_builder"),
+    MegatronPrivate("megatron.training.training", "is_distributed", MEGATRON_LM, "set",
+                    "mark_datasets_provider_distributed", read_off_argument=True,
+                    looked_up_by="build_train_valid_test_data_loaders"),
+    MegatronPrivate("megatron.training.models.base", "ModelBuilder._model_config",
+                    MEGATRON_LM, "read", "builder_model_config", on_instance=True),
+    MegatronPrivate(_RANDOM, "_get_cuda_rng_state", MEGATRON_CORE, "replaced",
+                    "replace_cuda_rng_state_functions", params=("device", "clone", "graph_safe")),
+    MegatronPrivate(_RANDOM, "_set_cuda_rng_state", MEGATRON_CORE, "replaced",
+                    "replace_cuda_rng_state_functions",
+                    params=("new_state", "device", "graph_safe")),
+    MegatronPrivate(_RANDOM, "CheckpointFunction.backward", MEGATRON_CORE, "wrapped",
+                    "run_recompute_under"),
+    MegatronPrivate(_RANDOM, "CheckpointWithoutOutput._recompute", MEGATRON_CORE, "wrapped",
+                    "run_recompute_under"),
+    MegatronPrivate(_RANDOM, "CheckpointWithoutOutput.__init__", MEGATRON_CORE, "wrapped",
+                    "wrap_checkpoint_without_output_init", params=("fp8",)),
+    MegatronPrivate(_RANDOM, "HAVE_TE", MEGATRON_CORE, "read", "tensor_parallel_random_has_te"),
+    MegatronPrivate("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
+                    MEGATRON_CORE, "replaced", "replace_dispatcher_move_to_cpu",
+                    params=("as_numpy", "record_stream"),
+                    looked_up_by="MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"),
+    MegatronPrivate("torch.nn", "Module._forward_pre_hooks", TORCH, "read",
+                    "forward_pre_hooks", on_instance=True),
+)
+
+
+def _marked(fn: Any) -> bool:
+    return bool(getattr(fn, _MARK, False))
+
+
+def _mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+    setattr(fn, _MARK, True)
+    return fn
+
+
+# -----------------------------------------------------------------------------
+# Megatron-LM (core_v0.19.0)
+# -----------------------------------------------------------------------------
+
+
+def wrap_training_log(make_wrapper: Wrapper) -> bool:
+    """Replace ``megatron.training.training.training_log`` (megatron/training/training.py:
+    training_log, Megatron-LM core_v0.19.0; ``train()`` looks it up in its module at every
+    iteration) by ``make_wrapper(training_log)``.
+
+    Idempotent: returns False, changing nothing, when it is wrapped already."""
+    from megatron.training import training
+
+    original = training.training_log
+    if _marked(original):
+        return False
+    training.training_log = _mark(make_wrapper(original))
+    return True
+
+
+def wrap_sharded_state_dict_metadata(make_wrapper: Wrapper) -> bool:
+    """Replace ``megatron.training.checkpointing._build_sharded_state_dict_metadata``
+    (megatron/training/checkpointing.py:_build_sharded_state_dict_metadata, Megatron-LM
+    core_v0.19.0, private: makes the content metadata of every save and of local-checkpoint
+    loads) by ``make_wrapper(original)``.
+
+    Idempotent: returns False, changing nothing, when it is wrapped already."""
+    from megatron.training import checkpointing
+
+    original = checkpointing._build_sharded_state_dict_metadata
+    if _marked(original):
+        return False
+    checkpointing._build_sharded_state_dict_metadata = _mark(make_wrapper(original))
+    return True
+
+
+class GPTModelNotFound(LookupError):
+    """``swap_gpt_model_class`` was given something that does not build ``GPTModel``
+    through a module global."""
+
+
+@contextmanager
+def swap_gpt_model_class(owner: Callable[..., Any], make_replacement: Wrapper) -> Iterator[None]:
+    """While active, the module global ``GPTModel`` that ``owner`` calls (its module's
+    globals) is ``make_replacement(GPTModel)``; restored on exit, also on error.
+
+    ``owner`` is ``GPTModelBuilder.build_model`` (megatron/training/models/gpt.py:
+    GPTModelBuilder.build_model, whose module imports ``GPTModel``) or ``gpt_builder``
+    (gpt_builders.py:gpt_builder), both Megatron-LM core_v0.19.0. Raises
+    ``GPTModelNotFound`` (before anything is swapped) when ``owner`` is not a Python
+    function or its module has no ``GPTModel``."""
+    namespace = getattr(owner, "__globals__", None)
+    if namespace is None:
+        raise GPTModelNotFound("not a Python function like gpt_builder")
+    real = namespace.get("GPTModel")
+    if real is None:
+        raise GPTModelNotFound("it does not build megatron.core's GPTModel")
+    namespace["GPTModel"] = make_replacement(real)
+    try:
+        yield
+    finally:
+        namespace["GPTModel"] = real
+
+
+def mark_datasets_provider_distributed(provider: Callable[..., Any]) -> None:
+    """Tell Megatron-LM that ``provider`` builds its datasets on every rank: the attribute
+    ``is_distributed`` that megatron/training/training.py:build_train_valid_test_data_loaders
+    reads off the provider (Megatron-LM core_v0.19.0; pretrain_gpt.py's ``__main__`` sets it
+    on ``train_valid_test_datasets_provider``)."""
+    provider.is_distributed = True  # type: ignore[attr-defined]
+
+
+def builder_model_config(builder: Any) -> Any:
+    """The model config a Megatron-LM model builder builds from: the private instance
+    attribute ``_model_config`` that megatron/training/models/base.py:ModelBuilder.__init__
+    sets (Megatron-LM core_v0.19.0; ``GPTModelBuilder.build_model`` reads it the same
+    way)."""
+    return builder._model_config
+
+
+# -----------------------------------------------------------------------------
+# megatron-core (0.19.2)
+# -----------------------------------------------------------------------------
+
+
+def replace_cuda_rng_state_functions(get_state: Callable[..., Any],
+                                     set_state: Callable[..., Any]) -> None:
+    """Make ``get_state`` / ``set_state`` the functions that Megatron's RNG tracker reads
+    and swaps generator states with: megatron/core/tensor_parallel/random.py:
+    ``_get_cuda_rng_state`` (random.py:104) and ``_set_cuda_rng_state`` (random.py:135),
+    megatron-core 0.19.2, private module functions looked up at call time. Not reversed."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    megatron_random._get_cuda_rng_state = get_state
+    megatron_random._set_cuda_rng_state = set_state
+
+
+def run_recompute_under(context: Callable[[], AbstractContextManager[Any]]) -> None:
+    """Run Megatron's two activation-recompute entry points inside ``context()``:
+    megatron/core/tensor_parallel/random.py ``CheckpointFunction.backward``
+    (random.py:625, a staticmethod) and ``CheckpointWithoutOutput._recompute``
+    (random.py:768, private), megatron-core 0.19.2. Wraps them each time it is called
+    (call it once). Not reversed."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    checkpoint_backward = megatron_random.CheckpointFunction.backward
+    recompute = megatron_random.CheckpointWithoutOutput._recompute
+
+    def backward_under_context(ctx, *args):
+        with context():
+            return checkpoint_backward(ctx, *args)
+
+    def recompute_under_context(self, *args):
+        with context():
+            return recompute(self, *args)
+
+    megatron_random.CheckpointFunction.backward = staticmethod(backward_under_context)
+    megatron_random.CheckpointWithoutOutput._recompute = recompute_under_context
+
+
+def tensor_parallel_random_has_te() -> bool:
+    """Whether megatron/core/tensor_parallel/random.py found Transformer Engine: its module
+    global ``HAVE_TE`` (random.py:89-91, megatron-core 0.19.2)."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    return bool(megatron_random.HAVE_TE)
+
+
+def wrap_checkpoint_without_output_init(after_init: Callable[[Any], None]) -> bool:
+    """Run ``after_init(self)`` after every ``CheckpointWithoutOutput.__init__(self, fp8)``
+    (megatron/core/tensor_parallel/random.py:739, megatron-core 0.19.2).
+
+    Idempotent: returns False, changing nothing, when it is wrapped already."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    cls = megatron_random.CheckpointWithoutOutput
+    init = cls.__init__
+    if getattr(init, "_lrmoe_fp8_off", False):
+        return False
+
+    def __init__(self, fp8=False):
+        init(self, fp8)
+        after_init(self)
+
+    __init__._lrmoe_fp8_off = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+    return True
+
+
+def replace_dispatcher_move_to_cpu(make_replacement: Wrapper) -> None:
+    """Make ``make_replacement(moe_utils.maybe_move_tensor_to_cpu)`` the
+    ``maybe_move_tensor_to_cpu`` that the all-to-all dispatcher calls: the module global of
+    megatron/core/transformer/moe/token_dispatcher.py (imported from moe_utils at
+    token_dispatcher.py:39, looked up by
+    ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``, token_dispatcher.py:927-933),
+    megatron-core 0.19.2. The wrapped function is always moe_utils' own, so a second call
+    replaces rather than stacks. Not reversed."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = make_replacement(
+        moe_utils.maybe_move_tensor_to_cpu)
+
+
+# -----------------------------------------------------------------------------
+# torch, for Megatron's hooks
+# -----------------------------------------------------------------------------
+
+
+def forward_pre_hooks(module: Any) -> tuple[Callable[..., Any], ...]:
+    """The forward pre-hooks registered on ``module`` (torch 2.13:
+    ``torch.nn.Module._forward_pre_hooks``), in registration order: there megatron-core
+    0.19.2's ``DistributedDataParallel`` puts its wait for the overlapped parameter
+    all-gather (megatron/core/distributed/distributed_data_parallel.py:408,
+    ``_make_forward_pre_hook``). Run them as the module's call would:
+    ``hook(module, ())``."""
+    return tuple(module._forward_pre_hooks.values())
+
+
+# -----------------------------------------------------------------------------
+# Checking the list against a Megatron
+# -----------------------------------------------------------------------------
+
+
+def _resolve(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def missing_privates(privates: tuple[MegatronPrivate, ...] = PRIVATES) -> list[str]:
+    """What of ``privates`` the importable Megatron lacks: the symbol, a parameter the
+    plugin binds by name, or the function that looks a module global up by name. Empty
+    when everything is there. Imports each module (run it where the Megatron to check is
+    the one on ``sys.path``)."""
+    problems: list[str] = []
+    for private in privates:
+        try:
+            module = importlib.import_module(private.module)
+        except ImportError as exc:
+            problems.append(f"{private}: module does not import ({exc})")
+            continue
+        try:
+            if private.read_off_argument:
+                reader = inspect.unwrap(_resolve(module, private.looked_up_by)).__code__
+                if private.name not in reader.co_names + reader.co_consts:
+                    problems.append(f"{private}: {private.looked_up_by} no longer reads it")
+                continue
+            if private.on_instance:
+                owner, _, attr = private.name.rpartition(".")
+                init = inspect.unwrap(_resolve(module, owner).__init__).__code__
+                if attr not in init.co_names + init.co_consts:
+                    problems.append(f"{private}: {owner}.__init__ no longer sets it")
+                continue
+            value = _resolve(module, private.name)
+        except AttributeError:
+            problems.append(f"{private}: no such attribute")
+            continue
+        if private.params:
+            params = inspect.signature(value).parameters
+            lacking = [p for p in private.params if p not in params]
+            if lacking:
+                problems.append(f"{private}: no parameter {', '.join(lacking)}")
+        if private.looked_up_by is not None:
+            reader = inspect.unwrap(_resolve(module, private.looked_up_by))
+            global_name = private.name.rpartition(".")[2]
+            if global_name not in reader.__code__.co_names:
+                problems.append(f"{private}: {private.looked_up_by} no longer looks it up")
+    return problems
