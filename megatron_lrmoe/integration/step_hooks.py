@@ -1,9 +1,7 @@
 """LRMoE's step state at Megatron's step boundaries, for a whole model.
 
-Design: docs/design.md, "Step state". Every LRMoE layer keeps state across training
-steps: its planner (smoothed routed counts, step, placement), the number of steps it
-finished (which seeds its random draws) and, within a step, the micro-batch ordinal,
-pending observations, the backward count and the replica refresh mark. The entry
+Every LRMoE layer keeps state across training steps (what it is: docs/design.md,
+"Step state"; where it lives: ``layer/step_state.py``, ``LayerStepState``). The entry
 points (``megatron_lrmoe/launcher/pretrain.py`` and the Megatron-LM integration,
 ``megatron_lrmoe/integration/megatron_lm.py``) drive it through the functions here, at three
 explicit points:
@@ -25,8 +23,8 @@ explicit points:
   so a re-run step counts once.
 
 Checkpoints need no launcher code: the state is each layer's module extra state
-(``LRMoELayer.get_extra_state``), present in the sharded state dict when the sharded
-state dict metadata carries ``PLANNER_STATE_FLAG`` (``checkpoint_content_metadata``).
+(``LRMoELayer.get_extra_state``, kept by ``layer/step_state.py``), present in the sharded
+state dict when its metadata carries ``PLANNER_STATE_FLAG`` (``checkpoint_content_metadata``).
 """
 
 from __future__ import annotations
@@ -38,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrmoe.config.planner_inputs import agreed_machine_constants, needs_cost_model
-from megatron_lrmoe.layer.moe_layer import PLANNER_STATE_FLAG, LRMoELayer, MicrobatchesPerStep
+from megatron_lrmoe.layer.moe_layer import LRMoELayer
+from megatron_lrmoe.layer.step_state import PLANNER_STATE_FLAG, MicrobatchesPerStep
 from megatron_lrmoe.layer.telemetry import lrmoe_layers
 from megatron_lrmoe.planning.cost_model import MachineConstants
 
@@ -79,7 +78,7 @@ def setup_lrmoe_layers(model_chunks: Iterable[torch.nn.Module], tokens_per_rank:
         layer.setup_planner(tokens_per_rank, microbatches_per_step, machine)
     # One layer per pipeline stage says where the planner state came from at a load.
     if layers and _is_first_rank_of_stage():
-        layers[0].reports_checkpoint_state = True
+        layers[0].lrmoe_state.reports_checkpoint_state = True
     return machine
 
 

@@ -4,8 +4,10 @@ Routing (Megatron's router, aux losses included) and shared experts are Megatron
 What changes is the span from dispatch to combine, which must be one autograd
 region (docs/design.md, "Region"), so ``forward`` is the unit overridden here; the
 dispatcher is chosen by config inside ``MoELayer.__init__``, so it is swapped right
-after. Shapes: hidden_states [S, B, H] in and out (S the local sequence shard under
-sequence parallelism); T = S x B tokens; E experts; P routed pairs.
+after. The step state (planner, draw seeds, step boundaries, checkpoints) is a
+``step_state.LayerStepState``, ``lrmoe_state``. Shapes: hidden_states [S, B, H] in and
+out (S the local sequence shard under sequence parallelism); T = S x B tokens; E experts;
+P routed pairs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import functools
 import logging
 import re
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +23,6 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-from megatron_lrmoe.config.planner_inputs import needs_cost_model, planner_settings
 from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
 from megatron_lrmoe.layer.counts_exchange import RoutedCountsExchange
 from megatron_lrmoe.layer.region import (
@@ -33,40 +33,37 @@ from megatron_lrmoe.layer.region import (
 )
 from megatron_lrmoe.layer.region_layout import chunk_permutation, to_device
 from megatron_lrmoe.layer.replicas import ExpertReplicas
+from megatron_lrmoe.layer.step_state import (
+    PLANNER_STATE_FLAG,
+    PLANNER_STATE_FORMAT,
+    PLANNER_STATE_VERSION,
+    LayerStepState,
+    MicrobatchesPerStep,
+)
 from megatron_lrmoe.layer.telemetry import LRMoELayerStats
 from megatron_lrmoe.planning.cost_model import MachineConstants
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.planner import LayerPlanner, MicroBatchPlan
 
+__all__ = ["PLANNER_STATE_FLAG", "PLANNER_STATE_FORMAT", "PLANNER_STATE_VERSION", "LRMoELayer",
+           "MicrobatchesPerStep"]
+
 _LOG = logging.getLogger(__name__)
 
-# The checkpointed step state (docs/design.md, "Step state"): the module's extra state.
-PLANNER_STATE_FORMAT = "megatron-lrmoe layer step state"
-PLANNER_STATE_VERSION = 1
-# Content-metadata flag of a checkpoint whose LRMoE layers saved their step state; the
-# sharded state dict holds the state's key only when it is set (docs/design.md, "Step state").
-PLANNER_STATE_FLAG = "lrmoe_planner_state"
 _EXTRA_STATE_KEY = "_extra_state"     # torch's key for a module's get_extra_state()
-
-MicrobatchesPerStep = int | Callable[[], int]
 
 
 class LRMoELayer(MoELayer):
     """MoELayer with an exact forward and a metric-driven, compacted backward.
 
     Placement (docs/design.md, "Placement"): a ``LayerPlanner`` (pure, identical on every
-    rank that holds the layer) chooses the expert instances of each step from the
-    smoothed routed counts and, per micro-batch, the capacity-aware routing of pairs to
-    instances and the retention quotas. Replicas are refreshed at the layer's first
-    forward after a step ended and their gradients reduced into the homes in the step's
-    last backward.
+    rank that holds the layer) chooses the expert instances of each step and, per
+    micro-batch, the routing of pairs to instances and the retention quotas.
 
     Step boundaries are explicit (docs/design.md, "Step state"): whoever drives the layer
-    tells it how many micro-batches a step has (``microbatches_per_step``; the entry
-    points set Megatron's ``get_num_microbatches``) and calls ``finish_step()`` once per
-    optimizer step taken (``integration/step_hooks.py`` does both for a model). The planner, the
-    step count and the draw ordinal are the module's extra state, so they travel in the
-    model's checkpoint.
+    tells it how many micro-batches a step has (``microbatches_per_step``) and calls
+    ``finish_step()`` once per optimizer step taken (``integration/step_hooks.py`` does
+    both for a model). The state itself is ``lrmoe_state``, the module's extra state.
     """
 
     def __init__(self, config: LRMoETransformerConfig, submodules: MoESubmodules | None = None,
@@ -82,54 +79,23 @@ class LRMoELayer(MoELayer):
         # --moe-lrmoe refuses: CUDA graphs of the MoE stages, the fine-grained A2A overlap).
         self.token_dispatcher = None
         self.counts_exchange = RoutedCountsExchange(self.ep_group)
-        # The planner state is pooled over this group at each step end (lrmoe/step.py).
+        # The planner state is pooled over this group at each step end (integration/step_hooks.py).
         self.expert_data_parallel_group = getattr(pg_collection, "expt_dp", None)
-        # Random rules draw from (step seed, layer, micro-batch ordinal): the step seed
-        # mixes torch's seed (set from --seed by Megatron's setup; reading it consumes no
-        # random numbers) with the training steps this layer finished; ``_calls`` counts
-        # the current step's training forwards. Both restart at a step's end.
-        self._run_seed = torch.initial_seed()
-        self._step = 0
-        self._calls = 0
-        self._seed_base = _step_seed(self._run_seed, self._step)
         self.lrmoe_stats = LRMoELayerStats()
         # Expert backward GEMMs: None = grouped_mm wherever it applies, else the loop.
         self.grouped_gemm: bool | None = None
         ep_size = self.ep_group.size()
         self.replicas = ExpertReplicas(self.counts_exchange.ep_rank,
                                        self.ep_group if ep_size > 1 else None)
-        self.microbatches_per_step: MicrobatchesPerStep | None = None
-        """Micro-batches of a training step (an int, or a function such as Megatron's
-        ``get_num_microbatches``): how the layer finds the step's last backward, where
-        replica gradients join the homes'. Set by ``setup_planner``; None = not told,
-        which is an error once replicas exist."""
-        # Built now unless the cost model needs the tokens per micro-batch and the
-        # machine constants (a budget or memory-aware placement): then by setup_planner,
-        # which both entry points run right after building the model.
-        self._planner: LayerPlanner | None = None
-        self._pending_state: dict | None = None     # loaded before setup_planner ran
-        self.planner_state_origin = "fresh"
-        """Where the planner state came from: "fresh", "checkpoint", or "fresh: <why>"."""
-        self.reports_checkpoint_state = False       # the one layer that logs it (setup)
-        if not needs_cost_model(config):
-            self._planner = LayerPlanner(planner_settings(config, ep_size))
-        self._needs_refresh = True       # replicas must be refreshed before the next forward
+        self.lrmoe_state = LayerStepState(config, ep_size)
         self.last_plan: MicroBatchPlan | None = None
         self._noted: set[str] = set()
-        self._backwards_in_step = 0
 
     # ------------------------------------------------------------------ planner
     @property
     def placement_planner(self) -> LayerPlanner:
         """This layer's planner; an error before ``setup_planner`` where it is needed."""
-        if self._planner is None:
-            raise RuntimeError(
-                f"LRMoE layer {self.layer_number}: the planner of this configuration "
-                "(--moe-lrmoe-memory-budget-gb or --moe-lrmoe-placement memory-aware) is built "
-                "at model setup: call megatron_lrmoe.integration.step_hooks.setup_lrmoe_layers("
-                "model, ...) (both entry points do) or layer.setup_planner(...) before the first "
-                "forward")
-        return self._planner
+        return self.lrmoe_state.require_planner(self.layer_number)
 
     def setup_planner(self, tokens_per_rank: int, microbatches_per_step: MicrobatchesPerStep,
                       machine: MachineConstants | None = None) -> LayerPlanner:
@@ -139,19 +105,23 @@ class LRMoELayer(MoELayer):
 
         A planner state already held (an earlier planner, or one loaded from a checkpoint
         before this call) carries over."""
-        self.microbatches_per_step = microbatches_per_step
-        # The count is read now only where the cost model amortises over it.
-        count = self._step_microbatches() if needs_cost_model(self.config) else 1
-        settings = planner_settings(self.config, self.ep_group.size(), tokens_per_rank,
-                                    count, machine)
-        previous = self._planner.state_dict() if self._planner is not None else None
-        self._planner = LayerPlanner(settings)
-        if previous is not None:
-            self._planner.load_state_dict(previous)
-        elif self._pending_state is not None:
-            self._apply_state(self._pending_state)
-        self._pending_state = None
-        return self._planner
+        return self.lrmoe_state.setup_planner(tokens_per_rank, microbatches_per_step, machine,
+                                              self.layer_number)
+
+    @property
+    def microbatches_per_step(self) -> MicrobatchesPerStep | None:
+        """Micro-batches of a training step (an int, or a function such as Megatron's
+        ``get_num_microbatches``); set by ``setup_planner``, or by hand."""
+        return self.lrmoe_state.microbatches_per_step
+
+    @microbatches_per_step.setter
+    def microbatches_per_step(self, value: MicrobatchesPerStep | None) -> None:
+        self.lrmoe_state.microbatches_per_step = value
+
+    @property
+    def planner_state_origin(self) -> str:
+        """Where the planner state came from: "fresh", "checkpoint", or "fresh: <why>"."""
+        return self.lrmoe_state.planner_state_origin
 
     # -------------------------------------------------------------- step boundary
     def finish_step(self, observations: tuple[torch.Tensor | None, int] | None = None) -> None:
@@ -163,97 +133,25 @@ class LRMoELayer(MoELayer):
 
         Raises if the step's replica gradients were not added to the homes (the step had
         fewer backward passes than ``microbatches_per_step``)."""
-        if self._backwards_in_step or self.replicas.has_grads:
-            raise RuntimeError(
-                f"LRMoE layer {self.layer_number}: the step ended after {self._backwards_in_step} "
-                f"backward pass(es) of the {self._step_microbatches()} it was told a step has; "
-                "the replica gradients never reached the home experts")
-        if not self._calls:
-            return
-        planner = self.placement_planner
-        if observations is not None:
-            planner.replace_observations(*observations)
-        planner.next_step()
-        self._step += 1
-        self._calls = 0
-        self._seed_base = _step_seed(self._run_seed, self._step)
-        self._needs_refresh = True
+        self.lrmoe_state.finish_step(observations, self.replicas.has_grads, self.layer_number)
 
     def step_state(self) -> dict[str, Any]:
         """Everything a step changes, to undo it (Megatron's re-run of a step): a copy."""
-        return {"planner": self.placement_planner.state_dict(), "step": self._step,
-                "calls": self._calls, "backwards": self._backwards_in_step,
-                "needs_refresh": self._needs_refresh, "stats": self.lrmoe_stats.mark()}
+        return {**self.lrmoe_state.snapshot(self.layer_number),
+                "stats": self.lrmoe_stats.mark()}
 
     def load_step_state(self, state: dict[str, Any]) -> None:
         """Undo what happened since ``step_state()`` returned ``state``."""
-        self.placement_planner.load_state_dict(state["planner"])
-        self._step, self._calls = state["step"], state["calls"]
-        self._seed_base = _step_seed(self._run_seed, self._step)
-        self._backwards_in_step = state["backwards"]
-        self._needs_refresh = state["needs_refresh"]
+        self.lrmoe_state.restore(state, self.layer_number)
         self.lrmoe_stats.rewind(state["stats"])
-
-    def _step_microbatches(self) -> int:
-        told = self.microbatches_per_step
-        if told is None:
-            raise RuntimeError(
-                f"LRMoE layer {self.layer_number} holds replicas but was never told how many "
-                "micro-batches a training step has, so it cannot find the step's last "
-                "backward (where replica gradients must join the homes'): run "
-                "megatron_lrmoe.integration.step_hooks.setup_lrmoe_layers(model, ...) "
-                "(both entry points do), or set layer.microbatches_per_step when driving the layer "
-                "by hand")
-        count = told() if callable(told) else told
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"LRMoE layer {self.layer_number}: microbatches_per_step gave "
-                             f"{count!r}, expected a positive int")
-        return count
 
     # -------------------------------------------------------------- checkpoints
     def get_extra_state(self) -> dict[str, Any]:
-        """The step state saved with the model (docs/design.md, "Step state"): planner
-        (smoothed loads, step, placement), the finished steps that seed the draws, and
-        what the planner is valid for (EP size, experts, policy)."""
-        if self._planner is None and self._pending_state is not None:
-            return self._pending_state       # loaded before setup_planner: saved unchanged
-        return {"format": PLANNER_STATE_FORMAT, "version": PLANNER_STATE_VERSION,
-                "ep_size": self.ep_group.size(), "num_experts": self.config.num_moe_experts,
-                "policy": self.config.moe_lrmoe_placement, "step": self._step,
-                "planner": None if self._planner is None else self._planner.state_dict()}
+        """The step state saved with the model (docs/design.md, "Step state")."""
+        return self.lrmoe_state.extra_state()
 
     def set_extra_state(self, state: Any) -> None:
-        if self._planner is None:
-            self._pending_state = state     # applied by setup_planner
-            self._reset_step_progress()
-            if isinstance(state, dict) and "step" in state:
-                self._step = int(state["step"])
-                self._seed_base = _step_seed(self._run_seed, self._step)
-            return
-        self._apply_state(state)
-
-    def _apply_state(self, state: Any) -> None:
-        """Load a saved step state, or start the planner fresh (and say why) when it does
-        not apply to this run: another EP size, expert count or placement policy."""
-        self._reset_step_progress()
-        if not isinstance(state, dict) or state.get("format") != PLANNER_STATE_FORMAT:
-            self._start_fresh("the checkpoint's state of this layer is not an LRMoE step state")
-            return
-        if state.get("version") != PLANNER_STATE_VERSION:
-            self._start_fresh(f"step state version {state.get('version')!r}, this code reads "
-                              f"{PLANNER_STATE_VERSION}")
-            return
-        self._step = int(state["step"])
-        self._seed_base = _step_seed(self._run_seed, self._step)
-        saved = (state.get("ep_size"), state.get("num_experts"), state.get("policy"))
-        here = (self.ep_group.size(), self.config.num_moe_experts,
-                self.config.moe_lrmoe_placement)
-        if saved != here or state.get("planner") is None:
-            self._start_fresh(f"the checkpoint's planner is for (EP, experts, placement) = "
-                              f"{saved}, this run has {here}")
-            return
-        self.placement_planner.load_state_dict(state["planner"])
-        self.planner_state_origin = "checkpoint"
+        self.lrmoe_state.set_extra_state(state)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -267,29 +165,8 @@ class LRMoELayer(MoELayer):
         if not present:
             while key in missing_keys:
                 missing_keys.remove(key)
-            self._reset_step_progress()
-            self._pending_state = None
-            self._step = 0
-            self._seed_base = _step_seed(self._run_seed, self._step)
-            self._start_fresh("the checkpoint holds no LRMoE step state (saved without "
-                              "--moe-lrmoe, or before LRMoE saved it)")
-        if self.reports_checkpoint_state:
-            origin = self.planner_state_origin
-            if origin == "checkpoint":
-                _LOG.info("LRMoE: planner and draw state loaded from the checkpoint")
-            else:
-                _LOG.warning("LRMoE layer %s (and the others of this pipeline stage): the planner "
-                             "starts %s", self.layer_number, origin)
-
-    def _start_fresh(self, why: str) -> None:
-        if self._planner is not None:
-            self._planner = LayerPlanner(self._planner.settings)
-        self.planner_state_origin = f"fresh: {why}"
-
-    def _reset_step_progress(self) -> None:
-        self._calls = 0
-        self._backwards_in_step = 0
-        self._needs_refresh = True
+            self.lrmoe_state.load_without_state()
+        self.lrmoe_state.report_origin(self.layer_number)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None):
@@ -297,10 +174,9 @@ class LRMoELayer(MoELayer):
         with the layer offsets (EP-invariant key; replica_id non-zero on every rank but
         one tensor- and data-parallel rank 0, which all hold the same state).
 
-        The state is in the dict only when ``metadata`` carries ``PLANNER_STATE_FLAG``: on
-        save the entry points set it; on load Megatron passes the checkpoint's own
-        content metadata, so a checkpoint without the state (a plain Megatron run) is
-        never asked for it, whatever ``--dist-ckpt-strictness`` says."""
+        The state is in the dict only when ``metadata`` carries ``PLANNER_STATE_FLAG``
+        (docs/design.md, "Step state"): on load Megatron passes the checkpoint's own
+        content metadata, so a plain Megatron checkpoint is never asked for it."""
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         if not (metadata or {}).get(PLANNER_STATE_FLAG):
             state.pop(f"{prefix}{_EXTRA_STATE_KEY}", None)
@@ -316,12 +192,8 @@ class LRMoELayer(MoELayer):
         if padding_mask is not None:
             padding_mask = padding_mask.transpose(0, 1).bool()
         if self.moe_layer_recompute:
-            # Megatron's selective "moe" recompute (``MoELayer.forward`` wraps its stages
-            # the same way): only the layer input is kept, and backward runs the layer
-            # again. The first pass runs without autograd, so, like an evaluation pass,
-            # it plans and computes the exact forward but neither observes, counts nor
-            # draws; the recomputed pass in backward is the micro-batch's training pass
-            # (docs/design.md, "Recompute").
+            # Megatron's selective "moe" recompute, wrapped as ``MoELayer.forward`` wraps
+            # its stages: only the layer input is kept (docs/design.md, "Recompute").
             output = tensor_parallel.checkpoint(self._layer_output, False, hidden_states,
                                                 padding_mask)
         else:
@@ -358,79 +230,109 @@ class LRMoELayer(MoELayer):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])                          # [T, H]
         counts = self.counts_exchange.gather_counts(routing_map)         # [R, E] on the host
-        rank = self.counts_exchange.ep_rank
-        # A training pass is one with autograd on: it observes, counts and draws. The first
-        # pass of a recomputed layer (full or "moe" recompute) runs without autograd and
-        # only plans, like an evaluation pass; its recomputed pass in backward is then the
-        # micro-batch's training pass, with the same counts, hence the same plan, and the
-        # ordinal of the micro-batch's backward, which Megatron's schedules run in forward
-        # order (docs/design.md, "Recompute").
+        # Autograd on marks the training pass (observe, count, draw); a recomputed layer's
+        # first pass runs without it and only plans (docs/design.md, "Recompute").
         training = self.training and torch.is_grad_enabled()
-        planner = self.placement_planner
+        planner = self.placement_planner      # an error here, before any work, if not set up
         if experts is None:
             experts = self.experts.expert_weights()
             self._start_refresh(experts)
+        mb_plan, planner_s = self._plan_micro_batch(planner, counts, training)
+        experts = self._region_experts(experts)
+        pair_token, pair_prob = self._pairs_in_send_order(routing_map, probs, counts, mb_plan,
+                                                          x.device)
+        rc = self._region_context(mb_plan, counts, training, planner_s)
+        if training:
+            self._count_training_call(rc, mb_plan, counts)
+        return lrmoe_region(x, pair_token, pair_prob, rc, experts).view(shape)
+
+    def _plan_micro_batch(self, planner: LayerPlanner, counts: torch.Tensor, training: bool
+                          ) -> tuple[MicroBatchPlan, float]:
+        """The planner's routing and quotas of this micro-batch (observed first when
+        training), and the host seconds it took."""
         started = time.perf_counter()
         if training:
             planner.observe(counts)
         mb_plan = planner.plan(counts)
         self.last_plan = mb_plan   # routing and quotas of the latest call (for tools)
-        planner_s = time.perf_counter() - started
-        plan = mb_plan.retention
+        return mb_plan, time.perf_counter() - started
+
+    def _region_experts(self, experts: ExpertWeights) -> ExpertWeights:
+        """The home experts followed by this step's replicas, once their refresh is done."""
         self.replicas.finish_refresh()     # the region needs the replica weights now
         if self.replicas.experts:
             experts = experts.with_replicas(self.replicas.w1, self.replicas.w2)
+        return experts
+
+    def _pairs_in_send_order(self, routing_map: torch.Tensor, probs: torch.Tensor,
+                             counts: torch.Tensor, mb_plan: MicroBatchPlan,
+                             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pair_token [P], pair_prob [P]) of this rank's pairs in the region's send order.
+
+        Pairs to instances: within each expert's pairs (token order) the routing's counts
+        for this source, instance by instance; then instance-major order, which is
+        destination-rank order since instances are rank-major."""
+        rank = self.counts_exchange.ep_rank
         pair_token, pair_prob = _expert_major_pairs(routing_map, probs, int(counts[rank].sum()))
-        # Pairs to instances: within each expert's pairs (token order) the routing's
-        # counts for that source, instance by instance; then instance-major order,
-        # which is destination-rank order since instances are rank-major.
-        order = _instance_order(mb_plan.routing.counts[rank], planner.placement, x.device)
+        order = _instance_order(mb_plan.routing.counts[rank], self.placement_planner.placement,
+                                device)
         if order is not None:
             pair_token, pair_prob = pair_token.index_select(0, order), pair_prob.index_select(
                 0, order)
-        stats = self.lrmoe_stats
+        return pair_token, pair_prob
+
+    def _region_context(self, mb_plan: MicroBatchPlan, counts: torch.Tensor, training: bool,
+                        planner_s: float) -> RegionContext:
+        """The region's plan, group, options and draw seed for this micro-batch."""
+        state = self.lrmoe_state
         rc = RegionContext(
-            plan=plan,
+            plan=mb_plan.retention,
             group=self.ep_group if counts.shape[0] > 1 else None,
-            rank=rank,
+            rank=self.counts_exchange.ep_rank,
             metric=self.config.moe_lrmoe_metric,
             selection=self.config.moe_lrmoe_selection,
             hybrid_fraction=self.config.moe_lrmoe_hybrid_fraction,
-            seed=_mix_seed(self._seed_base, self.layer_number or 0, self._calls),
+            seed=state.draw_seed(self.layer_number or 0),
             kernels=self.config.moe_lrmoe_kernels,
             grouped_gemm=(self.grouped_gemm if self.grouped_gemm is not None
                           else (True if self.config.moe_grouped_gemm else None)),
             # A rule that ignores the metric computes it only for the statistics: on
             # the first step's micro-batches after each collection (log interval).
-            measure=training and len(stats.calls) < _microbatches_told(self),
+            measure=training and len(self.lrmoe_stats.calls) < state.microbatches_told(),
             layer=self.layer_number or 0,
-            call=self._calls,
+            call=state.calls,
             record=active_kept_pairs_log(),
             on_replica_grads=self._after_backward,
         )
         rc.stats.planner_s = planner_s
         rc.stats.routing_overflow = mb_plan.routing.overflow
         rc.stats.budget_adjusted = bool(mb_plan.notes)
-        if mb_plan.notes and training:
+        return rc
+
+    def _count_training_call(self, rc: RegionContext, mb_plan: MicroBatchPlan,
+                             counts: torch.Tensor) -> None:
+        """A training micro-batch: log the planner's new notes, take the next draw
+        ordinal and record the call's statistics (host figures from the plan)."""
+        if mb_plan.notes:
             self._log_notes(mb_plan.notes)
-        if training:
-            self._calls += 1
-            stats.calls.append(rc.stats)
-            stats.add_expert_load(counts[rank])
-            stats.replicas = max(stats.replicas, len(planner.placement.replicas))
-            per_rank = plan.routed_per_rank.double()
-            if float(per_rank.mean()) > 0:
-                stats.load_max_over_mean.append(float(per_rank.max() / per_rank.mean()))
-        return lrmoe_region(x, pair_token, pair_prob, rc, experts).view(shape)
+        self.lrmoe_state.count_training_forward()
+        stats = self.lrmoe_stats
+        stats.calls.append(rc.stats)
+        stats.add_expert_load(counts[self.counts_exchange.ep_rank])
+        stats.replicas = max(stats.replicas, len(self.placement_planner.placement.replicas))
+        per_rank = mb_plan.retention.routed_per_rank.double()
+        if float(per_rank.mean()) > 0:
+            stats.load_max_over_mean.append(float(per_rank.max() / per_rank.mean()))
 
     def _start_refresh(self, experts: ExpertWeights) -> None:
         """Start this step's replica refresh if it is due (the layer's first forward after
         a step ended): a collective over the EP group, started at the same point on every
         rank; ``replicas.finish_refresh`` waits for it."""
-        if self._needs_refresh:
+        state = self.lrmoe_state
+        if state.needs_refresh:
             self.replicas.start_refresh(self.placement_planner.placement, experts.w1,
                                         experts.w2)
-            self._needs_refresh = False
+            state.needs_refresh = False
 
     def _log_notes(self, notes: tuple[str, ...]) -> None:
         """What the planner did to fit the budget or capacity, once per kind of note
@@ -456,10 +358,8 @@ class LRMoELayer(MoELayer):
         placement = self.replicas.placement
         if placement is None or not placement.replicas:
             return [], []        # nothing to reduce: no count of backwards is needed
-        self._backwards_in_step += 1
-        if self._backwards_in_step < self._step_microbatches():
+        if not self.lrmoe_state.count_backward(self.layer_number):
             return [], []
-        self._backwards_in_step = 0
         return self.replicas.reduce_into_home(self.num_local_experts)
 
 
@@ -502,26 +402,3 @@ def _instance_order(source_counts: torch.Tensor, placement: Placement,
     start_new = torch.cumsum(source_counts, 0) - source_counts
     tables = to_device(torch.stack([start_of - start_new, source_counts]), device)
     return chunk_permutation(tables[0], tables[1], int(source_counts.sum()))
-
-
-def _microbatches_told(layer: LRMoELayer) -> int:
-    """Micro-batches of a step as the layer was told (1 when driven by hand)."""
-    told = layer.microbatches_per_step
-    if told is None:
-        return 1
-    return told() if callable(told) else told
-
-
-def _step_seed(run_seed: int, step: int) -> int:
-    """A 63-bit seed of one training step of the run, a different one for each step
-    (``_mix_seed`` then mixes in the layer and the micro-batch ordinal)."""
-    value = (run_seed * 0xD6E8FEB86659FD93 + step * 0x94D049BB133111EB + 0x5EED) & (2**64 - 1)
-    value ^= value >> 29
-    return value & (2**63 - 1)
-
-
-def _mix_seed(base: int, layer: int, call: int) -> int:
-    """A 63-bit seed from (base, layer, call), different for every triple."""
-    value = (base * 0x9E3779B97F4A7C15 + layer * 0xBF58476D1CE4E5B9 + call) & (2**64 - 1)
-    value ^= value >> 31
-    return value & (2**63 - 1)

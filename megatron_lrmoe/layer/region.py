@@ -1,5 +1,13 @@
 """The LRMoE region: dispatch -> experts -> weighted combine as one autograd function.
 
+What it computes and why: docs/design.md, "Region" (the retention it applies:
+"Retention", "Selection rules"). ``_LRMoERegion.forward`` runs Megatron's MoE stages,
+dispatch, experts, combine; the forward is exact, and the retained set is drawn there
+when the rule needs no backward gradient (``retention_in_forward``). ``backward`` runs
+the stages in reverse (``_combine_backward``, ``_experts_backward``,
+``_dispatch_backward``) over the retained pairs only; every pair's router gradient
+stays exact.
+
 Notation (docs/design.md, "Notation"), per MoE layer and micro-batch, on source rank s:
   R   ranks of the expert-parallel group; I instances, L of them local to this rank
   T   tokens of this rank; H hidden size; F expert FFN size (F1 = 2F rows of W1 when gated)
@@ -10,31 +18,9 @@ Notation (docs/design.md, "Notation"), per MoE layer and micro-batch, on source 
   K   pairs this rank keeps as a source in backward; Kr rows its instances keep
   n[s, i], q[s, i]  routed and retained pairs of cell (s, i) (the RetentionPlan)
 
-Forward (exact): every pair is dispatched and computed; each instance returns its
-unweighted output row o(t, e) to the source, which forms y(t) = sum_e p(t, e) o(t, e)
-inside the region (``combine_rows``: deterministic, no atomics). The side statistic
-a(t, e) = ||h(t, e)|| travels back in a second small all-to-all, only when the metric
-needs it or the call measures statistics.
-
-Retention drawn in forward (``retention_in_forward``: rules that do not read the backward
-gradient, the default ``uniform`` among them): the source selects its kept pairs right
-after the dispatch, the receivers learn their exp-major positions in one small
-all-to-all, and compact x_exp and z to the retained rows after the expert GEMMs, so the
-saved activations fall with the retention. Backward then skips its selection and its
-position exchange.
-
-Backward (recalibrated), on the source: the metric per pair (skipped when the rule
-ignores it, except on measured calls), the selection of q[s, i] pairs per cell, then one
-pass over dy per pair (``combine_rows_backward``) gives the router gradient <dy, o> of
-every pair, kept or dropped, and the kept rows p * w * dy already in send order. Rows go
-to their instances with the retained split sizes, with each row's exp-major position
-at the receiver (skipped for receivers that keep every row); the experts' backward runs
-over the retained rows only; dX comes back and is scatter-added into the token
-gradients. A dropped pair contributes nothing to dX or dW; its router gradient is exact.
-
 Host reads: none. Every size and index the host needs comes from the plan
-(``CallLayout``); index tables go to the device in one non-blocking copy per call.
-The layer's counts exchange, before the region, is the one host read per forward.
+(``CallLayout``), whose index tables go to the device in one non-blocking copy per call;
+the layer's counts exchange, before the region, is the forward's one host read.
 """
 
 from __future__ import annotations
@@ -328,94 +314,156 @@ class _LRMoERegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        """Forward's stages in reverse (docs/design.md, "Region", Backward): combine,
+        experts, dispatch; then the gradients autograd receives."""
         rc, experts, lay = ctx.rc, ctx.experts, ctx.layout
         x_exp, z, o, pair_token, pair_prob, a, tables_buffer, kept, scale = ctx.saved_tensors
         tables = lay.views(tables_buffer)
-        group, device = rc.group, dy.device
         dy = dy.contiguous()
-        in_forward = rc.forward_retention
 
-        # ---- source side: metric and selection per (s, i) cell ----------------------
-        metric = (_pair_metric(rc.metric, dy, pair_token, pair_prob, a, rc.seed)
-                  if rc.needs_metric else None)
-        slot = None
-        if not lay.source_keeps_all:
-            if not in_forward:
-                kept, scale = _select(rc, lay, tables, metric)
-            slot = torch.full((lay.num_pairs,), -1, dtype=torch.int64, device=device)
-            slot.index_copy_(0, kept, torch.arange(lay.num_kept, device=device))
-        # ---- one pass over dy per pair: router gradient, kept rows in send order -----
-        dprob, g_kept = combine_rows_backward(
-            dy, o, pair_token, pair_prob, slot,
-            None if rc.selection == "topk" else scale, lay.num_kept, backend=rc.kernels)
-
-        # ---- retained all-to-all: rows, and their exp-major positions ---------------
-        g_recv = _exchange(g_kept, lay.send_bwd, lay.recv_bwd, group)        # [Kr, H]
-        del g_kept
-        positions = None
-        if lay.positions_exchanged and not in_forward:
-            positions = _exchange(_positions(lay, tables, kept, device), lay.send_pos,
-                                  lay.recv_pos, group)
-        if lay.bwd_identity:
-            g_exp = g_recv
-        else:
-            to_expert = chunk_permutation(tables.bwd[0], tables.bwd[1], lay.received_kept)
-            g_exp = g_recv.index_select(0, to_expert)
-            if positions is not None and not lay.receiver_keeps_all:
-                positions = positions.index_select(0, to_expert)
-        del g_recv
-        # Every row kept, or compacted in forward: they are x_exp's and z's rows in order
-        # already. Else the positions name them (gathered per instance by the loop).
-        rows = None if lay.receiver_keeps_all or in_forward else positions.long()
-
-        # ---- expert backward over retained rows only ------------------------------
-        offs = tables.offs_bwd.to(torch.int32) if ctx.grouped else None
-        homes = experts.homes
+        metric, kept, scale, slot = _select_kept_pairs(rc, lay, tables, dy, pair_token,
+                                                       pair_prob, a, kept, scale)
+        dprob, g_exp, rows = _combine_backward(rc, lay, tables, dy, o, pair_token, pair_prob,
+                                               kept, scale, slot)
         # Frozen home experts and no replica: no weight gradient to compute (the dW GEMMs
         # are local, so skipping them keeps every rank's collectives in step).
-        weight_grads = any(ctx.needs_input_grad[5:]) or homes < len(experts.w1)
-        fuse = experts.gradient_accumulation_fusion
-
-        def sink(projection: int, e: int, grad: torch.Tensor) -> bool:
-            # Home experts' dW go where they end up as soon as each exists (replicas'
-            # go to the replica hook below).
-            weights = experts.w1 if projection == 1 else experts.w2
-            return e < homes and _accumulate_now(weights[e], grad, fuse)
-
-        dx_rows, dw1, dw2 = experts_backward(x_exp, z, g_exp, lay.rows_bwd, offs,
-                                             experts.w1, experts.w2, experts.activation,
-                                             ctx.grouped, weight_grads, sink, rows)
-        del g_exp, rows
-        if not lay.bwd_identity:
-            back = chunk_permutation(tables.bwd[2], tables.bwd[3], lay.received_kept)
-            dx_rows = dx_rows.index_select(0, back)
-        dx_back = _exchange(dx_rows, lay.recv_bwd, lay.send_bwd, group)      # [K, H]
-        del dx_rows
-
-        # ---- source side: scatter-add into token gradients ------------------------
-        dx = torch.zeros((dy.shape[0], dy.shape[1]), dtype=dy.dtype, device=device)
-        kept_token = pair_token if kept is None else pair_token.index_select(0, kept)
-        scatter_add_rows(dx, kept_token, dx_back, backend=rc.kernels)
+        weight_grads = any(ctx.needs_input_grad[5:]) or experts.homes < len(experts.w1)
+        expert_grads = _experts_backward(experts, lay, tables, ctx.grouped, x_exp, z, g_exp,
+                                         rows, weight_grads)
+        del g_exp, rows      # freed before dX travels back
+        dx = _dispatch_backward(rc, lay, tables, expert_grads, dy, pair_token, kept)
 
         _record_backward(rc, lay, metric, kept, scale, pair_token, dy)
-        if not weight_grads:
-            return (dx if ctx.needs_input_grad[0] else None, None,
-                    dprob.to(pair_prob.dtype) if ctx.needs_input_grad[2] else None,
-                    None, None, *(None,) * (2 * homes))
-        extra1, extra2 = [], []
-        if rc.on_replica_grads is not None:
-            extra1, extra2 = rc.on_replica_grads(dw1[homes:], dw2[homes:])
-        elif homes < len(experts.w1):
-            raise RuntimeError("replicas need RegionContext.on_replica_grads")
-        extra = (*extra1, *extra2) or (None,) * (2 * homes)
-        weights = (*experts.w1[:homes], *experts.w2[:homes])
-        grads = [_weight_grad(w, d, fuse, e)
-                 for w, d, e in zip(weights, (*dw1[:homes], *dw2[:homes]), extra, strict=True)]
+        home_grads = _home_weight_grads(rc, experts, expert_grads, weight_grads)
         # dx and dprob are computed whatever needs_input_grad says: the collectives
         # above must run on every rank alike.
         return (dx if ctx.needs_input_grad[0] else None, None,
                 dprob.to(pair_prob.dtype) if ctx.needs_input_grad[2] else None,
-                None, None, *grads)
+                None, None, *home_grads)
+
+
+def _select_kept_pairs(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tensor,
+                       pair_token: torch.Tensor, pair_prob: torch.Tensor,
+                       a: torch.Tensor | None, kept: torch.Tensor | None,
+                       scale: torch.Tensor | None
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                  torch.Tensor | None, torch.Tensor | None]:
+    """Source side, before the combine's backward: (metric [P] or None, kept [K], scale
+    [K], slot [P]: each pair's row in the kept send buffer, -1 if dropped). kept and scale
+    come from forward when drawn there, else from the rule's draw here; all but metric
+    are None when the source keeps every pair."""
+    metric = (_pair_metric(rc.metric, dy, pair_token, pair_prob, a, rc.seed)
+              if rc.needs_metric else None)
+    slot = None
+    if not lay.source_keeps_all:
+        if not rc.forward_retention:
+            kept, scale = _select(rc, lay, tables, metric)
+        slot = torch.full((lay.num_pairs,), -1, dtype=torch.int64, device=dy.device)
+        slot.index_copy_(0, kept, torch.arange(lay.num_kept, device=dy.device))
+    return metric, kept, scale, slot
+
+
+def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tensor,
+                      o: torch.Tensor, pair_token: torch.Tensor, pair_prob: torch.Tensor,
+                      kept: torch.Tensor | None, scale: torch.Tensor | None,
+                      slot: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The weighted combine's backward and its all-to-all reversed: (dprob [P], g_exp
+    [Kr, H], rows). One pass over dy per pair gives every pair's router gradient <dy, o>
+    (kept or dropped) and the kept rows p w dy in send order; they travel to their
+    instances with the retained split sizes and are reordered exp-major. ``rows``: the
+    kept rows' positions in x_exp and z, or None when they are those rows in order
+    (every row kept, or compacted in forward)."""
+    group, device = rc.group, dy.device
+    in_forward = rc.forward_retention
+    dprob, g_kept = combine_rows_backward(
+        dy, o, pair_token, pair_prob, slot,
+        None if rc.selection == "topk" else scale, lay.num_kept, backend=rc.kernels)
+    g_recv = _exchange(g_kept, lay.send_bwd, lay.recv_bwd, group)        # [Kr, H]
+    del g_kept
+    positions = None
+    if lay.positions_exchanged and not in_forward:
+        positions = _exchange(_positions(lay, tables, kept, device), lay.send_pos,
+                              lay.recv_pos, group)
+    if lay.bwd_identity:
+        g_exp = g_recv
+    else:
+        to_expert = chunk_permutation(tables.bwd[0], tables.bwd[1], lay.received_kept)
+        g_exp = g_recv.index_select(0, to_expert)
+        if positions is not None and not lay.receiver_keeps_all:
+            positions = positions.index_select(0, to_expert)
+    del g_recv
+    rows = None if lay.receiver_keeps_all or in_forward else positions.long()
+    return dprob, g_exp, rows
+
+
+@dataclass
+class _ExpertGrads:
+    """The experts' backward: dX rows [Kr, H] exp-major (taken, then freed, by the
+    dispatch backward) and dW1, dW2 per local instance (None where already accumulated,
+    see ``_accumulate_now``)."""
+
+    dx_rows: torch.Tensor | None
+    dw1: list[torch.Tensor | None]
+    dw2: list[torch.Tensor | None]
+
+
+def _experts_backward(experts: ExpertWeights, lay: CallLayout, tables, grouped: bool,
+                      x_exp: torch.Tensor, z: torch.Tensor, g_exp: torch.Tensor,
+                      rows: torch.Tensor | None, weight_grads: bool) -> _ExpertGrads:
+    """The expert GEMMs' backward over the retained rows only (h recomputed from z)."""
+    offs = tables.offs_bwd.to(torch.int32) if grouped else None
+    homes = experts.homes
+    fuse = experts.gradient_accumulation_fusion
+
+    def sink(projection: int, e: int, grad: torch.Tensor) -> bool:
+        # Home experts' dW go where they end up as soon as each exists (replicas'
+        # go to the replica hook, ``_home_weight_grads``).
+        weights = experts.w1 if projection == 1 else experts.w2
+        return e < homes and _accumulate_now(weights[e], grad, fuse)
+
+    dx_rows, dw1, dw2 = experts_backward(x_exp, z, g_exp, lay.rows_bwd, offs, experts.w1,
+                                         experts.w2, experts.activation, grouped,
+                                         weight_grads, sink, rows)
+    return _ExpertGrads(dx_rows, dw1, dw2)
+
+
+def _dispatch_backward(rc: RegionContext, lay: CallLayout, tables, expert_grads: _ExpertGrads,
+                       dy: torch.Tensor, pair_token: torch.Tensor,
+                       kept: torch.Tensor | None) -> torch.Tensor:
+    """The dispatch reversed: dX rows back to source order and to their sources, then
+    scatter-added into the token gradients dx [T, H] at the kept pairs' tokens."""
+    dx_rows, expert_grads.dx_rows = expert_grads.dx_rows, None    # freed once sent
+    if not lay.bwd_identity:
+        back = chunk_permutation(tables.bwd[2], tables.bwd[3], lay.received_kept)
+        dx_rows = dx_rows.index_select(0, back)
+    dx_back = _exchange(dx_rows, lay.recv_bwd, lay.send_bwd, rc.group)     # [K, H]
+    del dx_rows
+    dx = torch.zeros((dy.shape[0], dy.shape[1]), dtype=dy.dtype, device=dy.device)
+    kept_token = pair_token if kept is None else pair_token.index_select(0, kept)
+    scatter_add_rows(dx, kept_token, dx_back, backend=rc.kernels)
+    return dx
+
+
+def _home_weight_grads(rc: RegionContext, experts: ExpertWeights, expert_grads: _ExpertGrads,
+                       weight_grads: bool) -> tuple[torch.Tensor | None, ...]:
+    """What autograd receives for the home W1s, then W2s: with replicas, the replica
+    hook's additions (``RegionContext.on_replica_grads``) joined in; none when no
+    weight gradient was computed."""
+    homes = experts.homes
+    if not weight_grads:
+        return (None,) * (2 * homes)
+    dw1, dw2 = expert_grads.dw1, expert_grads.dw2
+    extra1, extra2 = [], []
+    if rc.on_replica_grads is not None:
+        extra1, extra2 = rc.on_replica_grads(dw1[homes:], dw2[homes:])
+    elif homes < len(experts.w1):
+        raise RuntimeError("replicas need RegionContext.on_replica_grads")
+    extra = (*extra1, *extra2) or (None,) * (2 * homes)
+    weights = (*experts.w1[:homes], *experts.w2[:homes])
+    fuse = experts.gradient_accumulation_fusion
+    return tuple(_weight_grad(w, d, fuse, e)
+                 for w, d, e in zip(weights, (*dw1[:homes], *dw2[:homes]), extra, strict=True))
 
 
 def _select(rc: RegionContext, lay: CallLayout, tables,

@@ -246,7 +246,7 @@ def checkpoint(workdir: str, argv: list[str]) -> dict:
             a["step"] == b["step"] and a["replicas"] == b["replicas"]
             and torch.equal(a["smoothed_counts"], b["smoothed_counts"])
             for a, b in zip(saved_states, got_states, strict=True)),
-        "draw_steps": [layer._step for layer in lrmoe_layers([resumed])],
+        "draw_steps": [layer.lrmoe_state.step for layer in lrmoe_layers([resumed])],
         "weights_equal": [same(weights(trained), weights(resumed)),
                           same({k: v for k, v in weights(trained).items()
                                 if not k.endswith("_extra_state")}, weights(plain)),
@@ -329,7 +329,7 @@ def rerun(argv: list[str]) -> dict:
     layers = lrmoe_layers(model)
     return {"injected": injected, "losses": losses, "passes": len(passes),
             "planner_steps": [layer.placement_planner.step for layer in layers],
-            "draw_steps": [layer._step for layer in layers],
+            "draw_steps": [layer.lrmoe_state.step for layer in layers],
             "smoothed": [layer.placement_planner.smoothed_counts.tolist() for layer in layers],
             "region_calls": [len(layer.lrmoe_stats.calls) for layer in layers]}
 

@@ -283,7 +283,7 @@ def _steps(argv: list[str], steps: int, rerun: bool, evaluate: bool, fatal: str 
     return {"losses": losses, "passes": passes, "evaluation_changed": evaluation_changed,
             "exit_code": exit_code,
             "planners": [layer.placement_planner.state_dict() for layer in layers],
-            "steps": [layer._step for layer in layers],
+            "steps": [layer.lrmoe_state.step for layer in layers],
             "region_calls": [len(layer.lrmoe_stats.calls) for layer in layers],
             "weights": _gathered_weights(model)}
 

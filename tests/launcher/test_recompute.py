@@ -128,7 +128,7 @@ def _train(argv: list[str]) -> dict:
         "draws": [(r.layer, r.call, r.pair_token, r.pair_expert, r.kept, r.scale)
                   for r in kept.records],
         "planners": [layer.placement_planner.state_dict() for layer in layers],
-        "steps": [layer._step for layer in layers],
+        "steps": [layer.lrmoe_state.step for layer in layers],
         "stats_calls": [len(layer.lrmoe_stats.calls) for layer in layers],
         "replicas": [len(layer.placement_planner.placement.replicas) for layer in layers],
         "microbatches": args.num_microbatches,

@@ -207,7 +207,7 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
                                   router: dict | None = None):
     import torch.distributed as dist
 
-    from megatron_lrmoe.layer.moe_layer import _mix_seed
+    from megatron_lrmoe.layer.step_state import _mix_seed
     from megatron_lrmoe.ops import select_rows_reference
     from megatron_lrmoe.planning.retention import plan_retention
 
@@ -246,7 +246,7 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
     plan = plan_retention(counts, ep, gamma, min_ret)
     rank = dist.get_rank(lrmoe.ep_group) if ep > 1 else 0
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts[rank].cumsum(0)])
-    seed = _mix_seed(lrmoe._seed_base, lrmoe.layer_number or 0, 0)
+    seed = _mix_seed(lrmoe.lrmoe_state.seed_base, lrmoe.layer_number or 0, 0)
     kept, scale, _ = select_rows_reference(
         metric, offsets, plan.quotas[rank].clone(), rule=selection, seed=seed,
         hybrid_fraction=lrmoe.config.moe_lrmoe_hybrid_fraction)
@@ -310,8 +310,8 @@ def _kept_pairs_against_reference(ep: int, selection: str):
     reference metric, and its absence when not asked for."""
     import torch.distributed as dist
 
-    from megatron_lrmoe.layer.moe_layer import _mix_seed
     from megatron_lrmoe.layer.region import active_kept_pairs_log, record_kept_pairs
+    from megatron_lrmoe.layer.step_state import _mix_seed
     from megatron_lrmoe.ops import select_rows_reference
     from megatron_lrmoe.planning.retention import plan_retention
 
@@ -341,7 +341,8 @@ def _kept_pairs_against_reference(ep: int, selection: str):
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts[rank].cumsum(0)])
     kept, scale, _ = select_rows_reference(
         metric, offsets, plan.quotas[rank].clone(), rule=selection,
-        seed=_mix_seed(lrmoe._seed_base, lrmoe.layer_number or 0, 0), hybrid_fraction=0.3)
+        seed=_mix_seed(lrmoe.lrmoe_state.seed_base, lrmoe.layer_number or 0, 0),
+        hybrid_fraction=0.3)
     if selection == "topk":
         scale = torch.ones_like(scale)
     want = list(zip(pair_token[kept].tolist(), pair_expert[kept].tolist(), strict=True))

@@ -28,7 +28,7 @@ def _pin(layer, replicas):
         replicas, key=lambda er: (er[1], er[0]))))
     planner.placement = placement
     planner.next_step = lambda: placement
-    layer._needs_refresh = True
+    layer.lrmoe_state.needs_refresh = True
     return placement
 
 
