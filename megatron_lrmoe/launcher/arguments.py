@@ -42,14 +42,31 @@ def _str2float_or_none(value: str) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The launcher's parser. Defaults follow Megatron-LM's unless noted."""
+    """The launcher's parser. Defaults follow Megatron-LM's unless noted.
+
+    One builder per ``--help`` group, in the order the groups (and so ``--help``) list
+    them; each is named after Megatron-LM's builder of the same flags.
+    """
     p = argparse.ArgumentParser(
         prog="python -m megatron_lrmoe.launcher.pretrain",
         description="Train a GPT(-MoE) model with Megatron-Core (Megatron-LM flag names).",
         allow_abbrev=False,
     )
     p.add_argument("--config", type=str, default=None, help="flat YAML of flag names to values")
+    _add_network_size_args(p)
+    _add_moe_args(p)
+    add_lrmoe_args(p)   # generated from the option table (config/options.py)
+    _add_distributed_args(p)
+    _add_training_args(p)
+    _add_data_args(p)
+    _add_checkpointing_args(p)
+    _add_logging_args(p)
+    return p
 
+
+def _add_network_size_args(p: argparse.ArgumentParser) -> None:
+    """Model shape and layer options (Megatron-LM's "network size", with its
+    dropout and initialisation flags)."""
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=None)
     g.add_argument("--hidden-size", type=int, default=None)
@@ -79,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
                    help="default: transformer_engine when installed and on CUDA, else local")
 
+
+def _add_moe_args(p: argparse.ArgumentParser) -> None:
+    """Megatron-Core's MoE flags (Megatron-LM's "moe"); ``--moe-lrmoe*`` come from
+    ``add_lrmoe_args``."""
     g = p.add_argument_group("mixture of experts")
     g.add_argument("--num-experts", type=int, default=None)
     g.add_argument("--moe-router-topk", type=int, default=2)
@@ -104,8 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-grouped-gemm", action="store_true")
     g.add_argument("--moe-permute-fusion", action="store_true")
 
-    add_lrmoe_args(p)
 
+def _add_distributed_args(p: argparse.ArgumentParser) -> None:
+    """Parallel layout and gradient/parameter communication (Megatron-LM's
+    "distributed")."""
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -119,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default nccl on CUDA, gloo on CPU")
 
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    """Batches, iterations, optimizer, learning rate, precision and recompute
+    (Megatron-LM spreads these over "training", "learning rate", "regularization" and
+    "mixed precision"; here they share one --help group)."""
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None,
@@ -155,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --recompute-granularity selective: Megatron's module names "
                         "(default: core_attn)")
 
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """Datasets and tokenizer (Megatron-LM's "data and dataloader" and "tokenizer")."""
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="prefixes of Megatron indexed datasets, optionally with weights")
@@ -164,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--data-cache-path", default=None)
 
+
+def _add_checkpointing_args(p: argparse.ArgumentParser) -> None:
+    """Saving, loading and the exit interval (Megatron-LM's "checkpointing")."""
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
@@ -173,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, with --save) when the iteration is a multiple")
 
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    """Log and evaluation intervals, and the launcher's own sinks (Megatron-LM's
+    "logging" and "validation")."""
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)
@@ -186,7 +224,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--record-routing", default=None, metavar="DIR",
                    help="(launcher) record every MoE layer's routed counts per micro-batch and "
                         "source rank into DIR (format: megatron_lrmoe/tools/routing_traces.py)")
-    return p
 
 
 def _flag_dests(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -312,7 +349,26 @@ def _positive(args: argparse.Namespace, *dests: str) -> None:
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
-    """Refuse configurations that cannot run, naming the flag and the fix."""
+    """Refuse configurations that cannot run, naming the flag and the fix.
+
+    The groups run in this order, and the checks within each in theirs: where one input
+    fails two checks, the first message is the one users (and tests) see.
+    """
+    _check_required_and_ranges(args)
+    _check_model_shape(args)
+    _check_moe(args)
+    validate_lrmoe_flags(lrmoe_view(args))   # --moe-lrmoe*, from the option table
+    _check_parallelism(args, world_size)
+    _check_batch_and_schedule(args)
+    _check_precision(args)
+    _check_data(args)
+    _check_routing_record(args)
+    _check_checkpointing(args)
+    _check_tokenizer(args)
+
+
+def _check_required_and_ranges(args: argparse.Namespace) -> None:
+    """Flags without a default, and counts that must be positive."""
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
              "micro_batch_size", "train_iters", "lr")
     _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -323,7 +379,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.eval_iters < 0:
         raise ConfigError(f"--eval-iters must be >= 0, got {args.eval_iters}")
 
-    # Model shape.
+
+def _check_model_shape(args: argparse.Namespace) -> None:
+    """Heads, query groups and positions against the hidden size and sequence."""
     if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         raise ConfigError(
             f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
@@ -345,7 +403,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"({args.max_position_embeddings}); raise it or use --position-embedding-type rope"
         )
 
-    # Mixture of experts.
+
+def _check_moe(args: argparse.Namespace) -> None:
+    """Megatron-Core's MoE flags (the ``--moe-lrmoe*`` ones are the option table's)."""
     if args.num_experts is not None:
         if args.moe_router_topk > args.num_experts:
             raise ConfigError(
@@ -381,9 +441,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             raise ConfigError("--moe-permute-fusion needs Transformer Engine on CUDA")
     elif args.expert_model_parallel_size > 1 and not args.moe_lrmoe:
         raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
-    validate_lrmoe_flags(lrmoe_view(args))
 
-    # Parallel layout.
+
+def _check_parallelism(args: argparse.Namespace, world_size: int) -> None:
+    """TP/PP/EP/ETP against the world size and the model, sequence parallelism, and the
+    distributed optimizer's overlap."""
     tp, pp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.expert_model_parallel_size)
     if world_size % (tp * pp):
@@ -423,7 +485,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
 
-    # Batches and schedule.
+
+def _check_batch_and_schedule(args: argparse.Namespace) -> None:
+    """Global batch against micro-batches x data parallel; warm-up and learning rates."""
     dp_batch = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size % dp_batch:
         raise ConfigError(
@@ -449,12 +513,17 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr ({args.min_lr}) exceeds --lr ({args.lr})")
+
+
+def _check_precision(args: argparse.Namespace) -> None:
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive")
     if args.fp16 and not _cuda_available():
         raise ConfigError("--fp16 needs CUDA (loss scaling); use --bf16 or fp32 on CPU")
 
-    # Data, checkpoints, logging.
+
+def _check_data(args: argparse.Namespace) -> None:
+    """Dataset prefixes on disk, and ``--split`` (with the validation share it needs)."""
     if not args.mock_data and not args.data_path:
         raise ConfigError(
             "--data-path is required (or --mock-data); prepare one with "
@@ -475,14 +544,23 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(f"--split {args.split!r}: expected three non-negative weights")
     if args.eval_iters > 0 and split[1] == 0 and not args.mock_data:
         raise ConfigError("--eval-iters > 0 needs a validation share in --split (e.g. 969,30,1)")
+
+
+def _check_routing_record(args: argparse.Namespace) -> None:
     if args.record_routing is not None:
         if args.num_experts is None:
             raise ConfigError("--record-routing needs an MoE model (--num-experts)")
         if os.path.exists(args.record_routing) and not os.path.isdir(args.record_routing):
             raise ConfigError(f"--record-routing {args.record_routing}: exists and is not a "
                               f"directory")
+
+
+def _check_checkpointing(args: argparse.Namespace) -> None:
     if args.save_interval is not None and not args.save:
         raise ConfigError("--save-interval needs --save DIR")
+
+
+def _check_tokenizer(args: argparse.Namespace) -> None:
     if args.tokenizer_type == "SentencePieceTokenizer" and not args.tokenizer_model:
         raise ConfigError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
 

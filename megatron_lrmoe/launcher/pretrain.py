@@ -26,12 +26,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_lrmoe.config.flags import ConfigError, tokens_per_rank
 from megatron_lrmoe.launcher.arguments import parse_args
+
+if TYPE_CHECKING:   # megatron.core is imported only once the runtime is set up
+    from megatron_lrmoe.launcher.checkpointing import TrainingProgress
 
 # -----------------------------------------------------------------------------
 # Distributed setup
@@ -331,18 +335,94 @@ def check_megatron_accepts(args: argparse.Namespace) -> None:
         raise ConfigError(f"Megatron-Core refuses this configuration: {exc}") from exc
 
 
+# -----------------------------------------------------------------------------
+# Training: train() reads top to bottom as setup, resume, then the loop (step, log,
+# evaluate, checkpoint), then shutdown. Each stage is one function below it, in that
+# order; the operations run in the same order as when they were one function (the
+# checkpoint-resume test and the bitwise-loss comparisons depend on it).
+# -----------------------------------------------------------------------------
+
+
 def train(args: argparse.Namespace) -> dict:
+    """Train to ``--train-iters`` (or ``--exit-interval``); the summary, on every rank."""
+    # ---- setup: parallel state, model, optimizer, instruments ---------------
+    device, owns_process_group = _setup_parallel_state(args)
+    run = _setup_model_and_optimizer(args, device)
+    # ---- resume, then data (the sampler continues from the consumed samples) --
+    progress = _resume(args, run)
+    _setup_data(args, run, progress)
+    run.forward_backward = _schedule()
+
+    # ---- the loop --------------------------------------------------------------
+    logger = Logger.create(args, progress.iteration)
+    tally = _Tally(train_start=time.perf_counter())
+    while progress.iteration < args.train_iters:
+        losses, grad_norm, step_time = _train_step(args, run)
+        progress.iteration += 1
+        progress.consumed_train_samples += args.global_batch_size
+        record, loss = _step_record(args, run, tally, progress, losses, grad_norm, step_time)
+        logger.advance({"loss": f"{loss:.3f}"})
+        _log_interval(args, logger, tally, progress, record)
+        _log_lrmoe(args, run, logger, progress, record)
+        _evaluate_if_due(args, run, logger, tally, progress, record)
+        logger.write(record)
+        if _checkpoint_and_check_exit(args, run, logger, progress):
+            break
+
+    # ---- shutdown --------------------------------------------------------------
+    return _shutdown(args, run, logger, tally, progress, owns_process_group)
+
+
+@dataclass
+class _Run:
+    """What setup builds and every later stage uses."""
+
+    device: torch.device
+    tokenizer: object
+    model: list
+    optimizer: object
+    scheduler: object
+    moe_timer: object
+    recorder: object | None
+    tokens_per_step: int
+    train_iter: object | None = None
+    valid_ds: object | None = None
+    forward_backward: object | None = None
+
+
+@dataclass
+class _Tally:
+    """Running figures of the loop: the log interval's, the run's and the last validation."""
+
+    train_start: float
+    cumulative_moe_s: float = 0.0
+    interval: StepStats = field(default_factory=StepStats)
+    interval_steps: int = 0
+    interval_time: float = 0.0
+    val_loss: float | None = None
+
+    def add(self, stats: StepStats, step_time: float) -> None:
+        self.interval.loss_sum += stats.loss_sum
+        self.interval.loss_tokens += stats.loss_tokens
+        self.interval.moe_forward_s += stats.moe_forward_s
+        self.interval.moe_backward_s += stats.moe_backward_s
+        self.interval_steps += 1
+        self.interval_time += step_time
+
+    def reset_interval(self) -> None:
+        self.interval = StepStats()
+        self.interval_steps, self.interval_time = 0, 0.0
+
+
+# ---- setup -------------------------------------------------------------------
+
+
+def _setup_parallel_state(args: argparse.Namespace) -> tuple[torch.device, bool]:
+    """Process group, parallel state and Megatron's micro-batch calculator; one log line."""
     device, owns_process_group = initialize_distributed(args)
 
     from megatron.core import num_microbatches_calculator
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.utils import get_model_config
-
-    from megatron_lrmoe.launcher import builders, checkpointing
-    from megatron_lrmoe.launcher.data_iterators import MicroBatchIterator
-    from megatron_lrmoe.launcher.moe_timing import MoETimer, attach_moe_timer
 
     args.num_microbatches = args.global_batch_size // (
         args.micro_batch_size * ps.get_data_parallel_world_size()
@@ -358,9 +438,32 @@ def train(args: argparse.Namespace) -> dict:
         f"EP {args.expert_model_parallel_size} DP {ps.get_data_parallel_world_size()}, "
         f"{torch.get_num_threads()} thread(s)/rank, {args.num_microbatches} micro-batch(es)/step"
     )
+    return device, owns_process_group
 
-    # ---- model, optimizer, scheduler ----------------------------------------
+
+def _setup_model_and_optimizer(args: argparse.Namespace, device: torch.device) -> _Run:
+    """Model (with LRMoE planners), optimizer and scheduler, then the MoE timer and the
+    routing recorder; one log line of the parameter count."""
+    from megatron_lrmoe.launcher import builders
+
     tokenizer = builders.build_tokenizer_from_args(args)
+    model = _build_model(args, device, tokenizer)
+    optimizer, scheduler = _build_optimizer(args, model)
+    moe_timer, moe_layers, recorder = _attach_instruments(args, model)
+    n_params = sum(p.numel() for p in model[0].parameters())
+    log0(f"model: {n_params / 1e6:.2f} M parameters on rank 0, {moe_layers} MoE layer(s) timed")
+    return _Run(device=device, tokenizer=tokenizer, model=model, optimizer=optimizer,
+                scheduler=scheduler, moe_timer=moe_timer, recorder=recorder,
+                tokens_per_step=args.global_batch_size * args.seq_length)
+
+
+def _build_model(args: argparse.Namespace, device: torch.device, tokenizer) -> list:
+    """The model chunks; with --moe-lrmoe, the memory budget is checked first (a refusal
+    before anything is allocated) and the planners are set up right after the build."""
+    from megatron.core import num_microbatches_calculator
+
+    from megatron_lrmoe.launcher import builders
+
     config = builders.transformer_config_from_args(args)
     if args.moe_lrmoe:
         from megatron_lrmoe.config.planner_inputs import check_memory_budget
@@ -379,7 +482,6 @@ def train(args: argparse.Namespace) -> dict:
     )
     if args.moe_lrmoe:   # planners built now, before any checkpoint is loaded or step runs
         from megatron_lrmoe.integration.step_hooks import (
-            finish_lrmoe_step,
             machine_constants_line,
             setup_lrmoe_layers,
         )
@@ -388,6 +490,17 @@ def train(args: argparse.Namespace) -> dict:
             model, tokens, num_microbatches_calculator.get_num_microbatches, config)
         if machine is not None:
             log0(machine_constants_line(machine))
+    return model
+
+
+def _build_optimizer(args: argparse.Namespace, model: list) -> tuple[object, object]:
+    """Optimizer and scheduler, and the model config's hooks into them (loss scaling,
+    gradient finalisation, overlapped gradient reduction) that the schedule calls."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    from megatron_lrmoe.launcher import builders
+
     optimizer = builders.build_optimizer(args, model)
     scheduler = builders.build_scheduler(args, optimizer)
     model_config = get_model_config(model[0])
@@ -396,8 +509,13 @@ def train(args: argparse.Namespace) -> dict:
     if args.overlap_grad_reduce:
         model_config.no_sync_func = model[0].no_sync
         model_config.grad_sync_func = model[0].start_grad_sync
-    if args.moe_lrmoe:
-        from megatron_lrmoe.layer.telemetry import collect_lrmoe_stats
+    return optimizer, scheduler
+
+
+def _attach_instruments(args: argparse.Namespace, model: list) -> tuple[object, int, object]:
+    """MoE-layer timer and routing recorder; returns (timer, MoE layers timed, recorder)."""
+    from megatron_lrmoe.launcher.moe_timing import MoETimer, attach_moe_timer
+
     moe_timer = MoETimer(sync_cuda=torch.cuda.is_available())
     moe_layers = 0 if args.no_moe_timing else attach_moe_timer(model[0], moe_timer)
     recorder = None
@@ -408,14 +526,20 @@ def train(args: argparse.Namespace) -> dict:
             recorder = start_recording(args, model)
         except RoutingRecordError as error:
             raise ConfigError(str(error)) from None
-    n_params = sum(p.numel() for p in model[0].parameters())
-    log0(f"model: {n_params / 1e6:.2f} M parameters on rank 0, {moe_layers} MoE layer(s) timed")
+    return moe_timer, moe_layers, recorder
 
-    # ---- checkpoint resume ---------------------------------------------------
+
+# ---- resume and data -----------------------------------------------------------
+
+
+def _resume(args: argparse.Namespace, run: _Run) -> TrainingProgress:
+    """The progress of the checkpoint in ``--load`` (with its state loaded), else zero."""
+    from megatron_lrmoe.launcher import checkpointing
+
     progress = checkpointing.TrainingProgress()
     if args.load:
         loaded = checkpointing.load_checkpoint(
-            args.load, model, optimizer, scheduler,
+            args.load, run.model, run.optimizer, run.scheduler,
             load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng,
         )
         if loaded is None:
@@ -423,125 +547,176 @@ def train(args: argparse.Namespace) -> dict:
         else:
             progress = loaded
             log0(f"resumed from {args.load} at iteration {progress.iteration}")
+    return progress
 
-    # ---- data ----------------------------------------------------------------
-    train_ds, valid_ds, _ = builders.build_datasets(args, tokenizer)
-    train_iter = MicroBatchIterator(
+
+def _setup_data(args: argparse.Namespace, run: _Run, progress: TrainingProgress) -> None:
+    """Datasets, and the training iterator from the samples already consumed."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_lrmoe.launcher import builders
+    from megatron_lrmoe.launcher.data_iterators import MicroBatchIterator
+
+    train_ds, run.valid_ds, _ = builders.build_datasets(args, run.tokenizer)
+    run.train_iter = MicroBatchIterator(
         train_ds, args.micro_batch_size, ps.get_data_parallel_rank(),
-        ps.get_data_parallel_world_size(), progress.consumed_train_samples, device,
+        ps.get_data_parallel_world_size(), progress.consumed_train_samples, run.device,
     )
-    forward_backward = get_forward_backward_func()
-    tokens_per_step = args.global_batch_size * args.seq_length
 
-    # ---- training loop -------------------------------------------------------
-    logger = Logger.create(args, progress.iteration)
-    cumulative_moe_s = 0.0
-    train_start = time.perf_counter()
-    interval = StepStats()
-    interval_steps, interval_time = 0, 0.0
-    val_loss = None
-    while progress.iteration < args.train_iters:
-        step_start = time.perf_counter()
-        moe_timer.reset()
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = forward_backward(
-            forward_step_func=forward_step, data_iterator=train_iter, model=model,
-            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
-            forward_only=False,
+
+# ---- the step ------------------------------------------------------------------
+
+
+def _schedule():
+    """Megatron's pipeline schedule for this parallel state (imported only now: megatron.core
+    is first imported by initialize_distributed, after the CPU runtime is on)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()
+
+
+def _train_step(args: argparse.Namespace, run: _Run) -> tuple[list[dict], object, float]:
+    """One optimizer step over a global batch; returns (losses, grad norm, seconds)."""
+    step_start = time.perf_counter()
+    run.moe_timer.reset()
+    for chunk in run.model:
+        chunk.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    losses = run.forward_backward(
+        forward_step_func=forward_step, data_iterator=run.train_iter, model=run.model,
+        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+        forward_only=False,
+    )
+    update_ok, grad_norm, _ = run.optimizer.step()
+    if args.moe_lrmoe:   # the step boundary of LRMoE's planners and replicas
+        from megatron_lrmoe.integration.step_hooks import finish_lrmoe_step
+
+        finish_lrmoe_step(run.model)
+    if update_ok:
+        run.scheduler.step(increment=args.global_batch_size)
+    return losses, grad_norm, time.perf_counter() - step_start
+
+
+# ---- logging -------------------------------------------------------------------
+
+
+def _step_record(args: argparse.Namespace, run: _Run, tally: _Tally, progress: TrainingProgress,
+                 losses: list[dict], grad_norm, step_time: float) -> tuple[dict, float]:
+    """The step's JSON-lines record from statistics reduced over ranks (one all_gather,
+    plus the recorder's), and the step's loss; adds the step to the tally."""
+    stats = reduce_step_stats(losses, run.moe_timer.forward_seconds,
+                              run.moe_timer.backward_seconds)
+    tally.cumulative_moe_s += stats.moe_forward_s + stats.moe_backward_s
+    record = {
+        "iteration": progress.iteration,
+        "lm-loss": stats.loss,
+        "learning-rate": run.optimizer.param_groups[0]["lr"],
+        "grad-norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "step-time-s": step_time,
+        "tokens-per-sec": run.tokens_per_step / step_time,
+        "moe-forward-s": stats.moe_forward_s,
+        "moe-backward-s": stats.moe_backward_s,
+        "moe-cumulative-s": tally.cumulative_moe_s,
+        "consumed-samples": progress.consumed_train_samples,
+    }
+    if run.recorder is not None:   # one all_gather of the step's routed counts
+        record.update(run.recorder.end_step(progress.iteration))
+    tally.add(stats, step_time)
+    return record, stats.loss
+
+
+def _log_interval(args: argparse.Namespace, logger: Logger, tally: _Tally,
+                  progress: TrainingProgress, record: dict) -> None:
+    """Every ``--log-interval`` steps and at the last: the interval's figures, one line."""
+    if progress.iteration % args.log_interval == 0 or progress.iteration == args.train_iters:
+        interval, steps, seconds = tally.interval, tally.interval_steps, tally.interval_time
+        logger.line(
+            f"iter {progress.iteration:6d}/{args.train_iters} | loss {interval.loss:.4f} | "
+            f"lr {record['learning-rate']:.3e} | grad norm {record['grad-norm']:.3f} | "
+            f"{args.global_batch_size * args.seq_length * steps / seconds:8.0f} tok/s | "
+            f"MoE fwd {1e3 * interval.moe_forward_s / steps:7.1f} ms "
+            f"bwd {1e3 * interval.moe_backward_s / steps:7.1f} ms per step "
+            f"({100 * (interval.moe_forward_s + interval.moe_backward_s) / seconds:.0f}%"
+            f" of step time)"
         )
-        update_ok, grad_norm, _ = optimizer.step()
-        if args.moe_lrmoe:   # the step boundary of LRMoE's planners and replicas
-            finish_lrmoe_step(model)
-        if update_ok:
-            scheduler.step(increment=args.global_batch_size)
-        step_time = time.perf_counter() - step_start
-        progress.iteration += 1
-        progress.consumed_train_samples += args.global_batch_size
+        tally.reset_interval()
 
-        stats = reduce_step_stats(losses, moe_timer.forward_seconds, moe_timer.backward_seconds)
-        cumulative_moe_s += stats.moe_forward_s + stats.moe_backward_s
-        record = {
-            "iteration": progress.iteration,
-            "lm-loss": stats.loss,
-            "learning-rate": optimizer.param_groups[0]["lr"],
-            "grad-norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "step-time-s": step_time,
-            "tokens-per-sec": tokens_per_step / step_time,
-            "moe-forward-s": stats.moe_forward_s,
-            "moe-backward-s": stats.moe_backward_s,
-            "moe-cumulative-s": cumulative_moe_s,
-            "consumed-samples": progress.consumed_train_samples,
-        }
-        if recorder is not None:   # one all_gather of the step's routed counts
-            record.update(recorder.end_step(progress.iteration))
-        interval.loss_sum += stats.loss_sum
-        interval.loss_tokens += stats.loss_tokens
-        interval.moe_forward_s += stats.moe_forward_s
-        interval.moe_backward_s += stats.moe_backward_s
-        interval_steps += 1
-        interval_time += step_time
-        logger.advance({"loss": f"{stats.loss:.3f}"})
 
-        if progress.iteration % args.log_interval == 0 or progress.iteration == args.train_iters:
-            logger.line(
-                f"iter {progress.iteration:6d}/{args.train_iters} | loss {interval.loss:.4f} | "
-                f"lr {record['learning-rate']:.3e} | grad norm {record['grad-norm']:.3f} | "
-                f"{tokens_per_step * interval_steps / interval_time:8.0f} tok/s | "
-                f"MoE fwd {1e3 * interval.moe_forward_s / interval_steps:7.1f} ms "
-                f"bwd {1e3 * interval.moe_backward_s / interval_steps:7.1f} ms per step "
-                f"({100 * (interval.moe_forward_s + interval.moe_backward_s) / interval_time:.0f}%"
-                f" of step time)"
+def _log_lrmoe(args: argparse.Namespace, run: _Run, logger: Logger, progress: TrainingProgress,
+               record: dict) -> None:
+    """With --moe-lrmoe, every ``--moe-lrmoe-log-interval`` (default ``--log-interval``)
+    steps and at the last: LRMoE statistics into the record, and a line."""
+    lrmoe_interval = args.moe_lrmoe_log_interval or args.log_interval
+    if args.moe_lrmoe and (
+        progress.iteration % lrmoe_interval == 0 or progress.iteration == args.train_iters
+    ):
+        from megatron_lrmoe.layer.telemetry import collect_lrmoe_stats
+
+        lrmoe_stats = collect_lrmoe_stats(run.model, args.num_layers, args.num_experts)
+        record.update(lrmoe_stats)
+        if "lrmoe/retained-fraction" in lrmoe_stats:
+            logger.line(lrmoe_log_line(progress.iteration, lrmoe_stats))
+
+
+# ---- evaluation and checkpointing ------------------------------------------------
+
+
+def _evaluate_if_due(args: argparse.Namespace, run: _Run, logger: Logger, tally: _Tally,
+                     progress: TrainingProgress, record: dict) -> None:
+    """Every ``--eval-interval`` steps and at the last (with ``--eval-iters`` > 0)."""
+    if args.eval_iters > 0 and (
+        progress.iteration % args.eval_interval == 0 or progress.iteration == args.train_iters
+    ):
+        with params_gathered(args, run.model):
+            tally.val_loss = evaluate(args, run.model, run.forward_backward, run.valid_ds,
+                                      run.device, run.moe_timer)
+        record["validation-loss"] = tally.val_loss
+        logger.line(f"iter {progress.iteration:6d} | validation loss {tally.val_loss:.4f}")
+
+
+def _checkpoint_and_check_exit(args: argparse.Namespace, run: _Run, logger: Logger,
+                               progress: TrainingProgress) -> bool:
+    """Save every ``--save-interval`` steps and at the end (the last step or an
+    ``--exit-interval`` stop); True when ``--exit-interval`` stops the run here."""
+    from megatron_lrmoe.launcher import checkpointing
+
+    exiting = bool(args.exit_interval) and progress.iteration % args.exit_interval == 0
+    last = exiting or progress.iteration == args.train_iters
+    periodic = bool(args.save_interval) and progress.iteration % args.save_interval == 0
+    if args.save and (periodic or last):
+        with params_gathered(args, run.model):
+            path = checkpointing.save_checkpoint(
+                args.save, run.model, run.optimizer, run.scheduler, progress
             )
-            interval = StepStats()
-            interval_steps, interval_time = 0, 0.0
+        logger.line(f"saved checkpoint {path}")
+    if exiting:
+        logger.line(f"exiting at iteration {progress.iteration} (--exit-interval)")
+    return exiting
 
-        lrmoe_interval = args.moe_lrmoe_log_interval or args.log_interval
-        if args.moe_lrmoe and (
-            progress.iteration % lrmoe_interval == 0 or progress.iteration == args.train_iters
-        ):
-            lrmoe_stats = collect_lrmoe_stats(model, args.num_layers, args.num_experts)
-            record.update(lrmoe_stats)
-            if "lrmoe/retained-fraction" in lrmoe_stats:
-                logger.line(lrmoe_log_line(progress.iteration, lrmoe_stats))
 
-        if args.eval_iters > 0 and (
-            progress.iteration % args.eval_interval == 0 or progress.iteration == args.train_iters
-        ):
-            with params_gathered(args, model):
-                val_loss = evaluate(args, model, forward_backward, valid_ds, device, moe_timer)
-            record["validation-loss"] = val_loss
-            logger.line(f"iter {progress.iteration:6d} | validation loss {val_loss:.4f}")
-        logger.write(record)
+# ---- shutdown --------------------------------------------------------------------
 
-        exiting = bool(args.exit_interval) and progress.iteration % args.exit_interval == 0
-        last = exiting or progress.iteration == args.train_iters
-        periodic = bool(args.save_interval) and progress.iteration % args.save_interval == 0
-        if args.save and (periodic or last):
-            with params_gathered(args, model):
-                path = checkpointing.save_checkpoint(
-                    args.save, model, optimizer, scheduler, progress
-                )
-            logger.line(f"saved checkpoint {path}")
-        if exiting:
-            logger.line(f"exiting at iteration {progress.iteration} (--exit-interval)")
-            break
+
+def _shutdown(args: argparse.Namespace, run: _Run, logger: Logger, tally: _Tally,
+              progress: TrainingProgress, owns_process_group: bool) -> dict:
+    """Close the sinks, print the summary (rank 0), then take down Megatron's state and
+    the process group if train() created it. Returns the summary."""
+    from megatron.core import num_microbatches_calculator
+    from megatron.core import parallel_state as ps
+
     logger.close()
-    if recorder is not None:
-        recorder.close()
-    wall = time.perf_counter() - train_start
-
-    # ---- summary -------------------------------------------------------------
+    if run.recorder is not None:
+        run.recorder.close()
+    wall = time.perf_counter() - tally.train_start
     history = logger.history
     summary = {
         "iterations": progress.iteration,
         "wall-s": wall,
         "final-lm-loss": history[-1]["lm-loss"] if history else None,
         "first-lm-loss": history[0]["lm-loss"] if history else None,
-        "validation-loss": val_loss,
-        "moe-cumulative-s": cumulative_moe_s,
+        "validation-loss": tally.val_loss,
+        "moe-cumulative-s": tally.cumulative_moe_s,
         "losses": [r["lm-loss"] for r in history],
     }
     if history and dist.get_rank() == 0:
