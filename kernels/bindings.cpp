@@ -18,6 +18,15 @@
 // out of bounds) and select_rows takes its output size from the caller. CPU
 // checks read host memory the kernels read anyway, so they always run.
 //
+// Two front doors to the same functions: the torch ops lrmoe::* (TORCH_LIBRARY
+// below, with CPU and CUDA kernels; megatron_lrmoe/ops calls these and registers
+// their fake implementations, so the ops trace under FakeTensorMode and
+// torch.compile), and the pybind11 module (the extension's binding: the
+// built_with_cuda helper, and the same entry points for tests of the binding).
+//
+// Empty inputs are decided here, before any backend runs, so that no kernel sees
+// the null data pointer of an empty tensor and every backend returns the same.
+//
 // Headers: torch/csrc/utils/pybind.h (pybind11 plus torch's Tensor casters)
 // and the few ATen headers used, instead of torch/extension.h, which pulls in
 // the whole C++ frontend: 14 s instead of 45-75 s of compile time here.
@@ -26,6 +35,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <cstdint>
 #include <limits>
@@ -441,6 +451,17 @@ at::Tensor combine_rows(const at::Tensor& src, const at::Tensor& scale, const at
   if (n_tokens == 0 || src.size(1) == 0) {
     return out;
   }
+  if (src.size(0) == 0 || order.size(0) == 0) {
+    // No pair contributes: y = 0 on every backend. Decided here because an empty
+    // tensor's data pointer is null, which the CUDA launcher refuses for scale. The
+    // value checks (offsets from 0 to M, order in [0, P)) still run where values are
+    // checked: always on the host, on a GPU with check (host copies; debug only).
+    if (src.device().is_cpu() || check) {
+      combine_rows_cpu(at::empty({n_tokens, src.size(1)}, src.options().device(at::kCPU)),
+                       src.cpu(), scale.cpu(), order.cpu(), offsets.cpu());
+    }
+    return out.zero_();
+  }
   if (src.device().is_cpu()) {
     combine_rows_cpu(out, src, scale, order, offsets);
     return out;
@@ -483,6 +504,9 @@ std::tuple<at::Tensor, at::Tensor> combine_rows_backward(
   at::Tensor dscale = at::empty({src.size(0)}, src.options().dtype(opmath_type(src.scalar_type())));
   at::Tensor out = at::empty({n_out, dy.size(1)}, dy.options());
   if (src.size(0) == 0) {
+    // No pair, so no slot names a row of out: zeros on every backend (the
+    // torch backend's result), instead of whatever memory at::empty handed out.
+    out.zero_();
     return {dscale, out};
   }
   if (src.device().is_cpu()) {
@@ -519,6 +543,26 @@ std::tuple<at::Tensor, at::Tensor> combine_rows_backward(
 #endif
 }
 
+namespace {
+
+// Dispatcher entry points of the lrmoe::* ops: the schemas' argument types over
+// the functions above. scatter_add_rows returns nothing: its schema marks out as
+// mutated (Tensor(a!)), and an op that also returned that alias could not be
+// functionalized by torch.compile.
+void scatter_add_rows_op(const at::Tensor& out, const at::Tensor& index, const at::Tensor& src,
+                         const std::optional<at::Tensor>& scale, bool check) {
+  scatter_add_rows(out, index, src, scale, check);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows_op(
+    const at::Tensor& metric, const at::Tensor& cell_offsets, const at::Tensor& quotas,
+    c10::string_view rule, int64_t seed, double hybrid_fraction, int64_t n_kept, bool check) {
+  return select_rows(metric, cell_offsets, quotas, std::string(rule), seed, hybrid_fraction,
+                     n_kept, check);
+}
+
+}  // namespace
+
 bool built_with_cuda() {
 #ifdef WITH_CUDA
   return true;
@@ -528,6 +572,45 @@ bool built_with_cuda() {
 }
 
 }  // namespace lrmoe
+
+// The schemas. Fake implementations (output shape, dtype and device without
+// computing) are registered in Python, each next to its op in the module named by
+// set_python_module, which torch imports when a fake tensor meets an op first.
+TORCH_LIBRARY(lrmoe, m) {
+  m.set_python_module("megatron_lrmoe.ops.scatter_add_rows");
+  m.def(
+      "scatter_add_rows(Tensor(a!) out, Tensor index, Tensor src, Tensor? scale=None, "
+      "bool check=True) -> ()");
+  m.set_python_module("megatron_lrmoe.ops.select");
+  m.def(
+      "select_rows(Tensor metric, Tensor cell_offsets, Tensor quotas, str rule, int seed, "
+      "float hybrid_fraction=0.5, int n_kept=-1, bool check=True) -> (Tensor, Tensor, Tensor)");
+  m.set_python_module("megatron_lrmoe.ops.combine");
+  m.def(
+      "combine_rows(Tensor src, Tensor scale, Tensor order, Tensor offsets, bool check=True) "
+      "-> Tensor");
+  m.def(
+      "combine_rows_backward(Tensor dy, Tensor src, Tensor token, Tensor scale, "
+      "Tensor? slot=None, Tensor? w=None, int n_out=-1, bool check=True) -> (Tensor, Tensor)");
+}
+
+// One set of functions serves both devices (they branch on the tensors' device),
+// registered under each dispatch key that has a backend in this build.
+TORCH_LIBRARY_IMPL(lrmoe, CPU, m) {
+  m.impl("scatter_add_rows", &lrmoe::scatter_add_rows_op);
+  m.impl("select_rows", &lrmoe::select_rows_op);
+  m.impl("combine_rows", &lrmoe::combine_rows);
+  m.impl("combine_rows_backward", &lrmoe::combine_rows_backward);
+}
+
+#ifdef WITH_CUDA
+TORCH_LIBRARY_IMPL(lrmoe, CUDA, m) {
+  m.impl("scatter_add_rows", &lrmoe::scatter_add_rows_op);
+  m.impl("select_rows", &lrmoe::select_rows_op);
+  m.impl("combine_rows", &lrmoe::combine_rows);
+  m.impl("combine_rows_backward", &lrmoe::combine_rows_backward);
+}
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron-lrmoe compiled kernels (CPU, and CUDA when built with it)";

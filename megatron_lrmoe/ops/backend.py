@@ -13,8 +13,15 @@ Requests (``--moe-lrmoe-kernels``): "auto", "cpu", "cuda", "torch".
   cpu / cuda   that compiled backend, or a ValueError saying why it cannot be used
   torch        always "torch"
 
-Ops call ``resolve_backend`` and, for a compiled backend, ``kernels_module``;
-nothing else imports the extension.
+Ops call ``resolve_backend`` and, for a compiled backend, the torch ops that the
+extension registers (``torch.ops.lrmoe.*``, through ``registered_ops``); nothing else
+imports the extension. Each op module registers its op's fake implementation, so the
+ops trace with fake tensors (FakeTensorMode, torch.compile) without computing.
+
+Fake tensors: "auto" and "cuda" pick the compiled CUDA backend for fake CUDA tensors
+even where the extension was built without its CUDA part (no nvcc) or the machine has
+no GPU: a fake tensor runs only the op's fake implementation, which every build
+registers, so no CUDA kernel is needed to trace (``resolve_backend(..., fake=True)``).
 
 Debug checks (``debug_checks``): checking index and metric *values* of tensors on a
 GPU means reading a device reduction on the host, which stalls the CPU until the GPU
@@ -33,6 +40,7 @@ import os
 from types import ModuleType
 
 import torch
+from torch._subclasses.fake_tensor import is_fake as _is_fake
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +60,12 @@ except ImportError as exc:  # not built, or built against another torch (ABI)
     _kernels_import_error = f"{type(exc).__name__}: {exc}"
 else:
     _kernels_import_error = None
+    # A build from sources older than the op registration imports but defines no
+    # lrmoe::* ops: treat it as missing (the ops call them) instead of failing later.
+    if not hasattr(torch.ops.lrmoe, "combine_rows_backward"):
+        _kernels = None
+        _kernels_import_error = ("megatron_lrmoe._kernels predates the lrmoe::* torch ops "
+                                 "(built from older sources)")
 
 # Reasons already warned about, so "auto" logs its fallback once, not per call.
 _warned: set[str] = set()
@@ -97,7 +111,26 @@ def kernels_module() -> ModuleType:
     return _kernels
 
 
-def _compiled_backend(device_type: str) -> tuple[str | None, str]:
+def registered_ops() -> torch._ops._OpNamespace:
+    """``torch.ops.lrmoe``: the extension's ops; only for ops that resolved a compiled
+    backend (the extension, which registers them, is imported here first)."""
+    kernels_module()
+    return torch.ops.lrmoe
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (FakeTensorMode): it has metadata but no data,
+    so only fake implementations may see it and no value is read.
+
+    False while torch.compile's Dynamo traces the caller: the code it traces stands for
+    the run on real tensors (and Dynamo cannot trace the test itself).
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return _is_fake(tensor)
+
+
+def _compiled_backend(device_type: str, fake: bool = False) -> tuple[str | None, str]:
     """(backend, reason): the compiled backend for a device type, or None and why not."""
     if _kernels is None:
         why = f"megatron_lrmoe._kernels did not import ({_kernels_import_error})"
@@ -105,6 +138,9 @@ def _compiled_backend(device_type: str) -> tuple[str | None, str]:
     if device_type == "cpu":
         return "cpu", "compiled CPU kernels (megatron_lrmoe._kernels)"
     if device_type == "cuda":
+        if fake:
+            # Fake tensors run the ops' fake implementations, present in every build.
+            return "cuda", "compiled CUDA kernels' fake implementations (fake tensors)"
         if not _kernels.built_with_cuda():
             return None, (
                 "megatron_lrmoe._kernels was built without CUDA support (torch without CUDA, "
@@ -114,7 +150,7 @@ def _compiled_backend(device_type: str) -> tuple[str | None, str]:
     return None, f"no compiled kernels exist for device type {device_type!r}"
 
 
-def _resolve(requested: str, device: torch.device) -> tuple[str, str]:
+def _resolve(requested: str, device: torch.device, fake: bool = False) -> tuple[str, str]:
     """(backend, reason) for a request, without logging; ValueError when impossible."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(
@@ -123,7 +159,7 @@ def _resolve(requested: str, device: torch.device) -> tuple[str, str]:
         )
     if requested == "torch":
         return "torch", "pure-torch ops requested explicitly"
-    backend, why = _compiled_backend(device.type)
+    backend, why = _compiled_backend(device.type, fake)
     if requested == "auto":
         if backend is None:
             return "torch", f"fallback: {why}"
@@ -141,16 +177,19 @@ def _resolve(requested: str, device: torch.device) -> tuple[str, str]:
     return backend, why
 
 
-def resolve_backend(requested: str = "auto", device: torch.device | str = "cpu") -> str:
+def resolve_backend(requested: str = "auto", device: torch.device | str = "cpu", *,
+                    fake: bool = False) -> str:
     """Backend ("cpu", "cuda" or "torch") that serves ``requested`` for tensors on ``device``.
 
     ``requested`` is one of "auto", "cpu", "cuda", "torch" (the values of
     ``--moe-lrmoe-kernels``). "auto" falls back to "torch", logging a warning
     once, when no compiled backend serves the device; an explicit "cpu" or
-    "cuda" that cannot be served raises ValueError naming the fix.
+    "cuda" that cannot be served raises ValueError naming the fix. ``fake``: the
+    tensors are fake (``is_fake``), so a compiled backend needs only the registered
+    ops, not a CUDA build or a GPU.
     """
     device = torch.device(device)
-    backend, why = _resolve(requested, device)
+    backend, why = _resolve(requested, device, fake)
     if requested == "auto" and backend == "torch" and why not in _warned:
         _warned.add(why)
         logger.warning(

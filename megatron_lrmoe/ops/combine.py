@@ -38,9 +38,16 @@ Backward: ``combine_rows_backward(dy, src, token, scale, slot, w, n_out)``
 
 Value checks (offsets, index ranges) run on the host always and on a GPU only with
 the debug checks on (``megatron_lrmoe.ops.backend.debug_checks``: a host sync);
-without them the CUDA kernels skip out-of-range rows. The "torch" backend is the
-fallback and not sync-free on a GPU. No autograd: the region calls these inside
-its own autograd function.
+without them the CUDA kernels skip out-of-range rows. Never on fake tensors.
+
+Empty input: with no pair (P = 0 or M = 0) y is zeros, and the backward's out is
+zeros when P = 0, on every backend.
+
+Compiled backends run the torch ops ``lrmoe::combine_rows`` and
+``lrmoe::combine_rows_backward`` (kernels/bindings.cpp); their fake implementations
+are registered here. K is an argument, so both give every output size from metadata.
+The "torch" backend is the fallback and not sync-free on a GPU. No autograd: the
+region calls these inside its own autograd function.
 """
 
 from __future__ import annotations
@@ -51,8 +58,10 @@ from megatron_lrmoe.ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_row_sca
 from megatron_lrmoe.ops._checks import opmath as opmath_of
 from megatron_lrmoe.ops.backend import (
     debug_checks,
-    kernels_module,
+    is_fake,
+    kernels_available,
     needs_value_check,
+    registered_ops,
     resolve_backend,
 )
 
@@ -192,6 +201,38 @@ def _check_backward_values(token, slot, n_tokens: int, n_out: int) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Fake implementations of the compiled ops: shapes, dtypes and devices from the
+# arguments' metadata, the binding's argument checks, no values read
+# ---------------------------------------------------------------------------
+
+
+def _combine_rows_fake(src: torch.Tensor, scale: torch.Tensor, order: torch.Tensor,
+                       offsets: torch.Tensor, check: bool = True) -> torch.Tensor:
+    _check_forward(src, scale, order, offsets)
+    return src.new_empty((offsets.shape[0] - 1, src.shape[1]))
+
+
+def _combine_rows_backward_fake(
+    dy: torch.Tensor, src: torch.Tensor, token: torch.Tensor, scale: torch.Tensor,
+    slot: torch.Tensor | None = None, w: torch.Tensor | None = None, n_out: int = -1,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if n_out == -1 and slot is None:
+        n_out = src.shape[0]  # every pair has its row, as in the binding
+    if n_out < 0:
+        raise ValueError(f"combine_rows_backward: K = {n_out} must be >= 0 (with slot, K is "
+                         "the caller's: the plan's kept rows)")
+    _check_backward(dy, src, token, scale, slot, w, n_out)
+    dscale = src.new_empty((src.shape[0],), dtype=opmath_of(src.dtype))
+    return dscale, dy.new_empty((n_out, dy.shape[1]))
+
+
+if kernels_available():
+    torch.library.register_fake("lrmoe::combine_rows", _combine_rows_fake)
+    torch.library.register_fake("lrmoe::combine_rows_backward", _combine_rows_backward_fake)
+
+
+# ---------------------------------------------------------------------------
 # The ops
 # ---------------------------------------------------------------------------
 
@@ -204,15 +245,16 @@ def combine_rows(src: torch.Tensor, scale: torch.Tensor, order: torch.Tensor,
     ``--moe-lrmoe-kernels`` value ("auto", "cpu", "cuda", "torch").
     """
     _refuse_autograd("combine_rows", src, scale)
-    chosen = resolve_backend(backend, src.device)
+    fake = is_fake(src)
+    chosen = resolve_backend(backend, src.device, fake=fake)
     if chosen == "torch":
         _check_forward(src, scale, order, offsets)
         if needs_value_check(src.device):
             _check_forward_values(order, offsets, src.shape[0])
         return combine_rows_reference(src, scale, order, offsets)
-    return kernels_module().combine_rows(src.contiguous(), scale.contiguous(),
+    return registered_ops().combine_rows(src.contiguous(), scale.contiguous(),
                                          order.contiguous(), offsets.contiguous(),
-                                         debug_checks())
+                                         debug_checks() and not fake)
 
 
 def combine_rows_backward(
@@ -227,13 +269,14 @@ def combine_rows_backward(
     """
     _refuse_autograd("combine_rows_backward", dy, src, scale)
     n_out = src.shape[0] if n_out is None else int(n_out)
-    chosen = resolve_backend(backend, src.device)
+    fake = is_fake(src)
+    chosen = resolve_backend(backend, src.device, fake=fake)
     if chosen == "torch":
         _check_backward(dy, src, token, scale, slot, w, n_out)
         if needs_value_check(src.device):
             _check_backward_values(token, slot, dy.shape[0], n_out)
         return combine_rows_backward_reference(dy, src, token, scale, slot, w, n_out)
-    return kernels_module().combine_rows_backward(
+    return registered_ops().combine_rows_backward(
         dy.contiguous(), src.contiguous(), token.contiguous(), scale.contiguous(),
         None if slot is None else slot.contiguous(), None if w is None else w.contiguous(),
-        n_out, debug_checks())
+        n_out, debug_checks() and not fake)

@@ -32,6 +32,11 @@ order, so results are bitwise reproducible and equal to
 ``scatter_add_rows_reference``. "cuda" (and "torch" on CUDA) uses atomic
 adds, whose order is not fixed: the last bits may vary run to run.
 
+Compiled backends run the torch op ``lrmoe::scatter_add_rows`` (kernels/bindings.cpp),
+whose schema marks ``out`` as mutated (``Tensor(a!)``) and returns nothing; its fake
+implementation, registered here, checks the arguments and computes nothing. Value
+checks never run on fake tensors.
+
 No autograd yet: call it where grad mode is off (inside an autograd
 Function's forward or backward, or under ``torch.no_grad()``).
 """
@@ -44,8 +49,10 @@ from megatron_lrmoe.ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_row_sca
 from megatron_lrmoe.ops._checks import opmath as opmath_of
 from megatron_lrmoe.ops.backend import (
     debug_checks,
-    kernels_module,
+    is_fake,
+    kernels_available,
     needs_value_check,
+    registered_ops,
     resolve_backend,
 )
 
@@ -116,6 +123,17 @@ def _check_args(
                         "out")
 
 
+def _scatter_add_rows_fake(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
+                           scale: torch.Tensor | None = None, check: bool = True) -> None:
+    """Fake implementation of ``lrmoe::scatter_add_rows``: the argument checks only (it
+    returns nothing and mutates ``out``, whose metadata stays as it is)."""
+    _check_args(out, index, src, scale)
+
+
+if kernels_available():
+    torch.library.register_fake("lrmoe::scatter_add_rows", _scatter_add_rows_fake)
+
+
 def _check_index_range(index: torch.Tensor, n_out: int) -> None:
     """IndexError unless every index value is in [0, n_out); one reduction, one sync."""
     if index.numel() == 0:
@@ -174,15 +192,16 @@ def scatter_add_rows(
             "scatter_add_rows has no autograd support: call it with grad mode off "
             "(torch.no_grad(), or inside an autograd Function)"
         )
-    chosen = resolve_backend(backend, out.device)
+    fake = is_fake(out)
+    chosen = resolve_backend(backend, out.device, fake=fake)
     if chosen == "torch":
         _scatter_add_rows_torch(out, index, src, scale)
         return out
-    kernels_module().scatter_add_rows(
+    registered_ops().scatter_add_rows(
         out,
         index.contiguous(),
         src.contiguous(),
         None if scale is None else scale.contiguous(),
-        debug_checks(),
+        debug_checks() and not fake,
     )
     return out

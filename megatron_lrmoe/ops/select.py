@@ -105,7 +105,9 @@ The CUDA backend reads nothing on the host when the caller gives K
 are off (``megatron_lrmoe.ops.backend.debug_checks``); otherwise it syncs once
 per call to validate the values and learn K. Without the checks, invalid
 values on a GPU give an undefined (but in-bounds) selection instead of an
-error. No gradient flows through the selection.
+error. No gradient flows through the selection. The compiled backends run the
+torch op ``lrmoe::select_rows`` (kernels/bindings.cpp), whose fake implementation,
+registered here, needs ``n_kept``: K depends on values a fake tensor lacks.
 
 ``metric`` may be None for "uniform", which ignores it (the LRMoE region then
 skips computing it); ``num_rows`` gives P.
@@ -119,8 +121,10 @@ import torch
 
 from megatron_lrmoe.ops.backend import (
     debug_checks,
-    kernels_module,
+    is_fake,
+    kernels_available,
     needs_value_check,
+    registered_ops,
     resolve_backend,
 )
 
@@ -166,8 +170,13 @@ def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def _mul64(z: torch.Tensor, m: int) -> torch.Tensor:
-    """z * m mod 2^64 on int64 bit patterns (multiplied as uint64, which wraps)."""
-    return (z.view(torch.uint64) * torch.tensor(m, dtype=torch.uint64)).view(torch.int64)
+    """z * m mod 2^64 on int64 bit patterns.
+
+    In int64, not uint64: torch's CUDA ``mul`` has lacked uint64 kernels, and the low 64
+    bits of a product do not depend on signedness, so the wrapping int64 product of the
+    same bit patterns is the uint64 product's bits.
+    """
+    return z * _signed(m)
 
 
 def splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -398,6 +407,35 @@ def _seed_bits(seed: int) -> int:
 
 
 # ---------------------------------------------------------------------------
+# Fake implementation of the compiled op
+# ---------------------------------------------------------------------------
+
+
+def _select_rows_fake(metric: torch.Tensor, cell_offsets: torch.Tensor, quotas: torch.Tensor,
+                      rule: str, seed: int, hybrid_fraction: float = 0.5, n_kept: int = -1,
+                      check: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fake implementation of ``lrmoe::select_rows``: outputs from metadata and n_kept.
+
+    K is a sum over the quotas' and offsets' values, which a fake tensor does not
+    have: the caller passes it (``n_kept``, from the plan); -1 is refused, not guessed.
+    """
+    _check_args(metric, cell_offsets, quotas)
+    if rule not in RULES:
+        raise ValueError("select_rows: rule must be one of 'topk', 'sample', 'uniform', "
+                         f"'hybrid', got {rule!r}")
+    if n_kept < 0:
+        raise ValueError(f"select_rows: n_kept = {n_kept}: the number of kept rows depends on "
+                         "the quotas' and offsets' values, which fake tensors do not have; pass "
+                         "n_kept (the plan's K)")
+    return (cell_offsets.new_empty((n_kept,)), metric.new_empty((n_kept,)),
+            quotas.new_empty((quotas.shape[0],)))
+
+
+if kernels_available():
+    torch.library.register_fake("lrmoe::select_rows", _select_rows_fake)
+
+
+# ---------------------------------------------------------------------------
 # The op
 # ---------------------------------------------------------------------------
 
@@ -456,7 +494,8 @@ def select_rows(
         # The rule never reads it; zeros are valid input for every backend's checks.
         metric = torch.zeros(num_rows, dtype=torch.float32, device=cell_offsets.device)
     metric = metric.detach()
-    chosen = resolve_backend(backend, metric.device)
+    fake = is_fake(metric)
+    chosen = resolve_backend(backend, metric.device, fake=fake)
     if chosen == "torch":
         _check_args(metric, cell_offsets, quotas)
         if needs_value_check(metric.device):
@@ -468,7 +507,7 @@ def select_rows(
             raise ValueError(f"select_rows: n_kept = {n_kept} but the quotas keep "
                              f"{result[0].numel()} rows")
         return result
-    return kernels_module().select_rows(
+    return registered_ops().select_rows(
         metric.contiguous(), cell_offsets.contiguous(), quotas.contiguous(), rule, seed64,
-        fraction, -1 if n_kept is None else int(n_kept), debug_checks(),
+        fraction, -1 if n_kept is None else int(n_kept), debug_checks() and not fake,
     )
