@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from megatron_lrmoe.planning.cost_model import CostModel, MoEShape
-from megatron_lrmoe.planning.instance_assignment import route_pairs
+from megatron_lrmoe.planning.instance_assignment import assign_instances
 from megatron_lrmoe.planning.machine import default_machine_constants
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import plan_retention
@@ -121,15 +121,16 @@ def main() -> None:
         ctx = planner._context(placement)
 
         def one_route(ctx=ctx, placement=placement, plan_i=plan_i):
-            route_pairs(batches[plan_i[0] % len(batches)], placement, ctx.capacity)
+            assign_instances(batches[plan_i[0] % len(batches)], placement, ctx.capacity)
             plan_i[0] += 1
 
         route_ms, _ = median_ms(one_route, args.repeats)
         mb = planner.plan(batches[0])
-        routing = mb.routing
+        assignment = mb.assignment
 
-        def one_retention(routing=routing, placement=placement, gamma=mb.capacity_factor_used):
-            plan_retention(routing.counts, args.ranks, gamma, 0.0,
+        def one_retention(assignment=assignment, placement=placement,
+                          gamma=mb.capacity_factor_used):
+            plan_retention(assignment.counts, args.ranks, gamma, 0.0,
                            instance_rank=placement.instance_rank,
                            instance_expert=placement.instance_expert)
 
@@ -142,7 +143,7 @@ def main() -> None:
                      float(load.max() / load.mean()), (fwd + bwd) * 1e3,
                      "; ".join(mb.notes) or "-"))
 
-    header = ("| policy | gamma | replicas | plan ms (median) | plan p90 | route_pairs ms | "
+    header = ("| policy | gamma | replicas | plan ms (median) | plan p90 | assign_instances ms | "
               "plan_retention ms | next_step ms (median) | fwd max/mean load | est. layer ms "
               "| notes |")
     lines = [header, "|" + "---|" * 11]
@@ -168,8 +169,8 @@ def main() -> None:
             f"machine: {machine.source}",
             f"- budget: per layer the balanced dropless need + {args.budget_replicas:g} "
             f"replica(s) ({budget / 2**30:.2f} GiB per rank for 48 layers)",
-            "- plan = LayerPlanner.plan (route_pairs + gamma under the budget + "
-            "plan_retention + memory check); route_pairs and plan_retention timed alone "
+            "- plan = LayerPlanner.plan (assign_instances + gamma under the budget + "
+            "plan_retention + memory check); assign_instances and plan_retention timed alone "
             "on the same placement; next_step timed on its own (observe excluded)",
             "- targets: plan < 1 ms, next_step < 10 ms (medians)",
             "",

@@ -274,7 +274,7 @@ class LRMoELayer(MoELayer):
         destination-rank order since instances are rank-major."""
         rank = self.counts_exchange.ep_rank
         pair_token, pair_prob = _expert_major_pairs(routing_map, probs, int(counts[rank].sum()))
-        order = _instance_order(mb_plan.routing.counts[rank], self.placement_planner.placement,
+        order = _instance_order(mb_plan.assignment.counts[rank], self.placement_planner.placement,
                                 device)
         if order is not None:
             pair_token, pair_prob = pair_token.index_select(0, order), pair_prob.index_select(
@@ -305,7 +305,7 @@ class LRMoELayer(MoELayer):
             on_replica_grads=self._after_backward,
         )
         rc.stats.planner_s = planner_s
-        rc.stats.routing_overflow = mb_plan.routing.overflow
+        rc.stats.routing_overflow = mb_plan.assignment.overflow
         rc.stats.budget_adjusted = bool(mb_plan.notes)
         return rc
 

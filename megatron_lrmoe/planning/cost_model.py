@@ -562,7 +562,7 @@ class CostModel:
                                 instance_routed=inst_routed, instance_retained=inst_retained,
                                 rank_starts=starts)
 
-    def routing_capacity(self, share: float, num_replicas: np.ndarray) -> np.ndarray:
+    def assignment_capacity(self, share: float, num_replicas: np.ndarray) -> np.ndarray:
         """[R] int64: the most routed pairs a rank can receive within ``share`` when
         backward drops as much as it may (nothing retained; its pairs as a source all
         kept, and one instance's activation over all its rows: upper bounds), i.e. the

@@ -1,21 +1,21 @@
-"""Capacity-aware routing: every routed pair to an instance of its expert.
+"""Capacity-aware instance assignment: every routed pair to an instance of its expert.
 
-Pure: counts, a placement and capacities in; a routing out. Every EP rank routes the
+Pure: counts, a placement and capacities in; an assignment out. Every EP rank assigns the
 same gathered counts identically, so the ranks agree without communicating.
 
 Notation (docs/design.md, "Notation")
   n[s, e]  routed pairs from source rank s to expert e (``counts`` [R, E])
   N_e      sum_s n[s, e]
-  x_i      pairs assigned to instance i (a column total of the routing)
+  x_i      pairs assigned to instance i (a column total of the assignment)
   L_r      routed load of rank r: sum of x_i over the instances on r
   c_r      buffer capacity of rank r: the most pairs it can receive (optional)
 
-Routing semantics (``route_pairs``), in order of priority:
+Assignment semantics (``assign_instances``), in order of priority:
   1. every pair goes to an instance of its expert (the forward is exact); experts
      without replicas go to their home instance;
   2. overflow, the pairs above the ranks' capacities sum_r max(0, L_r - c_r), is as
      small as any assignment can make it; the pairs that fit nowhere go to the home
-     instance (exactness wins) and ``Routing.overflow`` counts them;
+     instance (exactness wins) and ``InstanceAssignment.overflow`` counts them;
   3. without overflow, the most loaded rank's load max_r L_r is as small as any
      assignment within the capacities can make it (an exact integer optimum);
   4. per instance totals fixed, a source whose rank hosts an instance of the expert
@@ -39,18 +39,18 @@ import torch
 
 from megatron_lrmoe.planning.placement import Placement
 
-__all__ = ["Routing", "route_pairs"]
+__all__ = ["InstanceAssignment", "assign_instances"]
 
 
 @lru_cache(maxsize=64)
-def routing_layout(placement: Placement) -> _RoutingLayout:
-    """The index arrays routing needs for ``placement``, built once per placement."""
-    return _RoutingLayout.build(placement)
+def assignment_layout(placement: Placement) -> _AssignmentLayout:
+    """The index arrays instance assignment needs for ``placement``, built once per placement."""
+    return _AssignmentLayout.build(placement)
 
 
 @dataclass(frozen=True, eq=False)
-class _RoutingLayout:
-    """Index arrays ``route_pairs`` needs, built once per placement (read-only).
+class _AssignmentLayout:
+    """Index arrays ``assign_instances`` needs, built once per placement (read-only).
 
     K replicated experts, J = most instances of one (padding where fewer); "valid"
     entries are the real (k, j) slots, in row-major order.
@@ -80,7 +80,7 @@ class _RoutingLayout:
     source_row_offset: np.ndarray    # [K * R] (flat % R) * I: row offset into [R, I]
 
     @classmethod
-    def build(cls, placement: Placement) -> _RoutingLayout:
+    def build(cls, placement: Placement) -> _AssignmentLayout:
         num_ranks = placement.num_ranks
         per_expert = placement.replicas_per_expert()
         replicated = [e for e, c in enumerate(per_expert) if c]
@@ -134,7 +134,7 @@ class _RoutingLayout:
 
 
 @dataclass(frozen=True, eq=False)
-class Routing:
+class InstanceAssignment:
     """Assignment of one micro-batch's routed pairs to instances (a value)."""
 
     counts: torch.Tensor
@@ -146,21 +146,21 @@ class Routing:
     """The placement the instances belong to."""
 
     def load_per_rank(self, placement: Placement | None = None) -> torch.Tensor:
-        """[R] routed pairs each rank receives. ``placement`` defaults to the routing's own."""
+        """[R] routed pairs each rank receives. ``placement`` defaults to the assignment's own."""
         placement = placement if placement is not None else self.placement
         if placement is None:
-            raise ValueError("Routing.load_per_rank needs the placement")
+            raise ValueError("InstanceAssignment.load_per_rank needs the placement")
         ranks = torch.tensor(placement.instance_rank, dtype=torch.int64)
         out = torch.zeros(placement.num_ranks, dtype=torch.int64)
         return out.index_add_(0, ranks, self.counts.sum(0))
 
 
-def route_pairs(
+def assign_instances(
     counts: torch.Tensor,
     placement: Placement,
     capacity: torch.Tensor | Sequence[int] | None = None,
-) -> Routing:
-    """Assign every routed pair to an instance of its expert (docs/design.md, "Routing").
+) -> InstanceAssignment:
+    """Assign every routed pair to an instance of its expert (docs/design.md, "InstanceAssignment").
 
     Args:
         counts: [R, E] integer n[s, e] (copied to CPU int64).
@@ -168,31 +168,33 @@ def route_pairs(
         capacity: [R] most pairs each rank can receive, or None for no limit.
 
     Returns:
-        The routing; the module docstring states the semantics (overflow first,
+        The assignment; the module docstring states the semantics (overflow first,
         then the most loaded rank, then locality, then a fixed fill order).
     """
-    n = check_route_counts(counts, placement)
-    cap = _check_route_capacity(capacity, placement.num_ranks)
-    return route_checked(n, placement, cap)[0]
+    n = check_assignment_counts(counts, placement)
+    cap = _check_assignment_capacity(capacity, placement.num_ranks)
+    return assign_checked(n, placement, cap)[0]
 
 
-def route_checked(n: np.ndarray, placement: Placement,
-                  capacity: np.ndarray | None) -> tuple[Routing, np.ndarray]:
-    """``route_pairs`` on checked input: (the routing, [R] routed load per rank)."""
-    out, load = _route(n, placement, None if capacity is None else capacity.tolist())
+def assign_checked(n: np.ndarray, placement: Placement,
+                  capacity: np.ndarray | None) -> tuple[InstanceAssignment, np.ndarray]:
+    """``assign_instances`` on checked input: (the assignment, [R] routed load per rank)."""
+    out, load = _assign(n, placement, None if capacity is None else capacity.tolist())
     overflow = (0 if capacity is None
                 else int(np.add.reduce(np.maximum(load - capacity, 0))))
-    return Routing(counts=torch.from_numpy(out), overflow=overflow, placement=placement), load
+    assignment = InstanceAssignment(counts=torch.from_numpy(out), overflow=overflow,
+                                    placement=placement)
+    return assignment, load
 
 
-def _route(n: np.ndarray, placement: Placement,
+def _assign(n: np.ndarray, placement: Placement,
            cap: list[int] | None) -> tuple[np.ndarray, np.ndarray]:
-    """``route_pairs`` on checked input: ([R, I] routed counts, [R] load per rank).
+    """``assign_instances`` on checked input: ([R, I] routed counts, [R] load per rank).
 
     Numpy and plain Python only: this runs once per layer and micro-batch, and a torch
     op costs ~10 us on these small arrays, a numpy op ~1 us. ``n`` is not modified.
     """
-    layout = routing_layout(placement)
+    layout = assignment_layout(placement)
     num_ranks = placement.num_ranks
     routed = np.add.reduce(n, axis=0)                               # [E] N_e
     if not len(layout.replicated):                                  # instance i = expert i
@@ -208,7 +210,7 @@ def _route(n: np.ndarray, placement: Placement,
 
 
 def _balance(
-    base: np.ndarray, cap: list[int] | None, totals: np.ndarray, layout: _RoutingLayout,
+    base: np.ndarray, cap: list[int] | None, totals: np.ndarray, layout: _AssignmentLayout,
 ) -> tuple[np.ndarray, list[int]]:
     """Per-instance totals x[k, j] of the replicated experts: min overflow, then min max.
 
@@ -313,7 +315,7 @@ class _Flow:
     __slots__ = ("ceiling", "count", "done", "first", "incidence", "load", "moved",
                  "ranks_of", "seen", "stamp", "x")
 
-    def __init__(self, x: list[list[int]], load: list[int], layout: _RoutingLayout):
+    def __init__(self, x: list[list[int]], load: list[int], layout: _AssignmentLayout):
         self.x, self.load = x, load
         self.ranks_of = layout.ranks_of
         self.incidence = layout.rank_incidence
@@ -480,7 +482,7 @@ _ZERO.setflags(write=False)
 
 
 def _fill_replicated(out: np.ndarray, n: np.ndarray, x: np.ndarray,
-                     layout: _RoutingLayout) -> None:
+                     layout: _AssignmentLayout) -> None:
     """Write the replicated experts' columns of ``out`` ([R, I] C-contiguous, zero there).
 
     n: [R, E] n[s, e]; x: [K, J] instance totals (sum_j = sum_s, 0 in the padding). A
@@ -515,7 +517,7 @@ def _fill_replicated(out: np.ndarray, n: np.ndarray, x: np.ndarray,
     flat[layout.valid_ranks * out.shape[1] + layout.valid_instances] += local
 
 
-def check_route_counts(counts: torch.Tensor, placement: Placement) -> np.ndarray:
+def check_assignment_counts(counts: torch.Tensor, placement: Placement) -> np.ndarray:
     if not isinstance(counts, torch.Tensor):
         raise TypeError(f"counts must be a torch.Tensor, got {type(counts).__name__}")
     if counts.dim() != 2 or tuple(counts.shape) != (placement.num_ranks, placement.num_experts):
@@ -530,7 +532,7 @@ def check_route_counts(counts: torch.Tensor, placement: Placement) -> np.ndarray
     return n
 
 
-def _check_route_capacity(capacity, num_ranks: int) -> np.ndarray | None:
+def _check_assignment_capacity(capacity, num_ranks: int) -> np.ndarray | None:
     if capacity is None:
         return None
     if isinstance(capacity, torch.Tensor):

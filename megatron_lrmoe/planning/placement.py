@@ -9,7 +9,7 @@ Instance order is rank-major: rank 0's E_loc home experts ascending, then the re
 rank 0 hosts by expert ascending, then rank 1, ... So the instances of a rank are
 contiguous, and without replicas instance i is expert i (Megatron's layout).
 
-How pairs are assigned to instances is ``routing.py``; which placement a layer uses
+How pairs are assigned to instances is ``instance_assignment.py``; which placement a layer uses
 each step is decided by ``planner.py`` with the policies of ``placement_policies.py``.
 """
 

@@ -17,7 +17,7 @@ from megatron_lrmoe.config.options import (
     option,
 )
 from megatron_lrmoe.planning.cost_model import CostModel
-from megatron_lrmoe.planning.instance_assignment import Routing
+from megatron_lrmoe.planning.instance_assignment import InstanceAssignment
 from megatron_lrmoe.planning.retention import RetentionPlan
 
 __all__ = ["MicroBatchPlan", "PlannerSettings"]
@@ -120,11 +120,11 @@ class PlannerSettings:
 
 @dataclass(frozen=True, eq=False)
 class MicroBatchPlan:
-    """Routing and retention quotas of one layer and micro-batch (a value)."""
+    """Instance assignment and retention quotas of one layer and micro-batch (a value)."""
 
-    routing: Routing
+    assignment: InstanceAssignment
     retention: RetentionPlan
-    """plan_retention over the routing's [R, I] counts and the placement's layout."""
+    """plan_retention over the assignment's [R, I] counts and the placement's layout."""
     capacity_factor_used: float
     """gamma actually used: below the settings' when the budget required it."""
     notes: tuple[str, ...] = ()

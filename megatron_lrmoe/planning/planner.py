@@ -1,9 +1,9 @@
-"""The per-layer planner: placement per step, routing and retention per micro-batch.
+"""The per-layer planner: placement per step, instance assignment and retention per micro-batch.
 
 One ``LayerPlanner`` per MoE layer, identical on every EP rank: each rank feeds it the
 same gathered counts and gets the same answer, so the ranks agree without
 communicating. Pure: counts, plain numbers and frozen values in; placements,
-routings and retention plans out; no process group and no config object
+instance assignments and retention plans out; no process group and no config object
 (``planner_config.py`` derives the settings from Megatron's config).
 """
 
@@ -17,7 +17,11 @@ import numpy as np
 import torch
 
 from megatron_lrmoe.planning.cost_model import CostModel
-from megatron_lrmoe.planning.instance_assignment import Routing, check_route_counts, route_checked
+from megatron_lrmoe.planning.instance_assignment import (
+    InstanceAssignment,
+    assign_checked,
+    check_assignment_counts,
+)
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.placement_policies import greedy_replicas, popularity_placement
 from megatron_lrmoe.planning.plan_types import MicroBatchPlan, PlannerSettings
@@ -37,7 +41,7 @@ class _PlacementContext:
 
     placement: Placement
     replicas: np.ndarray                # [R] int64 replicas each rank hosts
-    capacity: np.ndarray | None         # [R] int64 routing capacity (None: no budget)
+    capacity: np.ndarray | None         # [R] int64 assignment capacity (None: no budget)
     rank_starts: np.ndarray             # [R] first instance of each rank
 
 
@@ -64,7 +68,7 @@ class LayerPlanner:
     # ------------------------------------------------------------- per batch
     def observe(self, counts: torch.Tensor) -> None:
         """Record one training micro-batch's gathered [R, E] counts of this step."""
-        n = torch.from_numpy(check_route_counts(counts, self.placement)).to(torch.float64)
+        n = torch.from_numpy(check_assignment_counts(counts, self.placement)).to(torch.float64)
         self._observed_sum = n if self._observed_sum is None else self._observed_sum + n
         self._observed += 1
 
@@ -90,9 +94,9 @@ class LayerPlanner:
         self._observed = int(microbatches)
 
     def plan(self, counts: torch.Tensor) -> MicroBatchPlan:
-        """Routing and quotas of one micro-batch under the current placement.
+        """Instance assignment and quotas of one micro-batch under the current placement.
 
-        With a budget the routing respects each rank's buffer capacity (the layer share
+        With a budget the instance assignment respects each rank's buffer capacity (the layer share
         minus its replicas), and when the plan at gamma does not fit, gamma is lowered
         until the backward buffers do; the forward never drops. What was done is in
         ``notes``.
@@ -105,17 +109,17 @@ class LayerPlanner:
         # numpy on [R] arrays (a torch op costs ~10 us here), as the cost model is.
         s = self.settings
         placement = ctx.placement
-        routing, routed = route_checked(check_route_counts(counts, placement), placement,
+        assignment, routed = assign_checked(check_assignment_counts(counts, placement), placement,
                                         ctx.capacity)           # routed: [R] load per rank
-        instance_routed = np.add.reduce(routing.counts.numpy(), axis=0)      # [I]
-        overflow = routing.overflow
+        instance_routed = np.add.reduce(assignment.counts.numpy(), axis=0)      # [I]
+        overflow = assignment.overflow
         notes = []
         if overflow:
             notes.append(f"overflow: {overflow} pairs above the ranks' buffer "
                          f"capacity went to home instances")
         gamma = float(s.capacity_factor)
         share = s.layer_share
-        retention = self._retention(routing, gamma)
+        retention = self._retention(assignment, gamma)
         memory = None
         if share is not None:
             memory = _memory(s.cost, ctx, routed, instance_routed, retention.quotas.numpy())
@@ -136,7 +140,7 @@ class LayerPlanner:
                     gamma = factor_for_capacity(needed, total, s.num_ranks)
                     notes.append(f"budget: backward capacity factor lowered from "
                                  f"{s.capacity_factor:g} to {gamma:.4g} (C={needed})")
-                    retention = self._retention(routing, gamma)
+                    retention = self._retention(assignment, gamma)
                     memory = _memory(s.cost, ctx, routed, instance_routed,
                                      retention.quotas.numpy())
         if memory is not None:
@@ -145,13 +149,13 @@ class LayerPlanner:
                 notes.append(f"over budget on {int(np.add.reduce(over))} rank(s) by up to "
                              f"{float(np.maximum.reduce(memory - share)) / 2**20:.1f} MiB "
                              f"(the forward is never dropped)")
-        return MicroBatchPlan(routing=routing, retention=retention,
+        return MicroBatchPlan(assignment=assignment, retention=retention,
                               capacity_factor_used=gamma, notes=tuple(notes)), memory
 
-    def _retention(self, routing: Routing, gamma: float) -> RetentionPlan:
+    def _retention(self, assignment: InstanceAssignment, gamma: float) -> RetentionPlan:
         s = self.settings
-        placement = routing.placement
-        return plan_retention(routing.counts, s.num_ranks, gamma, s.min_retention,
+        placement = assignment.placement
+        return plan_retention(assignment.counts, s.num_ranks, gamma, s.min_retention,
                               instance_rank=placement.instance_rank,
                               instance_expert=placement.instance_expert)
 
@@ -163,7 +167,7 @@ class LayerPlanner:
             replicas = np.asarray(placement.replicas_per_rank(), dtype=np.int64)
             share = self.settings.layer_share
             cap = (None if share is None
-                   else self.settings.cost.routing_capacity(share, replicas))
+                   else self.settings.cost.assignment_capacity(share, replicas))
             ctx = _PlacementContext(placement, replicas, cap,
                                     np.asarray(placement.rank_starts[:-1], dtype=np.int64))
             self._contexts[placement] = ctx
@@ -202,7 +206,7 @@ class LayerPlanner:
         ``greedy_replicas`` proposes replicas in order on a fluid load estimate of the
         smoothed counts, without looking at the budget. Its prefixes of all, 3/4, 1/2
         and 1/4 of the replicas are then planned exactly, like ``plan`` does but with
-        neither routing capacities nor a lowered gamma (``_unbudgeted``), so each
+        neither assignment capacities nor a lowered gamma (``_unbudgeted``), so each
         prefix's estimated time and peak memory do not depend on the budget either. A
         prefix qualifies if its time (replica transfers amortised over the step's
         micro-batches included) is lower than static's and its memory excess over the
@@ -228,16 +232,16 @@ class LayerPlanner:
         for size in sorted({n, 3 * n // 4, n // 2, n // 4} - {0}):
             candidate = Placement(s.num_ranks, s.num_experts, tuple(replicas[:size]))
             planned, time, peak = self._unbudgeted(counts, candidate)
-            # The routing capacities at this budget must not bind on the candidate's
-            # routing (they only grow with the budget), so the layer's capacity-aware
-            # routing finds the routing judged here, and the judgement stays monotone.
+            # The assignment capacities at this budget must not bind on the candidate's
+            # assignment (they only grow with the budget), so the layer's capacity-aware
+            # assignment finds the one judged here, and the judgement stays monotone.
             capacity = self._context(candidate).capacity
-            fits_routing = capacity is None or bool(
+            fits_capacity = capacity is None or bool(
                 (planned.retention.routed_per_rank.numpy() <= capacity).all())
             # Replicas must pay: the time they save per micro-batch must exceed what
             # their refresh and gradient reduction cost, amortised over the step's
             # micro-batches (in ``time``); an equal estimate keeps static.
-            if (time < base_time and peak <= allowed and fits_routing
+            if (time < base_time and peak <= allowed and fits_capacity
                     and (best is None or time < best[0])):
                 best = (time, size)
         if best is None:
@@ -251,24 +255,25 @@ class LayerPlanner:
     def _unbudgeted(self, counts: torch.Tensor, placement: Placement
                     ) -> tuple[MicroBatchPlan, float, float]:
         """(plan, estimated time, peak memory) of ``placement`` on ``counts`` without the
-        budget's influence: routing without capacities, gamma as set. The time is
+        budget's influence: instance assignment without capacities, gamma as set. The time is
         forward + backward + the amortised replica refresh; the peak is the largest
         ``CostModel.rank_memory`` over ranks."""
         s = self.settings
         cost = s.cost
         ctx = self._context(placement)
-        routing, routed = route_checked(check_route_counts(counts, placement), placement, None)
-        retention = plan_retention(routing.counts, s.num_ranks, s.capacity_factor,
+        assignment, routed = assign_checked(check_assignment_counts(counts, placement),
+                                            placement, None)
+        retention = plan_retention(assignment.counts, s.num_ranks, s.capacity_factor,
                                    s.min_retention, instance_rank=placement.instance_rank,
                                    instance_expert=placement.instance_expert)
         quotas = retention.quotas.numpy()
         peak = float(np.maximum.reduce(_memory(
-            cost, ctx, routed, np.add.reduce(routing.counts.numpy(), axis=0), quotas)))
+            cost, ctx, routed, np.add.reduce(assignment.counts.numpy(), axis=0), quotas)))
         starts = ctx.rank_starts
-        fwd, bwd = cost.layer_time(np.add.reduceat(routing.counts.numpy(), starts, axis=1),
+        fwd, bwd = cost.layer_time(np.add.reduceat(assignment.counts.numpy(), starts, axis=1),
                                    np.add.reduceat(quotas, starts, axis=1))     # [R, R] each
         sync = cost.replica_cost_per_microbatch(_busiest(placement))
-        plan = MicroBatchPlan(routing=routing, retention=retention,
+        plan = MicroBatchPlan(assignment=assignment, retention=retention,
                               capacity_factor_used=float(s.capacity_factor))
         return plan, fwd + bwd + sync, peak
 

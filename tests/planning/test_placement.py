@@ -1,5 +1,5 @@
 """Tests of placement, capacity-aware routing and the per-layer planner
-(docs/design.md, "Routing", "Placement", "Memory budget").
+(docs/design.md, "InstanceAssignment", "Placement", "Memory budget").
 
 Pure CPU, no process group. Notation as in ``megatron_lrmoe/planning/placement.py``.
 
@@ -28,7 +28,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
-from megatron_lrmoe.planning.instance_assignment import route_pairs
+from megatron_lrmoe.planning.instance_assignment import assign_instances
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.placement_policies import greedy_replicas, popularity_placement
 from megatron_lrmoe.planning.planner import LayerPlanner, MicroBatchPlan, PlannerSettings
@@ -80,7 +80,7 @@ def test_placement_refuses_experts_not_multiple_of_ranks():
 
 
 # ---------------------------------------------------------------------------
-# Routing against brute force
+# Instance assignment against brute force
 # ---------------------------------------------------------------------------
 
 
@@ -155,7 +155,7 @@ def _assert_exact(routing, counts: torch.Tensor, placement: Placement) -> None:
 def test_route_pairs_matches_brute_force(case):
     placement, counts, capacity = case
     n = torch.tensor(counts, dtype=torch.int64)
-    routing = route_pairs(n, placement, capacity)
+    routing = assign_instances(n, placement, capacity)
     _assert_exact(routing, n, placement)
     load = _loads(routing, placement)
     best_overflow, best_max = brute_force(counts, placement, capacity)
@@ -195,13 +195,13 @@ def _random_placement(gen: torch.Generator, num_ranks: int, num_experts: int,
 
 
 def _assert_optimal(counts: torch.Tensor, placement: Placement, capacity) -> None:
-    """route_pairs against the maximum flow: exact, least overflow, then least max load;
+    """assign_instances against the maximum flow: exact, least overflow, then least max load;
     deterministic and the input untouched."""
     before = counts.clone()
-    routing = route_pairs(counts, placement, capacity)
+    routing = assign_instances(counts, placement, capacity)
     assert torch.equal(counts, before)
     _assert_exact(routing, counts, placement)
-    again = route_pairs(counts.clone(), placement, capacity)     # as on another rank
+    again = assign_instances(counts.clone(), placement, capacity)     # as on another rank
     assert torch.equal(again.counts, routing.counts) and again.overflow == routing.overflow
     load = _loads(routing, placement)
     total = int(counts.sum())
@@ -299,7 +299,7 @@ def test_route_pairs_fill_order_against_brute_force(case):
     # for overflow and max load: the documented one maximises the pairs that stay on
     # their source's rank, then fills north-west-corner.
     placement, counts, capacity = case
-    routing = route_pairs(torch.tensor(counts, dtype=torch.int64), placement, capacity)
+    routing = assign_instances(torch.tensor(counts, dtype=torch.int64), placement, capacity)
     got = routing.counts.tolist()
     totals = routing.counts.sum(0).tolist()
     assert got == _documented_fill(counts, placement, totals)
@@ -319,7 +319,7 @@ def test_locality_when_it_costs_nothing():
     # source 1 has 4 pairs of it: they stay on rank 1 (no network).
     placement = Placement(2, 2, ((0, 1),))
     counts = torch.tensor([[4, 0], [4, 0]])
-    routing = route_pairs(counts, placement)
+    routing = assign_instances(counts, placement)
     # instances: 0 = expert 0 home (rank 0), 1 = expert 1 (rank 1), 2 = expert 0 on rank 1
     assert routing.counts.tolist() == [[4, 0, 0], [0, 0, 4]]
     assert routing.overflow == 0
@@ -332,7 +332,7 @@ def test_fill_order_is_home_first_then_replicas_by_rank():
     placement = Placement(4, 4, ((3, 0),))
     assert placement.instances_of(3) == (4, 1)
     counts = [[0, 0, 0, 0], [0, 0, 0, 2], [0, 0, 0, 2], [0, 0, 0, 0]]
-    routing = route_pairs(torch.tensor(counts), placement)
+    routing = assign_instances(torch.tensor(counts), placement)
     assert routing.counts.tolist() == [[0] * 5, [0, 0, 0, 0, 2], [0, 2, 0, 0, 0], [0] * 5]
 
 
@@ -341,7 +341,7 @@ def test_capacity_overflow_goes_home():
     # and what exceeds rank 0's capacity is the overflow.
     placement = Placement(2, 2, ((0, 1),))
     counts = torch.tensor([[3, 0], [3, 2]])
-    routing = route_pairs(counts, placement, capacity=[4, 2])
+    routing = assign_instances(counts, placement, capacity=[4, 2])
     assert routing.counts[:, 2].sum() == 0
     assert routing.overflow == 2
     assert _loads(routing, placement) == [6, 2]
@@ -349,18 +349,18 @@ def test_capacity_overflow_goes_home():
 
 def test_static_routing_is_identity():
     counts = torch.randint(0, 9, (4, 8), generator=torch.Generator().manual_seed(1))
-    routing = route_pairs(counts, Placement.static(4, 8))
+    routing = assign_instances(counts, Placement.static(4, 8))
     assert torch.equal(routing.counts, counts) and routing.overflow == 0
 
 
 def test_route_pairs_refuses_bad_input():
     placement = Placement.static(2, 4)
     with pytest.raises(ValueError, match="shape"):
-        route_pairs(torch.zeros(2, 3, dtype=torch.int64), placement)
+        assign_instances(torch.zeros(2, 3, dtype=torch.int64), placement)
     with pytest.raises(ValueError, match="non-negative"):
-        route_pairs(-torch.ones(2, 4, dtype=torch.int64), placement)
+        assign_instances(-torch.ones(2, 4, dtype=torch.int64), placement)
     with pytest.raises(ValueError, match="capacity"):
-        route_pairs(torch.zeros(2, 4, dtype=torch.int64), placement, capacity=[1])
+        assign_instances(torch.zeros(2, 4, dtype=torch.int64), placement, capacity=[1])
 
 
 # ---------------------------------------------------------------------------
@@ -411,7 +411,7 @@ def test_popularity_instances_are_proportional():
     assert [len(placement.instances_of(e)) for e in range(4)] == [4, 2, 1, 1]
     assert all(len(placement.rank_instances(r)) <= 2 for r in range(4))
     # Forward load spread evenly: every rank receives exactly a quarter.
-    routing = route_pairs(counts, placement)
+    routing = assign_instances(counts, placement)
     assert _loads(routing, placement) == [int(counts.sum()) // 4] * 4
 
 
@@ -428,7 +428,7 @@ def test_popularity_hot_expert_gets_more_instances():
     order = popularity.argsort(descending=True).tolist()
     assert all(instances[a] >= instances[b] for a, b in itertools.pairwise(order))
     static_load = counts.sum(0).view(8, 2).sum(1)
-    spread = route_pairs(counts, placement).load_per_rank(placement)
+    spread = assign_instances(counts, placement).load_per_rank(placement)
     assert float(static_load.max()) / float(static_load.float().mean()) > 3
     assert float(spread.max()) / float(spread.float().mean()) < 1.3
 
@@ -511,7 +511,7 @@ def test_memory_aware_fits_budget_and_beats_static(seed, slack, zipf, gamma, ran
     aware = _planner("memory-aware", counts, **common)
     static = _planner("static", counts, **common)
     plan, base = aware.plan(counts), static.plan(counts)
-    _assert_exact(plan.routing, counts, aware.placement)
+    _assert_exact(plan.assignment, counts, aware.placement)
     # Replicas never push a rank over its share: memory-aware fits whenever static
     # does, and never exceeds the share by more than static does.
     assert _excess(aware, plan) <= _excess(static, base)
@@ -604,7 +604,7 @@ def test_memory_aware_keeps_the_best_qualifying_prefix():
     prefixes = {k: Placement(4, 8, tuple(proposal[:k])) for k in sizes}
 
     def estimate(placement: Placement) -> tuple[float, float]:
-        routing = route_pairs(counts, placement)
+        routing = assign_instances(counts, placement)
         retention = plan_retention(routing.counts, 4, math.inf,
                                    instance_rank=placement.instance_rank,
                                    instance_expert=placement.instance_expert)
