@@ -146,6 +146,14 @@ if not cuda_kernels_available():
 dev = torch.device("cuda")
 g = torch.Generator().manual_seed(0)
 failures = []
+# Sizes: the references and inputs are built on the CPU, within the step's 45 s with the
+# interpreter's and CUDA's start-up. The largest cases keep what the check proves at a
+# fraction of the work: a realistic pair count (8192 tokens x top-8: P 65536, T 8192) and a
+# full hidden width (2048, many warp strides per row) in separate cases, and row counts
+# past the kernels' 65536-block grid cap (P 600000, T 540000; M 600000), where their
+# grid-stride loops run. 134 M elements per case (P 65536 x H 2048, as before) took 12-23 s
+# per dtype for its CPU reference on 2 busy cores here; these sizes take 17 s in all on one
+# (issue 25, item 6), so a few seconds on the 16 cores of the device machine.
 
 
 def check(name, ok, detail=""):
@@ -180,7 +188,8 @@ for rule, fraction in (("topk", 0.5), ("sample", 0.5), ("uniform", 0.5), ("hybri
 
 # combine_rows: bitwise (no atomics; the CPU recipe's roundings, explicitly rounded).
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
-    for p, t, h in ((0, 3, 8), (5, 1, 3), (65536, 8192, 2048), (1000, 997, 130)):
+    for p, t, h in ((0, 3, 8), (5, 1, 3), (65536, 8192, 128), (2048, 1024, 2048),
+                    (600000, 540000, 8), (1000, 997, 130)):
         src = torch.randn(p, h, generator=g).to(dtype)
         token = torch.randint(0, t, (p,), generator=g)
         order = torch.sort(token, stable=True).indices
@@ -213,7 +222,8 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
 # scatter_add_rows: unique destinations are bitwise; repeated ones use atomics (order
 # not fixed): fp32 close, 16-bit within the per-add rounding bound.
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
-    for n, m, h in ((8, 0, 4), (4096, 4096, 2048), (2048, 16384, 2048), (3, 500, 33)):
+    for n, m, h in ((8, 0, 4), (4096, 4096, 512), (2048, 16384, 512), (64, 600000, 8),
+                    (3, 500, 33)):
         out0 = torch.randn(n, h, generator=g).to(dtype)
         src = torch.randn(m, h, generator=g).to(dtype)
         for unique in (True, False):
@@ -252,6 +262,11 @@ main() {
   echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST  budget=${BUDGET_S}s  log=$LOG"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
   command -v nvcc >/dev/null && nvcc --version | tail -n 2
+  # The toolkit the kernels build against: torch's rule (nvcc's folder) is wrong for a
+  # wrapper nvcc on PATH, which leaves the extension without its CUDA backend.
+  # shellcheck source=scripts/lib/cuda_home.sh
+  source scripts/lib/cuda_home.sh
+  lrmoe_export_cuda_home
 
   if [[ -n ${WHEELS:-} ]]; then
     WHEELS=$(cd "$WHEELS" && pwd) || { echo "error: WHEELS=$WHEELS is not a folder" >&2; return 1; }

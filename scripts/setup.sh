@@ -69,13 +69,11 @@ if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] \
   # No GPU to read the architecture from: build for Hopper (H100/H200).
   export TORCH_CUDA_ARCH_LIST=9.0
 fi
-if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null 2>&1 \
-   && [ ! -f "$(dirname "$(dirname "$(command -v nvcc)")")/include/cuda_runtime.h" ] \
-   && [ -f /usr/local/cuda/include/cuda_runtime.h ]; then
-  # torch takes CUDA_HOME from nvcc's folder, wrong for a wrapper on PATH
-  # (/usr/local/bin/nvcc): point it at the toolkit that has the headers.
-  export CUDA_HOME=/usr/local/cuda
-fi
+# torch takes CUDA_HOME from nvcc's folder, wrong for a wrapper on PATH
+# (/usr/local/bin/nvcc): ask nvcc for its toolkit (scripts/lib/cuda_home.sh).
+# shellcheck source=scripts/lib/cuda_home.sh
+source scripts/lib/cuda_home.sh
+lrmoe_export_cuda_home "setup: "
 # --no-build-isolation: compile against the torch installed above, never a second one.
 "$PY" -m pip install -q --no-build-isolation "${deps[@]}"
 "$PY" -c 'import torch, megatron_lrmoe._kernels' || { echo "error: kernel extension did not build" >&2; exit 1; }

@@ -16,12 +16,26 @@ Two implementations, numerically equivalent (not bitwise):
 - the loop: per-instance matmuls writing into slices of preallocated outputs (no
   concatenation copies), the CPU default.
 
-Which one runs: ``use_grouped_mm``. grouped_mm needs 16-byte aligned rows (H, F, F1
-multiples of 16 bytes) and a dtype the device's kernel takes; CUDA's takes bf16 on
-current GPUs and fp32 only on some builds, so a start-up probe (``grouped_mm_works``:
-once per device and dtype, tiny shapes in the region's own call patterns, compared with
-the loop) decides, and a failed probe means the loop. On the CPU grouped_mm runs in
-fp32 and bf16 (torch's reference implementation).
+Which one runs: ``use_grouped_mm``, by the rule ``grouped_mm_rule`` (a pure function of
+device type, dtype and compute capability), then a start-up probe. grouped_mm needs
+16-byte aligned rows (H, F, F1 multiples of 16 bytes). On CUDA, torch (2.9 to 2.13 at
+least: ``_grouped_mm_cuda`` in aten/src/ATen/native/cuda/Blas.cpp) runs its grouped
+kernel (``bf16bf16_grouped_mm``, CUTLASS, sm90/sm100) only for bf16 operands and output on
+compute capability 9.x or 10.x; any other dtype or GPU goes to ``_grouped_mm_fallback``
+(ATen/native/GroupedMMUtils.h), a per-group loop that copies ``offs`` to the host and
+reads one ``.item()`` per group: a host sync in every call, which the region's own loop
+does not have. So the default (``grouped_gemm=None``) takes the grouped path on CUDA
+only where the kernel exists, and an explicit request (``--moe-grouped-gemm``) that would
+land on the fallback runs the loop with a warning naming the dtype and the GPU. The
+probe (``grouped_mm_works``: once per device and dtype, tiny shapes in the region's
+forward and backward call patterns, compared with the loop; on a CUDA device the GEMMs
+run under ``torch.cuda.set_sync_debug_mode("error")``) catches a torch whose dispatch
+differs from the rule; a failed probe means the loop. On the CPU grouped_mm runs in
+fp32 and bf16 (torch's reference implementation, the same per-group loop, no device to
+sync with); the loop stays the CPU default. Fake tensors (FakeTensorMode) never run
+the probe: with no GPU to read a capability from, the default is the loop and an
+explicit request traces the grouped path (in bf16, the only dtype torch's fake/meta
+implementation of CUDA grouped_mm accepts).
 """
 
 from __future__ import annotations
@@ -29,13 +43,15 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["GradSink", "experts_backward", "experts_forward", "grouped_mm_works",
-           "use_grouped_mm"]
+__all__ = ["GradSink", "GroupedMMRule", "experts_backward", "experts_forward",
+           "grouped_mm_rule", "grouped_mm_works", "use_grouped_mm"]
 
 # (projection 1 or 2, local instance, dW) -> whether it was taken (accumulated already)
 GradSink = Callable[[int, int, torch.Tensor], bool]
@@ -56,35 +72,129 @@ def _warn_once(text: str) -> None:
 # -----------------------------------------------------------------------------
 
 
+class GroupedMMRule(NamedTuple):
+    """What ``grouped_mm_rule`` decided, and why."""
+
+    grouped: bool
+    """The default (``grouped_gemm=None``) runs the expert GEMMs grouped."""
+    syncs: bool
+    """torch's grouped_mm would take its per-group fallback here, which reads the group
+    offsets on the host (a device sync per call): an explicit request falls back to the
+    region's loop, with a warning."""
+    reason: str
+
+
+# torch's CUDA grouped_mm kernel (bf16bf16_grouped_mm): sm90 and sm100 families only.
+_KERNEL_MAJORS = (9, 10)
+
+
+def grouped_mm_rule(device_type: str, dtype: torch.dtype,
+                    capability: tuple[int, int] | None, hip: bool = False) -> GroupedMMRule:
+    """Whether the region's default runs its expert GEMMs grouped on this device, and why.
+
+    ``capability``: the CUDA device's compute capability, None where none can be read
+    (fake tensors on a machine without a GPU). ``hip``: a ROCm build of torch. A pure
+    function of its arguments: torch's ``_grouped_mm_cuda`` (2.9 to 2.13) runs its
+    grouped kernel only for bf16 on compute capability 9.x/10.x, and otherwise a
+    fallback loop that syncs with the host once per call.
+    """
+    if device_type != "cuda":
+        return GroupedMMRule(False, False, f"on {device_type} torch's grouped_mm is its "
+                             "per-group reference loop: the region's own loop is the default")
+    if hip:
+        return GroupedMMRule(False, False, "on ROCm torch's grouped_mm has its kernel only "
+                             "on gfx942/gfx950 in bf16, which this rule does not check: the "
+                             "default keeps the loop, an explicit request is left to the "
+                             "start-up probe (run in sync-debug mode)")
+    if dtype != torch.bfloat16:
+        return GroupedMMRule(False, True, f"torch's CUDA grouped_mm has a kernel only for "
+                             f"bf16, and in {dtype} takes its per-group fallback, which copies "
+                             "the group offsets to the host (a device sync per call)")
+    if capability is None:
+        return GroupedMMRule(False, False, "no compute capability to read (fake tensors "
+                             "without a GPU): the default keeps the per-expert loop")
+    if capability[0] not in _KERNEL_MAJORS:
+        return GroupedMMRule(False, True, f"torch's CUDA grouped_mm has its bf16 kernel only "
+                             f"on compute capability 9.x/10.x, and on "
+                             f"{capability[0]}.{capability[1]} takes its per-group fallback, "
+                             "which copies the group offsets to the host (a device sync per "
+                             "call)")
+    return GroupedMMRule(True, False, f"bf16 on compute capability "
+                         f"{capability[0]}.{capability[1]}: torch's grouped kernel")
+
+
+def _probe_inputs(device: torch.device, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    rows, h, f = [3, 0, 5], 16, 32
+    n = sum(rows)
+    x = torch.randn(n, h, generator=g).to(device, dtype)
+    w = torch.randn(len(rows), f, h, generator=g).to(device, dtype)
+    dy = torch.randn(n, f, generator=g).to(device, dtype)
+    offs = torch.tensor(rows, device=device).cumsum(0).to(torch.int32)
+    return rows, x, w, dy, offs
+
+
+def _probe_gemms(x, w, dy, offs):
+    """The region's call patterns: forward x @ W^T (stacked weights, transposed);
+    backward dZ @ W (stacked weights as they are: dX, dH), dZ^T @ X per group (dW1, dW2)."""
+    return (_GROUPED_MM(x, w.transpose(1, 2), offs=offs),
+            _GROUPED_MM(dy, w, offs=offs),
+            _GROUPED_MM(dy.t(), x, offs=offs))
+
+
 @functools.lru_cache(maxsize=16)
+def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when grouped_mm passes the start-up probe, else why it failed."""
+    if _GROUPED_MM is None:
+        return "this torch has no grouped_mm"
+    on_cuda = device.type == "cuda"
+    mode = torch.cuda.get_sync_debug_mode() if on_cuda else 0
+    try:
+        if on_cuda:
+            torch.cuda.set_sync_debug_mode(0)   # the inputs' host-to-device copies block
+        rows, x, w, dy, offs = _probe_inputs(device, dtype)
+        if on_cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = _probe_gemms(x, w, dy, offs)
+        except RuntimeError as error:
+            if on_cuda and "synchroniz" in str(error):
+                return (f"torch's grouped_mm synchronised with the host on {device.type} in "
+                        f"{dtype} ({str(error).splitlines()[0]})")
+            raise
+        finally:
+            if on_cuda:
+                torch.cuda.set_sync_debug_mode(0)
+        want = (torch.cat([a @ b.t() for a, b in zip(x.split(rows), w, strict=True)]),
+                torch.cat([a @ b for a, b in zip(dy.split(rows), w, strict=True)]),
+                torch.stack([a.t() @ b for a, b in zip(dy.split(rows), x.split(rows),
+                                                        strict=True)]))
+        tol = 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+        for name, a, b in zip(("x @ W^T", "dZ @ W", "dZ^T @ X"), got, want, strict=True):
+            if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol):
+                return (f"torch's grouped_mm gave wrong results for {name} on {device.type} in "
+                        f"{dtype}")
+        return None
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
+        return (f"torch's grouped_mm failed its start-up probe on {device.type} in {dtype} "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+    finally:
+        if on_cuda:
+            torch.cuda.set_sync_debug_mode(mode)
+
+
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Start-up probe: grouped_mm gives the loop's result on ``device`` in ``dtype``.
 
-    Runs the region's three call patterns (x @ W^T with stacked, transposed weights;
-    g^T @ h per group; an empty group in the middle) on tiny aligned shapes and
-    compares with per-group matmuls. Cached per (device, dtype): the one host read is
-    paid once per process, at the first region call.
+    Runs the region's call patterns (forward x @ W^T with stacked, transposed weights;
+    backward dZ @ W and dZ^T @ X per group; an empty group in the middle) on tiny aligned
+    shapes and compares with per-group matmuls; on a CUDA device the grouped calls run
+    under ``torch.cuda.set_sync_debug_mode("error")``, so a fallback that reads the host
+    fails the probe. Cached per (device, dtype): paid once per process, at the first
+    region call.
     """
-    if _GROUPED_MM is None:
-        return False
-    try:
-        g = torch.Generator().manual_seed(0)
-        rows, h, f = [3, 0, 5], 16, 32
-        n = sum(rows)
-        x = torch.randn(n, h, generator=g).to(device, dtype)
-        w = torch.randn(len(rows), f, h, generator=g).to(device, dtype)
-        dy = torch.randn(n, f, generator=g).to(device, dtype)
-        offs = torch.tensor(rows, device=device).cumsum(0).to(torch.int32)
-        got_fwd = _GROUPED_MM(x, w.transpose(1, 2), offs=offs)
-        got_dw = _GROUPED_MM(dy.t(), x, offs=offs)
-        want_fwd = torch.cat([a @ b.t() for a, b in zip(x.split(rows), w, strict=True)])
-        want_dw = torch.stack([a.t() @ b for a, b in zip(dy.split(rows), x.split(rows),
-                                                          strict=True)])
-        tol = 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
-        return bool(torch.allclose(got_fwd.float(), want_fwd.float(), rtol=tol, atol=tol)
-                    and torch.allclose(got_dw.float(), want_dw.float(), rtol=tol, atol=tol))
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        return False
+    return _probe(device, dtype) is None
 
 
 def _aligned(dtype: torch.dtype, w1: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -92,29 +202,48 @@ def _aligned(dtype: torch.dtype, w1: torch.Tensor, w2: torch.Tensor) -> bool:
     return all(d % step == 0 for d in (*w1.shape, *w2.shape))
 
 
+def _capability(device: torch.device, fake: bool) -> tuple[int, int] | None:
+    if device.type != "cuda" or (fake and not torch.cuda.is_available()):
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
 def use_grouped_mm(requested: bool | None, x: torch.Tensor, w1: torch.Tensor,
                    w2: torch.Tensor) -> bool:
     """Whether the region's expert GEMMs run grouped (else the per-expert loop).
 
-    ``requested``: None = grouped on CUDA where the probe passes, the loop on the CPU;
-    True (``--moe-grouped-gemm``) = grouped on any device where it applies, else the
-    loop with a warning naming why; False = the loop.
+    ``requested``: None = where ``grouped_mm_rule`` says so (CUDA, bf16, compute
+    capability 9.x/10.x) and the probe passes, else the loop; True
+    (``--moe-grouped-gemm``) = grouped on any device where it applies without a host
+    sync, else the loop with a warning naming why; False = the loop.
     """
     if requested is False:
         return False
-    if requested is None and x.device.type != "cuda":
+    fake = is_fake(x)
+    rule = grouped_mm_rule(x.device.type, x.dtype, _capability(x.device, fake),
+                           hip=torch.version.hip is not None)
+    if requested is None and not rule.grouped:
         return False
     why = None
     if not _aligned(x.dtype, w1, w2):
         why = (f"expert dims {tuple(w1.shape)}, {tuple(w2.shape)} are not multiples of 16 "
                f"bytes in {x.dtype}")
-    elif not grouped_mm_works(x.device, x.dtype):
-        why = f"torch's grouped_mm failed its start-up probe on {x.device.type} in {x.dtype}"
+    elif _GROUPED_MM is None:
+        why = "this torch has no grouped_mm"
+    elif rule.syncs:
+        why = rule.reason
+    elif fake:
+        if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+            why = f"torch's fake CUDA grouped_mm takes bf16 only, not {x.dtype}"
+    else:
+        why = _probe(x.device, x.dtype)
     if why is None:
         return True
     if requested:
-        _warn_once(f"LRMoE: grouped GEMM requested but {why}; the region uses its "
-                   "per-expert loop")
+        _warn_once(f"LRMoE: --moe-grouped-gemm (grouped_gemm=True) asks for grouped expert "
+                   f"GEMMs in {x.dtype}, but {why}; the region runs its per-expert loop "
+                   "instead (grouped GEMMs on CUDA need --bf16 on a compute capability "
+                   "9.x/10.x GPU)")
     return False
 
 

@@ -2,8 +2,15 @@
 
     python scripts/dev/gpu_sync_check.py        # (scripts/gpu_check.sh runs it)
 
+0. Grouped-GEMM choice (issue 25, item 2): for bf16, fp16 and fp32 on this GPU, the rule
+   (``grouped_mm_rule``: torch's CUDA grouped_mm has its kernel only for bf16 on compute
+   capability 9.x/10.x, elsewhere a fallback that reads the offsets on the host) beside
+   the start-up probe, whose grouped calls run in sync-debug mode "error": where the rule
+   says the fallback syncs, the probe must fail; where it says grouped, pass.
 1. Sync check. For each setting (bf16 with grouped GEMMs, fp32 with the per-expert
-   loop; gamma inf and 0.75; rules uniform, topk, sample) one warm-up step, then one
+   loop; gamma inf and 0.75; rules uniform, topk, sample; then, at gamma 0.75 and
+   uniform only, bf16 with the default choice and fp32 with grouped GEMMs requested,
+   which must run the loop) one warm-up step, then one
    step in which the layer's forward after the counts exchange (the one documented host
    read: ``RoutedCountsExchange.gather_counts`` is wrapped to switch the mode on as it
    returns) and its whole backward run under ``torch.cuda.set_sync_debug_mode("error")``:
@@ -18,7 +25,7 @@
    F 768, bf16) with 128 local experts (EP=1) and 16 (EP=8), 8192 tokens x top-8 spread
    over the experts; CUDA events, median of 20.
 
-Exit status 1 if any sync check failed. EP > 1 is not exercised: one GPU, one rank.
+Exit status 1 if any choice or sync check failed. EP > 1 is not exercised: one GPU, one rank.
 """
 
 from __future__ import annotations
@@ -43,6 +50,37 @@ def _cfg(dtype: str, grouped: str) -> dict:
             "kernels": "auto"}
 
 
+SETTINGS = (  # dtype, grouped (layer_bench's on/off/auto), gammas, selection rules
+    ("bf16", "on", (math.inf, 0.75), ("uniform", "topk", "sample")),
+    ("fp32", "off", (math.inf, 0.75), ("uniform", "topk", "sample")),
+    ("bf16", "auto", (0.75,), ("uniform",)),
+    ("fp32", "on", (0.75,), ("uniform",)),     # would sync in torch: the loop, warned
+)
+
+
+def _expected_grouped(dtype: str, grouped: str) -> bool:
+    from megatron_lrmoe.layer.expert_gemms import grouped_mm_rule
+
+    rule = grouped_mm_rule("cuda", DTYPES[dtype], torch.cuda.get_device_capability())
+    return {"on": not rule.syncs, "off": False, "auto": rule.grouped}[grouped]
+
+
+def _choice_check(failures: list[str]) -> None:
+    from megatron_lrmoe.layer import expert_gemms
+
+    cap = torch.cuda.get_device_capability()
+    dev = torch.device("cuda")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        rule = expert_gemms.grouped_mm_rule("cuda", dtype, cap)
+        probe = expert_gemms._probe(dev, dtype)
+        ok = not (rule.syncs and probe is None) and not (rule.grouped and probe is not None)
+        print(f"{'ok  ' if ok else 'FAIL'} grouped_mm choice {dtype} on compute capability "
+              f"{cap[0]}.{cap[1]}: rule grouped={rule.grouped} syncs={rule.syncs} "
+              f"({rule.reason}); probe: {probe or 'passed'}", flush=True)
+        if not ok:
+            failures.append(f"grouped_mm choice {dtype}")
+
+
 def _sync_check(failures: list[str]) -> None:
     from megatron_lrmoe.layer import counts_exchange
 
@@ -53,7 +91,8 @@ def _sync_check(failures: list[str]) -> None:
         torch.cuda.set_sync_debug_mode("error")       # everything after it: no sync
         return counts
 
-    for dtype, grouped in (("bf16", "on"), ("fp32", "off")):
+    for dtype, grouped, gammas, selections in SETTINGS:
+        expected = _expected_grouped(dtype, grouped)
         cfg = _cfg(dtype, grouped)
         _, lrmoe = build_layers(cfg)
         dev = torch.device("cuda")
@@ -65,8 +104,8 @@ def _sync_check(failures: list[str]) -> None:
         g = torch.Generator().manual_seed(7)
         x = torch.randn(cfg["tokens"], 1, cfg["hidden"], generator=g).to(dev, DTYPES[dtype])
         dy = torch.randn_like(x)
-        for gamma in (math.inf, 0.75):
-            for selection in ("uniform", "topk", "sample"):
+        for gamma in gammas:
+            for selection in selections:
                 name = f"{dtype} grouped={grouped} gamma={gamma:g} {selection}"
                 lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
                 lrmoe.config.moe_lrmoe_selection = selection
@@ -96,9 +135,10 @@ def _sync_check(failures: list[str]) -> None:
                         bool(torch.isfinite(p.grad).all()) for p in lrmoe.parameters()
                         if p.grad is not None)
                     grouped_ran = lrmoe.lrmoe_stats.calls[-1].grouped_gemm
-                    ok = finite and grouped_ran == (grouped == "on")
+                    ok = finite and grouped_ran == expected
                     print(f"{'ok  ' if ok else 'FAIL'} sync-free {name} (grouped_mm ran: "
-                          f"{grouped_ran}, gradients finite: {finite})", flush=True)
+                          f"{grouped_ran}, expected {expected}; gradients finite: "
+                          f"{finite})", flush=True)
                     if not ok:
                         failures.append(name)
                 except Exception:
@@ -172,6 +212,7 @@ def main() -> int:
     dist.init_process_group("nccl", rank=0, world_size=1)
     failures: list[str] = []
     try:
+        _choice_check(failures)
         _sync_check(failures)
         try:
             _stack_cost()
@@ -183,7 +224,7 @@ def main() -> int:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         dist.destroy_process_group()
-    print(f"\n{len(failures)} sync check failure(s)" + (f": {failures}" if failures else ""))
+    print(f"\n{len(failures)} choice/sync check failure(s)" + (f": {failures}" if failures else ""))
     print("not exercised: EP > 1 (one GPU cannot run NCCL expert parallelism across ranks)")
     return 1 if failures else 0
 
