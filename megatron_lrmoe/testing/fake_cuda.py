@@ -1,0 +1,501 @@
+"""Run the LRMoE region's CUDA path at real size on fake CUDA tensors (no GPU needed).
+
+Test harness only (issue 25, part 2). It is the one module that touches torch's private
+and testing-only pieces used for this: ``FakeTensorMode``, the fake process group
+(``torch.testing._internal.distributed.fake_pg.FakeStore``) and the autograd graph's
+nodes. Run it in its own process (``python -m megatron_lrmoe.testing.fake_cuda``, as
+tests/layer/test_region_fake_cuda.py does): the process group and the modes are
+process-wide.
+
+What ``fake_cuda_session`` sets up, and why:
+
+- **Fake CUDA, real host.** ``FakeTensorMode`` makes device="cuda" tensors without
+  data; ``_HostReal``, above it, runs every op whose tensors are all real host tensors
+  for real (the planner, the plan's numpy layout, ``torch.from_numpy``), so the host
+  computes on values as on a GPU machine and the device sees only shapes. A pinned
+  staging buffer cannot exist without a driver, so it is fake too (a fake CPU tensor).
+- **Shadows** (for the rows each grouped GEMM receives): small integer tensors that
+  reach the device from host data (the region's packed tables: offsets, split tables)
+  keep a real CPU copy computed alongside, op by op, as long as every input has one.
+  Fake tensors have no values; the shadows are the values a GPU would hold.
+- **Process group**: ``init_process_group("fake")`` over a ``FakeStore``, rank r of R;
+  its all-to-alls accept fake CUDA tensors and move nothing.
+- **Autograd**: the engine cannot run on fake CUDA tensors without a driver
+  ("hasPrimaryContext expects a valid device index"), so the region's backward is called
+  through its node (``backward_through_node``), and ``torch.autograd.grad`` (the
+  experts' activation recompute inside that backward) is replaced, for fake tensors
+  only, by ``node_grad``: the same chain rule, walking the graph's nodes and calling
+  each one, in topological order.
+- **Grouped GEMMs**: the region is given ``grouped_gemm=True``; ``use_grouped_mm`` takes
+  the grouped path for fake CUDA bf16 without its value-comparing probe.
+- **Value checks** (``MEGATRON_LRMOE_DEBUG_CHECKS``) are off, as in training on a GPU:
+  on CUDA they read device values on the host.
+- **Not set up**: the CPU runtime (``enable_cpu_runtime``, which maps CUDA to the CPU) is
+  never enabled; Megatron's ``parallel_state``, RNG tracker and model initialisation are
+  not used: the region is called directly (the weights are fake, so initialisation has no
+  values to make).
+
+Counts come from a recorded routing trace (benchmarks/results/routing_traces/qwen3),
+formed into R sources and resampled to the model's pairs per rank exactly as the
+simulator forms them (``tools.simulate.source_batches``). ``TraceCountsExchange``
+stands in for the layer's ``RoutedCountsExchange``: a fake all-gather has no counts to
+give, so it takes them from the trace, after the same device reduction and the same
+host read (``.cpu()``) as the real exchange: the forward's one documented read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["Case", "CaseResult", "GemmCall", "TraceCountsExchange", "backward_through_node",
+           "case_counts", "case_planner", "fake_cuda_session", "node_grad", "run_case", "run_cases",
+           "trace_counts"]
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT / "benchmarks" / "results" / "routing_traces" / "qwen3" / "trace"
+_SHADOW_MAX = 1 << 20          # elements: shadows are kept for index tables, not rows
+
+
+# -----------------------------------------------------------------------------
+# What the device saw
+# -----------------------------------------------------------------------------
+
+
+@dataclass
+class GemmCall:
+    """One grouped GEMM: its phase, operand shapes, the grouped dimension's size and the
+    rows of each group (from the offsets' shadow; None without one)."""
+
+    phase: str
+    a: tuple[int, ...]
+    b: tuple[int, ...]
+    grouped_rows: int
+    group_rows: list[int] | None
+    offs_dtype: str | None
+
+
+@dataclass
+class MadeTensor:
+    """A tensor an op made on the fake device (or a fake host buffer)."""
+
+    phase: str
+    op: str
+    device: str
+    dtype: str
+    shape: tuple[int, ...]
+    pinned_staging: bool = False
+
+
+class _HostReal(TorchDispatchMode):
+    """Above FakeTensorMode: host ops run for real, device ops are faked and recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shadows: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.staging: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.phase = ""
+        self.made: list[MadeTensor] = []
+        self.gemms: list[GemmCall] = []
+
+    def _shadow(self, t: object) -> torch.Tensor | None:
+        if isinstance(t, FakeTensor):
+            return self.shadows.get(t)
+        return t if isinstance(t, torch.Tensor) else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        device = kwargs.get("device")
+        fake = (any(isinstance(t, FakeTensor) for t in flat) or bool(kwargs.get("pin_memory"))
+                or (device is not None and torch.device(device).type != "cpu"))
+        if not fake:
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if name == "_grouped_mm":
+            self._record_gemm(args, kwargs)
+        out = func(*args, **kwargs)
+        if name == "empty" and kwargs.get("pin_memory"):
+            self.staging[out] = True
+        self._propagate_shadow(func, name, flat, args, kwargs, out)
+        if self.phase:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.made.append(MadeTensor(self.phase, name, t.device.type,
+                                                str(t.dtype).removeprefix("torch."),
+                                                tuple(t.shape), t in self.staging))
+        return out
+
+    def _propagate_shadow(self, func, name, flat, args, kwargs, out) -> None:
+        """Keep a real copy of small integer tensors computed only from host data."""
+        if name == "copy_" and self._shadow(args[1]) is not None:
+            with unset_fake_temporarily():
+                self.shadows[out] = self._shadow(args[1]).clone()
+            return
+        if not flat or any(self._shadow(t) is None for t in flat):
+            return
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outs or any(t.is_floating_point() or t.numel() > _SHADOW_MAX for t in outs):
+            return
+        real_args, real_kwargs = tree_map(
+            lambda t: self._shadow(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        if "device" in real_kwargs:
+            real_kwargs["device"] = torch.device("cpu")
+        with unset_fake_temporarily():
+            real_out = func(*real_args, **real_kwargs)
+        for fake_t, real_t in zip(outs, [t for t in tree_flatten(real_out)[0]
+                                          if isinstance(t, torch.Tensor)], strict=True):
+            self.shadows[fake_t] = real_t
+
+    def _record_gemm(self, args, kwargs) -> None:
+        a, b = args[0], args[1]
+        offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+        # 2D x 3D: groups split a's rows; 2D x 2D (the dW GEMMs, a = g^T): a's columns.
+        grouped = a.shape[0] if b.dim() == 3 else a.shape[1]
+        shadow = self._shadow(offs) if offs is not None else None
+        rows = None
+        if shadow is not None:
+            with unset_fake_temporarily():
+                ends = shadow.tolist()
+            rows = [e - s for s, e in zip([0, *ends[:-1]], ends, strict=True)]
+        self.gemms.append(GemmCall(self.phase, tuple(a.shape), tuple(b.shape), grouped, rows,
+                                   None if offs is None else str(offs.dtype).removeprefix(
+                                       "torch.")))
+
+
+# -----------------------------------------------------------------------------
+# Autograd without the engine
+# -----------------------------------------------------------------------------
+
+
+def backward_through_node(output: torch.Tensor, grad: torch.Tensor) -> tuple:
+    """The gradients ``output``'s autograd node returns for ``grad`` (grad mode off, as
+    under the engine): how a custom Function's backward runs on fake CUDA tensors."""
+    with torch.no_grad():
+        return output.grad_fn.apply(grad)
+
+
+def node_grad(outputs, inputs, grad_outputs=None, **kwargs):
+    """``torch.autograd.grad`` for one output and inputs that are leaves, by calling the
+    graph's nodes in topological order (the engine's chain rule, without the engine)."""
+    outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    grad_outputs = grad_outputs if isinstance(grad_outputs, (tuple, list)) else (grad_outputs,)
+    if len(outputs) != 1 or kwargs.get("create_graph"):
+        raise NotImplementedError("the fake-CUDA autograd.grad takes one output, no graph")
+    root = outputs[0].grad_fn
+    order, seen = [], set()
+
+    def visit(node) -> None:       # iterative post-order DFS
+        stack = [(node, False)]
+        while stack:
+            n, done = stack.pop()
+            if done:
+                order.append(n)
+                continue
+            if n is None or n in seen:
+                continue
+            seen.add(n)
+            stack.append((n, True))
+            stack.extend((nxt, False) for nxt, _ in n.next_functions)
+
+    visit(root)
+    pending: dict = {root: [grad_outputs[0]]}
+    found: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for node in reversed(order):          # outputs before their inputs
+            grads = pending.pop(node, None)
+            if grads is None:
+                continue
+            if type(node).__name__ == "AccumulateGrad":
+                found[id(node.variable)] = grads[0]
+                continue
+            results = node(*grads)
+            results = results if isinstance(results, tuple) else (results,)
+            for (nxt, slot), g in zip(node.next_functions, results, strict=True):
+                if nxt is None or g is None:
+                    continue
+                # One gradient per output of the forward op (None: that output unused),
+                # reduced over broadcast dimensions to that output's shape, as the
+                # engine's validate_outputs does.
+                metadata = nxt._input_metadata
+                if metadata and tuple(g.shape) != tuple(metadata[slot].shape):
+                    g = g.sum_to_size(tuple(metadata[slot].shape))
+                acc = pending.setdefault(nxt, [None] * max(len(metadata), 1))
+                acc[slot] = g if acc[slot] is None else acc[slot] + g
+    return tuple(found.get(id(t)) for t in inputs)
+
+
+# -----------------------------------------------------------------------------
+# Session
+# -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fake_cuda_session(rank: int, world_size: int) -> Iterator[_HostReal]:
+    """Fake CUDA device, real host, fake process group of ``world_size`` (this is rank
+    ``rank``); see the module docstring. Yields the recorder of what the device saw."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_lrmoe.integration.runtime.cpu import cpu_runtime_active
+    from megatron_lrmoe.ops import set_debug_checks
+
+    if cpu_runtime_active():
+        raise RuntimeError("the CPU runtime maps CUDA to the CPU: run this in a fresh process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    grad = torch.autograd.grad
+
+    def grad_on_fake(outputs, inputs, *args, **kwargs):
+        flat = tree_flatten((outputs, inputs))[0]
+        if any(isinstance(t, FakeTensor) for t in flat):
+            return node_grad(outputs, inputs, *args, **kwargs)
+        return grad(outputs, inputs, *args, **kwargs)
+
+    previous_checks = set_debug_checks(False)
+    torch.autograd.grad = grad_on_fake
+    recorder = _HostReal()
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), recorder:
+            yield recorder
+    finally:
+        torch.autograd.grad = grad
+        set_debug_checks(previous_checks)
+        dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# Counts from the trace
+# -----------------------------------------------------------------------------
+
+
+def trace_counts(ep_size: int, pairs_per_rank: int, call: int = 0, seed: int = 0,
+                 layer_index: int = 0) -> torch.Tensor:
+    """[R, E] int64 counts of one micro-batch at ``ep_size`` sources, from the qwen3 trace,
+    formed and resampled to ``pairs_per_rank`` as the simulator does (call ``call`` of its
+    sequence for the trace's ``layer_index``-th MoE layer)."""
+    from megatron_lrmoe.tools.routing_traces import read_routing_trace
+    from megatron_lrmoe.tools.simulate import source_batches
+
+    trace = read_routing_trace(TRACE)
+    layer = trace.layer(trace.layers[layer_index])
+    batches = source_batches(layer, ep_size, pairs_per_rank,
+                             np.random.default_rng([seed, layer_index]))
+    for _ in range(call):
+        next(batches)
+    return torch.from_numpy(next(batches))
+
+
+class TraceCountsExchange:
+    """The layer's counts exchange with a test hook for the counts (a fake all-gather
+    has none): the same device reduction and host read as ``RoutedCountsExchange``,
+    then the trace's counts for every source."""
+
+    def __init__(self, counts: torch.Tensor, ep_rank: int) -> None:
+        self.counts, self.ep_rank = counts, ep_rank
+        self.ep_size = counts.shape[0]
+
+    def gather_counts(self, routing_map: torch.Tensor) -> torch.Tensor:
+        local = routing_map.sum(dim=0).to(torch.int64)
+        gathered = local.new_empty(self.ep_size * local.numel())
+        gathered.view(self.ep_size, -1).copy_(local.expand(self.ep_size, -1))
+        gathered.view(self.ep_size, -1).cpu()        # the one host read, as on a GPU
+        return self.counts.clone()
+
+
+# -----------------------------------------------------------------------------
+# One region call at size
+# -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    ep: int
+    gamma: float
+    selection: str
+    replicas: bool
+
+    @property
+    def name(self) -> str:
+        return (f"ep{self.ep}-gamma{self.gamma:g}-{self.selection}-"
+                f"{'replicas' if self.replicas else 'static'}")
+
+
+@dataclass
+class CaseResult:
+    """What one case did, for the test to judge (plain data: it crosses a process)."""
+
+    case: str
+    rank: int
+    hidden: int
+    ffn: int
+    tokens: int
+    counts: list[list[int]]
+    plan_counts: list[list[int]]
+    plan_quotas: list[list[int]]
+    instance_rank: list[int]
+    instance_expert: list[int]
+    local_instances: int
+    home_instances: int
+    grouped_gemm: bool
+    forward_retention: bool
+    forward_reads: list[list]
+    backward_reads: list[list]
+    made: list[dict] = field(default_factory=list)
+    gemms: list[dict] = field(default_factory=list)
+    outputs: dict[str, list] = field(default_factory=dict)
+    replica_grads: list[list] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _swiglu(z: torch.Tensor) -> torch.Tensor:
+    """Qwen3's expert activation as LRMoESequentialMLP computes it (--swiglu)."""
+    z_glu, z_linear = torch.chunk(z, 2, dim=-1)
+    return torch.nn.functional.silu(z_glu) * z_linear
+
+
+def case_planner(case: Case, counts: torch.Tensor, num_experts: int):
+    """The case's planner, before the call's counts are observed: ``static`` (Megatron's
+    layout), or ``popularity`` with two more slots per rank after one step observed
+    ``counts`` (replicas of the hottest experts)."""
+    from megatron_lrmoe.planning.plan_types import PlannerSettings
+    from megatron_lrmoe.planning.planner import LayerPlanner
+
+    per_rank = num_experts // case.ep
+    settings = PlannerSettings("popularity" if case.replicas else "static", case.ep,
+                               num_experts, capacity_factor=case.gamma,
+                               slots_per_rank=per_rank + 2 if case.replicas else None)
+    planner = LayerPlanner(settings)
+    if case.replicas:       # one step observed: the next placement replicates hot experts
+        planner.observe(counts)
+        planner.next_step()
+    return planner
+
+
+def _read(read) -> list:
+    """A host read as plain data: [op, ["file:function", ... innermost first]]."""
+    return [read.op, [f"{Path(f).name}:{name}" for f, name in read.frames]]
+
+
+def case_counts(case: Case, model: str = "qwen3-30b-a3b") -> torch.Tensor:
+    """The case's [R, E] counts: the trace at ``model``'s pairs per rank."""
+    from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
+
+    shape = ModelSpec.from_config(model, MODELS[model]).shape(case.ep)
+    return trace_counts(case.ep, shape.source_pairs)
+
+
+def _dims(t: torch.Tensor | None) -> list | None:
+    return None if t is None else [list(t.shape), str(t.dtype).removeprefix("torch."),
+                                   t.device.type]
+
+
+def run_case(case: Case, rank: int, model: str = "qwen3-30b-a3b") -> CaseResult:
+    """The region of ``model``'s shape as rank ``rank`` of a fake EP group of ``case.ep``:
+    counts exchange (trace hook), plan, forward, then backward through the node."""
+    from megatron_lrmoe.layer.region import ExpertWeights, RegionContext, lrmoe_region
+    from megatron_lrmoe.testing.host_reads import HostReadDetector
+    from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
+
+    spec = ModelSpec.from_config(model, MODELS[model])
+    shape = spec.shape(case.ep)
+    h, f, t, e = spec.hidden_size, spec.ffn_hidden_size, shape.tokens_per_rank, spec.num_experts
+    f1 = 2 * f if spec.gated else f
+    counts = case_counts(case, model)
+    planner = case_planner(case, counts, e)
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    with fake_cuda_session(rank, case.ep) as device:
+        bf16 = dict(device="cuda", dtype=torch.bfloat16)
+        placement = planner.placement
+        local = [i for i, r in enumerate(placement.instance_rank) if r == rank]
+        homes = sum(1 for i in local if placement.instance_expert[i] // (e // case.ep) == rank)
+        w1 = tuple(torch.empty(f1, h, **bf16, requires_grad=j < homes) for j in range(len(local)))
+        w2 = tuple(torch.empty(h, f, **bf16, requires_grad=j < homes) for j in range(len(local)))
+        experts = ExpertWeights(w1[:homes], w2[:homes], _swiglu)
+        if len(local) > homes:
+            experts = experts.with_replicas(w1[homes:], w2[homes:])
+        x = torch.empty(t, h, **bf16, requires_grad=True)
+        routing_map = torch.empty(t, e, device="cuda", dtype=torch.bool)
+        exchange = TraceCountsExchange(counts, rank)
+        replica_grads: list[list] = []
+
+        def on_replica_grads(dw1, dw2):
+            replica_grads.extend([_dims(g) for g in (*dw1, *dw2)])
+            return [], []
+
+        with HostReadDetector() as detector:
+            detector.taint(x, routing_map, *w1, *w2)
+            gathered = exchange.gather_counts(routing_map)
+            planner.observe(gathered)
+            plan = planner.plan(gathered).retention
+            num_pairs = int(plan.counts[rank].sum())
+            pair_token = torch.empty(num_pairs, device="cuda", dtype=torch.int64)
+            pair_prob = torch.empty(num_pairs, device="cuda", dtype=torch.float32,
+                                    requires_grad=True)
+            detector.taint(pair_token, pair_prob)
+            device.phase = "forward"
+            rc = RegionContext(plan=plan, group=dist.group.WORLD, rank=rank,
+                               selection=case.selection, grouped_gemm=True,
+                               on_replica_grads=on_replica_grads)
+            y = lrmoe_region(x, pair_token, pair_prob, rc, experts)
+            seconds["forward"] = time.perf_counter() - started
+            forward_reads = [_read(r) for r in detector.reads]
+            detector.clear()
+            device.phase = "backward"
+            dy = torch.empty_like(y)
+            detector.taint(dy)
+            started = time.perf_counter()
+            grads = backward_through_node(y, dy)
+            seconds["backward"] = time.perf_counter() - started
+            backward_reads = [_read(r) for r in detector.reads]
+            device.phase = ""
+        names = ["dx", "dpair_token", "dpair_prob", "drc", "dexperts"] + [
+            f"dw1[{j}]" for j in range(homes)] + [f"dw2[{j}]" for j in range(homes)]
+        outputs = {"y": _dims(y), **{n: _dims(g) for n, g in zip(names, grads, strict=True)}}
+        return CaseResult(
+            case=case.name, rank=rank, hidden=h, ffn=f, tokens=t, counts=counts.tolist(),
+            plan_counts=plan.counts.tolist(), plan_quotas=plan.quotas.tolist(),
+            instance_rank=list(plan.instance_rank), instance_expert=list(plan.instance_expert),
+            local_instances=len(local), home_instances=homes,
+            grouped_gemm=rc.stats.grouped_gemm, forward_retention=rc.forward_retention,
+            forward_reads=forward_reads, backward_reads=backward_reads,
+            made=[asdict(m) for m in device.made], gemms=[asdict(g) for g in device.gemms],
+            outputs=outputs, replica_grads=replica_grads, seconds=seconds)
+
+
+def run_cases(cases: list[Case], rank: int) -> list[dict]:
+    return [asdict(run_case(case, rank)) for case in cases]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m megatron_lrmoe.testing.fake_cuda RANK EP:GAMMA:SELECTION:REPLICAS ...``:
+    one JSON list of case results on stdout."""
+    argv = sys.argv[1:] if argv is None else argv
+    rank = int(argv[0])
+    cases = []
+    for spec in argv[1:]:
+        ep, gamma, selection, replicas = spec.split(":")
+        cases.append(Case(int(ep), math.inf if gamma == "inf" else float(gamma), selection,
+                          replicas == "1"))
+    json.dump(run_cases(cases, rank), sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

@@ -1,0 +1,168 @@
+"""The LRMoE region's CUDA path at Qwen3-30B-A3B's size, on fake CUDA tensors (issue 25,
+parts 2 and 4).
+
+One subprocess (``python -m megatron_lrmoe.testing.fake_cuda``; the fake process group and
+the fake-tensor modes never enter this process) runs every case as rank r of a fake EP
+group of 8 and of 64: hidden 2048, 128 experts, top-8, expert FFN 768 (SwiGLU), 4096
+tokens per rank, bf16, grouped GEMMs, the CUDA kernel backend; counts from the qwen3
+routing trace formed as the simulator forms them; forward, then backward through the
+region's node. What the harness sets up and what it replaces: its module docstring.
+
+The checks judge what the subprocess recorded against what this process derives on its
+own: the plan, re-planned here from the same counts, and the cost model's rows per
+instance (``InstanceRows.of_plan``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_lrmoe.planning.cost_model import InstanceRows
+from megatron_lrmoe.testing.fake_cuda import Case, case_counts, case_planner, node_grad
+
+ROOT = Path(__file__).resolve().parents[2]
+RANKS = {8: 3, 64: 37}
+CASES = [Case(ep, gamma, selection, replicas)
+         for ep in RANKS for gamma in (math.inf, 1.0, 0.75)
+         for selection in ("uniform", "topk") for replicas in (False, True)]
+TIMEOUT_S = 240
+
+
+def _arg(case: Case) -> str:
+    gamma = "inf" if math.isinf(case.gamma) else f"{case.gamma:g}"
+    return f"{case.ep}:{gamma}:{case.selection}:{int(case.replicas)}"
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    """Every case's record, from one subprocess per EP size (each its own fake group)."""
+    out: dict[str, dict] = {}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for ep, rank in RANKS.items():
+        started = time.perf_counter()
+        run = subprocess.run(
+            [sys.executable, "-m", "megatron_lrmoe.testing.fake_cuda", str(rank),
+             *(_arg(c) for c in CASES if c.ep == ep)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert run.returncode == 0, run.stderr[-6000:]
+        records = json.loads(run.stdout)
+        print(f"EP {ep}: {len(records)} cases in {time.perf_counter() - started:.1f} s")
+        out.update({r["case"]: r for r in records})
+    return out
+
+
+def _plan(case: Case):
+    """The case's plan, planned here from the same trace counts (no fake tensors)."""
+    counts = case_counts(case)
+    planner = case_planner(case, counts, counts.shape[1])
+    planner.observe(counts)
+    return planner.plan(counts).retention
+
+
+def _region_made(record: dict) -> list[dict]:
+    return [m for m in record["made"] if m["phase"] in ("forward", "backward")]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_region_at_size_on_fake_cuda(results, case):
+    record = results[case.name]
+    rank, h, f, t = record["rank"], record["hidden"], record["ffn"], record["tokens"]
+    assert (h, f, t) == (2048, 768, 4096)
+    plan = _plan(case)
+    assert torch.equal(plan.counts, torch.tensor(record["plan_counts"]))
+    assert torch.equal(plan.quotas, torch.tensor(record["plan_quotas"]))
+    local = [i for i, r in enumerate(plan.instance_rank) if r == rank]
+    homes = record["home_instances"]
+    assert record["local_instances"] == len(local) and homes == 128 // case.ep
+    if case.replicas:   # the case exercises what it names
+        assert len(local) > homes, "rank hosts no replica"
+    if case.gamma < 1:
+        assert int(plan.quotas[:, local].sum()) < int(plan.counts[:, local].sum()), \
+            "nothing dropped on this rank"
+
+    # Forward and backward completed, grouped, on the CUDA backend's fake implementations.
+    assert record["grouped_gemm"] is True
+    pairs = int(plan.counts[rank].sum())
+    out = record["outputs"]
+    assert out["y"] == [[t, h], "bfloat16", "cuda"]
+    assert out["dx"] == [[t, h], "bfloat16", "cuda"]
+    assert out["dpair_prob"] == [[pairs], "float32", "cuda"]
+    for j in range(homes):
+        assert out[f"dw1[{j}]"] == [[2 * f, h], "bfloat16", "cuda"]
+        assert out[f"dw2[{j}]"] == [[h, f], "bfloat16", "cuda"]
+    replicas = len(local) - homes
+    assert record["replica_grads"] == ([[[2 * f, h], "bfloat16", "cuda"]] * replicas
+                                       + [[[h, f], "bfloat16", "cuda"]] * replicas)
+
+    # Every tensor the region makes is on the device, in the dtype the design says: rows,
+    # weights and their gradients in bf16; fp32 only for per-row or per-pair values (a,
+    # the metric, the router gradient, sums); int64 indices, int32 GEMM offsets and
+    # positions. The one host tensor is forward's pinned staging copy of the plan's tables.
+    made = _region_made(record)
+    assert {m["phase"] for m in made} == {"forward", "backward"}
+    off_device = [m for m in made if m["device"] != "cuda"]
+    assert all(m["pinned_staging"] and m["phase"] == "forward" for m in off_device), off_device
+    assert len(off_device) == 2            # the staging buffer and the copy into it
+    for m in made:
+        assert m["dtype"] in ("bfloat16", "float32", "int64", "int32", "bool"), m
+        if m["dtype"] == "float32":
+            assert len(m["shape"]) <= 1, m
+    assert sum(len(m["shape"]) == 2 and m["dtype"] == "bfloat16" for m in made) > 0
+
+    # Host reads: the forward's one documented read (the counts exchange, before the
+    # region), none in the region, none in backward (which also ran no data-dependent
+    # op: fake tensors raise on those).
+    reads = record["forward_reads"]
+    assert len(reads) == 1, reads
+    op, frames = reads[0]
+    assert op == "cpu" and "fake_cuda.py:gather_counts" in frames, reads
+    assert not any(fr.startswith("region.py:") for _, fs in reads for fr in fs)
+    assert record["backward_reads"] == []
+
+    # Part 4: the rows each grouped GEMM receives, from its operands and offsets, against
+    # the cost model's rows per instance of the plan: forward every routed pair, backward
+    # exactly the retained rows.
+    rows = InstanceRows.of_plan(plan)
+    assert np.array_equal(np.flatnonzero(rows.rank == rank), local)
+    routed, retained = rows.routed[local].tolist(), rows.retained[local].tolist()
+    gemms = record["gemms"]
+    assert [g["phase"] for g in gemms] == ["forward"] * 2 + ["backward"] * 4
+    for g in gemms:
+        want = routed if g["phase"] == "forward" else retained
+        assert g["offs_dtype"] == "int32"
+        assert g["group_rows"] == want, g
+        assert g["grouped_rows"] == sum(want), g
+    # Every routed pair is computed once, on its instance's rank.
+    assert int(rows.routed.sum()) == int(plan.counts.sum()) == sum(map(sum, record["counts"]))
+    if math.isinf(case.gamma):
+        assert retained == routed
+
+
+
+def _swiglu_and_more(z: torch.Tensor) -> torch.Tensor:
+    z_glu, z_linear = torch.chunk(z, 2, dim=-1)
+    return torch.nn.functional.silu(z_glu) * z_linear + 0.5 * z_glu[:, :1]   # a broadcast
+
+
+@pytest.mark.parametrize("activation", [_swiglu_and_more,
+                                        lambda z: torch.nn.functional.gelu(z.chunk(2, -1)[0])],
+                         ids=["swiglu-broadcast", "unused-chunk"])
+def test_node_grad_matches_the_engine(activation):
+    """The harness's stand-in for torch.autograd.grad (used on fake tensors, where the
+    engine cannot run) gives the engine's gradient on real ones."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(7, 12, dtype=torch.float64, generator=g).requires_grad_(True)
+    dh = torch.randn(activation(z).shape, dtype=torch.float64, generator=g)
+    (want,) = torch.autograd.grad(activation(z), z, dh)
+    (got,) = node_grad(activation(z), z, dh)
+    torch.testing.assert_close(got, want)
