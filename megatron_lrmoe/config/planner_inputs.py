@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron_lrmoe.config.options import option
 from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
 from megatron_lrmoe.planning.machine import default_machine_constants
+from megatron_lrmoe.planning.plan_types import budget_floor
 from megatron_lrmoe.planning.planner import PlannerSettings
 from megatron_lrmoe.planning.retention import retention_in_forward
 
@@ -142,10 +143,12 @@ def planner_settings(config, ep_size: int, tokens_per_rank: int | None = None,
 def check_memory_budget(config, ep_size: int, tokens_per_rank: int,
                         microbatches_per_step: int = 1, device_type: str = "cpu",
                         micro_batch_size: int | None = None) -> str | None:
-    """Start-up check of ``--moe-lrmoe-memory-budget-gb`` against the balanced dropless need
-    of the configured shapes (docs/design.md, "Memory budget"); raises ValueError naming
-    the flag and the number needed. Returns the line to print: the largest micro-batch
-    sizes the budget holds at balanced routing, dropless and at the configured retention
+    """Start-up check of ``--moe-lrmoe-memory-budget-gb`` against ``budget_floor`` of the
+    configured shapes: balanced routing with nothing retained in backward
+    (docs/design.md, "Memory budget"); raises ValueError naming the flag, the budget and
+    the floor. A budget between the floor and the balanced dropless need is accepted:
+    the planner lowers gamma. Returns the line to print: the largest micro-batch sizes
+    the budget holds at balanced routing, dropless and at the configured retention
     (``micro_batch_size``: the run's, whose tokens are ``tokens_per_rank``). None
     without a budget."""
     budget = config.moe_lrmoe_memory_budget_gb
@@ -153,14 +156,16 @@ def check_memory_budget(config, ep_size: int, tokens_per_rank: int,
         return None
     shape = moe_shape(config, tokens_per_rank, microbatches_per_step, ep_size)
     cost = CostModel(shape, machine_constants(config.moe_lrmoe_calibration, device_type))
-    need = cost.balanced_dropless_need()
-    if budget * GIB < need:
+    floor = budget_floor(cost)
+    if budget * GIB < floor:
         raise ValueError(
-            f"--moe-lrmoe-memory-budget-gb {budget:g} is below what the MoE layers need per "
-            f"rank with perfectly balanced routing and nothing dropped: {need / GIB:.4g} GiB "
-            f"({shape.num_layers} MoE layer(s) x {shape.microbatches_in_flight} micro-batch(es) "
-            f"in flight, {shape.tokens_per_rank} tokens x top-{shape.topk} per rank); raise it "
-            "to at least that")
+            f"--moe-lrmoe-memory-budget-gb {budget:g} is below the floor of "
+            f"{floor / GIB:.4g} GiB per rank: what the MoE layers need even with perfectly "
+            f"balanced routing and nothing retained in backward ({shape.num_layers} MoE "
+            f"layer(s) x {shape.microbatches_in_flight} micro-batch(es) in flight, "
+            f"{shape.tokens_per_rank} tokens x top-{shape.topk} per rank); raise it to at "
+            "least that (between the floor and the balanced dropless need, "
+            f"{cost.balanced_dropless_need() / GIB:.4g} GiB, the planner lowers gamma)")
     if micro_batch_size is None:
         return None
     gamma = config.moe_lrmoe_bwd_capacity_factor

@@ -228,7 +228,8 @@ def lrmoe_config_from_args(args: argparse.Namespace) -> Any:
 
 
 def _check_memory_budget(args: argparse.Namespace, config) -> None:
-    """Refuse a --moe-lrmoe-memory-budget-gb below the balanced dropless need, at start-up
+    """Refuse a --moe-lrmoe-memory-budget-gb below the floor (nothing fits even with nothing
+    retained: ``planning.plan_types.budget_floor``, by ``check_memory_budget``), at start-up
     (after ``parse_and_validate_args``, which makes Megatron's micro-batch calculator)."""
     if getattr(args, "moe_lrmoe_memory_budget_gb", None) is None:
         return

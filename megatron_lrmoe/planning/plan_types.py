@@ -20,7 +20,18 @@ from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.instance_assignment import InstanceAssignment
 from megatron_lrmoe.planning.retention import RetentionPlan
 
-__all__ = ["MicroBatchPlan", "PlannerSettings"]
+__all__ = ["MicroBatchPlan", "PlannerSettings", "budget_floor"]
+
+
+def budget_floor(cost: CostModel) -> float:
+    """The least memory budget (bytes per rank, all MoE layers and micro-batches in
+    flight) that can run at all: perfectly balanced routing with nothing retained in
+    backward (``cost.balanced_need(0.0)``: every pair is still routed in forward, with
+    the forward's buffers and what is saved regardless). The one rule of the start-up
+    refusal (``PlannerSettings``, ``config.planner_inputs.check_memory_budget``); between
+    it and ``cost.balanced_dropless_need()`` the planner lowers gamma
+    (docs/design.md, "Memory budget")."""
+    return cost.balanced_need(0.0)
 
 
 @dataclass(frozen=True)
@@ -30,7 +41,9 @@ class PlannerSettings:
     ``budget_bytes`` is per rank for all MoE layers and micro-batches in flight
     (docs/design.md, "Memory budget"); each layer's planner gets
     ``budget_bytes / cost.shape.num_layers``.
-    A budget below ``cost.balanced_dropless_need()`` is refused here, with that number.
+    A budget below ``budget_floor(cost)`` (nothing fits even with nothing retained) is
+    refused here, with that number; one between it and the balanced dropless need is
+    planned: gamma is lowered to fit.
     """
 
     policy: str
@@ -85,12 +98,12 @@ class PlannerSettings:
         if budget is not None:
             if self.cost is None:
                 raise ValueError("PlannerSettings.cost is needed with budget_bytes")
-            need = self.cost.balanced_dropless_need()
-            if budget < need:
+            floor = budget_floor(self.cost)
+            if budget < floor:
                 raise ValueError(
-                    f"PlannerSettings.budget_bytes={budget:.6g} is below the balanced dropless "
-                    f"need of {need:.6g} bytes ({need / 2**30:.3f} GiB) per rank: even "
-                    f"perfectly balanced routing does not fit")
+                    f"PlannerSettings.budget_bytes={budget:.6g} is below the floor of "
+                    f"{floor:.6g} bytes ({floor / 2**30:.3f} GiB) per rank: even perfectly "
+                    f"balanced routing with nothing retained in backward does not fit")
         if self.policy == "memory-aware" and budget is None:
             raise ValueError("PlannerSettings.budget_bytes: memory-aware placement needs a "
                              "budget (and a cost model)")

@@ -48,8 +48,9 @@ from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.routing_traces import read_routing_trace, regroup_sources
 
 __all__ = ["CLUSTERS", "MODELS", "POLICIES", "STEPS_TO_TARGET_FILE", "ClusterSpec",
-           "ModelSpec", "Policy", "capacity_drop", "load_steps_to_target", "machine_constants",
-           "node_calibration", "simulate", "source_batches", "steps_ratios"]
+           "ModelSpec", "Policy", "capacity_drop", "layer_shape", "load_steps_to_target",
+           "machine_constants", "node_calibration", "simulate", "source_batches",
+           "steps_ratios"]
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -259,6 +260,20 @@ class Policy:
     """The layer runs the LRMoE planner on the host every call (LRMoE and SYMI-style);
     False for Megatron's own layer, which the simulator plans only to form its loads."""
 
+    def __post_init__(self) -> None:
+        if self.budget and not self.runs_planner:
+            raise ValueError(f"Policy {self.name!r}: a budget is planned by the LRMoE layer "
+                             "(runs_planner=True)")
+
+
+def layer_shape(shape: MoEShape, runs_planner: bool) -> MoEShape:
+    """``shape`` as the policy's layer runs it. LRMoE's layer (its default rule, uniform)
+    draws the retained set in forward and recomputes the activation in backward;
+    Megatron's saved its output instead. Every budgeted policy runs LRMoE's layer, so
+    ``layer_shape(shape, True)`` is the one shape that defines the budget."""
+    return replace(shape, forward_retention=runs_planner and default_retention_in_forward(),
+                   activation_recompute=runs_planner)
+
 
 POLICIES: tuple[Policy, ...] = (
     Policy("dropless", label="Megatron dropless", runs_planner=False),
@@ -362,7 +377,9 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
 
     The budget, per rank for the stage's MoE layers, is ``budget_gib`` or the balanced
     dropless need plus ``budget_instances`` expert instances per layer (issue 13's
-    setting). Layers beyond the simulated ones are assumed to behave like their mean.
+    setting), the need of the shape the budgeted policies are planned with
+    (``layer_shape(shape, True)``). Layers beyond the simulated ones are assumed to
+    behave like their mean.
     ``shape`` replaces ``model.shape(ep_size, pipeline)`` (a measured run's own shape);
     ``resample=False`` replays the recorded counts as they are (they must already hold
     the shape's pairs per rank), as the validation against measured runs does.
@@ -373,18 +390,13 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
     shape = shape or model.shape(ep_size, pipeline)
     if shape.num_experts % ep_size:
         raise ValueError(f"--ep {ep_size}: {shape.num_experts} experts are not a multiple")
-    cost = CostModel(shape, machine_constants(cluster, ep_size, calibration))
-    need = cost.balanced_dropless_need()
+    machine = machine_constants(cluster, ep_size, calibration)
+    need = CostModel(layer_shape(shape, True), machine).balanced_dropless_need()
     budget = (budget_gib * GIB if budget_gib is not None
               else need + budget_instances * shape.instance_bytes * shape.num_layers)
     results = []
-    machine = cost.machine
     for policy in policies:
-        # LRMoE's layer (its default rule, uniform) draws the retained set in forward and
-        # recomputes the activation in backward; Megatron's saved its output instead.
-        cost = CostModel(replace(shape, forward_retention=policy.runs_planner
-                                 and default_retention_in_forward(),
-                                 activation_recompute=policy.runs_planner), machine)
+        cost = CostModel(layer_shape(shape, policy.runs_planner), machine)
         totals = {"fwd": 0.0, "bwd": 0.0, "refresh": 0.0, "memory": 0.0, "routed": 0.0,
                   "retained": 0.0, "load": 0.0, "replicas": 0.0}
         parts: dict[str, float] = {}

@@ -7,6 +7,7 @@ placement: tests/integration/test_step_state.py."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -152,11 +153,43 @@ def test_replicas_without_drops_equal_megatron_on_4_ranks_ep2(gloo4, corpus, tmp
     _replicas_equal_megatron(gloo4, base, compute_bound_calibration, tmp_path)
 
 
-def test_budget_below_balanced_need_is_refused(gloo1, corpus):
+def test_budget_below_the_floor_is_refused(gloo1, corpus):
+    # The floor: balanced routing with nothing retained (planning.plan_types.budget_floor);
+    # above it the planner lowers gamma instead (tests/config/test_planner_inputs.py).
     from megatron_lrmoe.testing.gloo_pool import TaskFailed
 
     with pytest.raises(TaskFailed, match=r"ConfigError: --moe-lrmoe-memory-budget-gb 1e-06 is "
-                                         r"below .* [0-9.]+ GiB"):
+                                         r"below the floor of [0-9.e-]+ GiB per rank"):
         gloo1.run(_train, TINY + ["--moe-lrmoe", "--moe-lrmoe-placement", "memory-aware",
                                   "--moe-lrmoe-memory-budget-gb", "1e-6",
                                   "--data-path", corpus, "--train-iters", "3"], timeout=120)
+
+
+def test_budget_between_floor_and_dropless_need_trains_with_gamma_lowered(
+        gloo1, corpus, tmp_path, compute_bound_calibration):
+    # TINY's MoE layers on one rank (fp32, 4 x 64 tokens per micro-batch): between the
+    # floor and the balanced dropless need even balanced routing does not fit at gamma 1,
+    # so the run starts and every call's plan lowers gamma.
+    from megatron_lrmoe.config.planner_inputs import GIB, machine_constants, moe_shape
+    from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.planning.cost_model import CostModel
+    from megatron_lrmoe.planning.plan_types import budget_floor
+
+    config = LRMoETransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, gated_linear_unit=True,
+        moe_token_dispatcher_type="alltoall", add_bias_linear=False, moe_lrmoe=True)
+    cost = CostModel(moe_shape(config, 4 * 64, 1, 1),
+                     machine_constants(compute_bound_calibration, "cpu"))
+    floor, need = budget_floor(cost), cost.balanced_dropless_need()
+    budget = (floor + need) / 2 / GIB
+    log = tmp_path / "log.jsonl"
+    results = gloo1.run(_train, TINY + [
+        "--moe-lrmoe", "--moe-lrmoe-placement", "memory-aware",
+        "--moe-lrmoe-memory-budget-gb", f"{budget:.9g}",
+        "--moe-lrmoe-calibration", compute_bound_calibration, "--data-path", corpus,
+        "--train-iters", "3", "--log-interval", "1", "--log-json", str(log)], timeout=120)
+    assert all(map(math.isfinite, results[0]["losses"]))
+    records = _logged(log)
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert all(r["lrmoe/budget-adjusted-calls"] > 0 for r in records)

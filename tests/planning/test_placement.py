@@ -31,6 +31,7 @@ from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoES
 from megatron_lrmoe.planning.instance_assignment import assign_instances
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.placement_policies import greedy_replicas, popularity_placement
+from megatron_lrmoe.planning.plan_types import budget_floor
 from megatron_lrmoe.planning.planner import LayerPlanner, MicroBatchPlan, PlannerSettings
 from megatron_lrmoe.planning.retention import plan_retention
 
@@ -803,9 +804,49 @@ def test_settings_validation_names_the_field(kwargs, field):
         PlannerSettings(**args)
 
 
-def test_budget_below_balanced_need_is_refused_with_the_number():
+def test_budget_below_the_floor_is_refused_with_the_number():
+    # The floor: balanced routing with nothing retained in backward. Below the balanced
+    # dropless need but above the floor is planned (gamma lowered), not refused.
     cost = _cost(8)
-    need = cost.balanced_dropless_need()
-    with pytest.raises(ValueError, match=f"{need:.6g}"):
-        PlannerSettings("static", 4, 8, budget_bytes=need * 0.99, cost=cost)
-    PlannerSettings("static", 4, 8, budget_bytes=need, cost=cost)   # exactly enough: fine
+    floor, need = budget_floor(cost), cost.balanced_dropless_need()
+    assert floor == cost.balanced_need(0.0) < need
+    with pytest.raises(ValueError, match=f"below the floor of {floor:.6g} bytes"):
+        PlannerSettings("static", 4, 8, budget_bytes=floor * 0.99, cost=cost)
+    PlannerSettings("static", 4, 8, budget_bytes=floor, cost=cost)   # exactly enough: fine
+    PlannerSettings("static", 4, 8, budget_bytes=need * 0.99, cost=cost)
+
+
+@pytest.mark.parametrize("forward_retention", [False, True])
+@pytest.mark.parametrize("policy", ["static", "popularity", "memory-aware"])
+def test_budget_between_floor_and_dropless_need_lowers_gamma(policy, forward_retention):
+    # Between the floor and the balanced dropless need, even balanced routing does not
+    # fit at the configured gamma: from the first plan on (no step observed yet) the
+    # planner lowers gamma so that it fits, and the forward keeps every pair.
+    cost = _cost(8, forward_retention=forward_retention)
+    floor, need = budget_floor(cost), cost.balanced_dropless_need()
+    budget = floor + 0.5 * (need - floor)
+    settings = PlannerSettings(policy, 4, 8, capacity_factor=1.0, budget_bytes=budget,
+                               cost=cost)
+    planner = LayerPlanner(settings)
+    balanced = torch.full((4, 8), 16, dtype=torch.int64)        # P = 64 x 2 per rank
+    plan = planner.plan(balanced)
+    assert plan.capacity_factor_used < 1.0
+    assert any("lowered" in note for note in plan.notes)
+    assert torch.equal(plan.retention.counts, balanced)
+    memory = cost.plan_memory(plan.retention, np.zeros(4))
+    assert float(memory.max()) <= settings.layer_share
+    # Skewed routing over steps: placement and plans without error; replicas only on
+    # ranks that hold them within their share (popularity: none, no slot beyond E/R).
+    for seed in range(3):
+        counts = _skewed_counts(4, 8, 128, seed)
+        planner.observe(counts)
+        planner.next_step()
+        plan = planner.plan(counts)
+        assert plan.capacity_factor_used <= 1.0
+        assert int(plan.retention.counts.sum()) == int(counts.sum())     # forward: all
+        hosting = np.array(planner.placement.replicas_per_rank())
+        memory = cost.plan_memory(plan.retention, hosting)
+        assert bool((memory[hosting > 0] <= settings.layer_share).all())
+    if policy == "popularity":
+        assert settings.popularity_slots() == 2
+        assert planner.placement == Placement.static(4, 8)

@@ -8,13 +8,16 @@ import math
 import numpy as np
 import pytest
 
+from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.tools import routing_traces as rt
 from megatron_lrmoe.tools.simulate import (
     CLUSTERS,
     POLICIES,
     STEPS_TO_TARGET_FILE,
     ModelSpec,
+    Policy,
     capacity_drop,
+    layer_shape,
     load_steps_to_target,
     load_traces,
     machine_constants,
@@ -176,6 +179,44 @@ def test_planner_time_only_where_the_policy_runs_it():
     measured = {r.policy: r for r in simulate(model, H100, 4, trace, steps=1, budget_gib=1.0)}
     assert measured["dropless"].parts["forward_planner"] == 0.0
     assert measured["lrmoe-ma"].parts["forward_planner"] > 0.0
+
+
+def test_default_budget_is_the_planned_shapes_need():
+    """One shape defines the budget: the default (balanced dropless need + instances) is
+    that of the shape the budgeted policies are planned with (forward retention), not
+    Megatron's layer's (issue 22: --budget-instances 0 used to die on 12 bytes a pair)."""
+    model = ModelSpec("tiny", num_layers=2, hidden_size=64, ffn_hidden_size=32,
+                      num_experts=16, topk=2, gated=True, seq_length=32, micro_batch_size=1,
+                      global_batch_size=4)
+    ep = 4
+    planned = layer_shape(model.shape(ep, 1), True)
+    need = CostModel(planned, machine_constants(H100, ep)).balanced_dropless_need()
+    assert need > CostModel(layer_shape(model.shape(ep, 1), False),
+                            machine_constants(H100, ep)).balanced_dropless_need()
+    for instances in (0.0, 1.5):
+        results = simulate(model, H100, ep, [_local_trace(ep, 16, 4)], steps=1,
+                           budget_instances=instances, planner_s=0.0)
+        budget = need + instances * planned.instance_bytes * planned.num_layers
+        assert {r.budget_gib for r in results} == {budget / 2**30}
+    with pytest.raises(ValueError, match="runs_planner"):
+        Policy("megatron-budget", budget=True, runs_planner=False)
+
+
+def test_cli_budget_at_the_balanced_need(tmp_path, capsys):
+    # The issue's command in small: a recorded trace, the default model and cluster,
+    # --budget-instances 0.
+    rng = np.random.default_rng(2)
+    counts = rng.integers(0, 40, size=(2, 1, 2, 2, 128))
+    sources = {1: [{"rank": r, "ep_rank": r, "ep_group": 0} for r in range(2)]}
+    rt.write_header(tmp_path, rt.make_header(
+        {"num_experts": 128, "moe_layers": [1], "topk": 8},
+        {"microbatches_per_step": 2, "ep": 2, "tokens_per_source": 64, "world_size": 2},
+        sources))
+    rt.write_chunk(tmp_path, 1, np.arange(1, 3), counts)
+    assert main(["--model", "qwen3-30b-a3b", "--cluster", "h100", "--trace", str(tmp_path),
+                 "--budget-instances", "0", "--skip-fraction", "0", "--ep", "8",
+                 "--steps", "1"]) == 0
+    assert "LRMoE memory-aware" in capsys.readouterr().out
 
 
 def test_calibration_file_overrides_the_new_constants():
