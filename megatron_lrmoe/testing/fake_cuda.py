@@ -1,11 +1,12 @@
 """Run the LRMoE region's CUDA path at real size on fake CUDA tensors (no GPU needed).
 
-Test harness only (issue 25, part 2). It is the one module that touches torch's private
-and testing-only pieces used for this: ``FakeTensorMode``, the fake process group
-(``torch.testing._internal.distributed.fake_pg.FakeStore``) and the autograd graph's
-nodes. Run it in its own process (``python -m megatron_lrmoe.testing.fake_cuda``, as
-tests/layer/test_region_fake_cuda.py does): the process group and the modes are
-process-wide.
+Test harness only (issue 25, parts 2 and 3). It is the one module that touches torch's
+private and testing-only pieces used for this: ``FakeTensorMode``, the fake process group
+(``torch.testing._internal.distributed.fake_pg.FakeStore``), the memory tracker
+(``torch.distributed._tools.mem_tracker.MemTracker``) and the autograd graph's nodes;
+it is pinned to torch 2.13 (``TORCH_PIN``, checked on use). Run it in its own process
+(``python -m megatron_lrmoe.testing.fake_cuda``, as tests/layer/test_region_fake_cuda.py
+does): the process group and the modes are process-wide.
 
 What ``fake_cuda_session`` sets up, and why:
 
@@ -25,7 +26,9 @@ What ``fake_cuda_session`` sets up, and why:
   through its node (``backward_through_node``), and ``torch.autograd.grad`` (the
   experts' activation recompute inside that backward) is replaced, for fake tensors
   only, by ``node_grad``: the same chain rule, walking the graph's nodes and calling
-  each one, in topological order.
+  each one, in topological order; the tensors a node saved are freed once it ran
+  (``releasing_saved_tensors``), as the engine frees them without ``retain_graph``, so
+  that the memory levels after the recompute are the engine's.
 - **Grouped GEMMs**: the region is given ``grouped_gemm=True``; ``use_grouped_mm`` takes
   the grouped path for fake CUDA bf16 without its value-comparing probe.
 - **Value checks** (``MEGATRON_LRMOE_DEBUG_CHECKS``) are off, as in training on a GPU:
@@ -34,6 +37,21 @@ What ``fake_cuda_session`` sets up, and why:
   never enabled; Megatron's ``parallel_state``, RNG tracker and model initialisation are
   not used: the region is called directly (the weights are fake, so initialisation has no
   values to make).
+
+- **Memory** (``device_memory``): torch's ``MemTracker``, as is, on top of the modes. It
+  tracks fake tensors the way it tracks real ones: the untyped storages of every op's
+  outputs, by weak reference (freed when the storage is), bytes rounded up to the CUDA
+  caching allocator's 512-byte blocks. A subclass records the device level after every
+  op (frees only lower it, so the largest of these is the peak) with the phase and the
+  op that reached it. The tensors that exist before the forward (input, weights, their
+  gradient buffers as Megatron's ``main_grad`` are, replicas, the router's outputs, dy)
+  are registered first (``track_external``), so that an in-place op on one is not
+  counted as new memory; levels are measured above them. The pair metadata the layer
+  makes from the router's outputs (``_expert_major_pairs``: the [P, 2] pairs the token
+  index is a view of, the probability gather's index and result) is made inside the
+  measured span, as in the layer. Saved bytes: ``saved_tensors_hooks`` over the
+  forward, distinct storages, without the weights and the input
+  (``layer_bench.measure_memory``'s definition).
 
 Counts come from a recorded routing trace (benchmarks/results/routing_traces/qwen3),
 formed into R sources and resampled to the model's pairs per rank exactly as the
@@ -62,13 +80,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Case", "CaseResult", "GemmCall", "TraceCountsExchange", "backward_through_node",
-           "case_counts", "case_planner", "fake_cuda_session", "node_grad", "run_case", "run_cases",
-           "trace_counts"]
+__all__ = ["TORCH_PIN", "Case", "CaseResult", "GemmCall", "TraceCountsExchange",
+           "backward_through_node", "case_counts", "case_planner", "check_torch_pin",
+           "device_memory", "fake_cuda_session", "memory_record", "node_grad",
+           "releasing_saved_tensors", "run_case", "run_cases", "trace_counts"]
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "benchmarks" / "results" / "routing_traces" / "qwen3" / "trace"
 _SHADOW_MAX = 1 << 20          # elements: shadows are kept for index tables, not rows
+TORCH_PIN = "2.13"             # FakeStore, MemTracker, FakeTensorMode: private / testing APIs
+
+
+def check_torch_pin() -> None:
+    """This harness uses torch's private and testing-only APIs (``FakeStore``,
+    ``MemTracker``, ``FakeTensorMode``, autograd nodes' ``_input_metadata``): pinned."""
+    assert torch.__version__.startswith(TORCH_PIN), (
+        f"megatron_lrmoe.testing.fake_cuda is pinned to torch {TORCH_PIN} (it uses torch's "
+        f"private FakeStore, MemTracker and FakeTensorMode); found torch {torch.__version__}: "
+        f"re-check those APIs, then move TORCH_PIN")
 
 
 # -----------------------------------------------------------------------------
@@ -185,9 +214,60 @@ class _HostReal(TorchDispatchMode):
 
 def backward_through_node(output: torch.Tensor, grad: torch.Tensor) -> tuple:
     """The gradients ``output``'s autograd node returns for ``grad`` (grad mode off, as
-    under the engine): how a custom Function's backward runs on fake CUDA tensors."""
-    with torch.no_grad():
+    under the engine): how a custom Function's backward runs on fake CUDA tensors. The
+    graphs it builds inside (the experts' activation recompute) save their tensors in
+    boxes, which ``node_grad`` empties as it runs each node (the engine's release)."""
+    with torch.no_grad(), releasing_saved_tensors():
         return output.grad_fn.apply(grad)
+
+
+class _SavedBoxes:
+    """Saved-tensor hooks that let ``node_grad`` free what a node saved once it ran, as
+    the engine does without ``retain_graph`` (``release_variables``, which Python cannot
+    call): each saved tensor is packed in a box; ``of(node)`` collects the boxes of the
+    node's saved tensors (reading its ``_saved_*`` attributes unpacks them), and
+    ``release`` empties them. Without the hooks active, nothing is boxed or released."""
+
+    def __init__(self) -> None:
+        self.unpacked: list[list] | None = None
+
+    @staticmethod
+    def pack(t: torch.Tensor) -> list:
+        return [t]
+
+    def unpack(self, box: list) -> torch.Tensor:
+        if box[0] is None:
+            raise RuntimeError("node_grad: a saved tensor was read after its node ran")
+        if self.unpacked is not None:
+            self.unpacked.append(box)
+        return box[0]
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def of(self, node) -> list[list]:
+        self.unpacked = []
+        try:
+            for name in dir(node):
+                if name.startswith("_saved_"):
+                    getattr(node, name)
+            return self.unpacked
+        finally:
+            self.unpacked = None
+
+    @staticmethod
+    def release(boxes: list[list]) -> None:
+        for box in boxes:
+            box[0] = None
+
+
+_SAVED = _SavedBoxes()
+
+
+def releasing_saved_tensors():
+    """Context: graphs built inside save their tensors so that ``node_grad`` frees them
+    as it runs each node, as the engine does (``backward_through_node`` enters it)."""
+    return _SAVED.hooks()
 
 
 def node_grad(outputs, inputs, grad_outputs=None, **kwargs):
@@ -225,7 +305,9 @@ def node_grad(outputs, inputs, grad_outputs=None, **kwargs):
             if type(node).__name__ == "AccumulateGrad":
                 found[id(node.variable)] = grads[0]
                 continue
+            held = _SAVED.of(node)
             results = node(*grads)
+            _SAVED.release(held)          # as the engine does without retain_graph
             results = results if isinstance(results, tuple) else (results,)
             for (nxt, slot), g in zip(node.next_functions, results, strict=True):
                 if nxt is None or g is None:
@@ -242,6 +324,57 @@ def node_grad(outputs, inputs, grad_outputs=None, **kwargs):
 
 
 # -----------------------------------------------------------------------------
+# Device memory
+# -----------------------------------------------------------------------------
+
+
+def device_memory(device_type: str = "cuda"):
+    """A ``MemTracker`` (torch's, as is) that also records the level of ``device_type``
+    after every op: ``phase`` labels the ops that follow, ``timeline`` holds (phase, op,
+    bytes after the op), ``level()`` the bytes now. Made on use: importing ``MemTracker``
+    imports torch's fake collectives, which only this harness's subprocess needs."""
+    check_torch_pin()
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class DeviceMemory(MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.phase = ""
+            self.timeline: list[tuple[str, str, int]] = []
+
+        def level(self) -> int:
+            """Bytes of the live storages on ``device_type`` the tracker knows of."""
+            return sum(snap["Total"] for dev, snap in self.get_tracker_snapshot().items()
+                       if dev.type == device_type)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if self.phase:
+                self.timeline.append((self.phase, func._schema.name.split("::")[-1],
+                                      self.level()))
+            return out
+
+    return DeviceMemory()
+
+
+def memory_record(mem, base: int, at_backward: int, saved: int) -> dict:
+    """The measured figures, above ``base`` (the level before the forward): saved bytes,
+    the level at backward, each phase's peak and the op that reached it, and the overall
+    peak; ``levels``: the timeline's running maxima, where the peak rose."""
+    peaks: dict[str, list] = {}
+    rises: list[list] = []
+    top = 0
+    for phase, op, level in mem.timeline:
+        if level - base > peaks.get(phase, [-1])[0]:
+            peaks[phase] = [level - base, op]
+        if level - base > top:
+            top = level - base
+            rises.append([phase, op, top])
+    return {"saved": saved, "at_backward": at_backward - base, "peak": top,
+            "phase_peaks": peaks, "rises": rises[-12:], "ops": len(mem.timeline)}
+
+
+# -----------------------------------------------------------------------------
 # Session
 # -----------------------------------------------------------------------------
 
@@ -255,6 +388,7 @@ def fake_cuda_session(rank: int, world_size: int) -> Iterator[_HostReal]:
     from megatron_lrmoe.integration.runtime.cpu import cpu_runtime_active
     from megatron_lrmoe.ops import set_debug_checks
 
+    check_torch_pin()
     if cpu_runtime_active():
         raise RuntimeError("the CPU runtime maps CUDA to the CPU: run this in a fresh process")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -359,6 +493,9 @@ class CaseResult:
     gemms: list[dict] = field(default_factory=list)
     outputs: dict[str, list] = field(default_factory=dict)
     replica_grads: list[list] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
+    """Device bytes (``memory_record``): saved for backward, peaks above the level
+    before the forward."""
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -426,44 +563,69 @@ def run_case(case: Case, rank: int, model: str = "qwen3-30b-a3b") -> CaseResult:
         homes = sum(1 for i in local if placement.instance_expert[i] // (e // case.ep) == rank)
         w1 = tuple(torch.empty(f1, h, **bf16, requires_grad=j < homes) for j in range(len(local)))
         w2 = tuple(torch.empty(h, f, **bf16, requires_grad=j < homes) for j in range(len(local)))
+        # The home weights' gradient buffers exist before the call, as Megatron's are.
+        buffers = [torch.zeros_like(w) for w in (*w1[:homes], *w2[:homes])]
+        for w, g in zip((*w1[:homes], *w2[:homes]), buffers, strict=True):
+            w.grad = g
         experts = ExpertWeights(w1[:homes], w2[:homes], _swiglu)
         if len(local) > homes:
             experts = experts.with_replicas(w1[homes:], w2[homes:])
         x = torch.empty(t, h, **bf16, requires_grad=True)
         routing_map = torch.empty(t, e, device="cuda", dtype=torch.bool)
+        probs = torch.empty(t, e, device="cuda", dtype=torch.float32, requires_grad=True)
+        dy = torch.empty(t, h, **bf16)
         exchange = TraceCountsExchange(counts, rank)
         replica_grads: list[list] = []
+        pre_existing = (x, *w1, *w2, *buffers)
+        keep = {p.untyped_storage()._cdata for p in pre_existing}
+        saved: dict[int, int] = {}
 
         def on_replica_grads(dw1, dw2):
             replica_grads.extend([_dims(g) for g in (*dw1, *dw2)])
             return [], []
 
+        def pack(saved_tensor: torch.Tensor) -> torch.Tensor:
+            storage = saved_tensor.untyped_storage()
+            if storage._cdata not in keep:
+                saved[storage._cdata] = storage.nbytes()
+            return saved_tensor
+
+        mem = device_memory()
         with HostReadDetector() as detector:
-            detector.taint(x, routing_map, *w1, *w2)
+            detector.taint(x, routing_map, probs, dy, *w1, *w2)
             gathered = exchange.gather_counts(routing_map)
             planner.observe(gathered)
             plan = planner.plan(gathered).retention
             num_pairs = int(plan.counts[rank].sum())
-            pair_token = torch.empty(num_pairs, device="cuda", dtype=torch.int64)
-            pair_prob = torch.empty(num_pairs, device="cuda", dtype=torch.float32,
-                                    requires_grad=True)
-            detector.taint(pair_token, pair_prob)
-            device.phase = "forward"
-            rc = RegionContext(plan=plan, group=dist.group.WORLD, rank=rank,
-                               selection=case.selection, grouped_gemm=True,
-                               on_replica_grads=on_replica_grads)
-            y = lrmoe_region(x, pair_token, pair_prob, rc, experts)
-            seconds["forward"] = time.perf_counter() - started
-            forward_reads = [_read(r) for r in detector.reads]
-            detector.clear()
-            device.phase = "backward"
-            dy = torch.empty_like(y)
-            detector.taint(dy)
-            started = time.perf_counter()
-            grads = backward_through_node(y, dy)
-            seconds["backward"] = time.perf_counter() - started
-            backward_reads = [_read(r) for r in detector.reads]
-            device.phase = ""
+            with mem:
+                mem.track_external(*pre_existing, routing_map, probs, dy)
+                base = mem.level()
+                mem.phase = "forward"
+                # The layer's pair metadata (moe_layer._expert_major_pairs) from the
+                # router's outputs: [P, 2] (expert, token) pairs, the token index a view
+                # of them, the probabilities a differentiable gather.
+                pairs = torch.empty(num_pairs, 2, device="cuda", dtype=torch.int64)
+                detector.taint(pairs)
+                pair_token = pairs[:, 1]
+                flat = pair_token * e + pairs[:, 0]
+                pair_prob = probs.reshape(-1).index_select(0, flat)
+                device.phase = "forward"
+                rc = RegionContext(plan=plan, group=dist.group.WORLD, rank=rank,
+                                   selection=case.selection, grouped_gemm=True,
+                                   on_replica_grads=on_replica_grads)
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    y = lrmoe_region(x, pair_token, pair_prob, rc, experts)
+                seconds["forward"] = time.perf_counter() - started
+                forward_reads = [_read(r) for r in detector.reads]
+                detector.clear()
+                at_backward = mem.level()
+                device.phase = mem.phase = "backward"
+                started = time.perf_counter()
+                grads = backward_through_node(y, dy)
+                seconds["backward"] = time.perf_counter() - started
+                backward_reads = [_read(r) for r in detector.reads]
+                device.phase = mem.phase = ""
+            memory = memory_record(mem, base, at_backward, sum(saved.values()))
         names = ["dx", "dpair_token", "dpair_prob", "drc", "dexperts"] + [
             f"dw1[{j}]" for j in range(homes)] + [f"dw2[{j}]" for j in range(homes)]
         outputs = {"y": _dims(y), **{n: _dims(g) for n, g in zip(names, grads, strict=True)}}
@@ -475,7 +637,7 @@ def run_case(case: Case, rank: int, model: str = "qwen3-30b-a3b") -> CaseResult:
             grouped_gemm=rc.stats.grouped_gemm, forward_retention=rc.forward_retention,
             forward_reads=forward_reads, backward_reads=backward_reads,
             made=[asdict(m) for m in device.made], gemms=[asdict(g) for g in device.gemms],
-            outputs=outputs, replica_grads=replica_grads, seconds=seconds)
+            outputs=outputs, replica_grads=replica_grads, memory=memory, seconds=seconds)
 
 
 def run_cases(cases: list[Case], rank: int) -> list[dict]:

@@ -1,5 +1,5 @@
 """The LRMoE region's CUDA path at Qwen3-30B-A3B's size, on fake CUDA tensors (issue 25,
-parts 2 and 4).
+parts 2, 3 and 4).
 
 One subprocess (``python -m megatron_lrmoe.testing.fake_cuda``; the fake process group and
 the fake-tensor modes never enter this process) runs every case as rank r of a fake EP
@@ -9,8 +9,8 @@ routing trace formed as the simulator forms them; forward, then backward through
 region's node. What the harness sets up and what it replaces: its module docstring.
 
 The checks judge what the subprocess recorded against what this process derives on its
-own: the plan, re-planned here from the same counts, and the cost model's rows per
-instance (``InstanceRows.of_plan``).
+own: the plan, re-planned here from the same counts, the cost model's rows per
+instance (``InstanceRows.of_plan``) and its memory (``CostModel.plan_memory``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,15 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lrmoe.planning.cost_model import InstanceRows
-from megatron_lrmoe.testing.fake_cuda import Case, case_counts, case_planner, node_grad
+from megatron_lrmoe.planning.cost_model import CostModel, InstanceRows, MachineConstants, MoEShape
+from megatron_lrmoe.testing.fake_cuda import (
+    Case,
+    case_counts,
+    case_planner,
+    device_memory,
+    node_grad,
+    releasing_saved_tensors,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 RANKS = {8: 3, 64: 37}
@@ -36,6 +43,8 @@ CASES = [Case(ep, gamma, selection, replicas)
          for ep in RANKS for gamma in (math.inf, 1.0, 0.75)
          for selection in ("uniform", "topk") for replicas in (False, True)]
 TIMEOUT_S = 240
+MEMORY_TOLERANCE = 0.05
+MIB = 1 << 20
 
 
 def _arg(case: Case) -> str:
@@ -166,3 +175,87 @@ def test_node_grad_matches_the_engine(activation):
     (want,) = torch.autograd.grad(activation(z), z, dh)
     (got,) = node_grad(activation(z), z, dh)
     torch.testing.assert_close(got, want)
+
+
+def test_node_grad_frees_saved_tensors_as_the_engine_does():
+    """The harness's autograd.grad frees what each node saved once it ran, so the memory
+    levels (torch's MemTracker, as the at-size test measures them) are the engine's: the
+    experts' activation recompute and its gradient, then a GEMM-sized output after it."""
+    g = torch.Generator().manual_seed(0)
+    z0 = torch.randn(256, 96, generator=g)
+    dh = torch.randn(256, 48, generator=g)
+
+    def levels(grad) -> tuple[int, int]:
+        z = z0.clone().requires_grad_(True)
+        mem = device_memory("cpu")
+        with releasing_saved_tensors(), mem:
+            mem.track_external(z, dh)
+            base = mem.level()
+            mem.phase = "backward"
+            with torch.enable_grad():
+                z_glu, z_linear = torch.chunk(z, 2, dim=-1)        # Qwen3's SwiGLU
+                h = torch.nn.functional.silu(z_glu) * z_linear
+            (dz,) = grad(h, z, dh)
+            after = torch.empty(256, 128)
+            mem.phase = ""
+            assert dz.shape == z.shape and after.numel()
+        return mem.level() - base, max(level for _, _, level in mem.timeline) - base
+
+    engine = levels(torch.autograd.grad)
+    assert levels(node_grad) == engine
+    assert engine[0] == 4 * 256 * (48 + 96 + 128)      # h, dz and the output only
+
+
+def _predicted_memory(case: Case, plan, rank: int, forward_retention: bool) -> tuple[float, float]:
+    """(saved, peak) bytes of the region on ``rank`` by the cost model: grouped GEMMs, bf16,
+    one layer, one micro-batch in flight, the plan's rows per instance; the replicas'
+    weights and gradient buffers (they exist before the call) taken out of the peak."""
+    shape = MoEShape(2048, 768, 128, 8, gated=True, dtype_bytes=2, tokens_per_rank=4096,
+                     expert_parallel_size=case.ep, grouped_gemm=True,
+                     forward_retention=forward_retention)
+    # Memory needs no machine constants; these only satisfy the constructor.
+    cost = CostModel(shape, MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0))
+    local = np.bincount(np.asarray(plan.instance_rank), minlength=plan.num_ranks)
+    replicas = local - 128 // case.ep
+    peak = cost.plan_memory(plan, replicas)[rank] - replicas[rank] * shape.instance_bytes
+    rows = InstanceRows.of_plan(plan)
+    mine = rows.rank == rank
+    kept = rows.retained[mine].sum() if forward_retention else rows.routed[mine].sum()
+    saved = (kept * shape.saved_bytes_per_routed_pair
+             + int(plan.counts[rank].sum()) * shape.saved_bytes_per_source_pair)
+    return float(saved), float(peak)
+
+
+# The cost model's grouped expert backward (docs/design.md, "Cost model", Xb) holds one
+# stacked dW at a time. With replicas the region hands the replicas' dW to the layer's
+# hook after both dW GEMMs, and their views of the stacked dW2 [I, H, F] keep all of it
+# (I W2) alive through the dW1 GEMM: measured above the model by I W2 (EP 8: 18 x 3 MiB).
+_REPLICA_GAP = pytest.mark.xfail(
+    strict=True, reason="cost model under-states the peak with replicas by I*W2 (the "
+    "stacked dW2 that the replicas' dW2 views keep alive through the dW1 GEMM): EP 8, "
+    "rank 3, 18 instances, measured 979.3 MiB vs predicted 925.9 MiB (-5.5%) at gamma "
+    "inf/1.0, 811.8 vs 757.9 (-6.6%) uniform and 1036.0 vs 981.9 (-5.2%) topk at gamma "
+    "0.75")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=_REPLICA_GAP)
+                                  if c.replicas and c.ep == 8 else c for c in CASES],
+                         ids=lambda c: c.name)
+def test_memory_at_size_against_the_cost_model(results, case):
+    """Part 3: saved bytes and the forward+backward peak above the level before the
+    forward, measured by torch's MemTracker on the fake device (harness docstring),
+    against ``CostModel.plan_memory`` for the CUDA path: within 5%."""
+    record = results[case.name]
+    memory, rank = record["memory"], record["rank"]
+    plan = _plan(case)
+    saved, peak = _predicted_memory(case, plan, rank, record["forward_retention"])
+    phases = {p: (round(b / MIB, 2), op) for p, (b, op) in memory["phase_peaks"].items()}
+    detail = (f"{case.name} rank {rank}: saved measured {memory['saved'] / MIB:.2f} MiB, "
+              f"predicted {saved / MIB:.2f}; peak measured {memory['peak'] / MIB:.2f} MiB, "
+              f"predicted {peak / MIB:.2f}; phase peaks {phases}; "
+              f"at backward {memory['at_backward'] / MIB:.2f}; rises {memory['rises']}")
+    assert set(memory["phase_peaks"]) == {"forward", "backward"}, detail
+    assert memory["peak"] == max(b for b, _ in memory["phase_peaks"].values()), detail
+    assert 0 < memory["saved"] <= memory["at_backward"] <= memory["peak"], detail
+    assert abs(saved / memory["saved"] - 1) <= MEMORY_TOLERANCE, detail
+    assert abs(peak / memory["peak"] - 1) <= MEMORY_TOLERANCE, detail
