@@ -40,7 +40,9 @@ markdown (``--out``). ``--profile`` appends torch.profiler tables of one step.
 
 Memory and host reads, per setting, in untimed steps after the timed ones: the bytes
 saved for backward (``saved_tensors_hooks``) and the allocator's peak over one
-forward+backward (``layer_bench.measure_memory``), beside the cost model's prediction for LRMoE;
+forward+backward (``layer_bench.measure_memory``), beside the cost model's predictions of
+both (``CostModel`` for LRMoE, ``MegatronMoEMemory`` for Megatron's layer), checked within
+5%;
 and the host reads of device data in one forward and one backward
 (``megatron_lrmoe.testing.host_reads``; on a GPU each is a stall).
 """
@@ -393,10 +395,16 @@ def summarize_routing(cfg: dict, per_rank: list[dict], routing: str) -> list[dic
             for field in ("mem_saved", "mem_peak", "reads_fwd", "reads_bwd"):
                 row[field] = max(m[field] for m in measured)   # the busiest rank's
             if name == "lrmoe":
-                predicted = predicted_memory(cfg, plan, counts, elem)
-                row["mem_model"] = max(predicted)
-                row["mem_model_err"] = max(abs(p / m["mem_peak"] - 1.0)
-                                           for p, m in zip(predicted, measured, strict=True))
+                saved, peak = predicted_memory(cfg, plan, counts, elem)
+            else:
+                saved, peak = predicted_megatron_memory(cfg, counts, elem, routing)
+            row["mem_model"] = max(peak)
+            row["mem_model_err"] = max(abs(p / m["mem_peak"] - 1.0)
+                                       for p, m in zip(peak, measured, strict=True))
+            row["saved_model"] = max(saved)
+            row["saved_model_err"] = max(abs(p / max(m["mem_saved"], 1) - 1.0)
+                                         if p or m["mem_saved"] else 0.0
+                                         for p, m in zip(saved, measured, strict=True))
         row["r_all"] = row["retained"] / max(row["routed"], 1)
         row["bytes_expected"] = row["retained"] * hidden * elem + (
             INDEX_BYTES * sum(positioned_pairs(plan, s)[0] for s in range(ep))
@@ -425,13 +433,14 @@ def summarize_routing(cfg: dict, per_rank: list[dict], routing: str) -> list[dic
     return rows
 
 
-def predicted_memory(cfg: dict, plan, counts: torch.Tensor, elem: int) -> list[float]:
-    """Per rank, the cost model's bytes of one layer's forward+backward at this plan
-    (``CostModel.plan_memory``: one layer, one micro-batch in flight, no replica, so
-    its saved bytes plus the rest of its peak; planning/cost_model.py), with the region's
-    GEMM path as this run asks for it: grouped with ``--grouped-gemm on`` or on CUDA
-    unless off, else the per-expert loop (on CUDA a failed grouped_mm probe runs the
-    loop, and the model then over-states the peak)."""
+def predicted_memory(cfg: dict, plan, counts: torch.Tensor,
+                     elem: int) -> tuple[list[float], list[float]]:
+    """Per rank, the cost model's (saved bytes, bytes of one layer's forward+backward) at
+    this plan (``CostModel.saved_memory`` and ``CostModel.plan_memory``: one layer, one
+    micro-batch in flight, no replica, so its saved bytes plus the rest of its peak;
+    planning/cost_model.py), with the region's GEMM path as this run asks for it: grouped
+    with ``--grouped-gemm on`` or on CUDA unless off, else the per-expert loop (on CUDA a
+    failed grouped_mm probe runs the loop, and the model then over-states the peak)."""
     import numpy as np
 
     from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
@@ -448,7 +457,25 @@ def predicted_memory(cfg: dict, plan, counts: torch.Tensor, elem: int) -> list[f
                      forward_retention=default_retention_in_forward())
     # Memory needs no machine constants; these only satisfy the constructor.
     cost = CostModel(shape, MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0))
-    return cost.plan_memory(plan, np.zeros(plan.num_ranks)).tolist()
+    saved = cost.saved_memory(plan.routed_per_rank.numpy(), plan.retained_per_rank.numpy())
+    return saved.tolist(), cost.plan_memory(plan, np.zeros(plan.num_ranks)).tolist()
+
+
+def predicted_megatron_memory(cfg: dict, counts: torch.Tensor, elem: int,
+                              routing: str) -> tuple[list[float], list[float]]:
+    """Per rank, the cost model's (saved bytes, peak bytes) of Megatron's MoELayer as
+    the benchmark runs it (``MegatronMoEMemory``: all-to-all dispatcher, SequentialMLP,
+    dropless, no recompute) from the routed counts; the probabilities require grad
+    under Megatron's router, not under the forced routings (constant tensors)."""
+    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory, MoEShape
+
+    shape = MoEShape(hidden_size=cfg["hidden"], ffn_hidden_size=cfg["ffn"],
+                     num_experts=cfg["experts"], topk=cfg["topk"], gated=True,
+                     dtype_bytes=elem, tokens_per_rank=cfg["tokens"],
+                     expert_parallel_size=cfg["ep"])
+    model = MegatronMoEMemory(shape, grouped=False, probs_require_grad=routing == "router")
+    saved, peak = model.rank_memory(counts.numpy())
+    return saved.tolist(), peak.tolist()
 
 
 def _half_iqr(values: list[float]) -> float:
@@ -467,11 +494,12 @@ def markdown_table(rows: list[dict]) -> str:
             "| target bwd <= (r+0.05) x dropless | bwd a2a MiB (sent/dense) "
             "| = r x dense + idx | expert bwd rows | dropped contrib. "
             "| bwd a2a buffers MiB (vs dense) | saved MiB | peak fwd+bwd MiB "
-            "| cost model MiB (max err) | host reads fwd/bwd |")
+            "| cost model peak MiB (max err) | cost model saved MiB (max err) "
+            "| host reads fwd/bwd |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['setting']} | FAILED: `{r['error']}` |" + " |" * 14)
+            lines.append(f"| {r['setting']} | FAILED: `{r['error']}` |" + " |" * 15)
             continue
         target = "n/a" if r["target_ok"] is None else (
             f"{'yes' if r['target_ok'] else 'NO'} ({r['bwd_vs_dropless']:.3f} vs "
@@ -486,15 +514,18 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {_mib(r['buffer_bytes'])} ({r['buffer_bytes'] / r['buffer_bytes_dense']:.3f}) "
             f"| {_mib(r['mem_saved']) if 'mem_saved' in r else 'n/a'} "
             f"| {_mib(r['mem_peak']) if 'mem_peak' in r else 'n/a'} "
-            f"| {_model_text(r)} "
+            f"| {_model_text(r, 'mem_model')} | {_model_text(r, 'saved_model')} "
             f"| {r.get('reads_fwd', 'n/a')}/{r.get('reads_bwd', 'n/a')} |")
     return "\n".join(lines)
 
 
-def _model_text(row: dict) -> str:
-    if "mem_model" not in row:
+def _model_text(row: dict, key: str) -> str:
+    if key not in row:
         return "n/a"
-    return f"{_mib(row['mem_model'])} ({100 * row['mem_model_err']:.1f}%)"
+    return f"{_mib(row[key])} ({100 * row[key + '_err']:.1f}%)"
+
+
+MODEL_TOLERANCE = 0.05   # the cost model against the measured peak and saved bytes
 
 
 ROUTING_TEXT = {
@@ -588,11 +619,16 @@ def report(cfg: dict, per_rank: list[dict], command: str) -> tuple[str, list[dic
         "only per-call temporaries count; the output and input gradient, 2 x T x H, are "
         "in it); the smaller of two untimed steps, in which (on CPU) each all-to-all "
         "returns once gloo's worker thread has released its input, which on a loaded "
-        "machine it may otherwise do a scheduling slice late; busiest rank. Cost model: "
+        "machine it may otherwise do a scheduling slice late; the previous call's graph "
+        "Megatron's dispatcher still holds (its router probabilities, and through them "
+        "the previous input) is detached first; busiest rank. Cost model peak: LRMoE "
         "CostModel.plan_memory (saved bytes plus the rest of the phase-wise peak, from "
         "the plan's loads, each source's kept pairs and each instance's rows; the GEMM "
-        "path this run uses), busiest rank, and its largest relative error against the "
-        "measured peak over the ranks",
+        "path this run uses), Megatron's MoELayer MegatronMoEMemory (its dispatcher, "
+        "SequentialMLP and autograd's frees, phase by phase, from the routed counts); "
+        "saved: CostModel.saved_memory and MegatronMoEMemory.saved_bytes; busiest rank, "
+        "and the largest relative error against the measurement over the ranks "
+        f"(checked: within {MODEL_TOLERANCE:.0%})",
         "- host reads fwd/bwd: reads of device data on the host in one forward and one "
         "backward of the layer (megatron_lrmoe.testing.host_reads: data flow from the "
         "layer's input and weights; syncs inside compiled kernels are not seen), busiest "
@@ -696,6 +732,16 @@ def _verdict(rows: list[dict]) -> list[str]:
                      "their ratio to dropless measures the timing noise: " + ", ".join(
                          f"{r['routing']} {r['setting']} {r['bwd_vs_dropless']:.3f}"
                          for r in noise) + ".")
+    modelled = [r for r in rows if "mem_model" in r]
+    off = [r for r in modelled if max(r["mem_model_err"], r["saved_model_err"])
+           > MODEL_TOLERANCE]
+    if modelled:
+        lines.append(f"Cost model within {MODEL_TOLERANCE:.0%} of the measured peak and "
+                     f"saved bytes on every rank in {len(modelled) - len(off)}/"
+                     f"{len(modelled)} settings" + (": off in " + ", ".join(
+                         f"{r['routing']} {r['setting']} (peak {100 * r['mem_model_err']:.1f}"
+                         f"%, saved {100 * r['saved_model_err']:.1f}%)" for r in off)
+                         if off else "") + ".")
     if failed:
         names = ", ".join(f"{r['routing']} {r['setting']}" for r in failed)
         lines.append(f"FAILED settings: {names} (tracebacks above).")

@@ -86,6 +86,24 @@ def build_layers(cfg: dict, variants: dict[str, dict] | None = None) -> tuple:
     return megatron.to(device).train(), lrmoe.to(device).train(), extra
 
 
+def build_megatron_layer(cfg: dict, **config_fields) -> torch.nn.Module:
+    """Megatron's MoELayer alone on this rank (collective: every rank of the EP group
+    calls it), with extra TransformerConfig fields (``recompute_granularity`` and
+    ``recompute_modules``, ``moe_expert_capacity_factor``, ...), in training mode."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(expert_model_parallel_size=cfg["ep"])
+    model_parallel_cuda_manual_seed(cfg["seed"])
+    spec = get_gpt_layer_local_spec(num_experts=cfg["experts"]).submodules.mlp
+    layer = spec(config=TransformerConfig(**layer_config_kwargs(cfg), **config_fields))
+    return layer.to(torch.device(cfg["device"])).train()
+
+
 def popularity_routing(tokens: int, popularity: torch.Tensor, topk: int, seed: int,
                        rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs, routing_map) with top-k experts drawn without replacement by popularity."""
@@ -254,6 +272,19 @@ class _PromptCollectiveFrees:
         self._dist.all_to_all_single = self._original
 
 
+def _drop_previous_graph(layer: torch.nn.Module) -> None:
+    """Megatron's all-to-all dispatcher keeps the last call's router probabilities
+    (``token_dispatcher.probs``) and through their autograd graph the last call's layer
+    input, until the next call's ``dispatch_preprocess`` replaces them: inside the
+    measured span that frees a T x H buffer of the previous step and understates the
+    call's own peak by as much (with a router whose probabilities require grad). Detach
+    them first, so that the span counts only this call's buffers."""
+    dispatcher = getattr(layer, "token_dispatcher", None)
+    probs = getattr(dispatcher, "probs", None)
+    if isinstance(probs, torch.Tensor) and probs.grad_fn is not None:
+        dispatcher.probs = probs.detach()
+
+
 def measure_memory(cfg: dict, layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor,
                    sync: Callable[[], None], barrier: Callable[[], None]) -> dict[str, int]:
     """Memory of one forward+backward of the layer on this rank, measured.
@@ -268,8 +299,10 @@ def measure_memory(cfg: dict, layer: torch.nn.Module, x: torch.Tensor, dy: torch
     exchange buffers, weight-gradient temporaries) + the output and the input gradient
     (2 x T x H). On CPU the all-to-alls wait until gloo has released their inputs
     (``_PromptCollectiveFrees``), so that scheduling delays on a loaded machine do not
-    add a buffer to the peak.
+    add a buffer to the peak; the previous call's graph a layer still references is
+    dropped first (``_drop_previous_graph``).
     """
+    _drop_previous_graph(layer)
     params = list(layer.parameters())
     for p in params:
         p.grad = torch.zeros_like(p)
