@@ -404,6 +404,19 @@ class CostModel:
         xc = 0.0 if ep == 1 else 1.0
         return xc, xc * (local > 1), local
 
+    def _held_weight_grads(self, num_replicas: np.ndarray,
+                           local: np.ndarray) -> tuple[np.ndarray | float, np.ndarray | float]:
+        """(dW2 stack, dW1 + dW2 stacks) [R] that grouped GEMMs hold past their GEMMs on a
+        rank with replicas: the replicas' dW are views of the stacks, handed to the layer's
+        hook at the end of the backward, so dW2 [I, H, F] lives through the dW1 GEMM and
+        both through the dX return and the token gradient (measured on the fake-CUDA
+        region, tests/layer/test_region_fake_cuda.py). (0, 0) for the per-expert loop."""
+        if not self.shape.grouped_gemm:
+            return 0.0, 0.0
+        w1, w2, _ = self._grouped_terms(local)
+        with_replicas = (np.asarray(num_replicas) > 0).astype(np.float64)
+        return with_replicas * w2, with_replicas * (w1 + w2)
+
     def _grouped_terms(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
         """(L W1, L W2, D'): the stacked weights of the local instances, per call, and the
         gradient-dtype copy of one dW1."""
@@ -518,12 +531,13 @@ class CostModel:
         fr = s.forward_retention
         saved = (retained if fr else routed) * sr + p * s.saved_bytes_per_source_pair
         gathered = 0.0 * drops if fr else drops
+        held_dw2, held_dw = self._held_weight_grads(num_replicas, local)
         if s.grouped_gemm:
             w1, w2, conv = self._grouped_terms(local)
             act_f = None
             experts_bwd = gathered * retained * sr + _max(
                 2 * retained * f1_b + w2, 3 * retained * f1_b,
-                retained * (2 * f_b + f1_b + row) + w1 + conv)
+                retained * (2 * f_b + f1_b + row) + w1 + conv + held_dw2)
         else:
             if instance_routed is not None:
                 act_f, act_b = self._loop_activation(instance_routed, instance_retained,
@@ -544,8 +558,8 @@ class CostModel:
             (xc * retained + kept) * row,               # gradient rows sent and received
             (1 + rc) * retained * row,                  # received and reordered; dX too
             retained * row + experts_bwd,               # the expert backward
-            (retained + xc * kept) * row,               # dX sent back and received
-            kept * row + s.output_bytes)                # dX received, token gradient
+            (retained + xc * kept) * row + held_dw,     # dX sent back and received
+            kept * row + s.output_bytes + held_dw)      # dX received, token gradient
         peak = np.maximum(forward, backward)
         return (np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
                 + s.microbatches_in_flight * saved + (peak - saved) / s.num_layers)
@@ -581,17 +595,18 @@ class CostModel:
                   (meta, rc * (sn + 2 * row)), (meta + xc * p * row, xc * (sn + row))]
         if s.forward_retention:
             phases.append((meta, sr + row))                 # x_exp and z beside o, compacted
+        held_dw2, held_dw = self._held_weight_grads(num_replicas, local)
         if s.grouped_gemm:
             w1, w2, conv = self._grouped_terms(local)
             phases += [(meta + w1, sr), (meta, sr + s.forward_activation_factor * f_b),
                        (meta + w2, sr + f_b + row)]
-            bwd_experts = np.maximum(w2, w1 + conv)
+            bwd_experts = np.maximum(w2, w1 + conv + held_dw2)
         else:
             phases.append((meta, sr + row + s.forward_activation_factor * f_b))
             bwd_experts = s.weight_gradient_temporary_bytes
         base = p * s.saved_bytes_per_source_pair + s.output_bytes + \
             p * s.backward_bytes_per_source_pair
-        phases += [(base + np.maximum(kept * row + s.output_bytes, bwd_experts), sn)]
+        phases += [(base + np.maximum(kept * row + s.output_bytes + held_dw, bwd_experts), sn)]
         # fixed + MiF S + (level - S) / Lyr <= share, S = N sn + P ss, level = a + b N.
         mif, lyr = s.microbatches_in_flight, s.num_layers
         fixed = np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
@@ -634,10 +649,11 @@ class CostModel:
         # level holds S, so its slope has sk too.
         a_s, b_s = xc * p, 1.0 - xc
         # Levels a + b K + c min(K, largest), c = 0 but for the loop's activation.
+        held_dw2, held_dw = self._held_weight_grads(num_replicas, local)
         common = [(base + a_s * row, (xc + b_s) * row + sk, 0.0),
                   (base, (1 + rc) * row + sk, 0.0),
-                  (base + xc * a_s * row, (1 + xc * b_s) * row + sk, 0.0),
-                  (base + a_s * row + s.output_bytes, b_s * row + sk, 0.0)]
+                  (base + xc * a_s * row + held_dw, (1 + xc * b_s) * row + sk, 0.0),
+                  (base + a_s * row + s.output_bytes + held_dw, b_s * row + sk, 0.0)]
         limits = []
         for drop in (0.0, 1.0):            # the rank keeps every row / drops some
             # With forward retention the forward's levels depend on K; else they are
@@ -652,7 +668,8 @@ class CostModel:
                 rows = row + gathered * sr
                 phases += [(base + w2, rows + 2 * f1_b + sk, 0.0),
                            (base, rows + 3 * f1_b + sk, 0.0),
-                           (base + w1 + conv, rows + 2 * f_b + f1_b + row + sk, 0.0)]
+                           (base + w1 + conv + held_dw2,
+                            rows + 2 * f_b + f1_b + row + sk, 0.0)]
             else:
                 phases += [(base + const, 2 * row + min(alpha, beta) + sk, abs(alpha - beta))
                            for alpha, beta, const in self._loop_backward_levels(gathered)]

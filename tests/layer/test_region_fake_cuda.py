@@ -226,21 +226,7 @@ def _predicted_memory(case: Case, plan, rank: int, forward_retention: bool) -> t
     return float(saved), float(peak)
 
 
-# The cost model's grouped expert backward (docs/design.md, "Cost model", Xb) holds one
-# stacked dW at a time. With replicas the region hands the replicas' dW to the layer's
-# hook after both dW GEMMs, and their views of the stacked dW2 [I, H, F] keep all of it
-# (I W2) alive through the dW1 GEMM: measured above the model by I W2 (EP 8: 18 x 3 MiB).
-_REPLICA_GAP = pytest.mark.xfail(
-    strict=True, reason="cost model under-states the peak with replicas by I*W2 (the "
-    "stacked dW2 that the replicas' dW2 views keep alive through the dW1 GEMM): EP 8, "
-    "rank 3, 18 instances, measured 979.3 MiB vs predicted 925.9 MiB (-5.5%) at gamma "
-    "inf/1.0, 811.8 vs 757.9 (-6.6%) uniform and 1036.0 vs 981.9 (-5.2%) topk at gamma "
-    "0.75")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_REPLICA_GAP)
-                                  if c.replicas and c.ep == 8 else c for c in CASES],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_memory_at_size_against_the_cost_model(results, case):
     """Part 3: saved bytes and the forward+backward peak above the level before the
     forward, measured by torch's MemTracker on the fake device (harness docstring),
