@@ -19,12 +19,18 @@ from megatron_lrmoe.config.megatron_options import MEGATRON_OPTIONS
 from megatron_lrmoe.config.options import (
     OPTIONS,
     LRMoEConfigError,
+    check_positive_number,
     unused_options,
     validate_lrmoe,
 )
 
-__all__ = ["ConfigError", "UnusedLRMoEOptionWarning", "add_lrmoe_args", "lrmoe_view",
-           "moe_layer_freq", "tokens_per_rank", "validate_lrmoe_flags"]
+__all__ = ["DEVICE_MEMORY_FLAG", "ConfigError", "UnusedLRMoEOptionWarning", "add_lrmoe_args",
+           "lrmoe_view", "moe_layer_freq", "tokens_per_rank", "validate_lrmoe_flags"]
+
+
+# Not an option of the table (no config field): the entry point reads it to size the
+# memory account (config.planner_inputs.resolve_memory_budget).
+DEVICE_MEMORY_FLAG = "--device-memory-gb"
 
 
 class ConfigError(ValueError):
@@ -67,8 +73,12 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             g.add_argument(o.flag, action="store_true", default=o.default, help=o.help)
             continue
         shown = "" if o.default is None else " (default: %(default)s)"
-        g.add_argument(o.flag, type=o.type, default=o.default, choices=o.choices,
+        g.add_argument(o.flag, type=o.arg_type, default=o.default, choices=o.choices,
                        help=o.help + shown)
+    g.add_argument(DEVICE_MEMORY_FLAG, type=float, default=None,
+                   help="the device's memory in GiB (2**30 bytes) for the memory account and "
+                        "--moe-lrmoe-memory-budget-gb auto (default on CUDA: the device's "
+                        "total memory; on CPU, required with auto; e.g. 40 for an A100-40)")
     return parser
 
 
@@ -90,6 +100,11 @@ def validate_lrmoe_flags(view: Any) -> None:
         validate_lrmoe(view)
     except LRMoEConfigError as exc:
         raise ConfigError(str(exc)) from exc
+    device = getattr(view, "device_memory_gb", None)
+    if device is not None:
+        problem = check_positive_number(device)
+        if problem is not None:
+            raise ConfigError(f"{DEVICE_MEMORY_FLAG}: {problem}")
     unused = unused_options(view)
     if unused and os.environ.get("RANK", "0") == "0":
         warnings.warn(f"{', '.join(o.flag for o in unused)} given without --moe-lrmoe: no "
@@ -112,6 +127,7 @@ def lrmoe_view(args: argparse.Namespace) -> SimpleNamespace:
     """
     names = ([row.name for row in MEGATRON_OPTIONS] + [o.field for o in OPTIONS]
              + ["add_bias_linear"])
+    names.append("device_memory_gb")
     view = {name: getattr(args, name) for name in names if hasattr(args, name)}
     view["num_moe_experts"] = getattr(args, "num_experts", None)
     if hasattr(args, "disable_bias_linear"):

@@ -40,10 +40,11 @@ from typing import Any
 from megatron_lrmoe.config.megatron_options import MEGATRON_OPTIONS
 
 __all__ = [
-    "OPTIONS", "RECOMPUTE_MODULES", "LRMoEConfigError", "Option", "check_capacity_factor",
-    "check_combination", "check_fraction", "check_load_smoothing", "check_options",
-    "check_positive_int", "check_positive_number", "check_recompute", "flag_of", "option",
-    "unused_options", "validate_lrmoe",
+    "AUTO", "OPTIONS", "RECOMPUTE_MODULES", "LRMoEConfigError", "Option",
+    "check_capacity_factor", "check_combination", "check_fraction", "check_load_smoothing",
+    "check_memory_budget_gb", "check_options", "check_positive_int", "check_positive_number",
+    "check_recompute", "flag_of", "memory_budget_gb", "option", "unused_options",
+    "validate_lrmoe",
 ]
 
 
@@ -105,6 +106,25 @@ def check_positive_number(value: Any) -> str | None:
     return f"must be a positive finite number, got {_show(value)}"
 
 
+AUTO = "auto"
+
+
+def memory_budget_gb(text: str) -> float | str:
+    """``--moe-lrmoe-memory-budget-gb``'s argparse type: GiB, or ``auto`` (the device's
+    size less the rest of the memory account; resolved by the entry point before the
+    config is built, ``config.planner_inputs.resolve_memory_budget``)."""
+    text = str(text).strip()
+    return AUTO if text.lower() == AUTO else float(text)
+
+
+def check_memory_budget_gb(value: Any) -> str | None:
+    """A positive finite number of GiB, or ``auto`` (of a flag; a config takes GiB)."""
+    if value == AUTO:
+        return None
+    problem = check_positive_number(value)
+    return None if problem is None else f"{problem} or auto"
+
+
 def check_calibration_file(value: Any) -> str | None:
     if isinstance(value, str) and os.path.isfile(value):
         return None
@@ -153,6 +173,12 @@ class Option:
     help: str
     choices: tuple[str, ...] | None = None
     check: Callable[[Any], str | None] | None = None
+    parse: Callable[[str], Any] | None = None
+
+    @property
+    def arg_type(self) -> Callable[[str], Any]:
+        """What argparse converts the flag's text with."""
+        return self.parse or self.type
 
     @property
     def flag(self) -> str:
@@ -205,10 +231,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("moe_lrmoe_slots_per_rank", int, None, check=check_positive_int,
            help="instance slots per EP rank for popularity (default: experts per rank, or what "
                 "the memory budget converts to; with a budget, the smaller of the two)"),
-    Option("moe_lrmoe_memory_budget_gb", float, None, check=check_positive_number,
+    Option("moe_lrmoe_memory_budget_gb", float, None, check=check_memory_budget_gb,
+           parse=memory_budget_gb,
            help="per-rank budget in GiB (2**30 bytes) for what the MoE layers hold at peak: "
                 "replicas of every layer plus the execution buffers of every micro-batch in "
-                "flight (docs/design.md, \"Memory budget\")"),
+                "flight (docs/design.md, \"Memory budget\"); auto: the device's memory "
+                "(--device-memory-gb) less the rest of the run's memory account"),
     Option("moe_lrmoe_load_smoothing", float, 0.5, check=check_load_smoothing,
            help="EMA weight of the previous smoothed expert loads when planning the next "
                 "step's placement, in [0, 1)"),

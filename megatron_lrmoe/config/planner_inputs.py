@@ -13,20 +13,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import torch.distributed as dist
 
+from megatron_lrmoe.config.flags import DEVICE_MEMORY_FLAG, tokens_per_rank
 from megatron_lrmoe.config.options import option
 from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
 from megatron_lrmoe.planning.machine import default_machine_constants
+from megatron_lrmoe.planning.memory_account import (
+    MemoryAccount,
+    RunShape,
+    auto_budget_bytes,
+    moe_peak,
+)
+from megatron_lrmoe.planning.memory_account import memory_account as account_of
 from megatron_lrmoe.planning.plan_types import budget_floor
 from megatron_lrmoe.planning.planner import PlannerSettings
 from megatron_lrmoe.planning.retention import retention_in_forward
 
-__all__ = ["GIB", "agreed_machine_constants", "check_memory_budget", "fitting_micro_batch_size",
-           "machine_constants", "moe_layers_per_stage",
-           "moe_shape", "needs_cost_model", "planner_settings"]
+__all__ = ["GIB", "agreed_machine_constants", "allocator_check", "check_memory_budget",
+           "device_memory_bytes", "fitting_micro_batch_size", "machine_constants",
+           "memory_account", "moe_layers_per_stage", "moe_shape", "needs_cost_model",
+           "planner_settings", "resolve_memory_budget", "run_shape"]
 
 GIB = 2**30
 
@@ -200,3 +210,133 @@ def fitting_micro_batch_size(cost: CostModel, budget_bytes: float, tokens_per_se
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low
+
+
+# -----------------------------------------------------------------------------
+# The memory account (planning/memory_account.py) and --moe-lrmoe-memory-budget-gb auto
+# -----------------------------------------------------------------------------
+
+# Memory needs read no machine constant; the account's cost model gets these.
+_MEMORY_ONLY = MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0,
+                                source="memory only")
+
+
+def device_memory_bytes(device_memory_gb: float | None) -> float | None:
+    """The device's size: ``--device-memory-gb`` when given, else on CUDA the total memory
+    of this process's device (``LOCAL_RANK``), else None (CPU)."""
+    if device_memory_gb is not None:
+        return float(device_memory_gb) * GIB
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
+        return float(torch.cuda.get_device_properties(index).total_memory)
+    return None
+
+
+def run_shape(config, args, vocab_size: int) -> RunShape:
+    """``RunShape`` of either entry point: the model from ``config``, the rest (sequence,
+    micro-batch, data parallel, optimizer, embeddings) from ``args`` (the launcher's or
+    Megatron-LM's; the same dest names), ``vocab_size`` padded as the model is built."""
+    dtype_bytes = torch.empty(0, dtype=config.params_dtype).element_size()
+    pp = config.pipeline_model_parallel_size or 1
+    half = dtype_bytes < 4
+    # Megatron's DDP keeps fp32 main grads when it reduces in fp32: Megatron-LM's
+    # --accumulate-allreduce-grads-in-fp32; the launcher does so with bf16/fp16.
+    fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", None)
+    fp32_grads = half if fp32_grads is None else bool(fp32_grads) or not half
+    moe = config.num_moe_experts is not None
+    modules = config.recompute_modules
+    return RunShape(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        vocab_size=int(vocab_size),
+        seq_length=int(args.seq_length),
+        micro_batch_size=int(args.micro_batch_size),
+        kv_channels=config.kv_channels,
+        num_query_groups=config.num_query_groups,
+        num_experts=config.num_moe_experts,
+        moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+        moe_layers=(moe_layers_per_stage(config.num_layers, config.moe_layer_freq, pp)
+                    if moe else 0),
+        shared_expert_size=config.moe_shared_expert_intermediate_size,
+        gated=bool(config.gated_linear_unit),
+        layernorm_bias=config.normalization == "LayerNorm",
+        linear_bias=bool(config.add_bias_linear),
+        qkv_bias=bool(getattr(config, "add_qkv_bias", False)),
+        qk_layernorm=bool(config.qk_layernorm),
+        tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
+        learned_positions=getattr(args, "position_embedding_type", "") == "learned_absolute",
+        max_position_embeddings=getattr(args, "max_position_embeddings", None),
+        tensor_parallel=config.tensor_model_parallel_size or 1,
+        pipeline_parallel=pp,
+        expert_parallel=config.expert_model_parallel_size or 1,
+        expert_tensor_parallel=config.expert_tensor_parallel_size or 1,
+        data_parallel=max(1, int(getattr(args, "data_parallel_size", 1) or 1)),
+        sequence_parallel=bool(config.sequence_parallel),
+        param_bytes=dtype_bytes,
+        grad_bytes=4 if fp32_grads else dtype_bytes,
+        optimizer=getattr(args, "optimizer", "adam"),
+        distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        recompute_granularity=config.recompute_granularity,
+        recompute_modules=tuple(("core_attn",) if modules is None else modules),
+        recompute_method=config.recompute_method,
+        recompute_num_layers=config.recompute_num_layers,
+        # Megatron's local attention is unfused (saves the scores); Transformer Engine's
+        # is fused/flash.
+        attention_scores_saved=getattr(args, "transformer_impl", "local") == "local",
+        attention_dropout=bool(config.attention_dropout),
+        hidden_dropout=bool(config.hidden_dropout),
+        microbatches_in_flight=pp,
+    )
+
+
+def memory_account(config, args, vocab_size: int, microbatches_per_step: int = 1,
+                   device_bytes: float | None = None) -> MemoryAccount:
+    """The run's per-rank memory account (planning/memory_account.py); the MoE part is
+    the balanced dropless need of ``moe_shape`` (what the planner is sized with)."""
+    cost = None
+    if config.num_moe_experts is not None:
+        cost = CostModel(moe_shape(config, tokens_per_rank(args), microbatches_per_step),
+                         _MEMORY_ONLY)
+    return account_of(run_shape(config, args, vocab_size), moe_peak(cost), device_bytes)
+
+
+def resolve_memory_budget(account: MemoryAccount, config, args,
+                          microbatches_per_step: int = 1) -> float:
+    """``--moe-lrmoe-memory-budget-gb auto`` in GiB: the device's size less everything but
+    the MoE part of ``account``. Raises ValueError naming both flags without a device
+    size (CPU without --device-memory-gb) or when it leaves less than ``budget_floor``."""
+    if account.device is None:
+        raise ValueError(f"--moe-lrmoe-memory-budget-gb auto needs the device's size: give "
+                         f"{DEVICE_MEMORY_FLAG} (on CUDA it defaults to the device's memory)")
+    budget = auto_budget_bytes(account)
+    cost = CostModel(moe_shape(config, tokens_per_rank(args), microbatches_per_step),
+                     _MEMORY_ONLY)
+    floor = budget_floor(cost)
+    if budget < floor:
+        raise ValueError(
+            f"--moe-lrmoe-memory-budget-gb auto: {DEVICE_MEMORY_FLAG} "
+            f"{account.device / GIB:g} leaves {budget / GIB:.4g} GiB per rank for the MoE "
+            f"layers after {account.outside_moe / GIB:.4g} GiB of weights, gradients, "
+            f"optimizer state and activations, below the floor of {floor / GIB:.4g} GiB; "
+            f"give a larger {DEVICE_MEMORY_FLAG} (the device's real size), or shrink the "
+            "run (micro-batch, layers per stage, recompute, distributed optimizer)")
+    return budget / GIB
+
+
+def allocator_check(account: MemoryAccount, max_allocated_bytes: float,
+                    budget_bytes: float | None) -> str:
+    """After the first steps on CUDA: ``torch.cuda.max_memory_allocated`` against the
+    account (which the planner's budget came from), as one log line."""
+    diff = max_allocated_bytes - account.total
+    text = (f"memory account check after the first steps: allocator peak "
+            f"{max_allocated_bytes / GIB:.3f} GiB, account total {account.total / GIB:.3f} "
+            f"GiB ({'+' if diff >= 0 else '-'}{abs(diff) / GIB:.3f} GiB, "
+            f"{100 * diff / max(account.total, 1.0):+.1f}%)")
+    if account.device is not None and max_allocated_bytes > account.device:
+        text += "; the peak exceeds the device size"
+    elif diff > 0 and budget_bytes is not None:
+        text += (f"; the account is low: the MoE budget {budget_bytes / GIB:.3f} GiB may not "
+                 "fit, lower it or --device-memory-gb")
+    return text

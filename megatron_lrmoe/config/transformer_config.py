@@ -21,7 +21,7 @@ from typing import Any
 
 from megatron.core.transformer import TransformerConfig
 
-from megatron_lrmoe.config.options import option, validate_lrmoe
+from megatron_lrmoe.config.options import AUTO, LRMoEConfigError, option, validate_lrmoe
 
 __all__ = ["LRMoETransformerConfig"]
 
@@ -91,6 +91,13 @@ class LRMoETransformerConfig(TransformerConfig):
         # --moe-lrmoe refuses is then refused by its own name, not by whatever Megatron's
         # validation of it says (the flex dispatcher's knobs, FP8 recipes ...). They run
         # again on what Megatron derives (expert TP from TP, deprecated spellings migrated).
+        if self.moe_lrmoe_memory_budget_gb == AUTO:
+            # The flag's auto is resolved to GiB by the entry point from the device's size
+            # and the memory account, before the config is built.
+            raise LRMoEConfigError(
+                "moe_lrmoe_memory_budget_gb",
+                "auto is resolved by the entry point (--device-memory-gb and the memory "
+                "account: config.planner_inputs.resolve_memory_budget); a config takes GiB")
         validate_lrmoe(self)
         TransformerConfig.__post_init__(self)
         validate_lrmoe(self)

@@ -216,6 +216,7 @@ def lrmoe_config_from_args(args: argparse.Namespace) -> Any:
 
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
 
+    _resolve_auto_budget(args)
     try:
         config = core_transformer_config_from_args(args, LRMoETransformerConfig)
     except LRMoEConfigError as exc:
@@ -224,6 +225,7 @@ def lrmoe_config_from_args(args: argparse.Namespace) -> Any:
         raise ConfigError(f"Megatron-LM built a {type(config).__name__} for these flags, which "
                           "cannot carry --moe-lrmoe")
     _check_memory_budget(args, config)
+    _print_memory_account(args, config)
     return config
 
 
@@ -233,17 +235,9 @@ def _check_memory_budget(args: argparse.Namespace, config) -> None:
     (after ``parse_and_validate_args``, which makes Megatron's micro-batch calculator)."""
     if getattr(args, "moe_lrmoe_memory_budget_gb", None) is None:
         return
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-
     from megatron_lrmoe.config.planner_inputs import check_memory_budget
 
-    try:
-        microbatches = get_num_microbatches()
-    except AttributeError as exc:  # the calculator is None before set_global_variables
-        raise ConfigError("--moe-lrmoe-memory-budget-gb: checked against the micro-batches "
-                          "of a step, which Megatron-LM knows only after "
-                          "megatron.training.arguments.parse_and_validate_args; build the "
-                          "LRMoE config after it") from exc
+    microbatches = _microbatches_per_step()
     try:
         import torch
 
@@ -257,6 +251,115 @@ def _check_memory_budget(args: argparse.Namespace, config) -> None:
         from megatron.training.utils import print_rank_0
 
         print_rank_0(fit)
+
+
+def _microbatches_per_step() -> int:
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    try:
+        return get_num_microbatches()
+    except AttributeError as exc:  # the calculator is None before set_global_variables
+        raise ConfigError("--moe-lrmoe-memory-budget-gb: checked against the micro-batches "
+                          "of a step, which Megatron-LM knows only after "
+                          "megatron.training.arguments.parse_and_validate_args; build the "
+                          "LRMoE config after it") from exc
+
+
+def _vocab_size(args: argparse.Namespace) -> int | None:
+    """Megatron-LM's padded vocabulary (``args.padded_vocab_size``, set with the
+    tokenizer), or None before it is known."""
+    return getattr(args, "padded_vocab_size", None)
+
+
+def _memory_account(args: argparse.Namespace, config) -> Any:
+    """The run's memory account (``planner_inputs.memory_account``). The micro-batches
+    per step set no byte of it (only the replica refresh's time): 1 where Megatron-LM's
+    calculator is not set up yet."""
+    from megatron_lrmoe.config.planner_inputs import device_memory_bytes, memory_account
+
+    try:
+        microbatches = _microbatches_per_step()
+    except ConfigError:
+        microbatches = 1
+    return memory_account(config, args, _vocab_size(args) or 0, microbatches,
+                          device_memory_bytes(getattr(args, "device_memory_gb", None)))
+
+
+def _resolve_auto_budget(args: argparse.Namespace) -> None:
+    """``--moe-lrmoe-memory-budget-gb auto``: replaced in ``args`` by the GiB the memory
+    account leaves (``planner_inputs.resolve_memory_budget``), before the config is built
+    from ``args``; refused naming both flags below the floor or without a device size."""
+    from megatron_lrmoe.config.options import AUTO
+
+    if getattr(args, "moe_lrmoe_memory_budget_gb", None) != AUTO:
+        return
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from megatron_lrmoe.config.planner_inputs import resolve_memory_budget
+    from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+
+    if _vocab_size(args) is None:
+        raise ConfigError("--moe-lrmoe-memory-budget-gb auto: the memory account needs the "
+                          "padded vocabulary (args.padded_vocab_size), which Megatron-LM sets "
+                          "with the tokenizer; build the LRMoE config after it")
+    # The model's numbers from a config with a placeholder budget (the account's parts
+    # other than the MoE one do not depend on it).
+    probe = argparse.Namespace(**vars(args))
+    probe.moe_lrmoe_memory_budget_gb = 1.0
+    try:
+        config = core_transformer_config_from_args(probe, LRMoETransformerConfig)
+        account = _memory_account(args, config)
+        args.moe_lrmoe_memory_budget_gb = resolve_memory_budget(account, config, args)
+    except LRMoEConfigError as exc:
+        raise ConfigError(str(exc)) from exc
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    args.lrmoe_budget_source = "auto: the device less the rest of the account"
+
+
+def _print_memory_account(args: argparse.Namespace, config) -> None:
+    """The memory account, its parts in GiB, the device's size and the MoE budget the
+    planner uses, once (rank 0, Megatron-LM's print_rank_0)."""
+    if _ACCOUNT["account"] is not None:
+        return
+    from megatron.training.utils import print_rank_0
+
+    from megatron_lrmoe.config.planner_inputs import GIB
+    from megatron_lrmoe.planning.memory_account import account_line
+
+    account = _memory_account(args, config)
+    budget = args.moe_lrmoe_memory_budget_gb
+    budget_bytes = None if budget is None else budget * GIB
+    line = account_line(account, budget_bytes,
+                        getattr(args, "lrmoe_budget_source", "--moe-lrmoe-memory-budget-gb"))
+    if _vocab_size(args) is None:
+        line += " (vocabulary not known yet: embeddings and logits not counted)"
+    print_rank_0(" [LRMoE] " + line)
+    _ACCOUNT.update(account=account, budget_bytes=budget_bytes)
+
+
+# The printed account (once per process), for the allocator check after the second step.
+_ACCOUNT: dict[str, Any] = {"account": None, "budget_bytes": None, "steps": 0}
+
+
+def check_allocator_once() -> None:
+    """Called after every iteration (the ``training_log`` wrapper); after this process's
+    second, on CUDA, once: the caching allocator's peak against the memory account
+    (``planner_inputs.allocator_check``; one host read). The planner keeps the account's
+    budget."""
+    if _ACCOUNT["account"] is None or _ACCOUNT["steps"] >= 2:
+        return
+    _ACCOUNT["steps"] += 1
+    import torch
+
+    if _ACCOUNT["steps"] != 2 or not torch.cuda.is_available():
+        return
+    from megatron.training.utils import print_rank_0
+
+    from megatron_lrmoe.config.planner_inputs import allocator_check
+
+    print_rank_0(" [LRMoE] " + allocator_check(
+        _ACCOUNT["account"], torch.cuda.max_memory_allocated(), _ACCOUNT["budget_bytes"]))
 
 
 # -----------------------------------------------------------------------------
@@ -508,6 +611,7 @@ def _training_log_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         chain_to_rerun_state_machine(built_models)
         result = original(*a, **kw)
         log_lrmoe_stats(int(signature.bind(*a, **kw).arguments["iteration"]))
+        check_allocator_once()
         return result
 
     return training_log

@@ -313,12 +313,61 @@ def parse_args_or_exit(argv: list[str] | None = None,
     pre-flight check of ``megatron_lrmoe.launcher``, before torchrun starts workers."""
     try:
         args = parse_args(argv, world_size)
+        resolve_auto_budget(args)
         check_megatron_accepts(args)
     except ConfigError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     return args
+
+
+def _vocab_size(args: argparse.Namespace) -> int:
+    """The padded vocabulary the model is built with (the tokenizer's, padded as
+    ``builders.build_model`` pads it)."""
+    from megatron_lrmoe.launcher import builders
+
+    try:
+        vocab = builders.build_tokenizer_from_args(args).vocab_size
+    except Exception as exc:  # noqa: BLE001 - the tokenizer's own error, one line
+        raise ConfigError(f"--tokenizer-type {args.tokenizer_type}: {exc}") from exc
+    return builders.padded_vocab_size(vocab, args)
+
+
+def resolve_auto_budget(args: argparse.Namespace) -> None:
+    """``--moe-lrmoe-memory-budget-gb auto`` (with ``--moe-lrmoe``): the device's size
+    (``--device-memory-gb``, or the CUDA device's) less everything but the MoE part of the
+    memory account, in GiB, in place (``config.planner_inputs.resolve_memory_budget``);
+    refused naming both flags below the floor. Idempotent; nothing to do otherwise."""
+    from megatron_lrmoe.config.options import AUTO
+
+    if not args.moe_lrmoe or args.moe_lrmoe_memory_budget_gb != AUTO:
+        return
+    from megatron_lrmoe.config.options import LRMoEConfigError
+    from megatron_lrmoe.config.planner_inputs import (
+        device_memory_bytes,
+        memory_account,
+        resolve_memory_budget,
+    )
+    from megatron_lrmoe.launcher.builders import transformer_config_from_args
+
+    # The model's numbers from a config built with a placeholder budget (the account's
+    # parts other than the MoE one do not depend on it).
+    probe = argparse.Namespace(**vars(args))
+    probe.moe_lrmoe_memory_budget_gb = 1.0
+    try:
+        config = transformer_config_from_args(probe)
+        microbatches = args.global_batch_size // (args.micro_batch_size
+                                                  * args.data_parallel_size)
+        account = memory_account(config, args, _vocab_size(args), microbatches,
+                                 device_memory_bytes(getattr(args, "device_memory_gb", None)))
+        args.moe_lrmoe_memory_budget_gb = resolve_memory_budget(account, config, args,
+                                                                microbatches)
+    except LRMoEConfigError as exc:
+        raise ConfigError(str(exc)) from exc
+    except (ValueError, AssertionError) as exc:
+        raise ConfigError(str(exc)) from exc
+    args.lrmoe_budget_source = "auto: the device less the rest of the account"
 
 
 def check_megatron_accepts(args: argparse.Namespace) -> None:
@@ -356,12 +405,14 @@ def train(args: argparse.Namespace) -> dict:
     # ---- the loop --------------------------------------------------------------
     logger = Logger.create(args, progress.iteration)
     tally = _Tally(train_start=time.perf_counter())
+    first_iteration = progress.iteration
     while progress.iteration < args.train_iters:
         losses, grad_norm, step_time = _train_step(args, run)
         progress.iteration += 1
         progress.consumed_train_samples += args.global_batch_size
         record, loss = _step_record(args, run, tally, progress, losses, grad_norm, step_time)
         logger.advance({"loss": f"{loss:.3f}"})
+        _check_allocator(args, run, logger, progress.iteration - first_iteration)
         _log_interval(args, logger, tally, progress, record)
         _log_lrmoe(args, run, logger, progress, record)
         _evaluate_if_due(args, run, logger, tally, progress, record)
@@ -388,6 +439,7 @@ class _Run:
     train_iter: object | None = None
     valid_ds: object | None = None
     forward_backward: object | None = None
+    memory_account: object | None = None
 
 
 @dataclass
@@ -447,25 +499,31 @@ def _setup_model_and_optimizer(args: argparse.Namespace, device: torch.device) -
     from megatron_lrmoe.launcher import builders
 
     tokenizer = builders.build_tokenizer_from_args(args)
-    model = _build_model(args, device, tokenizer)
+    model, account = _build_model(args, device, tokenizer)
     optimizer, scheduler = _build_optimizer(args, model)
     moe_timer, moe_layers, recorder = _attach_instruments(args, model)
     n_params = sum(p.numel() for p in model[0].parameters())
     log0(f"model: {n_params / 1e6:.2f} M parameters on rank 0, {moe_layers} MoE layer(s) timed")
     return _Run(device=device, tokenizer=tokenizer, model=model, optimizer=optimizer,
                 scheduler=scheduler, moe_timer=moe_timer, recorder=recorder,
-                tokens_per_step=args.global_batch_size * args.seq_length)
+                tokens_per_step=args.global_batch_size * args.seq_length,
+                memory_account=account)
 
 
-def _build_model(args: argparse.Namespace, device: torch.device, tokenizer) -> list:
-    """The model chunks; with --moe-lrmoe, the memory budget is checked first (a refusal
-    before anything is allocated) and the planners are set up right after the build."""
+def _build_model(args: argparse.Namespace, device: torch.device, tokenizer
+                 ) -> tuple[list, object | None]:
+    """The model chunks and, with --moe-lrmoe, the memory account (printed); the memory
+    budget is checked first (a refusal before anything is allocated) and the planners
+    are set up right after the build."""
     from megatron.core import num_microbatches_calculator
 
     from megatron_lrmoe.launcher import builders
 
+    resolve_auto_budget(args)
     config = builders.transformer_config_from_args(args)
+    account = None
     if args.moe_lrmoe:
+        account = _print_memory_account(args, config, tokenizer)
         from megatron_lrmoe.config.planner_inputs import check_memory_budget
 
         tokens = tokens_per_rank(args)
@@ -490,7 +548,39 @@ def _build_model(args: argparse.Namespace, device: torch.device, tokenizer) -> l
             model, tokens, num_microbatches_calculator.get_num_microbatches, config)
         if machine is not None:
             log0(machine_constants_line(machine))
-    return model
+    return model, account
+
+
+def _print_memory_account(args: argparse.Namespace, config, tokenizer) -> object:
+    """The run's memory account (planning/memory_account.py), printed once on rank 0:
+    its parts in GiB, the device's size and the MoE budget the planner uses."""
+    from megatron_lrmoe.config.planner_inputs import GIB, device_memory_bytes, memory_account
+    from megatron_lrmoe.launcher import builders
+    from megatron_lrmoe.planning.memory_account import account_line
+
+    account = memory_account(config, args,
+                             builders.padded_vocab_size(tokenizer.vocab_size, args),
+                             args.num_microbatches,
+                             device_memory_bytes(getattr(args, "device_memory_gb", None)))
+    budget = args.moe_lrmoe_memory_budget_gb
+    source = getattr(args, "lrmoe_budget_source", "--moe-lrmoe-memory-budget-gb")
+    log0(f"megatron_lrmoe.launcher.pretrain: "
+         f"{account_line(account, None if budget is None else budget * GIB, source)}")
+    return account
+
+
+def _check_allocator(args: argparse.Namespace, run: _Run, logger: Logger,
+                     steps_run: int) -> None:
+    """Once, after this process's second step on CUDA: the caching allocator's peak
+    against the memory account (one host read; the planner keeps the account's budget)."""
+    if steps_run != 2 or run.device.type != "cuda" or run.memory_account is None:
+        return
+    from megatron_lrmoe.config.planner_inputs import GIB, allocator_check
+
+    budget = args.moe_lrmoe_memory_budget_gb
+    peak = torch.cuda.max_memory_allocated(run.device)
+    logger.line("megatron_lrmoe.launcher.pretrain: " + allocator_check(
+        run.memory_account, peak, None if budget is None else budget * GIB))
 
 
 def _build_optimizer(args: argparse.Namespace, model: list) -> tuple[object, object]:

@@ -269,7 +269,7 @@ def _id(field: str, text: str) -> str:
 def _typed(opt, text: str):
     """``text`` as argparse would hand it over, or None where argparse itself refuses it."""
     try:
-        return opt.type(text)
+        return opt.arg_type(text)
     except ValueError:
         return None
 
@@ -418,9 +418,12 @@ def test_generated_flags_equal_the_table(entry):
         if o.type is bool:
             assert isinstance(action, argparse._StoreTrueAction)
         else:
-            assert action.type is o.type
+            assert action.type is o.arg_type
             assert action.choices == o.choices
     assert "GiB" in actions["--moe-lrmoe-memory-budget-gb"].help
+    device = {s: a for a in parser._actions for s in a.option_strings}["--device-memory-gb"]
+    assert device.dest == "device_memory_gb" and device.default is None
+    assert device.type is float and "GiB" in device.help
 
 
 def test_config_fields_equal_the_table():
@@ -631,3 +634,100 @@ def test_grouped_gemm_with_lrmoe_is_accepted_without_transformer_engine(world):
                               "--disable-bias-linear", "--moe-grouped-gemm"])
     assert args.transformer_impl == "local"
     assert transformer_config_from_args(args).moe_grouped_gemm
+
+
+# -----------------------------------------------------------------------------
+# --moe-lrmoe-memory-budget-gb auto and --device-memory-gb (docs/design.md, "Memory budget")
+# -----------------------------------------------------------------------------
+
+TINY = ["--config", "configs/tiny_moe.yaml", "--mock-data", "--moe-lrmoe"]
+
+
+def test_auto_budget_is_parsed_and_left_to_the_entry_point(world):
+    args = parse_args(BASE + LRMOE_OK + ["--moe-lrmoe-memory-budget-gb", "auto",
+                                         "--device-memory-gb", "40"])
+    assert args.moe_lrmoe_memory_budget_gb == "auto" and args.device_memory_gb == 40.0
+    assert parse_args(BASE + LRMOE_OK + ["--moe-lrmoe-memory-budget-gb", "2"]
+                      ).moe_lrmoe_memory_budget_gb == 2.0     # the numeric form, unchanged
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "inf", "nan"])
+def test_bad_device_memory_names_the_flag(world, text):
+    with pytest.raises(ConfigError, match="--device-memory-gb: must be a positive"):
+        parse_args(BASE + LRMOE_OK + ["--device-memory-gb", text])
+
+
+def test_auto_resolves_before_the_config_in_the_lean_launcher(world):
+    from megatron_lrmoe.launcher.pretrain import parse_args_or_exit
+
+    world(2)
+    args = parse_args_or_exit(TINY + ["--device-memory-gb", "1",
+                                      "--moe-lrmoe-memory-budget-gb", "auto"], 2)
+    assert isinstance(args.moe_lrmoe_memory_budget_gb, float)
+    assert 0 < args.moe_lrmoe_memory_budget_gb < 1
+
+
+@pytest.mark.parametrize("extra,words", [
+    ([], "give --device-memory-gb"),
+    (["--device-memory-gb", "0.05"], "below the floor"),
+], ids=["no-device-size", "below-floor"])
+def test_auto_refusal_names_both_flags_in_the_lean_launcher(world, capsys, extra, words):
+    import torch
+
+    from megatron_lrmoe.launcher.pretrain import parse_args_or_exit
+
+    if not extra and torch.cuda.is_available():
+        pytest.skip("on CUDA the device's size is the default")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args_or_exit(TINY + extra + ["--moe-lrmoe-memory-budget-gb", "auto"], 2)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--moe-lrmoe-memory-budget-gb auto" in err and "--device-memory-gb" in err, err
+    assert words in err
+
+
+def test_megatron_lm_provider_takes_auto_and_the_device_size():
+    parser = megatron_lm.lrmoe_args_provider()(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+    args = parser.parse_args(["--moe-lrmoe-memory-budget-gb", "auto", "--device-memory-gb",
+                              "80"])
+    assert args.moe_lrmoe_memory_budget_gb == "auto" and args.device_memory_gb == 80.0
+
+
+def test_megatron_lm_resolves_auto_and_prints_the_account(fake_megatron_training, monkeypatch):
+    """Megatron-LM's path: ``lrmoe_config_from_args`` resolves auto in ``args`` before the
+    config is built from them, and prints the account once (print_rank_0)."""
+    from megatron.core import num_microbatches_calculator as calculator
+
+    printed: list[str] = []
+    fake_megatron_training(lambda args, cls: cls(**dict(
+        LRMOE_CONFIG, hidden_size=64, num_attention_heads=2,
+        moe_lrmoe_memory_budget_gb=args.moe_lrmoe_memory_budget_gb)))
+    utils = types.ModuleType("megatron.training.utils")
+    utils.print_rank_0 = printed.append
+    monkeypatch.setitem(sys.modules, "megatron.training.utils", utils)
+    monkeypatch.setattr(megatron_lm, "_ACCOUNT", {"account": None, "budget_bytes": None,
+                                                  "steps": 0})
+    calculator.init_num_microbatches_calculator(0, None, 2, 2, 1)
+    try:
+        args = _megatron_lm_args(
+            moe_lrmoe=True, moe_lrmoe_memory_budget_gb="auto", device_memory_gb=1.0,
+            padded_vocab_size=128, seq_length=32, micro_batch_size=2, sequence_parallel=False,
+            data_parallel_size=1, expert_model_parallel_size=1, optimizer="adam",
+            use_distributed_optimizer=False)
+        config = megatron_lm.lrmoe_config_from_args(args)
+        assert isinstance(args.moe_lrmoe_memory_budget_gb, float)
+        assert config.moe_lrmoe_memory_budget_gb == args.moe_lrmoe_memory_budget_gb
+        account = [line for line in printed if "memory account" in line]
+        assert len(account) == 1 and "device 1.000" in account[0]
+        assert "MoE budget" in account[0] and "(auto" in account[0]
+        megatron_lm.lrmoe_config_from_args(args)           # printed once per process
+        assert len([line for line in printed if "memory account" in line]) == 1
+        args.moe_lrmoe_memory_budget_gb, args.device_memory_gb = "auto", 1e-4
+        monkeypatch.setattr(megatron_lm, "_ACCOUNT", {"account": None, "budget_bytes": None,
+                                                      "steps": 0})
+        with pytest.raises(ConfigError) as err:
+            megatron_lm.lrmoe_config_from_args(args)
+        assert "--moe-lrmoe-memory-budget-gb auto" in str(err.value)
+        assert "--device-memory-gb" in str(err.value)
+    finally:
+        calculator.destroy_num_microbatches_calculator()
