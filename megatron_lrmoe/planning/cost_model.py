@@ -236,7 +236,8 @@ class MoEShape:
     activation_recompute: bool = True
     """The backward recomputes the activation from the saved z (the LRMoE region); False:
     the layer saved the activation's output in forward and its backward reads it
-    (Megatron's expert MLP), without the recompute's element passes. Time only."""
+    (Megatron's expert MLP), without the recompute's element passes. Time only: the
+    memory of Megatron's layer is ``MegatronMoEMemory``'s."""
 
     forward_retention: bool = False
     """The retained set is drawn in forward (rules that do not read the backward
