@@ -640,7 +640,6 @@ def log_lrmoe_stats(iteration: int) -> dict[str, float]:
     """Reduce and write the LRMoE statistics at the LRMoE log interval (collective:
     every rank calls it at the same iteration, as Megatron-LM's training loop does)."""
     from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
-    from megatron.training.utils import print_rank_last
 
     from megatron_lrmoe.layer.telemetry import collect_lrmoe_stats
 
@@ -659,8 +658,21 @@ def log_lrmoe_stats(iteration: int) -> dict[str, float]:
     if wandb is not None:
         wandb.log(scalars, iteration)
     if "lrmoe/retained-fraction" in scalars:
-        print_rank_last(format_lrmoe_line(iteration, scalars))
+        _print_on_last_rank(format_lrmoe_line(iteration, scalars))
     return scalars
+
+
+def _print_on_last_rank(line: str) -> None:
+    """``print_rank_last`` (the same rank), as one write of the line and its newline: a
+    print's text and newline are two writes on an unbuffered stdout, and another rank's
+    output (Megatron's memory report) could land between them."""
+    import torch.distributed as dist
+    from megatron.training.utils import is_last_rank
+
+    if dist.is_initialized() and dist.get_backend() != "fake" and not is_last_rank():
+        return
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def format_lrmoe_line(iteration: int, stats: dict[str, float]) -> str:
