@@ -24,7 +24,14 @@
 #      median of 3 rounds) into benchmarks/results/calibration_h200_qwen3_<date>.json: the
 #      node-local constants of the simulator's H200 column (issue 14; the projection runs
 #      on any machine afterwards, docs/simulate.md, "A measured H200 column")
-#   6. with what is left of the budget, the kernel test files (CPU backend, nvcc check)
+#   6. scripts/dev/region_at_scale_check.py (issue 25, part 5): the fake-CUDA test's
+#      cases (tests/layer/test_region_fake_cuda.py: EP 8 plan from the qwen3 trace, gamma
+#      inf/1.0/0.75, uniform/topk, static/replicas) on real CUDA tensors, rank 3's share as
+#      a 1-rank region, 4096 tokens per rank, bf16 grouped GEMMs: the same checks (devices,
+#      dtypes, host reads, grouped-GEMM rows) plus what only the GPU adds: numerics against
+#      the CPU fp32 path (512 tokens per rank), syncs inside kernels (sync-debug "error"
+#      over forward and backward), kernel speed (CUDA events, median of 10), real peak
+#   7. with what is left of the budget, the kernel test files (CPU backend, nvcc check)
 #
 # Not measured here, and said so in the summary: expert parallelism across ranks (one GPU
 # cannot run NCCL EP > 1), Transformer Engine (absent: no TEGroupedMLP baseline, no TE
@@ -309,8 +316,11 @@ PYEOF
       --ffn-hidden-size 768 --experts 128 --topk 8 --tokens 4096 --rows 2048 \
       --local-experts 16 --gemm-rows 64,128,256,512,1024,2048,4096,8192 --rounds 3 \
       --output "$CALIBRATION"
+  run_step "6 region at scale on CUDA (EP 8 plan, rank 3's share, bf16; numerics vs CPU)" 90 \
+    "$PY" scripts/dev/region_at_scale_check.py --device cuda --ep 8 --rank 3 --tokens 4096 \
+      --check-tokens 512 --reps 10 --warmup 2
   # CPU-backend tests and the nvcc compile check, with what is left of the budget.
-  run_step "6 kernel test files (CPU backend, nvcc compile check)" 120 \
+  run_step "7 kernel test files (CPU backend, nvcc compile check)" 120 \
     "$PY" -m pytest -q -x -p no:cacheprovider tests/ops/test_kernels.py tests/ops/test_compaction_kernels.py
 }
 
@@ -319,6 +329,9 @@ mkdir -p "$RESULTS"
   main
   log "summary"
   printf '%s\n' "${SUMMARY[@]}"
+  echo "step 6 adds to the fake-CUDA test (which checks shapes, dtypes, devices, host reads" \
+       "and GEMM rows without a GPU) only what a GPU shows: numerics on the device, syncs" \
+       "inside kernels, kernel speed, real memory"
   echo "not measured here: expert parallelism across ranks (one GPU cannot run NCCL EP > 1);" \
        "Transformer Engine (not installed: no TEGroupedMLP baseline, no TE grouped linear)"
   ((${#SKIPPED[@]})) && printf 'skipped: %s\n' "${SKIPPED[@]}"

@@ -80,10 +80,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["TORCH_PIN", "Case", "CaseResult", "GemmCall", "TraceCountsExchange",
-           "backward_through_node", "case_counts", "case_planner", "check_torch_pin",
-           "device_memory", "fake_cuda_session", "memory_record", "node_grad",
-           "releasing_saved_tensors", "run_case", "run_cases", "trace_counts"]
+__all__ = ["TORCH_PIN", "Case", "CaseResult", "DeviceRun", "GemmCall", "TraceCountsExchange",
+           "backward_through_node", "case_counts", "case_planner", "check_device_record",
+           "check_torch_pin", "compare_values", "device_memory", "fake_cuda_session",
+           "memory_record", "node_grad", "rank_view_plan", "releasing_saved_tensors",
+           "run_case", "run_case_on_device", "run_cases", "trace_counts"]
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "benchmarks" / "results" / "routing_traces" / "qwen3" / "trace"
@@ -642,6 +643,353 @@ def run_case(case: Case, rank: int, model: str = "qwen3-30b-a3b") -> CaseResult:
 
 def run_cases(cases: list[Case], rank: int) -> list[dict]:
     return [asdict(run_case(case, rank)) for case in cases]
+
+
+# -----------------------------------------------------------------------------
+# The same cases on a real device (issue 25, part 5: scripts/dev/region_at_scale_check.py)
+# -----------------------------------------------------------------------------
+#
+# Process group: one process cannot be rank r of a real group of 8 (NCCL needs the other
+# seven), and the project's GPU machine has one GPU (EP = visible GPUs would be EP 1, a
+# different plan from the trace's). So the real-device mode runs rank r's share of the
+# EP-R plan as a 1-rank region (``group=None``, no exchange): ``rank_view_plan`` keeps
+# rank r's instances (homes, then replicas) and gives the one source every row rank r
+# receives from all R sources, with the same quotas. Rank r's grouped GEMMs then get
+# exactly the rows, per instance, that they get in the EP-R run; what it leaves out are
+# the all-to-alls (exchange traffic), which one GPU cannot measure anyway.
+
+
+def rank_view_plan(plan, rank: int):
+    """A 1-rank ``RetentionPlan`` of what rank ``rank`` computes in ``plan``: its
+    instances, each with the rows (counts and quotas summed over the sources) it
+    receives; the GEMMs' rows per instance are the EP plan's for that rank."""
+    from megatron_lrmoe.planning.retention import RetentionPlan
+
+    local = [i for i, r in enumerate(plan.instance_rank) if r == rank]
+    return RetentionPlan(
+        counts=plan.counts[:, local].sum(0, keepdim=True),
+        quotas=plan.quotas[:, local].sum(0, keepdim=True),
+        capacity=plan.capacity[rank:rank + 1].clone(),
+        water_level=plan.water_level[rank:rank + 1].clone(),
+        instance_rank=(0,) * len(local),
+        instance_expert=tuple(plan.instance_expert[i] for i in local),
+        capacity_factor=plan.capacity_factor, min_retention=plan.min_retention)
+
+
+class _DeviceRecorder(TorchDispatchMode):
+    """What the region made on a real device (device, dtype, shape, pinned) and the
+    grouped GEMMs' operands; offsets are cloned on the device (no host read) and read
+    after the call (``gemm_calls``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = ""
+        self.made: list[MadeTensor] = []
+        self._gemms: list[tuple[str, tuple, tuple, int, torch.Tensor | None]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        if name == "_grouped_mm":
+            a, b = args[0], args[1]
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            grouped = a.shape[0] if b.dim() == 3 else a.shape[1]
+            self._gemms.append((self.phase, tuple(a.shape), tuple(b.shape), grouped,
+                                None if offs is None else offs.clone()))
+        out = func(*args, **kwargs)
+        if self.phase:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    pinned = t.device.type == "cpu" and torch.cuda.is_available() and t.is_pinned()
+                    self.made.append(MadeTensor(self.phase, name, t.device.type,
+                                                str(t.dtype).removeprefix("torch."),
+                                                tuple(t.shape), pinned))
+        return out
+
+    def gemm_calls(self) -> list[GemmCall]:
+        calls = []
+        for phase, a, b, grouped, offs in self._gemms:
+            rows = None
+            if offs is not None:
+                ends = offs.cpu().tolist()
+                rows = [e - s for s, e in zip([0, *ends[:-1]], ends, strict=True)]
+            calls.append(GemmCall(phase, a, b, grouped, rows, None if offs is None else
+                                  str(offs.dtype).removeprefix("torch.")))
+        return calls
+
+
+@contextlib.contextmanager
+def _sync_debug(device: torch.device, errors: dict[str, str | None], phase: str):
+    """``torch.cuda.set_sync_debug_mode("error")`` over the block on CUDA: a sync inside
+    the region's ops or kernels raises; the message is kept in ``errors[phase]``."""
+    errors[phase] = None
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    except RuntimeError as exc:
+        errors[phase] = str(exc).splitlines()[0][:300]
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def _timer(device: torch.device):
+    """() -> stop() -> milliseconds: CUDA events on CUDA, the wall clock elsewhere."""
+    if device.type == "cuda":
+        def start():
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+
+            def stop() -> float:
+                end.record()
+                end.synchronize()
+                return begin.elapsed_time(end)
+            return stop
+        return start
+
+    def start_wall():
+        t0 = time.perf_counter()
+        return lambda: (time.perf_counter() - t0) * 1e3
+    return start_wall
+
+
+@dataclass
+class DeviceRun:
+    """One region call on a real device (``run_case_on_device``): ``record`` is plain
+    data (``check_device_record`` judges it); ``values`` the outputs and gradients, for
+    the numerics comparison; ``plan`` the EP-R plan, ``view`` rank r's 1-rank share."""
+
+    record: dict
+    values: dict[str, torch.Tensor]
+    plan: object
+    view: object
+
+
+def run_case_on_device(case: Case, rank: int, device: str | torch.device = "cuda", *,
+                       tokens: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                       kernels: str = "auto", grouped_gemm: bool | None = True,
+                       hidden: int | None = None, ffn: int | None = None,
+                       reps: int = 0, warmup: int = 1, seed: int = 0,
+                       model: str = "qwen3-30b-a3b") -> DeviceRun:
+    """``run_case``'s case on real tensors of ``device``: the same plan from the trace's
+    counts (at ``tokens`` per rank x top-k pairs), rank ``rank``'s share run as a 1-rank
+    region (``rank_view_plan``), forward then backward through autograd, each under
+    ``torch.cuda.set_sync_debug_mode("error")`` on CUDA and the ``HostReadDetector``.
+    Inputs are drawn in fp32 from ``seed`` and rounded to bf16 first, so that a run in
+    another dtype (the CPU fp32 reference) sees the same values. ``reps`` > 0: then
+    forward and backward timed (CUDA events), median of ``reps`` after ``warmup``."""
+    from megatron_lrmoe.layer.region import ExpertWeights, RegionContext, lrmoe_region
+    from megatron_lrmoe.testing.host_reads import HostReadDetector
+    from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
+
+    device = torch.device(device)
+    spec = ModelSpec.from_config(model, MODELS[model])
+    h, f, e = hidden or spec.hidden_size, ffn or spec.ffn_hidden_size, spec.num_experts
+    t = tokens or spec.shape(case.ep).tokens_per_rank
+    f1 = 2 * f if spec.gated else f
+    counts = trace_counts(case.ep, t * spec.topk)
+    planner = case_planner(case, counts, e)
+    planner.observe(counts)
+    plan = planner.plan(counts).retention
+    view = rank_view_plan(plan, rank)
+    local = [i for i, r in enumerate(plan.instance_rank) if r == rank]
+    homes = sum(1 for i in local if plan.instance_expert[i] // (e // case.ep) == rank)
+    routed = view.counts[0].tolist()
+    pairs = sum(routed)
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, scale=1.0, rand=False):
+        v = torch.rand(*shape, generator=gen) if rand else torch.randn(*shape, generator=gen)
+        return (v * scale).to(torch.bfloat16).to(device=device, dtype=dtype)
+
+    w1 = tuple(draw(f1, h, scale=h ** -0.5).requires_grad_(j < homes) for j in range(len(local)))
+    w2 = tuple(draw(h, f, scale=f ** -0.5).requires_grad_(j < homes) for j in range(len(local)))
+    for w in (*w1[:homes], *w2[:homes]):
+        w.grad = torch.zeros_like(w)          # Megatron's gradient buffers exist before
+    experts = ExpertWeights(w1[:homes], w2[:homes], _swiglu)
+    if len(local) > homes:
+        experts = experts.with_replicas(w1[homes:], w2[homes:])
+    x0 = draw(t, h)
+    # Each instance's rows: distinct tokens where it has at most T rows, sorted
+    # (instance-major, then token, as the layer sends them).
+    chunks = []
+    for n in routed:
+        pick = (torch.randperm(t, generator=gen)[:n] if n <= t
+                else torch.randint(0, t, (n,), generator=gen))
+        chunks.append(pick.sort().values)
+    pair_token = torch.cat(chunks).to(device) if chunks else torch.zeros(0, dtype=torch.int64,
+                                                                          device=device)
+    prob0 = torch.rand(pairs, generator=gen).to(device)
+    dy = draw(t, h)
+    replica_grads: list[torch.Tensor] = []
+
+    def on_replica_grads(dw1, dw2):
+        replica_grads[:] = [*dw1, *dw2]
+        return [], []
+
+    def call(recorder=None, errors=None, detector=None):
+        x = x0.detach().clone().requires_grad_(True)
+        pair_prob = prob0.detach().clone().requires_grad_(True)
+        rc = RegionContext(plan=view, group=None, rank=0, selection=case.selection,
+                           kernels=kernels, grouped_gemm=grouped_gemm,
+                           on_replica_grads=on_replica_grads)
+        modes = contextlib.ExitStack()
+        if recorder is not None:
+            modes.enter_context(recorder)
+            recorder.phase = "forward"
+        y = None
+        with modes:
+            with _sync_debug(device, errors if errors is not None else {}, "forward"):
+                y = lrmoe_region(x, pair_token, pair_prob, rc, experts)
+            reads_fwd = list(detector.reads) if detector is not None else []
+            if detector is not None:
+                detector.clear()
+            if recorder is not None:
+                recorder.phase = "backward"
+            if y is not None:
+                with _sync_debug(device, errors if errors is not None else {}, "backward"):
+                    y.backward(dy)
+            if recorder is not None:
+                recorder.phase = ""
+        return rc, x, pair_prob, y, reads_fwd
+
+    # A warm-up call outside the records (the grouped GEMM's start-up probe, first-call
+    # set-up), then the gradient buffers zeroed for the checked call.
+    call()
+    for w in (*w1[:homes], *w2[:homes]):
+        w.grad.zero_()
+    recorder, errors = _DeviceRecorder(), {}
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    with HostReadDetector() as detector:
+        detector.taint(x0, prob0, dy, *w1, *w2)
+        rc, x, pair_prob, y, reads_fwd = call(recorder, errors, detector)
+        reads_bwd = list(detector.reads)
+    if cuda:
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    names = [f"dw1[{j}]" for j in range(homes)] + [f"dw2[{j}]" for j in range(homes)]
+    values: dict[str, torch.Tensor] = {}
+    if y is not None:
+        values = {"y": y.detach(), "dx": x.grad, "dpair_prob": pair_prob.grad}
+        values.update(zip(names, [w.grad.clone() for w in (*w1[:homes], *w2[:homes])],
+                          strict=True))
+        r = len(local) - homes
+        held = list(replica_grads)         # the timed calls below replace the hook's list
+        values.update({f"replica dw1[{j}]": g for j, g in enumerate(held[:r])})
+        values.update({f"replica dw2[{j}]": g for j, g in enumerate(held[r:])})
+    seconds: dict[str, float] = {}
+    if reps > 0 and y is not None:
+        timer, times = _timer(device), {"forward": [], "backward": []}
+        for k in range(warmup + reps):
+            xt = x0.detach().clone().requires_grad_(True)
+            pt = prob0.detach().clone().requires_grad_(True)
+            rct = RegionContext(plan=view, group=None, rank=0, selection=case.selection,
+                                kernels=kernels, grouped_gemm=grouped_gemm,
+                                on_replica_grads=on_replica_grads)
+            stop = timer()
+            yt = lrmoe_region(xt, pair_token, pt, rct, experts)
+            fwd = stop()
+            stop = timer()
+            yt.backward(dy)
+            bwd = stop()
+            if k >= warmup:
+                times["forward"].append(fwd)
+                times["backward"].append(bwd)
+        seconds = {phase: float(np.median(v)) / 1e3 for phase, v in times.items()}
+    record = {
+        "case": case.name, "rank": rank, "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."), "hidden": h, "ffn": f, "tokens": t,
+        "pairs": pairs, "local_instances": len(local), "home_instances": homes,
+        "grouped_gemm": rc.stats.grouped_gemm, "forward_retention": rc.forward_retention,
+        "routed": routed, "retained": view.quotas[0].tolist(),
+        "sync_errors": errors, "forward_reads": [_read(r) for r in reads_fwd],
+        "backward_reads": [_read(r) for r in reads_bwd],
+        "made": [asdict(m) for m in recorder.made],
+        "gemms": [asdict(g) for g in recorder.gemm_calls()],
+        "outputs": {n: _dims(v) for n, v in values.items()},
+        "peak_bytes": peak if cuda else None, "seconds": seconds}
+    return DeviceRun(record, values, plan, view)
+
+
+def check_device_record(record: dict, plan) -> list[str]:
+    """What a real-device run must show, as the fake-CUDA test checks it (empty: all
+    held): outputs' shapes, dtypes and device; every tensor the region made on the device
+    (on CUDA: the pinned staging buffer aside) in the design's dtypes; no host read and
+    no sync in the region; each grouped GEMM got rank r's routed rows (forward) and
+    retained rows (backward) of ``plan`` (``InstanceRows.of_plan``)."""
+    from megatron_lrmoe.planning.cost_model import InstanceRows
+
+    bad: list[str] = []
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            bad.append(what)
+
+    dev, dt = record["device"], record["dtype"]
+    t, h, f, rank = record["tokens"], record["hidden"], record["ffn"], record["rank"]
+    out = record["outputs"]
+    need(out.get("y") == [[t, h], dt, dev], f"y {out.get('y')}")
+    need(out.get("dx") == [[t, h], dt, dev], f"dx {out.get('dx')}")
+    need(out.get("dpair_prob") == [[record["pairs"]], "float32", dev],
+         f"dpair_prob {out.get('dpair_prob')}")
+    for j in range(record["home_instances"]):
+        need(out.get(f"dw1[{j}]") == [[2 * f, h], dt, dev], f"dw1[{j}] {out.get(f'dw1[{j}]')}")
+        need(out.get(f"dw2[{j}]") == [[h, f], dt, dev], f"dw2[{j}] {out.get(f'dw2[{j}]')}")
+    for j in range(record["local_instances"] - record["home_instances"]):
+        need(out.get(f"replica dw1[{j}]") == [[2 * f, h], dt, dev], f"replica dw1[{j}]")
+        need(out.get(f"replica dw2[{j}]") == [[h, f], dt, dev], f"replica dw2[{j}]")
+    made = [m for m in record["made"] if m["phase"] in ("forward", "backward")]
+    need({m["phase"] for m in made} == {"forward", "backward"}, "no ops recorded")
+    off = [m for m in made if m["device"] != dev]
+    need(all(m["pinned_staging"] and m["phase"] == "forward" for m in off),
+         f"off-device tensors {off[:3]}")
+    wide = ("bfloat16", "float16") if dt != "float32" else ()
+    for m in made:
+        ok = m["dtype"] in (dt, *wide, "float32", "int64", "int32", "bool")
+        if m["dtype"] == "float32" and dt != "float32":
+            ok = ok and len(m["shape"]) <= 1
+        need(ok, f"made {m}")
+    for phase, err in record["sync_errors"].items():
+        need(err is None, f"sync in {phase}: {err}")
+    need(not any(fr.startswith("region.py:") for _, fs in record["forward_reads"] for fr in fs),
+         f"host read in the region's forward {record['forward_reads']}")
+    need(record["backward_reads"] == [], f"host reads in backward {record['backward_reads']}")
+    rows = InstanceRows.of_plan(plan)
+    local = np.flatnonzero(rows.rank == rank)
+    routed, retained = rows.routed[local].tolist(), rows.retained[local].tolist()
+    need(record["routed"] == routed, "rank view's routed rows differ from the plan's")
+    need(record["retained"] == retained, "rank view's retained rows differ from the plan's")
+    if record["grouped_gemm"]:
+        gemms = record["gemms"]
+        need([g["phase"] for g in gemms] == ["forward"] * 2 + ["backward"] * 4,
+             f"grouped GEMM phases {[g['phase'] for g in gemms]}")
+        for g in gemms:
+            want = routed if g["phase"] == "forward" else retained
+            need(g["offs_dtype"] == "int32" and g["group_rows"] == want
+                 and g["grouped_rows"] == sum(want), f"{g['phase']} GEMM rows {g['a']}x{g['b']}")
+    return bad
+
+
+def compare_values(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                   names: list[str] | None = None) -> dict[str, tuple[float, float]]:
+    """Per tensor: (relative Frobenius error ||got - ref|| / ||ref||, max |got - ref| /
+    max |ref|), both in float64 on the CPU."""
+    out = {}
+    for name in names if names is not None else list(ref):
+        a, b = got[name].detach().double().cpu(), ref[name].detach().double().cpu()
+        scale = float(b.norm()) or 1.0
+        top = float(b.abs().max()) if b.numel() else 1.0
+        out[name] = (float((a - b).norm()) / scale,
+                     float((a - b).abs().max()) / (top or 1.0) if b.numel() else 0.0)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

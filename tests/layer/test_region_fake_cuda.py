@@ -245,3 +245,55 @@ def test_memory_at_size_against_the_cost_model(results, case):
     assert 0 < memory["saved"] <= memory["at_backward"] <= memory["peak"], detail
     assert abs(saved / memory["saved"] - 1) <= MEMORY_TOLERANCE, detail
     assert abs(peak / memory["peak"] - 1) <= MEMORY_TOLERANCE, detail
+
+
+# -----------------------------------------------------------------------------
+# Part 5: the same cases on a real device (scripts/dev/region_at_scale_check.py)
+# -----------------------------------------------------------------------------
+
+SCALE_CHECK = ROOT / "scripts" / "dev" / "region_at_scale_check.py"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_region_at_scale_check_refuses_without_cuda():
+    run = subprocess.run([sys.executable, str(SCALE_CHECK), "--ep", "8", "--tokens", "4096"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "no CUDA device" in run.stderr
+
+
+def test_region_at_scale_check_cpu_path_at_a_tiny_size():
+    """The device script's code path on the CPU (``--device cpu``): every case's checks
+    and the numerics comparison with the fp32 CPU reference, at a tiny width."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, str(SCALE_CHECK), "--device", "cpu", "--ep", "8", "--tokens", "64",
+         "--check-tokens", "32", "--hidden", "64", "--ffn", "32", "--reps", "1",
+         "--warmup", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = [line for line in run.stdout.splitlines() if line.startswith("ep8-")]
+    assert len(lines) == 12 and all(" ok " in line for line in lines), run.stdout
+    assert "0 failing case(s)" in run.stdout
+
+
+@pytest.mark.parametrize("case", [Case(8, 0.75, "uniform", True), Case(64, 1.0, "topk", False)],
+                         ids=lambda c: c.name)
+def test_real_device_mode_on_cpu_matches_the_plan(case):
+    """``run_case_on_device`` (the device script's runner) on CPU tensors: rank r's share
+    of the plan as a 1-rank region; its GEMMs get the plan's rows, ``check_device_record``
+    passes, and a doctored record fails it."""
+    from megatron_lrmoe.testing.fake_cuda import check_device_record, run_case_on_device
+
+    rank = RANKS[case.ep]
+    run = run_case_on_device(case, rank, "cpu", tokens=64, hidden=64, ffn=32)
+    rows = InstanceRows.of_plan(run.plan)
+    local = np.flatnonzero(rows.rank == rank)
+    assert torch.equal(run.view.counts[0], torch.as_tensor(rows.routed[local]))
+    assert torch.equal(run.view.quotas[0], torch.as_tensor(rows.retained[local]))
+    record = run.record
+    assert record["grouped_gemm"] is True
+    assert check_device_record(record, run.plan) == []
+    doctored = json.loads(json.dumps(record))
+    doctored["gemms"][-1]["group_rows"][0] += 1
+    doctored["sync_errors"]["backward"] = "an op synced"
+    assert len(check_device_record(doctored, run.plan)) == 2
