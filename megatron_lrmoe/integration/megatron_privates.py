@@ -145,6 +145,16 @@ def _mark(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+def _wrap_attribute(owner: Any, name: str, make_wrapper: Wrapper) -> bool:
+    """``owner.name = make_wrapper(owner.name)``, marked; False, changing nothing, when
+    it is wrapped already."""
+    original = getattr(owner, name)
+    if _marked(original):
+        return False
+    setattr(owner, name, _mark(make_wrapper(original)))
+    return True
+
+
 # -----------------------------------------------------------------------------
 # Megatron-LM (core_v0.19.0)
 # -----------------------------------------------------------------------------
@@ -158,11 +168,7 @@ def wrap_training_log(make_wrapper: Wrapper) -> bool:
     Idempotent: returns False, changing nothing, when it is wrapped already."""
     from megatron.training import training
 
-    original = training.training_log
-    if _marked(original):
-        return False
-    training.training_log = _mark(make_wrapper(original))
-    return True
+    return _wrap_attribute(training, "training_log", make_wrapper)
 
 
 def wrap_sharded_state_dict_metadata(make_wrapper: Wrapper) -> bool:
@@ -174,11 +180,7 @@ def wrap_sharded_state_dict_metadata(make_wrapper: Wrapper) -> bool:
     Idempotent: returns False, changing nothing, when it is wrapped already."""
     from megatron.training import checkpointing
 
-    original = checkpointing._build_sharded_state_dict_metadata
-    if _marked(original):
-        return False
-    checkpointing._build_sharded_state_dict_metadata = _mark(make_wrapper(original))
-    return True
+    return _wrap_attribute(checkpointing, "_build_sharded_state_dict_metadata", make_wrapper)
 
 
 class GPTModelNotFound(LookupError):
@@ -334,6 +336,17 @@ def _resolve(obj: Any, dotted: str) -> Any:
     return obj
 
 
+def _instances_have(cls: type, attr: str) -> bool:
+    """Whether ``cls``'s instances get ``attr`` in ``__init__``: on an instance where one
+    can be made without arguments (others may have patched ``__init__``: torch.compile
+    wraps ``torch.nn.Module.__init__``), else in the constructor's code."""
+    try:
+        return hasattr(cls(), attr)
+    except TypeError:
+        init = inspect.unwrap(cls.__init__).__code__
+        return attr in init.co_names + init.co_consts
+
+
 def missing_privates(privates: tuple[MegatronPrivate, ...] = PRIVATES) -> list[str]:
     """What of ``privates`` the importable Megatron lacks: the symbol, a parameter the
     plugin binds by name, or the function that looks a module global up by name. Empty
@@ -354,8 +367,7 @@ def missing_privates(privates: tuple[MegatronPrivate, ...] = PRIVATES) -> list[s
                 continue
             if private.on_instance:
                 owner, _, attr = private.name.rpartition(".")
-                init = inspect.unwrap(_resolve(module, owner).__init__).__code__
-                if attr not in init.co_names + init.co_consts:
+                if not _instances_have(_resolve(module, owner), attr):
                     problems.append(f"{private}: {owner}.__init__ no longer sets it")
                 continue
             value = _resolve(module, private.name)

@@ -198,7 +198,7 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _aligned(dtype: torch.dtype, w1: torch.Tensor, w2: torch.Tensor) -> bool:
-    step = 16 // torch.tensor([], dtype=dtype).element_size()
+    step = 16 // dtype.itemsize
     return all(d % step == 0 for d in (*w1.shape, *w2.shape))
 
 

@@ -27,6 +27,7 @@ from megatron_lrmoe.ops import (
 )
 from megatron_lrmoe.ops import select as select_mod
 from megatron_lrmoe.ops.select import splitmix64, splitmix64_tensor
+from tests.ops.test_kernels import _WithoutCuda  # a build without its CUDA part
 
 # The package's attribute of that name is the function, not the module.
 scatter_mod = importlib.import_module("megatron_lrmoe.ops.scatter_add_rows")
@@ -192,19 +193,6 @@ def no_torch_backend(monkeypatch):
     monkeypatch.setattr(combine_mod, "combine_rows_backward_reference", refuse)
     monkeypatch.setattr(scatter_mod, "_scatter_add_rows_torch", refuse)
     monkeypatch.setattr(select_mod, "select_rows_reference", refuse)
-
-
-class _WithoutCuda:
-    """The compiled extension as a build without its CUDA part would present it."""
-
-    def __init__(self, module):
-        self._module = module
-
-    def built_with_cuda(self) -> bool:
-        return False
-
-    def __getattr__(self, name):
-        return getattr(self._module, name)
 
 
 def _run_every_op_on_fake_cuda() -> None:
