@@ -28,7 +28,7 @@ import numpy as np
 from megatron_lrmoe.planning.retention import RetentionPlan
 
 __all__ = ["CostModel", "InstanceRows", "MachineConstants", "MegatronMoEMemory", "MoEShape",
-           "megatron_capacity_counts"]
+           "megatron_capacity_counts", "stage_moe_memory"]
 
 # Saved per source pair besides o: the int64 (expert, token) pairs the token index is a
 # view of (16), the probability (up to 4 in the dtypes trained), the side statistic a (4),
@@ -519,6 +519,21 @@ class CostModel:
         activation temporaries (None: bounded by the rank's totals; grouped GEMMs do
         not need them)."""
         s = self.shape
+        saved, peak = self.rank_levels(routed, retained, num_replicas, sent_kept,
+                                       instance_routed, instance_retained, rank_starts)
+        return (np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
+                + s.microbatches_in_flight * saved + (peak - saved) / s.num_layers)
+
+    def rank_levels(self, routed: np.ndarray, retained: np.ndarray,
+                    num_replicas: np.ndarray, sent_kept: np.ndarray | None = None,
+                    instance_routed: np.ndarray | None = None,
+                    instance_retained: np.ndarray | None = None,
+                    rank_starts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """([R] saved bytes S, [R] peak bytes) of one micro-batch of one layer, above what
+        exists before the call, replicas excluded: what ``rank_memory`` composes (its
+        arguments) and ``stage_moe_memory`` composes under recompute, as
+        ``MegatronMoEMemory.rank_memory`` gives them for Megatron's layer."""
+        s = self.shape
         routed = np.asarray(routed, dtype=np.float64)
         retained = np.asarray(retained, dtype=np.float64)
         xc, rc, local = self._layout(num_replicas)
@@ -561,22 +576,30 @@ class CostModel:
             retained * row + experts_bwd,               # the expert backward
             (retained + xc * kept) * row + held_dw,     # dX sent back and received
             kept * row + s.output_bytes + held_dw)      # dX received, token gradient
-        peak = np.maximum(forward, backward)
-        return (np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
-                + s.microbatches_in_flight * saved + (peak - saved) / s.num_layers)
+        return saved, np.maximum(forward, backward)
 
     def plan_memory(self, plan: RetentionPlan, num_replicas: np.ndarray) -> np.ndarray:
         """[R] ``rank_memory`` at a retention plan: its routed and retained loads, each
         source's kept pairs and each instance's rows."""
+        routed, retained, kw = self._plan_loads(plan)
+        return self.rank_memory(num_replicas, routed, retained, **kw)
+
+    def plan_levels(self, plan: RetentionPlan, num_replicas: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """``rank_levels`` (saved, peak) [R] at a retention plan, as ``plan_memory``."""
+        routed, retained, kw = self._plan_loads(plan)
+        return self.rank_levels(routed, retained, num_replicas, **kw)
+
+    @staticmethod
+    def _plan_loads(plan: RetentionPlan) -> tuple[np.ndarray, np.ndarray, dict]:
+        """(routed [R], retained [R], the per-source and per-instance keywords) of a plan."""
         counts, quotas = plan.counts.numpy(), plan.quotas.numpy()
         starts = np.searchsorted(np.asarray(plan.instance_rank), np.arange(plan.num_ranks))
         inst_routed, inst_retained = np.add.reduce(counts, axis=0), np.add.reduce(quotas,
                                                                                     axis=0)
-        return self.rank_memory(num_replicas, np.add.reduceat(inst_routed, starts),
-                                np.add.reduceat(inst_retained, starts),
-                                sent_kept=np.add.reduce(quotas, axis=1),
-                                instance_routed=inst_routed, instance_retained=inst_retained,
-                                rank_starts=starts)
+        return (np.add.reduceat(inst_routed, starts), np.add.reduceat(inst_retained, starts),
+                dict(sent_kept=np.add.reduce(quotas, axis=1), instance_routed=inst_routed,
+                     instance_retained=inst_retained, rank_starts=starts))
 
     def assignment_capacity(self, share: float, num_replicas: np.ndarray) -> np.ndarray:
         """[R] int64: the most routed pairs a rank can receive within ``share`` when
@@ -1181,6 +1204,47 @@ class MegatronMoEMemory:
         saved = np.array([self.saved_bytes(received[r], sent[r]) for r in range(ranks)])
         peak = np.array([self.peak_bytes(received[r], sent[r], ranks) for r in range(ranks)])
         return saved, peak
+
+
+def stage_moe_memory(saved: np.ndarray, peak: np.ndarray, replica_bytes: np.ndarray,
+                     output_bytes: float, microbatches_in_flight: int = 1,
+                     recompute_moe: bool = False, full_recompute_layers: int = 0
+                     ) -> np.ndarray:
+    """[R] bytes the MoE layers of a pipeline stage hold at their peak, under Megatron's
+    recompute settings, from each layer's one-micro-batch levels.
+
+    ``saved``, ``peak`` [Lyr, R]: S and the peak of each MoE layer in stage order
+    (``CostModel.rank_levels`` or ``MegatronMoEMemory.rank_memory``); ``replica_bytes``
+    [Lyr, R] (zeros for Megatron's layer); ``output_bytes``: the layer's output y, T H b.
+    MiF = ``microbatches_in_flight``. What the layers' inputs cost is outside (the
+    memory account's activations), in every case alike.
+
+    * nothing recomputed: every layer keeps S for MiF micro-batches, and one layer at a
+      time is at its peak: sum MiF S + max (peak - S). For identical layers this is
+      Lyr ``CostModel.rank_memory``.
+    * ``recompute_moe`` (``--recompute-modules moe``): the layers keep nothing but their
+      input; backward reruns one layer's forward beside the first pass's output y:
+      max (peak + y).
+    * ``full_recompute_layers`` n (``--recompute-granularity full --recompute-method
+      block --recompute-num-layers n``): the first n layers keep nothing; the rest as
+      without recompute, and after their backward one recomputed layer at a time is
+      rebuilt (a peak of its own) while the other micro-batches' S stay.
+    """
+    saved, peak = np.asarray(saved, dtype=np.float64), np.asarray(peak, dtype=np.float64)
+    replicas = np.add.reduce(np.asarray(replica_bytes, dtype=np.float64), axis=0)
+    mif = max(1, int(microbatches_in_flight))
+    if recompute_moe:
+        return replicas + np.maximum.reduce(peak + output_bytes, axis=0)
+    n = min(max(0, int(full_recompute_layers)), saved.shape[0])
+    kept_saved, kept_peak = saved[n:], peak[n:]
+    held = np.add.reduce(mif * kept_saved, axis=0)
+    out = held + (np.maximum.reduce(kept_peak - kept_saved, axis=0) if len(kept_saved)
+                  else 0.0)
+    if n:
+        rebuilt = (mif - 1) * np.add.reduce(kept_saved, axis=0) + np.maximum.reduce(
+            peak[:n], axis=0)
+        out = np.maximum(out, rebuilt)
+    return replicas + out
 
 
 def megatron_capacity_counts(counts: np.ndarray, tokens: int, topk: int,

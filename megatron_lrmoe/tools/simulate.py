@@ -41,7 +41,14 @@ import numpy as np
 import torch
 import yaml
 
-from megatron_lrmoe.planning.cost_model import CostModel, InstanceRows, MachineConstants, MoEShape
+from megatron_lrmoe.planning.cost_model import (
+    CostModel,
+    InstanceRows,
+    MachineConstants,
+    MegatronMoEMemory,
+    MoEShape,
+    stage_moe_memory,
+)
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import default_retention_in_forward
 from megatron_lrmoe.tools.provenance import code_version
@@ -70,9 +77,10 @@ class ClusterSpec:
     memory_gib: float
     hbm_bytes_per_s: float
     nvlink_bytes_per_s: float
-    """NVLink bandwidth per GPU inside a node (one direction)."""
+    """NVLink bandwidth per GPU inside a node, one direction: half the datasheet's
+    bidirectional total (an all-to-all's rank sends and receives at once)."""
     network_bytes_per_s: float
-    """InfiniBand bandwidth per GPU between nodes."""
+    """InfiniBand bandwidth per GPU between nodes, one direction (one NIC per GPU)."""
     gpus_per_node: int = 8
     gemm_efficiency: float = 0.6
     """Achieved over peak for the grouped expert GEMMs (assumption: an 8192^3 bf16 GEMM
@@ -99,16 +107,28 @@ class ClusterSpec:
     ~20 kernel launches not hidden behind device work; no host read)."""
 
 
+# Datasheet figures (NVIDIA H100 Tensor Core GPU datasheet, SXM column; H200 datasheet,
+# SXM column; A100 datasheet, 40 GB SXM column; DGX H100/H200 and DGX A100 user guides
+# for the compute fabric):
+# - peak_flops: dense BF16 Tensor Core (the datasheets' 1,979 / 624 TFLOPS are with
+#   sparsity): H100/H200 SXM 989 TFLOPS, A100 312 TFLOPS.
+# - hbm_bytes_per_s: H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 40 GB 1,555 GB/s (1.6e12).
+# - nvlink_bytes_per_s: the datasheets give the bidirectional total per GPU, H100/H200
+#   900 GB/s (18 NVLink 4 links x 25 GB/s each way), A100 600 GB/s (12 NVLink 3 links x
+#   25 GB/s each way); one direction is half (issue 22, item 8: the totals were used as
+#   one direction, pricing NVLink bytes at twice the rate).
+# - network_bytes_per_s: one ConnectX-7 400 Gb/s NDR port per GPU on DGX H100/H200,
+#   one ConnectX-6 200 Gb/s HDR port per GPU on DGX A100; Gb/s per direction / 8.
 CLUSTERS: dict[str, ClusterSpec] = {
     "h100": ClusterSpec("h100", "8 x H100 SXM 80 GB", peak_flops=989e12, memory_gib=80,
-                        hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=900e9,
+                        hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=900e9 / 2,
                         network_bytes_per_s=400e9 / 8),
     "h200": ClusterSpec("h200", "8 x H200 141 GB", peak_flops=989e12, memory_gib=141,
-                        hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=900e9,
+                        hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=900e9 / 2,
                         network_bytes_per_s=400e9 / 8),
     "a100-40": ClusterSpec("a100-40", "8 x A100 40 GB SXM", peak_flops=312e12,
-                           memory_gib=40, hbm_bytes_per_s=1.6e12, nvlink_bytes_per_s=600e9,
-                           network_bytes_per_s=200e9 / 8),
+                           memory_gib=40, hbm_bytes_per_s=1.6e12,
+                           nvlink_bytes_per_s=600e9 / 2, network_bytes_per_s=200e9 / 8),
 }
 
 
@@ -258,7 +278,14 @@ class Policy:
     label: str = ""
     runs_planner: bool = True
     """The layer runs the LRMoE planner on the host every call (LRMoE and SYMI-style);
-    False for Megatron's own layer, which the simulator plans only to form its loads."""
+    False for Megatron's own layer, which the simulator plans only to form its loads
+    and prices with ``MegatronMoEMemory``."""
+    slots_per_rank: int | None = None
+    """popularity: ``--moe-lrmoe-slots-per-rank`` (fewer replicas than the budget holds)."""
+    recompute_moe: bool = False
+    """``--recompute-modules moe``: each MoE layer's forward rerun in backward."""
+    full_recompute_layers: int = 0
+    """``--recompute-granularity full --recompute-method block --recompute-num-layers n``."""
 
     def __post_init__(self) -> None:
         if self.budget and not self.runs_planner:
@@ -397,8 +424,10 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
     results = []
     for policy in policies:
         cost = CostModel(layer_shape(shape, policy.runs_planner), machine)
-        totals = {"fwd": 0.0, "bwd": 0.0, "refresh": 0.0, "memory": 0.0, "routed": 0.0,
+        megatron = MegatronMoEMemory(cost.shape, grouped=shape.grouped_gemm)
+        totals = {"fwd": 0.0, "bwd": 0.0, "refresh": 0.0, "routed": 0.0,
                   "retained": 0.0, "load": 0.0, "replicas": 0.0}
+        layer_levels: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         parts: dict[str, float] = {}
         calls = 0
         for layer, trace in enumerate(traces):
@@ -407,9 +436,9 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
                                      rng)
             planner = LayerPlanner(PlannerSettings(
                 policy.placement, ep_size, shape.num_experts,
-                capacity_factor=policy.capacity_factor,
+                capacity_factor=policy.capacity_factor, slots_per_rank=policy.slots_per_rank,
                 budget_bytes=budget if policy.budget else None, cost=cost))
-            peak = 0.0
+            saved = peak = replica_bytes = np.zeros(ep_size)
             for _ in range(steps):
                 for _ in range(shape.microbatches_per_step):
                     counts = next(batches)
@@ -435,23 +464,36 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
                     totals["routed"] += float(per_rank.sum())
                     totals["retained"] += float(plan.retained_per_rank.numpy().sum())
                     replicas = np.asarray(planner.placement.replicas_per_rank())
-                    peak = max(peak, float(cost.plan_memory(plan, replicas).max()))
+                    s_call, p_call = (cost.plan_levels(plan, replicas) if policy.runs_planner
+                                      else megatron.rank_memory(counts))
+                    saved, peak = np.maximum(saved, s_call), np.maximum(peak, p_call)
+                    replica_bytes = np.maximum(replica_bytes, replicas * shape.instance_bytes)
                     calls += 1
                 placement = planner.placement
                 totals["refresh"] += cost.replica_sync_time(
                     placement.replicas, ep_size, placement.experts_per_rank)
                 totals["replicas"] += len(placement.replicas)
                 planner.next_step()
-            totals["memory"] += peak
+            layer_levels.append((saved, peak, replica_bytes))
         n_layers = len(traces)
         per_call = {k: v / calls for k, v in parts.items()}
         fwd, bwd = totals["fwd"] / calls, totals["bwd"] / calls
         refresh = totals["refresh"] / (n_layers * steps)
-        step = shape.num_layers * (shape.microbatches_per_step * (fwd + bwd) + refresh)
+        # Recompute reruns forwards in backward: every layer's (moe) or the block's (full).
+        rerun = (shape.num_layers if policy.recompute_moe
+                 else min(policy.full_recompute_layers, shape.num_layers))
+        step = (shape.num_layers * (shape.microbatches_per_step * (fwd + bwd) + refresh)
+                + rerun * shape.microbatches_per_step * fwd)
+        # The stage's layers beyond the simulated ones repeat them in turn.
+        stage = [layer_levels[i % n_layers] for i in range(shape.num_layers)]
+        memory = stage_moe_memory(
+            np.stack([lv[0] for lv in stage]), np.stack([lv[1] for lv in stage]),
+            np.stack([lv[2] for lv in stage]), shape.output_bytes,
+            shape.microbatches_in_flight, policy.recompute_moe, policy.full_recompute_layers)
         results.append(PolicyResult(
             policy=policy.name, label=policy.label or policy.name, ep_size=ep_size,
             forward_s=fwd, backward_s=bwd, parts=per_call, refresh_s_per_step=refresh,
-            step_moe_s=step, memory_gib=totals["memory"] / n_layers * shape.num_layers / GIB,
+            step_moe_s=step, memory_gib=float(memory.max()) / GIB,
             budget_gib=budget / GIB, load_max_over_mean=totals["load"] / calls,
             retained_fraction=totals["retained"] / max(totals["routed"], 1.0),
             replicas=totals["replicas"] / (n_layers * steps)))
@@ -628,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="layers simulated (of the trace)")
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per layer")
     ap.add_argument("--pipeline", type=int, default=1, help="PP size (micro-batches in flight)")
+    ap.add_argument("--global-batch-size", type=int, default=None,
+                    help="sequences per optimizer step, replacing the model config's (sets "
+                         "the micro-batches per step: GBS / (micro-batch size x EP))")
     ap.add_argument("--budget-gib", type=float, default=None,
                     help="MoE memory budget per rank; default: balanced dropless need + "
                          "--budget-instances expert instances per layer")
@@ -657,6 +702,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     model = ModelSpec.from_config(args.model, MODELS[args.model])
+    if args.global_batch_size is not None:
+        if args.global_batch_size < 1:
+            raise SystemExit(f"--global-batch-size {args.global_batch_size}: expected >= 1")
+        model = replace(model, global_batch_size=args.global_batch_size)
     cluster = CLUSTERS[args.cluster]
     calibration = json.loads(args.calibration.read_text()) if args.calibration else None
     if calibration is not None and args.calibration_scope == "node":

@@ -936,3 +936,57 @@ def test_megatron_layer_memory_matches_the_measured_layer(gloo2, name):
         else:
             assert abs(saved[rank] / measured["mem_saved"] - 1) <= 0.02, (rank, measured)
         assert abs(peak[rank] / measured["mem_peak"] - 1) <= 0.02, (rank, peak, measured)
+
+
+# ---------------------------------------------------------------------------------------
+# A stage's MoE layers under Megatron's recompute settings (stage_moe_memory)
+# ---------------------------------------------------------------------------------------
+
+
+def test_stage_memory_of_identical_layers_is_lyr_rank_memories():
+    from megatron_lrmoe.planning.cost_model import stage_moe_memory
+
+    model = _model(layers=3, in_flight=2)
+    routed, retained = np.array([20.0, 14.0]), np.array([15.0, 14.0])
+    replicas = np.array([1.0, 0.0])
+    saved, peak = model.rank_levels(routed, retained, replicas)
+    rep = replicas * model.shape.instance_bytes
+    stage = stage_moe_memory(np.stack([saved] * 3), np.stack([peak] * 3), np.stack([rep] * 3),
+                             model.shape.output_bytes, microbatches_in_flight=2)
+    np.testing.assert_allclose(stage, 3 * model.rank_memory(replicas, routed, retained))
+
+
+def test_stage_memory_under_moe_recompute_is_megatrons_recomputed_peak():
+    # Megatron's own model of its checkpointed layer (levels + y, nothing saved) is the
+    # independent reference for the recompute composition.
+    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory, stage_moe_memory
+
+    shape = MoEShape(16, 8, 4, 2, gated=True, dtype_bytes=4, tokens_per_rank=12,
+                     expert_parallel_size=2)
+    counts = np.array([[5.0, 9.0, 4.0, 6.0], [7.0, 3.0, 8.0, 6.0]])
+    saved, peak = MegatronMoEMemory(shape).rank_memory(counts)
+    _, want = MegatronMoEMemory(shape, recompute=True).rank_memory(counts)
+    got = stage_moe_memory(saved[None], peak[None], np.zeros((1, 2)), shape.output_bytes,
+                           recompute_moe=True)
+    np.testing.assert_allclose(got, want)
+
+
+def test_stage_memory_under_full_recompute_by_hand():
+    from megatron_lrmoe.planning.cost_model import stage_moe_memory
+
+    saved = np.array([[10.0], [20.0], [30.0]])
+    peak = np.array([[50.0], [45.0], [70.0]])
+    none = np.zeros((3, 1))
+    kw = dict(output_bytes=5.0, microbatches_in_flight=2)
+    # Nothing recomputed: 2 (10 + 20 + 30) + max(40, 25, 40).
+    assert stage_moe_memory(saved, peak, none, **kw)[0] == 120 + 40
+    # Block of 1: layers 2-3 keep 2 x 50 + max(25, 40) = 140; rebuilding layer 1 beside
+    # the other micro-batch's S of layers 2-3: 50 + 50 = 100.
+    assert stage_moe_memory(saved, peak, none, full_recompute_layers=1, **kw)[0] == 140
+    # Block of 3: only rebuilds, one at a time: max peak.
+    assert stage_moe_memory(saved, peak, none, full_recompute_layers=3, **kw)[0] == 70
+    # moe recompute: max(peak + y).
+    assert stage_moe_memory(saved, peak, none, recompute_moe=True, **kw)[0] == 75
+    # Replicas add whatever the layers do.
+    assert stage_moe_memory(saved, peak, np.full((3, 1), 2.0), full_recompute_layers=3,
+                            **kw)[0] == 76

@@ -34,11 +34,12 @@ H100 = CLUSTERS["h100"]
 def test_machine_constants_by_hand():
     inside = machine_constants(H100, 8)
     assert inside.gemm_flops_per_s == pytest.approx(989e12 * 0.6)
-    assert inside.alltoall_bytes_per_s == pytest.approx(900e9 * 0.7)   # NVLink only
+    # NVLink only, one direction: an all-to-all's rank sends and receives at once.
+    assert inside.alltoall_bytes_per_s == pytest.approx(450e9 * 0.7)
     assert inside.alltoall_latency_s == pytest.approx(15e-6)
     # EP 16 over two nodes: 7 of a rank's 15 peers share its node, 8 do not.
     two_nodes = machine_constants(H100, 16)
-    per_byte = max(7 / 15 / (900e9 * 0.7), 8 / 15 / (50e9 * 0.8))
+    per_byte = max(7 / 15 / (450e9 * 0.7), 8 / 15 / (50e9 * 0.8))
     assert two_nodes.alltoall_bytes_per_s == pytest.approx(1 / per_byte)
     assert two_nodes.alltoall_latency_s == pytest.approx(30e-6)
     # A calibration file replaces cluster fields and derived constants alike.
@@ -47,6 +48,23 @@ def test_machine_constants_by_hand():
     assert tuned.alltoall_latency_s == 1e-5
     with pytest.raises(ValueError, match="--calibration"):
         machine_constants(H100, 8, {"gemm_rate": 1.0})
+
+
+def test_cluster_links_are_per_direction_datasheet_figures():
+    """Issue 22, item 8: ``nvlink_bytes_per_s`` is one direction (an all-to-all's rank
+    sends and receives at once), but the presets held the vendors' bidirectional totals
+    (H100/H200 SXM: 900 GB/s = 18 NVLink 4 links x 2 x 25 GB/s; A100 SXM: 600 GB/s = 12
+    NVLink 3 links x 2 x 25 GB/s), so every NVLink byte was priced at twice the rate.
+    The InfiniBand figure was already one direction (400 Gb/s NDR per H100/H200, 200 Gb/s
+    HDR per A100, one NIC per GPU)."""
+    per_direction = {"h100": 450e9, "h200": 450e9, "a100-40": 300e9}
+    network = {"h100": 400e9 / 8, "h200": 400e9 / 8, "a100-40": 200e9 / 8}
+    for name, cluster in CLUSTERS.items():
+        assert cluster.nvlink_bytes_per_s == pytest.approx(per_direction[name]), name
+        assert cluster.network_bytes_per_s == pytest.approx(network[name]), name
+        one_node = machine_constants(cluster, cluster.gpus_per_node)
+        assert one_node.alltoall_bytes_per_s == pytest.approx(
+            per_direction[name] * cluster.nvlink_efficiency), name
 
 
 def test_node_calibration_keeps_the_clusters_links():
@@ -164,6 +182,35 @@ def test_simulated_times_by_hand():
     assert {r.policy for r in results.values()} == {p.name for p in POLICIES}
 
 
+def test_megatron_policies_are_priced_by_megatrons_memory_model():
+    """Megatron's layer is priced by MegatronMoEMemory (not the LRMoE region's levels),
+    and recompute changes memory and time as Megatron's means do."""
+    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory
+
+    model = ModelSpec("tiny", num_layers=2, hidden_size=64, ffn_hidden_size=32,
+                      num_experts=16, topk=2, gated=True, seq_length=32, micro_batch_size=1,
+                      global_batch_size=4)
+    ep = 4
+    trace = _local_trace(ep, 16, 8)
+    base, moe, full = simulate(model, H100, ep, [trace], steps=1, planner_s=0.0, policies=(
+        Policy("dropless", runs_planner=False),
+        Policy("dropless-moe", runs_planner=False, recompute_moe=True),
+        Policy("dropless-full", runs_planner=False, full_recompute_layers=1)))
+    shape = layer_shape(model.shape(ep, 1), False)
+    counts = next(source_batches(trace, ep, shape.source_pairs, np.random.default_rng([0, 0])))
+    assert shape.grouped_gemm      # the simulator's GPU layer: TEGroupedMLP's model
+    saved, peak = MegatronMoEMemory(shape, grouped=True).rank_memory(counts)
+    # Both stage layers replay the one simulated layer: 2 S + (peak - S) at the hot rank.
+    assert base.memory_gib * 2**30 == pytest.approx(float((saved + peak).max()))
+    _, rerun = MegatronMoEMemory(shape, grouped=True, recompute=True).rank_memory(counts)
+    assert moe.memory_gib * 2**30 == pytest.approx(float(rerun.max()))
+    # Block of 1: the other layer S + (peak - S), or the first rebuilt alone: peak.
+    assert full.memory_gib * 2**30 == pytest.approx(float(peak.max()))
+    micro = shape.microbatches_per_step
+    assert moe.step_moe_s == pytest.approx(base.step_moe_s + 2 * micro * base.forward_s)
+    assert full.step_moe_s == pytest.approx(base.step_moe_s + micro * base.forward_s)
+
+
 def test_planner_time_only_where_the_policy_runs_it():
     model = ModelSpec("tiny", num_layers=1, hidden_size=64, ffn_hidden_size=32,
                       num_experts=16, topk=2, gated=True, seq_length=32, micro_batch_size=1,
@@ -244,6 +291,29 @@ def test_cli_writes_table_and_plot(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Megatron dropless" in capsys.readouterr().out
     assert not math.isnan(float(md.split("| 8 | Megatron dropless |")[1].split("|")[1]))
+
+
+def test_global_batch_size_sets_the_step(tmp_path, capsys):
+    """--global-batch-size replaces the config's (512 for Qwen3-30B-A3B) so a step can be
+    compared with a measured run's (issue 22, item 8: a 1024-sequence step): twice the
+    sequences, twice the micro-batches per rank, twice the MoE time per step."""
+    args = ["--model", "qwen3-30b-a3b", "--cluster", "h100", "--ep", "16", "--layers", "1",
+            "--steps", "1", "--zipf", "0", "--drift", "0", "--planner-ms", "0"]
+    rows = {}
+    for gbs in (512, 1024):
+        out = tmp_path / str(gbs)
+        assert main([*args, "--global-batch-size", str(gbs), "--out", str(out)]) == 0
+        md = (out / "simulate_qwen3-30b-a3b_h100.md").read_text()
+        assert f"'global_batch_size': {gbs}" in md
+        row = md.split("| 16 | Megatron dropless |")[1].split("|")
+        rows[gbs] = (float(row[0]), float(row[1]), float(row[9]))   # fwd, bwd ms; s/step
+    capsys.readouterr()
+    for gbs, (fwd, bwd, step) in rows.items():
+        # 48 layers x GBS / 16 micro-batches x (fwd + bwd), as printed (2 decimals).
+        assert step == pytest.approx(48 * gbs / 16 * (fwd + bwd) / 1e3, rel=2e-3)
+    assert rows[1024][2] == pytest.approx(2 * rows[512][2], rel=0.02)
+    with pytest.raises(SystemExit, match="--global-batch-size"):
+        main([*args, "--global-batch-size", "0"])
 
 
 def test_recorded_trace_is_replayed(tmp_path, capsys):

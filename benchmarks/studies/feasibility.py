@@ -1,0 +1,171 @@
+"""Which configurations fit a device: the feasibility table the memory study starts from.
+
+    .venv/bin/python benchmarks/studies/feasibility.py   # -> benchmarks/results/feasibility/
+
+For the time-to-loss study's GEMM-bound shape (hidden 384, expert FFN 1024, 4
+micro-batches per step, EP 2), from one measured dropless run of it (its flags, its
+recorded routing and its time outside the MoE layers), every policy's candidate
+configurations (``megatron_lrmoe.tools.fitting``: Megatron's means) are predicted at two
+device sizes chosen from the same predictions:
+
+* D1: the dropless hot rank's MoE peak exceeds the MoE share the device leaves by 15%;
+* D2: the smallest device LRMoE's default (uniform, gamma 1.0, no replicas) fits, +3%.
+
+Per device: the per-rank account of every candidate, whether it fits, the predicted MoE
+and total seconds per step, the two best-predicted fitting configurations of each
+baseline (what the study measures), and the largest micro-batch each policy fits. All
+numbers are predictions of the cost model and the memory account; nothing is timed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("WORLD_SIZE", "2")
+
+from megatron_lrmoe.planning.memory_account import GIB  # noqa: E402
+from megatron_lrmoe.tools import fitting as F  # noqa: E402
+from megatron_lrmoe.tools.provenance import code_version  # noqa: E402
+from megatron_lrmoe.tools.routing_traces import read_routing_trace  # noqa: E402
+from megatron_lrmoe.tools.simulator_validation import run_flags  # noqa: E402
+
+REFERENCE_RUN = "benchmarks/results/time_to_loss/h384_f1024_mb4/confirm/runs/megatron-dropless-s1"
+CALIBRATION = "benchmarks/results/calibration_cpu_h384_f1024.json"
+BASELINES = {
+    "megatron-dropless": [],
+    "megatron-capacity-1.0": ["--moe-expert-capacity-factor", "1.0"],
+    "symi": ["--moe-lrmoe", "--moe-lrmoe-placement", "popularity",
+             "--moe-lrmoe-bwd-capacity-factor", "inf", "--moe-lrmoe-memory-budget-gb", "auto"],
+}
+LRMOE = {
+    "lrmoe-uniform-g1.0": ["--moe-lrmoe", "--moe-lrmoe-memory-budget-gb", "auto"],
+    "lrmoe-uniform-g1.0-ma": ["--moe-lrmoe", "--moe-lrmoe-placement", "memory-aware",
+                              "--moe-lrmoe-memory-budget-gb", "auto"],
+}
+# Flags of the recorded run that are not the model's or the batch's.
+RUN_ONLY = ("--seed", "--record-routing", "--log-json", "--eval-interval", "--log-interval")
+
+
+def base_flags(run: Path) -> list[str]:
+    """The reference run's flags, less its per-run ones."""
+    flags, out, skip = run_flags(run / "done.json"), [], False
+    for f in flags:
+        if skip:
+            skip = False
+            continue
+        if f in RUN_ONLY:
+            skip = True
+            continue
+        out.append(f)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", type=Path, default=ROOT / REFERENCE_RUN)
+    ap.add_argument("--calibration", type=Path, default=ROOT / CALIBRATION)
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps replayed per layer")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "feasibility")
+    a = ap.parse_args(argv)
+    os.chdir(ROOT)
+    base = base_flags(a.run)
+    trace = read_routing_trace(a.run / "routing")
+    skip = len(trace.iterations) // 10
+    traces = [trace.layer(n)[skip:] for n in trace.layers]
+    calibration = json.loads(a.calibration.read_text())
+    outside = F.OutsideTime.from_log(a.run / "log.jsonl")
+    args = F._parse(base)
+
+    def predict(name, flags, candidate=None, device=1024.0):
+        c = candidate or F.Candidate(name, F.NONE, tuple(flags))
+        return F.predict(base, c, device, traces, calibration, outside, steps=a.steps)
+
+    free = {name: predict(name, flags) for name, flags in {**BASELINES, **LRMOE}.items()}
+    outside_gib = free["megatron-dropless"].account.outside_moe / GIB
+    d1, d2 = F.device_sizes(outside_gib, free["megatron-dropless"].account.moe / GIB,
+                            free["lrmoe-uniform-g1.0"].need / GIB)
+    rows, best, largest = [], {}, {}
+    for label, device in (("D1", d1), ("D2", d2)):
+        for name, flags in {**BASELINES, **LRMOE}.items():
+            slots = None
+            if name == "symi":
+                slots = args.num_experts    # every slot count below the budget's
+            cands = (F.candidates(name, flags, args, slots_max=slots) if name in BASELINES
+                     else [F.Candidate(name, F.NONE, tuple(flags))])
+            preds = [predict(name, flags, c, device) for c in cands]
+            # Slot counts at or above what the device's budget holds are "none" again.
+            preds = [p for p in preds if not p.candidate.fitted.startswith("slots")
+                     or p.need < preds[0].need]
+            rows += [(device, p) for p in preds]
+            best[(label, name)] = F.best_fitting(preds)
+            largest[(label, name)] = F.largest_micro_batch(base, name, flags, device, traces,
+                                                           calibration, outside, limit=32)
+    command = shlex.join([sys.executable, *sys.argv]).replace(str(ROOT) + "/", "")
+    lines = [
+        "# Feasibility at two device sizes (predicted, nothing timed)", "",
+        f"Command: `{command}`  ", f"Code: {code_version()}  ",
+        f"Reference run: `{a.run.relative_to(ROOT)}` (flags, routing, time outside the MoE "
+        f"layers {outside.seconds:.3f} s/step); calibration `{a.calibration.relative_to(ROOT)}`; "
+        f"{a.steps} steps replayed per layer.", "",
+        f"Unconstrained (1024 GiB): outside the MoE layers {outside_gib * 1024:.1f} MiB; "
+        + "; ".join(f"{n} MoE {p.account.moe / 2**20:.1f} MiB" for n, p in free.items()), "",
+        f"D1 = {d1:.4f} GiB (dropless hot rank 15% over its MoE share), "
+        f"D2 = {d2:.4f} GiB (LRMoE default's need + 3%).", "",
+        F.feasibility_table(rows), "",
+        "## The two best-predicted fitting configurations per policy", "",
+        "| device | policy | fitted | MoE s/step | step s | need MiB |",
+        "|---|---|---|---|---|---|"]
+    for (label, name), preds in best.items():
+        for p in preds or [None]:
+            if p is None:
+                lines.append(f"| {label} | {name} | nothing fits | - | - | - |")
+                continue
+            lines.append(f"| {label} | {name} | {p.candidate.fitted} | {p.moe_s:.3f} | "
+                         f"{p.step_s:.3f} | {p.need / 2**20:.1f} |")
+    lines += ["", "## Predicted ratios: LRMoE over the fastest fitted baseline (MoE time)", "",
+              "| device | LRMoE | vs dropless | vs capacity drop | vs SYMI-style |",
+              "|---|---|---|---|---|"]
+    for label in ("D1", "D2"):
+        for name in LRMOE:
+            mine = best[(label, name)]
+            if not mine:
+                lines.append(f"| {label} | {name} | does not fit | - | - |")
+                continue
+            cells = []
+            for ref in BASELINES:
+                theirs = best[(label, ref)]
+                cells.append(f"{mine[0].moe_s / min(p.moe_s for p in theirs):.2f}"
+                             if theirs else "-")
+            lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
+    lines += ["", "## Largest micro-batch that fits (micro-batches per step unchanged)", "",
+              "| device | policy | micro-batch | tokens per rank | MoE ms per 1k tokens |",
+              "|---|---|---|---|---|"]
+    for (label, name), (m, p) in largest.items():
+        if p is None:
+            lines.append(f"| {label} | {name} | none fits | - | - |")
+            continue
+        tokens = m * args.seq_length
+        per_step_tokens = tokens * (args.global_batch_size // (args.micro_batch_size * 2)) * 2
+        lines.append(f"| {label} | {name} | {m} | {tokens} | "
+                     f"{1e6 * p.moe_s / per_step_tokens:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "report.md").write_text(text)
+    (a.out / "report.json").write_text(json.dumps({
+        "command": command, "code": code_version(), "d1_gib": d1, "d2_gib": d2,
+        "rows": [{"device_gib": d, "policy": p.candidate.policy, "fitted": p.candidate.fitted,
+                  "fits": p.fits, "need_bytes": p.need, "moe_s": p.moe_s, "step_s": p.step_s,
+                  "error": p.error} for d, p in rows]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Configurations that fit a device, found the way a Megatron user finds them.
+
+A run that does not fit its device is made to fit with Megatron's own means (``MEANS``):
+``moe`` recompute, full recompute of the first n layers (block), a smaller micro-batch
+with more micro-batches per step at the same global batch, and for SYMI-style fewer
+replica slots. For a base run (the launcher's flags), a policy and a device size, this
+module lists every such configuration and predicts, per rank:
+
+* its memory: the memory account (planning/memory_account.py) of everything outside the
+  MoE layers under the configuration's recompute and micro-batch, plus the MoE peak of
+  the hottest rank from the simulator's replay of a recorded routing trace through the
+  same planner and cost model (``simulate``: Megatron's layer priced by
+  ``MegatronMoEMemory``, LRMoE's by ``CostModel``, both composed by ``stage_moe_memory``);
+* its time: the simulated MoE time per step (a recomputed layer's forward counted twice)
+  and the time outside the MoE layers (``OutsideTime``: measured once on a reference run,
+  a recomputed layer's share of its forward counted again).
+
+The study driver measures the two best-predicted configurations of each baseline that
+fit (``best_fitting``); ``feasibility_table`` is what it prints before any run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from megatron_lrmoe.planning.memory_account import GIB, MemoryAccount
+
+__all__ = ["Candidate", "MemoryAccount", "OutsideTime", "Prediction", "best_fitting",
+           "candidates", "device_sizes", "feasibility_table", "largest_micro_batch",
+           "predict", "replace"]
+
+NONE = "none"
+FORWARD_SHARE = 1 / 3
+"""The forward's share of a layer's time outside the MoE layers (backward ~ 2 x forward:
+two GEMMs per forward one); what a recomputed layer costs again."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a policy: what it gave up to fit (``fitted``) and its flags."""
+
+    policy: str
+    fitted: str
+    """``none``, ``recompute moe``, ``recompute full <n>``, ``micro-batch <m>``,
+    ``slots <s>`` (the study's report column)."""
+    flags: tuple[str, ...] = ()
+    """Launcher flags added after the base run's and the policy's."""
+
+
+@dataclass(frozen=True)
+class OutsideTime:
+    """Seconds per step outside the MoE layers (attention, dense layers, embeddings, the
+    optimizer), from a measured run of the same model and global batch: the median of
+    ``step-time-s`` less the MoE forward and backward over its steps after the first
+    tenth. The micro-batch split leaves it unchanged (same tokens per step)."""
+
+    seconds: float
+    source: str = ""
+
+    @classmethod
+    def from_log(cls, log: Path) -> OutsideTime:
+        rows = [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if "step-time-s" in r]
+        steady = rows[len(rows) // 10:] or rows
+        if not steady:
+            raise ValueError(f"{log}: no step records (step-time-s)")
+        seconds = statistics.median(r["step-time-s"] - r["moe-forward-s"] - r["moe-backward-s"]
+                                    for r in steady)
+        return cls(float(seconds), str(log))
+
+    def step_seconds(self, recomputed_layers: int, num_layers: int) -> float:
+        """With ``recomputed_layers`` of ``num_layers`` rerun in full: their share of the
+        forward again."""
+        share = min(recomputed_layers, num_layers) / max(num_layers, 1)
+        return self.seconds * (1 + FORWARD_SHARE * share)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A candidate at a device size: the account with the predicted MoE peak of the
+    hottest rank as its MoE part, and the predicted seconds per step."""
+
+    candidate: Candidate
+    account: MemoryAccount
+    moe_s: float
+    """MoE time per optimizer step (simulated)."""
+    step_s: float
+    """``moe_s`` plus the time outside the MoE layers."""
+    error: str = ""
+    """Why the configuration cannot start at all (e.g. ``auto`` below the floor)."""
+
+    @property
+    def need(self) -> float:
+        return self.account.total
+
+    @property
+    def fits(self) -> bool:
+        return not self.error and (self.account.device is None
+                                   or self.account.total <= self.account.device)
+
+
+def candidates(policy: str, policy_flags: list[str], args: argparse.Namespace,
+               slots_max: int | None = None) -> list[Candidate]:
+    """Every configuration of ``policy`` the means give, ``none`` first. ``args``: the
+    base run's parsed launcher arguments; ``slots_max``: SYMI-style's slots at the
+    device's budget (the candidates are fewer, down to one expert per slot... E/R)."""
+    base = Candidate(policy, NONE, tuple(policy_flags))
+    out = [base, replace(base, fitted="recompute moe", flags=base.flags + (
+        "--recompute-granularity", "selective", "--recompute-modules", "moe"))]
+    for n in range(1, args.num_layers + 1):
+        out.append(replace(base, fitted=f"recompute full {n}", flags=base.flags + (
+            "--recompute-granularity", "full", "--recompute-method", "block",
+            "--recompute-num-layers", str(n))))
+    dp = max(1, int(os.environ.get("WORLD_SIZE", "1")) // args.pipeline_model_parallel_size)
+    per_step = args.global_batch_size // dp
+    m = args.micro_batch_size // 2
+    while m >= 1:
+        if per_step % m == 0:
+            out.append(replace(base, fitted=f"micro-batch {m}",
+                               flags=base.flags + ("--micro-batch-size", str(m))))
+        m //= 2
+    if slots_max is not None:
+        per_rank = args.num_experts // args.expert_model_parallel_size
+        for slots in range(slots_max - 1, per_rank - 1, -1):
+            out.append(replace(base, fitted=f"slots {slots}", flags=base.flags + (
+                "--moe-lrmoe-slots-per-rank", str(slots))))
+    return out
+
+
+def _parse(flags: list[str]) -> argparse.Namespace:
+    from megatron_lrmoe.launcher.arguments import parse_args
+
+    return parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"])
+
+
+def _recomputed_layers(args: argparse.Namespace) -> tuple[bool, int]:
+    """(``moe`` recompute, layers recomputed in full) of the launcher's arguments."""
+    if args.recompute_granularity == "selective":
+        return "moe" in (args.recompute_modules or ()), 0
+    if args.recompute_granularity == "full":
+        if args.recompute_method == "block":
+            return False, int(args.recompute_num_layers or 0)
+        return False, args.num_layers      # uniform: every layer, chunk by chunk
+    return False, 0
+
+
+def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
+            traces: list[np.ndarray], calibration: dict, outside: OutsideTime,
+            steps: int = 20) -> Prediction:
+    """The candidate's per-rank memory and step time at ``device_gib`` (module doc)."""
+    from megatron_lrmoe.config.planner_inputs import device_memory_bytes, memory_account
+    from megatron_lrmoe.launcher import builders
+    from megatron_lrmoe.launcher.pretrain import ConfigError, resolve_auto_budget
+    from megatron_lrmoe.tools.simulate import CLUSTERS, ModelSpec, simulate
+    from megatron_lrmoe.tools.simulator_validation import run_setting
+
+    flags = [*base_flags, *candidate.flags, "--device-memory-gb", f"{device_gib:.6g}"]
+    args = _parse(flags)
+    try:
+        resolve_auto_budget(args)
+    except ConfigError as exc:
+        empty = MemoryAccount(0.0, 0.0, 0.0, 0.0, 0.0, device_gib * GIB)
+        return Prediction(candidate, empty, math.nan, math.nan, error=str(exc))
+    flags = [*flags]
+    if "auto" in flags:   # the resolved budget, as the launcher plans with it
+        flags[flags.index("auto")] = f"{args.moe_lrmoe_memory_budget_gb:.9g}"
+    shape, policy, budget_gib, ep = run_setting(flags)
+    recompute_moe, full = _recomputed_layers(args)
+    policy = replace(policy, recompute_moe=recompute_moe, full_recompute_layers=full,
+                     slots_per_rank=getattr(args, "moe_lrmoe_slots_per_rank", None))
+    model = ModelSpec("fit", shape.num_layers, shape.hidden_size, shape.ffn_hidden_size,
+                      shape.num_experts, shape.topk, shape.gated, shape.tokens_per_rank, 1,
+                      shape.microbatches_per_step * ep)
+    [result] = simulate(model, CLUSTERS["h100"], ep, traces, policies=(policy,), steps=steps,
+                        budget_gib=budget_gib, calibration=calibration, shape=shape,
+                        resample=True, planner_s=None)
+    config = builders.transformer_config_from_args(args)
+    vocab = builders.padded_vocab_size(builders.build_tokenizer_from_args(args).vocab_size, args)
+    account = memory_account(config, args, vocab, shape.microbatches_per_step,
+                             device_memory_bytes(device_gib))
+    account = replace(account, moe=result.memory_gib * GIB)
+    moe_s = result.step_moe_s
+    step_s = moe_s + outside.step_seconds(full, args.num_layers)
+    return Prediction(candidate, account, moe_s, step_s)
+
+
+def best_fitting(predictions: list[Prediction], count: int = 2) -> list[Prediction]:
+    """The ``count`` fitting predictions with the least predicted step time."""
+    fitting = [p for p in predictions if p.fits]
+    return sorted(fitting, key=lambda p: p.step_s)[:count]
+
+
+def device_sizes(outside_gib: float, dropless_moe_gib: float, lrmoe_need_gib: float,
+                 over: float = 1.15, margin: float = 1.03) -> tuple[float, float]:
+    """(D1, D2) in GiB. D1: the dropless hot rank's MoE peak exceeds the MoE share the
+    device leaves by ``over`` (issue 22: at least 15%, about Qwen3-30B-A3B at EP 8).
+    D2: the smallest device LRMoE's default fits with ``margin`` (no dropless
+    configuration fits without giving something up there, checked by the table)."""
+    d1 = outside_gib + dropless_moe_gib / over
+    d2 = lrmoe_need_gib * margin
+    return d1, d2
+
+
+def feasibility_table(rows: list[tuple[float, Prediction]]) -> str:
+    """Markdown: per device size and candidate, the per-rank account, whether it fits and
+    the predicted seconds per step."""
+    out = ["| device GiB | policy | fitted | weights+grads+opt MiB | activations MiB | "
+           "MoE MiB | need MiB | fits | MoE s/step | step s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    mib = 2**20
+    for device, p in rows:
+        a = p.account
+        if p.error:
+            out.append(f"| {device:.4g} | {p.candidate.policy} | {p.candidate.fitted} | "
+                       f"- | - | - | - | no: {p.error.splitlines()[0][:80]} | - | - |")
+            continue
+        out.append(f"| {device:.4g} | {p.candidate.policy} | {p.candidate.fitted} | "
+                   f"{(a.weights + a.gradients + a.optimizer) / mib:.1f} | "
+                   f"{a.activations / mib:.1f} | {a.moe / mib:.1f} | {a.total / mib:.1f} | "
+                   f"{'yes' if p.fits else 'no'} | {p.moe_s:.3f} | {p.step_s:.3f} |")
+    return "\n".join(out)
+
+
+def largest_micro_batch(base_flags: list[str], policy: str, policy_flags: list[str],
+                        device_gib: float, traces: list[np.ndarray], calibration: dict,
+                        outside: OutsideTime, limit: int = 64
+                        ) -> tuple[int, Prediction | None]:
+    """The largest micro-batch size (powers of two up to ``limit``, micro-batches per step
+    unchanged) at which ``policy`` fits ``device_gib``, and its prediction (0, None when
+    even 1 does not fit). The global batch grows with the micro-batch."""
+    args = _parse(base_flags)
+    dp = max(1, int(os.environ.get("WORLD_SIZE", "1")) // args.pipeline_model_parallel_size)
+    microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    best: tuple[int, Prediction | None] = (0, None)
+    m = 1
+    while m <= limit:
+        flags = ("--micro-batch-size", str(m), "--global-batch-size", str(m * microbatches * dp))
+        p = predict(base_flags, Candidate(policy, f"micro-batch {m}", (*policy_flags, *flags)),
+                    device_gib, traces, calibration, outside)
+        if not p.fits:
+            break
+        best = (m, p)
+        m *= 2
+    return best

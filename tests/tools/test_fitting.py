@@ -1,0 +1,123 @@
+"""Configurations fitted to a device (tools/fitting.py): the candidates Megatron's means
+give, and their predictions against the account, the simulator and hand arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_lrmoe.planning.memory_account import GIB
+from megatron_lrmoe.tools import fitting as F
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ["--config", str(ROOT / "configs" / "time_to_loss.yaml"), "--train-iters", "100",
+        "--mock-data", "--num-layers", "2", "--hidden-size", "64",
+        "--moe-ffn-hidden-size", "64", "--ffn-hidden-size", "128", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--micro-batch-size", "4",
+        "--global-batch-size", "16", "--num-experts", "8"]
+CALIBRATION = {"gemm_flops_per_s": 2e9, "alltoall_bytes_per_s": 1e8,
+               "alltoall_latency_s": 1e-5, "memory_bytes_per_s": 1e9,
+               "layer_forward_fixed_s": 1e-3, "layer_backward_fixed_s": 1e-3}
+SYMI = ["--moe-lrmoe", "--moe-lrmoe-placement", "popularity",
+        "--moe-lrmoe-bwd-capacity-factor", "inf", "--moe-lrmoe-memory-budget-gb", "auto"]
+
+
+@pytest.fixture(autouse=True)
+def _two_ranks(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
+def _skewed_traces(layers: int = 2, calls: int = 16, seed: int = 0) -> list[np.ndarray]:
+    """Per layer [calls, 1, E] counts: 256 pairs per call, most of them to 2 experts."""
+    rng = np.random.default_rng(seed)
+    p = np.array([0.4, 0.25] + [0.35 / 6] * 6)
+    return [rng.multinomial(256, p, size=(calls, 1)) for _ in range(layers)]
+
+
+def test_candidates_are_megatrons_means():
+    args = F._parse(BASE)
+    got = {c.fitted: c.flags for c in F.candidates("symi", SYMI, args, slots_max=7)}
+    assert list(got) == ["none", "recompute moe", "recompute full 1", "recompute full 2",
+                         "micro-batch 2", "micro-batch 1", "slots 6", "slots 5", "slots 4"]
+    assert got["recompute moe"][-4:] == ("--recompute-granularity", "selective",
+                                         "--recompute-modules", "moe")
+    assert got["recompute full 2"][-6:] == ("--recompute-granularity", "full",
+                                            "--recompute-method", "block",
+                                            "--recompute-num-layers", "2")
+    assert got["slots 4"][-2:] == ("--moe-lrmoe-slots-per-rank", "4")
+    assert all(flags[:len(SYMI)] == tuple(SYMI) for flags in got.values())
+
+
+def test_outside_time_is_the_median_step_less_moe(tmp_path):
+    log = tmp_path / "log.jsonl"
+    rows = [{"step-time-s": 3.0, "moe-forward-s": 1.0, "moe-backward-s": 1.5}] + [
+        {"step-time-s": 2.0 + k / 10, "moe-forward-s": 0.5, "moe-backward-s": 0.5}
+        for k in range(9)] + [{"iteration": 10, "val-loss": 1.0}]
+    log.write_text("\n".join(json.dumps(r) for r in rows))
+    outside = F.OutsideTime.from_log(log)
+    assert outside.seconds == pytest.approx(1.4)       # the first tenth dropped, median
+    assert outside.step_seconds(1, 2) == pytest.approx(1.4 * (1 + 1 / 6))
+    assert outside.step_seconds(0, 2) == pytest.approx(1.4)
+
+
+def test_device_sizes_by_hand():
+    d1, d2 = F.device_sizes(outside_gib=1.0, dropless_moe_gib=0.46, lrmoe_need_gib=1.2)
+    assert d1 == pytest.approx(1.4)
+    assert d2 == pytest.approx(1.236)
+
+
+@pytest.mark.parametrize("policy", ["dropless", "symi"])
+def test_predictions_follow_the_means(policy):
+    flags = [] if policy == "dropless" else SYMI
+    traces, outside = _skewed_traces(), F.OutsideTime(0.5)
+    args = F._parse(BASE)
+    preds = {c.fitted: F.predict(BASE, c, 4.0, traces, CALIBRATION, outside, steps=2)
+             for c in F.candidates(policy, flags, args)}
+    none = preds["none"]
+    assert none.fits and not none.error
+    # moe recompute: the MoE peak falls, the forward runs twice; nothing outside changes.
+    moe = preds["recompute moe"]
+    assert moe.account.moe < none.account.moe
+    assert moe.account.outside_moe == none.account.outside_moe
+    assert moe.moe_s > none.moe_s and moe.step_s - moe.moe_s == pytest.approx(0.5)
+    # Full recompute of both layers: activations outside fall too, and the time outside
+    # grows by the forward's share.
+    full = preds["recompute full 2"]
+    assert full.account.activations < none.account.activations
+    assert full.step_s - full.moe_s == pytest.approx(0.5 * (1 + F.FORWARD_SHARE))
+    # A smaller micro-batch: fewer activations, the same weights.
+    half = preds["micro-batch 2"]
+    assert half.account.activations < none.account.activations
+    assert half.account.weights == none.account.weights
+    assert half.account.moe < none.account.moe
+
+
+def test_a_device_below_the_need_does_not_fit():
+    traces, outside = _skewed_traces(), F.OutsideTime(0.5)
+    [none] = F.candidates("dropless", [], F._parse(BASE))[:1]
+    big = F.predict(BASE, none, 4.0, traces, CALIBRATION, outside, steps=2)
+    small = F.predict(BASE, none, big.need / GIB * 0.99, traces, CALIBRATION, outside, steps=2)
+    assert big.fits and not small.fits
+    assert small.need == pytest.approx(big.need)
+    # SYMI-style's ``auto`` budget below the floor: it cannot start; said, not raised.
+    [symi] = F.candidates("symi", SYMI, F._parse(BASE))[:1]
+    refused = F.predict(BASE, symi, big.account.outside_moe / GIB, traces, CALIBRATION,
+                        outside, steps=2)
+    assert not refused.fits and "--device-memory-gb" in refused.error
+    assert math.isnan(refused.step_s)
+
+
+def test_best_fitting_orders_by_predicted_step_time():
+    account = F.MemoryAccount(1.0, 1.0, 1.0, 1.0, 1.0, device=10.0)
+    big = F.replace(account, moe=100.0)
+
+    def pred(name, step, acc):
+        return F.Prediction(F.Candidate("p", name), acc, step / 2, step)
+
+    preds = [pred("a", 3.0, account), pred("b", 1.0, big), pred("c", 2.0, account),
+             pred("d", 2.5, account)]
+    assert [p.candidate.fitted for p in F.best_fitting(preds)] == ["c", "d"]
