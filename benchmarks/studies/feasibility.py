@@ -49,8 +49,10 @@ LRMOE = {
     "lrmoe-uniform-g1.0-ma": ["--moe-lrmoe", "--moe-lrmoe-placement", "memory-aware",
                               "--moe-lrmoe-memory-budget-gb", "auto"],
 }
-# Flags of the recorded run that are not the model's or the batch's.
-RUN_ONLY = ("--seed", "--record-routing", "--log-json", "--eval-interval", "--log-interval")
+# Flags of the recorded run that are not the model's or the batch's (the data is not
+# read: the predictions need the shapes only).
+RUN_ONLY = ("--seed", "--record-routing", "--log-json", "--eval-interval", "--log-interval",
+            "--data-path", "--data-cache-path")
 
 
 def base_flags(run: Path) -> list[str]:
@@ -64,7 +66,7 @@ def base_flags(run: Path) -> list[str]:
             skip = True
             continue
         out.append(f)
-    return out
+    return [*out, "--mock-data"]
 
 
 def main(argv: list[str] | None = None) -> int:
