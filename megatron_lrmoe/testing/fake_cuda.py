@@ -34,9 +34,11 @@ What ``fake_cuda_session`` sets up, and why:
 - **Value checks** (``MEGATRON_LRMOE_DEBUG_CHECKS``) are off, as in training on a GPU:
   on CUDA they read device values on the host.
 - **Not set up**: the CPU runtime (``enable_cpu_runtime``, which maps CUDA to the CPU) is
-  never enabled; Megatron's ``parallel_state``, RNG tracker and model initialisation are
-  not used: the region is called directly (the weights are fake, so initialisation has no
-  values to make).
+  never enabled. For the region (``run_case``) Megatron's ``parallel_state``, RNG tracker
+  and model initialisation are not used: the region is called directly. The whole layer
+  (``run_layer_case``, tests/layer/test_moe_layer_fake_cuda.py) sets them up on top of
+  this session (``megatron_fake_cuda``; the section "The layer at size" says how and
+  what had to be worked around).
 
 - **Memory** (``device_memory``): torch's ``MemTracker``, as is, on top of the modes. It
   tracks fake tensors the way it tracks real ones: the untyped storages of every op's
@@ -80,11 +82,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["TORCH_PIN", "Case", "CaseResult", "DeviceRun", "GemmCall", "TraceCountsExchange",
-           "backward_through_node", "case_counts", "case_planner", "check_device_record",
-           "check_torch_pin", "compare_values", "device_memory", "fake_cuda_session",
-           "memory_record", "node_grad", "rank_view_plan", "releasing_saved_tensors",
-           "run_case", "run_case_on_device", "run_cases", "trace_counts"]
+__all__ = ["TORCH_PIN", "Case", "CaseResult", "DeviceRun", "GemmCall", "LayerCaseResult",
+           "TraceCountsExchange", "backward_through_node", "case_counts", "case_planner",
+           "check_device_record", "check_torch_pin", "compare_values", "device_memory",
+           "fake_cuda_session", "megatron_fake_cuda", "memory_record",
+           "move_parameters_to_fake_cuda", "node_grad", "qwen3_layer_config", "rank_view_plan",
+           "region_node", "releasing_saved_tensors", "run_case", "run_case_on_device",
+           "run_cases", "run_layer_case", "trace_counts"]
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "benchmarks" / "results" / "routing_traces" / "qwen3" / "trace"
@@ -213,13 +217,15 @@ class _HostReal(TorchDispatchMode):
 # -----------------------------------------------------------------------------
 
 
-def backward_through_node(output: torch.Tensor, grad: torch.Tensor) -> tuple:
-    """The gradients ``output``'s autograd node returns for ``grad`` (grad mode off, as
-    under the engine): how a custom Function's backward runs on fake CUDA tensors. The
-    graphs it builds inside (the experts' activation recompute) save their tensors in
-    boxes, which ``node_grad`` empties as it runs each node (the engine's release)."""
+def backward_through_node(output, grad: torch.Tensor) -> tuple:
+    """The gradients ``output``'s autograd node (or ``output``, a node) returns for
+    ``grad`` (grad mode off, as under the engine): how a custom Function's backward runs
+    on fake CUDA tensors. The graphs it builds inside (the experts' activation recompute)
+    save their tensors in boxes, which ``node_grad`` empties as it runs each node (the
+    engine's release)."""
+    node = output.grad_fn if isinstance(output, torch.Tensor) else output
     with torch.no_grad(), releasing_saved_tensors():
-        return output.grad_fn.apply(grad)
+        return node.apply(grad)
 
 
 class _SavedBoxes:
@@ -646,6 +652,289 @@ def run_cases(cases: list[Case], rank: int) -> list[dict]:
 
 
 # -----------------------------------------------------------------------------
+# The layer at size (issue 25, part 2): Megatron's set-up and router on fake CUDA
+# -----------------------------------------------------------------------------
+#
+# What a training run sets up before the layer exists, and what each needs here:
+#
+# - ``parallel_state.initialize_model_parallel(expert_model_parallel_size=R)`` over the
+#   fake group, with ``create_gloo_process_groups=False``: gloo cannot be built on a
+#   fake store ("INTERNAL ASSERT FAILED ... Not implemented"); the layer uses no gloo group.
+# - The RNG tracker: Megatron's ``CudaRNGStatesTracker.add`` and ``fork`` read and set
+#   the CUDA generator (``torch.cuda.get_rng_state``: "Found no NVIDIA driver"; with
+#   ``use_cudagraphable_rng`` ``torch.cuda.default_generators`` fails the same way). A
+#   subclass keeping its bookkeeping without a generator (``_fake_rng_tracker``; fake
+#   tensors draw no values) is installed as Megatron's tracker (its module globals: no
+#   public hook), then Megatron's own ``model_parallel_cuda_manual_seed`` adds the
+#   data-, tensor- and expert-parallel states; ``torch.cuda.manual_seed`` in it is
+#   queued by torch until CUDA initialises, which never happens. Megatron's
+#   ``inference_rng_tracker=True`` also runs, but its ``fork`` records nothing.
+# - ``torch.cuda.current_device()`` (every device-side parameter Megatron makes with
+#   ``use_cpu_initialization=False``) initialises CUDA: it returns 0 here.
+# - ``MoELayer.__init__`` builds the all-to-all dispatcher, which LRMoELayer drops at
+#   once; its first construction makes a process-wide ``torch.cuda.Stream()`` (class
+#   attribute ``cuda_dtoh_stream``), which needs a driver: a placeholder is set first.
+# - Initialisation (``perform_initialization=True``): the experts' weights are made on
+#   the device and drawn under ``tracker.fork(expert-parallel-rng)`` (recorded); the
+#   router's weight is made and drawn on the host (Megatron 0.19 always does), for real
+#   (``_HostReal``), from ``torch.manual_seed``, then moved as ``Module.cuda()`` would.
+#   ``Module.cuda()`` itself cannot run: ``_apply`` swaps fake parameters
+#   (``swap_tensors``), which refuses tensors with weak references, and ``.data =`` of a
+#   real parameter with a fake tensor leaves a real parameter with meta storage; so
+#   ``move_parameters_to_fake_cuda`` replaces each host parameter by a fake CUDA one.
+
+_NO_STREAM = object()     # MoEAlltoAllTokenDispatcher.cuda_dtoh_stream: never used by LRMoE
+
+
+def _fake_rng_tracker():
+    """Megatron's ``CudaRNGStatesTracker`` without the CUDA generator (which needs a
+    driver): ``add`` keeps the checks (unique seeds and names), the seed standing for
+    the state; ``fork`` checks the name, switches the current name and records it in
+    ``forks``, so a test sees under which state each weight was initialised."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    class FakeCudaRNGStatesTracker(megatron_random.CudaRNGStatesTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.forks: list[str] = []
+
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_ or name in self.states_:
+                raise RuntimeError(f"rng state {name} or seed {seed} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = seed
+
+        @contextlib.contextmanager
+        def fork(self, name: str = megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise RuntimeError(f"cuda rng state {name} is not added")
+            self.forks.append(name)
+            outer, self._current_state_name = self._current_state_name, name
+            try:
+                yield
+            finally:
+                self._current_state_name = outer
+
+    return FakeCudaRNGStatesTracker()
+
+
+@contextlib.contextmanager
+def megatron_fake_cuda(rank: int, ep_size: int, seed: int = 123):
+    """``fake_cuda_session`` plus Megatron's process-wide set-up as a training run makes
+    it (the section comment above says what each needs): yields (recorder, tracker)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    with fake_cuda_session(rank, ep_size) as device:
+        current_device = torch.cuda.current_device
+        stream = MoEAlltoAllTokenDispatcher.cuda_dtoh_stream
+        tracker = _fake_rng_tracker()
+        try:
+            torch.cuda.current_device = lambda: 0
+            MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
+            parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size,
+                                                     create_gloo_process_groups=False)
+            megatron_random._CUDA_RNG_STATE_TRACKER = tracker
+            megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+            megatron_random.model_parallel_cuda_manual_seed(seed)
+            torch.manual_seed(seed)      # Megatron's _set_random_seed: the host draws
+            yield device, tracker
+        finally:
+            destroy_moe_metrics_tracker()    # it holds the aux losses' fake tensors
+            parallel_state.destroy_model_parallel()
+            megatron_random._CUDA_RNG_STATE_TRACKER = None
+            megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+            MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+            torch.cuda.current_device = current_device
+
+
+def move_parameters_to_fake_cuda(module: torch.nn.Module) -> list[str]:
+    """``Module.cuda()`` for fake CUDA (which ``_apply`` cannot do, see above): each host
+    parameter replaced by a fake CUDA one with its attributes (Megatron's
+    ``sequence_parallel``, ...). Returns the names moved."""
+    moved = []
+    target = f"cuda:{torch.cuda.current_device()}"
+    for prefix, mod in module.named_modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if p.device.type != "cpu":
+                continue
+            fake = torch.nn.Parameter(p.detach().to(target), requires_grad=p.requires_grad)
+            for key, value in vars(p).items():
+                setattr(fake, key, value)
+            setattr(mod, name, fake)
+            moved.append(f"{prefix}.{name}" if prefix else name)
+    return moved
+
+
+def region_node(output: torch.Tensor) -> tuple[object, list[str]]:
+    """The LRMoE region's autograd node below the layer's ``output``, and the names of
+    the nodes on the way (each with one input: the layer's output is a view of the
+    region's)."""
+    from megatron_lrmoe.layer.region import _LRMoERegion
+
+    chain, node = [], output.grad_fn
+    while getattr(node, "_forward_cls", None) is not _LRMoERegion:
+        if node is None:
+            raise RuntimeError(f"no LRMoE region below the output (passed {chain})")
+        chain.append(type(node).__name__)
+        below = [n for n, _ in node.next_functions if n is not None]
+        if len(below) != 1:
+            raise RuntimeError(f"{chain[-1]} has {len(below)} inputs on the way to the region")
+        node = below[0]
+    return node, chain
+
+
+def qwen3_layer_config(case: Case, model: str = "qwen3-30b-a3b"):
+    """The LRMoE config of ``model``'s MoE layer as configs/qwen3_30b_a3b.yaml and
+    scripts/qwen3_30b_a3b_lrmoe.sh set it (bf16, grouped GEMMs, the all-to-all
+    dispatcher, softmax top-k router in fp32 with the aux loss), for ``case``."""
+    import torch.nn.functional as F
+
+    from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
+
+    spec = ModelSpec.from_config(model, MODELS[model])
+    per_rank = spec.num_experts // case.ep
+    return LRMoETransformerConfig(
+        num_layers=1, hidden_size=spec.hidden_size, num_attention_heads=32,
+        num_query_groups=4, kv_channels=128, ffn_hidden_size=6144,
+        moe_ffn_hidden_size=spec.ffn_hidden_size, num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.topk, moe_router_score_function="softmax",
+        moe_router_dtype="fp32", moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-3, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True,
+        expert_model_parallel_size=case.ep, add_bias_linear=False,
+        gated_linear_unit=spec.gated, activation_func=F.silu, bias_activation_fusion=False,
+        bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=False,
+        perform_initialization=True, init_method_std=0.02,
+        moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=case.gamma,
+        moe_lrmoe_selection=case.selection,
+        moe_lrmoe_placement="popularity" if case.replicas else "static",
+        moe_lrmoe_slots_per_rank=per_rank + 2 if case.replicas else None)
+
+
+@dataclass
+class LayerCaseResult:
+    """What one layer case did (plain data: it crosses a process)."""
+
+    case: str
+    rank: int
+    hidden: int
+    ffn: int
+    tokens: int
+    input: list
+    parameters: dict[str, list]
+    moved: list[str]
+    rng_seeds: dict[str, int]
+    rng_forks: list[str]
+    plan_counts: list[list[int]]
+    plan_quotas: list[list[int]]
+    instance_rank: list[int]
+    local_instances: int
+    home_instances: int
+    grouped_gemm: bool
+    region_chain: list[str]
+    forward_reads: list[list]
+    backward_reads: list[list]
+    made: list[dict] = field(default_factory=list)
+    gemms: list[dict] = field(default_factory=list)
+    outputs: dict[str, list] = field(default_factory=dict)
+    aux_losses: dict[str, list] = field(default_factory=dict)
+    """Megatron's MoE metrics tracker after the forward: the router's aux loss, kept on
+    the device for logging."""
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def run_layer_case(case: Case, rank: int, model: str = "qwen3-30b-a3b",
+                   batch: int = 2) -> LayerCaseResult:
+    """An LRMoELayer of ``model``'s MoE shape built from the converted Megatron spec as
+    rank ``rank`` of a fake EP group of ``case.ep`` (``megatron_fake_cuda``): the
+    forward of [T / batch, batch, H] with Megatron's router, the counts from the trace
+    (``TraceCountsExchange``), then the backward through the region's node. With
+    replicas, one forward and ``finish_step`` first: the next step's placement has them
+    and the measured forward refreshes them (``case_planner``'s sequence). Phases of
+    the ops the device saw: "router" (Megatron's router), "forward" (the rest of the
+    layer's forward), "backward" (the region's node)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
+
+    from megatron_lrmoe.layer.spec import to_lrmoe_spec
+    from megatron_lrmoe.testing.host_reads import HostReadDetector
+    from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
+
+    spec = ModelSpec.from_config(model, MODELS[model])
+    h, f, e = spec.hidden_size, spec.ffn_hidden_size, spec.num_experts
+    t = spec.shape(case.ep).tokens_per_rank
+    counts = case_counts(case, model)
+    seconds: dict[str, float] = {}
+    with megatron_fake_cuda(rank, case.ep) as (device, tracker):
+        started = time.perf_counter()
+        mlp = get_gpt_layer_local_spec(num_experts=e, moe_grouped_gemm=True).submodules.mlp
+        layer = to_lrmoe_spec(mlp)(config=qwen3_layer_config(case, model), layer_number=1)
+        layer.set_layer_number(1)        # as TransformerLayer does: the router's, for its logs
+        forks = list(tracker.forks)
+        moved = move_parameters_to_fake_cuda(layer)
+        seconds["build"] = time.perf_counter() - started
+        layer.setup_planner(t, 1)
+        layer.counts_exchange = TraceCountsExchange(counts, rank)
+        x = torch.empty(t // batch, batch, h, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True)
+        if case.replicas:
+            layer(x)
+            layer.finish_step()
+
+        def enter_router(module, args) -> None:
+            device.phase = "router"
+
+        def leave_router(module, args, out) -> None:
+            device.phase = "forward"
+
+        hooks = [layer.router.register_forward_pre_hook(enter_router),
+                 layer.router.register_forward_hook(leave_router)]
+        device.made.clear()
+        device.gemms.clear()
+        with HostReadDetector() as detector:
+            detector.taint(x, *layer.parameters())
+            started = time.perf_counter()
+            device.phase = "forward"
+            out, _ = layer(x)
+            device.phase = ""
+            seconds["forward"] = time.perf_counter() - started
+            forward_reads = [_read(r) for r in detector.reads]
+            detector.clear()
+            node, chain = region_node(out)
+            dy = torch.empty(t, h, device="cuda", dtype=torch.bfloat16)
+            started = time.perf_counter()
+            device.phase = "backward"
+            grads = backward_through_node(node, dy)
+            device.phase = ""
+            seconds["backward"] = time.perf_counter() - started
+            backward_reads = [_read(r) for r in detector.reads]
+        for hook in hooks:
+            hook.remove()
+        aux_losses = {name: _dims(entry.values)
+                      for name, entry in get_moe_metrics_tracker().metrics.items()}
+        plan = layer.last_plan.retention
+        homes = layer.num_local_experts
+        local = sum(1 for r in plan.instance_rank if r == rank)
+        names = ["dx", "dpair_token", "dpair_prob", "drc", "dexperts"] + [
+            f"dw1[{j}]" for j in range(homes)] + [f"dw2[{j}]" for j in range(homes)]
+        outputs = {"y": _dims(out), **{n: _dims(g) for n, g in zip(names, grads, strict=True)}}
+        return LayerCaseResult(
+            case=case.name, rank=rank, hidden=h, ffn=f, tokens=t, input=_dims(x),
+            parameters={n: _dims(p) for n, p in layer.named_parameters()}, moved=moved,
+            rng_seeds=dict(tracker.states_), rng_forks=forks,
+            plan_counts=plan.counts.tolist(), plan_quotas=plan.quotas.tolist(),
+            instance_rank=list(plan.instance_rank), local_instances=local,
+            home_instances=homes, grouped_gemm=layer.lrmoe_stats.calls[-1].grouped_gemm,
+            region_chain=chain, forward_reads=forward_reads, backward_reads=backward_reads,
+            made=[asdict(m) for m in device.made], gemms=[asdict(g) for g in device.gemms],
+            outputs=outputs, aux_losses=aux_losses, seconds=seconds)
+
+
+# -----------------------------------------------------------------------------
 # The same cases on a real device (issue 25, part 5: scripts/dev/region_at_scale_check.py)
 # -----------------------------------------------------------------------------
 #
@@ -993,16 +1282,19 @@ def compare_values(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m megatron_lrmoe.testing.fake_cuda RANK EP:GAMMA:SELECTION:REPLICAS ...``:
-    one JSON list of case results on stdout."""
+    """``python -m megatron_lrmoe.testing.fake_cuda [layer] RANK EP:GAMMA:SELECTION:REPLICAS
+    ...``: one JSON list of case results (``layer``: of the whole layer) on stdout."""
     argv = sys.argv[1:] if argv is None else argv
+    layer = bool(argv) and argv[0] == "layer"     # ``... layer RANK CASE ...``: the layer
+    argv = argv[1:] if layer else argv
     rank = int(argv[0])
     cases = []
     for spec in argv[1:]:
         ep, gamma, selection, replicas = spec.split(":")
         cases.append(Case(int(ep), math.inf if gamma == "inf" else float(gamma), selection,
                           replicas == "1"))
-    json.dump(run_cases(cases, rank), sys.stdout)
+    json.dump([asdict(run_layer_case(c, rank)) for c in cases] if layer
+              else run_cases(cases, rank), sys.stdout)
     return 0
 
 
