@@ -78,7 +78,14 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(DEVICE_MEMORY_FLAG, type=float, default=None,
                    help="the device's memory in GiB (2**30 bytes) for the memory account and "
                         "--moe-lrmoe-memory-budget-gb auto (default on CUDA: the device's "
-                        "total memory; on CPU, required with auto; e.g. 40 for an A100-40)")
+                        "total memory; on CPU, required with auto; e.g. 40 for an A100-40). "
+                        "Given, it holds the run to that size (the lean launcher, with "
+                        "Megatron's MoE layer or --moe-lrmoe): after every step each rank's "
+                        "predicted peak (the memory account outside the MoE layers plus the "
+                        "step's MoE memory from its routing; on CUDA also "
+                        "torch.cuda.max_memory_allocated) must fit, else the run stops with "
+                        "an out-of-memory error naming the step, the rank, the need and the "
+                        "device size")
     return parser
 
 

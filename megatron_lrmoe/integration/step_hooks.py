@@ -17,6 +17,10 @@ explicit points:
   group (one all-reduce for all layers) so that every replica of a layer folds the same
   counts, then advances every planner, marks the replicas for refresh and moves the
   draws to the next step's seeds.
+* ``lrmoe_step_memory``: after ``finish_lrmoe_step``, with a run held to its device
+  (``setup_lrmoe_layers(..., hold_memory=True)``): this rank's bytes of each layer in the
+  step just ended, from its planner's per-call memory (no communication); the launcher
+  adds them to the memory account and stops a step over the device.
 * ``snapshot_lrmoe_state`` / ``restore_lrmoe_state``: what a step changed, undone;
   ``chain_to_rerun_state_machine`` hands them to Megatron's ``RerunStateMachine``
   (its public ``state_save_func`` / ``state_restore_func``, chained to what is there),
@@ -42,7 +46,8 @@ from megatron_lrmoe.layer.telemetry import lrmoe_layers
 from megatron_lrmoe.planning.cost_model import MachineConstants
 
 __all__ = ["PLANNER_STATE_FLAG", "chain_to_rerun_state_machine", "checkpoint_content_metadata",
-           "finish_lrmoe_step", "lrmoe_layers", "machine_constants_line", "restore_lrmoe_state",
+           "finish_lrmoe_step", "lrmoe_layers", "lrmoe_step_memory", "machine_constants_line",
+           "restore_lrmoe_state",
            "setup_lrmoe_layers", "snapshot_lrmoe_state"]
 
 
@@ -54,14 +59,16 @@ def _device() -> torch.device:
 
 def setup_lrmoe_layers(model_chunks: Iterable[torch.nn.Module], tokens_per_rank: int,
                        microbatches_per_step: MicrobatchesPerStep,
-                       config=None) -> MachineConstants | None:
+                       config=None, hold_memory: bool = False) -> MachineConstants | None:
     """Build every LRMoE layer's planner at model setup (docs/design.md, "Step state").
 
     ``tokens_per_rank``: tokens of one micro-batch on one rank (micro-batch size x
     sequence length, divided by TP under sequence parallelism). ``microbatches_per_step``:
     an int or a function (Megatron's ``get_num_microbatches``, which follows a batch-size
     ramp-up). ``config``: the run's TransformerConfig, for ranks whose pipeline stage has
-    no LRMoE layer (default: the first layer's).
+    no LRMoE layer (default: the first layer's). ``hold_memory``: the run is held to its
+    device (``--device-memory-gb``): every planner reports the [R] memory of its plans,
+    with a budget or without (``lrmoe_step_memory`` reads them at each step's end).
 
     Collective over all ranks when the cost model needs machine constants and no
     calibration file is given (one measurement per process, averaged, so that every
@@ -75,6 +82,7 @@ def setup_lrmoe_layers(model_chunks: Iterable[torch.nn.Module], tokens_per_rank:
         group = dist.group.WORLD if dist.is_initialized() else None
         machine = agreed_machine_constants(config.moe_lrmoe_calibration, _device(), group)
     for layer in layers:
+        layer.lrmoe_state.hold_memory = hold_memory
         layer.setup_planner(tokens_per_rank, microbatches_per_step, machine)
     # One layer per pipeline stage says where the planner state came from at a load.
     if layers and _is_first_rank_of_stage():
@@ -106,6 +114,20 @@ def finish_lrmoe_step(model_chunks: Iterable[torch.nn.Module]) -> None:
     pooled = _pooled_observations(layers)
     for layer, observations in zip(layers, pooled, strict=True):
         layer.finish_step(observations)
+
+
+def lrmoe_step_memory(model_chunks: Iterable[torch.nn.Module]) -> list[float]:
+    """This rank's bytes of each LRMoE layer in the step ``finish_lrmoe_step`` last ended:
+    the most any of its training micro-batches planned for this rank (the planner's
+    ``CostModel.rank_memory``, computed for the whole EP group on every rank of it; no
+    communication). A layer whose planner reports no memory, or that ran no training
+    micro-batch, gives 0. Summed over the layers: the rank's MoE part of the step's
+    predicted peak (``planning.memory_account.step_peak``)."""
+    out = []
+    for layer in lrmoe_layers(model_chunks):
+        memory = layer.lrmoe_state.last_step_memory
+        out.append(0.0 if memory is None else float(memory[layer.counts_exchange.ep_rank]))
+    return out
 
 
 def _pooled_observations(layers: list[LRMoELayer]) -> list[tuple[torch.Tensor | None, int] | None]:

@@ -12,6 +12,10 @@ Run it under torchrun, e.g. expert parallel over two CPU processes, through
 
     python -m megatron_lrmoe.launcher --nproc-per-node 2 --config configs/tiny_moe.yaml
 
+With ``--device-memory-gb`` the run is held to that device size: after every step each
+rank's predicted peak (and on CUDA the allocator's) must fit, else every rank stops with
+``DeviceOutOfMemory`` (``_hold_to_device``).
+
 The file reads top to bottom: setup, then the training loop, then the summary.
 """
 
@@ -236,6 +240,7 @@ class Logger:
         for sink in (self.bar, self.json_file, self.writer):
             if sink is not None:
                 sink.close()
+        self.bar = self.json_file = self.writer = None
 
 
 # -----------------------------------------------------------------------------
@@ -303,7 +308,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args_or_exit(argv)
     if cpu_note and int(os.environ.get("RANK", "0")) == 0:
         print(cpu_note, flush=True)
-    return train(args)
+    from megatron_lrmoe.planning.memory_account import DeviceOutOfMemory
+
+    try:
+        return train(args)
+    except DeviceOutOfMemory as exc:   # every rank stops at the same step, with this line
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def parse_args_or_exit(argv: list[str] | None = None,
@@ -393,7 +404,11 @@ def check_megatron_accepts(args: argparse.Namespace) -> None:
 
 
 def train(args: argparse.Namespace) -> dict:
-    """Train to ``--train-iters`` (or ``--exit-interval``); the summary, on every rank."""
+    """Train to ``--train-iters`` (or ``--exit-interval``); the summary, on every rank.
+    Held to its device (``--device-memory-gb``), a step whose peak exceeds the device
+    raises ``DeviceOutOfMemory`` on every rank, after the same teardown as a finished run."""
+    from megatron_lrmoe.planning.memory_account import DeviceOutOfMemory
+
     # ---- setup: parallel state, model, optimizer, instruments ---------------
     device, owns_process_group = _setup_parallel_state(args)
     run = _setup_model_and_optimizer(args, device)
@@ -411,6 +426,11 @@ def train(args: argparse.Namespace) -> dict:
         progress.iteration += 1
         progress.consumed_train_samples += args.global_batch_size
         record, loss = _step_record(args, run, tally, progress, losses, grad_norm, step_time)
+        try:
+            _hold_to_device(args, run, progress.iteration, record)
+        except DeviceOutOfMemory:   # the out-of-memory stop: every rank, at this step
+            _teardown(run, logger, owns_process_group)
+            raise
         logger.advance({"loss": f"{loss:.3f}"})
         _check_allocator(args, run, logger, progress.iteration - first_iteration)
         _log_interval(args, logger, tally, progress, record)
@@ -440,6 +460,9 @@ class _Run:
     valid_ds: object | None = None
     forward_backward: object | None = None
     memory_account: object | None = None
+    megatron_memory: object | None = None
+    """Held to the device with Megatron's own MoE layer: its layers' memory model
+    (``_megatron_memory``)."""
 
 
 @dataclass
@@ -499,7 +522,7 @@ def _setup_model_and_optimizer(args: argparse.Namespace, device: torch.device) -
     from megatron_lrmoe.launcher import builders
 
     tokenizer = builders.build_tokenizer_from_args(args)
-    model, account = _build_model(args, device, tokenizer)
+    model, account, config = _build_model(args, device, tokenizer)
     optimizer, scheduler = _build_optimizer(args, model)
     moe_timer, moe_layers, recorder = _attach_instruments(args, model)
     n_params = sum(p.numel() for p in model[0].parameters())
@@ -507,14 +530,15 @@ def _setup_model_and_optimizer(args: argparse.Namespace, device: torch.device) -
     return _Run(device=device, tokenizer=tokenizer, model=model, optimizer=optimizer,
                 scheduler=scheduler, moe_timer=moe_timer, recorder=recorder,
                 tokens_per_step=args.global_batch_size * args.seq_length,
-                memory_account=account)
+                memory_account=account, megatron_memory=_megatron_memory(args, config))
 
 
 def _build_model(args: argparse.Namespace, device: torch.device, tokenizer
-                 ) -> tuple[list, object | None]:
-    """The model chunks and, with --moe-lrmoe, the memory account (printed); the memory
-    budget is checked first (a refusal before anything is allocated) and the planners
-    are set up right after the build."""
+                 ) -> tuple[list, object | None, object]:
+    """The model chunks, the memory account (printed; with --moe-lrmoe or a run held to
+    its device, else None) and the TransformerConfig; the memory budget is checked first
+    (a refusal before anything is allocated) and the planners are set up right after the
+    build."""
     from megatron.core import num_microbatches_calculator
 
     from megatron_lrmoe.launcher import builders
@@ -522,8 +546,9 @@ def _build_model(args: argparse.Namespace, device: torch.device, tokenizer
     resolve_auto_budget(args)
     config = builders.transformer_config_from_args(args)
     account = None
-    if args.moe_lrmoe:
+    if args.moe_lrmoe or _held(args):
         account = _print_memory_account(args, config, tokenizer)
+    if args.moe_lrmoe:
         from megatron_lrmoe.config.planner_inputs import check_memory_budget
 
         tokens = tokens_per_rank(args)
@@ -545,10 +570,11 @@ def _build_model(args: argparse.Namespace, device: torch.device, tokenizer
         )
 
         machine = setup_lrmoe_layers(
-            model, tokens, num_microbatches_calculator.get_num_microbatches, config)
+            model, tokens, num_microbatches_calculator.get_num_microbatches, config,
+            hold_memory=_held(args))
         if machine is not None:
             log0(machine_constants_line(machine))
-    return model, account
+    return model, account, config
 
 
 def _print_memory_account(args: argparse.Namespace, config, tokenizer) -> object:
@@ -562,10 +588,12 @@ def _print_memory_account(args: argparse.Namespace, config, tokenizer) -> object
                              builders.padded_vocab_size(tokenizer.vocab_size, args),
                              args.num_microbatches,
                              device_memory_bytes(getattr(args, "device_memory_gb", None)))
-    budget = args.moe_lrmoe_memory_budget_gb
+    budget = args.moe_lrmoe_memory_budget_gb if args.moe_lrmoe else None
     source = getattr(args, "lrmoe_budget_source", "--moe-lrmoe-memory-budget-gb")
-    log0(f"megatron_lrmoe.launcher.pretrain: "
-         f"{account_line(account, None if budget is None else budget * GIB, source)}")
+    line = account_line(account, None if budget is None else budget * GIB, source)
+    if _held(args):
+        line += "; held to the device: a step whose peak exceeds it stops the run"
+    log0(f"megatron_lrmoe.launcher.pretrain: {line}")
     return account
 
 
@@ -609,11 +637,15 @@ def _attach_instruments(args: argparse.Namespace, model: list) -> tuple[object, 
     moe_timer = MoETimer(sync_cuda=torch.cuda.is_available())
     moe_layers = 0 if args.no_moe_timing else attach_moe_timer(model[0], moe_timer)
     recorder = None
-    if args.record_routing:   # after the timer: the count reduction then falls outside its spans
+    # Held to the device, Megatron's own layer needs each step's routed counts too (the
+    # recorder without a trace); LRMoE's planners report their memory themselves.
+    counts_needed = _held(args) and not args.moe_lrmoe and args.num_experts is not None
+    if args.record_routing or counts_needed:
+        # After the timer: the count reduction then falls outside its spans.
         from megatron_lrmoe.launcher.routing_record import RoutingRecordError, start_recording
 
         try:
-            recorder = start_recording(args, model)
+            recorder = start_recording(args, model, args.record_routing or None)
         except RoutingRecordError as error:
             raise ConfigError(str(error)) from None
     return moe_timer, moe_layers, recorder
@@ -711,7 +743,9 @@ def _step_record(args: argparse.Namespace, run: _Run, tally: _Tally, progress: T
         "consumed-samples": progress.consumed_train_samples,
     }
     if run.recorder is not None:   # one all_gather of the step's routed counts
-        record.update(run.recorder.end_step(progress.iteration))
+        loads = run.recorder.end_step(progress.iteration)
+        if args.record_routing:
+            record.update(loads)
     tally.add(stats, step_time)
     return record, stats.loss
 
@@ -747,6 +781,107 @@ def _log_lrmoe(args: argparse.Namespace, run: _Run, logger: Logger, progress: Tr
         record.update(lrmoe_stats)
         if "lrmoe/retained-fraction" in lrmoe_stats:
             logger.line(lrmoe_log_line(progress.iteration, lrmoe_stats))
+
+
+# ---- held to the device (--device-memory-gb) ---------------------------------------
+
+
+def _held(args: argparse.Namespace) -> bool:
+    """Whether the run is held to its device: ``--device-memory-gb`` given."""
+    return getattr(args, "device_memory_gb", None) is not None
+
+
+@dataclass(frozen=True)
+class _MegatronMemory:
+    """What Megatron's own MoE layers hold per rank, from their routed counts."""
+
+    cost: object
+    """CostModel of the layer's shape (memory only: no machine constant is read)."""
+    recompute: bool
+    capacity_factor: float | None
+    pad: bool
+    grouped: bool
+
+
+def _megatron_memory(args: argparse.Namespace, config) -> _MegatronMemory | None:
+    """Held with Megatron's own MoE layer: its memory model (None otherwise).
+    ``--recompute-granularity selective --recompute-modules moe`` (or full recompute)
+    recomputes the layer; ``--moe-expert-capacity-factor`` drops (or, with
+    ``--moe-pad-expert-input-to-capacity``, pads) to capacity; ``--moe-grouped-gemm``
+    is TEGroupedMLP."""
+    if not _held(args) or args.moe_lrmoe or config.num_moe_experts is None:
+        return None
+    from megatron_lrmoe.config.planner_inputs import moe_shape
+    from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants
+
+    memory_only = MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0,
+                                   source="memory only")
+    shape = moe_shape(config, tokens_per_rank(args), args.num_microbatches,
+                      args.expert_model_parallel_size)
+    modules = config.recompute_modules or ()
+    recompute = (config.recompute_granularity == "full"
+                 or (config.recompute_granularity == "selective" and "moe" in modules))
+    return _MegatronMemory(cost=CostModel(shape, memory_only), recompute=recompute,
+                           capacity_factor=args.moe_expert_capacity_factor,
+                           pad=bool(args.moe_pad_expert_input_to_capacity),
+                           grouped=bool(args.moe_grouped_gemm))
+
+
+def _megatron_moe_bytes(memory: _MegatronMemory, recorder) -> float:
+    """This rank's MoE bytes of the step the recorder last gathered: per MoE layer it
+    holds, the most over the micro-batches of its EP group's ``megatron_rank_memory``
+    (``planning.memory_account.megatron_layer_bytes``), summed over those layers."""
+    from megatron_lrmoe.planning.memory_account import megatron_layer_bytes
+    from megatron_lrmoe.tools import routing_traces as rt
+
+    step, me, total = recorder.last_step, dist.get_rank(), 0.0      # step: [L, M, S, E]
+    for index, number in enumerate(recorder.layers):
+        sources = recorder.header["sources"][str(number)]
+        ranks = [row["rank"] for row in sources]
+        if me not in ranks:
+            continue
+        mine = ranks.index(me)
+        group = next(g for g in rt.ep_groups(sources) if mine in g)    # by EP rank
+        per_rank = megatron_layer_bytes(memory.cost, step[index][:, group], memory.recompute,
+                                        memory.capacity_factor, memory.pad, memory.grouped)
+        total += float(per_rank[group.index(mine)])
+    return total
+
+
+def _hold_to_device(args: argparse.Namespace, run: _Run, iteration: int,
+                    record: dict) -> None:
+    """With ``--device-memory-gb``, after each step: every rank's predicted peak (the
+    account outside the MoE layers plus this step's MoE bytes: LRMoE's planners' per-call
+    memory, or Megatron's layer memory of the gathered routed counts) and, on CUDA, the
+    allocator's peak, against the device; one all_reduce of a [world, 2] table, so every
+    rank raises the same ``DeviceOutOfMemory`` at the same step. The worst predicted peak
+    goes into the record (``memory-predicted-peak-gib``)."""
+    if not _held(args) or run.memory_account is None:
+        return
+    from megatron_lrmoe.config.planner_inputs import GIB
+    from megatron_lrmoe.planning.memory_account import check_device, step_peak
+
+    if args.moe_lrmoe:
+        from megatron_lrmoe.integration.step_hooks import lrmoe_step_memory
+
+        moe = sum(lrmoe_step_memory(run.model))
+    elif run.megatron_memory is not None and run.recorder is not None:
+        moe = _megatron_moe_bytes(run.megatron_memory, run.recorder)
+    else:
+        moe = 0.0
+    cuda = run.device.type == "cuda"
+    measured = float(torch.cuda.max_memory_allocated(run.device)) if cuda else 0.0
+    table = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64, device=run.device)
+    table[dist.get_rank()] = torch.tensor([moe, measured], dtype=torch.float64)
+    dist.all_reduce(table)
+    table = table.cpu().numpy()
+    account = run.memory_account
+    record["memory-predicted-peak-gib"] = float(
+        step_peak(account.outside_moe, table[None, :, 0]).max()) / GIB
+    if cuda:
+        record["memory-allocator-peak-gib"] = float(table[:, 1].max()) / GIB
+    check_device(iteration, account, table[:, 0], table[:, 1] if cuda else None,
+                 lrmoe=bool(args.moe_lrmoe))
 
 
 # ---- evaluation and checkpointing ------------------------------------------------
@@ -792,9 +927,6 @@ def _shutdown(args: argparse.Namespace, run: _Run, logger: Logger, tally: _Tally
               progress: TrainingProgress, owns_process_group: bool) -> dict:
     """Close the sinks, print the summary (rank 0), then take down Megatron's state and
     the process group if train() created it. Returns the summary."""
-    from megatron.core import num_microbatches_calculator
-    from megatron.core import parallel_state as ps
-
     logger.close()
     if run.recorder is not None:
         run.recorder.close()
@@ -811,12 +943,25 @@ def _shutdown(args: argparse.Namespace, run: _Run, logger: Logger, tally: _Tally
     }
     if history and dist.get_rank() == 0:
         print_summary(args, summary, wall)
+    _teardown(run, logger, owns_process_group)
+    return summary
+
+
+def _teardown(run: _Run, logger: Logger, owns_process_group: bool) -> None:
+    """Close the sinks (again: idempotent), then take down Megatron's state and the
+    process group if train() created it: the end of a run, or its out-of-memory stop
+    (every rank at the same step)."""
+    from megatron.core import num_microbatches_calculator
+    from megatron.core import parallel_state as ps
+
+    logger.close()
+    if run.recorder is not None:
+        run.recorder.close()
     dist.barrier()
     num_microbatches_calculator.destroy_num_microbatches_calculator()
     ps.destroy_model_parallel()
     if owns_process_group:
         dist.destroy_process_group()
-    return summary
 
 
 def print_summary(args: argparse.Namespace, summary: dict, wall: float) -> None:

@@ -17,6 +17,10 @@ for the step's log record, each layer's routed load max/mean over the EP ranks u
 Megatron's expert layout (the maximum over the step's micro-batches and EP groups,
 as ``lrmoe/layer<N>/load-max-over-mean`` takes the maximum over calls).
 
+Without a trace directory (``start_recording(args, model, path=None)``) nothing is
+written: the launcher holds a run with Megatron's own MoE layer to its device
+(``--device-memory-gb``) from each step's gathered counts (``last_step``).
+
 Only training calls are recorded (module in training mode, autograd on): evaluation
 passes are not, nor the first pass of a recomputed layer, which runs without autograd;
 its recomputed pass in backward is recorded (docs/design.md, "Recompute"). Under
@@ -48,9 +52,10 @@ class RoutingRecordError(ValueError):
 class RoutingRecorder:
     """Records routed counts of the MoE layers of this rank's model chunks."""
 
-    def __init__(self, path: str, header: dict, local_layers: dict[int, torch.nn.Module],
-                 flush_every: int = 50) -> None:
+    def __init__(self, path: str | None, header: dict,
+                 local_layers: dict[int, torch.nn.Module], flush_every: int = 50) -> None:
         self.path = path
+        """The trace directory; None: gather the counts (``last_step``), write nothing."""
         self.header = header
         self.layers: list[int] = list(header["model"]["moe_layers"])
         self.microbatches = int(header["parallel"]["microbatches_per_step"])
@@ -62,8 +67,10 @@ class RoutingRecorder:
         self._calls: dict[int, list[torch.Tensor]] = {n: [] for n in local_layers}
         self._buffer_iterations: list[int] = []
         self._buffer_counts: list[np.ndarray] = []
-        self._chunk = rt.next_chunk_number(path) if dist.get_rank() == 0 else 0
+        self._chunk = rt.next_chunk_number(path) if path and dist.get_rank() == 0 else 0
         self._handles: list = []
+        self.last_step: np.ndarray | None = None
+        """[L, M, S, E] counts of the step ``end_step`` last gathered (every rank)."""
 
     # ---------------------------------------------------------------- hooks
     def attach(self) -> None:
@@ -90,8 +97,9 @@ class RoutingRecorder:
 
     # ------------------------------------------------------------ per step
     def end_step(self, iteration: int) -> dict[str, float]:
-        """Gather this step's counts from every rank, buffer them (rank 0) and return
-        ``routing/layer<N>/load-max-over-mean`` for the log record. Collective."""
+        """Gather this step's counts from every rank (kept in ``last_step``), buffer them
+        (rank 0, with a trace directory) and return ``routing/layer<N>/load-max-over-mean``
+        for the log record. Collective."""
         m, e = self.microbatches, self.num_experts
         local = torch.zeros(len(self.layers), m, e, dtype=torch.int64)
         for number, calls in self._calls.items():
@@ -112,7 +120,8 @@ class RoutingRecorder:
             np.stack([table[row["rank"], index] for row in self.header["sources"][str(n)]],
                      axis=1)                                          # [M, S, E]
             for index, n in enumerate(self.layers)])                  # [L, M, S, E]
-        if dist.get_rank() == 0:
+        self.last_step = step
+        if self.path and dist.get_rank() == 0:
             self._buffer_iterations.append(iteration)
             self._buffer_counts.append(step)
             if len(self._buffer_iterations) >= self.flush_every:
@@ -132,7 +141,7 @@ class RoutingRecorder:
 
     def flush(self) -> None:
         """Write the buffered steps as the next chunk (rank 0; no-op elsewhere)."""
-        if dist.get_rank() != 0 or not self._buffer_iterations:
+        if not self.path or dist.get_rank() != 0 or not self._buffer_iterations:
             return
         rt.write_chunk(self.path, self._chunk, np.asarray(self._buffer_iterations),
                        np.stack(self._buffer_counts))
@@ -179,12 +188,15 @@ def model_description(args: argparse.Namespace, moe_layers: list[int]) -> dict:
     }
 
 
-def start_recording(args: argparse.Namespace, model_chunks) -> RoutingRecorder:
+def start_recording(args: argparse.Namespace, model_chunks,
+                    path: str | None = "") -> RoutingRecorder:
     """Build the header (every rank contributes its layers and EP coordinates), check or
-    create ``args.record_routing`` and hook this rank's MoE layers. Collective."""
+    create the trace directory (``path``; "" for ``args.record_routing``, None for none:
+    the counts are gathered each step but not written) and hook this rank's MoE layers.
+    Collective."""
     from megatron.core import parallel_state as ps
 
-    path = args.record_routing
+    path = args.record_routing if path == "" else path
     local = _moe_layers_of(model_chunks)
     ep_group = ps.get_expert_model_parallel_group()
     me = {"rank": dist.get_rank(), "ep_rank": ps.get_expert_model_parallel_rank(),
@@ -205,13 +217,14 @@ def start_recording(args: argparse.Namespace, model_chunks) -> RoutingRecorder:
     }
     header = rt.make_header(model_description(args, moe_layers), parallel, sources)
     header["command"] = " ".join(_command())
-    error = None
-    if dist.get_rank() == 0:
-        error = _prepare_directory(path, header)
-    flag = [error]
-    dist.broadcast_object_list(flag, src=0)
-    if flag[0] is not None:
-        raise RoutingRecordError(flag[0])
+    if path:
+        error = None
+        if dist.get_rank() == 0:
+            error = _prepare_directory(path, header)
+        flag = [error]
+        dist.broadcast_object_list(flag, src=0)
+        if flag[0] is not None:
+            raise RoutingRecordError(flag[0])
     recorder = RoutingRecorder(path, header, local)
     recorder.attach()
     return recorder

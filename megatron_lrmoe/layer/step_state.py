@@ -8,15 +8,17 @@ the step boundaries of a whole model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
-from megatron_lrmoe.config.planner_inputs import needs_cost_model, planner_settings
+from megatron_lrmoe.config.planner_inputs import moe_shape, needs_cost_model, planner_settings
 from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
-from megatron_lrmoe.planning.cost_model import MachineConstants
+from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants
 from megatron_lrmoe.planning.planner import LayerPlanner
 
 __all__ = ["PLANNER_STATE_FLAG", "PLANNER_STATE_FORMAT", "PLANNER_STATE_VERSION",
@@ -70,6 +72,16 @@ class LayerStepState:
             self.planner = LayerPlanner(planner_settings(config, ep_size))
         self.needs_refresh = True        # replicas must be refreshed before the next forward
         self.backwards_in_step = 0
+        self.hold_memory = False
+        """The run is held to its device (``--device-memory-gb``): ``setup_planner`` gives
+        the planner a cost model even without a budget, so that every plan reports its
+        [R] memory (set by ``step_hooks.setup_lrmoe_layers`` before it)."""
+        self.step_memory: np.ndarray | None = None
+        """[R] the most bytes any training micro-batch of this step planned per rank
+        (``LayerPlanner.last_memory``); None when the planner reports none."""
+        self.last_step_memory: np.ndarray | None = None
+        """``step_memory`` of the step ``finish_step`` last ended (None: no training
+        micro-batch, or no memory reported)."""
 
     # ------------------------------------------------------------------ planner
     def require_planner(self, layer_number: int | None) -> LayerPlanner:
@@ -91,6 +103,12 @@ class LayerStepState:
         # The count is read now only where the cost model amortises over it.
         count = self.step_microbatches(layer_number) if needs_cost_model(self.config) else 1
         settings = planner_settings(self.config, self.ep_size, tokens_per_rank, count, machine)
+        if self.hold_memory and settings.cost is None:
+            # Memory needs read no machine constant (time estimates are not asked for).
+            memory_only = MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0,
+                                           source="memory only")
+            shape = moe_shape(self.config, tokens_per_rank, count, self.ep_size)
+            settings = dataclasses.replace(settings, cost=CostModel(shape, memory_only))
         previous = self.planner.state_dict() if self.planner is not None else None
         self.planner = LayerPlanner(settings)
         if previous is not None:
@@ -130,8 +148,13 @@ class LayerStepState:
         return _mix_seed(self.seed_base, layer, self.calls)
 
     def count_training_forward(self) -> None:
-        """One more training micro-batch in this step (the next draw ordinal)."""
+        """One more training micro-batch in this step (the next draw ordinal); its plan's
+        memory (``LayerPlanner.last_memory``, when reported) joins the step's most."""
         self.calls += 1
+        memory = None if self.planner is None else self.planner.last_memory
+        if memory is not None:
+            self.step_memory = (memory.copy() if self.step_memory is None
+                                else np.maximum(self.step_memory, memory))
 
     def count_backward(self, layer_number: int | None) -> bool:
         """One more backward with replicas in this step; True for the step's last
@@ -151,6 +174,7 @@ class LayerStepState:
                 f"LRMoE layer {layer_number}: the step ended after {self.backwards_in_step} "
                 f"backward pass(es) of the {self.step_microbatches(layer_number)} it was told "
                 "a step has; the replica gradients never reached the home experts")
+        self.last_step_memory, self.step_memory = self.step_memory, None
         if not self.calls:
             return
         planner = self.require_planner(layer_number)
@@ -245,6 +269,7 @@ class LayerStepState:
 
     def _reset_progress(self) -> None:
         self.calls = 0
+        self.step_memory = None
         self.backwards_in_step = 0
         self.needs_refresh = True
 

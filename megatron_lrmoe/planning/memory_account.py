@@ -34,12 +34,16 @@ outside the LRMoE region, and the savings of recomputing the MoE layers themselv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
-from megatron_lrmoe.planning.cost_model import CostModel
+import numpy as np
 
-__all__ = ["GIB", "MemoryAccount", "RunShape", "account_line", "auto_budget_bytes",
-           "layer_activation_bytes", "memory_account", "moe_peak", "parameter_counts"]
+from megatron_lrmoe.planning.cost_model import CostModel, megatron_capacity_counts
+
+__all__ = ["GIB", "DeviceOutOfMemory", "MemoryAccount", "RunShape", "account_line",
+           "auto_budget_bytes", "check_device", "layer_activation_bytes",
+           "megatron_layer_bytes", "memory_account", "moe_peak", "out_of_memory_message",
+           "parameter_counts", "step_peak"]
 
 GIB = 2**30
 
@@ -363,3 +367,115 @@ def account_line(account: MemoryAccount, budget_bytes: float | None = None,
         if source:
             text += f" ({source})"
     return text
+
+
+# -----------------------------------------------------------------------------
+# A run held to its device (--device-memory-gb): the predicted peak of every step
+# -----------------------------------------------------------------------------
+
+
+class DeviceOutOfMemory(RuntimeError):
+    """A rank's peak in a step exceeds the device's size (``--device-memory-gb``): the
+    out-of-memory stop of a run held to its device, as a device of that size would stop
+    it. ``step``, ``rank``, ``need`` and ``device`` (bytes) name where and by how much."""
+
+    def __init__(self, message: str, step: int, rank: int, need: float, device: float):
+        super().__init__(message)
+        self.step, self.rank, self.need, self.device = step, rank, need, device
+
+
+def step_peak(outside_moe: float | np.ndarray, layer_bytes: np.ndarray) -> np.ndarray:
+    """[R] predicted peak of each rank in a step: the account's part outside the MoE
+    layers (a number, or [R]) plus the step's MoE bytes summed over the rank's MoE
+    layers. ``layer_bytes`` [L, R]: each layer's bytes per rank in ``rank_memory``'s terms
+    (MiF saved buffers plus 1/Lyr of the transient peak; the most of the step's
+    micro-batches), so that the sum over the stage's layers is its MoE peak, as
+    ``MemoryAccount.moe`` is at balanced routing."""
+    layers = np.asarray(layer_bytes, dtype=np.float64)
+    if layers.ndim != 2:
+        raise ValueError(f"layer_bytes must be [L, R], got shape {layers.shape}")
+    return np.asarray(outside_moe, dtype=np.float64) + layers.sum(axis=0)
+
+
+def megatron_layer_bytes(cost: CostModel, counts: np.ndarray, recompute: bool = False,
+                         capacity_factor: float | None = None, pad: bool = False,
+                         grouped: bool | None = None) -> np.ndarray:
+    """[R] bytes one of Megatron's own MoE layers holds per rank in a step: the most over
+    the step's micro-batches of ``CostModel.megatron_rank_memory`` of its routed counts
+    ``counts`` [M, R, E] (micro-batch x source rank of one EP group x expert), after the
+    capacity drop (or pad) of ``--moe-expert-capacity-factor`` when given.
+    ``recompute``: ``--recompute-modules moe``; ``grouped``: TEGroupedMLP."""
+    counts = np.asarray(counts, dtype=np.float64)
+    if counts.ndim != 3:
+        raise ValueError(f"counts must be [M, R, E], got shape {counts.shape}")
+    s = cost.shape
+    out = np.zeros(counts.shape[1], dtype=np.float64)
+    for routed in counts:
+        if capacity_factor is not None:
+            routed = megatron_capacity_counts(routed, s.tokens_per_rank, s.topk,
+                                              capacity_factor, pad)
+        out = np.maximum(out, cost.megatron_rank_memory(routed, recompute=recompute,
+                                                        padded=pad, grouped=grouped))
+    return out
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as the CUDA allocator's messages write them: GiB from 1 GiB on, else MiB."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.2f} MiB"
+
+
+def out_of_memory_message(step: int, rank: int, account: MemoryAccount,
+                          measured: float | None = None, ranks_over: int = 1,
+                          world_size: int = 1, lrmoe: bool = False) -> str:
+    """The out-of-memory stop's message: the step, the rank, its need, the device's size,
+    the parts of the need, and what to change. ``account``: the rank's account of the
+    step (its ``moe`` the step's MoE bytes; ``device`` set); ``measured``: the caching
+    allocator's peak (CUDA), when read; the need is the larger of the two."""
+    device = account.device
+    if device is None:
+        raise ValueError("the device size is not known")
+    need = max(account.total, measured or 0.0)
+    parts = ", ".join(f"{name} {_size(getattr(account, name))}"
+                      for name in ("weights", "gradients", "optimizer", "activations"))
+    text = (f"out of memory at step {step} on rank {rank}: needs {_size(need)}, the device "
+            f"holds {_size(device)} (--device-memory-gb {device / GIB:g}); predicted peak "
+            f"{_size(account.total)} = {parts}, MoE layers {_size(account.moe)} (this "
+            f"step's routing)")
+    if measured is not None:
+        text += f"; allocator peak {_size(measured)} (torch.cuda.max_memory_allocated)"
+    if world_size > 1:
+        text += f"; {ranks_over} of {world_size} ranks over, the largest need shown"
+    if lrmoe:
+        advice = ("a lower --moe-lrmoe-bwd-capacity-factor (fewer rows kept for backward) "
+                  "or --moe-lrmoe-memory-budget-gb auto (the planner lowers it to fit), ")
+    else:
+        advice = ("--moe-lrmoe with --moe-lrmoe-bwd-capacity-factor below 1 (fewer rows "
+                  "kept for backward), --moe-expert-capacity-factor (drops tokens), ")
+    return (text + ". To fit: lower --micro-batch-size, recompute the MoE layers "
+            "(--recompute-granularity selective --recompute-modules moe), " + advice
+            + "a larger --expert-model-parallel-size or --pipeline-model-parallel-size, "
+            "or a larger --device-memory-gb if the device has it")
+
+
+def check_device(step: int, account: MemoryAccount, moe: np.ndarray,
+                 measured: np.ndarray | None = None, lrmoe: bool = False) -> None:
+    """Hold a step to the device: ``moe`` [W] is each rank's MoE bytes of the step (the
+    sum over its layers), ``measured`` [W] each rank's allocator peak (CUDA; None or 0
+    where not read). Raises ``DeviceOutOfMemory`` for the rank with the largest need when
+    any rank's predicted or measured peak exceeds ``account.device``; nothing otherwise
+    (or without a device size)."""
+    device = account.device
+    if device is None:
+        return
+    moe = np.asarray(moe, dtype=np.float64)
+    predicted = step_peak(account.outside_moe, moe[None, :])
+    need = predicted if measured is None else np.maximum(
+        predicted, np.asarray(measured, dtype=np.float64))
+    over = need > device
+    if not over.any():
+        return
+    rank = int(np.argmax(need))
+    read = None if measured is None or not measured[rank] else float(measured[rank])
+    message = out_of_memory_message(step, rank, replace(account, moe=float(moe[rank])),
+                                    read, int(over.sum()), len(need), lrmoe)
+    raise DeviceOutOfMemory(message, step, rank, float(need[rank]), float(device))

@@ -64,6 +64,11 @@ class LayerPlanner:
         self._observed_sum: torch.Tensor | None = None
         self._observed = 0
         self._contexts: dict[Placement, _PlacementContext] = {}
+        self.last_memory: np.ndarray | None = None
+        """[R] bytes the latest ``plan`` holds on each rank (``CostModel.rank_memory``),
+        computed whenever the settings carry a cost model (a budget, or a run held to its
+        device); None without one. The planner only reports it: what a rank over its
+        device means is the caller's (the launcher stops the run)."""
 
     # ------------------------------------------------------------- per batch
     def observe(self, counts: torch.Tensor) -> None:
@@ -101,11 +106,12 @@ class LayerPlanner:
         until the backward buffers do; the forward never drops. What was done is in
         ``notes``.
         """
-        return self._plan(counts, self._context(self.placement))[0]
+        plan, self.last_memory = self._plan(counts, self._context(self.placement))
+        return plan
 
     def _plan(self, counts: torch.Tensor,
               ctx: _PlacementContext) -> tuple[MicroBatchPlan, np.ndarray | None]:
-        """(the plan, [R] CostModel.plan_memory of it or None without a budget)."""
+        """(the plan, [R] CostModel.rank_memory of it or None without a cost model)."""
         # numpy on [R] arrays (a torch op costs ~10 us here), as the cost model is.
         s = self.settings
         placement = ctx.placement
@@ -121,9 +127,10 @@ class LayerPlanner:
         share = s.layer_share
         retention = self._retention(assignment, gamma)
         memory = None
-        if share is not None:
+        if s.cost is not None:
             memory = _memory(s.cost, ctx, routed, instance_routed, retention.quotas.numpy())
-        if memory is not None and math.isfinite(gamma) and bool((memory > share).any()):
+        if (share is not None and memory is not None and math.isfinite(gamma)
+                and bool((memory > share).any())):
             # The plan does not fit: lower gamma to the smallest rank limit. The limits
             # bound what they cannot know before the plan (each source's kept pairs, the
             # retained rows per instance), so a plan within them fits.
@@ -143,7 +150,7 @@ class LayerPlanner:
                     retention = self._retention(assignment, gamma)
                     memory = _memory(s.cost, ctx, routed, instance_routed,
                                      retention.quotas.numpy())
-        if memory is not None:
+        if share is not None and memory is not None:
             over = memory > share
             if over.any():
                 notes.append(f"over budget on {int(np.add.reduce(over))} rank(s) by up to "

@@ -4,18 +4,25 @@ written out independently of the module's formulas (docs/design.md, "Memory budg
 from __future__ import annotations
 
 import dataclasses
+import math
 
+import numpy as np
 import pytest
 
 from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
 from megatron_lrmoe.planning.memory_account import (
     GIB,
+    DeviceOutOfMemory,
     MemoryAccount,
     RunShape,
     account_line,
     auto_budget_bytes,
+    check_device,
+    megatron_layer_bytes,
     memory_account,
     moe_peak,
+    out_of_memory_message,
+    step_peak,
 )
 
 # Two dense layers, H 8, F 16, 2 heads of d 4, vocabulary 32, s 4, b 2 (N = 8 tokens), fp32,
@@ -164,3 +171,105 @@ def test_run_shape_refuses_unknown_settings():
         dataclasses.replace(DENSE, recompute_granularity="some")
     with pytest.raises(ValueError, match="optimizer"):
         dataclasses.replace(DENSE, optimizer="lamb")
+
+
+# -----------------------------------------------------------------------------
+# A run held to its device: the step's predicted peak and the out-of-memory stop
+# -----------------------------------------------------------------------------
+
+
+def test_step_peak_adds_each_ranks_layers_to_the_rest():
+    rng = np.random.default_rng(0)
+    layers = rng.uniform(0, 1e6, size=(3, 4))                  # [L, R]
+    got = step_peak(123.0, layers)
+    for r in range(4):
+        assert got[r] == pytest.approx(123.0 + sum(layers[i, r] for i in range(3)))
+    rest = np.array([1.0, 2.0, 3.0, 4.0])
+    assert step_peak(rest, layers).tolist() == pytest.approx((rest + layers.sum(0)).tolist())
+    assert step_peak(5.0, np.zeros((0, 2))).tolist() == [5.0, 5.0]   # a stage without MoE
+    with pytest.raises(ValueError, match=r"\[L, R\]"):
+        step_peak(0.0, np.zeros(4))
+
+
+@pytest.mark.parametrize("capacity_factor,pad,recompute", [
+    (None, False, False), (None, False, True), (1.0, False, False), (0.5, True, False)])
+def test_megatron_layer_bytes_is_the_worst_micro_batch(capacity_factor, pad, recompute):
+    """Brute force: each micro-batch's counts cut to the capacity C = ceil(T k / E x
+    factor) by hand (or padded to exactly C), its ``megatron_rank_memory``, the most per
+    rank over the micro-batches."""
+    cost = _cost()                                  # T 8 tokens, top-2, 4 experts, EP 2
+    rng = np.random.default_rng(1)
+    counts = np.stack([np.stack([rng.multinomial(16, [0.55, 0.15, 0.15, 0.15])
+                                 for _ in range(2)]) for _ in range(3)])   # [M, R, E]
+    got = megatron_layer_bytes(cost, counts, recompute, capacity_factor, pad)
+    want = np.zeros(2)
+    for m in range(3):
+        routed = counts[m].astype(float)
+        if capacity_factor is not None:
+            capacity = math.ceil(8 * 2 / 4 * capacity_factor)
+            routed = (np.full((2, 4), float(capacity)) if pad else
+                      np.array([[min(v, capacity) for v in row] for row in routed]))
+        per_rank = cost.megatron_rank_memory(routed, recompute=recompute, padded=pad)
+        want = np.array([max(want[r], per_rank[r]) for r in range(2)])
+    assert got.tolist() == want.tolist()
+    assert (got > 0).all()
+    with pytest.raises(ValueError, match=r"\[M, R, E\]"):
+        megatron_layer_bytes(cost, counts[0])
+
+
+ACCOUNT = MemoryAccount(weights=GIB, gradients=GIB, optimizer=2 * GIB, activations=3 * GIB,
+                        moe=0.5 * GIB, device=10 * GIB)
+
+
+def test_check_device_passes_a_step_that_fits():
+    check_device(7, ACCOUNT, np.array([2 * GIB, 2.5 * GIB]))
+    check_device(7, ACCOUNT, np.array([3 * GIB, 3 * GIB]))            # exactly the device fits
+    check_device(7, dataclasses.replace(ACCOUNT, device=None), np.array([99 * GIB]))
+
+
+def test_check_device_stops_naming_the_rank_with_the_largest_need():
+    with pytest.raises(DeviceOutOfMemory) as caught:
+        check_device(7, ACCOUNT, np.array([3 * GIB, 5 * GIB, 4 * GIB]), lrmoe=True)
+    exc = caught.value
+    assert (exc.step, exc.rank, exc.need, exc.device) == (7, 1, 12 * GIB, 10 * GIB)
+    assert isinstance(exc, RuntimeError)
+    assert str(exc).startswith("out of memory at step 7 on rank 1: needs 12.00 GiB, the "
+                               "device holds 10.00 GiB (--device-memory-gb 10); predicted "
+                               "peak 12.00 GiB = weights 1.00 GiB, gradients 1.00 GiB, "
+                               "optimizer 2.00 GiB, activations 3.00 GiB, MoE layers 5.00 GiB "
+                               "(this step's routing); 2 of 3 ranks over, the largest need "
+                               "shown. To fit: lower --micro-batch-size")
+    for flag in ("--recompute-modules moe", "--moe-lrmoe-bwd-capacity-factor",
+                 "--moe-lrmoe-memory-budget-gb auto", "--expert-model-parallel-size",
+                 "a larger --device-memory-gb"):
+        assert flag in str(exc), flag
+
+
+def test_check_device_stops_on_the_allocators_peak_too():
+    """CUDA: the measured peak is held to the device as well; the need is the larger."""
+    moe = np.array([GIB, GIB])                                      # predicted 8 GiB: fits
+    check_device(2, ACCOUNT, moe, np.array([9 * GIB, 0.0]))
+    with pytest.raises(DeviceOutOfMemory) as caught:
+        check_device(2, ACCOUNT, moe, np.array([9 * GIB, 10.5 * GIB]))
+    exc = caught.value
+    assert (exc.step, exc.rank, exc.need) == (2, 1, 10.5 * GIB)
+    assert "needs 10.50 GiB" in str(exc) and "predicted peak 8.00 GiB" in str(exc)
+    assert "allocator peak 10.50 GiB (torch.cuda.max_memory_allocated)" in str(exc)
+    assert "1 of 2 ranks over" in str(exc)
+
+
+def test_out_of_memory_message_in_mib_and_for_megatrons_layer():
+    small = MemoryAccount(weights=2**20, gradients=2**20, optimizer=2**21, activations=2**22,
+                          moe=1.5 * 2**20, device=0.001 * GIB)
+    text = out_of_memory_message(3, 0, small)
+    assert text.startswith("out of memory at step 3 on rank 0: needs 9.50 MiB, the device "
+                           "holds 1.02 MiB (--device-memory-gb 0.001); predicted peak 9.50 "
+                           "MiB = weights 1.00 MiB, gradients 1.00 MiB, optimizer 2.00 MiB, "
+                           "activations 4.00 MiB, MoE layers 1.50 MiB (this step's routing). "
+                           "To fit:"), text
+    for flag in ("--micro-batch-size", "--recompute-modules moe", "--moe-lrmoe with "
+                 "--moe-lrmoe-bwd-capacity-factor", "--moe-expert-capacity-factor",
+                 "--device-memory-gb"):
+        assert flag in text, flag
+    with pytest.raises(ValueError, match="device size"):
+        out_of_memory_message(1, 0, dataclasses.replace(small, device=None))

@@ -850,3 +850,25 @@ def test_budget_between_floor_and_dropless_need_lowers_gamma(policy, forward_ret
     if policy == "popularity":
         assert settings.popularity_slots() == 2
         assert planner.placement == Placement.static(4, 8)
+
+
+def test_planner_reports_each_plans_memory_with_a_cost_model():
+    """``last_memory``: the [R] ``rank_memory`` of the latest plan whenever the settings
+    carry a cost model (a run held to its device, without a budget; or with one, after
+    gamma was lowered), recomputed here from the plan by ``CostModel.plan_memory``; None
+    without a cost model (nothing is computed)."""
+    counts = _skewed_counts(4, 8, 64, 3, 1.0)
+    cost = _cost(8)
+    plain = LayerPlanner(PlannerSettings("static", 4, 8, capacity_factor=1.0))
+    plain.plan(counts)
+    assert plain.last_memory is None
+    held = LayerPlanner(PlannerSettings("static", 4, 8, capacity_factor=1.0, cost=cost))
+    plan = held.plan(counts)
+    assert not plan.notes
+    assert np.array_equal(held.last_memory, cost.plan_memory(plan.retention, np.zeros(4)))
+    budget = budget_floor(cost) * 1.05           # the budget binds: some ranks stay over
+    budgeted = LayerPlanner(PlannerSettings("static", 4, 8, capacity_factor=1.0, cost=cost,
+                                            budget_bytes=budget))
+    plan = budgeted.plan(counts)
+    assert any(note.startswith("over budget") for note in plan.notes)
+    assert np.array_equal(budgeted.last_memory, cost.plan_memory(plan.retention, np.zeros(4)))
