@@ -34,6 +34,7 @@ several sessions. The exact command of every run is in its ``done.json``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -44,6 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_lrmoe.tools.routing_traces import read_routing_trace
 from megatron_lrmoe.tools.time_to_loss_policies import (
     REFERENCE,
     STUDY_CONFIG,
@@ -53,7 +55,13 @@ from megatron_lrmoe.tools.time_to_loss_policies import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+CALIBRATION = "benchmarks/results/calibration_cpu_h384_f1024.json"
+"""The CPU machine constants the fitted configurations are predicted with."""
 TARGET_FRACTIONS = (0.5, 0.75, 1.0)
+OOM_LINE = "error: out of memory at step"
+"""How the launcher's out-of-memory stop of a run held to its device starts."""
+UNCONSTRAINED = "unconstrained/"
+"""Prefix of the rows of a device-held study's unconstrained runs (kept for comparison)."""
 
 
 # -----------------------------------------------------------------------------
@@ -98,13 +106,19 @@ def run_one(run_dir: Path, flags: list[str], port: int) -> dict:
     start = time.perf_counter()
     with open(run_dir / "stdout.txt", "w") as out:
         code = subprocess.call(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    if code != 0:
-        tail = (run_dir / "stdout.txt").read_text().splitlines()[-15:]
-        raise RuntimeError(f"run {run_dir.name} failed ({code}):\n" + "\n".join(tail))
     from megatron_lrmoe.tools.provenance import code_version
 
     record = {"command": shlex.join(command), "wall_s": time.perf_counter() - start,
               "code": code_version()}
+    if code != 0:
+        lines = (run_dir / "stdout.txt").read_text().splitlines()
+        # A run held to its device that stops out of memory is a result (the launcher's
+        # DeviceOutOfMemory line), recorded and not retried; any other failure is not.
+        oom = next((line.removeprefix("error: ") for line in lines
+                    if line.startswith(OOM_LINE)), None)
+        if oom is None:
+            raise RuntimeError(f"run {run_dir.name} failed ({code}):\n" + "\n".join(lines[-15:]))
+        record["failed"] = oom
     tmp = done.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, done)   # atomic: a half-written done.json never marks a run done
@@ -128,16 +142,23 @@ def smoothed(values: list[float], window: int) -> list[float]:
 
 
 def analyse_run(records: list[dict], targets: dict[float, float], steps: int,
-                window: int) -> dict:
+                window: int, val_target: float | None = None) -> dict:
+    """A run's figures against its seed's targets: per training-loss target the first step
+    whose smoothed loss reaches it, with the cumulative MoE and step seconds there; the
+    same for ``val_target`` over the evaluations (``reached_val``)."""
     train = [r for r in records if "lm-loss" in r]
     loss = smoothed([r["lm-loss"] for r in train], window)
     moe = [r["moe-cumulative-s"] for r in train]
+    step_s = list(itertools.accumulate(r.get("step-time-s", 0.0) for r in train))
+    at = {r["iteration"]: i for i, r in enumerate(train)}
     reached = {}
     for fraction, target in targets.items():
         hit = next((i for i, v in enumerate(loss) if v <= target), None)
         reached[fraction] = None if hit is None else {
-            "step": train[hit]["iteration"], "moe_s": moe[hit]}
+            "step": train[hit]["iteration"], "moe_s": moe[hit], "step_s": step_s[hit]}
     val = {r["iteration"]: r["validation-loss"] for r in records if "validation-loss" in r}
+    val_hit = None if val_target is None else next(
+        (i for i in sorted(val) if val[i] <= val_target and i in at), None)
     lrmoe = [r for r in records if "lrmoe/retained-fraction" in r]
     steady = train[len(train) // 10:] or train     # past warm-up and first-call costs
     return {
@@ -147,6 +168,8 @@ def analyse_run(records: list[dict], targets: dict[float, float], steps: int,
         if steady else None,
         "steps_run": len(train),
         "reached": reached,
+        "reached_val": None if val_hit is None else {
+            "step": val_hit, "moe_s": moe[at[val_hit]], "step_s": step_s[at[val_hit]]},
         "val_at_steps": val[max(i for i in val if i <= steps)] if any(
             i <= steps for i in val) else None,
         "val_final": val[max(val)] if val else None,
@@ -164,6 +187,42 @@ def analyse_run(records: list[dict], targets: dict[float, float], steps: int,
         "load_worst": max((r["lrmoe/load-max-over-mean"] for r in lrmoe), default=None),
         "curve": {"moe_s": moe, "loss": loss},
     }
+
+
+def val_target_from(reference: list[dict], steps: int) -> float | None:
+    """The reference's validation loss at ``steps`` (its last evaluation at or before)."""
+    val = {r["iteration"]: r["validation-loss"] for r in reference if "validation-loss" in r}
+    before = [i for i in val if i <= steps]
+    return val[max(before)] if before else None
+
+
+def family(name: str) -> str:
+    """A run's policy without its fitted configuration (``symi@slots_9`` -> ``symi``)."""
+    return name.split("@", 1)[0]
+
+
+def fitted_name(policy: str, fitted: str) -> str:
+    """The run name of ``policy`` in a fitted configuration (``symi@slots_9``)."""
+    return policy if fitted == "none" else f"{policy}@{fitted.replace(' ', '_')}"
+
+
+def fitted_of(name: str) -> str:
+    """What a run gave up to fit (``x@micro-batch_2`` -> ``micro-batch 2``; ``none``)."""
+    return name.split("@", 1)[1].replace("_", " ") if "@" in name else "none"
+
+
+def fastest(per_run: dict[tuple[str, int], dict], policy: str, seed: int,
+            key: str = "reached") -> dict | None:
+    """The seed's fastest run of ``policy``'s family to the 100% target (its reached entry):
+    the reference a fitted study compares with (every fitted configuration of a baseline
+    is that baseline at its best)."""
+    hits = []
+    for (name, s), a in per_run.items():
+        if s == seed and family(name) == policy and not name.startswith(UNCONSTRAINED):
+            hit = a[key][1.0] if key == "reached" else a[key]
+            if hit:
+                hits.append(hit)
+    return min(hits, key=lambda h: h["moe_s"]) if hits else None
 
 
 def targets_from(reference: list[dict], steps: int, window: int) -> dict[float, float]:
@@ -189,6 +248,19 @@ def summarize(per_run: dict[tuple[str, int], dict]) -> list[dict]:
             ratios = [h["moe_s"] / ref[seed]["reached"][fraction]["moe_s"] for seed, h in hits
                       if seed in ref and ref[seed]["reached"][fraction]]
             row[f"moe_vs_dropless_{fraction}"] = _median(ratios)
+            row[f"step_s_{fraction}"] = _median([h["step_s"] for _, h in hits])
+        row["fitted"] = fitted_of(name)
+        val_hits = [(seed, a["reached_val"]) for seed, a in runs if a.get("reached_val")]
+        row["reached_val"] = len(val_hits)
+        row["moe_s_val"] = _median([h["moe_s"] for _, h in val_hits])
+        for base, key in ((REFERENCE, "moe_vs_dropless"), ("symi", "moe_vs_symi")):
+            # Against the seed's fastest fitted configuration of the baseline (with nothing
+            # fitted, its one run), at the 100% training-loss target and at the val target.
+            hits = [(seed, a["reached"][1.0]) for seed, a in runs if a["reached"][1.0]]
+            row[f"{key}_1.0"] = _median([h["moe_s"] / b["moe_s"] for seed, h in hits
+                                         if (b := fastest(per_run, base, seed))])
+            row[f"{key}_val"] = _median([h["moe_s"] / b["moe_s"] for seed, h in val_hits
+                                         if (b := fastest(per_run, base, seed, "reached_val"))])
         for key in ("val_at_steps", "val_final", "moe_s_per_step", "moe_fwd_ms", "moe_bwd_ms",
                     "retained", "bwd_bytes_saved", "load_max_over_mean", "load_worst",
                     "wall_s"):
@@ -213,8 +285,7 @@ def per_seed(per_run: dict[tuple[str, int], dict]) -> list[dict]:
         row = {"seed": seed, "policy": name, "steps": hit and hit["step"],
                "moe_s": hit and hit["moe_s"]}
         for base in BASELINES:
-            other = per_run.get((base, seed))
-            other_hit = other and other["reached"][1.0]
+            other_hit = fastest(per_run, base, seed)
             row[f"vs_{base}"] = (hit["moe_s"] / other_hit["moe_s"]
                                  if hit and other_hit else None)
         ref = per_run.get((REFERENCE, seed))
@@ -279,6 +350,26 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def fitted_table(rows: list[dict]) -> str:
+    """Per policy: what it gave up to fit, MoE and total step seconds to the 100% training
+    target and MoE seconds to the validation target, and its ratios to the fastest fitted
+    dropless and SYMI-style runs (per seed, then medians)."""
+    def fmt(v, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    lines = ["| policy | fitted | MoE s / step s to 100% | vs dropless | vs SYMI-style | "
+             "val target reached | MoE s to val | vs dropless (val) | vs SYMI-style (val) |",
+             "|" + "---|" * 9]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["policy"], r["fitted"],
+            fmt(r["moe_s_1.0"], ".1f") + " / " + fmt(r["step_s_1.0"], ".1f"),
+            fmt(r["moe_vs_dropless_1.0"], ".2f"), fmt(r["moe_vs_symi_1.0"], ".2f"),
+            f"{r['reached_val']}/{r['seeds']}", fmt(r["moe_s_val"], ".1f"),
+            fmt(r["moe_vs_dropless_val"], ".2f"), fmt(r["moe_vs_symi_val"], ".2f")]) + " |")
+    return "\n".join(lines)
+
+
 def plot(per_run: dict[tuple[str, int], dict], targets: dict[int, dict[float, float]],
          path: Path) -> None:
     import matplotlib
@@ -307,18 +398,54 @@ def plot(per_run: dict[tuple[str, int], dict], targets: dict[int, dict[float, fl
     os.replace(tmp, path)
 
 
-def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
-                 base_flags: list[str], budget_gb: float) -> list[dict]:
-    """Analyse every finished run under ``out_dir`` and rewrite the report files."""
-    window = max(1, stage.steps // 8)
-    logs, finished = {}, {}
+@dataclass(frozen=True)
+class Device:
+    """A device-held study: the device, the MoE budget it leaves the dropless
+    configuration, whether the dropless hot rank needs more (``binding``), the
+    feasibility table, and the unconstrained study whose dropless runs set the targets."""
+
+    gib: float
+    budget_gib: float
+    binding: bool
+    feasibility: str
+    unconstrained_dir: Path
+
+
+def _finished_runs(out_dir: Path, prefix: str = "") -> tuple[dict, dict, dict]:
+    """(logs, done records, failures) of the runs under ``out_dir``/runs, keyed
+    (prefix + policy, seed); a run stopped out of memory is finished, not analysed."""
+    logs, finished, failed = {}, {}, {}
     for done in sorted((out_dir / "runs").glob("*/done.json")):
         name, _, seed = done.parent.name.rpartition("-s")
-        logs[(name, int(seed))] = read_log(done.parent / "log.jsonl")
-        finished[(name, int(seed))] = json.loads(done.read_text())
+        key = (prefix + name, int(seed))
+        record = json.loads(done.read_text())
+        if record.get("failed"):
+            failed[key] = record["failed"]
+            continue
+        logs[key] = read_log(done.parent / "log.jsonl")
+        finished[key] = record
+    return logs, finished, failed
+
+
+def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
+                 base_flags: list[str], budget_gb: float | str,
+                 device: Device | None = None) -> list[dict]:
+    """Analyse every finished run under ``out_dir`` and rewrite the report files."""
+    window = max(1, stage.steps // 8)
+    logs, finished, failed = _finished_runs(out_dir)
+    if device is not None:   # the unconstrained study's runs of the same seeds, beside
+        seeds = {seed for _, seed in logs} | {seed for _, seed in failed}
+        more, more_done, _ = _finished_runs(device.unconstrained_dir, UNCONSTRAINED)
+        logs.update({k: v for k, v in more.items() if k[1] in seeds})
+        finished.update({k: v for k, v in more_done.items() if k[1] in seeds})
+    references = {seed: records for (name, seed), records in logs.items()
+                  if name in (REFERENCE, UNCONSTRAINED + REFERENCE)}
     targets = {seed: targets_from(records, stage.steps, window)
-               for (name, seed), records in logs.items() if name == REFERENCE}
-    per_run = {key: analyse_run(records, targets[key[1]], stage.steps, window)
+               for seed, records in references.items()}
+    val_targets = {seed: val_target_from(records, stage.steps)
+                   for seed, records in references.items()}
+    per_run = {key: analyse_run(records, targets[key[1]], stage.steps, window,
+                                val_targets[key[1]])
                for key, records in logs.items() if key[1] in targets}
     for key, analysed in per_run.items():   # end-to-end wall time beside MoE time
         analysed["wall_s"] = finished[key]["wall_s"]
@@ -342,9 +469,26 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
         f"Study parameters: {study_parameters(base_flags)}.",
         f"Code of the runs: {'; '.join(codes) or '-'}.",
         f"Base flags: `{shlex.join(base_flags)}`. SYMI-style and memory-aware budget: "
-        f"{budget_gb:.5f} GiB per rank.",
+        + (budget_gb if isinstance(budget_gb, str) else f"{budget_gb:.5f} GiB") + " per rank.",
+        *([] if device is None else [
+            "",
+            f"Device: {device.gib:g} GiB per rank (every run held to it, "
+            f"`--device-memory-gb`); the MoE budget it leaves the dropless configuration: "
+            f"{device.budget_gib:.4f} GiB, {'binding' if device.binding else 'not binding'} "
+            "(the dropless hot rank's predicted need on the reference routing "
+            f"{'exceeds' if device.binding else 'is within'} it). Baselines ran as their "
+            "two best-predicted fitting configurations (`policy@fitted`); ratios are to the "
+            "seed's fastest fitted run of SYMI-style and of dropless. Rows "
+            f"`{UNCONSTRAINED}...`: the unconstrained study "
+            f"(`{device.unconstrained_dir}`), for comparison; its dropless runs set the "
+            "targets.",
+            "",
+            *(f"- `{n}-s{s}` stopped: {msg}" for (n, s), msg in sorted(failed.items())),
+        ]),
         "",
         markdown_table(rows),
+        "",
+        fitted_table(rows),
         "",
         "Steps and MoE seconds are medians over the seeds that reached the target (`-`: "
         "none did within the run); \"MoE s vs dropless\" is the median of the per-seed "
@@ -359,17 +503,30 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
         per_seed_table(seeds),
     ]) + "\n"
     (out_dir / "report.md").write_text(text)
+    held = {} if device is None else {
+        "device_gib": device.gib, "budget_gib": device.budget_gib, "binding": device.binding,
+        "failed": {f"{n}-s{s}": msg for (n, s), msg in failed.items()}}
     (out_dir / "report.json").write_text(json.dumps(
-        {"rows": rows, "per_seed": seeds,
-         "targets": {str(k): v for k, v in targets.items()}}, indent=1))
+        {**held, "rows": rows, "per_seed": seeds,
+         "targets": {str(k): v for k, v in targets.items()},
+         "val_targets": {str(k): v for k, v in val_targets.items()}}, indent=1))
+    if device is not None:
+        text += "\n## Feasibility (predicted before the runs)\n\n" + device.feasibility + "\n"
+        (out_dir / "report.md").write_text(text)
     if per_run:
         plot(per_run, targets, out_dir / "loss_vs_moe_time.png")
     if logs:   # the stage's run report (python -m megatron_lrmoe.tools.report) over every run
         from megatron_lrmoe.tools.report import build_report
         from megatron_lrmoe.tools.report import write_report as write_run_report
 
-        write_run_report(build_report([out_dir / "runs" / f"{n}-s{s}" for n, s in logs]),
-                         out_dir / "report")
+        def run_dir(name: str, seed: int) -> Path:
+            if name.startswith(UNCONSTRAINED):
+                assert device is not None
+                return (device.unconstrained_dir / "runs"
+                        / f"{name.removeprefix(UNCONSTRAINED)}-s{seed}")
+            return out_dir / "runs" / f"{name}-s{seed}"
+
+        write_run_report(build_report([run_dir(n, s) for n, s in logs]), out_dir / "report")
     return rows
 
 
@@ -388,6 +545,53 @@ def study_parameters(base_flags: list[str]) -> str:
             f"{value('num-experts')} experts top-{value('moe-router-topk')}, "
             f"{value('num-layers')} layers, sequence {value('seq-length')}, micro-batch "
             f"{value('micro-batch-size')}, {micro} micro-batch(es) per step on 2 ranks")
+
+
+def fitted_policies(base: list[str], device_gib: float, unconstrained_dir: Path, seed: int,
+                    chosen: str | None) -> tuple[dict[str, list[str]], Device]:
+    """The runs of a device-held study: each baseline's two best-predicted fitting
+    configurations (``fitted_name``) and the chosen LRMoE policies as they are (budget
+    ``auto``), predicted from the unconstrained study's dropless run of ``seed`` (its
+    routing and its time outside the MoE layers); and the ``Device`` for the report."""
+    from megatron_lrmoe.planning.memory_account import GIB
+    from megatron_lrmoe.tools import fitting
+
+    reference = unconstrained_dir / "runs" / f"{REFERENCE}-s{seed}"
+    trace = read_routing_trace(reference / "routing")
+    skip = len(trace.iterations) // 10
+    traces = [trace.layer(n)[skip:] for n in trace.layers]
+    calibration = json.loads((ROOT / CALIBRATION).read_text())
+    outside = fitting.OutsideTime.from_log(reference / "log.jsonl")
+    every = policies("auto")
+    names = list(every) if not chosen else [REFERENCE] + [
+        p for p in chosen.split(",") if p and p != REFERENCE]
+    if bad := [p for p in names if p not in every]:
+        raise SystemExit(f"unknown policies {bad}; --list shows them")
+    args = fitting._parse(base)
+    table, rows, dropless = {}, [], None
+    for name in names:
+        flags = every[name]
+        if family(name) in BASELINES:
+            cands = fitting.candidates(name, flags, args, slots_max=(
+                args.num_experts if name == "symi" else None))
+        else:
+            cands = [fitting.Candidate(name, fitting.NONE, tuple(flags))]
+        preds = [fitting.predict(base, c, device_gib, traces, calibration, outside)
+                 for c in cands]
+        # Slot counts the device's budget already caps are "none" again.
+        preds = [p for p in preds if not p.candidate.fitted.startswith("slots")
+                 or p.need < preds[0].need]
+        dropless = preds[0] if name == REFERENCE else dropless
+        rows += [(device_gib, p) for p in preds]
+        for p in (fitting.best_fitting(preds) if name in BASELINES else preds[:1]):
+            table[fitted_name(name, p.candidate.fitted)] = list(p.candidate.flags)
+    assert dropless is not None
+    budget = device_gib - dropless.account.outside_moe / GIB
+    device = Device(device_gib, budget, dropless.account.moe / GIB > budget,
+                    f"Predicted from `{reference}` (routing, {outside.seconds:.3f} s per step "
+                    f"outside the MoE layers):\n\n" + fitting.feasibility_table(rows),
+                    unconstrained_dir)
+    return table, device
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -417,6 +621,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-record-routing", action="store_true",
                    help="do not record each run's routing (runs/<run>/routing, which the "
                         "simulator's validation replays)")
+    p.add_argument("--device-gib", type=float, default=None,
+                   help="hold every run to a device of this many GiB per rank "
+                        "(--device-memory-gb); the baselines run as their two best-predicted "
+                        "fitting configurations (megatron_lrmoe.tools.fitting), SYMI-style's "
+                        "and memory-aware's budget is auto (benchmarks/results/feasibility: "
+                        "D1, D2)")
+    p.add_argument("--unconstrained-dir", type=Path, default=None,
+                   help="with --device-gib (required): the unconstrained study of the same "
+                        "shape and seeds; its dropless runs set the targets, its rows stay in "
+                        "the report")
     p.add_argument("--port", type=int, default=29531)
     p.add_argument("--list", action="store_true", help="print the policies and exit")
     return p.parse_args(argv)
@@ -445,13 +659,21 @@ def main(argv: list[str] | None = None) -> int:
             "--data-path", args.data_path, "--data-cache-path", args.data_cache_path,
             "--train-iters", str(total), "--eval-interval", str(eval_interval),
             "--log-interval", str(max(1, stage.steps // 10)), "--no-progress-bar"]
-    budget_gb = study_budget_gb(base, args.budget_replicas)
-    table = policies(budget_gb)
+    device = None
+    if args.device_gib is not None:
+        if args.unconstrained_dir is None:
+            raise SystemExit("--device-gib needs --unconstrained-dir (the unconstrained study "
+                             "whose dropless runs set the targets)")
+        budget_gb, (table, device) = "auto", fitted_policies(
+            base, args.device_gib, args.unconstrained_dir, stage.seeds[0], args.policies)
+    else:
+        budget_gb = study_budget_gb(base, args.budget_replicas)
+        table = policies(budget_gb)
     if args.list:
         for name, flags in table.items():
             print(f"{name}: {shlex.join(flags)}")
         return 0
-    chosen = list(table) if not args.policies else [REFERENCE] + [
+    chosen = list(table) if not args.policies or device else [REFERENCE] + [
         p for p in args.policies.split(",") if p and p != REFERENCE]
     if bad := [p for p in chosen if p not in table]:
         raise SystemExit(f"unknown policies {bad}; --list shows them")
@@ -466,14 +688,16 @@ def main(argv: list[str] | None = None) -> int:
             record = [] if args.no_record_routing else [
                 "--record-routing", str(run_dir / "routing")]
             ran = not (run_dir / "done.json").exists()
-            run_one(run_dir, base + ["--seed", str(seed), *table[name], *record], args.port)
+            held = [] if device is None else ["--device-memory-gb", f"{device.gib:g}"]
+            run_one(run_dir, base + ["--seed", str(seed), *table[name], *held, *record],
+                    args.port)
             print(f"[time_to_loss] {run_dir.name}: done ({time.perf_counter() - started:.0f} s)",
                   flush=True)
             if ran:    # after every new run, so that an interrupted study has its report
-                write_report(out_dir, stage, args.stage, command, base, budget_gb)
+                write_report(out_dir, stage, args.stage, command, base, budget_gb, device)
                 reported = True
     if not reported:     # nothing new ran: rewrite it once (with today's analysis)
-        write_report(out_dir, stage, args.stage, command, base, budget_gb)
+        write_report(out_dir, stage, args.stage, command, base, budget_gb, device)
     print((out_dir / "report.md").read_text())
     return 0
 

@@ -19,9 +19,11 @@ REFERENCE = "megatron-dropless"
 SELECTIONS = ("topk", "sample", "uniform", "hybrid")
 
 
-def policies(budget_gb: float) -> dict[str, list[str]]:
-    """Policy name -> launcher flags. SYMI-style and memory-aware get the same budget."""
-    budget = ["--moe-lrmoe-memory-budget-gb", f"{budget_gb:.6g}"]
+def policies(budget_gb: float | str) -> dict[str, list[str]]:
+    """Policy name -> launcher flags. SYMI-style and memory-aware get the same budget
+    (GiB, or ``auto``: the device less the rest of the memory account)."""
+    budget = ["--moe-lrmoe-memory-budget-gb",
+              budget_gb if isinstance(budget_gb, str) else f"{budget_gb:.6g}"]
     out = {
         REFERENCE: [],
         "megatron-capacity-1.0": ["--moe-expert-capacity-factor", "1.0"],

@@ -24,7 +24,8 @@ def _records(losses, moe_per_step=0.5, val=None):
     out = []
     for i, loss in enumerate(losses, start=1):
         r = {"iteration": i, "lm-loss": loss, "moe-cumulative-s": moe_per_step * i,
-             "moe-forward-s": moe_per_step / 3, "moe-backward-s": 2 * moe_per_step / 3}
+             "moe-forward-s": moe_per_step / 3, "moe-backward-s": 2 * moe_per_step / 3,
+             "step-time-s": 2 * moe_per_step}
         if val and i in val:
             r["validation-loss"] = val[i]
         out.append(r)
@@ -37,8 +38,8 @@ def test_targets_and_time_to_target():
     assert targets == {0.5: 7, 0.75: 6, 1.0: 5}
     slower = ttl.analyse_run(_records([9, 8, 7, 6, 5, 4], moe_per_step=0.25, val={4: 6.5}),
                              targets, steps=4, window=1)
-    assert slower["reached"][0.5] == {"step": 3, "moe_s": 0.75}
-    assert slower["reached"][1.0] == {"step": 5, "moe_s": 1.25}
+    assert slower["reached"][0.5] == {"step": 3, "moe_s": 0.75, "step_s": 1.5}
+    assert slower["reached"][1.0] == {"step": 5, "moe_s": 1.25, "step_s": 2.5}
     assert slower["val_at_steps"] == 6.5
     assert slower["moe_fwd_ms"] == pytest.approx(1e3 * 0.25 / 3)
     assert slower["moe_bwd_ms"] == pytest.approx(2e3 * 0.25 / 3)
@@ -58,6 +59,43 @@ def test_targets_and_time_to_target():
     assert seeds["lrmoe-x"]["vs_symi"] is None and seeds["lrmoe-never"]["moe_s"] is None
     assert seeds["lrmoe-never"]["vs_megatron-dropless"] is None
     assert seeds["megatron-dropless"]["vs_megatron-dropless"] == 1.0
+
+
+def test_fitted_runs_compare_with_the_fastest_fitted_baseline():
+    """A device-held study: each baseline ran as fitted configurations; ratios are to the
+    seed's fastest of them, at the training-loss and the validation-loss targets."""
+    reference = _records([8, 7, 6, 5, 4, 3], val={2: 7.5, 4: 5.5})
+    targets = ttl.targets_from(reference, steps=4, window=1)
+    val_target = ttl.val_target_from(reference, steps=4)
+    assert val_target == 5.5
+
+    def run(moe, losses=(9, 7, 6, 5, 4, 3), val=None):
+        return ttl.analyse_run(_records(list(losses), moe_per_step=moe,
+                                        val=val or {2: 7.0, 4: 5.4}), targets, 4, 1,
+                               val_target)
+
+    per_run = {
+        ("megatron-dropless@micro-batch_2", 1): run(1.0),
+        ("megatron-dropless@recompute_moe", 1): run(1.5),
+        ("symi@slots_9", 1): run(0.8),
+        ("lrmoe-x", 1): run(0.4, val={2: 6.0, 4: 5.0}),
+        ("unconstrained/megatron-dropless", 1): run(0.1),
+    }
+    # Its evaluations: 6.0 at step 2 (above 5.5), 5.0 at step 4.
+    assert per_run[("lrmoe-x", 1)]["reached_val"] == {"step": 4, "moe_s": 1.6, "step_s": 3.2}
+    assert ttl.fastest(per_run, "megatron-dropless", 1)["moe_s"] == 4.0   # not 6.0, not 0.4
+    rows = {r["policy"]: r for r in ttl.summarize(per_run)}
+    lrmoe = rows["lrmoe-x"]
+    assert lrmoe["moe_vs_dropless_1.0"] == pytest.approx(1.6 / 4.0)
+    assert lrmoe["moe_vs_symi_1.0"] == pytest.approx(1.6 / 3.2)
+    assert lrmoe["moe_vs_dropless_val"] == pytest.approx(1.6 / 4.0)
+    assert lrmoe["step_s_1.0"] == pytest.approx(3.2)
+    assert rows["megatron-dropless@micro-batch_2"]["fitted"] == "micro-batch 2"
+    assert lrmoe["fitted"] == "none"
+    assert ttl.fitted_name("symi", "slots 9") == "symi@slots_9"
+    assert ttl.fitted_name("symi", "none") == "symi"
+    seeds = {r["policy"]: r for r in ttl.per_seed(per_run)}
+    assert seeds["lrmoe-x"]["vs_megatron-dropless"] == pytest.approx(0.4)
 
 
 def test_every_policy_has_the_flags_it_names():
@@ -94,9 +132,11 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
         assert row["val_at_steps"] is not None
     assert report["rows"][1]["retained"] < 1.0          # capacity 0.75 drops
     summary, seeds = (out / "report.md").read_text().split("Per seed:")
-    table = [line for line in summary.splitlines() if line.startswith("|")]
-    assert len(table) == 2 + 2
-    assert all(line.count("|") == len(ttl.COLUMNS) + 1 for line in table)
+    main_table, fitted_table = [[line for line in block.splitlines() if line.startswith("|")]
+                                for block in summary.split("\n\n") if block.startswith("|")]
+    assert len(main_table) == 2 + 2 and len(fitted_table) == 2 + 2
+    assert all(line.count("|") == len(ttl.COLUMNS) + 1 for line in main_table)
+    assert [line.split(" | ")[1] for line in fitted_table[2:]] == ["none", "none"]
     by_seed = [line for line in seeds.splitlines() if line.startswith("| 1 |")]
     assert [line.split(" | ")[1] for line in by_seed] == ["megatron-dropless",
                                                          "lrmoe-uniform-g0.75"]
@@ -116,3 +156,27 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     capsys.readouterr()
     assert ttl.main(argv) == 0
     assert capsys.readouterr().out.count("done (0 s)") == 2
+
+    # Held to a device (issue 22, item 6's driver): the unconstrained study above sets the
+    # targets and stays in the report; dropless runs as its two best-predicted fitting
+    # configurations. A device this large binds nothing, so every candidate fits.
+    held = tmp_path / "held"
+    argv_held = [*argv[:2], "--out-dir", str(held), *argv[4:], "--device-gib", "64",
+                 "--unconstrained-dir", str(out)]
+    assert ttl.main(argv_held) == 0
+    report = json.loads((held / "report.json").read_text())
+    assert report["device_gib"] == 64 and report["binding"] is False
+    assert 0 < report["budget_gib"] < 64
+    rows = {r["policy"]: r for r in report["rows"]}
+    fitted = [name for name in rows if name.startswith("megatron-dropless")]
+    assert len(fitted) == 2 and {rows[n]["fitted"] for n in fitted} <= {
+        "none", "recompute moe", "recompute full 1", "micro-batch 1"}
+    assert rows["lrmoe-uniform-g0.75"]["fitted"] == "none"
+    # The unconstrained rows compare with the held runs too (what fitting cost).
+    assert rows["unconstrained/megatron-dropless"]["moe_vs_dropless_1.0"] > 0
+    for name in [*fitted, "lrmoe-uniform-g0.75"]:
+        run = held / "runs" / f"{ttl.fitted_name('x', 'none').replace('x', name)}-s1"
+        command = json.loads((run / "done.json").read_text())["command"]
+        assert "--device-memory-gb 64" in command
+    text = (held / "report.md").read_text()
+    assert "## Feasibility (predicted before the runs)" in text and "| 64 |" in text
