@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -795,46 +796,51 @@ def _held(args: argparse.Namespace) -> bool:
 class _MegatronMemory:
     """What Megatron's own MoE layers hold per rank, from their routed counts."""
 
-    cost: object
-    """CostModel of the layer's shape (memory only: no machine constant is read)."""
-    recompute: bool
+    model: object
+    """``MegatronMoEMemory`` of the layer's shape (no recompute: the stage composes it)."""
+    recompute_moe: bool
+    full_recompute_layers: int
     capacity_factor: float | None
     pad: bool
-    grouped: bool
 
 
 def _megatron_memory(args: argparse.Namespace, config) -> _MegatronMemory | None:
     """Held with Megatron's own MoE layer: its memory model (None otherwise).
-    ``--recompute-granularity selective --recompute-modules moe`` (or full recompute)
-    recomputes the layer; ``--moe-expert-capacity-factor`` drops (or, with
-    ``--moe-pad-expert-input-to-capacity``, pads) to capacity; ``--moe-grouped-gemm``
-    is TEGroupedMLP."""
+    ``--recompute-granularity selective --recompute-modules moe`` reruns every MoE layer,
+    full recompute the first ``--recompute-num-layers`` (block) or all (uniform);
+    ``--moe-expert-capacity-factor`` drops (or, with ``--moe-pad-expert-input-to-capacity``,
+    pads) to capacity; ``--moe-grouped-gemm`` is TEGroupedMLP."""
     if not _held(args) or args.moe_lrmoe or config.num_moe_experts is None:
         return None
     from megatron_lrmoe.config.planner_inputs import moe_shape
-    from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants
+    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory
 
-    memory_only = MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0,
-                                   source="memory only")
     shape = moe_shape(config, tokens_per_rank(args), args.num_microbatches,
                       args.expert_model_parallel_size)
     modules = config.recompute_modules or ()
-    recompute = (config.recompute_granularity == "full"
-                 or (config.recompute_granularity == "selective" and "moe" in modules))
-    return _MegatronMemory(cost=CostModel(shape, memory_only), recompute=recompute,
-                           capacity_factor=args.moe_expert_capacity_factor,
-                           pad=bool(args.moe_pad_expert_input_to_capacity),
-                           grouped=bool(args.moe_grouped_gemm))
+    full = 0
+    if config.recompute_granularity == "full":
+        full = (config.recompute_num_layers or 0 if config.recompute_method == "block"
+                else config.num_layers)
+    return _MegatronMemory(
+        model=MegatronMoEMemory(shape, grouped=bool(args.moe_grouped_gemm),
+                                padded=bool(args.moe_pad_expert_input_to_capacity)),
+        recompute_moe=config.recompute_granularity == "selective" and "moe" in modules,
+        full_recompute_layers=full, capacity_factor=args.moe_expert_capacity_factor,
+        pad=bool(args.moe_pad_expert_input_to_capacity))
 
 
 def _megatron_moe_bytes(memory: _MegatronMemory, recorder) -> float:
     """This rank's MoE bytes of the step the recorder last gathered: per MoE layer it
-    holds, the most over the micro-batches of its EP group's ``megatron_rank_memory``
-    (``planning.memory_account.megatron_layer_bytes``), summed over those layers."""
-    from megatron_lrmoe.planning.memory_account import megatron_layer_bytes
+    holds, the most over the micro-batches of its EP group's levels
+    (``planning.memory_account.megatron_layer_levels``), composed over those layers under
+    the run's recompute (``cost_model.stage_moe_memory``)."""
+    from megatron_lrmoe.planning.cost_model import stage_moe_memory
+    from megatron_lrmoe.planning.memory_account import megatron_layer_levels
     from megatron_lrmoe.tools import routing_traces as rt
 
-    step, me, total = recorder.last_step, dist.get_rank(), 0.0      # step: [L, M, S, E]
+    step, me = recorder.last_step, dist.get_rank()      # step: [L, M, S, E]
+    saved, peak = [], []
     for index, number in enumerate(recorder.layers):
         sources = recorder.header["sources"][str(number)]
         ranks = [row["rank"] for row in sources]
@@ -842,10 +848,17 @@ def _megatron_moe_bytes(memory: _MegatronMemory, recorder) -> float:
             continue
         mine = ranks.index(me)
         group = next(g for g in rt.ep_groups(sources) if mine in g)    # by EP rank
-        per_rank = megatron_layer_bytes(memory.cost, step[index][:, group], memory.recompute,
-                                        memory.capacity_factor, memory.pad, memory.grouped)
-        total += float(per_rank[group.index(mine)])
-    return total
+        s, p = megatron_layer_levels(memory.model, step[index][:, group],
+                                     memory.capacity_factor, memory.pad)
+        saved.append(s[group.index(mine)])
+        peak.append(p[group.index(mine)])
+    if not saved:
+        return 0.0
+    shape = memory.model.shape
+    return float(stage_moe_memory(
+        np.array(saved)[:, None], np.array(peak)[:, None], np.zeros((len(saved), 1)),
+        shape.output_bytes, shape.microbatches_in_flight, memory.recompute_moe,
+        memory.full_recompute_layers)[0])
 
 
 def _hold_to_device(args: argparse.Namespace, run: _Run, iteration: int,

@@ -1211,40 +1211,36 @@ def stage_moe_memory(saved: np.ndarray, peak: np.ndarray, replica_bytes: np.ndar
                      recompute_moe: bool = False, full_recompute_layers: int = 0
                      ) -> np.ndarray:
     """[R] bytes the MoE layers of a pipeline stage hold at their peak, under Megatron's
-    recompute settings, from each layer's one-micro-batch levels.
+    recompute settings, from each layer's one-micro-batch levels: the sum over layers of
+    what each keeps between its forward and backward, plus the mean over layers of the
+    transient above it (the planner's convention: each layer answers for 1/Lyr of the
+    stage's one transient peak, ``CostModel.rank_memory``).
 
     ``saved``, ``peak`` [Lyr, R]: S and the peak of each MoE layer in stage order
     (``CostModel.rank_levels`` or ``MegatronMoEMemory.rank_memory``); ``replica_bytes``
     [Lyr, R] (zeros for Megatron's layer); ``output_bytes``: the layer's output y, T H b.
-    MiF = ``microbatches_in_flight``. What the layers' inputs cost is outside (the
-    memory account's activations), in every case alike.
+    MiF = ``microbatches_in_flight``. What the layers' inputs cost is the memory
+    account's (activations), in every case alike.
 
-    * nothing recomputed: every layer keeps S for MiF micro-batches, and one layer at a
-      time is at its peak: sum MiF S + max (peak - S). For identical layers this is
-      Lyr ``CostModel.rank_memory``.
-    * ``recompute_moe`` (``--recompute-modules moe``): the layers keep nothing but their
-      input; backward reruns one layer's forward beside the first pass's output y:
-      max (peak + y).
+    * nothing recomputed: a layer keeps MiF S, its transient is peak - S. With no
+      recompute the sum is that of ``rank_memory`` over the layers, exactly.
+    * ``recompute_moe`` (``--recompute-modules moe``): no layer keeps anything; each is
+      rerun in backward beside the first pass's output y: transient peak + y (one layer:
+      ``MegatronMoEMemory(recompute=True)``'s peak).
     * ``full_recompute_layers`` n (``--recompute-granularity full --recompute-method
-      block --recompute-num-layers n``): the first n layers keep nothing; the rest as
-      without recompute, and after their backward one recomputed layer at a time is
-      rebuilt (a peak of its own) while the other micro-batches' S stay.
+      block --recompute-num-layers n``; uniform is n = Lyr): the first n layers keep
+      nothing, their transient is the rebuilt layer's peak; the rest as without.
     """
     saved, peak = np.asarray(saved, dtype=np.float64), np.asarray(peak, dtype=np.float64)
+    layers = saved.shape[0]
     replicas = np.add.reduce(np.asarray(replica_bytes, dtype=np.float64), axis=0)
     mif = max(1, int(microbatches_in_flight))
     if recompute_moe:
-        return replicas + np.maximum.reduce(peak + output_bytes, axis=0)
-    n = min(max(0, int(full_recompute_layers)), saved.shape[0])
-    kept_saved, kept_peak = saved[n:], peak[n:]
-    held = np.add.reduce(mif * kept_saved, axis=0)
-    out = held + (np.maximum.reduce(kept_peak - kept_saved, axis=0) if len(kept_saved)
-                  else 0.0)
-    if n:
-        rebuilt = (mif - 1) * np.add.reduce(kept_saved, axis=0) + np.maximum.reduce(
-            peak[:n], axis=0)
-        out = np.maximum(out, rebuilt)
-    return replicas + out
+        return replicas + np.add.reduce(peak + output_bytes, axis=0) / layers
+    n = min(max(0, int(full_recompute_layers)), layers)
+    kept = np.add.reduce(mif * saved[n:], axis=0)
+    transient = np.concatenate([peak[:n], peak[n:] - saved[n:]])
+    return replicas + kept + np.add.reduce(transient, axis=0) / layers
 
 
 def megatron_capacity_counts(counts: np.ndarray, tokens: int, topk: int,

@@ -38,11 +38,15 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from megatron_lrmoe.planning.cost_model import CostModel, megatron_capacity_counts
+from megatron_lrmoe.planning.cost_model import (
+    CostModel,
+    MegatronMoEMemory,
+    megatron_capacity_counts,
+)
 
 __all__ = ["GIB", "DeviceOutOfMemory", "MemoryAccount", "RunShape", "account_line",
            "auto_budget_bytes", "check_device", "layer_activation_bytes",
-           "megatron_layer_bytes", "memory_account", "moe_peak", "out_of_memory_message",
+           "megatron_layer_levels", "memory_account", "moe_peak", "out_of_memory_message",
            "parameter_counts", "step_peak"]
 
 GIB = 2**30
@@ -397,26 +401,26 @@ def step_peak(outside_moe: float | np.ndarray, layer_bytes: np.ndarray) -> np.nd
     return np.asarray(outside_moe, dtype=np.float64) + layers.sum(axis=0)
 
 
-def megatron_layer_bytes(cost: CostModel, counts: np.ndarray, recompute: bool = False,
-                         capacity_factor: float | None = None, pad: bool = False,
-                         grouped: bool | None = None) -> np.ndarray:
-    """[R] bytes one of Megatron's own MoE layers holds per rank in a step: the most over
-    the step's micro-batches of ``CostModel.megatron_rank_memory`` of its routed counts
+def megatron_layer_levels(model: MegatronMoEMemory, counts: np.ndarray,
+                          capacity_factor: float | None = None, pad: bool = False
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """([R] saved, [R] peak) of one of Megatron's own MoE layers in a step: the most over
+    the step's micro-batches of ``MegatronMoEMemory.rank_memory`` of its routed counts
     ``counts`` [M, R, E] (micro-batch x source rank of one EP group x expert), after the
-    capacity drop (or pad) of ``--moe-expert-capacity-factor`` when given.
-    ``recompute``: ``--recompute-modules moe``; ``grouped``: TEGroupedMLP."""
+    capacity drop (or pad) of ``--moe-expert-capacity-factor`` when given. The stage
+    composes its layers' levels with ``cost_model.stage_moe_memory`` (recompute there)."""
     counts = np.asarray(counts, dtype=np.float64)
     if counts.ndim != 3:
         raise ValueError(f"counts must be [M, R, E], got shape {counts.shape}")
-    s = cost.shape
-    out = np.zeros(counts.shape[1], dtype=np.float64)
+    s = model.shape
+    saved = peak = np.zeros(counts.shape[1], dtype=np.float64)
     for routed in counts:
         if capacity_factor is not None:
             routed = megatron_capacity_counts(routed, s.tokens_per_rank, s.topk,
                                               capacity_factor, pad)
-        out = np.maximum(out, cost.megatron_rank_memory(routed, recompute=recompute,
-                                                        padded=pad, grouped=grouped))
-    return out
+        s_call, p_call = model.rank_memory(routed)
+        saved, peak = np.maximum(saved, s_call), np.maximum(peak, p_call)
+    return saved, peak
 
 
 def _size(nbytes: float) -> str:

@@ -943,17 +943,22 @@ def test_megatron_layer_memory_matches_the_measured_layer(gloo2, name):
 # ---------------------------------------------------------------------------------------
 
 
-def test_stage_memory_of_identical_layers_is_lyr_rank_memories():
+def test_stage_memory_without_recompute_is_the_layers_rank_memories():
+    # The planner's convention: a stage holds the sum of its layers' rank_memory.
     from megatron_lrmoe.planning.cost_model import stage_moe_memory
 
     model = _model(layers=3, in_flight=2)
-    routed, retained = np.array([20.0, 14.0]), np.array([15.0, 14.0])
+    loads = [(np.array([20.0, 14.0]), np.array([15.0, 14.0])),
+             (np.array([12.0, 22.0]), np.array([12.0, 16.0])),
+             (np.array([17.0, 17.0]), np.array([9.0, 17.0]))]
     replicas = np.array([1.0, 0.0])
-    saved, peak = model.rank_levels(routed, retained, replicas)
+    levels = [model.rank_levels(routed, retained, replicas) for routed, retained in loads]
     rep = replicas * model.shape.instance_bytes
-    stage = stage_moe_memory(np.stack([saved] * 3), np.stack([peak] * 3), np.stack([rep] * 3),
+    stage = stage_moe_memory(np.stack([lv[0] for lv in levels]),
+                             np.stack([lv[1] for lv in levels]), np.stack([rep] * 3),
                              model.shape.output_bytes, microbatches_in_flight=2)
-    np.testing.assert_allclose(stage, 3 * model.rank_memory(replicas, routed, retained))
+    want = sum(model.rank_memory(replicas, routed, retained) for routed, retained in loads)
+    np.testing.assert_allclose(stage, want)
 
 
 def test_stage_memory_under_moe_recompute_is_megatrons_recomputed_peak():
@@ -978,15 +983,14 @@ def test_stage_memory_under_full_recompute_by_hand():
     peak = np.array([[50.0], [45.0], [70.0]])
     none = np.zeros((3, 1))
     kw = dict(output_bytes=5.0, microbatches_in_flight=2)
-    # Nothing recomputed: 2 (10 + 20 + 30) + max(40, 25, 40).
-    assert stage_moe_memory(saved, peak, none, **kw)[0] == 120 + 40
-    # Block of 1: layers 2-3 keep 2 x 50 + max(25, 40) = 140; rebuilding layer 1 beside
-    # the other micro-batch's S of layers 2-3: 50 + 50 = 100.
-    assert stage_moe_memory(saved, peak, none, full_recompute_layers=1, **kw)[0] == 140
-    # Block of 3: only rebuilds, one at a time: max peak.
-    assert stage_moe_memory(saved, peak, none, full_recompute_layers=3, **kw)[0] == 70
-    # moe recompute: max(peak + y).
-    assert stage_moe_memory(saved, peak, none, recompute_moe=True, **kw)[0] == 75
+    # Nothing recomputed: 2 (10 + 20 + 30) + (40 + 25 + 40) / 3.
+    assert stage_moe_memory(saved, peak, none, **kw)[0] == 120 + 35
+    # Block of 1: layers 2-3 keep 2 (20 + 30); transients (50 + 25 + 40) / 3.
+    assert stage_moe_memory(saved, peak, none, full_recompute_layers=1, **kw)[0] == 100 + 115 / 3
+    # Block of 3: nothing kept; the rebuilt peaks' mean.
+    assert stage_moe_memory(saved, peak, none, full_recompute_layers=3, **kw)[0] == 55
+    # moe recompute: mean(peak + y).
+    assert stage_moe_memory(saved, peak, none, recompute_moe=True, **kw)[0] == 60
     # Replicas add whatever the layers do.
     assert stage_moe_memory(saved, peak, np.full((3, 1), 2.0), full_recompute_layers=3,
-                            **kw)[0] == 76
+                            **kw)[0] == 61

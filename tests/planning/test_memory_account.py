@@ -18,7 +18,7 @@ from megatron_lrmoe.planning.memory_account import (
     account_line,
     auto_budget_bytes,
     check_device,
-    megatron_layer_bytes,
+    megatron_layer_levels,
     memory_account,
     moe_peak,
     out_of_memory_message,
@@ -191,30 +191,31 @@ def test_step_peak_adds_each_ranks_layers_to_the_rest():
         step_peak(0.0, np.zeros(4))
 
 
-@pytest.mark.parametrize("capacity_factor,pad,recompute", [
-    (None, False, False), (None, False, True), (1.0, False, False), (0.5, True, False)])
-def test_megatron_layer_bytes_is_the_worst_micro_batch(capacity_factor, pad, recompute):
+@pytest.mark.parametrize("capacity_factor,pad", [(None, False), (1.0, False), (0.5, True)])
+def test_megatron_layer_levels_are_the_worst_micro_batch(capacity_factor, pad):
     """Brute force: each micro-batch's counts cut to the capacity C = ceil(T k / E x
-    factor) by hand (or padded to exactly C), its ``megatron_rank_memory``, the most per
-    rank over the micro-batches."""
-    cost = _cost()                                  # T 8 tokens, top-2, 4 experts, EP 2
+    factor) by hand (or padded to exactly C), its ``MegatronMoEMemory`` levels, the most
+    per rank over the micro-batches."""
+    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory
+
+    model = MegatronMoEMemory(_cost().shape, padded=pad)    # T 8, top-2, 4 experts, EP 2
     rng = np.random.default_rng(1)
     counts = np.stack([np.stack([rng.multinomial(16, [0.55, 0.15, 0.15, 0.15])
                                  for _ in range(2)]) for _ in range(3)])   # [M, R, E]
-    got = megatron_layer_bytes(cost, counts, recompute, capacity_factor, pad)
-    want = np.zeros(2)
+    saved, peak = megatron_layer_levels(model, counts, capacity_factor, pad)
+    want_s, want_p = np.zeros(2), np.zeros(2)
     for m in range(3):
         routed = counts[m].astype(float)
         if capacity_factor is not None:
             capacity = math.ceil(8 * 2 / 4 * capacity_factor)
             routed = (np.full((2, 4), float(capacity)) if pad else
                       np.array([[min(v, capacity) for v in row] for row in routed]))
-        per_rank = cost.megatron_rank_memory(routed, recompute=recompute, padded=pad)
-        want = np.array([max(want[r], per_rank[r]) for r in range(2)])
-    assert got.tolist() == want.tolist()
-    assert (got > 0).all()
+        s, p = model.rank_memory(routed)
+        want_s, want_p = np.maximum(want_s, s), np.maximum(want_p, p)
+    assert saved.tolist() == want_s.tolist() and peak.tolist() == want_p.tolist()
+    assert (peak > saved).all()
     with pytest.raises(ValueError, match=r"\[M, R, E\]"):
-        megatron_layer_bytes(cost, counts[0])
+        megatron_layer_levels(model, counts[0])
 
 
 ACCOUNT = MemoryAccount(weights=GIB, gradients=GIB, optimizer=2 * GIB, activations=3 * GIB,
