@@ -1,6 +1,7 @@
 """Which configurations fit a device: the feasibility table the memory study starts from.
 
     .venv/bin/python benchmarks/studies/feasibility.py   # -> benchmarks/results/feasibility/
+    # from a git worktree: PYTHONPATH=. so that the package measured is the worktree's
 
 For the time-to-loss study's GEMM-bound shape (hidden 384, expert FFN 1024, 4
 micro-batches per step, EP 2), from one measured dropless run of it (its flags, its
@@ -26,15 +27,13 @@ import shlex
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("WORLD_SIZE", "2")
+from megatron_lrmoe.planning.memory_account import GIB
+from megatron_lrmoe.tools import fitting as F
+from megatron_lrmoe.tools.provenance import code_version
+from megatron_lrmoe.tools.routing_traces import read_routing_trace
+from megatron_lrmoe.tools.simulator_validation import run_flags
 
-from megatron_lrmoe.planning.memory_account import GIB  # noqa: E402
-from megatron_lrmoe.tools import fitting as F  # noqa: E402
-from megatron_lrmoe.tools.provenance import code_version  # noqa: E402
-from megatron_lrmoe.tools.routing_traces import read_routing_trace  # noqa: E402
-from megatron_lrmoe.tools.simulator_validation import run_flags  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 REFERENCE_RUN = "benchmarks/results/time_to_loss/h384_f1024_mb4/confirm/runs/megatron-dropless-s1"
 CALIBRATION = "benchmarks/results/calibration_cpu_h384_f1024.json"
@@ -76,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps replayed per layer")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "feasibility")
     a = ap.parse_args(argv)
+    os.environ.setdefault("WORLD_SIZE", "2")    # the study's 2 ranks
     os.chdir(ROOT)
     base = base_flags(a.run)
     trace = read_routing_trace(a.run / "routing")

@@ -46,6 +46,14 @@ The internals, each read from the version named (``MEGATRON_CORE``: megatron-cor
   ``megatron.core.transformer.moe.token_dispatcher`` (megatron-core 0.19.2; looked up by
   ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``, replaced by
   ``replace_dispatcher_move_to_cpu``): numpy split sizes for gloo on the CPU runtime.
+* the module globals ``_CUDA_RNG_STATE_TRACKER``, ``_CUDA_RNG_STATE_TRACKER_INITIALIZED``
+  and ``_MODEL_PARALLEL_RNG_TRACKER_NAME`` of ``megatron.core.tensor_parallel.random``
+  (megatron-core 0.19.2; swapped by ``installed_cuda_rng_tracker``, read by
+  ``model_parallel_rng_tracker_name``): the fake-CUDA harness (testing/fake_cuda.py)
+  installs a tracker without a CUDA generator, which needs a driver.
+* the class attribute ``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`` (megatron-core
+  0.19.2; swapped by ``swapped_dispatcher_dtoh_stream``): its constructor makes a CUDA
+  stream once per process, which needs a driver; the fake-CUDA harness presets it.
 * ``torch.nn.Module._forward_pre_hooks`` of an expert linear (torch 2.13; read by
   ``forward_pre_hooks``): the hooks that megatron-core 0.19.2's
   ``DistributedDataParallel`` registers there (distributed_data_parallel.py:408,
@@ -131,6 +139,15 @@ PRIVATES: tuple[MegatronPrivate, ...] = (
                     MEGATRON_CORE, "replaced", "replace_dispatcher_move_to_cpu",
                     params=("as_numpy", "record_stream"),
                     looked_up_by="MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"),
+    MegatronPrivate(_RANDOM, "_CUDA_RNG_STATE_TRACKER", MEGATRON_CORE, "swapped",
+                    "installed_cuda_rng_tracker"),
+    MegatronPrivate(_RANDOM, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", MEGATRON_CORE, "swapped",
+                    "installed_cuda_rng_tracker"),
+    MegatronPrivate(_RANDOM, "_MODEL_PARALLEL_RNG_TRACKER_NAME", MEGATRON_CORE, "read",
+                    "model_parallel_rng_tracker_name"),
+    MegatronPrivate("megatron.core.transformer.moe.token_dispatcher",
+                    "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream", MEGATRON_CORE, "swapped",
+                    "swapped_dispatcher_dtoh_stream"),
     MegatronPrivate("torch.nn", "Module._forward_pre_hooks", TORCH, "read",
                     "forward_pre_hooks", on_instance=True),
 )
@@ -308,6 +325,48 @@ def replace_dispatcher_move_to_cpu(make_replacement: Wrapper) -> None:
 
     token_dispatcher.maybe_move_tensor_to_cpu = make_replacement(
         moe_utils.maybe_move_tensor_to_cpu)
+
+
+@contextmanager
+def installed_cuda_rng_tracker(tracker: Any) -> Iterator[None]:
+    """Make ``tracker`` the one ``get_cuda_rng_tracker()`` returns, marked initialised, for
+    the block: megatron/core/tensor_parallel/random.py module globals
+    ``_CUDA_RNG_STATE_TRACKER`` and ``_CUDA_RNG_STATE_TRACKER_INITIALIZED`` (random.py,
+    megatron-core 0.19.2; read by ``get_cuda_rng_tracker``). Restored after."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    before = (megatron_random._CUDA_RNG_STATE_TRACKER,
+              megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    megatron_random._CUDA_RNG_STATE_TRACKER = tracker
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    try:
+        yield
+    finally:
+        (megatron_random._CUDA_RNG_STATE_TRACKER,
+         megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED) = before
+
+
+def model_parallel_rng_tracker_name() -> str:
+    """The name of the model-parallel RNG state, Megatron's default ``fork`` name:
+    random.py ``_MODEL_PARALLEL_RNG_TRACKER_NAME`` (megatron-core 0.19.2)."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    return megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME
+
+
+@contextmanager
+def swapped_dispatcher_dtoh_stream(stream: Any) -> Iterator[None]:
+    """``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`` (a class attribute its constructor
+    fills with a new CUDA stream once per process: token_dispatcher.py, megatron-core
+    0.19.2) set to ``stream`` for the block, restored after."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    before = MoEAlltoAllTokenDispatcher.cuda_dtoh_stream
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+    try:
+        yield
+    finally:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = before
 
 
 # -----------------------------------------------------------------------------

@@ -693,6 +693,8 @@ def _fake_rng_tracker():
     ``forks``, so a test sees under which state each weight was initialised."""
     from megatron.core.tensor_parallel import random as megatron_random
 
+    from megatron_lrmoe.integration.megatron_privates import model_parallel_rng_tracker_name
+
     class FakeCudaRNGStatesTracker(megatron_random.CudaRNGStatesTracker):
         def __init__(self) -> None:
             super().__init__()
@@ -706,7 +708,7 @@ def _fake_rng_tracker():
             self.states_[name] = seed
 
         @contextlib.contextmanager
-        def fork(self, name: str = megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        def fork(self, name: str = model_parallel_rng_tracker_name()):
             if name not in self.states_:
                 raise RuntimeError(f"cuda rng state {name} is not added")
             self.forks.append(name)
@@ -726,28 +728,29 @@ def megatron_fake_cuda(rank: int, ep_size: int, seed: int = 123):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron_lrmoe.integration.megatron_privates import (
+        installed_cuda_rng_tracker,
+        swapped_dispatcher_dtoh_stream,
+    )
 
     with fake_cuda_session(rank, ep_size) as device:
         current_device = torch.cuda.current_device
-        stream = MoEAlltoAllTokenDispatcher.cuda_dtoh_stream
         tracker = _fake_rng_tracker()
         try:
             torch.cuda.current_device = lambda: 0
-            MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
-            parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size,
-                                                     create_gloo_process_groups=False)
-            megatron_random._CUDA_RNG_STATE_TRACKER = tracker
-            megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-            megatron_random.model_parallel_cuda_manual_seed(seed)
-            torch.manual_seed(seed)      # Megatron's _set_random_seed: the host draws
-            yield device, tracker
+            with swapped_dispatcher_dtoh_stream(_NO_STREAM), \
+                    installed_cuda_rng_tracker(tracker):
+                parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size,
+                                                         create_gloo_process_groups=False)
+                try:
+                    megatron_random.model_parallel_cuda_manual_seed(seed)
+                    torch.manual_seed(seed)    # Megatron's _set_random_seed: host draws
+                    yield device, tracker
+                finally:
+                    destroy_moe_metrics_tracker()    # it holds the aux losses' fake tensors
+                    parallel_state.destroy_model_parallel()
         finally:
-            destroy_moe_metrics_tracker()    # it holds the aux losses' fake tensors
-            parallel_state.destroy_model_parallel()
-            megatron_random._CUDA_RNG_STATE_TRACKER = None
-            megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
-            MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
             torch.cuda.current_device = current_device
 
 
