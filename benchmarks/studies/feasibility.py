@@ -99,12 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             slots = None
             if name == "symi":
                 slots = args.num_experts    # every slot count below the budget's
-            cands = (F.candidates(name, flags, args, slots_max=slots) if name in BASELINES
-                     else [F.Candidate(name, F.NONE, tuple(flags))])
-            preds = [predict(name, flags, c, device) for c in cands]
-            # Slot counts at or above what the device's budget holds are "none" again.
-            preds = [p for p in preds if not p.candidate.fitted.startswith("slots")
-                     or p.need < preds[0].need]
+            cands = (F.candidates(name, flags, args, slots_max=slots, combine=True)
+                     if name in BASELINES else [F.Candidate(name, F.NONE, tuple(flags))])
+            preds = F.distinct([predict(name, flags, c, device) for c in cands])
             rows += [(device, p) for p in preds]
             best[(label, name)] = F.best_fitting(preds)
             largest[(label, name)] = F.largest_micro_batch(base, name, flags, device, traces,

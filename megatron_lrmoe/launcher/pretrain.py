@@ -346,11 +346,13 @@ def _vocab_size(args: argparse.Namespace) -> int:
     return builders.padded_vocab_size(vocab, args)
 
 
-def resolve_auto_budget(args: argparse.Namespace) -> None:
+def resolve_auto_budget(args: argparse.Namespace, vocab_size: int | None = None) -> None:
     """``--moe-lrmoe-memory-budget-gb auto`` (with ``--moe-lrmoe``): the device's size
     (``--device-memory-gb``, or the CUDA device's) less everything but the MoE part of the
     memory account, in GiB, in place (``config.planner_inputs.resolve_memory_budget``);
-    refused naming both flags below the floor. Idempotent; nothing to do otherwise."""
+    refused naming both flags below the floor. Idempotent; nothing to do otherwise.
+    ``vocab_size``: the padded vocabulary, where the tokenizer cannot give it (a
+    projection of a run with a Hugging Face tokenizer, tools/fitting.py)."""
     from megatron_lrmoe.config.options import AUTO
 
     if not args.moe_lrmoe or args.moe_lrmoe_memory_budget_gb != AUTO:
@@ -371,7 +373,7 @@ def resolve_auto_budget(args: argparse.Namespace) -> None:
         config = transformer_config_from_args(probe)
         microbatches = args.global_batch_size // (args.micro_batch_size
                                                   * args.data_parallel_size)
-        account = memory_account(config, args, _vocab_size(args), microbatches,
+        account = memory_account(config, args, vocab_size or _vocab_size(args), microbatches,
                                  device_memory_bytes(getattr(args, "device_memory_gb", None)))
         args.moe_lrmoe_memory_budget_gb = resolve_memory_budget(account, config, args,
                                                                 microbatches)

@@ -13,7 +13,8 @@ module lists every such configuration and predicts, per rank:
   ``MegatronMoEMemory``, LRMoE's by ``CostModel``, both composed by ``stage_moe_memory``);
 * its time: the simulated MoE time per step (a recomputed layer's forward counted twice)
   and the time outside the MoE layers (``OutsideTime``: measured once on a reference run,
-  a recomputed layer's share of its forward counted again).
+  or counted in FLOPs where none can be measured, ``tools/projections.py``; a recomputed
+  layer's share of its forward counted again).
 
 The study driver measures the two best-predicted configurations of each baseline that
 fit (``best_fitting``); ``feasibility_table`` is what it prints before any run.
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,8 +34,8 @@ import numpy as np
 from megatron_lrmoe.planning.memory_account import GIB, MemoryAccount
 
 __all__ = ["Candidate", "MemoryAccount", "OutsideTime", "Prediction", "best_fitting",
-           "candidates", "device_sizes", "feasibility_table", "largest_micro_batch",
-           "predict", "replace"]
+           "candidates", "device_sizes", "distinct", "feasibility_table", "full_recompute",
+           "largest_micro_batch", "predict", "replace"]
 
 NONE = "none"
 FORWARD_SHARE = 1 / 3
@@ -76,6 +76,20 @@ class OutsideTime:
                                     for r in steady)
         return cls(float(seconds), str(log))
 
+    @classmethod
+    def from_flops(cls, flops: float, peak_flops: float, efficiency: float,
+                   source: str = "") -> OutsideTime:
+        """Where no run can be measured (a GPU layout projected from here): ``flops`` per
+        GPU and step outside the MoE layers (forward and backward, no recompute) at
+        ``efficiency`` of the GPU's ``peak_flops`` (an assumption the caller states)."""
+        if not (0 < efficiency <= 1) or peak_flops <= 0:
+            raise ValueError(f"efficiency {efficiency} must be in (0, 1] and peak_flops "
+                             f"{peak_flops} positive")
+        seconds = flops / (peak_flops * efficiency)
+        return cls(float(seconds), source or (f"{flops / 1e12:.4g} TFLOP per GPU and step at "
+                                              f"{efficiency:g} of {peak_flops / 1e12:.4g} "
+                                              "TFLOP/s"))
+
     def step_seconds(self, recomputed_layers: int, num_layers: int) -> float:
         """With ``recomputed_layers`` of ``num_layers`` rerun in full: their share of the
         forward again."""
@@ -108,31 +122,70 @@ class Prediction:
 
 
 def candidates(policy: str, policy_flags: list[str], args: argparse.Namespace,
-               slots_max: int | None = None) -> list[Candidate]:
+               slots_max: int | None = None, combine: bool = False) -> list[Candidate]:
     """Every configuration of ``policy`` the means give, ``none`` first. ``args``: the
     base run's parsed launcher arguments; ``slots_max``: SYMI-style's slots at the
-    device's budget (the candidates are fewer, down to one expert per slot... E/R)."""
+    device's budget (the candidates are fewer, down to E/R: no replica). ``combine``:
+    also two means at once, as a user combines them: a smaller micro-batch with each
+    recompute, and fewer slots with each other means."""
     base = Candidate(policy, NONE, tuple(policy_flags))
     out = [base, replace(base, fitted="recompute moe", flags=base.flags + (
         "--recompute-granularity", "selective", "--recompute-modules", "moe"))]
-    for n in range(1, args.num_layers + 1):
-        out.append(replace(base, fitted=f"recompute full {n}", flags=base.flags + (
-            "--recompute-granularity", "full", "--recompute-method", "block",
-            "--recompute-num-layers", str(n))))
-    dp = max(1, int(os.environ.get("WORLD_SIZE", "1")) // args.pipeline_model_parallel_size)
-    per_step = args.global_batch_size // dp
+    for n in range(1, _stage_layers(args) + 1):
+        out.append(full_recompute(base, n))
+    per_step = args.global_batch_size // _data_parallel(args)
     m = args.micro_batch_size // 2
     while m >= 1:
         if per_step % m == 0:
             out.append(replace(base, fitted=f"micro-batch {m}",
                                flags=base.flags + ("--micro-batch-size", str(m))))
         m //= 2
+    slots = []
     if slots_max is not None:
         per_rank = args.num_experts // args.expert_model_parallel_size
-        for slots in range(slots_max - 1, per_rank - 1, -1):
-            out.append(replace(base, fitted=f"slots {slots}", flags=base.flags + (
-                "--moe-lrmoe-slots-per-rank", str(slots))))
+        slots = [replace(base, fitted=f"slots {k}", flags=base.flags + (
+            "--moe-lrmoe-slots-per-rank", str(k))) for k in range(slots_max - 1, per_rank - 1, -1)]
+    singles, out = out, out + slots
+    if combine:
+        def both(a: Candidate, b: Candidate) -> Candidate:
+            return replace(base, fitted=f"{a.fitted} + {b.fitted}",
+                           flags=a.flags + b.flags[len(base.flags):])
+
+        micro = [c for c in singles if c.fitted.startswith("micro-batch")]
+        recompute = [c for c in singles if c.fitted.startswith("recompute")]
+        out += [both(mb, rc) for mb in micro for rc in recompute]
+        out += [both(c, k) for c in singles[1:] for k in slots]
     return out
+
+
+def distinct(predictions: list[Prediction]) -> list[Prediction]:
+    """``predictions`` less those that predict exactly what an earlier one does (a slot
+    count at or above what the budget holds changes nothing): the fewest changes kept."""
+    seen, out = set(), []
+    for p in predictions:
+        key = (p.error, round(p.need), round(p.moe_s, 9) if p.moe_s == p.moe_s else None)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def full_recompute(base: Candidate, layers: int) -> Candidate:
+    """``base`` with the first ``layers`` layers of each stage recomputed in full (block)."""
+    return replace(base, fitted=f"recompute full {layers}", flags=base.flags + (
+        "--recompute-granularity", "full", "--recompute-method", "block",
+        "--recompute-num-layers", str(layers)))
+
+
+def _stage_layers(args: argparse.Namespace) -> int:
+    """Layers of one pipeline stage (what ``--recompute-num-layers`` counts under block)."""
+    return max(1, args.num_layers // args.pipeline_model_parallel_size)
+
+
+def _data_parallel(args: argparse.Namespace) -> int:
+    """The data-parallel size: the world over TP x PP, as the launcher derives it
+    (``WORLD_SIZE``)."""
+    return max(1, int(args.data_parallel_size))
 
 
 def _parse(flags: list[str]) -> argparse.Namespace:
@@ -153,9 +206,21 @@ def _recomputed_layers(args: argparse.Namespace) -> tuple[bool, int]:
 
 
 def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
-            traces: list[np.ndarray], calibration: dict, outside: OutsideTime,
-            steps: int = 20) -> Prediction:
-    """The candidate's per-rank memory and step time at ``device_gib`` (module doc)."""
+            traces: list[np.ndarray], calibration: dict | None, outside: OutsideTime,
+            steps: int = 20, cluster: str = "h100",
+            overrides: dict | None = None, planner_s: float | None = None,
+            vocab_size: int | None = None) -> Prediction:
+    """The candidate's per-rank memory and step time at ``device_gib`` (module doc).
+
+    ``cluster``: the simulator's ``CLUSTERS`` entry whose figures price the MoE layers
+    (``calibration``, which may be None, overrides them). ``overrides``: parsed launcher
+    arguments set after parsing, for settings of a GPU run the launcher's parser has no
+    flag for (e.g. ``accumulate_allreduce_grads_in_fp32``: False for bf16 gradients, which
+    the memory account reads). ``planner_s``: the planner's host time per call (None:
+    measured here, as ``simulate`` does). ``vocab_size``: the run's tokenizer vocabulary
+    where the launcher's tokenizers (byte-level, SentencePiece from a file) cannot give it
+    (a Hugging Face tokenizer's), padded as the model pads it; None: the tokenizer's."""
+    from megatron_lrmoe.config.flags import tokens_per_rank
     from megatron_lrmoe.config.planner_inputs import device_memory_bytes, memory_account
     from megatron_lrmoe.launcher import builders
     from megatron_lrmoe.launcher.pretrain import ConfigError, resolve_auto_budget
@@ -164,8 +229,12 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
 
     flags = [*base_flags, *candidate.flags, "--device-memory-gb", f"{device_gib:.6g}"]
     args = _parse(flags)
+    for name, value in (overrides or {}).items():
+        setattr(args, name, value)
+    vocab = builders.padded_vocab_size(
+        vocab_size or builders.build_tokenizer_from_args(args).vocab_size, args)
     try:
-        resolve_auto_budget(args)
+        resolve_auto_budget(args, vocab if vocab_size else None)
     except ConfigError as exc:
         empty = MemoryAccount(0.0, 0.0, 0.0, 0.0, 0.0, device_gib * GIB)
         return Prediction(candidate, empty, math.nan, math.nan, error=str(exc))
@@ -173,22 +242,27 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     if "auto" in flags:   # the resolved budget, as the launcher plans with it
         flags[flags.index("auto")] = f"{args.moe_lrmoe_memory_budget_gb:.9g}"
     shape, policy, budget_gib, ep = run_setting(flags)
+    # The rank's tokens under sequence parallelism (micro-batch x sequence / TP) and the
+    # micro-batches per step over the data-parallel size (the world over TP x PP).
+    shape = replace(shape, tokens_per_rank=tokens_per_rank(args),
+                    microbatches_per_step=max(1, args.global_batch_size
+                                              // (args.micro_batch_size * _data_parallel(args))))
     recompute_moe, full = _recomputed_layers(args)
     policy = replace(policy, recompute_moe=recompute_moe, full_recompute_layers=full,
                      slots_per_rank=getattr(args, "moe_lrmoe_slots_per_rank", None))
     model = ModelSpec("fit", shape.num_layers, shape.hidden_size, shape.ffn_hidden_size,
                       shape.num_experts, shape.topk, shape.gated, shape.tokens_per_rank, 1,
                       shape.microbatches_per_step * ep)
-    [result] = simulate(model, CLUSTERS["h100"], ep, traces, policies=(policy,), steps=steps,
+    [result] = simulate(model, CLUSTERS[cluster], ep, traces, policies=(policy,), steps=steps,
                         budget_gib=budget_gib, calibration=calibration, shape=shape,
-                        resample=True, planner_s=None)
+                        resample=True, planner_s=planner_s)
     config = builders.transformer_config_from_args(args)
-    vocab = builders.padded_vocab_size(builders.build_tokenizer_from_args(args).vocab_size, args)
     account = memory_account(config, args, vocab, shape.microbatches_per_step,
                              device_memory_bytes(device_gib))
     account = replace(account, moe=result.memory_gib * GIB)
     moe_s = result.step_moe_s
-    step_s = moe_s + outside.step_seconds(full, args.num_layers)
+    # Block recompute counts layers of a stage; uniform (``full`` = all layers) every one.
+    step_s = moe_s + outside.step_seconds(full, _stage_layers(args))
     return Prediction(candidate, account, moe_s, step_s)
 
 
@@ -231,20 +305,22 @@ def feasibility_table(rows: list[tuple[float, Prediction]]) -> str:
 
 def largest_micro_batch(base_flags: list[str], policy: str, policy_flags: list[str],
                         device_gib: float, traces: list[np.ndarray], calibration: dict,
-                        outside: OutsideTime, limit: int = 64
+                        outside: OutsideTime, limit: int = 64, **predict_options
                         ) -> tuple[int, Prediction | None]:
     """The largest micro-batch size (powers of two up to ``limit``, micro-batches per step
     unchanged) at which ``policy`` fits ``device_gib``, and its prediction (0, None when
-    even 1 does not fit). The global batch grows with the micro-batch."""
+    even 1 does not fit). The global batch grows with the micro-batch.
+    ``predict_options``: ``predict``'s keywords (``steps``, ``cluster``, ``overrides``,
+    ``planner_s``, ``vocab_size``)."""
     args = _parse(base_flags)
-    dp = max(1, int(os.environ.get("WORLD_SIZE", "1")) // args.pipeline_model_parallel_size)
+    dp = _data_parallel(args)
     microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     best: tuple[int, Prediction | None] = (0, None)
     m = 1
     while m <= limit:
         flags = ("--micro-batch-size", str(m), "--global-batch-size", str(m * microbatches * dp))
         p = predict(base_flags, Candidate(policy, f"micro-batch {m}", (*policy_flags, *flags)),
-                    device_gib, traces, calibration, outside)
+                    device_gib, traces, calibration, outside, **predict_options)
         if not p.fits:
             break
         best = (m, p)

@@ -573,14 +573,12 @@ def fitted_policies(base: list[str], device_gib: float, unconstrained_dir: Path,
         flags = every[name]
         if family(name) in BASELINES:
             cands = fitting.candidates(name, flags, args, slots_max=(
-                args.num_experts if name == "symi" else None))
+                args.num_experts if name == "symi" else None), combine=True)
         else:
             cands = [fitting.Candidate(name, fitting.NONE, tuple(flags))]
         preds = [fitting.predict(base, c, device_gib, traces, calibration, outside)
                  for c in cands]
-        # Slot counts the device's budget already caps are "none" again.
-        preds = [p for p in preds if not p.candidate.fitted.startswith("slots")
-                 or p.need < preds[0].need]
+        preds = fitting.distinct(preds)
         dropless = preds[0] if name == REFERENCE else dropless
         rows += [(device_gib, p) for p in preds]
         for p in (fitting.best_fitting(preds) if name in BASELINES else preds[:1]):

@@ -121,3 +121,31 @@ def test_best_fitting_orders_by_predicted_step_time():
     preds = [pred("a", 3.0, account), pred("b", 1.0, big), pred("c", 2.0, account),
              pred("d", 2.5, account)]
     assert [p.candidate.fitted for p in F.best_fitting(preds)] == ["c", "d"]
+
+
+def test_combined_means_pair_a_micro_batch_with_recompute_and_slots_with_the_rest():
+    args = F._parse(BASE)
+    single = F.candidates("symi", SYMI, args, slots_max=6)
+    combined = F.candidates("symi", SYMI, args, slots_max=6, combine=True)
+    assert combined[:len(single)] == single
+    extra = {c.fitted: c.flags for c in combined[len(single):]}
+    micro, recompute = ["micro-batch 2", "micro-batch 1"], [
+        "recompute moe", "recompute full 1", "recompute full 2"]
+    slots = ["slots 5", "slots 4"]
+    assert list(extra) == ([f"{m} + {r}" for m in micro for r in recompute]
+                           + [f"{c} + {k}" for c in recompute + micro for k in slots])
+    flags = extra["micro-batch 1 + slots 4"]
+    assert flags[:len(SYMI)] == tuple(SYMI)
+    assert flags[len(SYMI):] == ("--micro-batch-size", "1", "--moe-lrmoe-slots-per-rank", "4")
+
+
+def test_distinct_drops_what_an_earlier_prediction_already_predicts():
+    account = F.MemoryAccount(1.0, 1.0, 1.0, 1.0, 1.0, device=10.0)
+
+    def pred(name, step, acc=account):
+        return F.Prediction(F.Candidate("p", name), acc, step / 2, step)
+
+    preds = [pred("none", 2.0), pred("slots 9", 2.0), pred("slots 8", 2.5),
+             pred("micro-batch 2", 2.0, F.replace(account, moe=2.0))]
+    assert [p.candidate.fitted for p in F.distinct(preds)] == ["none", "slots 8",
+                                                               "micro-batch 2"]

@@ -1,0 +1,583 @@
+"""Projections at published recipe layouts, where the device's memory binds (issue 22, item 7).
+
+    python -m megatron_lrmoe.tools.projections --preset qwen3-30b-a3b-8xh100 --out /tmp/item7
+    python -m megatron_lrmoe.tools.projections --preset all --out /tmp/item7
+
+A preset (``PRESETS``) is a published Megatron-Bridge recipe's parallel layout as the
+launcher's flags (TP, PP, EP, ETP, sequence parallelism, micro-batch, global batch,
+recompute, bf16, distributed optimizer) with its GPU count (``WORLD_SIZE``) and device
+size; every number's source is named beside it. For each policy (``POLICIES``: Megatron
+dropless, Megatron capacity drop 1.0, SYMI-style, LRMoE's default uniform gamma 1.0 with
+and without memory-aware replicas; the budgeted ones at ``auto``: the device less the rest
+of the memory account) this module predicts, with ``tools/fitting.py``:
+
+* the recipe's own configuration (its recompute): whether it fits, its need per rank;
+* the fitting choice: the best-predicted fitting configuration of Megatron's means
+  (``fitting.candidates``: none, ``moe`` recompute, full recompute of n layers per stage,
+  a smaller micro-batch, fewer SYMI slots; the recipe's own configuration too). Full
+  recompute and SYMI's slots are searched by bisection (memory falls with n, rises with
+  slots; time the other way), so the best fitting one of each is found without pricing
+  every n;
+* its MoE time and total step time per step, and to the target (``simulate``'s
+  steps-to-target ratios, an assumption at this scale);
+* the largest micro-batch that fits (``fitting.largest_micro_batch``, issue 22 item 9),
+  with the fitting choice's recompute, micro-batches per step unchanged.
+
+The time outside the MoE layers cannot be measured here: ``outside_flops`` counts it
+(attention projections, causal attention core, dense layers, shared experts, LM head;
+forward and backward = 3 x forward) and ``fitting.OutsideTime.from_flops`` prices it at
+an assumed efficiency of the cluster's peak. The slowest pipeline stage sets the pace
+(its layers plus the LM head); 1F1B's bubble multiplies the step by (m + PP - 1) / m for
+m micro-batches per step. Ignored and said in the report: TP communication, the
+optimizer step, memory-bound kernels outside the MoE layers, overlap of DP gradient
+reduction.
+
+The recipes use the flex dispatcher (DeepEP/HybridEP), CUDA graphs or shared-expert
+overlap, which ``--moe-lrmoe`` refuses: every policy here is simulated with the
+all-to-all dispatcher and without those features (``DISPATCHER_CAVEAT``, printed beside
+every table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from megatron_lrmoe.planning.memory_account import GIB
+from megatron_lrmoe.tools import fitting as F
+from megatron_lrmoe.tools.provenance import code_version
+from megatron_lrmoe.tools.simulate import (
+    CLUSTERS,
+    MODELS,
+    ROOT,
+    STEPS_TO_TARGET_FILE,
+    load_steps_to_target,
+    load_traces,
+    steps_ratios,
+)
+
+__all__ = ["DISPATCHER_CAVEAT", "POLICIES", "PRESETS", "Preset", "base_flags",
+           "config_flags", "outside_flops", "outside_time", "pipeline_factor", "project",
+           "report_markdown"]
+
+DISPATCHER_CAVEAT = (
+    "All policies simulated with the all-to-all dispatcher and without the recipe's flex "
+    "dispatcher (DeepEP/HybridEP), CUDA graphs or shared-expert overlap, which "
+    "--moe-lrmoe refuses; the recipe's own Megatron runs would use them.")
+
+BRIDGE = "NVIDIA-NeMo/Megatron-Bridge@067f987 "
+QWEN_RECIPE = BRIDGE + "src/megatron/bridge/recipes/qwen/h100/qwen3_moe.py"
+GLM_RECIPE = BRIDGE + "src/megatron/bridge/recipes/glm/h100/glm45.py"
+COMMON_RECIPE = BRIDGE + "src/megatron/bridge/recipes/common.py (_pretrain_common)"
+
+# Every preset runs the recipes' kernels where the launcher's parser takes them: bf16,
+# Transformer Engine (flash attention: no scores saved), grouped expert GEMMs, the
+# distributed optimizer, the all-to-all dispatcher.
+COMMON_FLAGS = ("--mock-data", "--bf16", "--transformer-impl", "transformer_engine",
+                "--moe-grouped-gemm", "--use-distributed-optimizer",
+                "--moe-token-dispatcher-type", "alltoall")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One recipe layout on one device type."""
+
+    name: str
+    config: Path
+    """The model's recipe in ``configs/`` (its ``moe-lrmoe*`` keys are left out)."""
+    cluster: str
+    """``simulate.CLUSTERS`` key: the MoE layers' machine and the peak FLOP/s."""
+    gpus: int
+    device_gib: float
+    """The device's memory as CUDA reports it (GiB)."""
+    layout: tuple[str, ...]
+    """Launcher flags of the layout and batch (no recompute)."""
+    recipe: tuple[str, ...] = ()
+    """The recipe's own memory-saving flags (its recompute)."""
+    trace: str = ""
+    """Routing trace directory name under benchmarks/results/routing_traces/."""
+    model_flags: tuple[str, ...] = ()
+    """Flags replacing the config's (a workaround the launcher's parser needs)."""
+    overrides: tuple[tuple[str, object], ...] = ()
+    """Parsed arguments the launcher has no flag for (``fitting.predict``'s)."""
+    vocab_size: int | None = None
+    """The model's tokenizer vocabulary (the launcher's tokenizers cannot give a Hugging
+    Face one); None: the launcher's tokenizer's."""
+    sources: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+# H100 SXM 80 GB: CUDA reports 81,559 MiB (79.6 GiB); A100 SXM 40 GB: 40,960 MiB (40 GiB).
+H100_GIB = 81559 / 1024
+A100_40_GIB = 40.0
+_TRACES = ROOT / "benchmarks" / "results" / "routing_traces"
+# The Hugging Face configs' vocab_size (configs/qwen3_30b_a3b.yaml: 1187 x 128 = 151936;
+# configs/glm45_air.yaml: 151552 = 1184 x 128); the launcher's tokenizers cannot give them.
+QWEN3_VOCAB = 151936
+GLM45_VOCAB = 151552
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset(
+        "qwen3-30b-a3b-8xh100", MODELS["qwen3-30b-a3b"], "h100", 8, H100_GIB,
+        layout=("--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+                "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
+                "--sequence-parallel", "--seq-length", "4096",
+                "--micro-batch-size", "2", "--global-batch-size", "32"),
+        recipe=("--recompute-granularity", "full", "--recompute-method", "uniform",
+                "--recompute-num-layers", "1"),
+        trace="qwen3", vocab_size=QWEN3_VOCAB,
+        sources=(
+            f"TP 4, PP 2, EP 4, ETP 1, sequence parallel, seq 4096, full recompute uniform 1, "
+            f"distributed optimizer, fp32 grads: {QWEN_RECIPE} "
+            "(qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config)",
+            f"micro-batch 2, global batch 32 (the recipe sets none): {COMMON_RECIPE}",
+            "the recipe's dispatcher: flex (DeepEP) via apply_flex_dispatcher_backend",
+        )),
+    Preset(
+        "qwen3-30b-a3b-16xh100", MODELS["qwen3-30b-a3b"], "h100", 16, H100_GIB,
+        layout=("--expert-model-parallel-size", "16", "--expert-tensor-parallel-size", "1",
+                "--seq-length", "4096", "--micro-batch-size", "1",
+                "--global-batch-size", "1024"),
+        trace="qwen3", vocab_size=QWEN3_VOCAB,
+        # grad_reduce_in_fp32 False: bf16 gradient buffers (the launcher keeps fp32 with
+        # --bf16 and has no flag for it).
+        overrides=(("accumulate_allreduce_grads_in_fp32", False),),
+        sources=(
+            f"TP 1, PP 1, EP 16, ETP 1, no recompute ('fits without activation "
+            f"recomputation'), micro-batch 1, global batch 1024, seq 4096, bf16 grads "
+            f"(grad_reduce_in_fp32 False), distributed optimizer: {QWEN_RECIPE} "
+            "(qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config)",
+            "the recipe's dispatcher: flex (HybridEP), TE CUDA graphs of the router and "
+            "preprocess, TP comm overlap; precision-aware optimizer with fp32 states",
+        )),
+    Preset(
+        "glm45-air-32xh100", MODELS["glm45-air"], "h100", 32, H100_GIB,
+        layout=("--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "8",
+                "--expert-tensor-parallel-size", "1", "--seq-length", "4096",
+                "--micro-batch-size", "1", "--global-batch-size", "2048"),
+        recipe=("--recompute-granularity", "selective"),
+        trace="glm45", vocab_size=GLM45_VOCAB,
+        model_flags=("--num-layers", "44", "--moe-layer-freq", "([0]*1+[1]*43)"),
+        sources=(
+            f"TP 1, PP 4 (first and last stage 11 layers), EP 8, ETP 1, micro-batch 1, "
+            f"global batch 2048, seq 4096, selective recompute (modules None: core_attn), "
+            f"fp32 grads, distributed optimizer, MTP 1 layer, 32 GPUs (the recipe's "
+            f"name): {GLM_RECIPE} (glm45_air_106b_pretrain_32gpu_h100_bf16_config)",
+            "the recipe's shared-expert overlap: on (moe_shared_expert_overlap True)",
+        ),
+        notes=(
+            "The launcher refuses 46 layers over PP 4 (the recipe splits 11/12/12/11): the "
+            "preset parses 44 layers, the first dense, i.e. 11 per stage, the recipe's "
+            "first and last stage (the first holds PP micro-batches in flight). The "
+            "recipe's middle stages hold 12 MoE layers with at most 3 in flight: one more "
+            "layer's weights, gradients and optimizer state, fewer activations.",
+            "The recipe sets sequence parallelism at TP 1, where Megatron turns it off and "
+            "the launcher refuses it: left out.",
+            "MTP (1 layer, on the last stage) is not modelled.",
+        )),
+    Preset(
+        "qwen3-30b-a3b-32xa100-40", MODELS["qwen3-30b-a3b"], "a100-40", 32, A100_40_GIB,
+        layout=("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+                "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+                "--sequence-parallel", "--seq-length", "4096",
+                "--micro-batch-size", "2", "--global-batch-size", "1024"),
+        recipe=("--recompute-granularity", "full", "--recompute-method", "uniform",
+                "--recompute-num-layers", "1"),
+        trace="qwen3", vocab_size=QWEN3_VOCAB,
+        sources=(
+            f"no A100 recipe: the 8 x H100 recipe's full recompute, ETP 1, micro-batch 2 and "
+            f"seq 4096 ({QWEN_RECIPE}), the 16 x H100 recipe's global batch 1024",
+            "layout: the fewest A100-40 GPUs whose memory account fits dropless at balanced "
+            "routing with the recipe's recompute: 32 (TP <= 4: 4 query groups); of those, "
+            "TP 2, PP 4, EP 8 (EP inside a node) is among the tightest (38.4 GiB of 40 at "
+            "balanced routing; TP 4 layouts leave 6-13 GiB)",
+        )),
+    Preset(
+        "glm45-air-64xa100-40", MODELS["glm45-air"], "a100-40", 64, A100_40_GIB,
+        layout=("--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "4",
+                "--expert-model-parallel-size", "16", "--expert-tensor-parallel-size", "1",
+                "--sequence-parallel", "--seq-length", "4096",
+                "--micro-batch-size", "1", "--global-batch-size", "2048"),
+        recipe=("--recompute-granularity", "full", "--recompute-method", "uniform",
+                "--recompute-num-layers", "1"),
+        trace="glm45", vocab_size=GLM45_VOCAB,
+        model_flags=("--num-layers", "44", "--moe-layer-freq", "([0]*1+[1]*43)"),
+        sources=(
+            f"no A100 recipe: the H100 recipe's PP 4, ETP 1, micro-batch 1, global batch "
+            f"2048, seq 4096 ({GLM_RECIPE}); full recompute instead of its selective one",
+            "layout: the fewest A100-40 GPUs whose memory account fits dropless at balanced "
+            "routing with full recompute: 64; TP 4, PP 4, EP 16 (38.7 GiB of 40 at "
+            "balanced routing)",
+        ),
+        notes=("44 layers for the launcher's PP split, as glm45-air-32xh100.",
+               "MTP (1 layer, on the last stage) is not modelled.")),
+)}
+
+# Policy name -> (label, flags, the steps-to-target ratio it is projected with).
+LRMOE_FLAGS = ("--moe-lrmoe", "--moe-lrmoe-selection", "uniform", "--moe-lrmoe-metric",
+               "grad_act", "--moe-lrmoe-bwd-capacity-factor", "1.0",
+               "--moe-lrmoe-min-retention", "0.0", "--moe-lrmoe-memory-budget-gb", "auto")
+POLICIES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "megatron-dropless": ("Megatron dropless", (), "dropless"),
+    "megatron-capacity-1.0": ("Megatron capacity drop, cf 1.0",
+                              ("--moe-expert-capacity-factor", "1.0"), "capacity-drop"),
+    "symi": ("SYMI-style", ("--moe-lrmoe", "--moe-lrmoe-placement", "popularity",
+                            "--moe-lrmoe-bwd-capacity-factor", "inf",
+                            "--moe-lrmoe-memory-budget-gb", "auto"), "symi"),
+    # No measured pair of uniform gamma 1.0 without replicas: the memory-aware run's ratio
+    # (same rule and gamma) stands for it.
+    "lrmoe-uniform-g1.0": ("LRMoE uniform, gamma 1.0", LRMOE_FLAGS, "lrmoe-ma"),
+    "lrmoe-uniform-g1.0-ma": ("LRMoE uniform, gamma 1.0, memory-aware replicas",
+                              (*LRMOE_FLAGS, "--moe-lrmoe-placement", "memory-aware"),
+                              "lrmoe-ma"),
+}
+
+
+def config_flags(path: Path) -> list[str]:
+    """A ``configs/`` recipe as launcher flags, its ``moe-lrmoe*`` keys left out (the
+    launcher has no switch to turn ``--moe-lrmoe`` off once given)."""
+    out: list[str] = []
+    for key, value in yaml.safe_load(Path(path).read_text()).items():
+        if key.startswith("moe-lrmoe"):
+            continue
+        if isinstance(value, bool):
+            out += [f"--{key}"] if value else []
+        else:
+            out += [f"--{key}", str(value)]
+    return out
+
+
+def base_flags(preset: Preset) -> list[str]:
+    """The preset's launcher flags without recompute and without a policy's."""
+    return [*config_flags(preset.config), *preset.model_flags, *COMMON_FLAGS, *preset.layout]
+
+
+def _parse(preset: Preset, flags: list[str]) -> argparse.Namespace:
+    os.environ["WORLD_SIZE"] = str(preset.gpus)
+    args = F._parse(flags)
+    for name, value in preset.overrides:
+        setattr(args, name, value)
+    return args
+
+
+# ------------------------------------------------------------------ outside the MoE layers
+def outside_flops(args: argparse.Namespace, vocab_size: int) -> dict[str, float]:
+    """FLOPs per token of the whole model outside the MoE layers, forward and backward
+    (3 x forward: two GEMMs in backward per forward one), by part: attention projections
+    (Q, K, V, output), the causal attention core (QK^T and AV over half the sequence on
+    average), dense MLP layers, shared experts, and the LM head. A GEMM of m x k by k x n
+    is 2 m k n. The router is the simulator's; norms, rotary and other memory-bound work
+    are left out."""
+    from megatron_lrmoe.config.flags import moe_layer_freq
+    from megatron_lrmoe.config.planner_inputs import moe_layers_per_stage
+
+    h, layers, s = args.hidden_size, args.num_layers, args.seq_length
+    d = args.kv_channels or h // args.num_attention_heads
+    q = args.num_attention_heads * d
+    kv = (args.num_query_groups or args.num_attention_heads) * d
+    moe = (moe_layers_per_stage(layers, moe_layer_freq(args.moe_layer_freq), 1)
+           if args.num_experts else 0)
+    gate = 3 if args.swiglu else 2
+    shared = args.moe_shared_expert_intermediate_size or 0
+    forward = {
+        "attention projections": layers * 2 * h * (2 * q + 2 * kv),
+        "attention core": layers * 2 * s * q,     # causal: 2 x (2 s q) / 2
+        "dense layers": (layers - moe) * 2 * gate * h * args.ffn_hidden_size,
+        "shared experts": moe * 2 * gate * h * shared,
+        "LM head": 2 * h * vocab_size,
+    }
+    return {k: 3.0 * v for k, v in forward.items()}
+
+
+def outside_time(args: argparse.Namespace, vocab_size: int, peak_flops: float,
+                 efficiency: float) -> F.OutsideTime:
+    """Seconds per step outside the MoE layers on one GPU of the slowest pipeline stage:
+    its share of the layers' FLOPs (1 / PP) plus the LM head (the last stage's), over the
+    tokens of its data-parallel replica, split over TP (``outside_flops``)."""
+    parts = outside_flops(args, vocab_size)
+    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    per_token = (sum(parts.values()) - parts["LM head"]) / pp + parts["LM head"]
+    tokens = args.global_batch_size * args.seq_length / F._data_parallel(args)
+    flops = per_token * tokens / tp
+    return F.OutsideTime.from_flops(flops, peak_flops, efficiency, source=(
+        f"FLOP count: {per_token / 1e9:.2f} GFLOP per token on the slowest stage x "
+        f"{tokens:.0f} tokens per replica / TP {tp} = {flops / 1e12:.1f} TFLOP per GPU at "
+        f"{efficiency:g} of {peak_flops / 1e12:.0f} TFLOP/s"))
+
+
+def pipeline_factor(pipeline: int, microbatches: int) -> float:
+    """1F1B's step over its busy time: (m + PP - 1) / m."""
+    return (microbatches + pipeline - 1) / max(microbatches, 1)
+
+
+# ------------------------------------------------------------------------- projections
+@dataclass
+class Projection:
+    """One policy at one preset."""
+
+    policy: str
+    label: str
+    recipe: F.Prediction
+    choice: F.Prediction | None
+    choice_step_s: float
+    """The choice's step with the pipeline bubble (nan when nothing fits)."""
+    recipe_step_s: float
+    largest: tuple[int, F.Prediction | None] | None
+    ratio: float
+    tried: list[F.Prediction] = field(default_factory=list)
+
+
+def _microbatches(args: argparse.Namespace) -> int:
+    return max(1, args.global_batch_size // (args.micro_batch_size * F._data_parallel(args)))
+
+
+def _bisect(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
+    """The smallest n in [lo, hi] with ``fits(n)`` for a ``fits`` false then true (None
+    when ``fits(hi)`` is false)."""
+    if not fits(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return lo
+
+
+def project(preset: Preset, traces: list[np.ndarray], steps: int = 2,
+            efficiency: float = 0.45, ratios: dict[str, float] | None = None,
+            policies: tuple[str, ...] = tuple(POLICIES), largest_limit: int = 8,
+            reserve_gib: float = 0.0, planner_s: float | None = None,
+            log: Callable[[str], None] = lambda _: None) -> tuple[dict, list[Projection]]:
+    """Every policy of ``policies`` at ``preset`` (module doc): (the preset's context:
+    outside time, micro-batches, the device size used; the projections).
+    ``largest_limit``: micro-batch sizes tried for the largest that fits (0: skipped).
+    ``reserve_gib``: held back from the device for what the memory account omits (CUDA
+    context, allocator reserve, communication buffers); 0 by default. ``planner_s``: the
+    planner's host time per call (None: measured here per call)."""
+    from megatron_lrmoe.launcher import builders
+
+    ratios = ratios or {}
+    base = base_flags(preset)
+    args = _parse(preset, base)
+    cluster = CLUSTERS[preset.cluster]
+    vocab = builders.padded_vocab_size(
+        preset.vocab_size or builders.build_tokenizer_from_args(args).vocab_size, args)
+    outside = outside_time(args, vocab, cluster.peak_flops, efficiency)
+    overrides = dict(preset.overrides)
+    stage_layers = F._stage_layers(args)
+    device_gib = preset.device_gib - reserve_gib
+
+    def bubble(p: F.Prediction) -> float:
+        flags = _parse(preset, [*base, *p.candidate.flags])
+        return p.step_s * pipeline_factor(args.pipeline_model_parallel_size,
+                                          _microbatches(flags))
+
+    def one(name: str) -> Projection:
+        label, flags, ratio_key = POLICIES[name]
+        cache: dict[tuple[str, ...], F.Prediction] = {}
+
+        def predict(c: F.Candidate) -> F.Prediction:
+            if c.flags not in cache:
+                started = time.perf_counter()
+                os.environ["WORLD_SIZE"] = str(preset.gpus)
+                p = F.predict(base, c, device_gib, traces, None, outside, steps=steps,
+                              cluster=preset.cluster, overrides=overrides,
+                              planner_s=planner_s, vocab_size=preset.vocab_size)
+                cache[c.flags] = p
+                log(f"  {preset.name} {name} {c.fitted}: need {p.need / GIB:.2f} GiB, "
+                    f"{'fits' if p.fits else 'does not fit'}, step {p.step_s:.3f} s "
+                    f"({time.perf_counter() - started:.1f} s)")
+            return cache[c.flags]
+
+        recipe = predict(F.Candidate(name, "recipe", (*flags, *preset.recipe)))
+        cands = F.candidates(name, list(flags), args)
+        none = cands[0]
+        found = [recipe, *(predict(c) for c in cands
+                           if c.fitted == "recompute moe" or c.fitted == "none"
+                           or c.fitted.startswith("micro-batch"))]
+        # Full recompute: the fewest layers that fit (memory falls with n, time rises);
+        # none is faster where it fits.
+        if not predict(none).fits:
+            n = _bisect(1, stage_layers, lambda k: predict(F.full_recompute(none, k)).fits)
+            if n is not None:
+                found.append(predict(F.full_recompute(none, n)))
+        # SYMI-style: the most slots that fit, when its own budget's replicas do not.
+        if name == "symi" and not predict(none).fits and not predict(none).error:
+            per_rank = args.num_experts // args.expert_model_parallel_size
+            top = per_rank + args.num_experts // 2
+
+            def slots(k: int) -> F.Candidate:
+                return F.replace(none, fitted=f"slots {k}", flags=none.flags + (
+                    "--moe-lrmoe-slots-per-rank", str(k)))
+
+            k = _bisect(0, top - per_rank, lambda j: predict(slots(top - j)).fits)
+            if k is not None:
+                found.append(predict(slots(top - k)))
+        fitting = [p for p in found if p.fits]
+        choice = min(fitting, key=bubble) if fitting else None
+        largest = None
+        if largest_limit:    # under the choice's recompute (its micro-batch is replaced)
+            os.environ["WORLD_SIZE"] = str(preset.gpus)
+            means = list(choice.candidate.flags if choice else flags)
+            largest = F.largest_micro_batch(base, name, means, device_gib, traces,
+                                            None, outside, limit=largest_limit, steps=steps,
+                                            cluster=preset.cluster, overrides=overrides,
+                                            planner_s=planner_s, vocab_size=preset.vocab_size)
+        return Projection(
+            policy=name, label=label, recipe=recipe, choice=choice,
+            choice_step_s=bubble(choice) if choice else math.nan,
+            recipe_step_s=bubble(recipe) if not recipe.error else math.nan,
+            largest=largest, ratio=ratios.get(ratio_key, math.nan),
+            tried=list(cache.values()))
+
+    out = [one(name) for name in policies]
+    context = {"outside_s": outside.seconds, "outside_source": outside.source,
+               "outside_flops_per_token": outside_flops(args, vocab),
+               "microbatches_per_step": _microbatches(args),
+               "data_parallel": F._data_parallel(args),
+               "pipeline_factor": pipeline_factor(args.pipeline_model_parallel_size,
+                                                  _microbatches(args)),
+               "stage_layers": stage_layers, "efficiency": efficiency, "vocab": vocab,
+               "device_gib": device_gib, "reserve_gib": reserve_gib}
+    return context, out
+
+
+# ------------------------------------------------------------------------------ report
+def _gib(p: F.Prediction | None) -> str:
+    return "-" if p is None or p.error else f"{p.need / GIB:.1f}"
+
+
+def report_markdown(preset: Preset, context: dict, rows: list[Projection],
+                    command: str, code: str) -> str:
+    dropless = next((r for r in rows if r.policy == "megatron-dropless"), None)
+    ref = (dropless.choice_step_s * dropless.ratio
+           if dropless and dropless.choice else math.nan)
+    lines = [
+        f"## {preset.name}: {preset.gpus} x {CLUSTERS[preset.cluster].gpu.split(' x ')[-1]}, "
+        f"{preset.device_gib:.1f} GiB per device"
+        + (f", {context['reserve_gib']:g} GiB held back" if context["reserve_gib"] else ""),
+        "",
+        f"**{DISPATCHER_CAVEAT}**", "",
+        f"- command: `{command}`", f"- code: {code}",
+        *(f"- source: {s}" for s in preset.sources),
+        *(f"- note: {n}" for n in preset.notes),
+        f"- layout flags: `{' '.join(preset.layout)}`; the recipe's own: "
+        f"`{' '.join(preset.recipe) or 'no recompute'}`",
+        f"- micro-batches per step {context['microbatches_per_step']} (DP "
+        f"{context['data_parallel']}), layers per stage {context['stage_layers']}, 1F1B "
+        f"factor {context['pipeline_factor']:.3f} applied to every step time",
+        f"- outside the MoE layers: {context['outside_s']:.3f} s/step "
+        f"({context['outside_source']}; TP communication, optimizer step, memory-bound "
+        "kernels and DP reduction ignored)",
+        "", "| policy | recipe config fits (need GiB) | recipe step s | fitting choice | "
+        "need GiB | MoE s/step | step s | to target (s per dropless step) | vs dropless | "
+        "largest micro-batch (choice's recompute) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rec = r.recipe
+        fits = ("cannot start (auto below the floor)" if "below the floor" in rec.error
+                else "cannot start: " + rec.error.splitlines()[0][:60] if rec.error
+                else ("yes" if rec.fits else "no") + f" ({rec.need / GIB:.1f})")
+        largest = ("-" if r.largest is None else
+                   (str(r.largest[0]) if r.largest[1] is not None else "none fits"))
+        recipe_step = "-" if math.isnan(r.recipe_step_s) else f"{r.recipe_step_s:.2f}"
+        if r.choice is None:
+            lines.append(f"| {r.label} | {fits} | {recipe_step} | nothing fits | - | "
+                         f"- | - | - | - | {largest} |")
+            continue
+        target = r.choice_step_s * r.ratio
+        lines.append(
+            f"| {r.label} | {fits} | {recipe_step} | {r.choice.candidate.fitted} | "
+            f"{_gib(r.choice)} | {r.choice.moe_s:.2f} | {r.choice_step_s:.2f} | "
+            f"{target:.2f} (x{r.ratio:.3f}) | {target / ref:.3f} | {largest} |")
+    lines += ["", "MoE s/step: the stage's MoE layers' busy time (no bubble); step s: MoE + "
+              "outside, times the 1F1B factor. To target: step s x the policy's steps-to-"
+              "target ratio (time-to-loss study, an assumption at this scale; LRMoE without "
+              "replicas takes the memory-aware run's).", ""]
+    return "\n".join(lines)
+
+
+def _prediction_json(p: F.Prediction | None) -> dict | None:
+    if p is None:
+        return None
+    return {"fitted": p.candidate.fitted, "flags": list(p.candidate.flags), "fits": p.fits,
+            "need_gib": p.need / GIB, "account_gib": {k: v / GIB for k, v in asdict(
+                p.account).items() if isinstance(v, float)},
+            "moe_s": p.moe_s, "step_s_no_bubble": p.step_s, "error": p.error}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_lrmoe.tools.projections",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", nargs="+", required=True, choices=[*PRESETS, "all"])
+    ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="a routing trace directory (default: the preset's under "
+                         "benchmarks/results/routing_traces/)")
+    ap.add_argument("--layers", type=int, default=2, help="trace layers replayed")
+    ap.add_argument("--steps", type=int, default=4,
+                    help="optimizer steps replayed per layer (replicas are placed from the "
+                         "second step on: the first step runs without)")
+    ap.add_argument("--skip-fraction", type=float, default=0.5)
+    ap.add_argument("--efficiency", type=float, default=0.45,
+                    help="achieved over peak FLOP/s outside the MoE layers (assumption)")
+    ap.add_argument("--largest-limit", type=int, default=8,
+                    help="micro-batch sizes tried for the largest that fits (0: skip)")
+    ap.add_argument("--reserve-gib", type=float, default=0.0,
+                    help="GiB per device held back for what the memory account omits (CUDA "
+                         "context, allocator reserve, communication buffers)")
+    ap.add_argument("--planner-ms", type=float, default=None,
+                    help="the planner's host time per call (ms); default: measured here per "
+                         "call (this CPU for the cluster's hosts)")
+    ap.add_argument("--steps-to-target", type=Path, default=STEPS_TO_TARGET_FILE)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="directory for projections_<preset>.md and .json")
+    a = ap.parse_args(argv)
+    names = list(PRESETS) if "all" in a.preset else a.preset
+    ratios = steps_ratios(load_steps_to_target(a.steps_to_target))
+    command = shlex.join(["python", "-m", "megatron_lrmoe.tools.projections",
+                          *(sys.argv[1:] if argv is None else argv)])
+    code = code_version(("megatron_lrmoe", "configs"))
+    for name in names:
+        preset = PRESETS[name]
+        started = time.perf_counter()
+        trace_dir = a.trace or _TRACES / preset.trace / "trace"
+        args = _parse(preset, base_flags(preset))
+        traces, source = load_traces(trace_dir, args.num_experts, a.layers, a.skip_fraction)
+        context, rows = project(preset, traces, steps=a.steps, efficiency=a.efficiency,
+                                ratios=ratios, policies=tuple(a.policies),
+                                largest_limit=a.largest_limit, reserve_gib=a.reserve_gib,
+                                planner_s=None if a.planner_ms is None else a.planner_ms / 1e3,
+                                log=lambda line: print(line, file=sys.stderr, flush=True))
+        elapsed = time.perf_counter() - started
+        text = report_markdown(preset, context, rows, command, code) + (
+            f"\nRouting: {source}; {a.layers} layer(s) x {a.steps} step(s) replayed per "
+            f"configuration. Projected in {elapsed:.0f} s.\n")
+        print(text)
+        if a.out:
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / f"projections_{name}.md").write_text(text)
+            (a.out / f"projections_{name}.json").write_text(json.dumps({
+                "command": command, "code": code, "preset": name,
+                "caveat": DISPATCHER_CAVEAT, "routing": source, "seconds": elapsed,
+                "context": context, "policies": [{
+                    "policy": r.policy, "label": r.label, "steps_ratio": r.ratio,
+                    "recipe": _prediction_json(r.recipe), "recipe_step_s": r.recipe_step_s,
+                    "choice": _prediction_json(r.choice), "choice_step_s": r.choice_step_s,
+                    "largest_micro_batch": None if r.largest is None else r.largest[0],
+                    "tried": [_prediction_json(p) for p in r.tried]} for r in rows]},
+                indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,168 @@
+"""Projections at recipe layouts (tools/projections.py): the FLOP count by hand, the
+presets parse as the launcher parses them, and one small projection end to end."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_lrmoe.planning.memory_account import GIB
+from megatron_lrmoe.tools import fitting as F
+from megatron_lrmoe.tools import projections as P
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _world(monkeypatch):
+    # The module sets WORLD_SIZE per preset; monkeypatch restores it afterwards.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
+def test_qwen3_outside_flops_by_hand():
+    preset = P.PRESETS["qwen3-30b-a3b-16xh100"]
+    args = P._parse(preset, P.base_flags(preset))
+    parts = P.outside_flops(args, vocab_size=151936)
+    # Per token, forward x 3: 48 layers of Q (2048 x 4096), K and V (2048 x 512 each),
+    # output (4096 x 2048); the causal core 2 x 4096 x 4096 per layer; the head 2048 x V.
+    assert parts["attention projections"] == 3 * 48 * 2 * 2048 * (4096 + 512 + 512 + 4096)
+    assert parts["attention projections"] == pytest.approx(5.44e9, rel=1e-3)
+    assert parts["attention core"] == pytest.approx(4.83e9, rel=1e-3)
+    assert parts["LM head"] == 3 * 2 * 2048 * 151936 == pytest.approx(1.87e9, rel=2e-3)
+    assert parts["dense layers"] == 0 and parts["shared experts"] == 0
+    assert sum(parts.values()) == pytest.approx(12.14e9, rel=1e-3)
+    # 16 GPUs, PP 1, TP 1: every GPU does 1/16 of 1024 x 4096 tokens' work.
+    outside = P.outside_time(args, 151936, peak_flops=989e12, efficiency=0.45)
+    assert outside.seconds == pytest.approx(
+        sum(parts.values()) * 1024 * 4096 / 16 / (989e12 * 0.45))
+
+
+def test_glm_dense_and_shared_expert_flops_and_the_stage_share():
+    preset = P.PRESETS["glm45-air-32xh100"]
+    args = P._parse(preset, P.base_flags(preset))
+    parts = P.outside_flops(args, vocab_size=151552)
+    assert parts["dense layers"] == 3 * 1 * 2 * 3 * 4096 * 10944       # one dense SwiGLU
+    assert parts["shared experts"] == 3 * 43 * 2 * 3 * 4096 * 1408     # 43 MoE layers
+    # PP 4, DP 8: a quarter of the layers plus the head, on 2048 x 4096 / 8 tokens.
+    outside = P.outside_time(args, 151552, peak_flops=1e15, efficiency=0.5)
+    per_token = (sum(parts.values()) - parts["LM head"]) / 4 + parts["LM head"]
+    assert outside.seconds == pytest.approx(per_token * 2048 * 4096 / 8 / 5e14)
+
+
+def test_from_flops_and_the_pipeline_factor():
+    assert F.OutsideTime.from_flops(4e14, 1e15, 0.4).seconds == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        F.OutsideTime.from_flops(1.0, 1e15, 0.0)
+    assert P.pipeline_factor(2, 16) == pytest.approx(17 / 16)
+    assert P.pipeline_factor(1, 3) == 1.0
+    assert P._bisect(1, 24, lambda n: n >= 7) == 7
+    assert P._bisect(1, 24, lambda n: False) is None
+
+
+@pytest.mark.parametrize("name", list(P.PRESETS))
+def test_presets_parse_with_every_policy(name):
+    from megatron_lrmoe.config.flags import tokens_per_rank
+
+    preset = P.PRESETS[name]
+    expected = {  # data parallel, micro-batches per step, tokens per rank per micro-batch
+        "qwen3-30b-a3b-8xh100": (1, 16, 2 * 4096 // 4),
+        "qwen3-30b-a3b-16xh100": (16, 64, 4096),
+        "glm45-air-32xh100": (8, 256, 4096),
+        "qwen3-30b-a3b-32xa100-40": (4, 128, 2 * 4096 // 2),
+        "glm45-air-64xa100-40": (4, 512, 4096 // 4),
+    }[name]
+    for _label, flags, _ratio in P.POLICIES.values():
+        args = P._parse(preset, [*P.base_flags(preset), *flags, *preset.recipe])
+        assert (F._data_parallel(args), P._microbatches(args), tokens_per_rank(args)) == expected
+        assert args.bf16 and args.moe_token_dispatcher_type == "alltoall"
+        assert args.moe_lrmoe == ("--moe-lrmoe" in flags)
+    assert all(s for s in preset.sources) and preset.vocab_size in (151936, 151552)
+
+
+def _tiny_preset(device_gib: float) -> P.Preset:
+    return P.Preset(
+        "tiny", ROOT / "configs" / "time_to_loss.yaml", "h100", 2, device_gib,
+        layout=("--expert-model-parallel-size", "2", "--seq-length", "64",
+                "--max-position-embeddings", "64", "--micro-batch-size", "4",
+                "--global-batch-size", "16"),
+        recipe=("--recompute-granularity", "selective", "--recompute-modules", "moe"),
+        model_flags=("--train-iters", "100", "--num-layers", "2", "--hidden-size", "64",
+                     "--moe-ffn-hidden-size", "64", "--ffn-hidden-size", "128",
+                     "--num-experts", "8", "--num-attention-heads", "4"),
+        sources=("synthetic",))
+
+
+def _skewed_traces(layers: int = 2, calls: int = 16, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    p = np.array([0.4, 0.25] + [0.35 / 6] * 6)
+    return [rng.multinomial(256, p, size=(calls, 1)) for _ in range(layers)]
+
+
+def test_a_small_projection_end_to_end():
+    traces = _skewed_traces()
+    ratios = {"dropless": 1.0, "capacity-drop": 1.2, "symi": 1.0, "lrmoe-ma": 0.9}
+    context, free = P.project(_tiny_preset(8.0), traces, steps=1, ratios=ratios,
+                              largest_limit=2, planner_s=1e-4)
+    assert context["microbatches_per_step"] == 2 and context["pipeline_factor"] == 1.0
+    assert [r.policy for r in free] == list(P.POLICIES)
+    for r in free:     # a roomy device: every policy fits as it is
+        assert r.choice is not None and r.choice.candidate.fitted == "none"
+        assert r.recipe.fits and r.recipe.candidate.fitted == "recipe"
+        assert r.choice_step_s == pytest.approx(r.choice.step_s)
+        assert r.largest is not None and r.largest[0] == 2
+    assert free[-1].ratio == 0.9 and free[1].ratio == 1.2
+
+    # A device just below the dropless need: dropless gives something up to fit.
+    dropless = free[0].choice
+    device = (dropless.need / GIB) * 0.995
+    _, tight = P.project(_tiny_preset(device), traces, steps=1, ratios=ratios,
+                         policies=("megatron-dropless", "lrmoe-uniform-g1.0"),
+                         largest_limit=0, planner_s=1e-4)
+    d, lrmoe = tight
+    assert d.choice is not None and d.choice.candidate.fitted != "none"
+    assert d.choice.need <= device * GIB
+    assert all(p.fits == (p.need <= device * GIB) for p in d.tried if not p.error)
+    # LRMoE's budget (the device less the rest of the account) holds its default as is.
+    assert lrmoe.choice is not None and lrmoe.choice.candidate.fitted == "none"
+    text = P.report_markdown(_tiny_preset(device), context, tight, "cmd", "code")
+    assert P.DISPATCHER_CAVEAT in text and "Megatron dropless" in text
+    assert "LRMoE uniform, gamma 1.0" in text
+    assert not math.isnan(d.ratio)
+
+
+def test_reserve_lowers_the_device():
+    traces = _skewed_traces()
+    context, _ = P.project(replace(_tiny_preset(8.0)), traces, steps=1,
+                           policies=("megatron-dropless",), largest_limit=0, reserve_gib=1.5,
+                           planner_s=1e-4)
+    assert context["device_gib"] == pytest.approx(6.5)
+
+
+def test_a_given_vocabulary_enters_the_account_and_the_auto_budget():
+    from megatron_lrmoe.launcher import builders
+    from megatron_lrmoe.launcher.pretrain import resolve_auto_budget
+
+    preset = _tiny_preset(8.0)
+    flags = [*P.base_flags(preset), *P.POLICIES["lrmoe-uniform-g1.0"][1],
+             "--device-memory-gb", "8"]
+    # The launcher's auto budget given the tokenizer's own vocabulary is its budget.
+    launcher, given = P._parse(preset, flags), P._parse(preset, flags)
+    resolve_auto_budget(launcher)
+    tokenizer = builders.padded_vocab_size(
+        builders.build_tokenizer_from_args(given).vocab_size, given)
+    resolve_auto_budget(given, tokenizer)
+    assert given.moe_lrmoe_memory_budget_gb == launcher.moe_lrmoe_memory_budget_gb
+    larger = P._parse(preset, flags)
+    resolve_auto_budget(larger, tokenizer + 50000)
+    assert larger.moe_lrmoe_memory_budget_gb < launcher.moe_lrmoe_memory_budget_gb
+    # A larger vocabulary: more weights outside the MoE layers, a smaller auto budget.
+    traces, outside = _skewed_traces(), F.OutsideTime(0.5)
+    candidate = F.Candidate("lrmoe", "none", P.POLICIES["lrmoe-uniform-g1.0"][1])
+    small, large = (F.predict(P.base_flags(preset), candidate, 8.0, traces, None, outside,
+                              steps=1, planner_s=1e-4, vocab_size=v) for v in (None, 50000))
+    assert large.account.weights > small.account.weights
+    assert large.account.outside_moe > small.account.outside_moe
