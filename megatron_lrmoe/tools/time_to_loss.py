@@ -550,9 +550,10 @@ def study_parameters(base_flags: list[str]) -> str:
 def fitted_policies(base: list[str], device_gib: float, unconstrained_dir: Path, seed: int,
                     chosen: str | None) -> tuple[dict[str, list[str]], Device]:
     """The runs of a device-held study: each baseline's two best-predicted fitting
-    configurations (``fitted_name``) and the chosen LRMoE policies as they are (budget
-    ``auto``), predicted from the unconstrained study's dropless run of ``seed`` (its
-    routing and its time outside the MoE layers); and the ``Device`` for the report."""
+    configurations (``fitted_name``) and the chosen LRMoE policies as they are, every one
+    under the budget ``auto``, predicted from the unconstrained study's dropless run of
+    ``seed`` (its routing and its time outside the MoE layers); and the ``Device`` for
+    the report."""
     from megatron_lrmoe.planning.memory_account import GIB
     from megatron_lrmoe.tools import fitting
 
@@ -571,6 +572,9 @@ def fitted_policies(base: list[str], device_gib: float, unconstrained_dir: Path,
     table, rows, dropless = {}, [], None
     for name in names:
         flags = every[name]
+        if "--moe-lrmoe" in flags and "--moe-lrmoe-memory-budget-gb" not in flags:
+            # On a device LRMoE plans under the budget it leaves (gamma lowered to fit).
+            flags = [*flags, "--moe-lrmoe-memory-budget-gb", "auto"]
         if family(name) in BASELINES:
             cands = fitting.candidates(name, flags, args, slots_max=(
                 args.num_experts if name == "symi" else None), combine=True)
@@ -658,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
             "--train-iters", str(total), "--eval-interval", str(eval_interval),
             "--log-interval", str(max(1, stage.steps // 10)), "--no-progress-bar"]
     device = None
+    os.environ.setdefault("WORLD_SIZE", "2")    # flags are validated as the 2-rank runs'
     if args.device_gib is not None:
         if args.unconstrained_dir is None:
             raise SystemExit("--device-gib needs --unconstrained-dir (the unconstrained study "

@@ -172,6 +172,8 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     assert len(fitted) == 2 and {rows[n]["fitted"] for n in fitted} <= {
         "none", "recompute moe", "recompute full 1", "micro-batch 1"}
     assert rows["lrmoe-uniform-g0.75"]["fitted"] == "none"
+    lrmoe_run = held / "runs" / "lrmoe-uniform-g0.75-s1" / "done.json"    # under auto
+    assert "--moe-lrmoe-memory-budget-gb auto" in json.loads(lrmoe_run.read_text())["command"]
     # The unconstrained rows compare with the held runs too (what fitting cost).
     assert rows["unconstrained/megatron-dropless"]["moe_vs_dropless_1.0"] > 0
     for name in [*fitted, "lrmoe-uniform-g0.75"]:
