@@ -24,6 +24,15 @@ steps (at least 1): per-step losses of a small model on varied batches are noisy
 a shorter window made the 100% target easier to reach than the 75% one. A target
 counts as reached at the first step whose smoothed loss is at or below it.
 
+Held to a device (``--device-gib D --unconstrained-dir U``, issue 22): every run gets
+``--device-memory-gb D`` (the launcher stops a step over it, out of memory); the
+baselines run as their two best-predicted fitting configurations (``fitted_policies``,
+``megatron_lrmoe.tools.fitting``: ``policy@fitted``), the LRMoE policies under the budget
+``auto``; U's dropless runs set the targets (beside them: the validation loss of U's
+dropless run at ``--steps``) and its rows stay in the report; ratios are to the seed's
+fastest fitted run of dropless and of SYMI-style, at the 100% training target and at the
+validation target, with the total step seconds beside the MoE seconds.
+
 Runs are resumable: each finishes by writing ``runs/<policy>-s<seed>/done.json``, and
 a run with that file is never repeated; the report (``report.md``, ``report.json``,
 ``loss_vs_moe_time.png``, and the run report ``report/*.png`` of
