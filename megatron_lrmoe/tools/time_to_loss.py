@@ -297,7 +297,8 @@ def per_seed(per_run: dict[tuple[str, int], dict]) -> list[dict]:
             other_hit = fastest(per_run, base, seed)
             row[f"vs_{base}"] = (hit["moe_s"] / other_hit["moe_s"]
                                  if hit and other_hit else None)
-        ref = per_run.get((REFERENCE, seed))
+        # The seed's dropless run (in a held study, the unconstrained one: the targets').
+        ref = per_run.get((REFERENCE, seed)) or per_run.get((UNCONSTRAINED + REFERENCE, seed))
         row["val_vs_dropless"] = (a["val_at_steps"] / ref["val_at_steps"] - 1.0
                                   if ref and ref["val_at_steps"] and a["val_at_steps"]
                                   else None)

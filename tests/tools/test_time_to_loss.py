@@ -96,6 +96,8 @@ def test_fitted_runs_compare_with_the_fastest_fitted_baseline():
     assert ttl.fitted_name("symi", "none") == "symi"
     seeds = {r["policy"]: r for r in ttl.per_seed(per_run)}
     assert seeds["lrmoe-x"]["vs_megatron-dropless"] == pytest.approx(0.4)
+    # Validation loss at equal steps against the unconstrained dropless run (5.0 vs 5.4).
+    assert seeds["lrmoe-x"]["val_vs_dropless"] == pytest.approx(5.0 / 5.4 - 1)
 
 
 def test_every_policy_has_the_flags_it_names():
