@@ -30,7 +30,6 @@ from pathlib import Path
 from megatron_lrmoe.planning.memory_account import GIB
 from megatron_lrmoe.tools import fitting as F
 from megatron_lrmoe.tools.provenance import code_version
-from megatron_lrmoe.tools.routing_traces import read_routing_trace
 from megatron_lrmoe.tools.simulator_validation import run_flags
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,30 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("WORLD_SIZE", "2")    # the study's 2 ranks
     os.chdir(ROOT)
     base = base_flags(a.run)
-    trace = read_routing_trace(a.run / "routing")
-    skip = len(trace.iterations) // 10
-    traces = [trace.layer(n)[skip:] for n in trace.layers]
+    traces, outside = F.reference_run(a.run)
     calibration = json.loads(a.calibration.read_text())
-    outside = F.OutsideTime.from_log(a.run / "log.jsonl")
     args = F._parse(base)
 
-    def predict(name, flags, candidate=None, device=1024.0):
-        c = candidate or F.Candidate(name, F.NONE, tuple(flags))
-        return F.predict(base, c, device, traces, calibration, outside, steps=a.steps)
-
-    free = {name: predict(name, flags) for name, flags in {**BASELINES, **LRMOE}.items()}
+    free = {name: F.predict(base, F.Candidate(name, F.NONE, tuple(flags)), 1024.0, traces,
+                            calibration, outside, steps=a.steps)
+            for name, flags in {**BASELINES, **LRMOE}.items()}
     outside_gib = free["megatron-dropless"].account.outside_moe / GIB
     d1, d2 = F.device_sizes(outside_gib, free["megatron-dropless"].account.moe / GIB,
                             free["lrmoe-uniform-g1.0"].need / GIB)
     rows, best, largest = [], {}, {}
     for label, device in (("D1", d1), ("D2", d2)):
         for name, flags in {**BASELINES, **LRMOE}.items():
-            slots = None
-            if name == "symi":
-                slots = args.num_experts    # every slot count below the budget's
-            cands = (F.candidates(name, flags, args, slots_max=slots, combine=True)
-                     if name in BASELINES else [F.Candidate(name, F.NONE, tuple(flags))])
-            preds = F.distinct([predict(name, flags, c, device) for c in cands])
+            preds = F.policy_predictions(base, name, flags, name in BASELINES, device,
+                                         traces, calibration, outside, steps=a.steps)
             rows += [(device, p) for p in preds]
             best[(label, name)] = F.best_fitting(preds)
             largest[(label, name)] = F.largest_micro_batch(base, name, flags, device, traces,

@@ -35,7 +35,8 @@ from megatron_lrmoe.planning.memory_account import GIB, MemoryAccount
 
 __all__ = ["Candidate", "MemoryAccount", "OutsideTime", "Prediction", "best_fitting",
            "candidates", "device_sizes", "distinct", "feasibility_table", "full_recompute",
-           "largest_micro_batch", "predict", "replace"]
+           "largest_micro_batch", "policy_predictions", "predict", "reference_run",
+           "replace"]
 
 NONE = "none"
 FORWARD_SHARE = 1 / 3
@@ -264,6 +265,33 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     # Block recompute counts layers of a stage; uniform (``full`` = all layers) every one.
     step_s = moe_s + outside.step_seconds(full, _stage_layers(args))
     return Prediction(candidate, account, moe_s, step_s)
+
+
+def reference_run(run: Path) -> tuple[list[np.ndarray], OutsideTime]:
+    """A measured run's recorded routing per layer (past its first tenth, as the
+    simulator's validation replays it) and its time outside the MoE layers: what the
+    predictions of a study of the same model are made from."""
+    from megatron_lrmoe.tools.routing_traces import read_routing_trace
+
+    trace = read_routing_trace(Path(run) / "routing")
+    skip = len(trace.iterations) // 10
+    return ([trace.layer(n)[skip:] for n in trace.layers],
+            OutsideTime.from_log(Path(run) / "log.jsonl"))
+
+
+def policy_predictions(base_flags: list[str], policy: str, policy_flags: list[str],
+                       baseline: bool, device_gib: float, traces: list[np.ndarray],
+                       calibration: dict | None, outside: OutsideTime,
+                       **predict_options) -> list[Prediction]:
+    """A policy's predictions at ``device_gib``: a baseline's every configuration (single
+    means and pairs; SYMI-style's slots below what its budget holds), ``distinct``; any
+    other policy as it is (one prediction)."""
+    args = _parse(base_flags)
+    cands = (candidates(policy, policy_flags, args, combine=True,
+                        slots_max=args.num_experts if policy == "symi" else None)
+             if baseline else [Candidate(policy, NONE, tuple(policy_flags))])
+    return distinct([predict(base_flags, c, device_gib, traces, calibration, outside,
+                             **predict_options) for c in cands])
 
 
 def best_fitting(predictions: list[Prediction], count: int = 2) -> list[Prediction]:

@@ -54,7 +54,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_lrmoe.tools.routing_traces import read_routing_trace
 from megatron_lrmoe.tools.time_to_loss_policies import (
     REFERENCE,
     STUDY_CONFIG,
@@ -568,31 +567,21 @@ def fitted_policies(base: list[str], device_gib: float, unconstrained_dir: Path,
     from megatron_lrmoe.tools import fitting
 
     reference = unconstrained_dir / "runs" / f"{REFERENCE}-s{seed}"
-    trace = read_routing_trace(reference / "routing")
-    skip = len(trace.iterations) // 10
-    traces = [trace.layer(n)[skip:] for n in trace.layers]
+    traces, outside = fitting.reference_run(reference)
     calibration = json.loads((ROOT / CALIBRATION).read_text())
-    outside = fitting.OutsideTime.from_log(reference / "log.jsonl")
     every = policies("auto")
     names = list(every) if not chosen else [REFERENCE] + [
         p for p in chosen.split(",") if p and p != REFERENCE]
     if bad := [p for p in names if p not in every]:
         raise SystemExit(f"unknown policies {bad}; --list shows them")
-    args = fitting._parse(base)
     table, rows, dropless = {}, [], None
     for name in names:
         flags = every[name]
         if "--moe-lrmoe" in flags and "--moe-lrmoe-memory-budget-gb" not in flags:
             # On a device LRMoE plans under the budget it leaves (gamma lowered to fit).
             flags = [*flags, "--moe-lrmoe-memory-budget-gb", "auto"]
-        if family(name) in BASELINES:
-            cands = fitting.candidates(name, flags, args, slots_max=(
-                args.num_experts if name == "symi" else None), combine=True)
-        else:
-            cands = [fitting.Candidate(name, fitting.NONE, tuple(flags))]
-        preds = [fitting.predict(base, c, device_gib, traces, calibration, outside)
-                 for c in cands]
-        preds = fitting.distinct(preds)
+        preds = fitting.policy_predictions(base, name, flags, name in BASELINES, device_gib,
+                                           traces, calibration, outside)
         dropless = preds[0] if name == REFERENCE else dropless
         rows += [(device_gib, p) for p in preds]
         for p in (fitting.best_fitting(preds) if name in BASELINES else preds[:1]):
