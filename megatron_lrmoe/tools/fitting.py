@@ -221,7 +221,6 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     measured here, as ``simulate`` does). ``vocab_size``: the run's tokenizer vocabulary
     where the launcher's tokenizers (byte-level, SentencePiece from a file) cannot give it
     (a Hugging Face tokenizer's), padded as the model pads it; None: the tokenizer's."""
-    from megatron_lrmoe.config.flags import tokens_per_rank
     from megatron_lrmoe.config.planner_inputs import device_memory_bytes, memory_account
     from megatron_lrmoe.launcher import builders
     from megatron_lrmoe.launcher.pretrain import ConfigError, resolve_auto_budget
@@ -243,11 +242,6 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     if "auto" in flags:   # the resolved budget, as the launcher plans with it
         flags[flags.index("auto")] = f"{args.moe_lrmoe_memory_budget_gb:.9g}"
     shape, policy, budget_gib, ep = run_setting(flags)
-    # The rank's tokens under sequence parallelism (micro-batch x sequence / TP) and the
-    # micro-batches per step over the data-parallel size (the world over TP x PP).
-    shape = replace(shape, tokens_per_rank=tokens_per_rank(args),
-                    microbatches_per_step=max(1, args.global_batch_size
-                                              // (args.micro_batch_size * _data_parallel(args))))
     recompute_moe, full = _recomputed_layers(args)
     policy = replace(policy, recompute_moe=recompute_moe, full_recompute_layers=full,
                      slots_per_rank=getattr(args, "moe_lrmoe_slots_per_rank", None))

@@ -38,6 +38,7 @@ def run_flags(done: Path) -> list[str]:
 def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
     """(``MoEShape`` of a layer, ``Policy``, budget GiB or None, EP size) of a run's
     flags."""
+    from megatron_lrmoe.config.flags import tokens_per_rank
     from megatron_lrmoe.config.planner_inputs import moe_shape
     from megatron_lrmoe.launcher.arguments import parse_args
     from megatron_lrmoe.launcher.builders import transformer_config_from_args
@@ -45,9 +46,10 @@ def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
     os.environ.setdefault("WORLD_SIZE", "2")
     args = parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"])
     config = transformer_config_from_args(args)
-    data_parallel = int(os.environ["WORLD_SIZE"]) // args.pipeline_model_parallel_size
-    shape = moe_shape(config, args.micro_batch_size * args.seq_length,
-                      args.global_batch_size // (args.micro_batch_size * data_parallel))
+    # The rank's tokens (micro-batch x sequence, / TP under sequence parallelism) and the
+    # micro-batches per step over the data-parallel size, as the launcher derives them.
+    shape = moe_shape(config, tokens_per_rank(args), args.global_batch_size
+                      // (args.micro_batch_size * args.data_parallel_size))
     if args.moe_lrmoe:
         policy = Policy("lrmoe", placement=args.moe_lrmoe_placement,
                         capacity_factor=args.moe_lrmoe_bwd_capacity_factor,
