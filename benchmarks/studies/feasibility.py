@@ -30,7 +30,6 @@ from pathlib import Path
 from megatron_lrmoe.planning.memory_account import GIB
 from megatron_lrmoe.tools import fitting as F
 from megatron_lrmoe.tools.provenance import code_version
-from megatron_lrmoe.tools.simulator_validation import run_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,26 +46,6 @@ LRMOE = {
     "lrmoe-uniform-g1.0-ma": ["--moe-lrmoe", "--moe-lrmoe-placement", "memory-aware",
                               "--moe-lrmoe-memory-budget-gb", "auto"],
 }
-# Flags of the recorded run that are not the model's or the batch's (the data is not
-# read: the predictions need the shapes only).
-RUN_ONLY = ("--seed", "--record-routing", "--log-json", "--eval-interval", "--log-interval",
-            "--data-path", "--data-cache-path")
-
-
-def base_flags(run: Path) -> list[str]:
-    """The reference run's flags, less its per-run ones."""
-    flags, out, skip = run_flags(run / "done.json"), [], False
-    for f in flags:
-        if skip:
-            skip = False
-            continue
-        if f in RUN_ONLY:
-            skip = True
-            continue
-        out.append(f)
-    return [*out, "--mock-data"]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", type=Path, default=ROOT / REFERENCE_RUN)
@@ -76,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("WORLD_SIZE", "2")    # the study's 2 ranks
     os.chdir(ROOT)
-    base = base_flags(a.run)
+    base = [*F.reference_flags(a.run), "--mock-data"]   # the data is not read
     traces, outside = F.reference_run(a.run)
     calibration = json.loads(a.calibration.read_text())
     args = F._parse(base)

@@ -36,7 +36,8 @@ from megatron_lrmoe.planning.retention import retention_in_forward
 __all__ = ["GIB", "agreed_machine_constants", "allocator_check", "check_memory_budget",
            "device_memory_bytes", "fitting_micro_batch_size", "machine_constants",
            "memory_account", "moe_layers_per_stage", "moe_shape", "needs_cost_model",
-           "planner_settings", "resolve_memory_budget", "run_shape"]
+           "planner_settings", "recomputed_moe_layers", "resolve_memory_budget",
+           "run_shape"]
 
 GIB = 2**30
 
@@ -50,6 +51,27 @@ def moe_layers_per_stage(num_layers: int, moe_layer_freq, pipeline_size: int) ->
     return max(1, -(-moe // max(1, pipeline_size)))
 
 
+def recomputed_moe_layers(config) -> tuple[bool, int]:
+    """(``moe`` recompute, MoE layers rerun by full recompute) of the stage with the most
+    MoE layers, from Megatron's recompute settings: ``--recompute-granularity selective
+    --recompute-modules moe`` reruns every MoE layer; ``full`` with the uniform method
+    every layer (chunk by chunk), with the block method the MoE layers among the first
+    ``--recompute-num-layers`` layers of the stage (the first stage's pattern)."""
+    if config.recompute_granularity == "selective":
+        return "moe" in (config.recompute_modules or ()), 0
+    if config.recompute_granularity != "full":
+        return False, 0
+    pp = config.pipeline_model_parallel_size or 1
+    layers = moe_layers_per_stage(config.num_layers, config.moe_layer_freq, pp)
+    if config.recompute_method != "block":
+        return False, layers
+    first = range(min(config.recompute_num_layers or 0, config.num_layers // pp))
+    freq = config.moe_layer_freq
+    moe = (sum(1 for i in first if i % freq == 0) if isinstance(freq, int)
+           else sum(1 for i in first if freq[i]))
+    return False, min(layers, moe)
+
+
 def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
               ep_size: int | None = None) -> MoEShape:
     """The MoE layer's shape on one EP rank for the cost model (``ep_size``: the EP group's
@@ -57,6 +79,7 @@ def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
     dtype = config.params_dtype
     pp = config.pipeline_model_parallel_size or 1
     ep = ep_size or config.expert_model_parallel_size or 1
+    recompute_moe, full_recompute_layers = recomputed_moe_layers(config)
     return MoEShape(
         hidden_size=config.hidden_size,
         ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
@@ -79,6 +102,8 @@ def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
         forward_retention=retention_in_forward(
             getattr(config, "moe_lrmoe_selection", option("moe_lrmoe_selection").default),
             getattr(config, "moe_lrmoe_metric", option("moe_lrmoe_metric").default)),
+        recompute_moe=recompute_moe,
+        full_recompute_layers=full_recompute_layers,
     )
 
 

@@ -799,17 +799,15 @@ class _MegatronMemory:
     """What Megatron's own MoE layers hold per rank, from their routed counts."""
 
     model: object
-    """``MegatronMoEMemory`` of the layer's shape (no recompute: the stage composes it)."""
-    recompute_moe: bool
-    full_recompute_layers: int
+    """``MegatronMoEMemory`` of the layer's shape (its recompute fields: the run's, which
+    the stage composes)."""
     capacity_factor: float | None
     pad: bool
 
 
 def _megatron_memory(args: argparse.Namespace, config) -> _MegatronMemory | None:
-    """Held with Megatron's own MoE layer: its memory model (None otherwise).
-    ``--recompute-granularity selective --recompute-modules moe`` reruns every MoE layer,
-    full recompute the first ``--recompute-num-layers`` (block) or all (uniform);
+    """Held with Megatron's own MoE layer: its memory model (None otherwise). The run's
+    recompute is the shape's (``planner_inputs.recomputed_moe_layers``);
     ``--moe-expert-capacity-factor`` drops (or, with ``--moe-pad-expert-input-to-capacity``,
     pads) to capacity; ``--moe-grouped-gemm`` is TEGroupedMLP."""
     if not _held(args) or args.moe_lrmoe or config.num_moe_experts is None:
@@ -819,16 +817,10 @@ def _megatron_memory(args: argparse.Namespace, config) -> _MegatronMemory | None
 
     shape = moe_shape(config, tokens_per_rank(args), args.num_microbatches,
                       args.expert_model_parallel_size)
-    modules = config.recompute_modules or ()
-    full = 0
-    if config.recompute_granularity == "full":
-        full = (config.recompute_num_layers or 0 if config.recompute_method == "block"
-                else config.num_layers)
     return _MegatronMemory(
         model=MegatronMoEMemory(shape, grouped=bool(args.moe_grouped_gemm),
                                 padded=bool(args.moe_pad_expert_input_to_capacity)),
-        recompute_moe=config.recompute_granularity == "selective" and "moe" in modules,
-        full_recompute_layers=full, capacity_factor=args.moe_expert_capacity_factor,
+        capacity_factor=args.moe_expert_capacity_factor,
         pad=bool(args.moe_pad_expert_input_to_capacity))
 
 
@@ -859,8 +851,8 @@ def _megatron_moe_bytes(memory: _MegatronMemory, recorder) -> float:
     shape = memory.model.shape
     return float(stage_moe_memory(
         np.array(saved)[:, None], np.array(peak)[:, None], np.zeros((len(saved), 1)),
-        shape.output_bytes, shape.microbatches_in_flight, memory.recompute_moe,
-        memory.full_recompute_layers)[0])
+        shape.output_bytes, shape.microbatches_in_flight, shape.recompute_moe,
+        shape.full_recompute_layers)[0])
 
 
 def _hold_to_device(args: argparse.Namespace, run: _Run, iteration: int,

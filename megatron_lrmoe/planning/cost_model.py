@@ -244,13 +244,29 @@ class MoEShape:
     gradient: ``retention.retention_in_forward``). x_exp and z are then saved for the
     retained rows only, and the source's kept index and scale live from forward on."""
 
+    recompute_moe: bool = False
+    """Megatron reruns every MoE layer's forward in backward (``--recompute-granularity
+    selective --recompute-modules moe``): no layer keeps its saved buffers between its
+    forward and backward; the rerun holds them beside the first pass's output y."""
+    full_recompute_layers: int = 0
+    """Of the ``num_layers`` MoE layers, those Megatron's full recompute reruns in
+    backward (``--recompute-granularity full``: uniform, all; block, those among the
+    first ``--recompute-num-layers`` of the stage); they keep nothing between forward
+    and backward either. ``rank_memory`` composes both (``kept_layers_fraction``) as
+    ``stage_moe_memory`` does for a stage of like layers."""
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ("gated", "grouped_gemm", "activation_recompute",
-                          "forward_retention"):
+                          "forward_retention", "recompute_moe"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MoEShape.{f.name} must be a bool, got {value!r}")
+                continue
+            if f.name == "full_recompute_layers":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"MoEShape.full_recompute_layers must be an int >= 0, "
+                                     f"got {value!r}")
                 continue
             if value is None and f.name in ("grad_dtype_bytes", "expert_parallel_size"):
                 continue
@@ -339,6 +355,24 @@ class MoEShape:
         """T x H: the layer output y (in a run's backward, its gradient dy), and the token
         gradient dX the backward returns."""
         return self.tokens_per_rank * self.row_bytes
+
+    @property
+    def kept_layers_fraction(self) -> float:
+        """kappa: the share of the stage's MoE layers that keep their saved buffers S from
+        forward to backward (1 without recompute, 0 with ``recompute_moe``, (Lyr - n) / Lyr
+        with n = ``full_recompute_layers``). A layer answers for kappa MiF S of kept
+        bytes (``rank_memory``), so that Lyr like layers sum to ``stage_moe_memory``."""
+        if self.recompute_moe:
+            return 0.0
+        n = min(self.full_recompute_layers, self.num_layers)
+        return (self.num_layers - n) / self.num_layers
+
+    @property
+    def rerun_output_bytes(self) -> int:
+        """What a rerun holds beside its transient peak: the first pass's output y under
+        ``recompute_moe`` (the recomputed module's output is kept for the next layer);
+        none under full recompute, which rebuilds the whole layer."""
+        return self.output_bytes if self.recompute_moe else 0
 
     @property
     def backward_bytes_per_source_pair(self) -> int:
@@ -511,7 +545,9 @@ class CostModel:
                     rank_starts: np.ndarray | None = None) -> np.ndarray:
         """[R] float64 bytes one layer holds on each rank: its replicas, the saved buffers
         of MiF micro-batches routed like this one, and 1/Lyr of the rest of its peak
-        (module docstring). Compare with ``memory_share(budget)``.
+        (module docstring); under recompute, kappa of the saved buffers and 1/Lyr of the
+        rest with the rerun's output (``kept_layers_fraction``, ``rerun_output_bytes``).
+        Compare with ``memory_share(budget)``.
 
         ``sent_kept`` [R]: pairs each rank keeps as a source (None: all P of them, an
         upper bound). ``instance_routed``, ``instance_retained`` [I] (rank-major) with
@@ -521,8 +557,10 @@ class CostModel:
         s = self.shape
         saved, peak = self.rank_levels(routed, retained, num_replicas, sent_kept,
                                        instance_routed, instance_retained, rank_starts)
+        kappa = s.kept_layers_fraction
         return (np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
-                + s.microbatches_in_flight * saved + (peak - saved) / s.num_layers)
+                + kappa * s.microbatches_in_flight * saved
+                + (peak - kappa * saved + s.rerun_output_bytes) / s.num_layers)
 
     def rank_levels(self, routed: np.ndarray, retained: np.ndarray,
                     num_replicas: np.ndarray, sent_kept: np.ndarray | None = None,
@@ -631,13 +669,15 @@ class CostModel:
         base = p * s.saved_bytes_per_source_pair + s.output_bytes + \
             p * s.backward_bytes_per_source_pair
         phases += [(base + np.maximum(kept * row + s.output_bytes + held_dw, bwd_experts), sn)]
-        # fixed + MiF S + (level - S) / Lyr <= share, S = N sn + P ss, level = a + b N.
-        mif, lyr = s.microbatches_in_flight, s.num_layers
+        # fixed + k MiF S + (level - k S + y') / Lyr <= share, S = N sn + P ss,
+        # level = a + b N (k: kept_layers_fraction, y': rerun_output_bytes).
+        mif, lyr, k = s.microbatches_in_flight, s.num_layers, s.kept_layers_fraction
         fixed = np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
         saved_p = p * s.saved_bytes_per_source_pair
         a, b = (_stack(values, rc.shape) for values in zip(*phases, strict=True))
-        coef = mif * sn + (b - sn) / lyr
-        rhs = share - fixed - mif * saved_p - (a - saved_p) / lyr
+        coef = k * mif * sn + (b - k * sn) / lyr
+        rhs = (share - fixed - k * mif * saved_p
+               - (a - k * saved_p + s.rerun_output_bytes) / lyr)
         return _to_count(np.minimum.reduce(_solve(rhs, coef), axis=0))
 
     def retained_limit(self, share: float, num_replicas: np.ndarray, routed: np.ndarray,
@@ -661,11 +701,12 @@ class CostModel:
         sk = sr if fr else 0.0
         saved = (0.0 if fr else routed * sr) + p * s.saved_bytes_per_source_pair
         fixed = np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
-        mif, lyr = s.microbatches_in_flight, s.num_layers
-        # A level may reach room + K sk (1 - MiF Lyr): fixed + MiF S + (level - S) / Lyr
-        # <= share. So every level's slope gains sk (MiF Lyr - 1) against ``room``.
-        room = (share - fixed - mif * saved) * lyr + saved
-        extra = sk * (mif * lyr - 1)
+        mif, lyr, k = s.microbatches_in_flight, s.num_layers, s.kept_layers_fraction
+        # fixed + k MiF S + (level - k S + y') / Lyr <= share (``rank_memory``): a level
+        # may reach room - K sk k (MiF Lyr - 1). So every level's slope gains
+        # k sk (MiF Lyr - 1) against ``room``.
+        room = (share - fixed - k * mif * saved) * lyr + k * saved - s.rerun_output_bytes
+        extra = k * sk * (mif * lyr - 1)
         # c n_e + n_e' <= (c - 1) * largest + routed for the loop's forward activation.
         act_f = ((s.forward_activation_factor - 1) * largest + routed) * f_b
         base = saved + s.output_bytes + p * s.backward_bytes_per_source_pair

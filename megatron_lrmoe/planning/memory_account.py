@@ -20,15 +20,15 @@ module implements them. Every part is an estimate of what the rank holds at its 
   dropout masks, embedding dropout, the output layer's logits and its fp32 softmax), per
   micro-batch, x the micro-batches in flight, under the recompute setting.
 * **moe**: the MoE peak, ``CostModel.balanced_dropless_need()``: what the rank's MoE
-  layers hold (every micro-batch in flight) at balanced routing with nothing dropped.
+  layers hold (every micro-batch in flight) at balanced routing with nothing dropped,
+  under the run's recompute (the shape's ``recompute_moe``, ``full_recompute_layers``).
 
 The budget ``auto`` is ``device - (weights + gradients + optimizer + activations)``
 (``auto_budget_bytes``). What the account omits: the CUDA context and the caching
 allocator's fragmentation and reserve, communication buffers (NCCL, the all-to-all's
 and the distributed optimizer's gather buckets beyond the grad buffer), temporaries of
-the optimizer step and of gradient clipping, the router's and the dispatcher's tensors
-outside the LRMoE region, and the savings of recomputing the MoE layers themselves
-(``moe`` / full recompute: the MoE part stays the no-recompute peak, an upper bound).
+the optimizer step and of gradient clipping, and the router's and the dispatcher's
+tensors outside the LRMoE region.
 """
 
 from __future__ import annotations

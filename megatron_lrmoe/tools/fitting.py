@@ -195,15 +195,14 @@ def _parse(flags: list[str]) -> argparse.Namespace:
     return parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"])
 
 
-def _recomputed_layers(args: argparse.Namespace) -> tuple[bool, int]:
-    """(``moe`` recompute, layers recomputed in full) of the launcher's arguments."""
-    if args.recompute_granularity == "selective":
-        return "moe" in (args.recompute_modules or ()), 0
-    if args.recompute_granularity == "full":
-        if args.recompute_method == "block":
-            return False, int(args.recompute_num_layers or 0)
-        return False, args.num_layers      # uniform: every layer, chunk by chunk
-    return False, 0
+def _full_recompute_layers(args: argparse.Namespace) -> int:
+    """Layers of a stage full recompute reruns (the time outside the MoE layers: the
+    MoE layers' own recompute is the shape's, ``recomputed_moe_layers``)."""
+    if args.recompute_granularity != "full":
+        return 0
+    if args.recompute_method == "block":
+        return int(args.recompute_num_layers or 0)
+    return args.num_layers      # uniform: every layer, chunk by chunk
 
 
 def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
@@ -241,10 +240,8 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     flags = [*flags]
     if "auto" in flags:   # the resolved budget, as the launcher plans with it
         flags[flags.index("auto")] = f"{args.moe_lrmoe_memory_budget_gb:.9g}"
-    shape, policy, budget_gib, ep = run_setting(flags)
-    recompute_moe, full = _recomputed_layers(args)
-    policy = replace(policy, recompute_moe=recompute_moe, full_recompute_layers=full,
-                     slots_per_rank=getattr(args, "moe_lrmoe_slots_per_rank", None))
+    shape, policy, budget_gib, ep = run_setting(flags)      # the shape has the recompute
+    policy = replace(policy, slots_per_rank=getattr(args, "moe_lrmoe_slots_per_rank", None))
     model = ModelSpec("fit", shape.num_layers, shape.hidden_size, shape.ffn_hidden_size,
                       shape.num_experts, shape.topk, shape.gated, shape.tokens_per_rank, 1,
                       shape.microbatches_per_step * ep)
@@ -256,8 +253,8 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
                              device_memory_bytes(device_gib))
     account = replace(account, moe=result.memory_gib * GIB)
     moe_s = result.step_moe_s
-    # Block recompute counts layers of a stage; uniform (``full`` = all layers) every one.
-    step_s = moe_s + outside.step_seconds(full, _stage_layers(args))
+    # Block recompute counts layers of a stage; uniform (all layers) every one.
+    step_s = moe_s + outside.step_seconds(_full_recompute_layers(args), _stage_layers(args))
     return Prediction(candidate, account, moe_s, step_s)
 
 
@@ -271,6 +268,27 @@ def reference_run(run: Path) -> tuple[list[np.ndarray], OutsideTime]:
     skip = len(trace.iterations) // 10
     return ([trace.layer(n)[skip:] for n in trace.layers],
             OutsideTime.from_log(Path(run) / "log.jsonl"))
+
+
+# Flags of a recorded run that are not the model's or the batch's.
+RUN_ONLY = ("--seed", "--record-routing", "--log-json", "--eval-interval", "--log-interval",
+            "--data-path", "--data-cache-path")
+
+
+def reference_flags(run: Path) -> list[str]:
+    """A measured run's launcher flags less its per-run ones (``RUN_ONLY``): the model and
+    the batch that predictions, and runs compared with it, are made of."""
+    from megatron_lrmoe.tools.simulator_validation import run_flags
+
+    out, skip = [], False
+    for f in run_flags(Path(run) / "done.json"):
+        if skip:
+            skip = False
+        elif f in RUN_ONLY:
+            skip = True
+        else:
+            out.append(f)
+    return out
 
 
 def policy_predictions(base_flags: list[str], policy: str, policy_flags: list[str],

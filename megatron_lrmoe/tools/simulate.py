@@ -282,10 +282,6 @@ class Policy:
     and prices with ``MegatronMoEMemory``."""
     slots_per_rank: int | None = None
     """popularity: ``--moe-lrmoe-slots-per-rank`` (fewer replicas than the budget holds)."""
-    recompute_moe: bool = False
-    """``--recompute-modules moe``: each MoE layer's forward rerun in backward."""
-    full_recompute_layers: int = 0
-    """``--recompute-granularity full --recompute-method block --recompute-num-layers n``."""
 
     def __post_init__(self) -> None:
         if self.budget and not self.runs_planner:
@@ -480,8 +476,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
         fwd, bwd = totals["fwd"] / calls, totals["bwd"] / calls
         refresh = totals["refresh"] / (n_layers * steps)
         # Recompute reruns forwards in backward: every layer's (moe) or the block's (full).
-        rerun = (shape.num_layers if policy.recompute_moe
-                 else min(policy.full_recompute_layers, shape.num_layers))
+        rerun = (shape.num_layers if shape.recompute_moe
+                 else min(shape.full_recompute_layers, shape.num_layers))
         step = (shape.num_layers * (shape.microbatches_per_step * (fwd + bwd) + refresh)
                 + rerun * shape.microbatches_per_step * fwd)
         # The stage's layers beyond the simulated ones repeat them in turn.
@@ -489,7 +485,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
         memory = stage_moe_memory(
             np.stack([lv[0] for lv in stage]), np.stack([lv[1] for lv in stage]),
             np.stack([lv[2] for lv in stage]), shape.output_bytes,
-            shape.microbatches_in_flight, policy.recompute_moe, policy.full_recompute_layers)
+            shape.microbatches_in_flight, shape.recompute_moe, shape.full_recompute_layers)
         results.append(PolicyResult(
             policy=policy.name, label=policy.label or policy.name, ep_size=ep_size,
             forward_s=fwd, backward_s=bwd, parts=per_call, refresh_s_per_step=refresh,

@@ -31,7 +31,9 @@ baselines run as their two best-predicted fitting configurations (``fitted_polic
 ``auto``; U's dropless runs set the targets (beside them: the validation loss of U's
 dropless run at ``--steps``) and its rows stay in the report; ratios are to the seed's
 fastest fitted run of dropless and of SYMI-style, at the 100% training target and at the
-validation target, with the total step seconds beside the MoE seconds.
+validation target, with the total step seconds beside the MoE seconds. The screen
+measures both fitted configurations; the confirmation names the faster one of each
+baseline (``--policies symi@micro-batch_2_+_slots_10,...``) and runs only it.
 
 Runs are resumable: each finishes by writing ``runs/<policy>-s<seed>/done.json``, and
 a run with that file is never repeated; the report (``report.md``, ``report.json``,
@@ -556,13 +558,23 @@ def study_parameters(base_flags: list[str]) -> str:
             f"{value('micro-batch-size')}, {micro} micro-batch(es) per step on 2 ranks")
 
 
+def on_device(flags: list[str]) -> list[str]:
+    """A policy's flags on a device: LRMoE plans under the budget the device leaves
+    (``auto``: gamma lowered to fit) unless the policy names its own."""
+    if "--moe-lrmoe" in flags and "--moe-lrmoe-memory-budget-gb" not in flags:
+        return [*flags, "--moe-lrmoe-memory-budget-gb", "auto"]
+    return flags
+
+
 def fitted_policies(base: list[str], device_gib: float, unconstrained_dir: Path, seed: int,
                     chosen: str | None) -> tuple[dict[str, list[str]], Device]:
     """The runs of a device-held study: each baseline's two best-predicted fitting
     configurations (``fitted_name``) and the chosen LRMoE policies as they are, every one
     under the budget ``auto``, predicted from the unconstrained study's dropless run of
     ``seed`` (its routing and its time outside the MoE layers); and the ``Device`` for
-    the report."""
+    the report. A chosen ``policy@fitted`` (``symi@micro-batch_2_+_slots_10``; ``@none``
+    for the configuration as it is) runs just that fitting configuration: the one the
+    screen measured faster, confirmed over the seeds."""
     from megatron_lrmoe.planning.memory_account import GIB
     from megatron_lrmoe.tools import fitting
 
@@ -570,21 +582,32 @@ def fitted_policies(base: list[str], device_gib: float, unconstrained_dir: Path,
     traces, outside = fitting.reference_run(reference)
     calibration = json.loads((ROOT / CALIBRATION).read_text())
     every = policies("auto")
-    names = list(every) if not chosen else [REFERENCE] + [
-        p for p in chosen.split(",") if p and p != REFERENCE]
+    requested = [p for p in (chosen or "").split(",") if p] or list(every)
+    pinned: dict[str, list[str]] = {}    # policy -> the fitted run names asked for
+    for p in requested:
+        if "@" in p:
+            policy = p.split("@", 1)[0]
+            pinned.setdefault(policy, []).append(fitted_name(policy, fitted_of(p)))
+    names = list(dict.fromkeys([REFERENCE, *(p.split("@", 1)[0] for p in requested)]))
     if bad := [p for p in names if p not in every]:
         raise SystemExit(f"unknown policies {bad}; --list shows them")
     table, rows, dropless = {}, [], None
     for name in names:
-        flags = every[name]
-        if "--moe-lrmoe" in flags and "--moe-lrmoe-memory-budget-gb" not in flags:
-            # On a device LRMoE plans under the budget it leaves (gamma lowered to fit).
-            flags = [*flags, "--moe-lrmoe-memory-budget-gb", "auto"]
+        flags = on_device(every[name])
         preds = fitting.policy_predictions(base, name, flags, name in BASELINES, device_gib,
                                            traces, calibration, outside)
         dropless = preds[0] if name == REFERENCE else dropless
         rows += [(device_gib, p) for p in preds]
-        for p in (fitting.best_fitting(preds) if name in BASELINES else preds[:1]):
+        if name in pinned:
+            fits = {fitted_name(name, p.candidate.fitted): p for p in preds if p.fits}
+            if bad := [n for n in pinned[name] if n not in fits]:
+                raise SystemExit(f"--policies {','.join(bad)}: not a configuration of {name} "
+                                 f"that fits {device_gib:g} GiB; those that do: "
+                                 f"{', '.join(fits) or 'none'}")
+            runs = [fits[n] for n in pinned[name]]
+        else:
+            runs = fitting.best_fitting(preds) if name in BASELINES else preds[:1]
+        for p in runs:
             table[fitted_name(name, p.candidate.fitted)] = list(p.candidate.flags)
     assert dropless is not None
     budget = device_gib - dropless.account.outside_moe / GIB
@@ -603,7 +626,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the stage's)")
     p.add_argument("--policies", default=None,
                    help="comma-separated policy names (default: all); the dropless reference "
-                        "is always included")
+                        "is always included; with --device-gib, policy@fitted (a run name "
+                        "of the screen) runs only that fitting configuration")
     p.add_argument("--budget-replicas", type=float, default=2.0,
                    help="budget = balanced dropless need + this many expert instances per "
                         "layer and rank")

@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
+from megatron_lrmoe.planning.cost_model import (
+    CostModel,
+    MachineConstants,
+    MoEShape,
+    stage_moe_memory,
+)
 from megatron_lrmoe.planning.machine import default_machine_constants
 from megatron_lrmoe.planning.retention import plan_retention, retention_in_forward
 
@@ -342,6 +347,11 @@ def test_rank_memory_equals_the_region_ledger(fields):
     dict(gated=True, expert_parallel_size=1, forward_retention=True),
     dict(gated=True, expert_parallel_size=2, grouped_gemm=True, forward_retention=True),
     dict(gated=True, expert_parallel_size=2, grouped_gemm=True, grad_dtype_bytes=4),
+    # Under recompute (kept_layers_fraction, rerun_output_bytes).
+    dict(gated=True, expert_parallel_size=2, recompute_moe=True),
+    dict(gated=False, forward_retention=True, full_recompute_layers=1),
+    dict(gated=True, expert_parallel_size=2, grouped_gemm=True, forward_retention=True,
+         full_recompute_layers=3),
 ])
 @pytest.mark.parametrize("layers, in_flight", [(1, 1), (3, 2)])
 def test_capacity_and_retained_limit_against_brute_force(fields, layers, in_flight):
@@ -419,6 +429,50 @@ def test_balanced_dropless_need_by_hand():
                         rel_tol=1e-15)
     # Unknown EP size: the per-instance rows are bounded by the rank's, never less.
     assert _model(layers=1, in_flight=1, gated=True).balanced_dropless_need() >= 3600
+
+
+def test_balanced_need_under_recompute_by_hand():
+    # The shape of test_balanced_dropless_need_by_hand: S = 1600, peak 3600, y = T H b =
+    # 160; three layers, two micro-batches in flight.
+    kw = dict(layers=3, in_flight=2, gated=True, expert_parallel_size=2)
+    # moe recompute: no layer keeps S; each answers for a third of (peak + y).
+    assert math.isclose(_model(**kw, recompute_moe=True).balanced_dropless_need(),
+                        3600 + 160, rel_tol=1e-15)
+    # Full recompute of 1 of 3: two layers keep 2 S; the transient is the rebuilt
+    # layer's peak and the others' peak - S, a third each.
+    assert math.isclose(_model(**kw, full_recompute_layers=1).balanced_dropless_need(),
+                        2 * 2 * 1600 + (3600 + 2 * 2000) / 3, rel_tol=1e-15)
+    # Every layer (uniform, or n beyond the stage): one layer's peak.
+    for n in (3, 7):
+        assert math.isclose(_model(**kw, full_recompute_layers=n).balanced_dropless_need(),
+                            3600, rel_tol=1e-15)
+
+
+@pytest.mark.parametrize("recompute", [dict(), dict(recompute_moe=True),
+                                       dict(full_recompute_layers=1),
+                                       dict(full_recompute_layers=3)])
+def test_like_layers_sum_to_the_stage_composition(recompute):
+    # rank_memory's per-layer share under recompute, over Lyr layers routed alike, is the
+    # stage's peak as stage_moe_memory composes it from their levels.
+    cost = _model(layers=3, in_flight=2, gated=True, expert_parallel_size=2, **recompute)
+    s = cost.shape
+    gen = np.random.default_rng(2)
+    for _ in range(10):
+        routed = gen.integers(0, 80, size=2).astype(np.float64)
+        retained = np.floor(routed * gen.uniform(0, 1, size=2))
+        reps = gen.integers(0, 3, size=2)
+        saved, peak = cost.rank_levels(routed, retained, reps)
+        want = stage_moe_memory(np.stack([saved] * 3), np.stack([peak] * 3),
+                                np.stack([reps * s.instance_bytes] * 3), s.output_bytes, 2,
+                                s.recompute_moe, s.full_recompute_layers)
+        got = 3 * cost.rank_memory(reps, routed, retained)
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_shape_refuses_bad_recompute_layers():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="full_recompute_layers"):
+            MoEShape(8, 4, 4, 2, True, 2, 10, full_recompute_layers=bad)
 
 
 def test_shape_refuses_grouped_without_ep_size():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -192,10 +193,12 @@ def test_megatron_policies_are_priced_by_megatrons_memory_model():
                       global_batch_size=4)
     ep = 4
     trace = _local_trace(ep, 16, 8)
-    base, moe, full = simulate(model, H100, ep, [trace], steps=1, planner_s=0.0, policies=(
-        Policy("dropless", runs_planner=False),
-        Policy("dropless-moe", runs_planner=False, recompute_moe=True),
-        Policy("dropless-full", runs_planner=False, full_recompute_layers=1)))
+    # The run's recompute is the shape's (as moe_shape reads it from the config).
+    base, moe, full = (
+        simulate(model, H100, ep, [trace], steps=1, planner_s=0.0,
+                 shape=dataclasses.replace(model.shape(ep, 1), **recompute),
+                 policies=(Policy("dropless", runs_planner=False),))[0]
+        for recompute in (dict(), dict(recompute_moe=True), dict(full_recompute_layers=1)))
     shape = layer_shape(model.shape(ep, 1), False)
     counts = next(source_batches(trace, ep, shape.source_pairs, np.random.default_rng([0, 0])))
     assert shape.grouped_gemm      # the simulator's GPU layer: TEGroupedMLP's model

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_lrmoe.tools import largest_micro_batch as lmb
 from megatron_lrmoe.tools import time_to_loss as ttl
 from megatron_lrmoe.tools import time_to_loss_policies as ttp
 
@@ -184,3 +185,43 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
         assert "--device-memory-gb 64" in command
     text = (held / "report.md").read_text()
     assert "## Feasibility (predicted before the runs)" in text and "| 64 |" in text
+
+    # The confirmation names the configuration the screen measured faster: only it runs
+    # (here listed, not run); one that does not fit the device is refused by name.
+    capsys.readouterr()
+    pick = fitted[1]
+    pinned = pick if "@" in pick else f"{pick}@none"
+    assert argv_held[4] == "--policies"
+    argv_list = [*argv_held[:5], pinned, *argv_held[6:], "--list"]
+    assert ttl.main(argv_list) == 0
+    listed = [line.split(":", 1)[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == [pick]
+    tiny = [*argv_list[:argv_list.index("--device-gib") + 1], "0.000001",
+            *argv_list[argv_list.index("--device-gib") + 2:]]
+    with pytest.raises(SystemExit, match=f"--policies {pinned}: not a configuration"):
+        ttl.main(tiny)
+
+    # The largest micro-batch held to a device, measured (issue 22, item 9), on the
+    # reference run above: at 64 GiB micro-batches 1 and 2 train; on a device between
+    # their logged peaks, 1 trains and 2 stops out of memory, which is the measurement.
+    def peak(run: Path) -> float:
+        rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+        return max(r["memory-predicted-peak-gib"] for r in rows if "memory-predicted-peak-gib" in r)
+
+    reference = out / "runs" / "megatron-dropless-s1"
+    common = ["--run", str(reference), "--policies", "megatron-dropless", "--steps", "2",
+              "--limit", "2", "--data-path", str(Path(corpus)), "--data-cache-path",
+              str(tmp_path / "cache"), "--port", "29549"]
+    roomy = tmp_path / "largest_roomy"
+    assert lmb.main(["--device-gib", "64", "--out-dir", str(roomy), *common]) == 0
+    row = json.loads((roomy / "report.json").read_text())["rows"][0]
+    assert (row["measured"], row["predicted"], row["stopped"]) == (2, 2, None)
+    assert row["measured_ms_per_1k_tokens"] > 0
+    one, two = (peak(roomy / "runs" / f"megatron-dropless-mb{m}") for m in (1, 2))
+    assert one < two
+    tight = tmp_path / "largest_tight"
+    assert lmb.main(["--device-gib", f"{(one + two) / 2:.6f}", "--out-dir", str(tight),
+                     *common]) == 0
+    row = json.loads((tight / "report.json").read_text())["rows"][0]
+    assert row["measured"] == 1 and row["stopped"].startswith("2: out of memory at step")
+    assert "| megatron-dropless |" in (tight / "report.md").read_text()
