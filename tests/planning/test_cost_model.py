@@ -992,6 +992,59 @@ def test_megatron_layer_memory_matches_the_measured_layer(gloo2, name):
         assert abs(peak[rank] / measured["mem_peak"] - 1) <= 0.02, (rank, peak, measured)
 
 
+_LRMOE_RECOMPUTE = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
+_LRMOE_VARIANTS = {
+    # name: LRMoETransformerConfig fields (a budget far above the need: the planner then
+    # has its cost model and reports rank_memory of each plan, and never binds)
+    "gamma 1.0": {"moe_lrmoe_bwd_capacity_factor": 1.0},
+    "gamma 1.0, moe recompute": {"moe_lrmoe_bwd_capacity_factor": 1.0, **_LRMOE_RECOMPUTE},
+    "gamma 0.75, moe recompute": {"moe_lrmoe_bwd_capacity_factor": 0.75, **_LRMOE_RECOMPUTE},
+}
+
+
+def _measure_lrmoe_layer(cfg: dict, name: str) -> dict:
+    """On each gloo rank: the LRMoE layer of the variant (same weights as Megatron's), the
+    skewed routing forced, one measured forward+backward (``measure_memory``) and the
+    planner's ``rank_memory`` of that call's plan for every rank."""
+    import torch.distributed as dist
+
+    from megatron_lrmoe.tools.layer_bench import build_layers, measure_memory, skewed_routing
+
+    fields = {**_LRMOE_VARIANTS[name], "moe_lrmoe_memory_budget_gb": 64.0}
+    _, _, variants = build_layers(cfg, {name: fields})
+    layer = variants[name]
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(cfg["seed"] + 1000 + rank)
+    x = torch.randn(cfg["tokens"], 1, cfg["hidden"], generator=gen)
+    dy = torch.randn(cfg["tokens"], 1, cfg["hidden"], generator=gen)
+    probs, routing_map = skewed_routing(cfg["tokens"], cfg["experts"], cfg["topk"], 1.2,
+                                        cfg["seed"], rank, torch.float32)
+    probs.requires_grad_(True)
+    layer.route = lambda hidden, padding_mask=None, _r=(probs, routing_map): _r
+    memory = measure_memory(cfg, layer, x, dy, lambda: None, dist.barrier)
+    planner = layer.placement_planner
+    return {"model": planner.last_memory.tolist(),
+            "recompute_moe": planner.settings.cost.shape.recompute_moe, **memory}
+
+
+@pytest.mark.parametrize("name", list(_LRMOE_VARIANTS))
+def test_lrmoe_layer_memory_under_recompute_matches_the_measured_layer(gloo2, name):
+    # The planner's own figure for the call (one layer, one micro-batch: under moe
+    # recompute the rerun's peak plus the first pass's output y) against the allocator's
+    # peak of the LRMoE layer, Megatron's checkpoint around it, on every rank.
+    cfg = dict(device="cpu", dtype="fp32", ep=2, seed=1234, hidden=128, ffn=64, experts=8,
+               topk=2, tokens=256, kernels="auto", grouped_gemm="auto")
+    results = gloo2.run(_measure_lrmoe_layer, cfg, name, timeout=300)
+    recompute = "recompute" in name
+    for rank, measured in enumerate(results):
+        assert measured["recompute_moe"] is recompute
+        if recompute:       # Megatron's checkpoint keeps the layer's input only
+            assert measured["mem_saved"] == 0, measured
+        model = measured["model"][rank]
+        # Within 1.8% when written (the router's and dispatcher's small tensors).
+        assert abs(model / measured["mem_peak"] - 1) <= 0.03, (rank, model, measured)
+
+
 # ---------------------------------------------------------------------------------------
 # A stage's MoE layers under Megatron's recompute settings (stage_moe_memory)
 # ---------------------------------------------------------------------------------------
