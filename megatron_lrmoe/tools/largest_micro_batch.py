@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     base = F.reference_flags(a.run)
     args = F._parse([*base, "--mock-data"])
     microbatches = args.global_batch_size // (args.micro_batch_size * 2)
+
+    def step_tokens(micro_batch: int) -> int:     # of both ranks, in one optimizer step
+        return micro_batch * args.seq_length * microbatches * 2
+
     traces, outside = F.reference_run(a.run)
     calibration = json.loads((ROOT / ttl.CALIBRATION).read_text())
     run_only = ["--data-path", a.data_path, "--data-cache-path", a.data_cache_path,
@@ -96,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
                                              traces, calibration, outside, limit=a.limit)
         measured, measured_ms, stopped, m = 0, None, None, 1
         while m <= a.limit:
-            tokens = m * args.seq_length * microbatches * 2
             run_dir = a.out_dir / "runs" / f"{name}-mb{m}"
             done = ttl.run_one(run_dir, [*base, *flags, "--micro-batch-size", str(m),
                                          "--global-batch-size", str(m * microbatches * 2),
@@ -106,12 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             if "failed" in done:
                 stopped = f"{m}: {done['failed']}"
                 break
-            measured, measured_ms = m, moe_ms_per_1k_tokens(run_dir / "log.jsonl", tokens)
+            measured, measured_ms = m, moe_ms_per_1k_tokens(run_dir / "log.jsonl", step_tokens(m))
             m *= 2
         rows.append({
             "policy": name, "predicted": predicted,
-            "predicted_ms_per_1k_tokens": (1e6 * p.moe_s / (predicted * args.seq_length
-                                                            * microbatches * 2)
+            "predicted_ms_per_1k_tokens": (1e6 * p.moe_s / step_tokens(predicted)
                                            if p is not None else None),
             "measured": measured, "measured_ms_per_1k_tokens": measured_ms,
             "stopped": stopped})
