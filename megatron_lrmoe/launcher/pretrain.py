@@ -314,7 +314,10 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         return train(args)
     except DeviceOutOfMemory as exc:   # every rank stops at the same step, with this line
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        # One write per rank: print() writes the text and the newline separately, and the
+        # ranks' lines interleave in a shared log.
+        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.flush()
         raise SystemExit(1) from None
 
 

@@ -129,14 +129,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.limit}. Predicted: `fitting.largest_micro_batch` on the reference run's "
         "routing (225 trained steps).", "",
         "| policy | predicted micro-batch | predicted MoE ms / 1k tokens | measured "
-        "micro-batch | measured MoE ms / 1k tokens | first size stopped |",
+        "micro-batch | measured MoE ms / 1k tokens | first size stopped (report.json: the whole "
+        "message) |",
         "|---|---|---|---|---|---|"]
     for r in rows:
         pm = r["predicted_ms_per_1k_tokens"]
         mm = r["measured_ms_per_1k_tokens"]
+        stop = (r["stopped"] or "-").split(";")[0]     # the need and the device; all in json
         lines.append(f"| {r['policy']} | {r['predicted'] or 'none fits'} | "
                      f"{'-' if pm is None else f'{pm:.1f}'} | {r['measured'] or 'none fits'} | "
-                     f"{'-' if mm is None else f'{mm:.1f}'} | {r['stopped'] or '-'} |")
+                     f"{'-' if mm is None else f'{mm:.1f}'} | {stop} |")
     text = "\n".join(lines) + "\n"
     print(text)
     a.out_dir.mkdir(parents=True, exist_ok=True)

@@ -90,29 +90,42 @@ def test_held_run_stops_at_the_first_step_over_its_device(gloo2, corpus, tmp_pat
         assert sum(r["lrmoe/budget-adjusted-calls"] for r in records) > 0
 
 
-def _main_exit(argv: list[str]) -> tuple[object, str]:
-    """The entry point's ``main`` as torchrun runs it: (exit status, stderr)."""
+def _main_exit(argv: list[str]) -> tuple[object, str, list[str]]:
+    """The entry point's ``main`` as torchrun runs it: (exit status, stderr, stderr's
+    writes one by one)."""
     import contextlib
     import io
 
     from megatron_lrmoe.launcher.pretrain import main
 
-    err = io.StringIO()
+    class Writes(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes: list[str] = []
+
+        def write(self, s: str) -> int:
+            self.writes.append(s)
+            return super().write(s)
+
+    err = Writes()
     with contextlib.redirect_stderr(err):
         try:
             main(argv)
         except SystemExit as exc:
-            return exc.code, err.getvalue()
-    return 0, err.getvalue()
+            return exc.code, err.getvalue(), err.writes
+    return 0, err.getvalue(), err.writes
 
 
 def test_entry_point_exits_non_zero_with_the_message_on_every_rank(gloo2):
     results = gloo2.run(_main_exit, TINY + ["--mock-data", "--moe-lrmoe",
                                             "--device-memory-gb", "0.001"], timeout=300)
-    for code, err in results:
+    for code, err, writes in results:
         assert code == 1
         line = [x for x in err.splitlines() if x.startswith("error: ")]
         assert len(line) == 1 and line[0].startswith(
             "error: out of memory at step 1 on rank "), err
         assert "the device holds 1.02 MiB (--device-memory-gb 0.001)" in line[0]
+        # in one write, newline included: the ranks share torchrun's log, and a line
+        # written in parts interleaves with the other rank's
+        assert line[0] + "\n" in writes, writes
     assert results[0][1].splitlines()[-1] == results[1][1].splitlines()[-1]

@@ -231,4 +231,8 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
                      *common]) == 0
     row = json.loads((tight / "report.json").read_text())["rows"][0]
     assert row["measured"] == 1 and row["stopped"].startswith("2: out of memory at step")
-    assert "| megatron-dropless |" in (tight / "report.md").read_text()
+    table = (tight / "report.md").read_text()
+    assert "| megatron-dropless |" in table
+    # the table shows the stop's need and device; the whole message is in report.json
+    assert "2: out of memory at step" in table and "predicted peak" not in table
+    assert "predicted peak" in row["stopped"]
