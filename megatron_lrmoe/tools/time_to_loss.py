@@ -14,10 +14,18 @@ the same data order, EP=2 on 2 ranks with one thread each (torchrun, gloo), for
 1.5 x ``--steps`` steps. The dropless run of each seed defines that seed's targets:
 its smoothed training loss at 50%, 75% and 100% of ``--steps``. For every run the
 report gives the steps and the cumulative measured MoE-layer time (forward +
-backward, the launcher's ``moe-cumulative-s``: slowest rank per stage) at which its
-smoothed loss first reaches each target, the validation loss at equal tokens (the last
-evaluation at or before ``--steps``) and at the end, the retained fraction and the
-backward bytes saved.
+backward, the sum of the launcher's per-step ``moe-forward-s`` and ``moe-backward-s``:
+slowest rank per stage) at which its smoothed loss first reaches each target, the
+validation loss at equal tokens (the last evaluation at or before ``--steps``) and at
+the end, the retained fraction and the backward bytes saved, and the step's seconds
+outside the MoE layers ("other s / step": the same work for every run of one
+micro-batch size and recompute setting, so a machine whose speed drifts shows there).
+
+Rounds (``--rounds K``): each seed's runs train K equal segments in turn, every run
+resumed from its checkpoint (the launcher's bitwise resume), the order reversed in every
+other round, so that drift in the machine's speed reaches every run alike instead of the
+runs that happened to train while it was slow. The losses are those of one
+uninterrupted run; each restart adds one first step's costs to the run's MoE time.
 
 Smoothing: the trailing mean of the per-step training loss over ``--steps / 8``
 steps (at least 1): per-step losses of a small model on varied batches are noisy, and
@@ -50,6 +58,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -71,6 +80,8 @@ CALIBRATION = "benchmarks/results/calibration_cpu_h384_f1024.json"
 TARGET_FRACTIONS = (0.5, 0.75, 1.0)
 OOM_LINE = "error: out of memory at step"
 """How the launcher's out-of-memory stop of a run held to its device starts."""
+CHECKPOINT = "checkpoint"
+"""A run's checkpoint between rounds (``--rounds``), removed when the run finishes."""
 UNCONSTRAINED = "unconstrained/"
 """Prefix of the rows of a device-held study's unconstrained runs (kept for comparison)."""
 
@@ -105,22 +116,49 @@ def run_command(run_dir: Path, flags: list[str], port: int) -> list[str]:
             "--log-json", str(run_dir / "log.jsonl")]
 
 
-def run_one(run_dir: Path, flags: list[str], port: int) -> dict:
-    """Train one (policy, seed) unless ``done.json`` exists; return its record."""
+def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = None,
+            total: int | None = None) -> dict | None:
+    """Train one (policy, seed) unless ``done.json`` exists; return its record.
+
+    With ``segment`` (steps per round, ``--rounds``): train from the run's checkpoint
+    (``run_dir/checkpoint``, the launcher's ``--save``/``--load``) to the next multiple of
+    ``segment`` (``--exit-interval``) and return None until the segment that reaches
+    ``total``; the log keeps the steps up to the checkpoint (a segment stopped midway
+    leaves steps that its rerun logs again), the record the walls of every segment."""
+    from megatron_lrmoe.launcher.checkpointing import read_tracker
+
     done = run_dir / "done.json"
     if done.exists():
         return json.loads(done.read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "log.jsonl").unlink(missing_ok=True)
+    checkpoint = run_dir / CHECKPOINT
+    resumed = (read_tracker(str(checkpoint)) or 0) if segment else 0
+    _truncate_log(run_dir / "log.jsonl", resumed)
+    walls_file = run_dir / "segments.json"
+    walls = json.loads(walls_file.read_text())["wall_s"] if resumed and walls_file.exists() \
+        else []
     command = run_command(run_dir, flags, port)
+    resume = [] if not segment else ["--save", str(checkpoint), "--load", str(checkpoint),
+                                     "--exit-interval", str(segment)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
-    with open(run_dir / "stdout.txt", "w") as out:
-        code = subprocess.call(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    with open(run_dir / "stdout.txt", "a" if resumed else "w") as out:
+        code = subprocess.call(command + resume, cwd=ROOT, env=env, stdout=out,
+                               stderr=subprocess.STDOUT)
+    walls.append(time.perf_counter() - start)
+    reached = read_tracker(str(checkpoint)) if segment else None
+    if segment and code == 0 and reached != min(resumed + segment, total):
+        raise RuntimeError(f"run {run_dir.name}: its segment from step {resumed} ended with "
+                           f"the checkpoint at {reached}, not {resumed + segment}")
+    if segment and code == 0 and reached != total:
+        _keep_latest(checkpoint, reached)
+        _write_atomic(walls_file, {"wall_s": walls})
+        return None
     from megatron_lrmoe.tools.provenance import code_version
 
-    record = {"command": shlex.join(command), "wall_s": time.perf_counter() - start,
-              "code": code_version()}
+    record = {"command": shlex.join(command), "wall_s": sum(walls), "code": code_version()}
+    if segment:
+        record["rounds"] = {"steps_per_round": segment, "wall_s": walls}
     if code != 0:
         lines = (run_dir / "stdout.txt").read_text().splitlines()
         # A run held to its device that stops out of memory is a result (the launcher's
@@ -130,10 +168,44 @@ def run_one(run_dir: Path, flags: list[str], port: int) -> dict:
         if oom is None:
             raise RuntimeError(f"run {run_dir.name} failed ({code}):\n" + "\n".join(lines[-15:]))
         record["failed"] = oom
-    tmp = done.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, done)   # atomic: a half-written done.json never marks a run done
+    _write_atomic(done, record)    # a half-written done.json never marks a run done
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    walls_file.unlink(missing_ok=True)
     return record
+
+
+def _write_atomic(path: Path, record: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+
+
+def _truncate_log(path: Path, iteration: int) -> None:
+    """Keep the records of the steps up to ``iteration`` (none: remove the log)."""
+    if not iteration:
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        kept = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["iteration"] <= iteration]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+def _keep_latest(checkpoint: Path, iteration: int | None) -> None:
+    """Remove the checkpoints older than the tracker's (each is the whole training state)."""
+    from megatron_lrmoe.launcher.checkpointing import checkpoint_dir
+
+    keep = Path(checkpoint_dir(str(checkpoint), iteration or 0))
+    for old in checkpoint.glob("iter_*"):
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def schedule(names: list[str], rounds: int) -> list[tuple[int, str]]:
+    """The order a seed's runs train in, as (round, name): every run once per round, the
+    order reversed in every other round, so that a machine whose speed drifts over the
+    study (this CPU's did, by ~40% within one run) slows every run alike."""
+    return [(r, name) for r in range(rounds)
+            for name in (names if r % 2 == 0 else names[::-1])]
 
 
 # -----------------------------------------------------------------------------
@@ -159,7 +231,8 @@ def analyse_run(records: list[dict], targets: dict[float, float], steps: int,
     same for ``val_target`` over the evaluations (``reached_val``)."""
     train = [r for r in records if "lm-loss" in r]
     loss = smoothed([r["lm-loss"] for r in train], window)
-    moe = [r["moe-cumulative-s"] for r in train]
+    # Summed from the steps (a run resumed in rounds restarts the launcher's own total).
+    moe = list(itertools.accumulate(r["moe-forward-s"] + r["moe-backward-s"] for r in train))
     step_s = list(itertools.accumulate(r.get("step-time-s", 0.0) for r in train))
     at = {r["iteration"]: i for i, r in enumerate(train)}
     reached = {}
@@ -177,6 +250,11 @@ def analyse_run(records: list[dict], targets: dict[float, float], steps: int,
         if steady else None,
         "moe_bwd_ms": 1e3 * statistics.median(r["moe-backward-s"] for r in steady)
         if steady else None,
+        # The step outside the MoE layers: the same model work in every run of one
+        # micro-batch size and recompute setting, so it shows the machine's speed.
+        "other_s_per_step": statistics.median(
+            r["step-time-s"] - r["moe-forward-s"] - r["moe-backward-s"] for r in steady)
+        if steady and all("step-time-s" in r for r in steady) else None,
         "steps_run": len(train),
         "reached": reached,
         "reached_val": None if val_hit is None else {
@@ -288,6 +366,7 @@ def summarize(per_run: dict[tuple[str, int], dict]) -> list[dict]:
             row[f"{key}_val"] = _median([h["moe_s"] / b["moe_s"] for seed, h in val_hits
                                          if (b := fastest(per_run, base, seed, "reached_val"))])
         for key in ("val_at_steps", "val_final", "moe_s_per_step", "moe_fwd_ms", "moe_bwd_ms",
+                    "other_s_per_step",
                     "retained", "bwd_bytes_saved", "load_max_over_mean", "load_worst",
                     "wall_s"):
             row[key] = _median([a[key] for _, a in runs if a.get(key) is not None])
@@ -351,7 +430,8 @@ def _policy_order(name: str) -> tuple[int, str]:
 
 COLUMNS = ("policy", "seeds", "steps to 50/75/100%", "MoE s to 50/75/100%",
            "MoE s vs dropless at 100%", "val loss @ steps", "val loss @ end",
-           "MoE s / step", "MoE fwd/bwd ms per step", "wall s / run", "retained",
+           "MoE s / step", "MoE fwd/bwd ms per step", "other s / step", "wall s / run",
+           "retained",
            "bwd MiB saved", "load max/mean median call / worst")
 
 
@@ -368,7 +448,7 @@ def markdown_table(rows: list[dict]) -> str:
             fmt(r["val_at_steps"], ".4f"), fmt(r["val_final"], ".4f"),
             fmt(r["moe_s_per_step"], ".3f"),
             fmt(r["moe_fwd_ms"], ".1f") + "/" + fmt(r["moe_bwd_ms"], ".1f"),
-            fmt(r.get("wall_s"), ".0f"),
+            fmt(r.get("other_s_per_step"), ".3f"), fmt(r.get("wall_s"), ".0f"),
             fmt(r["retained"], ".3f"),
             fmt(None if r["bwd_bytes_saved"] is None else r["bwd_bytes_saved"] / 2**20, ".1f"),
             fmt(r["load_max_over_mean"], ".2f") + " / " + fmt(r.get("load_worst"), ".2f"),
@@ -518,7 +598,9 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
         "",
         "Steps and MoE seconds are medians over the seeds that reached the target (`-`: "
         "none did within the run); \"MoE s vs dropless\" is the median of the per-seed "
-        "ratio to that seed's dropless run. Plot: `loss_vs_moe_time.png`; run report "
+        "ratio to that seed's dropless run; \"other s / step\": the median step's seconds "
+        "outside the MoE layers (the machine's speed, for runs of one micro-batch size and "
+        "recompute setting). Plot: `loss_vs_moe_time.png`; run report "
         "(loss, MoE time, LRMoE statistics, routed load; `python -m megatron_lrmoe.tools.report`): "
         "`report/`.",
         "",
@@ -672,6 +754,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --device-gib (required): the unconstrained study of the same "
                         "shape and seeds; its dropless runs set the targets, its rows stay in "
                         "the report")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="train each seed's runs in this many rounds of equal steps, each run "
+                        "resumed from its checkpoint in turn, the order reversed every other "
+                        "round: a machine whose speed drifts slows every run alike "
+                        "(docs/decisions.md); 1: each run start to end")
     p.add_argument("--port", type=int, default=29531)
     p.add_argument("--list", action="store_true", help="print the policies and exit")
     return p.parse_args(argv)
@@ -687,6 +774,10 @@ def main(argv: list[str] | None = None) -> int:
                       stage.eval_interval)
     out_dir = args.out_dir or ROOT / "benchmarks" / "results" / "time_to_loss" / args.stage
     total = round(1.5 * stage.steps)
+    if args.rounds < 1 or total % args.rounds:
+        raise SystemExit(f"--rounds {args.rounds}: a run's {total} steps must split into that "
+                         "many equal rounds; choose one of "
+                         + ", ".join(str(k) for k in range(1, total + 1) if total % k == 0))
     eval_interval = stage.eval_interval or max(1, stage.steps // 4)
     study_shape = []       # the study parameters, recorded in the report with the flags
     if args.hidden_size:
@@ -723,18 +814,25 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv[1:] if argv is None else argv)])
     out_dir.mkdir(parents=True, exist_ok=True)
     reported = False     # the report covers every finished run
+    segment = None if args.rounds == 1 else total // args.rounds
     for seed in stage.seeds:
-        for name in chosen:
+        for round_, name in schedule(chosen, args.rounds):
             run_dir = out_dir / "runs" / f"{name}-s{seed}"
             started = time.perf_counter()
             record = [] if args.no_record_routing else [
                 "--record-routing", str(run_dir / "routing")]
             ran = not (run_dir / "done.json").exists()
             held = [] if device is None else ["--device-memory-gb", f"{device.gib:g}"]
-            run_one(run_dir, base + ["--seed", str(seed), *table[name], *held, *record],
-                    args.port)
-            print(f"[time_to_loss] {run_dir.name}: done ({time.perf_counter() - started:.0f} s)",
-                  flush=True)
+            finished = run_one(run_dir, base + ["--seed", str(seed), *table[name], *held,
+                                                *record], args.port, segment, total)
+            took = f"{time.perf_counter() - started:.0f} s"
+            if not ran and round_:     # done before this invocation: said in round 1
+                continue
+            if finished is None:
+                print(f"[time_to_loss] {run_dir.name}: round {round_ + 1} of {args.rounds} "
+                      f"({took})", flush=True)
+                continue
+            print(f"[time_to_loss] {run_dir.name}: done ({took})", flush=True)
             if ran:    # after every new run, so that an interrupted study has its report
                 write_report(out_dir, stage, args.stage, command, base, budget_gb, device)
                 reported = True

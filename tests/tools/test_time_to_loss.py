@@ -108,6 +108,22 @@ def test_fitted_runs_compare_with_the_fastest_fitted_baseline():
     assert seeds["lrmoe-x"]["val_vs_dropless"] == pytest.approx(5.0 / 5.4 - 1)
 
 
+def test_rounds_alternate_the_order_of_the_runs():
+    assert ttl.schedule(["a", "b", "c"], 3) == [
+        (0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
+        (2, "a"), (2, "b"), (2, "c")]
+    assert ttl.schedule(["a", "b"], 1) == [(0, "a"), (0, "b")]
+
+
+def test_a_segment_stopped_midway_keeps_the_log_up_to_its_checkpoint(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in _records([5, 4, 3, 2])))
+    ttl._truncate_log(log, 2)
+    assert [r["iteration"] for r in ttl.read_log(log)] == [1, 2]
+    ttl._truncate_log(log, 0)
+    assert not log.exists()
+
+
 def test_every_policy_has_the_flags_it_names():
     table = ttp.policies(0.5)
     assert table["megatron-dropless"] == []
@@ -166,6 +182,28 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     capsys.readouterr()
     assert ttl.main(argv) == 0
     assert capsys.readouterr().out.count("done (0 s)") == 2
+
+    # In rounds (--rounds 2: 3 of the 6 steps per round, each run resumed from its
+    # checkpoint): the same training as the uninterrupted runs above, step for step.
+    rounds = tmp_path / "rounds"
+    argv_rounds = [*argv[:2], "--out-dir", str(rounds), *argv[4:], "--rounds", "2"]
+    capsys.readouterr()
+    assert ttl.main(argv_rounds) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("[time_to_loss]")]
+    assert [line.split(":")[0].split()[1] for line in printed] == [
+        "megatron-dropless-s1", "lrmoe-uniform-g0.75-s1",      # round 1
+        "lrmoe-uniform-g0.75-s1", "megatron-dropless-s1"]      # round 2, reversed
+    for run in ("megatron-dropless-s1", "lrmoe-uniform-g0.75-s1"):
+        whole, in_rounds = (ttl.read_log(d / "runs" / run / "log.jsonl") for d in (out, rounds))
+        assert [r["iteration"] for r in in_rounds] == list(range(1, 7))
+        assert [r["lm-loss"] for r in in_rounds] == [r["lm-loss"] for r in whole]
+        done = json.loads((rounds / "runs" / run / "done.json").read_text())
+        assert done["rounds"]["steps_per_round"] == 3 and len(done["rounds"]["wall_s"]) == 2
+        assert not (rounds / "runs" / run / ttl.CHECKPOINT).exists()
+    assert json.loads((rounds / "report.json").read_text())["rows"][1]["other_s_per_step"] > 0
+    with pytest.raises(SystemExit, match="--rounds 4: a run's 6 steps must split"):
+        ttl.main([*argv_rounds[:-1], "4"])
 
     # Held to a device (issue 22, item 6's driver): the unconstrained study above sets the
     # targets and stays in the report; dropless runs as its two best-predicted fitting
