@@ -117,14 +117,16 @@ def run_command(run_dir: Path, flags: list[str], port: int) -> list[str]:
 
 
 def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = None,
-            total: int | None = None) -> dict | None:
+            total: int | None = None, until: int | None = None) -> dict | None:
     """Train one (policy, seed) unless ``done.json`` exists; return its record.
 
     With ``segment`` (steps per round, ``--rounds``): train from the run's checkpoint
     (``run_dir/checkpoint``, the launcher's ``--save``/``--load``) to the next multiple of
     ``segment`` (``--exit-interval``) and return None until the segment that reaches
     ``total``; the log keeps the steps up to the checkpoint (a segment stopped midway
-    leaves steps that its rerun logs again), the record the walls of every segment."""
+    leaves steps that its rerun logs again), the record the walls of every segment. A run
+    already at ``until`` (its round's end: ahead of the others after an interrupted study)
+    waits for the next round."""
     from megatron_lrmoe.launcher.checkpointing import read_tracker
 
     done = run_dir / "done.json"
@@ -133,6 +135,8 @@ def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = No
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = run_dir / CHECKPOINT
     resumed = (read_tracker(str(checkpoint)) or 0) if segment else 0
+    if segment and until is not None and resumed >= until:
+        return None
     _truncate_log(run_dir / "log.jsonl", resumed)
     walls_file = run_dir / "segments.json"
     walls = json.loads(walls_file.read_text())["wall_s"] if resumed and walls_file.exists() \
@@ -824,7 +828,8 @@ def main(argv: list[str] | None = None) -> int:
             ran = not (run_dir / "done.json").exists()
             held = [] if device is None else ["--device-memory-gb", f"{device.gib:g}"]
             finished = run_one(run_dir, base + ["--seed", str(seed), *table[name], *held,
-                                                *record], args.port, segment, total)
+                                                *record], args.port, segment, total,
+                               until=None if segment is None else (round_ + 1) * segment)
             took = f"{time.perf_counter() - started:.0f} s"
             if not ran and round_:     # done before this invocation: said in round 1
                 continue

@@ -124,6 +124,20 @@ def test_a_segment_stopped_midway_keeps_the_log_up_to_its_checkpoint(tmp_path):
     assert not log.exists()
 
 
+def test_a_run_ahead_of_its_round_waits(tmp_path, monkeypatch):
+    # An interrupted study resumes with one run a segment ahead: it trains nothing in the
+    # round it has already finished (no launcher starts) and keeps its log.
+    from megatron_lrmoe.launcher.checkpointing import TRACKER_FILE
+
+    run = tmp_path / "run-s1"
+    (run / ttl.CHECKPOINT).mkdir(parents=True)
+    (run / ttl.CHECKPOINT / TRACKER_FILE).write_text("3")
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records([5, 4, 3])))
+    monkeypatch.setattr(ttl.subprocess, "call", lambda *a, **k: pytest.fail("a run started"))
+    assert ttl.run_one(run, [], 29599, segment=3, total=6, until=3) is None
+    assert len(ttl.read_log(run / "log.jsonl")) == 3
+
+
 def test_every_policy_has_the_flags_it_names():
     table = ttp.policies(0.5)
     assert table["megatron-dropless"] == []
