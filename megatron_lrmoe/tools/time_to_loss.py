@@ -150,14 +150,15 @@ def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = No
         code = subprocess.call(command + resume, cwd=ROOT, env=env, stdout=out,
                                stderr=subprocess.STDOUT)
     walls.append(time.perf_counter() - start)
-    reached = read_tracker(str(checkpoint)) if segment else None
-    if segment and code == 0 and reached != min(resumed + segment, total):
-        raise RuntimeError(f"run {run_dir.name}: its segment from step {resumed} ended with "
-                           f"the checkpoint at {reached}, not {resumed + segment}")
-    if segment and code == 0 and reached != total:
-        _keep_latest(checkpoint, reached)
-        _write_atomic(walls_file, {"wall_s": walls})
-        return None
+    if segment and code == 0:
+        reached = read_tracker(str(checkpoint))
+        if reached != min(resumed + segment, total):
+            raise RuntimeError(f"run {run_dir.name}: its segment from step {resumed} ended "
+                               f"with the checkpoint at {reached}, not {resumed + segment}")
+        if reached < total:
+            _keep_latest(checkpoint, reached)
+            _write_atomic(walls_file, {"wall_s": walls})
+            return None
     from megatron_lrmoe.tools.provenance import code_version
 
     record = {"command": shlex.join(command), "wall_s": sum(walls), "code": code_version()}
@@ -194,11 +195,11 @@ def _truncate_log(path: Path, iteration: int) -> None:
         path.write_text("".join(line + "\n" for line in kept))
 
 
-def _keep_latest(checkpoint: Path, iteration: int | None) -> None:
+def _keep_latest(checkpoint: Path, iteration: int) -> None:
     """Remove the checkpoints older than the tracker's (each is the whole training state)."""
     from megatron_lrmoe.launcher.checkpointing import checkpoint_dir
 
-    keep = Path(checkpoint_dir(str(checkpoint), iteration or 0))
+    keep = Path(checkpoint_dir(str(checkpoint), iteration))
     for old in checkpoint.glob("iter_*"):
         if old != keep:
             shutil.rmtree(old, ignore_errors=True)
@@ -829,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
             held = [] if device is None else ["--device-memory-gb", f"{device.gib:g}"]
             finished = run_one(run_dir, base + ["--seed", str(seed), *table[name], *held,
                                                 *record], args.port, segment, total,
-                               until=None if segment is None else (round_ + 1) * segment)
+                               until=(round_ + 1) * (segment or total))
             took = f"{time.perf_counter() - started:.0f} s"
             if not ran and round_:     # done before this invocation: said in round 1
                 continue
