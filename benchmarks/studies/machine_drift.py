@@ -15,24 +15,11 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
 from megatron_lrmoe.tools.provenance import code_version
-from megatron_lrmoe.tools.time_to_loss import read_log
-
-
-def blocks(records: list[dict], block: int) -> list[tuple[int, float, float]]:
-    """(last step, median other s, median MoE s) per block of ``block`` steps."""
-    steps = [r for r in records if "moe-forward-s" in r and "step-time-s" in r]
-    out = []
-    for start in range(0, len(steps), block):
-        part = steps[start:start + block]
-        moe = [r["moe-forward-s"] + r["moe-backward-s"] for r in part]
-        other = [r["step-time-s"] - m for r, m in zip(part, moe, strict=True)]
-        out.append((part[-1]["iteration"], statistics.median(other), statistics.median(moe)))
-    return out
+from megatron_lrmoe.tools.time_to_loss import read_log, speed_blocks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                           *(sys.argv[1:] if argv is None else argv)])
     lines = [f"Command: `{command}`", f"Code: {code_version()}", ""]
     for study in a.studies:
-        runs = {f.parent.name: blocks(read_log(f), a.block)
+        runs = {f.parent.name: speed_blocks(read_log(f), a.block)
                 for f in sorted((study / "runs").glob("*/log.jsonl"))}
         width = max((len(b) for b in runs.values()), default=0)
         lines += [f"## {study}", "",

@@ -257,8 +257,7 @@ def analyse_run(records: list[dict], targets: dict[float, float], steps: int,
         if steady else None,
         # The step outside the MoE layers: the same model work in every run of one
         # micro-batch size and recompute setting, so it shows the machine's speed.
-        "other_s_per_step": statistics.median(
-            r["step-time-s"] - r["moe-forward-s"] - r["moe-backward-s"] for r in steady)
+        "other_s_per_step": statistics.median(map(other_s, steady))
         if steady and all("step-time-s" in r for r in steady) else None,
         "steps_run": len(train),
         "reached": reached,
@@ -281,6 +280,20 @@ def analyse_run(records: list[dict], targets: dict[float, float], steps: int,
         "load_worst": max((r["lrmoe/load-max-over-mean"] for r in lrmoe), default=None),
         "curve": {"moe_s": moe, "loss": loss},
     }
+
+
+def other_s(record: dict) -> float:
+    """A step's seconds outside the MoE layers."""
+    return record["step-time-s"] - record["moe-forward-s"] - record["moe-backward-s"]
+
+
+def speed_blocks(records: list[dict], block: int) -> list[tuple[int, float, float]]:
+    """The machine's speed over a run: per ``block`` steps, (its last step, the median
+    ``other_s``, the median MoE seconds per step) (``benchmarks/studies/machine_drift.py``)."""
+    steps = [r for r in records if "moe-forward-s" in r and "step-time-s" in r]
+    return [(part[-1]["iteration"], statistics.median(map(other_s, part)),
+             statistics.median(r["moe-forward-s"] + r["moe-backward-s"] for r in part))
+            for part in (steps[i:i + block] for i in range(0, len(steps), block))]
 
 
 def val_target_from(reference: list[dict], steps: int) -> float | None:

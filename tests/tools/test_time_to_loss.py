@@ -108,6 +108,17 @@ def test_fitted_runs_compare_with_the_fastest_fitted_baseline():
     assert seeds["lrmoe-x"]["val_vs_dropless"] == pytest.approx(5.0 / 5.4 - 1)
 
 
+def test_speed_blocks_are_medians_of_each_block():
+    records = _records([5, 4, 3, 2, 1], moe_per_step=0.5)     # steps of 1.0 s, MoE 0.5
+    records[1]["step-time-s"] = 3.0                            # one slow step outside MoE
+    records[4]["moe-forward-s"] += 1.0
+    records[4]["step-time-s"] += 1.0
+    assert ttl.speed_blocks(records, 2) == [
+        (2, pytest.approx(1.5), pytest.approx(0.5)),           # median of 0.5 and 2.5
+        (4, pytest.approx(0.5), pytest.approx(0.5)),
+        (5, pytest.approx(0.5), pytest.approx(1.5))]
+
+
 def test_rounds_alternate_the_order_of_the_runs():
     assert ttl.schedule(["a", "b", "c"], 3) == [
         (0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
