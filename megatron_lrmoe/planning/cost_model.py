@@ -86,6 +86,13 @@ class MachineConstants:
     calibration files): not priced."""
     layer_backward_fixed_s: float = 0.0
     """Fixed cost of one layer call's backward besides the two all-to-all latencies (s)."""
+    megatron_forward_fixed_s: float | None = None
+    """The same for one call of Megatron's MoELayer (``MoEShape.megatron_layer``): its
+    dispatcher's host work and its expert MLP's per-expert loop cost more per call than
+    the LRMoE layer's. None (old calibration files, the GPU presets): not measured, priced
+    as ``layer_forward_fixed_s``."""
+    megatron_backward_fixed_s: float | None = None
+    """Backward counterpart of ``megatron_forward_fixed_s``; None exactly when it is."""
     alltoall_sizes: tuple[float, ...] = ()
     """Bytes one rank sends to the other ranks in one all-to-all, at which
     ``alltoall_size_bytes_per_s`` was measured, ascending. Empty (old calibration files,
@@ -125,6 +132,17 @@ class MachineConstants:
                     math.isfinite(value) and value >= 0):
                 raise ValueError(f"MachineConstants.{name} must be a finite number >= 0, "
                                  f"got {value!r}")
+        megatron = (self.megatron_forward_fixed_s, self.megatron_backward_fixed_s)
+        if (megatron[0] is None) != (megatron[1] is None):
+            raise ValueError("MachineConstants.megatron_forward_fixed_s and "
+                             "megatron_backward_fixed_s must both be set or both be None, got "
+                             f"{megatron!r}")
+        for name in ("megatron_forward_fixed_s", "megatron_backward_fixed_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, int | float) or not (math.isfinite(value) and value >= 0)):
+                raise ValueError(f"MachineConstants.{name} must be None or a finite number "
+                                 f">= 0, got {value!r}")
         for name in ("gemm_flops_per_s", "alltoall_bytes_per_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not (
@@ -233,11 +251,12 @@ class MoEShape:
     all of a rank's rows at once, stacked weights); False: the per-expert loop (one
     instance's rows at a time), the CPU default (docs/design.md, "Region")."""
 
-    activation_recompute: bool = True
-    """The backward recomputes the activation from the saved z (the LRMoE region); False:
-    the layer saved the activation's output in forward and its backward reads it
-    (Megatron's expert MLP), without the recompute's element passes. Time only: the
-    memory of Megatron's layer is ``MegatronMoEMemory``'s."""
+    megatron_layer: bool = False
+    """The layer is Megatron's MoELayer (its all-to-all dispatcher and expert MLP), not the
+    LRMoE region. Its expert MLP saved the activation's output in forward, so its
+    backward skips the region's recompute of the activation (element passes), and a call
+    pays Megatron's own fixed cost (``MachineConstants.megatron_forward_fixed_s``). Time
+    only: the memory of Megatron's layer is ``MegatronMoEMemory``'s."""
 
     forward_retention: bool = False
     """The retained set is drawn in forward (rules that do not read the backward
@@ -258,7 +277,7 @@ class MoEShape:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("gated", "grouped_gemm", "activation_recompute",
+            if f.name in ("gated", "grouped_gemm", "megatron_layer",
                           "forward_retention", "recompute_moe"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MoEShape.{f.name} must be a bool, got {value!r}")
@@ -936,7 +955,7 @@ class CostModel:
         # only where a rank hosts more than one instance.
         reorder = 4.0 if ranks > 1 and self._local_instances(ranks) > 1 else 0.0
         act_f, act_b = (_ACT_PASSES_GATED if s.gated else _ACT_PASSES_PLAIN)
-        if not s.activation_recompute:
+        if s.megatron_layer:
             act_b -= _ACT_RECOMPUTE_PASSES_GATED if s.gated else _ACT_RECOMPUTE_PASSES_PLAIN
         gathered = np.where(retained < routed, 2.0 * (h + f1), 0.0)   # x, z per instance
         f_elems = routed * (reorder * h + act_f * f) + sent * 3 * h + t * h
@@ -979,10 +998,13 @@ class CostModel:
 
     def _fixed_times(self) -> tuple[float, float]:
         """(forward s, backward s) fixed per call: two all-to-all latencies each, plus the
-        measured fixed cost of the layer's call."""
+        measured fixed cost of the layer's call (Megatron's own where ``megatron_layer``
+        and measured, else the LRMoE layer's)."""
         m = self.machine
-        return (2 * m.alltoall_latency_s + m.layer_forward_fixed_s,
-                2 * m.alltoall_latency_s + m.layer_backward_fixed_s)
+        forward, backward = m.layer_forward_fixed_s, m.layer_backward_fixed_s
+        if self.shape.megatron_layer and m.megatron_forward_fixed_s is not None:
+            forward, backward = m.megatron_forward_fixed_s, m.megatron_backward_fixed_s
+        return (2 * m.alltoall_latency_s + forward, 2 * m.alltoall_latency_s + backward)
 
     def replica_sync_time(self, replicas: tuple[tuple[int, int], ...], num_ranks: int,
                           experts_per_rank: int) -> float:

@@ -37,7 +37,11 @@ What the time model adds around the GEMMs and the all-to-all (``cost_model`` mod
   rank's time, median over repetitions, minus the two all-to-all latencies of each
   phase and, in forward, the planner's own host time (the simulator adds the planner
   where a policy runs it). Measured where the all-to-all is (two local gloo processes:
-  a single process on CPU, ``--alltoall local``); elsewhere 0, not priced.
+  a single process on CPU, ``--alltoall local``); elsewhere 0, not priced. Megatron's
+  MoELayer (all-to-all dispatcher, SequentialMLP) the same way, with the same
+  configuration (``megatron_forward_fixed_s``, ``megatron_backward_fixed_s``; null where
+  not measured: the cost model then prices it as the LRMoE layer's): its dispatcher's
+  host work and its loop over the local experts cost more per call.
 
 The measurements themselves live in ``megatron_lrmoe.planning.machine``, which the
 planner also uses (without a calibration file) at model set-up.
@@ -208,8 +212,9 @@ def measure_rates_concurrently(processes: int, cfg: dict) -> list[float]:
 
 def _layer_fixed_task(cfg: dict) -> dict[str, list[float]]:
     """On each local gloo rank (``run_on_local_ranks``): forward and backward seconds of
-    one LRMoE layer at ``cfg``'s tiny shape, per repetition, and the planner's host time
-    per forward."""
+    one call of ``cfg["layer"]`` (``"lrmoe"``: the LRMoE layer; ``"megatron"``: Megatron's
+    MoELayer, all-to-all dispatcher and SequentialMLP) at ``cfg``'s tiny shape, per
+    repetition, and the planner's host time per forward (0 for Megatron's layer)."""
     import gc
     import math
 
@@ -218,6 +223,7 @@ def _layer_fixed_task(cfg: dict) -> dict[str, list[float]]:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
 
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
     from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
@@ -228,17 +234,22 @@ def _layer_fixed_task(cfg: dict) -> dict[str, list[float]]:
     ps.initialize_model_parallel(expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(1234)
     size = cfg["hidden"]
-    config = LRMoETransformerConfig(
+    # One configuration for both layers: they differ only in the module.
+    common = dict(
         num_layers=1, hidden_size=size, num_attention_heads=4, ffn_hidden_size=size,
         moe_ffn_hidden_size=size, num_moe_experts=cfg["experts"],
         moe_router_topk=cfg["topk"], moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3,
         expert_model_parallel_size=ep, add_bias_linear=False, bias_activation_fusion=False,
-        gated_linear_unit=cfg["gated"], activation_func=F.silu, params_dtype=torch.float32,
-        moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=math.inf)
+        gated_linear_unit=cfg["gated"], activation_func=F.silu, params_dtype=torch.float32)
     spec = get_gpt_layer_local_spec(num_experts=cfg["experts"]).submodules.mlp
-    layer = to_lrmoe_spec(spec)(config=config).train()
-    setup_lrmoe_layers([layer], cfg["tokens"], 1)
+    if cfg["layer"] == "megatron":
+        layer = spec(config=TransformerConfig(**common)).train()
+    else:
+        layer = to_lrmoe_spec(spec)(config=LRMoETransformerConfig(
+            **common, moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=math.inf)).train()
+        setup_lrmoe_layers([layer], cfg["tokens"], 1)
+    stats = getattr(layer, "lrmoe_stats", None)
     gen = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(cfg["tokens"], 1, size, generator=gen)
     dy = torch.randn(cfg["tokens"], 1, size, generator=gen)
@@ -248,7 +259,8 @@ def _layer_fixed_task(cfg: dict) -> dict[str, list[float]]:
         for param in layer.parameters():
             param.grad = None
         x_in = x.clone().requires_grad_(True)
-        layer.lrmoe_stats.reset()
+        if stats is not None:
+            stats.reset()
         gc.disable()
         try:
             dist.barrier()
@@ -261,9 +273,10 @@ def _layer_fixed_task(cfg: dict) -> dict[str, list[float]]:
             t3 = clock()
         finally:
             gc.enable()
-        calls = layer.lrmoe_stats.calls
-        planner = float(getattr(calls[-1], "planner_s", 0.0)) if calls else 0.0
-        layer.finish_step()
+        planner = 0.0
+        if stats is not None:
+            planner = float(getattr(stats.calls[-1], "planner_s", 0.0)) if stats.calls else 0.0
+            layer.finish_step()
         if rep >= cfg["warmup"]:
             out["forward"].append(t1 - t0)
             out["backward"].append(t3 - t2)
@@ -272,16 +285,22 @@ def _layer_fixed_task(cfg: dict) -> dict[str, list[float]]:
 
 
 def measure_layer_fixed(experts: int, topk: int, gated: bool, latency: float,
-                        repeats: int, warmup: int, clock: str = "wall") -> tuple[float, float]:
-    """(forward s, backward s): the fixed cost of one LRMoE layer call per phase besides
-    the two all-to-all latencies (``latency`` each) and, in forward, the planner's host
-    time; from the layer at a tiny shape over two local gloo processes (module doc).
-    ``clock="cpu"``: each rank's main-thread CPU time, which leaves out the waits in
-    collectives (so the latencies are not subtracted) but not the planner's time."""
+                        repeats: int, warmup: int, clock: str = "wall",
+                        layer: str = "lrmoe") -> tuple[float, float]:
+    """(forward s, backward s): the fixed cost of one layer call per phase besides the
+    two all-to-all latencies (``latency`` each) and, in forward, the planner's host time;
+    from the layer at a tiny shape over two local gloo processes (module doc).
+    ``layer``: ``"lrmoe"`` (the LRMoE layer) or ``"megatron"`` (Megatron's MoELayer, which
+    runs no planner). ``clock="cpu"``: each rank's main-thread CPU time, which leaves out
+    the waits in collectives (so the latencies are not subtracted) but not the planner's
+    time."""
     from megatron_lrmoe.tools import calibrate as this  # the ranks import tasks by module name
 
+    if layer not in ("lrmoe", "megatron"):
+        raise ValueError(f"measure_layer_fixed: layer must be 'lrmoe' or 'megatron', got "
+                         f"{layer!r}")
     cfg = dict(hidden=64, tokens=16, experts=experts, topk=topk, gated=gated,
-               repeats=max(repeats, 5), warmup=max(warmup, 2), clock=clock)
+               repeats=max(repeats, 5), warmup=max(warmup, 2), clock=clock, layer=layer)
     per_rank = run_on_local_ranks(this._layer_fixed_task, 2, cfg, timeout=600.0)
     # Each repetition's time is its slowest rank's; then the median over repetitions.
     cpu = clock == "cpu"
@@ -419,11 +438,16 @@ def main(argv: list[str] | None = None) -> MachineConstants:
         method = "single process: 2 local gloo processes over loopback (not a network)"
 
     fixed_f = fixed_b = 0.0
+    megatron_f = megatron_b = None
     fixed_method = "not measured"
     if args.layer_fixed == "auto" and method.startswith("single process: 2 local gloo"):
-        fixed_f, fixed_b = measure_layer_fixed(args.experts, args.topk, args.gated, latency,
-                                               args.repeats, args.warmup, args.clock)
-        fixed_method = (f"LRMoE layer at hidden = FFN = 64, 16 tokens per rank, "
+        fixed_f, fixed_b, megatron_f, megatron_b = (
+            *measure_layer_fixed(args.experts, args.topk, args.gated, latency, args.repeats,
+                                 args.warmup, args.clock),
+            *measure_layer_fixed(args.experts, args.topk, args.gated, latency, args.repeats,
+                                 args.warmup, args.clock, layer="megatron"))
+        fixed_method = (f"LRMoE layer and Megatron's MoELayer (all-to-all dispatcher, "
+                        f"SequentialMLP), each at hidden = FFN = 64, 16 tokens per rank, "
                         f"{args.experts} experts top-{args.topk}, EP = 2 over 2 local gloo "
                         f"processes")
     if args.clock == "cpu":
@@ -449,6 +473,8 @@ def main(argv: list[str] | None = None) -> MachineConstants:
                                  gemm_backward_flops_per_s=tuple(bwd_rates),
                                  memory_bytes_per_s=memory, layer_forward_fixed_s=fixed_f,
                                  layer_backward_fixed_s=fixed_b,
+                                 megatron_forward_fixed_s=megatron_f,
+                                 megatron_backward_fixed_s=megatron_b,
                                  alltoall_sizes=tuple(a2a_sizes),
                                  alltoall_size_bytes_per_s=tuple(a2a_rates))
     details = {k: v for k, v in vars(args).items() if k != "output"} | {"dtype": str(dtype)[6:]}
@@ -466,6 +492,9 @@ def main(argv: list[str] | None = None) -> MachineConstants:
                 ("memory rate", f"{memory / 1e9:.4g} GB/s"),
                 ("layer fixed cost (fwd / bwd)",
                  f"{fixed_f * 1e3:.4g} / {fixed_b * 1e3:.4g} ms"),
+                ("Megatron layer fixed cost (fwd / bwd)",
+                 "not measured" if megatron_f is None
+                 else f"{megatron_f * 1e3:.4g} / {megatron_b * 1e3:.4g} ms"),
                 ("method", method), ("written to", args.output)]
         width = max(len(k) for k, _ in rows)
         for key, value in rows:

@@ -137,14 +137,18 @@ CLUSTERS: dict[str, ClusterSpec] = {
 _NODE_FIELDS = ("gemm_flops_per_s", "gemm_rows", "gemm_forward_flops_per_s",
                 "gemm_backward_flops_per_s", "memory_bytes_per_s")
 _FIXED_FIELDS = ("layer_forward_fixed_s", "layer_backward_fixed_s")
+_MEGATRON_FIXED_FIELDS = ("megatron_forward_fixed_s", "megatron_backward_fixed_s")
 
 
 def node_calibration(calibration: dict) -> dict:
     """The node-local part of a calibration file: GEMM rate and tables, memory rate, and
-    the layer's fixed costs where measured (``calibrate`` writes 0 where it did not), with
-    its ``source``; the interconnect is left to the cluster's figures."""
+    the layers' fixed costs where measured (``calibrate`` writes 0 for the LRMoE layer's
+    and null for Megatron's where it did not), with its ``source``; the interconnect is
+    left to the cluster's figures."""
     kept = {k: calibration[k] for k in _NODE_FIELDS if k in calibration}
     kept |= {k: calibration[k] for k in _FIXED_FIELDS if calibration.get(k)}
+    if calibration.get(_MEGATRON_FIXED_FIELDS[0]) is not None:    # a pair, kept together
+        kept |= {k: calibration.get(k) for k in _MEGATRON_FIXED_FIELDS}
     if "gemm_flops_per_s" not in kept:
         raise ValueError("--calibration-scope node: the calibration has no gemm_flops_per_s")
     kept["source"] = calibration.get("source", "") + " (node-local fields only)"
@@ -295,7 +299,7 @@ def layer_shape(shape: MoEShape, runs_planner: bool) -> MoEShape:
     Megatron's saved its output instead. Every budgeted policy runs LRMoE's layer, so
     ``layer_shape(shape, True)`` is the one shape that defines the budget."""
     return replace(shape, forward_retention=runs_planner and default_retention_in_forward(),
-                   activation_recompute=runs_planner)
+                   megatron_layer=not runs_planner)
 
 
 POLICIES: tuple[Policy, ...] = (

@@ -157,11 +157,12 @@ def test_alltoall_size_table_by_hand():
         CostModel(SHAPE, MACHINE).layer_time_parts(ROUTED, RETAINED), rel=1e-12)
 
 
-def test_a_layer_without_activation_recompute_skips_its_passes():
+def test_megatrons_layer_skips_the_activation_recompute_passes():
     # Megatron's expert MLP saved the activation's output: 5F fewer element passes per
-    # retained row in backward (gated), nothing else changes. Rank 1 keeps 7 rows, rank 0
-    # 5; with both ranks' GEMMs alike per row, rank 1 stays the slowest.
-    saved = dataclasses.replace(SHAPE, activation_recompute=False)
+    # retained row in backward (gated), nothing else changes (MACHINE has no Megatron
+    # fixed cost: it pays the LRMoE layer's). Rank 1 keeps 7 rows, rank 0 5; with both
+    # ranks' GEMMs alike per row, rank 1 stays the slowest.
+    saved = dataclasses.replace(SHAPE, megatron_layer=True)
     p = CostModel(SHAPE, MACHINE).layer_time_parts(ROUTED, RETAINED)
     q = CostModel(saved, MACHINE).layer_time_parts(ROUTED, RETAINED)
     assert q["backward_memory"] == pytest.approx(p["backward_memory"] - 7 * 5 * 2 * 2 / 1e9,
@@ -170,10 +171,27 @@ def test_a_layer_without_activation_recompute_skips_its_passes():
         {k: v for k, v in p.items() if k != "backward_memory"}, rel=1e-12)
     plain = dataclasses.replace(SHAPE, gated=False)
     p = CostModel(plain, MACHINE).layer_time_parts(ROUTED, RETAINED)
-    q = CostModel(dataclasses.replace(plain, activation_recompute=False),
+    q = CostModel(dataclasses.replace(plain, megatron_layer=True),
                   MACHINE).layer_time_parts(ROUTED, RETAINED)
     assert q["backward_memory"] == pytest.approx(p["backward_memory"] - 7 * 2 * 2 * 2 / 1e9,
                                                  rel=1e-12)
+
+
+def test_megatrons_layer_pays_its_own_fixed_cost_where_measured():
+    machine = dataclasses.replace(MACHINE, megatron_forward_fixed_s=3e-3,
+                                  megatron_backward_fixed_s=5e-3)
+    latencies = 2 * MACHINE.alltoall_latency_s
+    megatron = dataclasses.replace(SHAPE, megatron_layer=True)
+    p = CostModel(megatron, machine).layer_time_parts(ROUTED, RETAINED)
+    assert (p["forward_fixed"], p["backward_fixed"]) == pytest.approx(
+        (latencies + 3e-3, latencies + 5e-3), rel=1e-12)
+    # The LRMoE layer keeps its own; load_time adds the same terms as layer_time_parts.
+    q = CostModel(SHAPE, machine).layer_time_parts(ROUTED, RETAINED)
+    assert (q["forward_fixed"], q["backward_fixed"]) == pytest.approx(
+        (latencies + 1e-4, latencies + 2e-4), rel=1e-12)
+    base = CostModel(megatron, MACHINE)
+    assert CostModel(megatron, machine).load_time(10, 7, 4, 3) == pytest.approx(
+        base.load_time(10, 7, 4, 3) + (3e-3 - 1e-4) + (5e-3 - 2e-4), rel=1e-12)
 
 
 def test_one_rank_has_no_reorders_and_no_tables_means_the_flat_rate():
@@ -206,14 +224,22 @@ def test_machine_constants_new_fields_load_and_check(tmp_path):
     loaded = MachineConstants.from_json(old)
     assert loaded.gemm_rows == () and loaded.memory_bytes_per_s == 0.0
     assert loaded.layer_forward_fixed_s == loaded.layer_backward_fixed_s == 0.0
+    assert loaded.megatron_forward_fixed_s is loaded.megatron_backward_fixed_s is None
     path = tmp_path / "new.json"
     MACHINE.to_json(path)
     assert MachineConstants.from_json(path) == MACHINE       # lists back to tuples
+    measured = dataclasses.replace(MACHINE, megatron_forward_fixed_s=0.02,
+                                   megatron_backward_fixed_s=0.0)
+    measured.to_json(path)
+    assert MachineConstants.from_json(path) == measured
     for bad, needle in ((dict(gemm_rows=(2,)), "same length"),
                         (dict(gemm_rows=(8, 2)), "ascending"),
                         (dict(gemm_forward_flops_per_s=(0.0, 1.0)), "positive"),
                         (dict(memory_bytes_per_s=-1.0), "memory_bytes_per_s"),
                         (dict(layer_backward_fixed_s=float("nan")), "layer_backward"),
+                        (dict(megatron_forward_fixed_s=1e-3), "must both be set or both be None"),
+                        (dict(megatron_forward_fixed_s=-1.0, megatron_backward_fixed_s=0.0),
+                         "megatron_forward_fixed_s must be None or a finite"),
                         (dict(alltoall_sizes=(1.0,)), "same length"),
                         (dict(alltoall_sizes=(4.0, 2.0), alltoall_size_bytes_per_s=(1.0, 1.0)),
                          "alltoall_sizes must be strictly ascending")):
@@ -311,3 +337,16 @@ def test_calibrate_refuses_a_size_table_without_an_alltoall(tmp_path):
         assert bad.returncode != 0 and "--alltoall-sizes-mib" in bad.stderr
         assert needle in bad.stderr
     assert not (tmp_path / "cal.json").exists()
+
+
+def test_the_fixed_cost_of_a_call_is_measured_for_both_layers():
+    # Two local gloo ranks per layer at the tiny shape: each layer's call takes time in
+    # both phases (latency 0: nothing subtracted but the LRMoE planner's own time).
+    from megatron_lrmoe.tools.calibrate import measure_layer_fixed
+
+    for layer in ("lrmoe", "megatron"):
+        forward, backward = measure_layer_fixed(4, 2, True, 0.0, repeats=5, warmup=2,
+                                                layer=layer)
+        assert forward > 0 and backward > 0, layer
+    with pytest.raises(ValueError, match="layer must be 'lrmoe' or 'megatron'"):
+        measure_layer_fixed(4, 2, True, 0.0, repeats=5, warmup=2, layer="sequential")

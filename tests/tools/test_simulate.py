@@ -95,6 +95,15 @@ def test_node_calibration_keeps_the_clusters_links():
     measured = node_calibration({**one_gpu, "layer_forward_fixed_s": 3e-4})
     assert measured["layer_forward_fixed_s"] == 3e-4
     assert "layer_backward_fixed_s" not in measured
+    # Megatron's layer's pair is kept together, a measured 0 included; null: not measured.
+    megatron = node_calibration({**one_gpu, "megatron_forward_fixed_s": 2e-3,
+                                 "megatron_backward_fixed_s": 0.0})
+    assert (megatron["megatron_forward_fixed_s"], megatron["megatron_backward_fixed_s"]) == (
+        2e-3, 0.0)
+    assert machine_constants(h200, 8, megatron).megatron_backward_fixed_s == 0.0
+    unmeasured = node_calibration({**one_gpu, "megatron_forward_fixed_s": None,
+                                   "megatron_backward_fixed_s": None})
+    assert "megatron_forward_fixed_s" not in unmeasured
     with pytest.raises(ValueError, match="gemm_flops_per_s"):
         node_calibration({"alltoall_bytes_per_s": 1e9})
 
