@@ -37,14 +37,18 @@ def run_flags(done: Path) -> list[str]:
 
 def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
     """(``MoEShape`` of a layer, ``Policy``, budget GiB or None, EP size) of a run's
-    flags."""
+    flags; an ``auto`` budget resolved from ``--device-memory-gb`` as the launcher does."""
     from megatron_lrmoe.config.flags import tokens_per_rank
     from megatron_lrmoe.config.planner_inputs import moe_shape
     from megatron_lrmoe.launcher.arguments import parse_args
     from megatron_lrmoe.launcher.builders import transformer_config_from_args
+    from megatron_lrmoe.launcher.pretrain import resolve_auto_budget
 
     os.environ.setdefault("WORLD_SIZE", "2")
     args = parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"])
+    # A run held to a device (``--moe-lrmoe-memory-budget-gb auto``) planned with the
+    # budget its memory account left, resolved here as the launcher resolved it.
+    resolve_auto_budget(args)
     config = transformer_config_from_args(args)
     # The rank's tokens (micro-batch x sequence, / TP under sequence parallelism) and the
     # micro-batches per step over the data-parallel size, as the launcher derives them.

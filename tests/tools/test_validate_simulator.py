@@ -5,6 +5,7 @@ simulator's, tested in test_simulate.py)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,19 @@ def test_run_flags_reads_recorded_runs_of_either_launcher_module(tmp_path):
     done.write_text('{"command": "torchrun -m something_else --seed 3"}')
     with pytest.raises(ValueError, match="no launcher module"):
         vs.run_flags(done)
+
+
+def test_run_setting_resolves_a_held_runs_auto_budget_as_its_launcher_did(monkeypatch):
+    # A run held to a device (--moe-lrmoe-memory-budget-gb auto --device-memory-gb) is
+    # replayed at the budget its launcher resolved and logged while it trained.
+    root = Path(__file__).resolve().parents[2]
+    run = root / ("benchmarks/results/time_to_loss/h384_f1024_mb4/held_d1/manpages/runs/"
+                  "lrmoe-uniform-g1.0-ma-s1")
+    monkeypatch.chdir(root)   # the recorded flags name --config relative to the checkout
+    flags = vs.run_flags(run / "done.json")
+    assert flags[flags.index("--moe-lrmoe-memory-budget-gb") + 1] == "auto"
+    logged = re.search(r"--moe-lrmoe-memory-budget-gb ([0-9.]+):",
+                       (run / "stdout.txt").read_text())
+    _, policy, budget_gib, ep = vs.run_setting(flags)
+    assert policy.budget and ep == 2
+    assert budget_gib == pytest.approx(float(logged.group(1)), abs=1e-6)
