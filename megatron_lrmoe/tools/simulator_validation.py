@@ -45,7 +45,15 @@ def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
     from megatron_lrmoe.launcher.pretrain import resolve_auto_budget
 
     os.environ.setdefault("WORLD_SIZE", "2")
-    args = parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"])
+    # The replay needs the run's shapes, not its corpus: mock data stands in for it, so a
+    # checkout without the prepared data validates too.
+    kept, dropping = [], False
+    for flag in flags:
+        if flag.startswith("--"):
+            dropping = flag in ("--data-path", "--data-cache-path", "--no-progress-bar")
+        if not dropping:
+            kept.append(flag)
+    args = parse_args(kept + ["--mock-data", "--no-progress-bar"])
     # A run held to a device (``--moe-lrmoe-memory-budget-gb auto``) planned with the
     # budget its memory account left, resolved here as the launcher resolved it.
     resolve_auto_budget(args)
