@@ -9,11 +9,14 @@
 For every finished run under the study directories given (``runs/<policy>-s<seed>/``
 with ``done.json``, ``log.jsonl`` and the ``routing/`` trace the time-to-loss driver
 records), the run's own flags (from its command in ``done.json``) give the model shape,
-the micro-batches per step and the policy; ``megatron_lrmoe.tools.simulate.simulate`` replays
+the micro-batches per step, the recompute and the policy (a run held to a device gets the
+MoE budget its launcher resolved); ``megatron_lrmoe.tools.simulate.simulate`` replays
 the run's recorded routing, as recorded (no resampling), through the planner and cost
 model with this machine's calibration, at the run's EP size. Its per-step MoE forward
 and backward times (all MoE layers and micro-batches of a step, replica refresh with
-the forward) are set beside the run's measured ones (the launcher's ``moe-forward-s`` /
+the forward; a recomputed layer's forward again, in the phase the launcher's timer
+counts it: forward under full recompute, backward under ``moe`` recompute) are set
+beside the run's measured ones (the launcher's ``moe-forward-s`` /
 ``moe-backward-s``: slowest rank, medians over the steps after the first tenth). The
 error per run is simulated / measured - 1; the target is within +-15%. A run that
 several studies hold (the confirmation keeps the screen's seed-1 runs) is validated

@@ -85,6 +85,17 @@ def measured(log: Path) -> tuple[float, float, int, float | None]:
             statistics.median(planner) if planner else None)
 
 
+def recompute_reruns(shape: MoEShape) -> tuple[int, int]:
+    """(layers, layers) whose MoE forward a recomputing run reruns per micro-batch, in the
+    phase where the launcher's MoE timer counts the rerun (``launcher.moe_timing``): full
+    recompute reruns the whole transformer layer, so the MoE layer's forward hooks fire
+    again (forward); ``moe`` recompute reruns inside the layer's own backward interval
+    (backward)."""
+    if shape.recompute_moe:
+        return 0, shape.num_layers
+    return min(shape.full_recompute_layers, shape.num_layers), 0
+
+
 def validate_run(run: Path, calibration: dict, budget_scale: float = 1.0) -> dict:
     """One run: its recorded routing replayed at its flags, simulated beside measured
     forward and backward seconds per step, the error of each and the simulated parts."""
@@ -106,8 +117,11 @@ def validate_run(run: Path, calibration: dict, budget_scale: float = 1.0) -> dic
     refresh_share = shape.dtype_bytes / (shape.dtype_bytes + grad_bytes)
     sync = shape.num_layers * result.refresh_s_per_step
     per_step = shape.num_layers * shape.microbatches_per_step
-    fwd_sim = per_step * result.forward_s + refresh_share * sync
-    bwd_sim = per_step * result.backward_s + (1 - refresh_share) * sync
+    rerun_fwd, rerun_bwd = recompute_reruns(shape)
+    fwd_sim = (per_step * result.forward_s + refresh_share * sync
+               + rerun_fwd * shape.microbatches_per_step * result.forward_s)
+    bwd_sim = (per_step * result.backward_s + (1 - refresh_share) * sync
+               + rerun_bwd * shape.microbatches_per_step * result.forward_s)
     fwd_meas, bwd_meas, used, planner_logged = measured(run / "log.jsonl")
     return {"run": f"{run.parents[1].name}/{run.name}", "steps": used,
             "fwd_sim": fwd_sim, "fwd_meas": fwd_meas, "planner_logged": planner_logged,

@@ -91,3 +91,16 @@ def test_run_setting_resolves_a_held_runs_auto_budget_as_its_launcher_did(monkey
     _, policy, budget_gib, ep = vs.run_setting(flags)
     assert policy.budget and ep == 2
     assert budget_gib == pytest.approx(float(logged.group(1)), abs=1e-6)
+
+
+def test_recompute_reruns_count_each_rerun_forward_in_the_phase_the_timer_sees():
+    from dataclasses import replace
+
+    from megatron_lrmoe.planning.cost_model import MoEShape
+
+    shape = MoEShape(num_layers=2, hidden_size=8, ffn_hidden_size=16, num_experts=4, topk=2,
+                     tokens_per_rank=32, gated=True, dtype_bytes=4)
+    assert vs.recompute_reruns(shape) == (0, 0)
+    assert vs.recompute_reruns(replace(shape, recompute_moe=True)) == (0, 2)
+    assert vs.recompute_reruns(replace(shape, full_recompute_layers=1)) == (1, 0)
+    assert vs.recompute_reruns(replace(shape, full_recompute_layers=5)) == (2, 0)
