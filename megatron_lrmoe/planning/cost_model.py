@@ -376,15 +376,21 @@ class MoEShape:
         return self.tokens_per_rank * self.row_bytes
 
     @property
+    def rerun_layers(self) -> int:
+        """Of the stage's ``num_layers`` MoE layers, those whose forward runs again in
+        backward: every one under ``recompute_moe``, the first ``full_recompute_layers``
+        under full recompute."""
+        if self.recompute_moe:
+            return self.num_layers
+        return min(self.full_recompute_layers, self.num_layers)
+
+    @property
     def kept_layers_fraction(self) -> float:
         """kappa: the share of the stage's MoE layers that keep their saved buffers S from
         forward to backward (1 without recompute, 0 with ``recompute_moe``, (Lyr - n) / Lyr
         with n = ``full_recompute_layers``). A layer answers for kappa MiF S of kept
         bytes (``rank_memory``), so that Lyr like layers sum to ``stage_moe_memory``."""
-        if self.recompute_moe:
-            return 0.0
-        n = min(self.full_recompute_layers, self.num_layers)
-        return (self.num_layers - n) / self.num_layers
+        return (self.num_layers - self.rerun_layers) / self.num_layers
 
     @property
     def rerun_output_bytes(self) -> int:

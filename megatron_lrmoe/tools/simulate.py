@@ -480,10 +480,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
         fwd, bwd = totals["fwd"] / calls, totals["bwd"] / calls
         refresh = totals["refresh"] / (n_layers * steps)
         # Recompute reruns forwards in backward: every layer's (moe) or the block's (full).
-        rerun = (shape.num_layers if shape.recompute_moe
-                 else min(shape.full_recompute_layers, shape.num_layers))
         step = (shape.num_layers * (shape.microbatches_per_step * (fwd + bwd) + refresh)
-                + rerun * shape.microbatches_per_step * fwd)
+                + shape.rerun_layers * shape.microbatches_per_step * fwd)
         # The stage's layers beyond the simulated ones repeat them in turn.
         stage = [layer_levels[i % n_layers] for i in range(shape.num_layers)]
         memory = stage_moe_memory(

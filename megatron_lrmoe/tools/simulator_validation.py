@@ -92,8 +92,8 @@ def recompute_reruns(shape: MoEShape) -> tuple[int, int]:
     again (forward); ``moe`` recompute reruns inside the layer's own backward interval
     (backward)."""
     if shape.recompute_moe:
-        return 0, shape.num_layers
-    return min(shape.full_recompute_layers, shape.num_layers), 0
+        return 0, shape.rerun_layers
+    return shape.rerun_layers, 0
 
 
 def validate_run(run: Path, calibration: dict, budget_scale: float = 1.0) -> dict:
