@@ -46,10 +46,20 @@ LRMOE = {
     "lrmoe-uniform-g1.0-ma": ["--moe-lrmoe", "--moe-lrmoe-placement", "memory-aware",
                               "--moe-lrmoe-memory-budget-gb", "auto"],
 }
+def _absolute(path: str) -> Path:
+    return Path(path).resolve()
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the report names it: relative to the checkout where it lies inside."""
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", type=Path, default=ROOT / REFERENCE_RUN)
-    ap.add_argument("--calibration", type=Path, default=ROOT / CALIBRATION)
+    # Resolved before the chdir to the checkout below, so paths relative to the caller work.
+    ap.add_argument("--run", type=_absolute, default=ROOT / REFERENCE_RUN)
+    ap.add_argument("--calibration", type=_absolute, default=ROOT / CALIBRATION)
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps replayed per layer")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "feasibility")
     a = ap.parse_args(argv)
@@ -79,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Feasibility at two device sizes (predicted, nothing timed)", "",
         f"Command: `{command}`  ", f"Code: {code_version()}  ",
-        f"Reference run: `{a.run.relative_to(ROOT)}` (flags, routing, time outside the MoE "
-        f"layers {outside.seconds:.3f} s/step); calibration `{a.calibration.relative_to(ROOT)}`; "
+        f"Reference run: `{_shown(a.run)}` (flags, routing, time outside the MoE "
+        f"layers {outside.seconds:.3f} s/step); calibration `{_shown(a.calibration)}`; "
         f"{a.steps} steps replayed per layer.", "",
         f"Unconstrained (1024 GiB): outside the MoE layers {outside_gib * 1024:.1f} MiB; "
         + "; ".join(f"{n} MoE {p.account.moe / 2**20:.1f} MiB" for n, p in free.items()), "",
