@@ -46,6 +46,8 @@ LRMOE = {
     "lrmoe-uniform-g1.0-ma": ["--moe-lrmoe", "--moe-lrmoe-placement", "memory-aware",
                               "--moe-lrmoe-memory-budget-gb", "auto"],
 }
+
+
 def _absolute(path: str) -> Path:
     return Path(path).resolve()
 
