@@ -45,15 +45,7 @@ def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
     from megatron_lrmoe.launcher.pretrain import resolve_auto_budget
 
     os.environ.setdefault("WORLD_SIZE", "2")
-    # The replay needs the run's shapes, not its corpus: mock data stands in for it, so a
-    # checkout without the prepared data validates too.
-    kept, dropping = [], False
-    for flag in flags:
-        if flag.startswith("--"):
-            dropping = flag in ("--data-path", "--data-cache-path", "--no-progress-bar")
-        if not dropping:
-            kept.append(flag)
-    args = parse_args(kept + ["--mock-data", "--no-progress-bar"])
+    args = parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"])
     # A run held to a device (``--moe-lrmoe-memory-budget-gb auto``) planned with the
     # budget its memory account left, resolved here as the launcher resolved it.
     resolve_auto_budget(args)
@@ -99,8 +91,11 @@ def recompute_reruns(shape: MoEShape) -> tuple[int, int]:
 def validate_run(run: Path, calibration: dict, budget_scale: float = 1.0) -> dict:
     """One run: its recorded routing replayed at its flags, simulated beside measured
     forward and backward seconds per step, the error of each and the simulated parts."""
-    flags = run_flags(run / "done.json")
-    shape, policy, budget_gib, ep = run_setting(flags)
+    from megatron_lrmoe.tools.fitting import reference_flags
+
+    # The replay needs the run's shapes, not its corpus: mock data stands in for it, so a
+    # checkout without the prepared data validates too.
+    shape, policy, budget_gib, ep = run_setting([*reference_flags(run), "--mock-data"])
     trace = read_routing_trace(run / "routing")
     skip = len(trace.iterations) // 10
     traces = [trace.layer(n)[skip:] for n in trace.layers]

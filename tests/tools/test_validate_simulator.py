@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_lrmoe.tools import simulator_validation as vs
+from megatron_lrmoe.tools.fitting import reference_flags
 
 
 def _row(run: str, fwd: tuple[float, float], bwd: tuple[float, float]) -> dict:
@@ -84,7 +85,7 @@ def test_run_setting_resolves_a_held_runs_auto_budget_as_its_launcher_did(monkey
     run = root / ("benchmarks/results/time_to_loss/h384_f1024_mb4/held_d1/manpages/runs/"
                   "lrmoe-uniform-g1.0-ma-s1")
     monkeypatch.chdir(root)   # the recorded flags name --config relative to the checkout
-    flags = vs.run_flags(run / "done.json")
+    flags = [*reference_flags(run), "--mock-data"]   # as validate_run replays it
     assert flags[flags.index("--moe-lrmoe-memory-budget-gb") + 1] == "auto"
     logged = re.search(r"--moe-lrmoe-memory-budget-gb ([0-9.]+):",
                        (run / "stdout.txt").read_text())
