@@ -30,6 +30,7 @@ from pathlib import Path
 from megatron_lrmoe.planning.memory_account import GIB
 from megatron_lrmoe.tools import fitting as F
 from megatron_lrmoe.tools.provenance import code_version
+from megatron_lrmoe.tools.simulator_validation import reference_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("WORLD_SIZE", "2")    # the study's 2 ranks
     os.chdir(ROOT)
-    base = [*F.reference_flags(a.run), "--mock-data"]   # the data is not read
+    base = [*reference_flags(a.run), "--mock-data"]   # the data is not read
     traces, outside = F.reference_run(a.run)
     calibration = json.loads(a.calibration.read_text())
     args = F._parse(base)

@@ -270,27 +270,6 @@ def reference_run(run: Path) -> tuple[list[np.ndarray], OutsideTime]:
             OutsideTime.from_log(Path(run) / "log.jsonl"))
 
 
-# Flags of a recorded run that are not the model's or the batch's.
-RUN_ONLY = ("--seed", "--record-routing", "--log-json", "--eval-interval", "--log-interval",
-            "--data-path", "--data-cache-path")
-
-
-def reference_flags(run: Path) -> list[str]:
-    """A measured run's launcher flags less its per-run ones (``RUN_ONLY``): the model and
-    the batch that predictions, and runs compared with it, are made of."""
-    from megatron_lrmoe.tools.simulator_validation import run_flags
-
-    out, skip = [], False
-    for f in run_flags(Path(run) / "done.json"):
-        if skip:
-            skip = False
-        elif f in RUN_ONLY:
-            skip = True
-        else:
-            out.append(f)
-    return out
-
-
 def policy_predictions(base_flags: list[str], policy: str, policy_flags: list[str],
                        baseline: bool, device_gib: float, traces: list[np.ndarray],
                        calibration: dict | None, outside: OutsideTime,

@@ -34,6 +34,7 @@ from pathlib import Path
 from megatron_lrmoe.tools import fitting as F
 from megatron_lrmoe.tools import time_to_loss as ttl
 from megatron_lrmoe.tools.provenance import code_version
+from megatron_lrmoe.tools.simulator_validation import reference_flags
 from megatron_lrmoe.tools.time_to_loss_policies import policies
 
 __all__ = ["main", "moe_ms_per_1k_tokens"]
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [p for p in chosen if p not in every]:
         raise SystemExit(f"--policies: unknown {bad}; known: {', '.join(every)}")
 
-    base = F.reference_flags(a.run)
+    base = reference_flags(a.run)
     args = F._parse([*base, "--mock-data"])
     microbatches = args.global_batch_size // (args.micro_batch_size * 2)
 

@@ -35,6 +35,25 @@ def run_flags(done: Path) -> list[str]:
     return command[command.index(module) + 1:]
 
 
+# Flags of a recorded run that are not the model's or the batch's.
+RUN_ONLY = ("--seed", "--record-routing", "--log-json", "--eval-interval", "--log-interval",
+            "--data-path", "--data-cache-path")
+
+
+def reference_flags(run: Path) -> list[str]:
+    """A measured run's launcher flags less its per-run ones (``RUN_ONLY``): the model and
+    the batch that predictions, and runs compared with it, are made of."""
+    out, skip = [], False
+    for f in run_flags(Path(run) / "done.json"):
+        if skip:
+            skip = False
+        elif f in RUN_ONLY:
+            skip = True
+        else:
+            out.append(f)
+    return out
+
+
 def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
     """(``MoEShape`` of a layer, ``Policy``, budget GiB or None, EP size) of a run's
     flags; an ``auto`` budget resolved from ``--device-memory-gb`` as the launcher does."""
@@ -91,8 +110,6 @@ def recompute_reruns(shape: MoEShape) -> tuple[int, int]:
 def validate_run(run: Path, calibration: dict, budget_scale: float = 1.0) -> dict:
     """One run: its recorded routing replayed at its flags, simulated beside measured
     forward and backward seconds per step, the error of each and the simulated parts."""
-    from megatron_lrmoe.tools.fitting import reference_flags
-
     # The replay needs the run's shapes, not its corpus: mock data stands in for it, so a
     # checkout without the prepared data validates too.
     shape, policy, budget_gib, ep = run_setting([*reference_flags(run), "--mock-data"])

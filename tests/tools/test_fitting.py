@@ -64,18 +64,6 @@ def test_outside_time_is_the_median_step_less_moe(tmp_path):
     assert outside.step_seconds(0, 2) == pytest.approx(1.4)
 
 
-def test_reference_flags_keep_the_model_and_batch_only(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    flags = ["--config", "c.yaml", "--seed", "3", "--hidden-size", "384", "--data-path",
-             "data/x", "--record-routing", "run/routing", "--moe-lrmoe", "--log-interval", "15"]
-    command = ["python", "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-               "megatron_lrmoe.launcher.pretrain", *flags, "--log-json", "run/log.jsonl"]
-    (run / "done.json").write_text(json.dumps({"command": " ".join(command)}))
-    assert F.reference_flags(run) == ["--config", "c.yaml", "--hidden-size", "384",
-                                      "--moe-lrmoe"]
-
-
 def test_device_sizes_by_hand():
     d1, d2 = F.device_sizes(outside_gib=1.0, dropless_moe_gib=0.46, lrmoe_need_gib=1.2)
     assert d1 == pytest.approx(1.4)

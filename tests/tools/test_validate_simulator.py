@@ -5,13 +5,13 @@ simulator's, tested in test_simulate.py)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
 from megatron_lrmoe.tools import simulator_validation as vs
-from megatron_lrmoe.tools.fitting import reference_flags
 
 
 def _row(run: str, fwd: tuple[float, float], bwd: tuple[float, float]) -> dict:
@@ -85,7 +85,7 @@ def test_run_setting_resolves_a_held_runs_auto_budget_as_its_launcher_did(monkey
     run = root / ("benchmarks/results/time_to_loss/h384_f1024_mb4/held_d1/manpages/runs/"
                   "lrmoe-uniform-g1.0-ma-s1")
     monkeypatch.chdir(root)   # the recorded flags name --config relative to the checkout
-    flags = [*reference_flags(run), "--mock-data"]   # as validate_run replays it
+    flags = [*vs.reference_flags(run), "--mock-data"]   # as validate_run replays it
     assert flags[flags.index("--moe-lrmoe-memory-budget-gb") + 1] == "auto"
     logged = re.search(r"--moe-lrmoe-memory-budget-gb ([0-9.]+):",
                        (run / "stdout.txt").read_text())
@@ -105,3 +105,15 @@ def test_recompute_reruns_count_each_rerun_forward_in_the_phase_the_timer_sees()
     assert vs.recompute_reruns(replace(shape, recompute_moe=True)) == (0, 2)
     assert vs.recompute_reruns(replace(shape, full_recompute_layers=1)) == (1, 0)
     assert vs.recompute_reruns(replace(shape, full_recompute_layers=5)) == (2, 0)
+
+
+def test_reference_flags_keep_the_model_and_batch_only(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    flags = ["--config", "c.yaml", "--seed", "3", "--hidden-size", "384", "--data-path",
+             "data/x", "--record-routing", "run/routing", "--moe-lrmoe", "--log-interval", "15"]
+    command = ["python", "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+               "megatron_lrmoe.launcher.pretrain", *flags, "--log-json", "run/log.jsonl"]
+    (run / "done.json").write_text(json.dumps({"command": " ".join(command)}))
+    assert vs.reference_flags(run) == ["--config", "c.yaml", "--hidden-size", "384",
+                                       "--moe-lrmoe"]
