@@ -156,7 +156,7 @@ else
 fi
 
 write_summary() {
-  local step what
+  local step what name
   {
     echo "# GPU check $STAMP"
     echo
@@ -170,7 +170,10 @@ write_summary() {
     echo "| --- | --- |"
     for what in python torch device nvidia_smi numpy pytest hypothesis megatron_core setuptools ninja \
                 nvcc compute_sanitizer kernels wheels; do
-      echo "| ${what//_/-} | ${FACT[$what]:-not probed} |"
+      # A fact's name never equals a step's: a retry reads the steps' rows by name.
+      name=${what//_/-}
+      [[ $what == kernels ]] && name="kernels (compiled)"
+      echo "| $name | ${FACT[$what]:-not probed} |"
     done
     echo
     echo "| step | status | seconds | limit s | run | what |"
@@ -380,7 +383,7 @@ load_facts() {
     [[ -n $key ]] && FACT[$key]=$value
   done <"$STATE/facts"
   FACT[ninja]="${FACT[ninja]:-absent} (python package); binary: ${FACT[ninja_bin]:-absent}"
-  [[ -n ${FACT[ninja_bin]} ]] || FACT[ninja]+=" (the build then compiles one file at a time)"
+  [[ -n ${FACT[ninja_bin]:-} ]] || FACT[ninja]+=" (the build then compiles one file at a time)"
   FACT[nvcc]=${FACT[nvcc]#" "}
   [[ ${FACT[nvcc]} == "("* ]] && FACT[nvcc]="absent ${FACT[nvcc]}"
   FACT[compute_sanitizer]=${FACT[compute_sanitizer]:-absent}
