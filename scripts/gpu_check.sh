@@ -131,6 +131,7 @@ CALIBRATION=$OUT/calibration_h200_qwen3.json
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 START_S=$SECONDS
 STATE=$(mktemp -d) || exit 2
+trap 'rm -rf "$STATE"' EXIT
 export PY=${PY:-python3} SITE=${GPU_CHECK_SITE:-$REPO/.gpu_site} STATE
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export PYTHONUNBUFFERED=1
@@ -148,7 +149,7 @@ if [[ -n $ONLY && -f $SUMMARY ]]; then
   while IFS='|' read -r _ step status secs _ run _; do
     step=${step// /}
     [[ -n ${LIMIT[$step]+x} ]] || continue
-    STATUS[$step]=$(echo "$status" | sed 's/^ *//; s/ *$//')
+    STATUS[$step]=$(echo "$status" | sed 's/^ *//; s/ *$//; s/^running .*/interrupted (its run was killed)/')
     SECS[$step]=${secs// /} RUN[$step]=${run// /}
   done < <(grep '^| [a-z]' "$SUMMARY")
 else
@@ -206,7 +207,6 @@ on_signal() {
   STATE_LINE="killed by SIG$sig${CURRENT:+ during $CURRENT}"
   write_summary
   echo "gpu_check: killed by SIG$sig; partial results in $SUMMARY" >&2
-  rm -rf "$STATE"
   exit $((128 + num))
 }
 trap 'on_signal INT 2' INT
@@ -473,7 +473,6 @@ for step in "${STEPS[@]}"; do
 done
 STATE_LINE="finished in $((SECONDS - START_S)) s"
 write_summary
-rm -rf "$STATE"
 if ((FAILED)); then
   echo "gpu_check: FAILED (see $SUMMARY)" >&2
 else

@@ -8,6 +8,12 @@ export what it finds before they build. Oracles: a fake toolkit in a temporary f
 wrapper nvcc elsewhere on PATH, and a fake Python that records the CUDA_HOME each build
 command sees. The scripts run in a copy of the repository's layout, so nothing here
 touches the checkout or its .venv.
+
+scripts/gpu_check.sh on this CPU: its limits against the 6-minute budget and the issue's
+order of steps; the real no-device path (this Python, no GPU: every CUDA step "no
+device", no process started); and, with a fake Python and compute-sanitizer that log
+their arguments and report a GPU machine's facts, the steps' commands in order, "absent"
+steps, ``--only`` retries, a SIGTERM mid-step, the files in OUTDIR.
 """
 
 from __future__ import annotations
@@ -322,14 +328,16 @@ def test_gpu_check_only_reruns_the_named_steps_and_keeps_the_other_rows(tmp_path
     before = _steps(summary)
     assert before["bench"][0] == "skipped (--skip)"
     # Stand in for an earlier run's failure: a retry must keep it.
-    summary.write_text(summary.read_text().replace("| region | passed |",
-                                                   "| region | FAILED (rc 9) |"))
+    summary.write_text(summary.read_text()
+                       .replace("| region | passed |", "| region | FAILED (rc 9) |")
+                       .replace("| sync | passed |", "| sync | running (limit 35 s) |"))
     log.write_text("")
     env["FAKE_REFUSE"] = "1"
     run = _gpu_check(repo, out, "--only", "sanitizer,bench", env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = _steps(summary)
     assert rows["region"][0] == "FAILED (rc 9)" and rows["kernels"] == before["kernels"]
+    assert rows["sync"][0] == "interrupted (its run was killed)"
     assert rows["bench"][0] == "passed"
     assert rows["sanitizer"][0].startswith("absent: compute-sanitizer refused the device")
     assert rows["env"][0] == "passed"                         # env runs with every retry
