@@ -15,9 +15,10 @@
   top-8: P 65536), a full hidden width (2048) and 600,000 rows: past the CUDA kernels'
   65,536-block grid cap at narrow rows, where their grid-stride loops run. The CPU
   references of the large cases take a few seconds on 16 cores.
+- int64 and int32 indices (scatter_add_rows' repeated destinations, combine_rows' order).
 - ``--edge``: only the edge shapes (no rows, one row, one destination, H 1, odd H,
-  rows one past a block, empty cells, quotas 0 and above the cell size, int32 indices,
-  and 600,000 narrow rows): what scripts/gpu_check.sh runs under compute-sanitizer's
+  rows one past a block, empty cells, quotas 0 and above the cell size, 600,000 narrow
+  rows): what scripts/gpu_check.sh runs under compute-sanitizer's
   memcheck, where every kernel runs instrumented.
 - ``--small``: the default set without its largest cases (a CPU run of this script).
 
@@ -134,11 +135,14 @@ class Checker:
                 token = torch.randint(0, t, (p,), generator=g)
                 order = torch.sort(token, stable=True).indices
                 offsets = torch.searchsorted(token[order], torch.arange(t + 1))
-                for scale in (torch.rand(p, generator=g), torch.rand(p, generator=g).to(dtype)):
+                # fp32 scales with int64 order, src-dtype scales with int32 order.
+                for scale, idx in ((torch.rand(p, generator=g), order),
+                                   (torch.rand(p, generator=g).to(dtype), order.int())):
                     ref = combine_rows_reference(src, scale, order, offsets)
-                    out = combine_rows(*map(self.on_device, (src, scale, order, offsets)),
+                    out = combine_rows(*map(self.on_device, (src, scale, idx, offsets)),
                                        backend=self.backend)
-                    self.check(f"combine_rows {dtype} P={p} T={t} H={h} scale={scale.dtype}",
+                    self.check(f"combine_rows {dtype} P={p} T={t} H={h} scale={scale.dtype} "
+                               f"order {idx.dtype}",
                                out.device.type == self.dev.type and torch.equal(out.cpu(), ref))
                 dy = torch.randn(t, h, generator=g).to(dtype)
                 prob = torch.rand(p, generator=g)
@@ -178,7 +182,7 @@ class Checker:
                         continue
                     idx = (torch.randperm(n, generator=g)[:m] if unique
                            else torch.randint(0, n, (m,), generator=g))
-                    if self.mode == "edge" and not unique:
+                    if not unique:
                         idx = idx.int()                          # the int32 instantiation
                     for scale in (None, torch.rand(m, generator=g)):
                         ref = scatter_add_rows_reference(out0, idx.long(), src, scale)
