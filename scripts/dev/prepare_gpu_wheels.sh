@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
 # Download the wheels scripts/gpu_check.sh installs on a GPU machine that cannot reach a
-# package registry (Python 3.12, its own CUDA torch, nothing else): megatron-core 0.19.2
-# (a cp312 wheel: it ships a compiled helper) and the packages the check imports, for CPython 3.12 on x86-64 Linux, binary wheels
-# only, no dependency resolution (the list is the resolution; torch is the machine's).
+# package registry: what that machine's image lacks, for CPython 3.12 on x86-64 Linux,
+# binary wheels only, no dependency resolution (the list is the resolution).
 #
-#   bash scripts/dev/prepare_gpu_wheels.sh            # into wheels/ (git-ignored)
-#   bash scripts/dev/prepare_gpu_wheels.sh DIR
+#   bash scripts/dev/prepare_gpu_wheels.sh                 # megatron-core into wheels/
+#   bash scripts/dev/prepare_gpu_wheels.sh DIR [NAME...]   # more packages, e.g. numpy
 #
-# Then carry the folder to the GPU machine and run  WHEELS=wheels bash scripts/gpu_check.sh.
-# Versions are read from requirements/lock.txt (one pin per package). About 25 MB in all.
+# The project's GPU image (torch 2.11.0+cu130, numpy, packaging, setuptools, ninja, PyYAML,
+# pytest, hypothesis, nvcc 13.0, compute-sanitizer) lacks only megatron-core 0.19.2: one
+# cp312 wheel (it ships a compiled helper) of 2.4 MB, whose requirements (torch, numpy,
+# packaging) the image has. Name more packages for an image that lacks them; gpu_check.sh
+# installs a carried wheel only where its package is missing. Versions come from
+# requirements/lock.txt (one pin per package). Then carry DIR beside the checkout and run
+#   WHEELS=DIR bash scripts/gpu_check.sh OUTDIR
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DEST=${1:-wheels}
+shift || true
 PIP=${PIP:-.venv/bin/pip}
 [[ -x $PIP ]] || PIP="python3 -m pip"
 mkdir -p "$DEST"
 
-# megatron-core and its run-time requirements (numpy, packaging); setuptools and ninja to
-# build the kernels in place; PyYAML (the launcher's config module, imported by the
-# layer's option table users); pytest, its plugins and hypothesis for the kernel tests.
-NAMES=(megatron-core numpy packaging setuptools ninja PyYAML pytest pluggy iniconfig Pygments
-       hypothesis sortedcontainers)
+NAMES=(megatron-core "$@")
 WHEELS=()
 for name in "${NAMES[@]}"; do
   pin=$(grep -iE "^${name}==[^ ]+" requirements/lock.txt | cut -d' ' -f1)

@@ -17,7 +17,7 @@
 # torch's own rule (the parent of nvcc's folder). Status 1 when there is no nvcc on PATH.
 lrmoe_cuda_home() {
   local nvcc report top root
-  LRMOE_CUDA_HOME= LRMOE_CUDA_HOME_HOW=
+  LRMOE_CUDA_HOME="" LRMOE_CUDA_HOME_HOW=""
   nvcc=$(command -v nvcc 2>/dev/null) || return 1
   report=$("$nvcc" -v --dryrun -c -x cu /dev/null -o /dev/null 2>&1) || true
   for top in "$(sed -n 's/^#\$ TOP=//p' <<<"$report" | head -n 1)" \
