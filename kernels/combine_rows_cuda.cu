@@ -35,17 +35,14 @@ namespace lrmoe {
 namespace {
 
 using opmath::AccType;
+using opmath::add_rn;
 using opmath::from_acc;
+using opmath::mul_rn;
 using opmath::to_acc;
 
 constexpr int kWarp = 32;
 constexpr int kRowsPerBlock = 8;
 constexpr int64_t kMaxBlocks = int64_t{1} << 16;
-
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 
 dim3 grid_for_rows(int64_t rows) {
   const int64_t wanted = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
