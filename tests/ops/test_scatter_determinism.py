@@ -275,13 +275,29 @@ def test_fake_cuda_deterministic_call_runs_the_fake_kernel(kernels, monkeypatch)
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_kernel_is_bitwise_reproducible_and_equals_the_cpu(kernels):
+def _determinism_check():
     sys.path.insert(0, str(ROOT / "scripts" / "dev"))
     try:
-        from determinism_check import check_scatter_determinism
+        import determinism_check
     finally:
         sys.path.pop(0)
-    result = check_scatter_determinism(large_rows=50_000)
-    assert result.ok, "\n".join(result.lines)
+    return determinism_check
 
+
+def test_the_device_check_runs_on_the_cpu(kernels):
+    """scripts/dev/determinism_check.py (the GPU check's step) passes on the CPU kernels."""
+    result = _determinism_check().check_determinism("cpu", large_rows=4000, small=True)
+    assert result.ok, "\n".join(result.lines)
+    assert len(result.lines) == 9 and all(line.startswith("ok") for line in result.lines)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_the_device_check_reports_no_device(kernels, capsys):
+    assert _determinism_check().main(["--device", "cuda"]) == 2
+    assert "determinism: no device" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kernel_is_bitwise_reproducible_and_equals_the_cpu(kernels):
+    result = _determinism_check().check_determinism("cuda", large_rows=50_000)
+    assert result.ok, "\n".join(result.lines)
