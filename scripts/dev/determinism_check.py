@@ -21,6 +21,12 @@ or "no device").
 2. The expert GEMMs' backward (dX, dW1, dW2; grouped where the region would group,
    else the loop) twice on the same inputs: bitwise equal. The region relies on
    cuBLAS and torch's grouped GEMM being run-to-run deterministic for fixed shapes.
+3. The LRMoE layer (needs megatron-core; "absent" without it): two fresh layers with
+   the same weights, one training step each on the same tokens with forced routing
+   (bf16 on CUDA, gamma 0.75, topk, 8 of 32 experts; shrunk with ``small``), in
+   deterministic mode by Megatron's flag and by torch's: dx, the router gradient and
+   every weight gradient bitwise equal. For information, how many elements of dx
+   differ with the mode off (the atomic path).
 
 Exit status 0 when every check passed, 1 when one failed, 2 without the device.
 """
@@ -28,6 +34,7 @@ Exit status 0 when every check passed, 1 when one failed, 2 without the device.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -225,10 +232,85 @@ def _check_expert_gemms(device: torch.device, dtype: torch.dtype, small: bool,
                         f"{'bitwise' if same else 'DIFFER'}")
 
 
+def _layer_grads(cfg: dict, gamma: float, megatron_flag: bool, torch_flag: bool
+                 ) -> list[torch.Tensor]:
+    """A fresh LRMoE layer's gradients after one training step (dx, router, weights)."""
+    from megatron_lrmoe.tools.layer_bench import DTYPES, build_layers, skewed_routing
+
+    _, lrmoe = build_layers(cfg)
+    lrmoe.config.deterministic_mode = megatron_flag
+    lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
+    lrmoe.config.moe_lrmoe_selection = "topk"
+    lrmoe.setup_planner(cfg["tokens"], 1)
+    dev, dtype = torch.device(cfg["device"]), DTYPES[cfg["dtype"]]
+    probs, routing_map = skewed_routing(cfg["tokens"], cfg["experts"], cfg["topk"], 1.2,
+                                        cfg["seed"], 0, dtype)
+    probs = probs.to(dev).float().requires_grad_(True)
+    routing_map = routing_map.to(dev)
+    lrmoe.route = lambda hidden_states, padding_mask=None, _r=(probs, routing_map): _r
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(cfg["tokens"], 1, cfg["hidden"], generator=g).to(dev, dtype)
+    x.requires_grad_(True)
+    dy = torch.randn(x.shape, generator=g).to(dev, dtype)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(torch_flag)
+    try:
+        out, _ = lrmoe(x)
+        out.backward(dy)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    lrmoe.finish_step()
+    return [x.grad, probs.grad, *(p.grad for p in lrmoe.parameters() if p.grad is not None)]
+
+
+def check_layer_determinism(device: str = "cuda", small: bool = False,
+                            result: DeterminismResult | None = None) -> DeterminismResult:
+    """Check 3 of the module docstring; torch.distributed must be initialised (one rank)
+    or is initialised here."""
+    result = result if result is not None else DeterminismResult()
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        result.lines.append("absent layer: megatron-core is not installed")
+        return result
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        from megatron_lrmoe.testing.gloo_pool import free_port
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    shape = (dict(hidden=64, ffn=32, experts=8, topk=4, tokens=64) if small else
+             dict(hidden=1024, ffn=512, experts=32, topk=8, tokens=2048))
+    cfg = {"device": device, "ep": 1, "dtype": "bf16" if device == "cuda" else "fp32",
+           "grouped_gemm": "auto", "seed": 1234, "kernels": "auto", **shape}
+    name = (f"layer ({cfg['dtype']}, H {cfg['hidden']}, {cfg['experts']} experts, top-"
+            f"{cfg['topk']}, {cfg['tokens']} tokens, gamma 0.75, topk)")
+    for label, flags in (("Megatron's deterministic_mode", (True, False)),
+                         ("torch.use_deterministic_algorithms", (False, True))):
+        first, second = (_layer_grads(cfg, 0.75, *flags) for _ in range(2))
+        same = len(first) == len(second) and all(
+            _same_bits(a, b) for a, b in zip(first, second, strict=True))
+        result.record(same, f"{name} with {label}: dx, router and {len(first) - 2} weight "
+                            f"gradients of two runs {'bitwise' if same else 'DIFFER'}")
+    first, second = (_layer_grads(cfg, 0.75, False, False) for _ in range(2))
+    varied = int((_bits(first[0]) != _bits(second[0])).sum())
+    result.lines.append(f"info {name} with the mode off: {varied} of {first[0].numel()} "
+                        "elements of dx differ between two runs")
+    return result
+
+
 def check_determinism(device: str = "cuda", large_rows: int = 600_000,
-                      compare_cpu: bool = True, small: bool = False) -> DeterminismResult:
+                      compare_cpu: bool = True, small: bool = False,
+                      layer: bool = True) -> DeterminismResult:
     """Run every check on ``device``; see the module docstring. ``small``: shrunk Qwen3
-    shapes (for a CPU run of the script)."""
+    shapes (for a CPU run of the script); ``layer``: run check 3."""
+    # torch's deterministic algorithms refuse cuBLAS without it (the layer check sets
+    # them); set before any GEMM, since torch sizes cuBLAS workspaces once.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     result = DeterminismResult()
     dev = torch.device(device)
     if dev.type == "cuda" and not (torch.cuda.is_available() and cuda_kernels_available()):
@@ -246,6 +328,8 @@ def check_determinism(device: str = "cuda", large_rows: int = 600_000,
                 torch.cuda.empty_cache()            # the large case holds a few GB
         for dtype in (torch.bfloat16, torch.float32):
             _check_expert_gemms(dev, dtype, small, result)
+    if layer:
+        check_layer_determinism(device, small, result)
     return result
 
 
@@ -257,9 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cpu-compare", action="store_true",
                    help="skip the comparison with the CPU kernel")
     p.add_argument("--small", action="store_true", help="shrunk Qwen3 shapes (CPU runs)")
+    p.add_argument("--no-layer", action="store_true", help="skip the layer check")
     args = p.parse_args(argv)
     result = check_determinism(args.device, args.large_rows, not args.no_cpu_compare,
-                               args.small)
+                               args.small, not args.no_layer)
     for line in result.lines:
         print(f"determinism: {line}")
     print(f"determinism: {result.status}")

@@ -286,9 +286,23 @@ def _determinism_check():
 
 def test_the_device_check_runs_on_the_cpu(kernels):
     """scripts/dev/determinism_check.py (the GPU check's step) passes on the CPU kernels."""
-    result = _determinism_check().check_determinism("cpu", large_rows=4000, small=True)
+    result = _determinism_check().check_determinism("cpu", large_rows=4000, small=True,
+                                                    layer=False)
     assert result.ok, "\n".join(result.lines)
     assert len(result.lines) == 9 and all(line.startswith("ok") for line in result.lines)
+
+
+def _layer_check_on_cpu() -> tuple[bool, list[str]]:
+    result = _determinism_check().check_layer_determinism("cpu", small=True)
+    return result.ok, result.lines
+
+
+def test_the_device_checks_layer_step_runs_on_the_cpu(gloo1):
+    """Its layer step (Megatron's layer, so in a worker process): two fresh layers in
+    deterministic mode give bitwise the same gradients."""
+    ((ok, lines),) = gloo1.run(_layer_check_on_cpu)
+    assert ok, "\n".join(lines)
+    assert [line.split()[0] for line in lines] == ["ok", "ok", "info"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
