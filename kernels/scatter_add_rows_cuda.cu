@@ -28,6 +28,7 @@
 
 #include <cstdint>
 
+#include "dispatch.cuh"
 #include "opmath.cuh"
 #include "scatter_add_rows.h"
 
@@ -35,9 +36,8 @@ namespace lrmoe {
 namespace {
 
 using opmath::AccType;
-using opmath::add_rn;
+using opmath::add_rows_in_order;
 using opmath::from_acc;
-using opmath::mul_rn;
 using opmath::to_acc;
 
 template <typename T, typename S, typename I>
@@ -133,22 +133,9 @@ __global__ void scatter_add_rows_sorted_kernel(T* __restrict__ out,
     }
     T* dst = out + d * hidden;
     for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
-      acc_t acc = static_cast<acc_t>(to_acc(dst[c]));
-      for (int64_t j = begin; j < end; ++j) {
-        const int64_t r = order[j];
-        if (r < 0 || r >= n_src) {
-          continue;  // the caller's sort yields positions in [0, M); never read out of bounds
-        }
-        const acc_t v = static_cast<acc_t>(to_acc(src[r * hidden + c]));
-        if (scale == nullptr) {
-          acc = add_rn(acc, v);
-        } else {
-          // Round the product to the dtype first: the CPU backend's rounding.
-          const T product = from_acc<T>(mul_rn(v, static_cast<acc_t>(to_acc(scale[r]))));
-          acc = add_rn(acc, static_cast<acc_t>(to_acc(product)));
-        }
-      }
-      dst[c] = from_acc<T>(acc);
+      const acc_t acc = static_cast<acc_t>(to_acc(dst[c]));
+      dst[c] = from_acc<T>(
+          add_rows_in_order<T, S>(acc, src, scale, order, begin, end, n_src, hidden, c));
     }
   }
 }
@@ -166,20 +153,17 @@ const char* launch_sorted(void* out, const void* sorted_index, const int64_t* or
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
-// ---- dtype, index type and scale type -> one instantiation ------------------
-
-// Which kernel a launch takes: the fast (atomic) one or the sorted one. `Args`
-// are the pointers and sizes the chosen launcher takes, in its order.
+// The two launchers as dispatch_types' Op (kernels/dispatch.cuh).
+template <typename T, typename S, typename I>
 struct AtomicLaunch {
-  template <typename T, typename S, typename I>
   static const char* run(void* out, const void* index, const void* src, const void* scale,
                          int64_t n_out, int64_t n_src, int64_t hidden, cudaStream_t stream) {
     return launch<T, S, I>(out, index, src, scale, n_out, n_src, hidden, stream);
   }
 };
 
+template <typename T, typename S, typename I>
 struct SortedLaunch {
-  template <typename T, typename S, typename I>
   static const char* run(void* out, const void* sorted_index, const int64_t* order,
                          const void* src, const void* scale, int64_t n_out, int64_t n_src,
                          int64_t hidden, cudaStream_t stream) {
@@ -187,37 +171,6 @@ struct SortedLaunch {
                                   stream);
   }
 };
-
-template <typename Launch, typename... Args>
-const char* dispatch(FloatType dtype, IndexType index_type, ScaleType scale_type,
-                     Args... args) {
-  auto by_index = [&](auto t_tag, auto s_tag) -> const char* {
-    using T = decltype(t_tag);
-    using S = decltype(s_tag);
-    if (index_type == IndexType::kInt32) {
-      return Launch::template run<T, S, int32_t>(args...);
-    }
-    return Launch::template run<T, S, int64_t>(args...);
-  };
-  auto by_scale = [&](auto t_tag) -> const char* {
-    using T = decltype(t_tag);
-    if (scale_type == ScaleType::kFloat32) {
-      return by_index(t_tag, float{});
-    }
-    return by_index(t_tag, T{});  // kSameAsSrc, or kNone (the scale pointer is then null)
-  };
-  switch (dtype) {
-    case FloatType::kFloat32:
-      return by_scale(float{});
-    case FloatType::kFloat64:
-      return by_scale(double{});
-    case FloatType::kFloat16:
-      return by_scale(__half{});
-    case FloatType::kBFloat16:
-      return by_scale(__nv_bfloat16{});
-  }
-  return "scatter_add_rows_cuda: unknown dtype";
-}
 
 }  // namespace
 
@@ -231,9 +184,9 @@ const char* scatter_add_rows_cuda(void* out, const void* index, const void* src,
   if (scale_type != ScaleType::kNone && scale == nullptr) {
     return "scatter_add_rows_cuda: scale_type says a scale is given but the pointer is null";
   }
-  return dispatch<AtomicLaunch>(dtype, index_type, scale_type, out, index, src,
-                                scale_type == ScaleType::kNone ? nullptr : scale, n_out, n_src,
-                                hidden, static_cast<cudaStream_t>(stream));
+  return dispatch_types<AtomicLaunch>(dtype, index_type, scale_type, out, index, src,
+                                      scale_type == ScaleType::kNone ? nullptr : scale, n_out,
+                                      n_src, hidden, static_cast<cudaStream_t>(stream));
 }
 
 const char* scatter_add_rows_sorted_cuda(void* out, const void* sorted_index,
@@ -248,9 +201,9 @@ const char* scatter_add_rows_sorted_cuda(void* out, const void* sorted_index,
     return "scatter_add_rows_sorted_cuda: scale_type says a scale is given but the pointer is "
            "null";
   }
-  return dispatch<SortedLaunch>(dtype, index_type, scale_type, out, sorted_index, order, src,
-                                scale_type == ScaleType::kNone ? nullptr : scale, n_out, n_src,
-                                hidden, static_cast<cudaStream_t>(stream));
+  return dispatch_types<SortedLaunch>(dtype, index_type, scale_type, out, sorted_index, order,
+                                      src, scale_type == ScaleType::kNone ? nullptr : scale,
+                                      n_out, n_src, hidden, static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace lrmoe
