@@ -56,8 +56,13 @@ struct Groups {
   std::vector<int64_t> order;    // [M]
 };
 
-// Positions [0, M) in ascending (key, position): the visiting order with a key.
+// Positions [0, M) in ascending (key, position): the visiting order with a key; empty
+// (ascending position, the same order) when the keys already ascend, as the LRMoE
+// region's kept pair indices do.
 std::vector<int64_t> by_key(const int64_t* key, int64_t n_src) {
+  if (std::is_sorted(key, key + n_src)) {
+    return {};
+  }
   std::vector<int64_t> visit(n_src);
   std::iota(visit.begin(), visit.end(), int64_t{0});
   std::stable_sort(visit.begin(), visit.end(),
