@@ -313,5 +313,5 @@ def test_the_device_check_reports_no_device(kernels, capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_kernel_is_bitwise_reproducible_and_equals_the_cpu(kernels):
-    result = _determinism_check().check_determinism("cuda", large_rows=50_000)
+    result = _determinism_check().check_determinism("cuda", large_rows=50_000, layer=False)
     assert result.ok, "\n".join(result.lines)
