@@ -49,6 +49,8 @@
 
 #ifdef WITH_CUDA
 #include <ATen/ops/aminmax.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/sort.h>
 #include <ATen/ops/stack.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -59,7 +61,8 @@ namespace lrmoe {
 // Defined in kernels/scatter_add_rows.cpp (no header: its signature needs
 // ATen, and kernels/scatter_add_rows.h stays free of torch for nvcc).
 void scatter_add_rows_cpu(const at::Tensor& out, const at::Tensor& index, const at::Tensor& src,
-                          const std::optional<at::Tensor>& scale);
+                          const std::optional<at::Tensor>& scale,
+                          const std::optional<at::Tensor>& key);
 // Defined in kernels/select_rows.cpp, for the same reason.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows_cpu(const at::Tensor& metric,
                                                                const at::Tensor& cell_offsets,
@@ -123,7 +126,8 @@ ScaleType to_scale_type(const std::optional<at::Tensor>& scale, at::ScalarType s
 #endif
 
 void check_scatter_args(const at::Tensor& out, const at::Tensor& index, const at::Tensor& src,
-                        const std::optional<at::Tensor>& scale) {
+                        const std::optional<at::Tensor>& scale,
+                        const std::optional<at::Tensor>& key) {
   TORCH_CHECK_VALUE(out.dim() == 2, "scatter_add_rows: out must be 2-D [N, H], got shape ",
                     out.sizes());
   TORCH_CHECK_VALUE(src.dim() == 2, "scatter_add_rows: src must be 2-D [M, H], got shape ",
@@ -170,6 +174,17 @@ void check_scatter_args(const at::Tensor& out, const at::Tensor& index, const at
                       ", out on ", device);
     TORCH_CHECK_VALUE(s.is_contiguous(), "scatter_add_rows: scale must be contiguous");
     at::assert_no_overlap(out, s);
+  }
+  if (key.has_value()) {
+    const at::Tensor& k = *key;
+    TORCH_CHECK_VALUE(k.dim() == 1 && k.size(0) == src.size(0),
+                      "scatter_add_rows: key must be 1-D [M] with M = ", src.size(0),
+                      ", got shape ", k.sizes());
+    TORCH_CHECK_TYPE(k.scalar_type() == at::kLong, "scatter_add_rows: key must be int64, got ",
+                     k.scalar_type());
+    TORCH_CHECK_VALUE(k.device() == device, "scatter_add_rows: key is on ", k.device(),
+                      ", out on ", device);
+    TORCH_CHECK_VALUE(k.is_contiguous(), "scatter_add_rows: key must be contiguous");
   }
 }
 
@@ -313,16 +328,20 @@ at::ScalarType opmath_type(at::ScalarType t) {
 
 }  // namespace
 
-// out[index[i], :] += scale[i] * src[i, :], in place; returns out.
+// out[index[i], :] += scale[i] * src[i, :], in place; returns out. Each destination's
+// rows are summed in ascending (key, position) (key absent: position) on the CPU always,
+// on CUDA where deterministic or a key is given (a sorted segment sum); otherwise CUDA
+// adds with atomics (the fast path, in no fixed order).
 at::Tensor scatter_add_rows(at::Tensor out, const at::Tensor& index, const at::Tensor& src,
-                            const std::optional<at::Tensor>& scale, bool check) {
-  check_scatter_args(out, index, src, scale);
+                            const std::optional<at::Tensor>& scale, bool check,
+                            const std::optional<at::Tensor>& key, bool deterministic) {
+  check_scatter_args(out, index, src, scale, key);
   if (src.size(0) == 0 || src.size(1) == 0) {
     return out;
   }
 
   if (out.device().is_cpu()) {
-    scatter_add_rows_cpu(out, index, src, scale);
+    scatter_add_rows_cpu(out, index, src, scale, key);
     return out;
   }
 
@@ -331,12 +350,35 @@ at::Tensor scatter_add_rows(at::Tensor out, const at::Tensor& index, const at::T
   if (check) {
     check_index_range_cuda(index, out.size(0), "scatter_add_rows", "index", "N", "out");
   }
-  const char* err = scatter_add_rows_cuda(
-      out.data_ptr(), index.const_data_ptr(), src.const_data_ptr(),
-      scale.has_value() ? scale->const_data_ptr() : nullptr, out.size(0), src.size(0),
-      src.size(1), to_float_type(out.scalar_type()), to_index_type(index.scalar_type()),
-      to_scale_type(scale, src.scalar_type()),
-      c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
+  const FloatType dtype = to_float_type(out.scalar_type());
+  const IndexType index_type = to_index_type(index.scalar_type());
+  const ScaleType scale_type = to_scale_type(scale, src.scalar_type());
+  const void* scale_ptr = scale.has_value() ? scale->const_data_ptr() : nullptr;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
+  const char* err = nullptr;
+  if (deterministic || key.has_value()) {
+    // Stable sorts on the device (no host read): by key first when there is one, then
+    // by destination, so each destination's rows line up in (key, position) order.
+    at::Tensor sorted_index;
+    at::Tensor order;
+    if (key.has_value()) {
+      const at::Tensor by_key = std::get<1>(at::sort(*key, /*stable=*/true, 0, false));
+      at::Tensor within;
+      std::tie(sorted_index, within) =
+          at::sort(index.index_select(0, by_key), /*stable=*/true, 0, false);
+      order = by_key.index_select(0, within);
+    } else {
+      std::tie(sorted_index, order) = at::sort(index, /*stable=*/true, 0, false);
+    }
+    err = scatter_add_rows_sorted_cuda(out.data_ptr(), sorted_index.const_data_ptr(),
+                                       order.const_data_ptr<int64_t>(), src.const_data_ptr(),
+                                       scale_ptr, out.size(0), src.size(0), src.size(1), dtype,
+                                       index_type, scale_type, stream);
+  } else {
+    err = scatter_add_rows_cuda(out.data_ptr(), index.const_data_ptr(), src.const_data_ptr(),
+                                scale_ptr, out.size(0), src.size(0), src.size(1), dtype,
+                                index_type, scale_type, stream);
+  }
   TORCH_CHECK(err == nullptr, "scatter_add_rows: CUDA launch failed: ", err);
   return out;
 #else
@@ -550,8 +592,9 @@ namespace {
 // mutated (Tensor(a!)), and an op that also returned that alias could not be
 // functionalized by torch.compile.
 void scatter_add_rows_op(const at::Tensor& out, const at::Tensor& index, const at::Tensor& src,
-                         const std::optional<at::Tensor>& scale, bool check) {
-  scatter_add_rows(out, index, src, scale, check);
+                         const std::optional<at::Tensor>& scale, bool check,
+                         const std::optional<at::Tensor>& key, bool deterministic) {
+  scatter_add_rows(out, index, src, scale, check, key, deterministic);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> select_rows_op(
@@ -580,7 +623,7 @@ TORCH_LIBRARY(lrmoe, m) {
   m.set_python_module("megatron_lrmoe.ops.scatter_add_rows");
   m.def(
       "scatter_add_rows(Tensor(a!) out, Tensor index, Tensor src, Tensor? scale=None, "
-      "bool check=True) -> ()");
+      "bool check=True, Tensor? key=None, bool deterministic=False) -> ()");
   m.set_python_module("megatron_lrmoe.ops.select");
   m.def(
       "select_rows(Tensor metric, Tensor cell_offsets, Tensor quotas, str rule, int seed, "
@@ -617,7 +660,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_add_rows", &lrmoe::scatter_add_rows,
         "out[index[i], :] += scale[i] * src[i, :] in place; returns out", py::arg("out"),
         py::arg("index"), py::arg("src"), py::arg("scale") = py::none(),
-        py::arg("check") = true, py::call_guard<py::gil_scoped_release>());
+        py::arg("check") = true, py::arg("key") = py::none(), py::arg("deterministic") = false,
+        py::call_guard<py::gil_scoped_release>());
   m.def("select_rows", &lrmoe::select_rows,
         "per-cell row selection (rule 'topk', 'sample', 'uniform' or 'hybrid'); returns "
         "(kept_index, scale, kept_counts)",

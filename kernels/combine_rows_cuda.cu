@@ -29,23 +29,21 @@
 #include <cstdint>
 
 #include "combine_rows.h"
+#include "dispatch.cuh"
 #include "opmath.cuh"
 
 namespace lrmoe {
 namespace {
 
 using opmath::AccType;
+using opmath::add_rows_in_order;
 using opmath::from_acc;
+using opmath::mul_rn;
 using opmath::to_acc;
 
 constexpr int kWarp = 32;
 constexpr int kRowsPerBlock = 8;
 constexpr int64_t kMaxBlocks = int64_t{1} << 16;
-
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 
 dim3 grid_for_rows(int64_t rows) {
   const int64_t wanted = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -65,17 +63,9 @@ __global__ void combine_forward_kernel(T* __restrict__ out, const T* __restrict_
     const int64_t end = off[t + 1];
     T* dst = out + t * hidden;
     for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
-      acc_t acc = acc_t(0);
-      for (int64_t j = begin; j < end; ++j) {
-        const int64_t r = static_cast<int64_t>(order[j]);
-        if (r < 0 || r >= n_src) {
-          continue;  // refused by the debug checks; never read out of bounds
-        }
-        const acc_t w = static_cast<acc_t>(to_acc(scale[r]));
-        const T product = from_acc<T>(mul_rn(to_acc(src[r * hidden + c]), w));
-        acc = add_rn(acc, static_cast<acc_t>(to_acc(product)));
-      }
-      dst[c] = from_acc<T>(acc);
+      // Entries of order outside [0, P) (refused by the debug checks) are skipped.
+      dst[c] = from_acc<T>(
+          add_rows_in_order<T, S, I>(acc_t(0), src, scale, order, begin, end, n_src, hidden, c));
     }
   }
 }
@@ -154,39 +144,6 @@ const char* launch_backward(void* dscale, void* out, const void* dy, const void*
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
-// Dtype, index type and scale type -> one instantiation. `Op` is a functor
-// template taking <T, S, I> that launches.
-template <template <typename, typename, typename> class Op, typename... Args>
-const char* dispatch(FloatType dtype, IndexType index_type, ScaleType scale_type,
-                     Args... args) {
-  auto by_index = [&](auto t_tag, auto s_tag) -> const char* {
-    using T = decltype(t_tag);
-    using S = decltype(s_tag);
-    if (index_type == IndexType::kInt32) {
-      return Op<T, S, int32_t>::run(args...);
-    }
-    return Op<T, S, int64_t>::run(args...);
-  };
-  auto by_scale = [&](auto t_tag) -> const char* {
-    using T = decltype(t_tag);
-    if (scale_type == ScaleType::kFloat32) {
-      return by_index(t_tag, float{});
-    }
-    return by_index(t_tag, T{});
-  };
-  switch (dtype) {
-    case FloatType::kFloat32:
-      return by_scale(float{});
-    case FloatType::kFloat64:
-      return by_scale(double{});
-    case FloatType::kFloat16:
-      return by_scale(__half{});
-    case FloatType::kBFloat16:
-      return by_scale(__nv_bfloat16{});
-  }
-  return "combine_rows_cuda: unknown dtype";
-}
-
 template <typename T, typename S, typename I>
 struct ForwardOp {
   static const char* run(void* out, const void* src, const void* scale, const void* order,
@@ -219,8 +176,9 @@ const char* combine_rows_cuda(void* out, const void* src, const void* scale, con
   if (scale_type == ScaleType::kNone || scale == nullptr) {
     return "combine_rows_cuda: a scale is required";
   }
-  return dispatch<ForwardOp>(dtype, index_type, scale_type, out, src, scale, order, offsets,
-                             n_src, n_tokens, hidden, static_cast<cudaStream_t>(stream));
+  return dispatch_types<ForwardOp>(dtype, index_type, scale_type, out, src, scale, order,
+                                   offsets, n_src, n_tokens, hidden,
+                                   static_cast<cudaStream_t>(stream));
 }
 
 const char* combine_rows_backward_cuda(void* dscale, void* out, const void* dy, const void* src,
@@ -235,9 +193,9 @@ const char* combine_rows_backward_cuda(void* dscale, void* out, const void* dy, 
   if (scale_type == ScaleType::kNone || scale == nullptr) {
     return "combine_rows_backward_cuda: a scale is required";
   }
-  return dispatch<BackwardOp>(dtype, index_type, scale_type, dscale, out, dy, src, token, scale,
-                              slot, w, n_tokens, n_src, n_out, hidden,
-                              static_cast<cudaStream_t>(stream));
+  return dispatch_types<BackwardOp>(dtype, index_type, scale_type, dscale, out, dy, src, token,
+                                    scale, slot, w, n_tokens, n_src, n_out, hidden,
+                                    static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace lrmoe

@@ -4,12 +4,16 @@
 //   out[index[i], :] += scale[i] * src[i, :]        i in [0, M)
 //
 // Algorithm: a stable counting sort groups the source rows by destination
-// (each group keeps index order), then threads split the work into
+// (each group in ascending position, or with a key in ascending (key,
+// position): the rows are visited in that order), then threads split the work into
 // (destination row, column block) items. An item loads its slice of out into
 // an accumulator of the op-math type (fp32 for half/bf16), adds its rows in
 // index order and stores once. Distinct items never touch the same element,
 // so there are no races, and each element's sum is formed in the same order
-// whatever the thread count: results are bitwise reproducible.
+// whatever the thread count: results are bitwise reproducible. With a key
+// that names each row (distinct values), the order does not depend on the
+// rows' positions either: any permutation of the rows, with their keys, gives
+// the same bits.
 //
 // Rounding: with a scale, the product is formed in the op-math type and
 // rounded to out's dtype (as `(src * scale[:, None]).to(dtype)` does); the
@@ -31,6 +35,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <optional>
 #include <vector>
 
@@ -45,14 +50,30 @@ constexpr int64_t kColBlock = 256;
 constexpr int64_t kGrainElements = 32768;
 
 // Source rows grouped by destination: rows order[offsets[d] .. offsets[d+1])
-// go to out row d, in increasing source index.
+// go to out row d, in the order they were visited.
 struct Groups {
   std::vector<int64_t> offsets;  // [N + 1]
   std::vector<int64_t> order;    // [M]
 };
 
+// Positions [0, M) in ascending (key, position): the visiting order with a key; empty
+// (ascending position, the same order) when the keys already ascend, as the LRMoE
+// region's kept pair indices do.
+std::vector<int64_t> by_key(const int64_t* key, int64_t n_src) {
+  if (std::is_sorted(key, key + n_src)) {
+    return {};
+  }
+  std::vector<int64_t> visit(n_src);
+  std::iota(visit.begin(), visit.end(), int64_t{0});
+  std::stable_sort(visit.begin(), visit.end(),
+                   [key](int64_t a, int64_t b) { return key[a] < key[b]; });
+  return visit;
+}
+
+// `visit`: the positions in visiting order (empty: ascending position).
 template <typename index_t>
-Groups group_by_destination(const index_t* index, int64_t n_src, int64_t n_out) {
+Groups group_by_destination(const index_t* index, int64_t n_src, int64_t n_out,
+                            const std::vector<int64_t>& visit) {
   Groups g;
   g.offsets.assign(n_out + 1, 0);
   for (int64_t i = 0; i < n_src; ++i) {
@@ -66,13 +87,14 @@ Groups group_by_destination(const index_t* index, int64_t n_src, int64_t n_out) 
   }
   std::vector<int64_t> cursor(g.offsets.begin(), g.offsets.end() - 1);
   g.order.resize(n_src);
-  for (int64_t i = 0; i < n_src; ++i) {
-    g.order[cursor[static_cast<int64_t>(index[i])]++] = i;  // ascending i: stable
+  for (int64_t k = 0; k < n_src; ++k) {
+    const int64_t i = visit.empty() ? k : visit[k];
+    g.order[cursor[static_cast<int64_t>(index[i])]++] = i;  // visiting order: stable
   }
   return g;
 }
 
-// out[d, c0:c1] += sum over the group of d, in index order, in op-math.
+// out[d, c0:c1] += sum over the group of d, in its order, in op-math.
 template <typename scalar_t, typename scale_t>
 void add_group_slice(scalar_t* out_row, const scalar_t* src, const scale_t* scale,
                      const int64_t* rows_begin, const int64_t* rows_end, int64_t hidden,
@@ -105,8 +127,11 @@ void add_group_slice(scalar_t* out_row, const scalar_t* src, const scale_t* scal
 
 template <typename scalar_t, typename scale_t, typename index_t>
 void scatter_add_rows_impl(scalar_t* out, const index_t* index, const scalar_t* src,
-                           const scale_t* scale, int64_t n_out, int64_t n_src, int64_t hidden) {
-  const Groups g = group_by_destination(index, n_src, n_out);
+                           const scale_t* scale, const int64_t* key, int64_t n_out,
+                           int64_t n_src, int64_t hidden) {
+  const Groups g = group_by_destination(index, n_src, n_out,
+                                        key == nullptr ? std::vector<int64_t>{}
+                                                       : by_key(key, n_src));
   const int64_t n_blocks = (hidden + kColBlock - 1) / kColBlock;
   const int64_t n_items = n_out * n_blocks;
   // Grain in items: enough items that a chunk averages kGrainElements
@@ -134,10 +159,13 @@ void scatter_add_rows_impl(scalar_t* out, const index_t* index, const scalar_t* 
 
 // Declared in kernels/bindings.cpp, which has checked: 2-D contiguous out
 // [N, H] and src [M, H] of one floating dtype, 1-D contiguous int32/int64
-// index [M], optional 1-D contiguous scale [M] of src's dtype or fp32, all on
-// the CPU, no aliasing of out and src, M > 0 and H > 0.
+// index [M], optional 1-D contiguous scale [M] of src's dtype or fp32,
+// optional 1-D contiguous int64 key [M], all on the CPU, no aliasing of out
+// and src, M > 0 and H > 0.
 void scatter_add_rows_cpu(const at::Tensor& out, const at::Tensor& index, const at::Tensor& src,
-                          const std::optional<at::Tensor>& scale) {
+                          const std::optional<at::Tensor>& scale,
+                          const std::optional<at::Tensor>& key) {
+  const int64_t* key_ptr = key.has_value() ? key->const_data_ptr<int64_t>() : nullptr;
   const int64_t n_out = out.size(0);
   const int64_t n_src = src.size(0);
   const int64_t hidden = src.size(1);
@@ -149,13 +177,13 @@ void scatter_add_rows_cpu(const at::Tensor& out, const at::Tensor& index, const 
           const scalar_t* src_ptr = src.const_data_ptr<scalar_t>();
           if (!scale.has_value()) {
             scatter_add_rows_impl<scalar_t, scalar_t, index_t>(
-                out_ptr, index_ptr, src_ptr, nullptr, n_out, n_src, hidden);
+                out_ptr, index_ptr, src_ptr, nullptr, key_ptr, n_out, n_src, hidden);
           } else if (scale->scalar_type() == out.scalar_type()) {
             scatter_add_rows_impl(out_ptr, index_ptr, src_ptr, scale->const_data_ptr<scalar_t>(),
-                                  n_out, n_src, hidden);
+                                  key_ptr, n_out, n_src, hidden);
           } else {
             scatter_add_rows_impl(out_ptr, index_ptr, src_ptr, scale->const_data_ptr<float>(),
-                                  n_out, n_src, hidden);
+                                  key_ptr, n_out, n_src, hidden);
           }
         });
       });

@@ -295,6 +295,11 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
     _implemented("moe_grouped_gemm",
                  "selects grouped GEMMs inside the LRMoE region (torch grouped_mm), on every "
                  "device (docs/design.md, \"Expert GEMMs\")"),
+    _implemented("deterministic_mode",
+                 "Megatron picks deterministic kernels; the LRMoE region's one reduction in an "
+                 "order the hardware picks (the token gradient's scatter-add, atomic on CUDA) "
+                 "then sums each token's rows in pair order (a sorted segment sum); so does "
+                 "torch.use_deterministic_algorithms (docs/design.md, \"Region\")"),
     _as_is("moe_ffn_hidden_size", "the experts' shape; the region reads their weights"),
     _as_is("moe_layer_freq", "Megatron's spec; the converter replaces only its MoE layers"),
     _refused("moe_token_drop_policy", _FORWARD_CAPACITY, refuse=_differs("probs")),
@@ -454,7 +459,7 @@ EXTRA_FIELDS: frozenset[str] = frozenset({
     "add_bias_linear", "expert_tensor_parallel_size", "context_parallel_size",
     "overlap_dispatch_backward_with_experts_wgrad", "mlp_chunks_for_training",
     "transformer_impl", "enable_cuda_graph", "external_cuda_graph", "cpu_offloading",
-    "fp4", "fp4_recipe", "fp4_param", "fp4_quantizer_factory",
+    "fp4", "fp4_recipe", "fp4_param", "fp4_quantizer_factory", "deterministic_mode",
 })
 
 _BY_NAME = {row.name: row for row in MEGATRON_OPTIONS}

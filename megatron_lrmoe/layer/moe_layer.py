@@ -41,6 +41,7 @@ from megatron_lrmoe.layer.step_state import (
     MicrobatchesPerStep,
 )
 from megatron_lrmoe.layer.telemetry import LRMoELayerStats
+from megatron_lrmoe.ops import deterministic_mode
 from megatron_lrmoe.planning.cost_model import MachineConstants
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.planner import LayerPlanner, MicroBatchPlan
@@ -294,6 +295,7 @@ class LRMoELayer(MoELayer):
             hybrid_fraction=self.config.moe_lrmoe_hybrid_fraction,
             seed=state.draw_seed(self.layer_number or 0),
             kernels=self.config.moe_lrmoe_kernels,
+            deterministic=deterministic_mode(self.config.deterministic_mode),
             grouped_gemm=(self.grouped_gemm if self.grouped_gemm is not None
                           else (True if self.config.moe_grouped_gemm else None)),
             # A rule that ignores the metric computes it only for the statistics: on

@@ -38,7 +38,13 @@ import torch.distributed as dist
 from megatron_lrmoe.layer.comm import all_to_all_rows
 from megatron_lrmoe.layer.expert_gemms import experts_backward, experts_forward, use_grouped_mm
 from megatron_lrmoe.layer.region_layout import CallLayout, chunk_permutation
-from megatron_lrmoe.ops import combine_rows, combine_rows_backward, scatter_add_rows, select_rows
+from megatron_lrmoe.ops import (
+    combine_rows,
+    combine_rows_backward,
+    deterministic_mode,
+    scatter_add_rows,
+    select_rows,
+)
 from megatron_lrmoe.ops.select import splitmix64_tensor
 from megatron_lrmoe.planning.retention import (
     RetentionPlan,
@@ -173,6 +179,11 @@ class RegionContext:
     """Share of each cell's quota that ``selection="hybrid"`` keeps by top metric."""
     seed: int = 0
     kernels: str = "auto"
+    deterministic: bool = field(default_factory=deterministic_mode)
+    """Order-invariant backward (``ops.deterministic_mode``: Megatron's deterministic mode
+    or torch's deterministic algorithms; the layer reads it once per call). The only
+    reduction whose order the hardware picks, the token gradient's scatter-add, then sums
+    each token's rows in pair order."""
     grouped_gemm: bool | None = None
     """None: grouped GEMMs on CUDA where they apply, else the loop; True: grouped on
     every device where they apply (``--moe-grouped-gemm``); False: the loop."""
@@ -441,7 +452,11 @@ def _dispatch_backward(rc: RegionContext, lay: CallLayout, tables, expert_grads:
     del dx_rows
     dx = torch.zeros((dy.shape[0], dy.shape[1]), dtype=dy.dtype, device=dy.device)
     kept_token = pair_token if kept is None else pair_token.index_select(0, kept)
-    scatter_add_rows(dx, kept_token, dx_back, backend=rc.kernels)
+    # Deterministic mode: each token's rows summed in pair order (the kept pairs' indices
+    # are the keys; without a drop the positions are), not in the order the rows arrive
+    # in or the device's threads run.
+    scatter_add_rows(dx, kept_token, dx_back, backend=rc.kernels,
+                     key=kept if rc.deterministic else None, deterministic=rc.deterministic)
     return dx
 
 

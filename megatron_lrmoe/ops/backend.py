@@ -23,6 +23,10 @@ even where the extension was built without its CUDA part (no nvcc) or the machin
 no GPU: a fake tensor runs only the op's fake implementation, which every build
 registers, so no CUDA kernel is needed to trace (``resolve_backend(..., fake=True)``).
 
+Deterministic mode (``deterministic_mode``): Megatron's ``deterministic_mode`` or torch's
+deterministic algorithms. The ops that sum in an order the hardware picks (only
+``scatter_add_rows`` on CUDA, with atomics) then sum in a fixed order instead.
+
 Debug checks (``debug_checks``): checking index and metric *values* of tensors on a
 GPU means reading a device reduction on the host, which stalls the CPU until the GPU
 has drained (the LRMoE region must not; docs/design.md, "Region"). Such checks run
@@ -84,6 +88,14 @@ def set_debug_checks(enabled: bool) -> bool:
     global _debug_checks
     previous, _debug_checks = _debug_checks, bool(enabled)
     return previous
+
+
+def deterministic_mode(config_flag: bool = False) -> bool:
+    """Whether the LRMoE path must be order-invariant (bitwise reproducible): Megatron's
+    ``--deterministic-mode`` (``config_flag``, the layer config's ``deterministic_mode``)
+    or ``torch.use_deterministic_algorithms(True)``. One flag read; callers read it once
+    per layer call."""
+    return bool(config_flag) or torch.are_deterministic_algorithms_enabled()
 
 
 def needs_value_check(device: torch.device) -> bool:
