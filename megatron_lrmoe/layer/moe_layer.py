@@ -380,7 +380,7 @@ def _expert_major_pairs(routing_map: torch.Tensor, probs: torch.Tensor,
     gather from probs [T, E] (index_select, whose backward is an index_add)."""
     pairs = torch.nonzero_static(routing_map.t(), size=num_pairs)     # [P, 2] (expert, token)
     pair_expert, pair_token = pairs[:, 0], pairs[:, 1]
-    flat = pair_token * routing_map.shape[1] + pair_expert
+    flat = pair_expert.add(pair_token, alpha=routing_map.shape[1])   # one op: t E + e
     return pair_token, probs.reshape(-1).index_select(0, flat)
 
 

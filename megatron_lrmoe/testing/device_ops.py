@@ -18,7 +18,8 @@ Values: a fake all-gather has no counts, and Megatron's dispatcher reads its spl
 on the host (``_maybe_dtoh_and_synchronize``). ``_TraceSplits`` replaces that method on
 the one dispatcher instance (``megatron_privates.replaced_dispatcher_dtoh``): the same
 device-to-host copies at the same point, then the split sizes the trace's counts give
-(the counts the LRMoE layer plans from, ``TraceCountsExchange``). Stream events and the
+(the counts the LRMoE layer plans from: its own counts exchange, whose all-gather
+returns the trace's counts, ``_trace_counts_exchange``). Stream events and the
 sync they wait on need a driver and are left out (they launch no kernel).
 
 The counting reads only tensor metadata (device, storage identity, the op's schema),
@@ -152,7 +153,6 @@ class Stages:
         (_MCORE_MOE + "moe_layer.py", "combine"): "combine",
         (_MCORE_MOE + "moe_layer.py", "postprocess"): "combine",
         # LRMoE's layer
-        ("megatron_lrmoe/testing/fake_cuda.py", "gather_counts"): "plan",
         (_LRMOE + "layer/counts_exchange.py", "gather_counts"): "plan",
         (_LRMOE + "layer/moe_layer.py", "_plan_micro_batch"): "plan",
         (_LRMOE + "layer/region_layout.py", "device_tables"): "plan",
@@ -185,31 +185,46 @@ class OpRecord:
 
 
 class _NodeStages(TorchFunctionMode):
-    """Forward only: the stage of every autograd node a torch call made, by sequence
-    number (custom autograd Functions are not seen: ``stage_of`` gives them the stage of
-    the next node made after them)."""
+    """Forward only: the stage of every autograd node the forward made, by sequence
+    number: torch calls' nodes as this mode sees them, custom autograd Functions' nodes
+    through ``Function.apply`` (which torch function modes do not see), wrapped while the
+    mode is active."""
 
     def __init__(self, stage: Callable[[], str]) -> None:
         super().__init__()
         self.stage = stage
         self.by_seq: dict[int, str] = {}
+        self._apply = None
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def record(self, out: object) -> None:
         for t in tree_flatten(out)[0]:
             node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
             if node is not None and node._sequence_nr() not in self.by_seq:
                 self.by_seq[node._sequence_nr()] = self.stage()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.record(out)
         return out
 
+    def __enter__(self):
+        apply = self._apply = torch.autograd.Function.apply.__func__
+        nodes = self
+
+        def recorded_apply(cls, *args, **kwargs):
+            out = apply(cls, *args, **kwargs)
+            nodes.record(out)
+            return out
+
+        torch.autograd.Function.apply = classmethod(recorded_apply)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.autograd.Function.apply = classmethod(self._apply)
+        return super().__exit__(*exc)
+
     def stage_of(self, node) -> str | None:
-        if not self.by_seq:
-            return None
-        seq = node._sequence_nr()
-        if seq in self.by_seq:
-            return self.by_seq[seq]
-        later = [s for s in self.by_seq if s > seq]
-        return self.by_seq[min(later)] if later else None
+        return self.by_seq.get(node._sequence_nr())
 
 
 class DeviceOpCounter(TorchDispatchMode):
@@ -318,6 +333,19 @@ class _TraceSplits:
         return mine.sum(0)
 
 
+def _trace_counts_exchange(counts: torch.Tensor, ep_group):
+    """The layer's own counts exchange (its device ops, all-gather and host read), returning
+    the trace's counts: a fake all-gather has none."""
+    from megatron_lrmoe.layer.counts_exchange import RoutedCountsExchange
+
+    class TraceCounts(RoutedCountsExchange):
+        def gather_counts(self, routing_map: torch.Tensor) -> torch.Tensor:
+            super().gather_counts(routing_map)
+            return counts.clone()
+
+    return TraceCounts(ep_group)
+
+
 # -----------------------------------------------------------------------------
 # One layer call
 # -----------------------------------------------------------------------------
@@ -356,11 +384,11 @@ def count_layer_ops(layer_kind: str, case, rank: int, model: str = "qwen3-30b-a3
     ``case.ep``. One unmeasured forward first (with ``finish_step`` for LRMoE: the
     measured call is a step's first, with its replica refresh)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from megatron_lrmoe.integration.megatron_privates import replaced_dispatcher_dtoh
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
     from megatron_lrmoe.testing.fake_cuda import (
-        TraceCountsExchange,
         case_counts,
         megatron_fake_cuda,
         move_parameters_to_fake_cuda,
@@ -388,13 +416,16 @@ def count_layer_ops(layer_kind: str, case, rank: int, model: str = "qwen3-30b-a3
         move_parameters_to_fake_cuda(layer)
         if layer_kind == "lrmoe":
             layer.setup_planner(t, 1)
-            layer.counts_exchange = TraceCountsExchange(counts, rank)
+            layer.counts_exchange = _trace_counts_exchange(counts, layer.ep_group)
         x = torch.empty(t // batch, batch, h, device="cuda", dtype=torch.bfloat16,
                         requires_grad=True)
         layer(x)
         if layer_kind == "lrmoe":
             layer.finish_step()
         params = [p for p in layer.parameters() if p.requires_grad]
+        # Megatron's training step sets the aux losses' gradient scale before each step
+        # (else the first backward of the process makes it: one more op, once).
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones((), device="cuda"))
         counter = DeviceOpCounter()
         started = time.perf_counter()
         with counter, counter.nodes:
