@@ -38,7 +38,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -462,8 +461,6 @@ def main(argv: list[str] | None = None) -> int:
     json.dump(results, sys.stdout)
     return 0
 
-
-ROOT = Path(__file__).resolve().parents[2]
 
 if __name__ == "__main__":
     raise SystemExit(main())
