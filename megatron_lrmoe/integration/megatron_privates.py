@@ -54,6 +54,10 @@ The internals, each read from the version named (``MEGATRON_CORE``: megatron-cor
 * the class attribute ``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`` (megatron-core
   0.19.2; swapped by ``swapped_dispatcher_dtoh_stream``): its constructor makes a CUDA
   stream once per process, which needs a driver; the fake-CUDA harness presets it.
+* ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` (megatron-core 0.19.2;
+  replaced on one instance by ``replaced_dispatcher_dtoh``): the device-op count
+  (testing/device_ops.py) runs Megatron's own layer on fake CUDA, where the split sizes
+  it reads on the host have no values and its stream and event need a driver.
 * ``torch.nn.Module._forward_pre_hooks`` of an expert linear (torch 2.13; read by
   ``forward_pre_hooks``): the hooks that megatron-core 0.19.2's
   ``DistributedDataParallel`` registers there (distributed_data_parallel.py:408,
@@ -148,6 +152,10 @@ PRIVATES: tuple[MegatronPrivate, ...] = (
     MegatronPrivate("megatron.core.transformer.moe.token_dispatcher",
                     "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream", MEGATRON_CORE, "swapped",
                     "swapped_dispatcher_dtoh_stream"),
+    MegatronPrivate("megatron.core.transformer.moe.token_dispatcher",
+                    "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", MEGATRON_CORE,
+                    "replaced", "replaced_dispatcher_dtoh",
+                    params=("point", "tokens_per_expert")),
     MegatronPrivate("torch.nn", "Module._forward_pre_hooks", TORCH, "read",
                     "forward_pre_hooks", on_instance=True),
 )
@@ -367,6 +375,15 @@ def swapped_dispatcher_dtoh_stream(stream: Any) -> Iterator[None]:
         yield
     finally:
         MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = before
+
+
+def replaced_dispatcher_dtoh(dispatcher: Any, replacement: Callable[..., Any]) -> None:
+    """Make ``replacement(point, tokens_per_expert)`` the ``_maybe_dtoh_and_synchronize``
+    of this one all-to-all dispatcher instance (token_dispatcher.py,
+    ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``, megatron-core 0.19.2: called
+    by its dispatch stages at each sync point; moves the split sizes to the host at
+    ``cuda_dtoh_point`` and returns ``tokens_per_expert``). The class is untouched."""
+    dispatcher._maybe_dtoh_and_synchronize = replacement
 
 
 # -----------------------------------------------------------------------------

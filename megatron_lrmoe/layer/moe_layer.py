@@ -274,13 +274,9 @@ class LRMoELayer(MoELayer):
         for this source, instance by instance; then instance-major order, which is
         destination-rank order since instances are rank-major."""
         rank = self.counts_exchange.ep_rank
-        pair_token, pair_prob = _expert_major_pairs(routing_map, probs, int(counts[rank].sum()))
         order = _instance_order(mb_plan.assignment.counts[rank], self.placement_planner.placement,
                                 device)
-        if order is not None:
-            pair_token, pair_prob = pair_token.index_select(0, order), pair_prob.index_select(
-                0, order)
-        return pair_token, pair_prob
+        return _expert_major_pairs(routing_map, probs, int(counts[rank].sum()), order)
 
     def _region_context(self, mb_plan: MicroBatchPlan, counts: torch.Tensor, training: bool,
                         planner_s: float) -> RegionContext:
@@ -373,16 +369,22 @@ def _cell_instances(placement: Placement) -> torch.Tensor:
     return torch.tensor(cells, dtype=torch.int64)
 
 
-def _expert_major_pairs(routing_map: torch.Tensor, probs: torch.Tensor,
-                        num_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pair_token [P], pair_prob [P]) of this rank's routed pairs, by expert then token.
+def _expert_major_pairs(routing_map: torch.Tensor, probs: torch.Tensor, num_pairs: int,
+                        order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair_token [P], pair_prob [P]) of this rank's routed pairs, by expert then token,
+    then reordered by ``order`` [P] (``_instance_order``) when given.
 
     P comes from the counts exchange (host), so ``nonzero_static`` needs no sync (plain
     ``nonzero`` reads its output size from the device). pair_prob is a differentiable
-    gather from probs [T, E] (index_select, whose backward is an index_add)."""
-    pairs = torch.nonzero_static(routing_map.t(), size=num_pairs)     # [P, 2] (expert, token)
-    pair_expert, pair_token = pairs[:, 0], pairs[:, 1]
-    flat = pair_token * routing_map.shape[1] + pair_expert
+    gather from probs [T, E] (index_select, whose backward is an index_add), made after
+    the reorder: one gather and one index_add."""
+    pairs = torch.nonzero_static(routing_map.t(), size=num_pairs).t()   # [2, P] expert, token
+    if order is not None:
+        # Along P of the [2, P] view: each row stays contiguous (the kernels take
+        # pair_token as it is, a strided one they would copy).
+        pairs = pairs.index_select(1, order)
+    pair_expert, pair_token = pairs[0], pairs[1]
+    flat = pair_expert.add(pair_token, alpha=routing_map.shape[1])   # one op: t E + e
     return pair_token, probs.reshape(-1).index_select(0, flat)
 
 

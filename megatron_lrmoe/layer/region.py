@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from megatron_lrmoe.layer.comm import all_to_all_rows
 from megatron_lrmoe.layer.expert_gemms import experts_backward, experts_forward, use_grouped_mm
-from megatron_lrmoe.layer.region_layout import CallLayout, chunk_permutation
+from megatron_lrmoe.layer.region_layout import CallLayout, chunk_permutation, chunk_permutations
 from megatron_lrmoe.ops import (
     combine_rows,
     combine_rows_backward,
@@ -280,14 +280,15 @@ class _LRMoERegion(torch.autograd.Function):
         lay = CallLayout(plan, s, local)
         tables_buffer, tables = lay.device_tables(x.device)
         grouped = use_grouped_mm(rc.grouped_gemm, x, experts.w1[0], experts.w2[0])
-        offs = tables.offs_fwd.to(torch.int32) if grouped else None
+        offs = tables.offs_fwd if grouped else None
 
         # ---- dispatch every pair ------------------------------------------------
         x_recv = _exchange(x.index_select(0, pair_token), lay.send_fwd, lay.recv_fwd, group)
         if lay.fwd_identity:
-            x_exp = x_recv                                                # [Pr, H] exp-major
+            x_exp, back = x_recv, None                                    # [Pr, H] exp-major
         else:
-            to_expert = chunk_permutation(tables.fwd[0], tables.fwd[1], lay.received)
+            # Both reorders (to the experts and back) expanded at once.
+            to_expert, back = chunk_permutations(*tables.fwd_pair, lay.received)
             x_exp = x_recv.index_select(0, to_expert)
         del x_recv   # free the receive buffer now, not when forward returns
         kept = scale = keep_rows = None
@@ -304,8 +305,7 @@ class _LRMoERegion(torch.autograd.Function):
             x_exp = x_exp.index_select(0, keep_rows)
             z = z.index_select(0, keep_rows)
         # ---- back to the sources, then the weighted combine -------------------------
-        if not lay.fwd_identity:
-            back = chunk_permutation(tables.fwd[2], tables.fwd[3], lay.received)
+        if back is not None:
             o_exp = o_exp.index_select(0, back)
             a_exp = None if a_exp is None else a_exp.index_select(0, back)
         o = _exchange(o_exp, lay.recv_fwd, lay.send_fwd, group)              # [P, H]
@@ -334,15 +334,15 @@ class _LRMoERegion(torch.autograd.Function):
 
         metric, kept, scale, slot = _select_kept_pairs(rc, lay, tables, dy, pair_token,
                                                        pair_prob, a, kept, scale)
-        dprob, g_exp, rows = _combine_backward(rc, lay, tables, dy, o, pair_token, pair_prob,
-                                               kept, scale, slot)
+        dprob, g_exp, rows, back = _combine_backward(rc, lay, tables, dy, o, pair_token,
+                                                     pair_prob, kept, scale, slot)
         # Frozen home experts and no replica: no weight gradient to compute (the dW GEMMs
         # are local, so skipping them keeps every rank's collectives in step).
         weight_grads = any(ctx.needs_input_grad[5:]) or experts.homes < len(experts.w1)
         expert_grads = _experts_backward(experts, lay, tables, ctx.grouped, x_exp, z, g_exp,
                                          rows, weight_grads)
         del g_exp, rows      # freed before dX travels back
-        dx = _dispatch_backward(rc, lay, tables, expert_grads, dy, pair_token, kept)
+        dx = _dispatch_backward(rc, lay, back, expert_grads, dy, pair_token, kept)
 
         _record_backward(rc, lay, metric, kept, scale, pair_token, dy)
         home_grads = _home_weight_grads(rc, experts, expert_grads, weight_grads)
@@ -378,13 +378,15 @@ def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tens
                       o: torch.Tensor, pair_token: torch.Tensor, pair_prob: torch.Tensor,
                       kept: torch.Tensor | None, scale: torch.Tensor | None,
                       slot: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                 torch.Tensor | None]:
     """The weighted combine's backward and its all-to-all reversed: (dprob [P], g_exp
-    [Kr, H], rows). One pass over dy per pair gives every pair's router gradient <dy, o>
-    (kept or dropped) and the kept rows p w dy in send order; they travel to their
+    [Kr, H], rows, back). One pass over dy per pair gives every pair's router gradient
+    <dy, o> (kept or dropped) and the kept rows p w dy in send order; they travel to their
     instances with the retained split sizes and are reordered exp-major. ``rows``: the
     kept rows' positions in x_exp and z, or None when they are those rows in order
-    (every row kept, or compacted in forward)."""
+    (every row kept, or compacted in forward). ``back``: the reverse reorder, for the
+    dispatch backward (expanded with this one; None when both are identities)."""
     group, device = rc.group, dy.device
     in_forward = rc.forward_retention
     dprob, g_kept = combine_rows_backward(
@@ -397,15 +399,15 @@ def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tens
         positions = _exchange(_positions(lay, tables, kept, device), lay.send_pos,
                               lay.recv_pos, group)
     if lay.bwd_identity:
-        g_exp = g_recv
+        g_exp, back = g_recv, None
     else:
-        to_expert = chunk_permutation(tables.bwd[0], tables.bwd[1], lay.received_kept)
+        to_expert, back = chunk_permutations(*tables.bwd_pair, lay.received_kept)
         g_exp = g_recv.index_select(0, to_expert)
         if positions is not None and not lay.receiver_keeps_all:
             positions = positions.index_select(0, to_expert)
     del g_recv
     rows = None if lay.receiver_keeps_all or in_forward else positions.long()
-    return dprob, g_exp, rows
+    return dprob, g_exp, rows, back
 
 
 @dataclass
@@ -423,7 +425,7 @@ def _experts_backward(experts: ExpertWeights, lay: CallLayout, tables, grouped: 
                       x_exp: torch.Tensor, z: torch.Tensor, g_exp: torch.Tensor,
                       rows: torch.Tensor | None, weight_grads: bool) -> _ExpertGrads:
     """The expert GEMMs' backward over the retained rows only (h recomputed from z)."""
-    offs = tables.offs_bwd.to(torch.int32) if grouped else None
+    offs = tables.offs_bwd if grouped else None
     homes = experts.homes
     fuse = experts.gradient_accumulation_fusion
 
@@ -439,14 +441,14 @@ def _experts_backward(experts: ExpertWeights, lay: CallLayout, tables, grouped: 
     return _ExpertGrads(dx_rows, dw1, dw2)
 
 
-def _dispatch_backward(rc: RegionContext, lay: CallLayout, tables, expert_grads: _ExpertGrads,
-                       dy: torch.Tensor, pair_token: torch.Tensor,
+def _dispatch_backward(rc: RegionContext, lay: CallLayout, back: torch.Tensor | None,
+                       expert_grads: _ExpertGrads, dy: torch.Tensor, pair_token: torch.Tensor,
                        kept: torch.Tensor | None) -> torch.Tensor:
-    """The dispatch reversed: dX rows back to source order and to their sources, then
+    """The dispatch reversed: dX rows back to source order (``back``: the exp-major to
+    src-major reorder, None when it is the identity) and to their sources, then
     scatter-added into the token gradients dx [T, H] at the kept pairs' tokens."""
     dx_rows, expert_grads.dx_rows = expert_grads.dx_rows, None    # freed once sent
-    if not lay.bwd_identity:
-        back = chunk_permutation(tables.bwd[2], tables.bwd[3], lay.received_kept)
+    if back is not None:
         dx_rows = dx_rows.index_select(0, back)
     dx_back = _exchange(dx_rows, lay.recv_bwd, lay.send_bwd, rc.group)     # [K, H]
     del dx_rows

@@ -27,7 +27,7 @@ import torch
 
 from megatron_lrmoe.planning.retention import RetentionPlan
 
-__all__ = ["CallLayout", "DeviceTables", "chunk_permutation", "to_device"]
+__all__ = ["CallLayout", "DeviceTables", "chunk_permutation", "chunk_permutations", "to_device"]
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -78,6 +78,14 @@ def chunk_permutation(delta: torch.Tensor, sizes: torch.Tensor, total: int) -> t
     return base + torch.repeat_interleave(delta, sizes, output_size=total)
 
 
+def chunk_permutations(deltas: torch.Tensor, sizes: torch.Tensor, total: int) -> torch.Tensor:
+    """Two reorders of the same ``total`` rows, [2, total], expanded by one
+    ``chunk_permutation``'s ops: ``deltas`` and ``sizes`` hold the first reorder's chunk
+    tables followed by the second's (each reorder's sizes sum to ``total``)."""
+    shifts = torch.repeat_interleave(deltas, sizes, output_size=2 * total)
+    return shifts.view(2, total).add_(torch.arange(total, device=deltas.device))
+
+
 @dataclass(frozen=True)
 class DeviceTables:
     """Views into the one device copy of the packed tables (int64)."""
@@ -87,8 +95,10 @@ class DeviceTables:
     pos_delta: torch.Tensor      # [I] destination exp-major row minus pair index, per cell
     fwd: tuple[torch.Tensor, ...]   # delta_exp, sizes_exp, delta_src, sizes_src (forward)
     bwd: tuple[torch.Tensor, ...]   # the same over the retained rows (backward)
-    offs_fwd: torch.Tensor       # [L] cumulative rows per local instance (forward)
-    offs_bwd: torch.Tensor       # [L] the same over the retained rows
+    fwd_pair: tuple[torch.Tensor, torch.Tensor]   # (delta_exp + delta_src, sizes_exp +
+    bwd_pair: tuple[torch.Tensor, torch.Tensor]   # sizes_src): ``chunk_permutations``'s
+    offs_fwd: torch.Tensor       # [L] int32 cumulative rows per local instance (forward)
+    offs_bwd: torch.Tensor       # [L] int32, the same over the retained rows
 
 
 class CallLayout:
@@ -136,8 +146,16 @@ class CallLayout:
         self.fwd_identity = _is_identity(c_fwd)
         self.bwd_identity = _is_identity(c_bwd)
         fwd, bwd = _shuffle_tables(c_fwd), _shuffle_tables(c_bwd)
-        parts = [cell_off, quotas[s], pos_delta, *fwd, *bwd, np.cumsum(c_fwd.sum(0)),
-                 np.cumsum(c_bwd.sum(0))]
+        # The grouped GEMMs' int32 offsets, two to an int64 slot: on the device a view
+        # (no conversion op). 2L values, so they fill whole slots.
+        offs = np.concatenate([np.cumsum(c_fwd.sum(0)), np.cumsum(c_bwd.sum(0))])
+        if self.received >= 2**31:
+            raise ValueError(f"rank {rank} receives {self.received} rows: the grouped GEMMs' "
+                             "int32 offsets hold at most 2**31 - 1")
+        # Each direction's two reorders as deltas then sizes (``chunk_permutations``).
+        parts = [cell_off, quotas[s], pos_delta, *(np.concatenate(t[i::2]) for t in (fwd, bwd)
+                                                   for i in (0, 1)),
+                 offs.astype(np.int32).view(np.int64)]
         self._sizes = [len(p) for p in parts]
         self._packed = torch.from_numpy(np.concatenate(parts).astype(np.int64))
 
@@ -149,6 +167,14 @@ class CallLayout:
     def views(self, packed: torch.Tensor) -> DeviceTables:
         """Named views into a device copy of the packed tables (no copy, no sync)."""
         parts = torch.split(packed, self._sizes)
+        offs = parts[7].view(torch.int32)
+        n = len(self.local)
+
+        def four(deltas: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            (d_exp, d_src), (s_exp, s_src) = deltas.chunk(2), sizes.chunk(2)
+            return d_exp, s_exp, d_src, s_src
+
         return DeviceTables(cell_offsets=parts[0], quotas=parts[1], pos_delta=parts[2],
-                            fwd=tuple(parts[3:7]), bwd=tuple(parts[7:11]),
-                            offs_fwd=parts[11], offs_bwd=parts[12])
+                            fwd=four(parts[3], parts[4]), bwd=four(parts[5], parts[6]),
+                            fwd_pair=(parts[3], parts[4]), bwd_pair=(parts[5], parts[6]),
+                            offs_fwd=offs[:n], offs_bwd=offs[n:])

@@ -313,10 +313,21 @@ def node_grad(outputs, inputs, grad_outputs=None, **kwargs):
                 found[id(node.variable)] = grads[0]
                 continue
             held = _SAVED.of(node)
-            results = node(*grads)
+            edges = node.next_functions
+            if callable(node):
+                results = node(*grads)
+            else:
+                # A custom Function's node runs through apply and returns one gradient
+                # per forward argument; the edges are those of the arguments that
+                # needed one (the engine drops the rest).
+                results = node.apply(*grads)
+                results = results if isinstance(results, tuple) else (results,)
+                results = [g for g, need in zip(results, node.needs_input_grad, strict=True)
+                           if need]
+                edges = [edge for edge in edges if edge[0] is not None]
             _SAVED.release(held)          # as the engine does without retain_graph
-            results = results if isinstance(results, tuple) else (results,)
-            for (nxt, slot), g in zip(node.next_functions, results, strict=True):
+            results = results if isinstance(results, (tuple, list)) else (results,)
+            for (nxt, slot), g in zip(edges, results, strict=True):
                 if nxt is None or g is None:
                     continue
                 # One gradient per output of the forward op (None: that output unused),
