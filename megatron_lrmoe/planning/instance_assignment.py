@@ -526,7 +526,9 @@ def check_assignment_counts(counts: torch.Tensor, placement: Placement) -> np.nd
                          f"got {tuple(counts.shape)}")
     if counts.dtype == torch.bool or counts.is_floating_point() or counts.is_complex():
         raise ValueError(f"counts must be an integer tensor, got dtype {counts.dtype}")
-    n = counts.detach().to(device="cpu", dtype=torch.int64).numpy()
+    # Host int64 counts are read in place (no tensor op); others are copied to them.
+    n = (counts.numpy() if counts.dtype == torch.int64 and counts.device.type == "cpu"
+         else counts.detach().to(device="cpu", dtype=torch.int64).numpy())
     if (n < 0).any():
         raise ValueError("counts must be non-negative")
     return n

@@ -22,12 +22,14 @@ from megatron_lrmoe.planning.instance_assignment import (
     assign_checked,
     check_assignment_counts,
 )
+from megatron_lrmoe.planning.native import native_available, native_planner
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.placement_policies import greedy_replicas, popularity_placement
 from megatron_lrmoe.planning.plan_types import MicroBatchPlan, PlannerSettings
 from megatron_lrmoe.planning.retention import (
     RetentionPlan,
     capacity_for_factor,
+    decimal_fraction,
     factor_for_capacity,
     plan_retention,
 )
@@ -43,6 +45,7 @@ class _PlacementContext:
     replicas: np.ndarray                # [R] int64 replicas each rank hosts
     capacity: np.ndarray | None         # [R] int64 assignment capacity (None: no budget)
     rank_starts: np.ndarray             # [R] first instance of each rank
+    native: Any = None                  # the compiled planner of the placement, or None
 
 
 class LayerPlanner:
@@ -54,7 +57,14 @@ class LayerPlanner:
     placement of the next step (docs/design.md, "Placement").
     """
 
-    def __init__(self, settings: PlannerSettings):
+    def __init__(self, settings: PlannerSettings, native: bool | None = None):
+        """``native``: plan each call with the compiled planner (``planning/native.py``;
+        the same plans, to the bit), or in Python (False: the reference); None: compiled
+        where the extension has it."""
+        if native and not native_available():
+            raise ValueError("LayerPlanner(native=True): megatron_lrmoe._kernels has no "
+                             "NativePlanner; rebuild the extension or pass native=None")
+        self.native = native_available() if native is None else bool(native)
         self.settings = settings
         self.placement = Placement.static(settings.num_ranks, settings.num_experts)
         self.step = 0
@@ -73,8 +83,10 @@ class LayerPlanner:
     # ------------------------------------------------------------- per batch
     def observe(self, counts: torch.Tensor) -> None:
         """Record one training micro-batch's gathered [R, E] counts of this step."""
-        n = torch.from_numpy(check_assignment_counts(counts, self.placement)).to(torch.float64)
-        self._observed_sum = n if self._observed_sum is None else self._observed_sum + n
+        # numpy, then one tensor around the result: no tensor op per call.
+        n = check_assignment_counts(counts, self.placement).astype(np.float64)
+        self._observed_sum = torch.from_numpy(
+            n if self._observed_sum is None else self._observed_sum.numpy() + n)
         self._observed += 1
 
     def observations(self) -> tuple[torch.Tensor | None, int]:
@@ -114,10 +126,7 @@ class LayerPlanner:
         """(the plan, [R] CostModel.rank_memory of it or None without a cost model)."""
         # numpy on [R] arrays (a torch op costs ~10 us here), as the cost model is.
         s = self.settings
-        placement = ctx.placement
-        assignment, routed = assign_checked(check_assignment_counts(counts, placement), placement,
-                                        ctx.capacity)           # routed: [R] load per rank
-        instance_routed = np.add.reduce(assignment.counts.numpy(), axis=0)      # [I]
+        assignment, routed = self._assign(counts, ctx, ctx.capacity)   # routed: [R] load
         overflow = assignment.overflow
         notes = []
         if overflow:
@@ -125,15 +134,16 @@ class LayerPlanner:
                          f"capacity went to home instances")
         gamma = float(s.capacity_factor)
         share = s.layer_share
-        retention = self._retention(assignment, gamma)
+        retention = self._retention(assignment, gamma, ctx, routed)
         memory = None
         if s.cost is not None:
-            memory = _memory(s.cost, ctx, routed, instance_routed, retention.quotas.numpy())
+            memory = self._memory(ctx, routed, retention)
         if (share is not None and memory is not None and math.isfinite(gamma)
                 and bool((memory > share).any())):
             # The plan does not fit: lower gamma to the smallest rank limit. The limits
             # bound what they cannot know before the plan (each source's kept pairs, the
             # retained rows per instance), so a plan within them fits.
+            instance_routed = np.add.reduce(assignment.counts.numpy(), axis=0)      # [I]
             limit = s.cost.retained_limit(
                 share, ctx.replicas, routed,
                 np.maximum.reduceat(instance_routed, ctx.rank_starts))
@@ -147,9 +157,8 @@ class LayerPlanner:
                     gamma = factor_for_capacity(needed, total, s.num_ranks)
                     notes.append(f"budget: backward capacity factor lowered from "
                                  f"{s.capacity_factor:g} to {gamma:.4g} (C={needed})")
-                    retention = self._retention(assignment, gamma)
-                    memory = _memory(s.cost, ctx, routed, instance_routed,
-                                     retention.quotas.numpy())
+                    retention = self._retention(assignment, gamma, ctx, routed)
+                    memory = self._memory(ctx, routed, retention)
         if share is not None and memory is not None:
             over = memory > share
             if over.any():
@@ -157,14 +166,51 @@ class LayerPlanner:
                              f"{float(np.maximum.reduce(memory - share)) / 2**20:.1f} MiB "
                              f"(the forward is never dropped)")
         return MicroBatchPlan(assignment=assignment, retention=retention,
-                              capacity_factor_used=gamma, notes=tuple(notes)), memory
+                              capacity_factor_used=gamma, notes=tuple(notes),
+                              rank_load=routed), memory
 
-    def _retention(self, assignment: InstanceAssignment, gamma: float) -> RetentionPlan:
+    def _assign(self, counts: torch.Tensor, ctx: _PlacementContext,
+                capacity: np.ndarray | None) -> tuple[InstanceAssignment, np.ndarray]:
+        """(the instance assignment of ``counts`` under ``capacity``, [R] load per rank)."""
+        n = check_assignment_counts(counts, ctx.placement)
+        if ctx.native is None:
+            return assign_checked(n, ctx.placement, capacity)
+        cells, load = ctx.native.assign(n, capacity)
+        overflow = (0 if capacity is None
+                    else int(np.add.reduce(np.maximum(load - capacity, 0))))
+        return InstanceAssignment(counts=torch.from_numpy(cells), overflow=overflow,
+                                  placement=ctx.placement), load
+
+    def _retention(self, assignment: InstanceAssignment, gamma: float,
+                   ctx: _PlacementContext, routed: np.ndarray) -> RetentionPlan:
+        """plan_retention of the assignment at ``gamma`` (``routed``: its [R] loads)."""
         s = self.settings
         placement = assignment.placement
-        return plan_retention(assignment.counts, s.num_ranks, gamma, s.min_retention,
-                              instance_rank=placement.instance_rank,
-                              instance_expert=placement.instance_expert)
+        floor = decimal_fraction(s.min_retention)
+        if (ctx.native is None or floor.numerator > _INT64_MAX
+                or floor.denominator > _INT64_MAX):
+            return plan_retention(assignment.counts, s.num_ranks, gamma, s.min_retention,
+                                  instance_rank=placement.instance_rank,
+                                  instance_expert=placement.instance_expert)
+        cap = capacity_for_factor(gamma, int(np.add.reduce(routed)), s.num_ranks)
+        quotas, level = ctx.native.retain(assignment.counts.numpy(), cap, floor.numerator,
+                                          floor.denominator)
+        return RetentionPlan(counts=assignment.counts, quotas=torch.from_numpy(quotas),
+                             capacity=torch.from_numpy(np.full(s.num_ranks, cap,
+                                                               dtype=np.int64)),
+                             water_level=torch.from_numpy(level),
+                             instance_rank=placement.instance_rank,
+                             instance_expert=placement.instance_expert,
+                             capacity_factor=float(gamma),
+                             min_retention=float(s.min_retention))
+
+    def _memory(self, ctx: _PlacementContext, routed: np.ndarray,
+                retention: RetentionPlan) -> np.ndarray:
+        """[R] ``CostModel.rank_memory`` of a planned micro-batch (``_memory``)."""
+        cells, quotas = retention.counts.numpy(), retention.quotas.numpy()
+        if ctx.native is not None:
+            return ctx.native.memory(cells, quotas, routed)
+        return _memory(self.settings.cost, ctx, routed, np.add.reduce(cells, axis=0), quotas)
 
     def _context(self, placement: Placement) -> _PlacementContext:
         ctx = self._contexts.get(placement)
@@ -176,7 +222,9 @@ class LayerPlanner:
             cap = (None if share is None
                    else self.settings.cost.assignment_capacity(share, replicas))
             ctx = _PlacementContext(placement, replicas, cap,
-                                    np.asarray(placement.rank_starts[:-1], dtype=np.int64))
+                                    np.asarray(placement.rank_starts[:-1], dtype=np.int64),
+                                    native_planner(placement, self.settings.cost, replicas)
+                                    if self.native else None)
             self._contexts[placement] = ctx
         return ctx
 
@@ -268,14 +316,10 @@ class LayerPlanner:
         s = self.settings
         cost = s.cost
         ctx = self._context(placement)
-        assignment, routed = assign_checked(check_assignment_counts(counts, placement),
-                                            placement, None)
-        retention = plan_retention(assignment.counts, s.num_ranks, s.capacity_factor,
-                                   s.min_retention, instance_rank=placement.instance_rank,
-                                   instance_expert=placement.instance_expert)
+        assignment, routed = self._assign(counts, ctx, None)
+        retention = self._retention(assignment, float(s.capacity_factor), ctx, routed)
         quotas = retention.quotas.numpy()
-        peak = float(np.maximum.reduce(_memory(
-            cost, ctx, routed, np.add.reduce(assignment.counts.numpy(), axis=0), quotas)))
+        peak = float(np.maximum.reduce(self._memory(ctx, routed, retention)))
         starts = ctx.rank_starts
         fwd, bwd = cost.layer_time(np.add.reduceat(assignment.counts.numpy(), starts, axis=1),
                                    np.add.reduceat(quotas, starts, axis=1))     # [R, R] each
@@ -321,6 +365,9 @@ class LayerPlanner:
         self._observed_sum = (None if observed_sum is None
                               else observed_sum.detach().to("cpu", torch.float64).clone())
         self._observed = int(state["observed"])
+
+
+_INT64_MAX = np.iinfo(np.int64).max
 
 
 def _busiest(placement: Placement) -> int:
