@@ -6,12 +6,15 @@
 
 What is timed, per layer call ("call"): the host's work between the counts read and the
 first dispatch all-to-all on one EP rank (rank 0), everything computed from the gathered
-[R, E] counts to the tables the device ops use: ``observe`` (a training call),
-``LayerPlanner.plan`` and what ``LRMoELayer`` turns the plan into before the region's
-first exchange: this source's pair count and instance-order chunk tables
-(``_instance_order``; its device expansion, ``chunk_permutation``, is device work and not
-timed), the region's ``CallLayout`` (split sizes and the packed index tables) and the
-call's host statistics (``_count_training_call``). ``plan`` alone is timed too.
+[R, E] counts to the tables the device ops use, run by the layer's own code
+(``LRMoELayer._plan_micro_batch`` and ``_count_training_call`` on a stand-in for the
+layer): ``observe`` (a training call), ``LayerPlanner.plan``, the region's ``CallLayout``
+(split sizes and the packed index tables), this source's instance-order chunk tables, and
+the call's host statistics. Not timed: the copies of the tables to the device and their
+expansion there (device work). ``plan`` alone is timed too.
+
+Paths: ``python`` is ``LayerPlanner(native=False)``, the Python planner (the reference),
+``compiled`` the compiled one (``planning/native.py``); the layer code is the same.
 
 Every tensor op the call dispatches (counted with a ``TorchDispatchMode``) is charged
 ``--op-us`` microseconds on top of its measured time: on a GPU host each is a dispatch
@@ -44,14 +47,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from unittest import mock
+from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_lrmoe.layer import moe_layer
-from megatron_lrmoe.layer.region import _local_instances
-from megatron_lrmoe.layer.region_layout import CallLayout
+from megatron_lrmoe.layer.moe_layer import LRMoELayer
+from megatron_lrmoe.layer.region import RegionStats
+from megatron_lrmoe.layer.telemetry import LRMoELayerStats
 from megatron_lrmoe.planning.cost_model import CostModel, MoEShape
 from megatron_lrmoe.planning.machine import default_machine_constants
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
@@ -81,27 +84,35 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def reference_call(planner: LayerPlanner, counts: torch.Tensor) -> object:
-    """The layer's host steps of one training call on rank ``RANK`` (module docstring), as
-    ``LRMoELayer.routed_output`` runs them, with the per-call planning in Python."""
-    planner.observe(counts)
-    mb = planner.plan(counts)
-    int(counts[RANK].sum())                                     # P for nonzero_static
-    moe_layer._instance_order(mb.assignment.counts[RANK], planner.placement,
-                              torch.device("cpu"))
-    plan = mb.retention
-    per_rank = plan.routed_per_rank.double()                    # _count_training_call
-    if float(per_rank.mean()) > 0:
-        float(per_rank.max() / per_rank.mean())
-    counts[RANK].to(torch.float64)                              # add_expert_load
-    return CallLayout(plan, RANK, _local_instances(plan, RANK))
+class _LayerStandIn:
+    """What ``LRMoELayer._plan_micro_batch`` and ``_count_training_call`` read of the layer
+    on rank ``RANK``: the layer's own code runs on it, without a model around it."""
+
+    def __init__(self, planner: LayerPlanner) -> None:
+        self.counts_exchange = SimpleNamespace(ep_rank=RANK)
+        self.placement_planner = planner
+        self.lrmoe_stats = LRMoELayerStats()
+        self.lrmoe_state = SimpleNamespace(count_training_forward=lambda: None)
+        self.last_plan = None
+
+    def _log_notes(self, notes: tuple[str, ...]) -> None:
+        pass
 
 
-CALL_PATHS: dict[str, Callable[[LayerPlanner, torch.Tensor], object]] = {
-    "python": reference_call,
-}
+def layer_call(layer: _LayerStandIn, planner: LayerPlanner, counts: torch.Tensor) -> None:
+    """The layer's host steps of one training call on rank ``RANK`` (module docstring)."""
+    host = counts.numpy()                 # as LRMoELayer.routed_output reads them
+    mb, _layout, order, _ = LRMoELayer._plan_micro_batch(layer, planner, host, True)
+    if order is not None:              # the host tables _pairs_in_send_order sends
+        torch.from_numpy(order)
+    LRMoELayer._count_training_call(layer, SimpleNamespace(stats=RegionStats()), mb, host)
+    if len(layer.lrmoe_stats.calls) > 1000:
+        layer.lrmoe_stats.reset()
+
+
 PLANNERS: dict[str, Callable[[PlannerSettings], LayerPlanner]] = {
-    "python": LayerPlanner,
+    "python": lambda settings: LayerPlanner(settings, native=False),
+    "compiled": lambda settings: LayerPlanner(settings, native=True),
 }
 
 
@@ -144,7 +155,11 @@ def measure(path: str, ranks: int, args, machine, batches_of) -> dict:
     # Fix the placement for the per-call timings: the one the planner chose on the
     # batches' smoothed loads.
     placement = planner.placement
-    call = CALL_PATHS[path]
+    layer = _LayerStandIn(planner)
+
+    def call(planner: LayerPlanner, counts: torch.Tensor) -> None:
+        layer_call(layer, planner, counts)
+
     ops = []
     for counts in batches:
         with _OpCounter() as counter:
@@ -188,7 +203,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=8, help="distinct count matrices")
     p.add_argument("--op-us", type=float, default=5.0,
                    help="microseconds charged per dispatched tensor op")
-    p.add_argument("--paths", nargs="+", default=list(CALL_PATHS), choices=list(CALL_PATHS))
+    p.add_argument("--paths", nargs="+", default=list(PLANNERS), choices=list(PLANNERS))
     p.add_argument("--note", default="", help="a line on the machine's state, for the results")
     p.add_argument("--out", default=None, help="markdown file for the results")
     args = p.parse_args()
@@ -205,12 +220,8 @@ def main() -> None:
                                           args.zipf, gen, perm) for _ in range(args.batches)]
         return cache[ranks]
 
-    rows = []
-    # A patched chunk_permutation: its device expansion is not host planning.
-    with mock.patch.object(moe_layer, "chunk_permutation", lambda delta, sizes, total: None):
-        for ranks in args.ranks:
-            for path in args.paths:
-                rows.append(measure(path, ranks, args, machine, batches_of))
+    rows = [measure(path, ranks, args, machine, batches_of)
+            for ranks in args.ranks for path in args.paths]
 
     def verdict(value: float, goal: float | None) -> str:
         return "-" if goal is None else ("met" if value <= goal else "not met")

@@ -71,8 +71,10 @@ class LayerPlanner:
         self.smoothed_counts: torch.Tensor | None = None
         self.placement_notes: tuple[str, ...] = ()
         """What the last ``next_step`` did, for logs."""
-        self._observed_sum: torch.Tensor | None = None
+        self._observed_sum: np.ndarray | None = None    # [R, E] float64 (numpy: no tensor op)
         self._observed = 0
+        self._capacity_tensors: dict[int, torch.Tensor] = {}
+        self._last_arrays: tuple[MicroBatchPlan, np.ndarray, np.ndarray] | None = None
         self._contexts: dict[Placement, _PlacementContext] = {}
         self.last_memory: np.ndarray | None = None
         """[R] bytes the latest ``plan`` holds on each rank (``CostModel.rank_memory``),
@@ -81,17 +83,16 @@ class LayerPlanner:
         device means is the caller's (the launcher stops the run)."""
 
     # ------------------------------------------------------------- per batch
-    def observe(self, counts: torch.Tensor) -> None:
+    def observe(self, counts: torch.Tensor | np.ndarray) -> None:
         """Record one training micro-batch's gathered [R, E] counts of this step."""
-        # numpy, then one tensor around the result: no tensor op per call.
         n = check_assignment_counts(counts, self.placement).astype(np.float64)
-        self._observed_sum = torch.from_numpy(
-            n if self._observed_sum is None else self._observed_sum.numpy() + n)
+        self._observed_sum = n if self._observed_sum is None else self._observed_sum + n
         self._observed += 1
 
     def observations(self) -> tuple[torch.Tensor | None, int]:
         """This step's observations so far: (sum of the [R, E] counts, micro-batches)."""
-        return self._observed_sum, self._observed
+        total = self._observed_sum
+        return (None if total is None else torch.from_numpy(total)), self._observed
 
     def replace_observations(self, counts_sum: torch.Tensor | None, microbatches: int) -> None:
         """Make (``counts_sum``, ``microbatches``) this step's observations.
@@ -107,10 +108,10 @@ class LayerPlanner:
         if (counts_sum is None) != (microbatches == 0):
             raise ValueError("observations: counts without micro-batches or the reverse")
         self._observed_sum = (None if counts_sum is None
-                              else counts_sum.detach().to("cpu", torch.float64).clone())
+                              else counts_sum.detach().to("cpu", torch.float64).numpy().copy())
         self._observed = int(microbatches)
 
-    def plan(self, counts: torch.Tensor) -> MicroBatchPlan:
+    def plan(self, counts: torch.Tensor | np.ndarray) -> MicroBatchPlan:
         """Instance assignment and quotas of one micro-batch under the current placement.
 
         With a budget the instance assignment respects each rank's buffer capacity (the layer share
@@ -118,15 +119,18 @@ class LayerPlanner:
         until the backward buffers do; the forward never drops. What was done is in
         ``notes``.
         """
-        plan, self.last_memory = self._plan(counts, self._context(self.placement))
+        plan, self.last_memory, arrays = self._plan(counts, self._context(self.placement))
+        self._last_arrays = (plan, *arrays)
         return plan
 
-    def _plan(self, counts: torch.Tensor,
-              ctx: _PlacementContext) -> tuple[MicroBatchPlan, np.ndarray | None]:
-        """(the plan, [R] CostModel.rank_memory of it or None without a cost model)."""
+    def _plan(self, counts: torch.Tensor | np.ndarray, ctx: _PlacementContext
+              ) -> tuple[MicroBatchPlan, np.ndarray | None, tuple[np.ndarray, np.ndarray]]:
+        """(the plan, [R] CostModel.rank_memory of it or None without a cost model, the
+        plan's [R, I] counts and quotas as the arrays its tensors view)."""
         # numpy on [R] arrays (a torch op costs ~10 us here), as the cost model is.
         s = self.settings
-        assignment, routed = self._assign(counts, ctx, ctx.capacity)   # routed: [R] load
+        n = check_assignment_counts(counts, ctx.placement)
+        assignment, cells, routed = self._assign(n, ctx, ctx.capacity)  # routed: [R] load
         overflow = assignment.overflow
         notes = []
         if overflow:
@@ -134,16 +138,16 @@ class LayerPlanner:
                          f"capacity went to home instances")
         gamma = float(s.capacity_factor)
         share = s.layer_share
-        retention = self._retention(assignment, gamma, ctx, routed)
+        retention, quotas = self._retention(assignment, cells, gamma, ctx, routed)
         memory = None
         if s.cost is not None:
-            memory = self._memory(ctx, routed, retention)
+            memory = self._memory(ctx, routed, cells, quotas)
         if (share is not None and memory is not None and math.isfinite(gamma)
                 and bool((memory > share).any())):
             # The plan does not fit: lower gamma to the smallest rank limit. The limits
             # bound what they cannot know before the plan (each source's kept pairs, the
             # retained rows per instance), so a plan within them fits.
-            instance_routed = np.add.reduce(assignment.counts.numpy(), axis=0)      # [I]
+            instance_routed = np.add.reduce(cells, axis=0)                          # [I]
             limit = s.cost.retained_limit(
                 share, ctx.replicas, routed,
                 np.maximum.reduceat(instance_routed, ctx.rank_starts))
@@ -157,57 +161,76 @@ class LayerPlanner:
                     gamma = factor_for_capacity(needed, total, s.num_ranks)
                     notes.append(f"budget: backward capacity factor lowered from "
                                  f"{s.capacity_factor:g} to {gamma:.4g} (C={needed})")
-                    retention = self._retention(assignment, gamma, ctx, routed)
-                    memory = self._memory(ctx, routed, retention)
+                    retention, quotas = self._retention(assignment, cells, gamma, ctx, routed)
+                    memory = self._memory(ctx, routed, cells, quotas)
         if share is not None and memory is not None:
             over = memory > share
             if over.any():
                 notes.append(f"over budget on {int(np.add.reduce(over))} rank(s) by up to "
                              f"{float(np.maximum.reduce(memory - share)) / 2**20:.1f} MiB "
                              f"(the forward is never dropped)")
-        return MicroBatchPlan(assignment=assignment, retention=retention,
-                              capacity_factor_used=gamma, notes=tuple(notes),
-                              rank_load=routed), memory
+        plan = MicroBatchPlan(assignment=assignment, retention=retention,
+                              capacity_factor_used=gamma, notes=tuple(notes), rank_load=routed)
+        return plan, memory, (cells, quotas)
 
-    def _assign(self, counts: torch.Tensor, ctx: _PlacementContext,
-                capacity: np.ndarray | None) -> tuple[InstanceAssignment, np.ndarray]:
-        """(the instance assignment of ``counts`` under ``capacity``, [R] load per rank)."""
-        n = check_assignment_counts(counts, ctx.placement)
+    def native_layout(self, plan: MicroBatchPlan, rank: int) -> tuple | None:
+        """The region's host layout of ``plan`` on ``rank`` from the compiled planner
+        (``NativePlanner.layout``: split sizes, packed index tables, instance-order chunk
+        tables), or None when this planner plans in Python."""
+        ctx = self._contexts.get(plan.assignment.placement) if self.native else None
+        if ctx is None or ctx.native is None:
+            return None
+        last = self._last_arrays
+        cells, quotas = (last[1:] if last is not None and last[0] is plan
+                         else (plan.retention.counts.numpy(), plan.retention.quotas.numpy()))
+        return ctx.native.layout(cells, quotas, rank)
+
+    def _assign(self, n: np.ndarray, ctx: _PlacementContext, capacity: np.ndarray | None
+                ) -> tuple[InstanceAssignment, np.ndarray, np.ndarray]:
+        """(the instance assignment of checked counts ``n`` under ``capacity``, its [R, I]
+        counts, [R] load per rank)."""
         if ctx.native is None:
-            return assign_checked(n, ctx.placement, capacity)
+            assignment, load = assign_checked(n, ctx.placement, capacity)
+            return assignment, assignment.counts.numpy(), load
         cells, load = ctx.native.assign(n, capacity)
         overflow = (0 if capacity is None
                     else int(np.add.reduce(np.maximum(load - capacity, 0))))
         return InstanceAssignment(counts=torch.from_numpy(cells), overflow=overflow,
-                                  placement=ctx.placement), load
+                                  placement=ctx.placement), cells, load
 
-    def _retention(self, assignment: InstanceAssignment, gamma: float,
-                   ctx: _PlacementContext, routed: np.ndarray) -> RetentionPlan:
-        """plan_retention of the assignment at ``gamma`` (``routed``: its [R] loads)."""
+    def _retention(self, assignment: InstanceAssignment, cells: np.ndarray, gamma: float,
+                   ctx: _PlacementContext, routed: np.ndarray
+                   ) -> tuple[RetentionPlan, np.ndarray]:
+        """(plan_retention of the assignment at ``gamma``, its quotas as an array);
+        ``cells``: the assignment's counts, ``routed``: its [R] loads."""
         s = self.settings
         placement = assignment.placement
         floor = decimal_fraction(s.min_retention)
         if (ctx.native is None or floor.numerator > _INT64_MAX
                 or floor.denominator > _INT64_MAX):
-            return plan_retention(assignment.counts, s.num_ranks, gamma, s.min_retention,
+            plan = plan_retention(assignment.counts, s.num_ranks, gamma, s.min_retention,
                                   instance_rank=placement.instance_rank,
                                   instance_expert=placement.instance_expert)
+            return plan, plan.quotas.numpy()
         cap = capacity_for_factor(gamma, int(np.add.reduce(routed)), s.num_ranks)
-        quotas, level = ctx.native.retain(assignment.counts.numpy(), cap, floor.numerator,
-                                          floor.denominator)
+        quotas, level = ctx.native.retain(cells, cap, floor.numerator, floor.denominator)
+        # One read-only [R] tensor per capacity value (it repeats from call to call).
+        capacity = self._capacity_tensors.get(cap)
+        if capacity is None:
+            if len(self._capacity_tensors) >= 64:
+                self._capacity_tensors.clear()
+            capacity = torch.from_numpy(np.full(s.num_ranks, cap, dtype=np.int64))
+            self._capacity_tensors[cap] = capacity
         return RetentionPlan(counts=assignment.counts, quotas=torch.from_numpy(quotas),
-                             capacity=torch.from_numpy(np.full(s.num_ranks, cap,
-                                                               dtype=np.int64)),
-                             water_level=torch.from_numpy(level),
+                             capacity=capacity, water_level=torch.from_numpy(level),
                              instance_rank=placement.instance_rank,
                              instance_expert=placement.instance_expert,
                              capacity_factor=float(gamma),
-                             min_retention=float(s.min_retention))
+                             min_retention=float(s.min_retention)), quotas
 
-    def _memory(self, ctx: _PlacementContext, routed: np.ndarray,
-                retention: RetentionPlan) -> np.ndarray:
+    def _memory(self, ctx: _PlacementContext, routed: np.ndarray, cells: np.ndarray,
+                quotas: np.ndarray) -> np.ndarray:
         """[R] ``CostModel.rank_memory`` of a planned micro-batch (``_memory``)."""
-        cells, quotas = retention.counts.numpy(), retention.quotas.numpy()
         if ctx.native is not None:
             return ctx.native.memory(cells, quotas, routed)
         return _memory(self.settings.cost, ctx, routed, np.add.reduce(cells, axis=0), quotas)
@@ -238,7 +261,7 @@ class LayerPlanner:
         if not self._observed:
             self.placement_notes = ("no training micro-batch observed: placement kept",)
             return self.placement
-        mean = self._observed_sum / self._observed
+        mean = torch.from_numpy(self._observed_sum / self._observed)
         a = float(self.settings.load_smoothing)
         self.smoothed_counts = (mean if self.smoothed_counts is None
                                 else a * self.smoothed_counts + (1.0 - a) * mean)
@@ -316,12 +339,13 @@ class LayerPlanner:
         s = self.settings
         cost = s.cost
         ctx = self._context(placement)
-        assignment, routed = self._assign(counts, ctx, None)
-        retention = self._retention(assignment, float(s.capacity_factor), ctx, routed)
-        quotas = retention.quotas.numpy()
-        peak = float(np.maximum.reduce(self._memory(ctx, routed, retention)))
+        n = check_assignment_counts(counts, placement)
+        assignment, cells, routed = self._assign(n, ctx, None)
+        retention, quotas = self._retention(assignment, cells, float(s.capacity_factor), ctx,
+                                            routed)
+        peak = float(np.maximum.reduce(self._memory(ctx, routed, cells, quotas)))
         starts = ctx.rank_starts
-        fwd, bwd = cost.layer_time(np.add.reduceat(assignment.counts.numpy(), starts, axis=1),
+        fwd, bwd = cost.layer_time(np.add.reduceat(cells, starts, axis=1),
                                    np.add.reduceat(quotas, starts, axis=1))     # [R, R] each
         sync = cost.replica_cost_per_microbatch(_busiest(placement))
         plan = MicroBatchPlan(assignment=assignment, retention=retention,
@@ -341,7 +365,8 @@ class LayerPlanner:
             "smoothed_counts": (None if self.smoothed_counts is None
                                 else self.smoothed_counts.clone()),
             "replicas": [list(p) for p in self.placement.replicas],
-            "observed_sum": None if self._observed_sum is None else self._observed_sum.clone(),
+            "observed_sum": (None if self._observed_sum is None
+                             else torch.from_numpy(self._observed_sum.copy())),
             "observed": self._observed,
         }
 
@@ -363,7 +388,7 @@ class LayerPlanner:
         self.smoothed_counts = (None if smoothed is None
                                 else smoothed.detach().to("cpu", torch.float64).clone())
         self._observed_sum = (None if observed_sum is None
-                              else observed_sum.detach().to("cpu", torch.float64).clone())
+                              else observed_sum.detach().to("cpu", torch.float64).numpy().copy())
         self._observed = int(state["observed"])
 
 
