@@ -939,6 +939,148 @@ class NativePlanner {
   bool has_memory_ = false;
 };
 
+// placement_policies.greedy_replicas' moves (_greedy_move, _spread_to_level) on the fluid
+// load estimate, in the same float operations and tie-breaks; the pricing of the
+// prefixes stays in Python (the cost model).
+class GreedyReplicas {
+ public:
+  GreedyReplicas(std::vector<i64> routed, i64 num_ranks, i64 num_experts)
+      : R_(num_ranks), E_(num_experts), per_rank_(num_experts / num_ranks),
+        routed_(std::move(routed)), load_(num_ranks, 0.0), spread_(num_experts),
+        on_rank_(num_ranks), sent_(num_ranks, 0), recv_(num_ranks, 0) {
+    if (static_cast<i64>(routed_.size()) != E_)
+      throw py::value_error("routed must have one entry per expert");
+    for (i64 e = 0; e < E_; ++e) {
+      const i64 home = e / per_rank_;
+      spread_[e].push_back({home, static_cast<double>(routed_[e])});
+      load_[home] += static_cast<double>(routed_[e]);
+      on_rank_[home].push_back(e);
+    }
+  }
+
+  double top() const { return *std::max_element(load_.begin(), load_.end()); }
+
+  // Moves until ``target`` moves exist in all or none is allowed: (the new moves
+  // (expert, rank), the top load after each, the busiest sender or receiver after
+  // each, exhausted).
+  py::tuple advance(i64 target) {
+    std::vector<std::pair<i64, i64>> moves;
+    std::vector<double> tops;
+    std::vector<i64> syncs;
+    bool exhausted = false;
+    {
+      py::gil_scoped_release release;
+      while (count_ < target) {
+        if (!move()) {
+          exhausted = true;
+          break;
+        }
+        const auto& [e, v] = last_;
+        busiest_ = std::max({busiest_, sent_[e / per_rank_], recv_[v]});
+        moves.push_back(last_);
+        tops.push_back(top());
+        syncs.push_back(busiest_);
+        ++count_;
+      }
+    }
+    return py::make_tuple(moves, tops, syncs, exhausted);
+  }
+
+ private:
+  using Hosts = std::vector<std::pair<i64, double>>;  // insertion order, as the dict
+
+  static double share(const Hosts& hosts, i64 r) {
+    for (const auto& [rank, value] : hosts)
+      if (rank == r) return value;
+    return -1.0;
+  }
+  static bool hosts_rank(const Hosts& hosts, i64 r) {
+    for (const auto& h : hosts)
+      if (h.first == r) return true;
+    return false;
+  }
+
+  // _spread_to_level(amount, others)
+  static std::vector<double> spread_to_level(double amount, const std::vector<double>& others) {
+    const size_t n = others.size();
+    std::vector<size_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return others[a] < others[b]; });
+    double prefix = 0.0, level = 0.0;
+    for (size_t m = 0; m < n; ++m) {
+      prefix += others[order[m]];
+      level = (amount + prefix) / static_cast<double>(m + 1);
+      if (m + 1 == n || level <= others[order[m + 1]]) break;
+    }
+    std::vector<double> out(n);
+    for (size_t j = 0; j < n; ++j) out[j] = std::max(level - others[j], 0.0);
+    return out;
+  }
+
+  // _greedy_move
+  bool move() {
+    const double top_load = top();
+    const i64 u = std::max_element(load_.begin(), load_.end()) - load_.begin();  // first max
+    std::vector<i64> candidates = on_rank_[u];
+    std::stable_sort(candidates.begin(), candidates.end(), [&](i64 a, i64 b) {
+      const double sa = share(spread_[a], u), sb = share(spread_[b], u);
+      return sa != sb ? sa > sb : a < b;
+    });
+    if (candidates.size() > 4) candidates.resize(4);
+    i64 least = -1;
+    for (i64 e : candidates) {
+      const Hosts& hosts = spread_[e];
+      if (static_cast<i64>(hosts.size()) >= R_) continue;
+      if (least < 0) least = std::min_element(load_.begin(), load_.end()) - load_.begin();
+      i64 v = least;
+      if (hosts_rank(hosts, least)) {
+        v = -1;
+        for (i64 r = 0; r < R_; ++r)
+          if (!hosts_rank(hosts, r) && (v < 0 || load_[r] < load_[v])) v = r;
+      }
+      std::vector<i64> ranks;
+      std::vector<double> others;
+      for (const auto& [r, h] : hosts) {
+        ranks.push_back(r);
+        others.push_back(load_[r] - h);
+      }
+      ranks.push_back(v);
+      others.push_back(load_[v]);
+      const std::vector<double> fresh = spread_to_level(static_cast<double>(routed_[e]), others);
+      double new_u = 0.0;
+      for (size_t j = 0; j < ranks.size(); ++j)
+        if (ranks[j] == u) new_u = fresh[j];
+      if (new_u >= share(hosts, u) - 1e-9) continue;
+      bool allowed = true;
+      for (size_t j = 0; j < ranks.size() && allowed; ++j)
+        allowed = ranks[j] == u || others[j] + fresh[j] <= top_load;
+      if (!allowed) continue;
+      Hosts updated;
+      for (size_t j = 0; j < ranks.size(); ++j) {
+        load_[ranks[j]] = others[j] + fresh[j];
+        updated.push_back({ranks[j], fresh[j]});
+      }
+      spread_[e] = std::move(updated);
+      on_rank_[v].push_back(e);
+      sent_[e / per_rank_] += 1;
+      recv_[v] += 1;
+      last_ = {e, v};
+      return true;
+    }
+    return false;
+  }
+
+  i64 R_, E_, per_rank_;
+  std::vector<i64> routed_;
+  std::vector<double> load_;
+  std::vector<Hosts> spread_;
+  std::vector<std::vector<i64>> on_rank_;
+  std::vector<i64> sent_, recv_;
+  i64 busiest_ = 0, count_ = 0;
+  std::pair<i64, i64> last_{-1, -1};
+};
+
 }  // namespace
 
 void register_planner(py::module_& m) {
@@ -957,6 +1099,14 @@ void register_planner(py::module_& m) {
       .def("layout", &NativePlanner::layout,
            "((split sizes...), (rows and tables...), order tables or None) on rank s",
            py::arg("cells"), py::arg("quotas"), py::arg("rank"));
+  py::class_<GreedyReplicas>(m, "GreedyReplicas",
+                             "placement_policies.greedy_replicas' moves (kernels/planner.cpp)")
+      .def(py::init<std::vector<i64>, i64, i64>(), py::arg("routed"), py::arg("num_ranks"),
+           py::arg("num_experts"))
+      .def("top", &GreedyReplicas::top, "the current maximum load")
+      .def("advance", &GreedyReplicas::advance,
+           "(moves, top after each, busiest after each, exhausted) up to target moves",
+           py::arg("target"));
 }
 
 }  // namespace lrmoe

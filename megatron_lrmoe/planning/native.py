@@ -22,7 +22,7 @@ import numpy as np
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.placement import Placement
 
-__all__ = ["native_available", "native_planner"]
+__all__ = ["native_available", "native_greedy", "native_planner"]
 
 try:
     import torch  # noqa: F401  (the extension links torch's libraries: load them first)
@@ -49,6 +49,15 @@ def native_planner(placement: Placement, cost: CostModel | None,
                           list(placement.instance_rank), list(placement.instance_expert),
                           list(placement.home_instance),
                           None if cost is None else _memory_model(cost, replicas))
+
+
+def native_greedy(routed: list[int], num_ranks: int, num_experts: int) -> Any:
+    """The compiled moves of ``placement_policies.greedy_replicas`` on the experts' routed
+    pairs ``routed`` [E] (``GreedyReplicas.advance(target)``: moves up to ``target``)."""
+    if _kernels is None or not hasattr(_kernels, "GreedyReplicas"):
+        raise RuntimeError("megatron_lrmoe._kernels has no GreedyReplicas: rebuild the "
+                           "extension (pip install --no-build-isolation -e .)")
+    return _kernels.GreedyReplicas([int(n) for n in routed], num_ranks, num_experts)
 
 
 def _memory_model(cost: CostModel, replicas: np.ndarray) -> dict[str, Any]:

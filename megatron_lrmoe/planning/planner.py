@@ -304,7 +304,7 @@ class LayerPlanner:
         # finite gamma a candidate must fit outright, or the budget would lower gamma
         # for it and it would buy its time with drops.
         allowed = max(share, base_peak) if math.isinf(s.capacity_factor) else share
-        replicas = greedy_replicas(counts.sum(0).tolist(), base, s)
+        replicas = greedy_replicas(counts.sum(0).tolist(), base, s, native=self.native)
         n = len(replicas)
         best: tuple[float, int] | None = None       # (estimated time, prefix size)
         for size in sorted({n, 3 * n // 4, n // 2, n // 4} - {0}):

@@ -26,6 +26,7 @@ from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoES
 from megatron_lrmoe.planning.instance_assignment import assign_instances
 from megatron_lrmoe.planning.native import native_available, native_planner
 from megatron_lrmoe.planning.placement import Placement
+from megatron_lrmoe.planning.placement_policies import greedy_replicas
 from megatron_lrmoe.planning.plan_types import budget_floor
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import (
@@ -239,6 +240,28 @@ def test_layer_planner_equals_python(case):
         assert native.placement == python.placement
         assert native.placement_notes == python.placement_notes
         assert torch.equal(native.smoothed_counts, python.smoothed_counts)
+
+
+@given(routed=st.lists(st.integers(0, 5000), min_size=1, max_size=24),
+       num_ranks=st.sampled_from([1, 2, 3, 4, 8]), per_step=st.integers(1, 16),
+       gamma=st.sampled_from([0.5, 1.0, math.inf]), data=st.data())
+@SETTINGS
+def test_greedy_replicas_equals_python(routed, num_ranks, per_step, gamma, data):
+    """The compiled greedy moves give the replicas the Python search gives (the same
+    moves, priced by the same cost model)."""
+    num_experts = num_ranks * max(1, len(routed) // num_ranks)
+    routed = (routed * num_experts)[:num_experts]
+    if data.draw(st.booleans()):                     # a few very hot experts
+        routed[data.draw(st.integers(0, num_experts - 1))] *= 50
+    shape = MoEShape(hidden_size=64, ffn_hidden_size=32, num_experts=num_experts, topk=1,
+                     gated=True, dtype_bytes=2, tokens_per_rank=max(sum(routed), 1),
+                     microbatches_per_step=per_step)
+    settings_ = PlannerSettings("static", num_ranks, num_experts, capacity_factor=gamma,
+                                cost=CostModel(shape, MACHINE))
+    counts = torch.tensor([routed] + [[0] * num_experts] * (num_ranks - 1))
+    base = LayerPlanner(settings_, native=False).plan(counts)
+    assert (greedy_replicas(routed, base, settings_, native=True)
+            == greedy_replicas(routed, base, settings_, native=False))
 
 
 def test_planner_reads_host_arrays_like_tensors():
