@@ -76,6 +76,7 @@ class LayerPlanner:
         self._capacity_tensors: dict[int, torch.Tensor] = {}
         self._last_arrays: tuple[MicroBatchPlan, np.ndarray, np.ndarray] | None = None
         self._contexts: dict[Placement, _PlacementContext] = {}
+        self._placements: dict[tuple[tuple[int, int], ...], Placement] = {}
         self.last_memory: np.ndarray | None = None
         """[R] bytes the latest ``plan`` holds on each rank (``CostModel.rank_memory``),
         computed whenever the settings carry a cost model (a budget, or a run held to its
@@ -235,10 +236,22 @@ class LayerPlanner:
             return ctx.native.memory(cells, quotas, routed)
         return _memory(self.settings.cost, ctx, routed, np.add.reduce(cells, axis=0), quotas)
 
+    def _placement(self, replicas: tuple[tuple[int, int], ...]) -> Placement:
+        """``Placement(R, E, replicas)``, the same object for the same replicas while
+        cached: the search proposes the same prefixes step after step once the loads
+        settle, and a placement and its context cost more to build than to look up."""
+        placement = self._placements.get(replicas)
+        if placement is None:
+            if len(self._placements) >= _CACHED_PLACEMENTS:
+                self._placements.clear()
+            placement = Placement(self.settings.num_ranks, self.settings.num_experts, replicas)
+            self._placements[replicas] = placement
+        return placement
+
     def _context(self, placement: Placement) -> _PlacementContext:
         ctx = self._contexts.get(placement)
         if ctx is None:
-            if len(self._contexts) >= 8:
+            if len(self._contexts) >= _CACHED_PLACEMENTS:
                 self._contexts.clear()
             replicas = np.asarray(placement.replicas_per_rank(), dtype=np.int64)
             share = self.settings.layer_share
@@ -297,7 +310,7 @@ class LayerPlanner:
         """
         s = self.settings
         counts = torch.round(self.smoothed_counts).to(torch.int64)
-        static = Placement.static(s.num_ranks, s.num_experts)
+        static = self._placement(())
         base, base_time, base_peak = self._unbudgeted(counts, static)
         share = s.layer_share
         # At gamma = inf replicas may not add to an excess static already has; at a
@@ -307,15 +320,15 @@ class LayerPlanner:
         replicas = greedy_replicas(counts.sum(0).tolist(), base, s, native=self.native)
         n = len(replicas)
         best: tuple[float, int] | None = None       # (estimated time, prefix size)
+        candidates = {}
         for size in sorted({n, 3 * n // 4, n // 2, n // 4} - {0}):
-            candidate = Placement(s.num_ranks, s.num_experts, tuple(replicas[:size]))
+            candidate = candidates[size] = self._placement(tuple(replicas[:size]))
             planned, time, peak = self._unbudgeted(counts, candidate)
             # The assignment capacities at this budget must not bind on the candidate's
             # assignment (they only grow with the budget), so the layer's capacity-aware
             # assignment finds the one judged here, and the judgement stays monotone.
             capacity = self._context(candidate).capacity
-            fits_capacity = capacity is None or bool(
-                (planned.retention.routed_per_rank.numpy() <= capacity).all())
+            fits_capacity = capacity is None or bool((planned.rank_load <= capacity).all())
             # Replicas must pay: the time they save per micro-batch must exceed what
             # their refresh and gradient reduction cost, amortised over the step's
             # micro-batches (in ``time``); an equal estimate keeps static.
@@ -326,7 +339,7 @@ class LayerPlanner:
             return static, (f"memory-aware: no replica pays off within the budget (static "
                             f"{base_time * 1e3:.3f} ms, greedy proposed {n})",)
         time, size = best
-        return Placement(s.num_ranks, s.num_experts, tuple(replicas[:size])), (
+        return candidates[size], (
             f"memory-aware: {size} replicas, estimated layer time {time * 1e3:.3f} ms vs "
             f"static {base_time * 1e3:.3f} ms",)
 
@@ -349,7 +362,7 @@ class LayerPlanner:
                                    np.add.reduceat(quotas, starts, axis=1))     # [R, R] each
         sync = cost.replica_cost_per_microbatch(_busiest(placement))
         plan = MicroBatchPlan(assignment=assignment, retention=retention,
-                              capacity_factor_used=float(s.capacity_factor))
+                              capacity_factor_used=float(s.capacity_factor), rank_load=routed)
         return plan, fwd + bwd + sync, peak
 
     # ------------------------------------------------------------ checkpoint
@@ -393,6 +406,9 @@ class LayerPlanner:
 
 
 _INT64_MAX = np.iinfo(np.int64).max
+# Placements (and their contexts) kept per planner: a step plans static and up to four
+# candidates, so this keeps several steps' worth.
+_CACHED_PLACEMENTS = 32
 
 
 def _busiest(placement: Placement) -> int:
