@@ -102,7 +102,8 @@ struct MemoryModel {
   double xc = 0, conv = 0, row = 0, sr = 0, p = 0, pss = 0, meta = 0, f_b = 0, f1_b = 0,
          hb = 0, fac = 0, ob = 0, pbb = 0, wgt_tmp = 0, ib = 0, kappa_mif = 0, kappa = 0,
          rerun = 0, lyr = 1;
-  i64 row_i = 0, sr_i = 0, p_i = 0, f_b_i = 0, f1_b_i = 0, hb_i = 0, fac_i = 0;
+  i64 row_i = 0, sr_i = 0, p_i = 0, f_b_i = 0, f1_b_i = 0, hb_i = 0, fac_i = 0, mif_i = 1,
+      lyr_i = 1;
   std::vector<double> nrep, rc, w1, w2, held_dw2, held_dw;  // [R]
 };
 
@@ -186,7 +187,9 @@ class NativePlanner {
       m.kappa_mif = get_double(d, "kappa_mif");
       m.kappa = get_double(d, "kappa");
       m.rerun = double(get_int(d, "rerun"));
-      m.lyr = double(get_int(d, "lyr"));
+      m.lyr_i = get_int(d, "lyr");
+      m.lyr = double(m.lyr_i);
+      m.mif_i = get_int(d, "mif");
       m.nrep = get_vector(d, "nrep");
       m.rc = get_vector(d, "rc");
       m.w1 = get_vector(d, "w1");
@@ -392,6 +395,22 @@ class NativePlanner {
         py::make_tuple(rows_fwd, rows_bwd, received, received_kept, fwd_identity,
                        bwd_identity, sizes, packed),
         order);
+  }
+
+
+  // [R] CostModel.retained_limit(share, replicas, load, largest routed instance per
+  // rank) of assignment counts [R, I] with loads ``load`` [R].
+  I64Array retained_limit(double share, const I64Array& cells, const I64Array& load) const {
+    if (!has_memory_) throw py::value_error("this planner has no cost model");
+    check_counts(cells, I_, "assignment counts");
+    if (load.ndim() != 1 || load.shape(0) != R_)
+      throw py::value_error("load must have one entry per rank");
+    I64Array out(R_);
+    {
+      py::gil_scoped_release release;
+      limit_into(share, cells.data(), load.data(), out.mutable_data());
+    }
+    return out;
   }
 
   const std::vector<i64>& cell_instances() const { return cell_instances_; }
@@ -835,6 +854,118 @@ class NativePlanner {
     }
   }
 
+
+  // ----------------------------------------------------------- retained limit
+  // _solve: the largest x with coef x <= rhs (coef >= 0): +inf / -inf when coef is 0.
+  static double solve(double rhs, double coef) {
+    if (coef > 0) return rhs / coef;
+    return rhs >= 0 ? std::numeric_limits<double>::infinity()
+                    : -std::numeric_limits<double>::infinity();
+  }
+  // _solve_piecewise: the largest K with b K + c min(K, bend) <= rhs.
+  static double solve_piecewise(double rhs, double b, double c, double bend) {
+    const double below = solve(rhs, b + c);
+    return below < bend ? below : solve(rhs - c * bend, b);
+  }
+
+  void limit_into(double share, const i64* cells, const i64* load, i64* out) const {
+    const MemoryModel& m = memory_;
+    const double inf = std::numeric_limits<double>::infinity();
+    std::vector<i64> inst(I_, 0);
+    for (i64 s = 0; s < R_; ++s)
+      for (i64 i = 0; i < I_; ++i) inst[i] += cells[s * I_ + i];
+    const bool fr = m.fr;
+    const double sk = fr ? m.sr : 0.0;
+    const double extra = (m.kappa * sk) * double(m.mif_i * m.lyr_i - 1);
+    const double a_s = m.xc * m.p, b_s = 1.0 - m.xc;
+    for (i64 r = 0; r < R_; ++r) {
+      i64 top = inst[rank_starts_[r]];
+      for (i64 i = rank_starts_[r]; i < rank_starts_[r + 1]; ++i) top = std::max(top, inst[i]);
+      const double routed = static_cast<double>(load[r]);
+      const double largest = std::min(static_cast<double>(top), routed);
+      const double saved = (fr ? 0.0 : routed * m.sr) + m.pss;
+      const double fixed = m.nrep[r] * m.ib;
+      const double room =
+          (share - fixed - m.kappa_mif * saved) * m.lyr + m.kappa * saved - m.rerun;
+      const double act_f = (double(m.fac_i - 1) * largest + routed) * m.f_b;
+      const double base = saved + m.ob + m.pbb;
+      const double rc = m.rc[r], w1 = m.w1[r], w2 = m.w2[r];
+      const double held_dw = m.held_dw[r], held_dw2 = m.held_dw2[r];
+      const double experts_f =
+          m.grouped ? std::max({w1, m.fac * routed * m.f_b, routed * double(m.f_b_i + m.row_i) + w2})
+                    : routed * m.row + act_f;
+      const double meta = m.meta;
+      // CostModel._forward_levels' (a, b) at scalar drops
+      auto forward_levels = [&](double drops, std::vector<std::pair<double, double>>& levels) {
+        levels.clear();
+        levels.push_back({meta + m.xc * (m.p + routed) * m.row, 0.0});
+        levels.push_back({meta + (1 + rc) * routed * m.row, 0.0});
+        levels.push_back({meta + routed * m.sr + experts_f, 0.0});
+        if (!fr) {
+          levels.push_back({meta + rc * routed * double(m.sr_i + 2 * m.row_i), 0.0});
+          levels.push_back({meta + m.xc * (routed * double(m.sr_i + m.row_i) +
+                                           double(m.p_i * m.row_i)), 0.0});
+        } else {
+          levels.push_back({drops * (meta + routed * double(m.row_i + m.f1_b_i + m.hb_i)),
+                            drops * m.hb});
+          levels.push_back({drops * (meta + routed * double(m.row_i + m.f1_b_i)),
+                            drops * double(m.hb_i + m.f1_b_i)});
+          levels.push_back({meta + rc * 2 * routed * m.row, rc * m.sr});
+          levels.push_back({meta + m.xc * (routed + m.p) * m.row, m.xc * m.sr});
+        }
+      };
+      std::vector<std::pair<double, double>> levels;
+      double limits[2];
+      for (int d = 0; d < 2; ++d) {
+        const double drop = d;
+        const double gathered = fr ? 0.0 : drop;
+        double lim = inf;
+        bool first = true;
+        auto phase = [&](double a, double b, double c) {
+          const double v = solve_piecewise(room - a, b + extra, c, largest);
+          lim = first ? v : std::min(lim, v);
+          first = false;
+        };
+        phase(base + a_s * m.row, (m.xc + b_s) * m.row + sk, 0.0);
+        phase(base, (1 + rc) * m.row + sk, 0.0);
+        phase(base + m.xc * a_s * m.row + held_dw, (1 + m.xc * b_s) * m.row + sk, 0.0);
+        phase(base + a_s * m.row + m.ob + held_dw, b_s * m.row + sk, 0.0);
+        if (fr) {
+          forward_levels(drop, levels);
+          for (const auto& [a, b] : levels) phase(a, b, 0.0);
+        }
+        if (m.grouped) {
+          const double rows = m.row + gathered * m.sr;
+          phase(base + w2, rows + double(2 * m.f1_b_i) + sk, 0.0);
+          phase(base, rows + double(3 * m.f1_b_i) + sk, 0.0);
+          phase(base + w1 + m.conv + held_dw2,
+                rows + double(2 * m.f_b_i) + m.f1_b + m.row + sk, 0.0);
+        } else {
+          const double g = gathered, held = double(m.f_b_i + m.f1_b_i);
+          const double alpha[5] = {g * m.row, g * m.sr, g * m.sr + double(m.fac_i * m.f_b_i),
+                                   g * m.sr + double(3 * m.f1_b_i), g * m.sr + held};
+          const double beta[5] = {g * m.sr + held, g * m.f1_b + held, held, m.f1_b, 0.0};
+          const double cst[5] = {0.0, 0.0, 0.0, 0.0, m.wgt_tmp};
+          for (int l = 0; l < 5; ++l)
+            phase(base + cst[l], 2 * m.row + std::min(alpha[l], beta[l]) + sk,
+                  std::abs(alpha[l] - beta[l]));
+        }
+        limits[d] = lim;
+      }
+      const double limit = limits[0] >= routed ? limits[0] : limits[1];
+      bool fits = fr;
+      if (!fr) {
+        forward_levels(0.0, levels);
+        double top_level = levels[0].first;
+        for (const auto& lv : levels) top_level = std::max(top_level, lv.first);
+        fits = top_level <= room;
+      }
+      // _to_count: floor(clip(limit, 0, 2^62))
+      const double clipped = std::min(std::max(limit, 0.0), 4611686018427387904.0);
+      out[r] = fits ? static_cast<i64>(std::floor(clipped)) : 0;
+    }
+  }
+
   // -------------------------------------------------------------------- memory
   void memory_into(const i64* cells, const i64* quotas, const i64* load, double* out) const {
     const MemoryModel& m = memory_;
@@ -1096,6 +1227,9 @@ void register_planner(py::module_& m) {
            py::arg("cells"), py::arg("capacity"), py::arg("floor_num"), py::arg("floor_den"))
       .def("memory", &NativePlanner::memory, "[R] rank memory", py::arg("cells"),
            py::arg("quotas"), py::arg("load"))
+      .def("retained_limit", &NativePlanner::retained_limit,
+           "[R] CostModel.retained_limit at the plan's loads", py::arg("share"),
+           py::arg("cells"), py::arg("load"))
       .def("layout", &NativePlanner::layout,
            "((split sizes...), (rows and tables...), order tables or None) on rank s",
            py::arg("cells"), py::arg("quotas"), py::arg("rank"));

@@ -88,7 +88,7 @@ def _memory_model(cost: CostModel, replicas: np.ndarray) -> dict[str, Any]:
         "wgt_tmp": s.weight_gradient_temporary_bytes, "ib": s.instance_bytes,
         "kappa_mif": s.kept_layers_fraction * s.microbatches_in_flight,
         "kappa": float(s.kept_layers_fraction), "rerun": s.rerun_output_bytes,
-        "lyr": s.num_layers,
+        "lyr": s.num_layers, "mif": s.microbatches_in_flight,
         "nrep": per_rank(replicas), "rc": per_rank(rc), "w1": per_rank(w1), "w2": per_rank(w2),
         "held_dw2": per_rank(held_dw2), "held_dw": per_rank(held_dw),
     }

@@ -148,10 +148,13 @@ class LayerPlanner:
             # The plan does not fit: lower gamma to the smallest rank limit. The limits
             # bound what they cannot know before the plan (each source's kept pairs, the
             # retained rows per instance), so a plan within them fits.
-            instance_routed = np.add.reduce(cells, axis=0)                          # [I]
-            limit = s.cost.retained_limit(
-                share, ctx.replicas, routed,
-                np.maximum.reduceat(instance_routed, ctx.rank_starts))
+            if ctx.native is not None:
+                limit = ctx.native.retained_limit(share, cells, routed)
+            else:
+                instance_routed = np.add.reduce(cells, axis=0)                      # [I]
+                limit = s.cost.retained_limit(
+                    share, ctx.replicas, routed,
+                    np.maximum.reduceat(instance_routed, ctx.rank_starts))
             # Ranks that do not fit even keeping nothing (limit 0) stay over budget
             # whatever gamma is: they do not drag every rank's capacity to 1.
             short = (routed > limit) & (limit > 0)

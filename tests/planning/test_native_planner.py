@@ -242,6 +242,41 @@ def test_layer_planner_equals_python(case):
         assert torch.equal(native.smoothed_counts, python.smoothed_counts)
 
 
+@given(case=planner_cases(), scale=st.floats(0.0, 2.0), replicas=st.integers(0, 6),
+       data=st.data())
+@SETTINGS
+def test_memory_and_retained_limit_equal_the_cost_model(case, scale, replicas, data):
+    """Rank memory and the retained limit (the budget's gamma lowering), compiled, equal
+    the cost model's at any share, on placements with replicas."""
+    settings_, matrices = case
+    cost = settings_.cost
+    assume(cost is not None)
+    num_ranks, num_experts = settings_.num_ranks, settings_.num_experts
+    per_rank = num_experts // num_ranks
+    candidates = [(e, r) for e in range(num_experts) for r in range(num_ranks)
+                  if r != e // per_rank]
+    chosen = data.draw(st.lists(st.sampled_from(candidates), unique=True,
+                                max_size=min(replicas, len(candidates)))
+                       if candidates else st.just([]))
+    placement = Placement(num_ranks, num_experts, tuple(chosen))
+    rank_replicas = np.asarray(placement.replicas_per_rank(), dtype=np.int64)
+    native = native_planner(placement, cost, rank_replicas)
+    share = scale * cost.balanced_dropless_need() / cost.shape.num_layers
+    starts = np.asarray(placement.rank_starts[:-1], dtype=np.int64)
+    for counts in matrices:
+        assignment = assign_instances(counts, placement)
+        cells = assignment.counts.numpy()
+        load = assignment.load_per_rank().numpy()
+        plan = plan_retention(assignment.counts, num_ranks, 0.5, 0.0,
+                              instance_rank=placement.instance_rank,
+                              instance_expert=placement.instance_expert)
+        assert np.array_equal(native.memory(cells, plan.quotas.numpy(), load),
+                              cost.plan_memory(plan, rank_replicas))
+        largest = np.maximum.reduceat(np.add.reduce(cells, axis=0), starts)
+        assert np.array_equal(native.retained_limit(share, cells, load),
+                              cost.retained_limit(share, rank_replicas, load, largest))
+
+
 @given(routed=st.lists(st.integers(0, 5000), min_size=1, max_size=24),
        num_ranks=st.sampled_from([1, 2, 3, 4, 8]), per_step=st.integers(1, 16),
        gamma=st.sampled_from([0.5, 1.0, math.inf]), data=st.data())
