@@ -10,6 +10,7 @@ instance assignments and retention plans out; no process group and no config obj
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,7 +174,7 @@ class LayerPlanner:
                 notes.append(f"over budget on {int(np.add.reduce(over))} rank(s) by up to "
                              f"{float(np.maximum.reduce(memory - share)) / 2**20:.1f} MiB "
                              f"(the forward is never dropped)")
-        plan = MicroBatchPlan(assignment=assignment, retention=retention,
+        plan = MicroBatchPlan(assignment=assignment, retention=retention(),
                               capacity_factor_used=gamma, notes=tuple(notes), rank_load=routed)
         return plan, memory, (cells, quotas)
 
@@ -204,9 +205,10 @@ class LayerPlanner:
 
     def _retention(self, assignment: InstanceAssignment, cells: np.ndarray, gamma: float,
                    ctx: _PlacementContext, routed: np.ndarray
-                   ) -> tuple[RetentionPlan, np.ndarray]:
-        """(plan_retention of the assignment at ``gamma``, its quotas as an array);
-        ``cells``: the assignment's counts, ``routed``: its [R] loads."""
+                   ) -> tuple[Callable[[], RetentionPlan], np.ndarray]:
+        """(plan_retention of the assignment at ``gamma``, built when called: a plan the
+        budget replaces costs no tensors; its quotas as an array). ``cells``: the
+        assignment's counts, ``routed``: its [R] loads."""
         s = self.settings
         placement = assignment.placement
         floor = decimal_fraction(s.min_retention)
@@ -215,22 +217,25 @@ class LayerPlanner:
             plan = plan_retention(assignment.counts, s.num_ranks, gamma, s.min_retention,
                                   instance_rank=placement.instance_rank,
                                   instance_expert=placement.instance_expert)
-            return plan, plan.quotas.numpy()
+            return (lambda: plan), plan.quotas.numpy()
         cap = capacity_for_factor(gamma, int(np.add.reduce(routed)), s.num_ranks)
         quotas, level = ctx.native.retain(cells, cap, floor.numerator, floor.denominator)
-        # One read-only [R] tensor per capacity value (it repeats from call to call).
-        capacity = self._capacity_tensors.get(cap)
-        if capacity is None:
-            if len(self._capacity_tensors) >= 64:
-                self._capacity_tensors.clear()
-            capacity = torch.from_numpy(np.full(s.num_ranks, cap, dtype=np.int64))
-            self._capacity_tensors[cap] = capacity
-        return RetentionPlan(counts=assignment.counts, quotas=torch.from_numpy(quotas),
-                             capacity=capacity, water_level=torch.from_numpy(level),
-                             instance_rank=placement.instance_rank,
-                             instance_expert=placement.instance_expert,
-                             capacity_factor=float(gamma),
-                             min_retention=float(s.min_retention)), quotas
+
+        def make() -> RetentionPlan:
+            # One read-only [R] tensor per capacity value (it repeats from call to call).
+            capacity = self._capacity_tensors.get(cap)
+            if capacity is None:
+                if len(self._capacity_tensors) >= 64:
+                    self._capacity_tensors.clear()
+                capacity = torch.from_numpy(np.full(s.num_ranks, cap, dtype=np.int64))
+                self._capacity_tensors[cap] = capacity
+            return RetentionPlan(counts=assignment.counts, quotas=torch.from_numpy(quotas),
+                                 capacity=capacity, water_level=torch.from_numpy(level),
+                                 instance_rank=placement.instance_rank,
+                                 instance_expert=placement.instance_expert,
+                                 capacity_factor=float(gamma),
+                                 min_retention=float(s.min_retention))
+        return make, quotas
 
     def _memory(self, ctx: _PlacementContext, routed: np.ndarray, cells: np.ndarray,
                 quotas: np.ndarray) -> np.ndarray:
@@ -357,8 +362,9 @@ class LayerPlanner:
         ctx = self._context(placement)
         n = check_assignment_counts(counts, placement)
         assignment, cells, routed = self._assign(n, ctx, None)
-        retention, quotas = self._retention(assignment, cells, float(s.capacity_factor), ctx,
-                                            routed)
+        make_retention, quotas = self._retention(assignment, cells, float(s.capacity_factor),
+                                                 ctx, routed)
+        retention = make_retention()
         peak = float(np.maximum.reduce(self._memory(ctx, routed, cells, quotas)))
         starts = ctx.rank_starts
         fwd, bwd = cost.layer_time(np.add.reduceat(cells, starts, axis=1),
