@@ -243,7 +243,7 @@ class LRMoELayer(MoELayer):
         mb_plan, layout, order, planner_s = self._plan_micro_batch(planner, host, training)
         experts = self._region_experts(experts)
         pair_token, pair_prob = self._pairs_in_send_order(routing_map, probs, layout, order,
-                                                          mb_plan, x.device)
+                                                          x.device)
         rc = self._region_context(mb_plan, counts, training, planner_s)
         rc.layout = layout
         if training:
@@ -282,8 +282,7 @@ class LRMoELayer(MoELayer):
 
     def _pairs_in_send_order(self, routing_map: torch.Tensor, probs: torch.Tensor,
                              layout: CallLayout, order: np.ndarray | None,
-                             mb_plan: MicroBatchPlan, device: torch.device
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(pair_token [P], pair_prob [P]) of this rank's pairs in the region's send order.
 
         Pairs to instances: within each expert's pairs (token order) the routing's counts
