@@ -78,6 +78,7 @@ class LayerPlanner:
         self._last_arrays: tuple[MicroBatchPlan, np.ndarray, np.ndarray] | None = None
         self._contexts: dict[Placement, _PlacementContext] = {}
         self._placements: dict[tuple[tuple[int, int], ...], Placement] = {}
+        self._replica_costs: dict[int, float] = {}
         self.last_memory: np.ndarray | None = None
         """[R] bytes the latest ``plan`` holds on each rank (``CostModel.rank_memory``),
         computed whenever the settings carry a cost model (a budget, or a run held to its
@@ -317,7 +318,7 @@ class LayerPlanner:
         memory never ends on a worse estimate: the search is monotone in the budget.
         """
         s = self.settings
-        counts = torch.round(self.smoothed_counts).to(torch.int64)
+        counts = torch.round(self.smoothed_counts).to(torch.int64).numpy()   # checked below
         static = self._placement(())
         base, base_time, base_peak = self._unbudgeted(counts, static)
         share = s.layer_share
@@ -351,7 +352,7 @@ class LayerPlanner:
             f"memory-aware: {size} replicas, estimated layer time {time * 1e3:.3f} ms vs "
             f"static {base_time * 1e3:.3f} ms",)
 
-    def _unbudgeted(self, counts: torch.Tensor, placement: Placement
+    def _unbudgeted(self, counts: np.ndarray, placement: Placement
                     ) -> tuple[MicroBatchPlan, float, float]:
         """(plan, estimated time, peak memory) of ``placement`` on ``counts`` without the
         budget's influence: instance assignment without capacities, gamma as set. The time is
@@ -369,7 +370,10 @@ class LayerPlanner:
         starts = ctx.rank_starts
         fwd, bwd = cost.layer_time(np.add.reduceat(cells, starts, axis=1),
                                    np.add.reduceat(quotas, starts, axis=1))     # [R, R] each
-        sync = cost.replica_cost_per_microbatch(_busiest(placement))
+        busiest = _busiest(placement)
+        sync = self._replica_costs.get(busiest)
+        if sync is None:       # a pure function of the busiest count: priced once
+            sync = self._replica_costs[busiest] = cost.replica_cost_per_microbatch(busiest)
         plan = MicroBatchPlan(assignment=assignment, retention=retention,
                               capacity_factor_used=float(s.capacity_factor), rank_load=routed)
         return plan, fwd + bwd + sync, peak
