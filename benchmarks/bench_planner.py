@@ -1,42 +1,67 @@
-"""Planner speed: routing + quotas per micro-batch, placement per step, one CPU core.
+"""Planner speed: the host's planning per layer call and ``next_step`` per layer, one CPU core.
 
-    .venv/bin/python benchmarks/bench_planner.py                  # 64 ranks, 128 experts
-    .venv/bin/python benchmarks/bench_planner.py --repeats 50 \
+    .venv/bin/python benchmarks/bench_planner.py                       # EP 8, 16, 64
+    .venv/bin/python benchmarks/bench_planner.py --repeats 300 \
         --out benchmarks/results/bench_planner.md
 
-Targets (issue 4): ``LayerPlanner.plan`` (capacity-aware routing + retention quotas
-for one layer and micro-batch) under 1 ms median; ``next_step`` (the placement of one
-step) under 10 ms median; for each policy. Counts: every source rank routes
-tokens_per_rank * top-k pairs, expert popularity Zipf(s) over a random permutation of
-the experts (multinomial draws per rank, a fresh matrix per micro-batch). Cost model:
-Qwen3-30B-A3B expert shapes (H=2048, F=768, SwiGLU, bf16), 48 MoE layers; machine
-constants measured in-process by ``default_machine_constants('cpu')`` (the planner's
-choices depend on them, its speed hardly). The budget gives each layer the balanced
-dropless need plus ``--budget-replicas`` replicas' worth, so popularity and
-memory-aware produce a few dozen replicas. Timing: time.perf_counter around each
-call, torch.set_num_threads(1), medians over --repeats calls after warm-up.
+What is timed, per layer call ("call"): the host's work between the counts read and the
+first dispatch all-to-all on one EP rank (rank 0), everything computed from the gathered
+[R, E] counts to the tables the device ops use, run by the layer's own code
+(``LRMoELayer._plan_micro_batch`` and ``_count_training_call`` on a stand-in for the
+layer): ``observe`` (a training call), ``LayerPlanner.plan``, the region's ``CallLayout``
+(split sizes and the packed index tables), this source's instance-order chunk tables, and
+the call's host statistics. Not timed: the copies of the tables to the device and their
+expansion there (device work). ``plan`` alone is timed too.
+
+Paths: ``python`` is ``LayerPlanner(native=False)``, the Python planner (the reference),
+``compiled`` the compiled one (``planning/native.py``); the layer code is the same.
+
+Every tensor op the call dispatches (counted with a ``TorchDispatchMode``) is charged
+``--op-us`` microseconds on top of its measured time: on a GPU host each is a dispatch
+the CPU pays, so moving the work into many small tensor ops is not free. ``next_step``
+(placement of the next step, at the step boundary) is timed on its own per layer.
+
+Goals: call <= 0.1 ms at EP 8 and 16, <= 0.2 ms at EP 64; ``next_step`` <= 0.5 ms at
+EP 64 (medians). Every path listed in ``--paths`` is measured in the same run, side by
+side, on the same count matrices and placements.
+
+Shape: Qwen3-30B-A3B's experts (H=2048, F=768, SwiGLU, bf16, E=128, top-8, 4096 tokens
+per rank, 48 MoE layers, 8 micro-batches per step) with grouped GEMMs and the default
+uniform retention (retained set drawn in forward), EP size R. Counts: each source rank
+routes tokens * top-k pairs, expert popularity Zipf(s) over a random permutation of the
+experts, multinomial draws per rank, ``--batches`` matrices cycled. Budget: each layer
+gets the balanced dropless need plus ``--budget-replicas`` replicas' worth. Machine
+constants: ``default_machine_constants('cpu')`` (they set the planner's choices, hardly
+its speed). Timing: ``time.perf_counter`` around each call, ``torch.set_num_threads(1)``,
+medians over ``--repeats`` calls after warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import platform
 import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_lrmoe.layer.moe_layer import LRMoELayer
+from megatron_lrmoe.layer.region import RegionStats
+from megatron_lrmoe.layer.telemetry import LRMoELayerStats
 from megatron_lrmoe.planning.cost_model import CostModel, MoEShape
-from megatron_lrmoe.planning.instance_assignment import assign_instances
 from megatron_lrmoe.planning.machine import default_machine_constants
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
-from megatron_lrmoe.planning.retention import plan_retention
+from megatron_lrmoe.planning.retention import default_retention_in_forward
 from megatron_lrmoe.tools.provenance import code_version
+
+RANK = 0
 
 
 def skewed_counts(num_ranks: int, num_experts: int, pairs: int, zipf: float,
@@ -47,132 +72,204 @@ def skewed_counts(num_ranks: int, num_experts: int, pairs: int, zipf: float,
     return torch.stack([torch.bincount(d, minlength=num_experts) for d in draws])
 
 
-def median_ms(fn, repeats: int, warmup: int = 3) -> tuple[float, float]:
-    for _ in range(warmup):
-        fn()
+class _OpCounter(TorchDispatchMode):
+    """Counts the tensor ops dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _LayerStandIn:
+    """What ``LRMoELayer._plan_micro_batch`` and ``_count_training_call`` read of the layer
+    on rank ``RANK``: the layer's own code runs on it, without a model around it."""
+
+    def __init__(self, planner: LayerPlanner) -> None:
+        self.counts_exchange = SimpleNamespace(ep_rank=RANK)
+        self.placement_planner = planner
+        self.lrmoe_stats = LRMoELayerStats()
+        self.lrmoe_state = SimpleNamespace(count_training_forward=lambda: None)
+        self.last_plan = None
+
+    def _log_notes(self, notes: tuple[str, ...]) -> None:
+        pass
+
+
+def layer_call(layer: _LayerStandIn, planner: LayerPlanner, counts: torch.Tensor) -> None:
+    """The layer's host steps of one training call on rank ``RANK`` (module docstring)."""
+    host = counts.numpy()                 # as LRMoELayer.routed_output reads them
+    mb, _layout, order, _ = LRMoELayer._plan_micro_batch(layer, planner, host, True)
+    if order is not None:              # the host tables _pairs_in_send_order sends
+        torch.from_numpy(order)
+    LRMoELayer._count_training_call(layer, SimpleNamespace(stats=RegionStats()), mb, host)
+    if len(layer.lrmoe_stats.calls) > 1000:
+        layer.lrmoe_stats.reset()
+
+
+PLANNERS: dict[str, Callable[[PlannerSettings], LayerPlanner]] = {
+    "python": lambda settings: LayerPlanner(settings, native=False),
+    "compiled": lambda settings: LayerPlanner(settings, native=True),
+}
+
+
+def timed(fn: Callable[[int], object], repeats: int, warmup: int = 5) -> list[float]:
+    """Seconds of fn(i) for i in range(repeats), after ``warmup`` calls."""
+    for i in range(warmup):
+        fn(i)
     times = []
-    for _ in range(repeats):
+    for i in range(repeats):
         start = time.perf_counter()
-        fn()
+        fn(i)
         times.append(time.perf_counter() - start)
-    times.sort()
-    return statistics.median(times) * 1e3, times[int(0.9 * (len(times) - 1))] * 1e3
+    return times
+
+
+def measure(path: str, ranks: int, args, machine, batches_of) -> dict:
+    shape = MoEShape(2048, 768, args.experts, args.topk, gated=True, dtype_bytes=2,
+                     tokens_per_rank=args.tokens, num_layers=48, microbatches_in_flight=1,
+                     microbatches_per_step=8, expert_parallel_size=ranks, grouped_gemm=True,
+                     forward_retention=default_retention_in_forward())
+    cost = CostModel(shape, machine)
+    per_layer = cost.balanced_dropless_need() / shape.num_layers
+    budget = (per_layer + args.budget_replicas * shape.instance_bytes) * shape.num_layers
+    settings = PlannerSettings(args.policy, ranks, args.experts, capacity_factor=args.gamma,
+                               budget_bytes=budget, cost=cost)
+    batches = batches_of(ranks)
+    planner = PLANNERS[path](settings)
+    for counts in batches[:2]:
+        planner.observe(counts)
+    planner.next_step()
+
+    # next_step is timed alone: observe runs between the timed calls.
+    step_times, step_cpu = [], []
+    for i in range(args.step_repeats + 3):
+        planner.observe(batches[i % len(batches)])
+        start, cpu = time.perf_counter(), time.process_time()
+        planner.next_step()
+        if i >= 3:
+            step_times.append(time.perf_counter() - start)
+            step_cpu.append(time.process_time() - cpu)
+    # Fix the placement for the per-call timings: the one the planner chose on the
+    # batches' smoothed loads.
+    placement = planner.placement
+    layer = _LayerStandIn(planner)
+
+    def call(planner: LayerPlanner, counts: torch.Tensor) -> None:
+        layer_call(layer, planner, counts)
+
+    ops = []
+    for counts in batches:
+        with _OpCounter() as counter:
+            call(planner, counts)
+        ops.append(counter.ops)
+        planner.replace_observations(None, 0)
+    call_times = timed(lambda i: call(planner, batches[i % len(batches)]), args.repeats)
+    planner.replace_observations(None, 0)
+    charged = [t + args.op_us * 1e-6 * ops[i % len(batches)] for i, t in enumerate(call_times)]
+    plan_times = timed(lambda i: planner.plan(batches[i % len(batches)]), args.repeats)
+    mb = planner.plan(batches[0])
+    return {
+        "path": path, "ranks": ranks, "replicas": len(placement.replicas),
+        "call_ms": statistics.median(charged) * 1e3,
+        "call_p90": sorted(charged)[int(0.9 * (len(charged) - 1))] * 1e3,
+        "host_ms": statistics.median(call_times) * 1e3,
+        "ops": statistics.median(ops),
+        "plan_ms": statistics.median(plan_times) * 1e3,
+        "step_ms": statistics.median(step_times) * 1e3,
+        "step_cpu_ms": statistics.median(step_cpu) * 1e3,
+        "notes": "; ".join(mb.notes) or "-",
+    }
+
+
+GOALS = {"call": lambda r: 0.2 if r >= 64 else 0.1, "step": lambda r: 0.5 if r >= 64 else None}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=64)
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64])
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--zipf", type=float, default=1.0)
-    p.add_argument("--budget-replicas", type=float, default=0.5,
+    p.add_argument("--policy", default="memory-aware",
+                   choices=("static", "popularity", "memory-aware"))
+    p.add_argument("--budget-replicas", type=float, default=3.0,
                    help="replicas' worth of memory per rank per layer above the need")
     p.add_argument("--gamma", type=float, default=1.0, help="LRMoE capacity factor")
-    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=300, help="timed layer calls (>= 200)")
+    p.add_argument("--step-repeats", type=int, default=30, help="timed next_step calls")
     p.add_argument("--batches", type=int, default=8, help="distinct count matrices")
+    p.add_argument("--op-us", type=float, default=5.0,
+                   help="microseconds charged per dispatched tensor op")
+    p.add_argument("--paths", nargs="+", default=list(PLANNERS), choices=list(PLANNERS))
+    p.add_argument("--note", default="", help="a line on the machine's state, for the results")
     p.add_argument("--out", default=None, help="markdown file for the results")
     args = p.parse_args()
     torch.set_num_threads(1)
 
-    gen = torch.Generator().manual_seed(0)
-    perm = torch.randperm(args.experts, generator=gen)
-    batches = [skewed_counts(args.ranks, args.experts, args.tokens * args.topk, args.zipf,
-                             gen, perm) for _ in range(args.batches)]
     machine = default_machine_constants("cpu")
-    shape = MoEShape(2048, 768, args.experts, args.topk, gated=True, dtype_bytes=2,
-                     tokens_per_rank=args.tokens, num_layers=48, microbatches_in_flight=1,
-                     microbatches_per_step=8)
-    cost = CostModel(shape, machine)
-    per_layer = cost.balanced_dropless_need() / shape.num_layers
-    budget = (per_layer + args.budget_replicas * shape.instance_bytes) * shape.num_layers
+    cache: dict[int, list[torch.Tensor]] = {}
 
-    policies = [("static", args.gamma), ("popularity", math.inf),
-                ("memory-aware", args.gamma)]
-    rows = []
-    for policy, gamma in policies:
-        settings = PlannerSettings(policy, args.ranks, args.experts, capacity_factor=gamma,
-                                   budget_bytes=budget, cost=cost)
-        planner = LayerPlanner(settings)
-        for counts in batches[:2]:
-            planner.observe(counts)
-        planner.next_step()
-        step_i = [0]
+    def batches_of(ranks: int) -> list[torch.Tensor]:
+        if ranks not in cache:
+            gen = torch.Generator().manual_seed(ranks)
+            perm = torch.randperm(args.experts, generator=gen)
+            cache[ranks] = [skewed_counts(ranks, args.experts, args.tokens * args.topk,
+                                          args.zipf, gen, perm) for _ in range(args.batches)]
+        return cache[ranks]
 
-        def one_step(planner=planner, step_i=step_i):
-            planner.observe(batches[step_i[0] % len(batches)])
-            step_i[0] += 1
-            start = time.perf_counter()
-            planner.next_step()
-            return time.perf_counter() - start
+    rows = [measure(path, ranks, args, machine, batches_of)
+            for ranks in args.ranks for path in args.paths]
 
-        for _ in range(3):
-            one_step()
-        step_times = sorted(one_step() for _ in range(max(args.repeats // 3, 5)))
-        step_ms = statistics.median(step_times) * 1e3
-        placement = planner.placement
-        plan_i = [0]
+    def verdict(value: float, goal: float | None) -> str:
+        return "-" if goal is None else ("met" if value <= goal else "not met")
 
-        def one_plan(planner=planner, plan_i=plan_i):
-            planner.plan(batches[plan_i[0] % len(batches)])
-            plan_i[0] += 1
-
-        plan_ms, plan_p90 = median_ms(one_plan, args.repeats)
-        ctx = planner._context(placement)
-
-        def one_route(ctx=ctx, placement=placement, plan_i=plan_i):
-            assign_instances(batches[plan_i[0] % len(batches)], placement, ctx.capacity)
-            plan_i[0] += 1
-
-        route_ms, _ = median_ms(one_route, args.repeats)
-        mb = planner.plan(batches[0])
-        assignment = mb.assignment
-
-        def one_retention(assignment=assignment, placement=placement,
-                          gamma=mb.capacity_factor_used):
-            plan_retention(assignment.counts, args.ranks, gamma, 0.0,
-                           instance_rank=placement.instance_rank,
-                           instance_expert=placement.instance_expert)
-
-        retention_ms, _ = median_ms(one_retention, args.repeats)
-        load = mb.retention.routed_per_rank.double()
-        fwd, bwd = cost.layer_time(mb.retention.routed_matrix.numpy(),
-                                   mb.retention.retained_matrix.numpy())
-        rows.append((policy, "inf" if math.isinf(gamma) else f"{gamma:g}", len(placement.replicas),
-                     plan_ms, plan_p90, route_ms, retention_ms, step_ms,
-                     float(load.max() / load.mean()), (fwd + bwd) * 1e3,
-                     "; ".join(mb.notes) or "-"))
-
-    header = ("| policy | gamma | replicas | plan ms (median) | plan p90 | assign_instances ms | "
-              "plan_retention ms | next_step ms (median) | fwd max/mean load | est. layer ms "
-              "| notes |")
-    lines = [header, "|" + "---|" * 11]
+    header = ("| EP | path | replicas | call ms (median, incl. ops) | call p90 | host ms "
+              "| tensor ops | plan ms | next_step ms | next_step CPU ms | call goal "
+              "| next_step goal | notes |")
+    lines = [header, "|" + "---|" * 13]
     for r in rows:
-        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.3f} | "
-                     f"{r[6]:.3f} | {r[7]:.3f} | {r[8]:.3f} | {r[9]:.2f} | {r[10]} |")
+        call_goal, step_goal = GOALS["call"](r["ranks"]), GOALS["step"](r["ranks"])
+        lines.append(
+            f"| {r['ranks']} | {r['path']} | {r['replicas']} | {r['call_ms']:.3f} | "
+            f"{r['call_p90']:.3f} | {r['host_ms']:.3f} | {r['ops']:g} | {r['plan_ms']:.3f} | "
+            f"{r['step_ms']:.3f} | {r['step_cpu_ms']:.3f} | "
+            f"{call_goal:g}: {verdict(r['call_ms'], call_goal)} | "
+            f"{'-' if step_goal is None else f'{step_goal:g}: ' + verdict(r['step_ms'], step_goal)}"
+            f" | {r['notes']} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
         command = " ".join(shlex.quote(a) for a in [".venv/bin/python", *sys.argv])
+        budget_text = (f"per layer the balanced dropless need + {args.budget_replicas:g} "
+                       f"replica(s)")
         text = "\n".join([
-            "# Planner speed: routing + quotas per micro-batch, placement per step",
+            "# Planner speed: host planning per layer call, next_step per layer",
             "",
             f"- command: `{command}`",
             f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
             f"- machine: {platform.processor() or platform.machine()}, 1 thread "
             f"(torch.set_num_threads(1)), torch {torch.__version__}, python "
             f"{platform.python_version()}; code: {code_version()}",
-            f"- counts: {args.ranks} ranks x {args.experts} experts, {args.tokens} tokens per "
-            f"rank, top-{args.topk}, Zipf({args.zipf:g}) popularity, {args.batches} "
-            f"matrices cycled",
-            f"- cost model: H=2048 F=768 SwiGLU bf16, 48 layers, 8 micro-batches per step; "
-            f"machine: {machine.source}",
-            f"- budget: per layer the balanced dropless need + {args.budget_replicas:g} "
-            f"replica(s) ({budget / 2**30:.2f} GiB per rank for 48 layers)",
-            "- plan = LayerPlanner.plan (assign_instances + gamma under the budget + "
-            "plan_retention + memory check); assign_instances and plan_retention timed alone "
-            "on the same placement; next_step timed on its own (observe excluded)",
-            "- targets: plan < 1 ms, next_step < 10 ms (medians)",
+            *([f"- machine state: {args.note}"] if args.note else []),
+            f"- counts: R ranks x {args.experts} experts, {args.tokens} tokens per rank, "
+            f"top-{args.topk}, Zipf({args.zipf:g}) popularity, {args.batches} matrices "
+            f"cycled; policy {args.policy}, gamma {args.gamma:g}, uniform retention",
+            f"- cost model: H=2048 F=768 SwiGLU bf16, grouped GEMMs, 48 layers, 8 micro-batches "
+            f"per step, EP size R; machine: {machine.source}",
+            f"- budget: {budget_text}",
+            f"- call = the host's work from the gathered counts to the first dispatch "
+            f"all-to-all on rank {RANK} (observe, plan, the layer's pair order tables, "
+            f"CallLayout, call statistics), + {args.op_us:g} us per dispatched tensor op "
+            f"(tensor ops column); median of {args.repeats} calls; plan = "
+            f"LayerPlanner.plan alone; next_step median of {args.step_repeats} (wall time, "
+            f"and this process's CPU time, which other jobs on the machine disturb less)",
+            "- goals: call <= 0.1 ms at EP 8 and 16, <= 0.2 ms at EP 64; next_step <= 0.5 ms "
+            "at EP 64",
             "",
             table,
             "",

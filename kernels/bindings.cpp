@@ -37,6 +37,8 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include "planner.h"
+
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -681,4 +683,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("check") = true, py::call_guard<py::gil_scoped_release>());
   m.def("built_with_cuda", &lrmoe::built_with_cuda,
         "True when this build includes the CUDA backend");
+  lrmoe::register_planner(m);
 }

@@ -18,6 +18,7 @@ import re
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
@@ -29,9 +30,10 @@ from megatron_lrmoe.layer.region import (
     ExpertWeights,
     RegionContext,
     active_kept_pairs_log,
+    local_instances,
     lrmoe_region,
 )
-from megatron_lrmoe.layer.region_layout import chunk_permutation, to_device
+from megatron_lrmoe.layer.region_layout import CallLayout, chunk_permutation, to_device
 from megatron_lrmoe.layer.replicas import ExpertReplicas
 from megatron_lrmoe.layer.step_state import (
     PLANNER_STATE_FLAG,
@@ -238,25 +240,39 @@ class LRMoELayer(MoELayer):
         if experts is None:
             experts = self.experts.expert_weights()
             self._start_refresh(experts)
-        mb_plan, planner_s = self._plan_micro_batch(planner, counts, training)
+        host = counts.numpy()      # the gathered counts (host int64), read once
+        mb_plan, layout, order, planner_s = self._plan_micro_batch(planner, host, training)
         experts = self._region_experts(experts)
-        pair_token, pair_prob = self._pairs_in_send_order(routing_map, probs, counts, mb_plan,
+        pair_token, pair_prob = self._pairs_in_send_order(routing_map, probs, layout, order,
                                                           x.device)
         rc = self._region_context(mb_plan, counts, training, planner_s)
+        rc.layout = layout
         if training:
-            self._count_training_call(rc, mb_plan, counts)
+            self._count_training_call(rc, mb_plan, host)
         return lrmoe_region(x, pair_token, pair_prob, rc, experts).view(shape)
 
-    def _plan_micro_batch(self, planner: LayerPlanner, counts: torch.Tensor, training: bool
-                          ) -> tuple[MicroBatchPlan, float]:
-        """The planner's routing and quotas of this micro-batch (observed first when
-        training), and the host seconds it took."""
+    def _plan_micro_batch(self, planner: LayerPlanner, host: np.ndarray, training: bool
+                          ) -> tuple[MicroBatchPlan, CallLayout, np.ndarray | None, float]:
+        """The host's planning of this call, from the gathered counts to the tables the
+        device ops use: the planner's routing and quotas (observed first when training),
+        the region's ``CallLayout`` on this rank and this source's instance-order chunk
+        tables ([2, I], None without replicas); and the host seconds it all took.
+        ``host``: the gathered [R, E] counts as a host array."""
         started = time.perf_counter()
+        rank = self.counts_exchange.ep_rank
         if training:
-            planner.observe(counts)
-        mb_plan = planner.plan(counts)
+            planner.observe(host)
+        mb_plan = planner.plan(host)
         self.last_plan = mb_plan   # routing and quotas of the latest call (for tools)
-        return mb_plan, time.perf_counter() - started
+        local = local_instances(mb_plan.retention, rank)
+        native = planner.native_layout(mb_plan, rank)
+        if native is not None:
+            sizes, tables, order = native
+            layout = CallLayout.from_native(rank, local, sizes, tables)
+        else:
+            layout = CallLayout(mb_plan.retention, rank, local)
+            order = _instance_order_tables(mb_plan.assignment.counts[rank], planner.placement)
+        return mb_plan, layout, order, time.perf_counter() - started
 
     def _region_experts(self, experts: ExpertWeights) -> ExpertWeights:
         """The home experts followed by this step's replicas, once their refresh is done."""
@@ -266,17 +282,19 @@ class LRMoELayer(MoELayer):
         return experts
 
     def _pairs_in_send_order(self, routing_map: torch.Tensor, probs: torch.Tensor,
-                             counts: torch.Tensor, mb_plan: MicroBatchPlan,
+                             layout: CallLayout, order: np.ndarray | None,
                              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(pair_token [P], pair_prob [P]) of this rank's pairs in the region's send order.
 
         Pairs to instances: within each expert's pairs (token order) the routing's counts
         for this source, instance by instance; then instance-major order, which is
-        destination-rank order since instances are rank-major."""
-        rank = self.counts_exchange.ep_rank
-        order = _instance_order(mb_plan.assignment.counts[rank], self.placement_planner.placement,
-                                device)
-        return _expert_major_pairs(routing_map, probs, int(counts[rank].sum()), order)
+        destination-rank order since instances are rank-major. ``order``: the chunk
+        tables of that reorder (``_instance_order_tables``), None without replicas."""
+        index = None
+        if order is not None:
+            tables = to_device(torch.from_numpy(order), device)
+            index = chunk_permutation(tables[0], tables[1], layout.num_pairs)
+        return _expert_major_pairs(routing_map, probs, layout.num_pairs, index)
 
     def _region_context(self, mb_plan: MicroBatchPlan, counts: torch.Tensor, training: bool,
                         planner_s: float) -> RegionContext:
@@ -308,7 +326,7 @@ class LRMoELayer(MoELayer):
         return rc
 
     def _count_training_call(self, rc: RegionContext, mb_plan: MicroBatchPlan,
-                             counts: torch.Tensor) -> None:
+                             counts: np.ndarray) -> None:
         """A training micro-batch: log the planner's new notes, take the next draw
         ordinal and record the call's statistics (host figures from the plan)."""
         if mb_plan.notes:
@@ -316,11 +334,14 @@ class LRMoELayer(MoELayer):
         self.lrmoe_state.count_training_forward()
         stats = self.lrmoe_stats
         stats.calls.append(rc.stats)
+        # Host arrays, not tensors: no tensor op per call for the statistics.
         stats.add_expert_load(counts[self.counts_exchange.ep_rank])
         stats.replicas = max(stats.replicas, len(self.placement_planner.placement.replicas))
-        per_rank = mb_plan.retention.routed_per_rank.double()
-        if float(per_rank.mean()) > 0:
-            stats.load_max_over_mean.append(float(per_rank.max() / per_rank.mean()))
+        per_rank = (mb_plan.rank_load if mb_plan.rank_load is not None
+                    else mb_plan.retention.routed_per_rank.numpy())
+        mean = float(np.add.reduce(per_rank)) / len(per_rank)
+        if mean > 0:
+            stats.load_max_over_mean.append(float(np.maximum.reduce(per_rank)) / mean)
 
     def _start_refresh(self, experts: ExpertWeights) -> None:
         """Start this step's replica refresh if it is due (the layer's first forward after
@@ -372,7 +393,7 @@ def _cell_instances(placement: Placement) -> torch.Tensor:
 def _expert_major_pairs(routing_map: torch.Tensor, probs: torch.Tensor, num_pairs: int,
                         order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair_token [P], pair_prob [P]) of this rank's routed pairs, by expert then token,
-    then reordered by ``order`` [P] (``_instance_order``) when given.
+    then reordered by ``order`` [P] (from ``_instance_order_tables``) when given.
 
     P comes from the counts exchange (host), so ``nonzero_static`` needs no sync (plain
     ``nonzero`` reads its output size from the device). pair_prob is a differentiable
@@ -388,10 +409,12 @@ def _expert_major_pairs(routing_map: torch.Tensor, probs: torch.Tensor, num_pair
     return pair_token, probs.reshape(-1).index_select(0, flat)
 
 
-def _instance_order(source_counts: torch.Tensor, placement: Placement,
-                    device: torch.device) -> torch.Tensor | None:
-    """Permutation of this source's expert-major pairs into instance-major order
-    (None without replicas: instance i is expert i).
+def _instance_order_tables(source_counts: torch.Tensor, placement: Placement
+                          ) -> np.ndarray | None:
+    """Chunk tables [2, I] of the permutation of this source's expert-major pairs into
+    instance-major order (None without replicas: instance i is expert i): per instance,
+    the shift from its chunk's instance-major start to its expert-major start, and the
+    chunk's size.
 
     source_counts: [I] pairs this source sends to each instance (host). The pairs of a
     cell are contiguous in both orders, so the permutation is a reorder of chunks whose
@@ -404,5 +427,4 @@ def _instance_order(source_counts: torch.Tensor, placement: Placement,
     start_of = torch.empty_like(start_now)
     start_of[cell_instance] = start_now                       # by instance
     start_new = torch.cumsum(source_counts, 0) - source_counts
-    tables = to_device(torch.stack([start_of - start_new, source_counts]), device)
-    return chunk_permutation(tables[0], tables[1], int(source_counts.sum()))
+    return torch.stack([start_of - start_new, source_counts]).numpy()

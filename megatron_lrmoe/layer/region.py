@@ -53,7 +53,7 @@ from megatron_lrmoe.planning.retention import (
 )
 
 __all__ = ["ExpertWeights", "KeptPairs", "KeptPairsLog", "RegionContext", "RegionStats",
-           "lrmoe_region", "record_kept_pairs"]
+           "local_instances", "lrmoe_region", "record_kept_pairs"]
 
 
 @dataclass(frozen=True)
@@ -197,6 +197,9 @@ class RegionContext:
     on_replica_grads: ReplicaGradHook | None = None
     """Called in backward with the replicas' (dW1, dW2); returns additions to the home
     experts' gradients (empty lists: none this micro-batch). Required with replicas."""
+    layout: CallLayout | None = None
+    """This call's host layout on ``rank`` when the caller planned it already (the
+    compiled planner's); None: computed from ``plan`` in forward."""
 
     @property
     def needs_metric(self) -> bool:
@@ -217,7 +220,7 @@ ReplicaGradHook = Callable[[list[torch.Tensor], list[torch.Tensor]],
                            tuple[list[torch.Tensor], list[torch.Tensor]]]
 
 
-def _local_instances(plan: RetentionPlan, rank: int) -> range:
+def local_instances(plan: RetentionPlan, rank: int) -> range:
     """This rank's instance columns: contiguous, since instances are rank-major."""
     return _rank_columns(plan.instance_rank, rank)
 
@@ -273,11 +276,11 @@ class _LRMoERegion(torch.autograd.Function):
     def forward(ctx, x, pair_token, pair_prob, rc: RegionContext, experts: ExpertWeights,
                 *weights):
         plan, group, s = rc.plan, rc.group, rc.rank
-        local = _local_instances(plan, s)
+        local = local_instances(plan, s)
         if len(local) != len(experts.w1):
             raise ValueError(f"rank {s} hosts {len(local)} instances but got weights for "
                              f"{len(experts.w1)}")
-        lay = CallLayout(plan, s, local)
+        lay = rc.layout if rc.layout is not None else CallLayout(plan, s, local)
         tables_buffer, tables = lay.device_tables(x.device)
         grouped = use_grouped_mm(rc.grouped_gemm, x, experts.w1[0], experts.w2[0])
         offs = tables.offs_fwd if grouped else None

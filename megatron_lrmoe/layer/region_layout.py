@@ -159,6 +159,21 @@ class CallLayout:
         self._sizes = [len(p) for p in parts]
         self._packed = torch.from_numpy(np.concatenate(parts).astype(np.int64))
 
+    @classmethod
+    def from_native(cls, rank: int, local: range, sizes: tuple, tables: tuple) -> CallLayout:
+        """The layout the compiled planner computed (``NativePlanner.layout``: the same
+        values as ``CallLayout(plan, rank, local)``, without the numpy passes)."""
+        lay = cls.__new__(cls)
+        lay.rank, lay.local = rank, local
+        (lay.send_fwd, lay.recv_fwd, lay.send_bwd, lay.recv_bwd, lay.num_pairs, lay.num_kept,
+         lay.receiver_keeps_all, lay.positions_exchanged, lay.send_pos, lay.recv_pos) = sizes
+        (lay.rows_fwd, lay.rows_bwd, lay.received, lay.received_kept, lay.fwd_identity,
+         lay.bwd_identity, lay._sizes, packed) = tables
+        lay.num_ranks, lay.num_instances = len(lay.send_fwd), lay._sizes[1]
+        lay.source_keeps_all = lay.num_kept == lay.num_pairs
+        lay._packed = torch.from_numpy(packed)
+        return lay
+
     def device_tables(self, device: torch.device) -> tuple[torch.Tensor, DeviceTables]:
         """The packed tables on ``device`` (one non-blocking copy) and views into them."""
         packed = to_device(self._packed, device)

@@ -20,6 +20,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -35,18 +36,25 @@ class LRMoELayerStats:
 
     calls: list[RegionStats] = field(default_factory=list)
     load_max_over_mean: list[float] = field(default_factory=list)
-    expert_load: torch.Tensor | None = None  # [E] pairs this rank routed to each expert
     replicas: int = 0                        # most replicas of any step since the reset
+    # [E] float64 pairs this rank routed to each expert, summed in numpy: a layer call
+    # then pays no tensor op for it (``expert_load`` is the tensor view).
+    _load: np.ndarray | None = None
+
+    @property
+    def expert_load(self) -> torch.Tensor | None:
+        """[E] float64 pairs this rank routed to each expert since the reset."""
+        return None if self._load is None else torch.from_numpy(self._load)
 
     def reset(self) -> None:
         self.calls.clear()
         self.load_max_over_mean.clear()
-        self.expert_load = None
+        self._load = None
         self.replicas = 0
 
     def mark(self) -> tuple[int, int, torch.Tensor | None, int]:
         """Where the records stand now, for ``rewind`` (a re-run step's undo)."""
-        load = None if self.expert_load is None else self.expert_load.clone()
+        load = None if self._load is None else torch.from_numpy(self._load.copy())
         return len(self.calls), len(self.load_max_over_mean), load, self.replicas
 
     def rewind(self, mark: tuple[int, int, torch.Tensor | None, int]) -> None:
@@ -54,11 +62,14 @@ class LRMoELayerStats:
         calls, loads, expert_load, replicas = mark
         del self.calls[calls:]
         del self.load_max_over_mean[loads:]
-        self.expert_load, self.replicas = expert_load, replicas
+        self._load = None if expert_load is None else expert_load.numpy().copy()
+        self.replicas = replicas
 
-    def add_expert_load(self, routed: torch.Tensor) -> None:
-        routed = routed.to(torch.float64)
-        self.expert_load = routed if self.expert_load is None else self.expert_load + routed
+    def add_expert_load(self, routed: np.ndarray | torch.Tensor) -> None:
+        """Add [E] pairs this rank routed to each expert (host values): in numpy, so a
+        layer call pays no tensor op for it."""
+        routed = np.asarray(routed, dtype=np.float64)
+        self._load = routed.copy() if self._load is None else self._load + routed
 
     def metric_sums(self) -> torch.Tensor | None:
         """[3] on the device: (total metric, dropped metric, measured calls) over the

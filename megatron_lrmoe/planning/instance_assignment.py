@@ -517,16 +517,32 @@ def _fill_replicated(out: np.ndarray, n: np.ndarray, x: np.ndarray,
     flat[layout.valid_ranks * out.shape[1] + layout.valid_instances] += local
 
 
-def check_assignment_counts(counts: torch.Tensor, placement: Placement) -> np.ndarray:
+def check_assignment_counts(counts: torch.Tensor | np.ndarray,
+                            placement: Placement) -> np.ndarray:
+    """[R, E] int64 host counts (read in place where they are already), checked."""
+    if isinstance(counts, np.ndarray):            # host counts the caller already read
+        if counts.dtype.kind not in "iu":
+            raise ValueError(f"counts must be an integer array, got dtype {counts.dtype}")
+        if counts.shape != (placement.num_ranks, placement.num_experts):
+            raise ValueError(f"counts must have shape [R, E] = "
+                             f"{(placement.num_ranks, placement.num_experts)}, "
+                             f"got {counts.shape}")
+        n = counts.astype(np.int64, copy=False)
+        if (n < 0).any():
+            raise ValueError("counts must be non-negative")
+        return n
     if not isinstance(counts, torch.Tensor):
-        raise TypeError(f"counts must be a torch.Tensor, got {type(counts).__name__}")
+        raise TypeError(f"counts must be a torch.Tensor or a numpy array, "
+                        f"got {type(counts).__name__}")
     if counts.dim() != 2 or tuple(counts.shape) != (placement.num_ranks, placement.num_experts):
         raise ValueError(f"counts must have shape [R, E] = "
                          f"{(placement.num_ranks, placement.num_experts)}, "
                          f"got {tuple(counts.shape)}")
     if counts.dtype == torch.bool or counts.is_floating_point() or counts.is_complex():
         raise ValueError(f"counts must be an integer tensor, got dtype {counts.dtype}")
-    n = counts.detach().to(device="cpu", dtype=torch.int64).numpy()
+    # Host int64 counts are read in place (no tensor op); others are copied to them.
+    n = (counts.numpy() if counts.dtype == torch.int64 and counts.device.type == "cpu"
+         else counts.detach().to(device="cpu", dtype=torch.int64).numpy())
     if (n < 0).any():
         raise ValueError("counts must be non-negative")
     return n

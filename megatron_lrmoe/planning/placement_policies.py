@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from megatron_lrmoe.planning.native import native_greedy
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.plan_types import MicroBatchPlan, PlannerSettings
 from megatron_lrmoe.planning.retention import UNLIMITED_CAPACITY
@@ -68,7 +69,7 @@ def popularity_placement(popularity: np.ndarray, num_ranks: int, num_experts: in
 
 
 def greedy_replicas(routed: list[int], base: MicroBatchPlan,
-                     settings: PlannerSettings) -> list[tuple[int, int]]:
+                     settings: PlannerSettings, native: bool = False) -> list[tuple[int, int]]:
     """Replicas in the order a greedy search adds them, on a fluid load estimate.
 
     State: each expert's pairs spread over its instances' ranks (starting from
@@ -89,6 +90,9 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     larger budget admits every prefix a smaller one did (``LayerPlanner``'s memory-aware
     search is monotone in the budget); ``base`` must therefore be planned without the
     budget's influence too.
+
+    ``native``: the moves by the compiled planner (``planning/native.py``: the same
+    moves, to the bit); else in Python (the reference).
     """
     cost = settings.cost
     num_ranks, num_experts = settings.num_ranks, settings.num_experts
@@ -97,13 +101,17 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     retained_cap = math.inf if cap_count == UNLIMITED_CAPACITY else float(cap_count)
     off_rank = (num_ranks - 1) / num_ranks
 
+    sync_cost: dict[int, float] = {}      # replica_cost_per_microbatch by busiest
+
     def est_times(tops: list[float], busiest_sync: list[int]) -> np.ndarray:
         # Per micro-batch: the layer at the top load, plus what the replicas cost in
         # transfers amortised over the step's micro-batches; a prefix is kept only if
         # the time it saves exceeds that cost. Priced in one call per batch of moves.
         top = np.asarray(tops, dtype=np.float64)
         ret = np.minimum(top, retained_cap)
-        sync = np.array([cost.replica_cost_per_microbatch(b) for b in busiest_sync])
+        for b in set(busiest_sync) - sync_cost.keys():
+            sync_cost[b] = cost.replica_cost_per_microbatch(b)
+        sync = np.array([sync_cost[b] for b in busiest_sync])
         return cost.load_times(top, ret, top * off_rank, ret * off_rank) + sync
 
     load = [0.0] * num_ranks
@@ -118,6 +126,7 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     added: list[tuple[int, int]] = []
     tops: list[float] = []           # after each move: the maximum load ...
     syncs: list[int] = []            # ... and the busiest replica sender or receiver
+    compiled = native_greedy(routed, num_ranks, num_experts) if native else None
     best_time, best_len = float(est_times([max(load)], [0])[0]), 0
     priced = 0                       # moves whose time is known
     max_moves = num_ranks * (num_experts - per_rank)
@@ -127,7 +136,14 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     # have stopped: the same prefix, with one cost-model call per batch.
     exhausted = False                # no allowed move is left
     while True:
-        while (not exhausted and len(added) < max_moves
+        if compiled is not None:        # the loop below, in one call
+            target = min(max_moves, best_len + num_ranks + 1)
+            if not exhausted and len(added) < target:
+                moves, new_tops, new_syncs, exhausted = compiled.advance(target)
+                added += moves
+                tops += new_tops
+                syncs += new_syncs
+        while (compiled is None and not exhausted and len(added) < max_moves
                and len(added) - best_len <= num_ranks):
             if not _greedy_move(load, spread, on_rank, routed, num_ranks, added, per_rank,
                                 sync_sent, sync_recv):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from megatron_lrmoe.config.options import (
     check_capacity_factor,
     check_fraction,
@@ -142,3 +144,6 @@ class MicroBatchPlan:
     """gamma actually used: below the settings' when the budget required it."""
     notes: tuple[str, ...] = ()
     """What the planner did (overflow, lowered gamma, over budget), for logs."""
+    rank_load: np.ndarray | None = None
+    """[R] int64 L_r, the routed pairs each rank receives (``retention.routed_per_rank``
+    as a host array, without a tensor op); None where the plan was built without it."""

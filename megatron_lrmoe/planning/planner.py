@@ -10,6 +10,7 @@ instance assignments and retention plans out; no process group and no config obj
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +23,14 @@ from megatron_lrmoe.planning.instance_assignment import (
     assign_checked,
     check_assignment_counts,
 )
+from megatron_lrmoe.planning.native import native_available, native_planner
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.placement_policies import greedy_replicas, popularity_placement
 from megatron_lrmoe.planning.plan_types import MicroBatchPlan, PlannerSettings
 from megatron_lrmoe.planning.retention import (
     RetentionPlan,
     capacity_for_factor,
+    decimal_fraction,
     factor_for_capacity,
     plan_retention,
 )
@@ -43,6 +46,7 @@ class _PlacementContext:
     replicas: np.ndarray                # [R] int64 replicas each rank hosts
     capacity: np.ndarray | None         # [R] int64 assignment capacity (None: no budget)
     rank_starts: np.ndarray             # [R] first instance of each rank
+    native: Any = None                  # the compiled planner of the placement, or None
 
 
 class LayerPlanner:
@@ -54,16 +58,27 @@ class LayerPlanner:
     placement of the next step (docs/design.md, "Placement").
     """
 
-    def __init__(self, settings: PlannerSettings):
+    def __init__(self, settings: PlannerSettings, native: bool | None = None):
+        """``native``: plan each call with the compiled planner (``planning/native.py``;
+        the same plans, to the bit), or in Python (False: the reference); None: compiled
+        where the extension has it."""
+        if native and not native_available():
+            raise ValueError("LayerPlanner(native=True): megatron_lrmoe._kernels has no "
+                             "NativePlanner; rebuild the extension or pass native=None")
+        self.native = native_available() if native is None else bool(native)
         self.settings = settings
         self.placement = Placement.static(settings.num_ranks, settings.num_experts)
         self.step = 0
         self.smoothed_counts: torch.Tensor | None = None
         self.placement_notes: tuple[str, ...] = ()
         """What the last ``next_step`` did, for logs."""
-        self._observed_sum: torch.Tensor | None = None
+        self._observed_sum: np.ndarray | None = None    # [R, E] float64 (numpy: no tensor op)
         self._observed = 0
+        self._capacity_tensors: dict[int, torch.Tensor] = {}
+        self._last_arrays: tuple[MicroBatchPlan, np.ndarray, np.ndarray] | None = None
         self._contexts: dict[Placement, _PlacementContext] = {}
+        self._placements: dict[tuple[tuple[int, int], ...], Placement] = {}
+        self._replica_costs: dict[int, float] = {}
         self.last_memory: np.ndarray | None = None
         """[R] bytes the latest ``plan`` holds on each rank (``CostModel.rank_memory``),
         computed whenever the settings carry a cost model (a budget, or a run held to its
@@ -71,15 +86,16 @@ class LayerPlanner:
         device means is the caller's (the launcher stops the run)."""
 
     # ------------------------------------------------------------- per batch
-    def observe(self, counts: torch.Tensor) -> None:
+    def observe(self, counts: torch.Tensor | np.ndarray) -> None:
         """Record one training micro-batch's gathered [R, E] counts of this step."""
-        n = torch.from_numpy(check_assignment_counts(counts, self.placement)).to(torch.float64)
+        n = check_assignment_counts(counts, self.placement).astype(np.float64)
         self._observed_sum = n if self._observed_sum is None else self._observed_sum + n
         self._observed += 1
 
     def observations(self) -> tuple[torch.Tensor | None, int]:
         """This step's observations so far: (sum of the [R, E] counts, micro-batches)."""
-        return self._observed_sum, self._observed
+        total = self._observed_sum
+        return (None if total is None else torch.from_numpy(total)), self._observed
 
     def replace_observations(self, counts_sum: torch.Tensor | None, microbatches: int) -> None:
         """Make (``counts_sum``, ``microbatches``) this step's observations.
@@ -95,10 +111,10 @@ class LayerPlanner:
         if (counts_sum is None) != (microbatches == 0):
             raise ValueError("observations: counts without micro-batches or the reverse")
         self._observed_sum = (None if counts_sum is None
-                              else counts_sum.detach().to("cpu", torch.float64).clone())
+                              else counts_sum.detach().to("cpu", torch.float64).numpy().copy())
         self._observed = int(microbatches)
 
-    def plan(self, counts: torch.Tensor) -> MicroBatchPlan:
+    def plan(self, counts: torch.Tensor | np.ndarray) -> MicroBatchPlan:
         """Instance assignment and quotas of one micro-batch under the current placement.
 
         With a budget the instance assignment respects each rank's buffer capacity (the layer share
@@ -106,18 +122,18 @@ class LayerPlanner:
         until the backward buffers do; the forward never drops. What was done is in
         ``notes``.
         """
-        plan, self.last_memory = self._plan(counts, self._context(self.placement))
+        plan, self.last_memory, arrays = self._plan(counts, self._context(self.placement))
+        self._last_arrays = (plan, *arrays)
         return plan
 
-    def _plan(self, counts: torch.Tensor,
-              ctx: _PlacementContext) -> tuple[MicroBatchPlan, np.ndarray | None]:
-        """(the plan, [R] CostModel.rank_memory of it or None without a cost model)."""
+    def _plan(self, counts: torch.Tensor | np.ndarray, ctx: _PlacementContext
+              ) -> tuple[MicroBatchPlan, np.ndarray | None, tuple[np.ndarray, np.ndarray]]:
+        """(the plan, [R] CostModel.rank_memory of it or None without a cost model, the
+        plan's [R, I] counts and quotas as the arrays its tensors view)."""
         # numpy on [R] arrays (a torch op costs ~10 us here), as the cost model is.
         s = self.settings
-        placement = ctx.placement
-        assignment, routed = assign_checked(check_assignment_counts(counts, placement), placement,
-                                        ctx.capacity)           # routed: [R] load per rank
-        instance_routed = np.add.reduce(assignment.counts.numpy(), axis=0)      # [I]
+        n = check_assignment_counts(counts, ctx.placement)
+        assignment, cells, routed = self._assign(n, ctx, ctx.capacity)  # routed: [R] load
         overflow = assignment.overflow
         notes = []
         if overflow:
@@ -125,18 +141,22 @@ class LayerPlanner:
                          f"capacity went to home instances")
         gamma = float(s.capacity_factor)
         share = s.layer_share
-        retention = self._retention(assignment, gamma)
+        retention, quotas = self._retention(assignment, cells, gamma, ctx, routed)
         memory = None
         if s.cost is not None:
-            memory = _memory(s.cost, ctx, routed, instance_routed, retention.quotas.numpy())
+            memory = self._memory(ctx, routed, cells, quotas)
         if (share is not None and memory is not None and math.isfinite(gamma)
                 and bool((memory > share).any())):
             # The plan does not fit: lower gamma to the smallest rank limit. The limits
             # bound what they cannot know before the plan (each source's kept pairs, the
             # retained rows per instance), so a plan within them fits.
-            limit = s.cost.retained_limit(
-                share, ctx.replicas, routed,
-                np.maximum.reduceat(instance_routed, ctx.rank_starts))
+            if ctx.native is not None:
+                limit = ctx.native.retained_limit(share, cells, routed)
+            else:
+                instance_routed = np.add.reduce(cells, axis=0)                      # [I]
+                limit = s.cost.retained_limit(
+                    share, ctx.replicas, routed,
+                    np.maximum.reduceat(instance_routed, ctx.rank_starts))
             # Ranks that do not fit even keeping nothing (limit 0) stay over budget
             # whatever gamma is: they do not drag every rank's capacity to 1.
             short = (routed > limit) & (limit > 0)
@@ -147,36 +167,109 @@ class LayerPlanner:
                     gamma = factor_for_capacity(needed, total, s.num_ranks)
                     notes.append(f"budget: backward capacity factor lowered from "
                                  f"{s.capacity_factor:g} to {gamma:.4g} (C={needed})")
-                    retention = self._retention(assignment, gamma)
-                    memory = _memory(s.cost, ctx, routed, instance_routed,
-                                     retention.quotas.numpy())
+                    retention, quotas = self._retention(assignment, cells, gamma, ctx, routed)
+                    memory = self._memory(ctx, routed, cells, quotas)
         if share is not None and memory is not None:
             over = memory > share
             if over.any():
                 notes.append(f"over budget on {int(np.add.reduce(over))} rank(s) by up to "
                              f"{float(np.maximum.reduce(memory - share)) / 2**20:.1f} MiB "
                              f"(the forward is never dropped)")
-        return MicroBatchPlan(assignment=assignment, retention=retention,
-                              capacity_factor_used=gamma, notes=tuple(notes)), memory
+        plan = MicroBatchPlan(assignment=assignment, retention=retention(),
+                              capacity_factor_used=gamma, notes=tuple(notes), rank_load=routed)
+        return plan, memory, (cells, quotas)
 
-    def _retention(self, assignment: InstanceAssignment, gamma: float) -> RetentionPlan:
+    def native_layout(self, plan: MicroBatchPlan, rank: int) -> tuple | None:
+        """The region's host layout of ``plan`` on ``rank`` from the compiled planner
+        (``NativePlanner.layout``: split sizes, packed index tables, instance-order chunk
+        tables), or None when this planner plans in Python."""
+        ctx = self._contexts.get(plan.assignment.placement) if self.native else None
+        if ctx is None or ctx.native is None:
+            return None
+        last = self._last_arrays
+        cells, quotas = (last[1:] if last is not None and last[0] is plan
+                         else (plan.retention.counts.numpy(), plan.retention.quotas.numpy()))
+        return ctx.native.layout(cells, quotas, rank)
+
+    def _assign(self, n: np.ndarray, ctx: _PlacementContext, capacity: np.ndarray | None
+                ) -> tuple[InstanceAssignment, np.ndarray, np.ndarray]:
+        """(the instance assignment of checked counts ``n`` under ``capacity``, its [R, I]
+        counts, [R] load per rank)."""
+        if ctx.native is None:
+            assignment, load = assign_checked(n, ctx.placement, capacity)
+            return assignment, assignment.counts.numpy(), load
+        cells, load = ctx.native.assign(n, capacity)
+        overflow = (0 if capacity is None
+                    else int(np.add.reduce(np.maximum(load - capacity, 0))))
+        return InstanceAssignment(counts=torch.from_numpy(cells), overflow=overflow,
+                                  placement=ctx.placement), cells, load
+
+    def _retention(self, assignment: InstanceAssignment, cells: np.ndarray, gamma: float,
+                   ctx: _PlacementContext, routed: np.ndarray
+                   ) -> tuple[Callable[[], RetentionPlan], np.ndarray]:
+        """(plan_retention of the assignment at ``gamma``, built when called: a plan the
+        budget replaces costs no tensors; its quotas as an array). ``cells``: the
+        assignment's counts, ``routed``: its [R] loads."""
         s = self.settings
         placement = assignment.placement
-        return plan_retention(assignment.counts, s.num_ranks, gamma, s.min_retention,
-                              instance_rank=placement.instance_rank,
-                              instance_expert=placement.instance_expert)
+        floor = decimal_fraction(s.min_retention)
+        if (ctx.native is None or floor.numerator > _INT64_MAX
+                or floor.denominator > _INT64_MAX):
+            plan = plan_retention(assignment.counts, s.num_ranks, gamma, s.min_retention,
+                                  instance_rank=placement.instance_rank,
+                                  instance_expert=placement.instance_expert)
+            return (lambda: plan), plan.quotas.numpy()
+        cap = capacity_for_factor(gamma, int(np.add.reduce(routed)), s.num_ranks)
+        quotas, level = ctx.native.retain(cells, cap, floor.numerator, floor.denominator)
+
+        def make() -> RetentionPlan:
+            # One read-only [R] tensor per capacity value (it repeats from call to call).
+            capacity = self._capacity_tensors.get(cap)
+            if capacity is None:
+                if len(self._capacity_tensors) >= 64:
+                    self._capacity_tensors.clear()
+                capacity = torch.from_numpy(np.full(s.num_ranks, cap, dtype=np.int64))
+                self._capacity_tensors[cap] = capacity
+            return RetentionPlan(counts=assignment.counts, quotas=torch.from_numpy(quotas),
+                                 capacity=capacity, water_level=torch.from_numpy(level),
+                                 instance_rank=placement.instance_rank,
+                                 instance_expert=placement.instance_expert,
+                                 capacity_factor=float(gamma),
+                                 min_retention=float(s.min_retention))
+        return make, quotas
+
+    def _memory(self, ctx: _PlacementContext, routed: np.ndarray, cells: np.ndarray,
+                quotas: np.ndarray) -> np.ndarray:
+        """[R] ``CostModel.rank_memory`` of a planned micro-batch (``_memory``)."""
+        if ctx.native is not None:
+            return ctx.native.memory(cells, quotas, routed)
+        return _memory(self.settings.cost, ctx, routed, np.add.reduce(cells, axis=0), quotas)
+
+    def _placement(self, replicas: tuple[tuple[int, int], ...]) -> Placement:
+        """``Placement(R, E, replicas)``, the same object for the same replicas while
+        cached: the search proposes the same prefixes step after step once the loads
+        settle, and a placement and its context cost more to build than to look up."""
+        placement = self._placements.get(replicas)
+        if placement is None:
+            if len(self._placements) >= _CACHED_PLACEMENTS:
+                self._placements.clear()
+            placement = Placement(self.settings.num_ranks, self.settings.num_experts, replicas)
+            self._placements[replicas] = placement
+        return placement
 
     def _context(self, placement: Placement) -> _PlacementContext:
         ctx = self._contexts.get(placement)
         if ctx is None:
-            if len(self._contexts) >= 8:
+            if len(self._contexts) >= _CACHED_PLACEMENTS:
                 self._contexts.clear()
             replicas = np.asarray(placement.replicas_per_rank(), dtype=np.int64)
             share = self.settings.layer_share
             cap = (None if share is None
                    else self.settings.cost.assignment_capacity(share, replicas))
             ctx = _PlacementContext(placement, replicas, cap,
-                                    np.asarray(placement.rank_starts[:-1], dtype=np.int64))
+                                    np.asarray(placement.rank_starts[:-1], dtype=np.int64),
+                                    native_planner(placement, self.settings.cost, replicas)
+                                    if self.native else None)
             self._contexts[placement] = ctx
         return ctx
 
@@ -190,7 +283,7 @@ class LayerPlanner:
         if not self._observed:
             self.placement_notes = ("no training micro-batch observed: placement kept",)
             return self.placement
-        mean = self._observed_sum / self._observed
+        mean = torch.from_numpy(self._observed_sum / self._observed)
         a = float(self.settings.load_smoothing)
         self.smoothed_counts = (mean if self.smoothed_counts is None
                                 else a * self.smoothed_counts + (1.0 - a) * mean)
@@ -225,26 +318,26 @@ class LayerPlanner:
         memory never ends on a worse estimate: the search is monotone in the budget.
         """
         s = self.settings
-        counts = torch.round(self.smoothed_counts).to(torch.int64)
-        static = Placement.static(s.num_ranks, s.num_experts)
+        counts = torch.round(self.smoothed_counts).to(torch.int64).numpy()   # checked below
+        static = self._placement(())
         base, base_time, base_peak = self._unbudgeted(counts, static)
         share = s.layer_share
         # At gamma = inf replicas may not add to an excess static already has; at a
         # finite gamma a candidate must fit outright, or the budget would lower gamma
         # for it and it would buy its time with drops.
         allowed = max(share, base_peak) if math.isinf(s.capacity_factor) else share
-        replicas = greedy_replicas(counts.sum(0).tolist(), base, s)
+        replicas = greedy_replicas(counts.sum(0).tolist(), base, s, native=self.native)
         n = len(replicas)
         best: tuple[float, int] | None = None       # (estimated time, prefix size)
+        candidates = {}
         for size in sorted({n, 3 * n // 4, n // 2, n // 4} - {0}):
-            candidate = Placement(s.num_ranks, s.num_experts, tuple(replicas[:size]))
+            candidate = candidates[size] = self._placement(tuple(replicas[:size]))
             planned, time, peak = self._unbudgeted(counts, candidate)
             # The assignment capacities at this budget must not bind on the candidate's
             # assignment (they only grow with the budget), so the layer's capacity-aware
             # assignment finds the one judged here, and the judgement stays monotone.
             capacity = self._context(candidate).capacity
-            fits_capacity = capacity is None or bool(
-                (planned.retention.routed_per_rank.numpy() <= capacity).all())
+            fits_capacity = capacity is None or bool((planned.rank_load <= capacity).all())
             # Replicas must pay: the time they save per micro-batch must exceed what
             # their refresh and gradient reduction cost, amortised over the step's
             # micro-batches (in ``time``); an equal estimate keeps static.
@@ -255,11 +348,11 @@ class LayerPlanner:
             return static, (f"memory-aware: no replica pays off within the budget (static "
                             f"{base_time * 1e3:.3f} ms, greedy proposed {n})",)
         time, size = best
-        return Placement(s.num_ranks, s.num_experts, tuple(replicas[:size])), (
+        return candidates[size], (
             f"memory-aware: {size} replicas, estimated layer time {time * 1e3:.3f} ms vs "
             f"static {base_time * 1e3:.3f} ms",)
 
-    def _unbudgeted(self, counts: torch.Tensor, placement: Placement
+    def _unbudgeted(self, counts: np.ndarray, placement: Placement
                     ) -> tuple[MicroBatchPlan, float, float]:
         """(plan, estimated time, peak memory) of ``placement`` on ``counts`` without the
         budget's influence: instance assignment without capacities, gamma as set. The time is
@@ -268,20 +361,21 @@ class LayerPlanner:
         s = self.settings
         cost = s.cost
         ctx = self._context(placement)
-        assignment, routed = assign_checked(check_assignment_counts(counts, placement),
-                                            placement, None)
-        retention = plan_retention(assignment.counts, s.num_ranks, s.capacity_factor,
-                                   s.min_retention, instance_rank=placement.instance_rank,
-                                   instance_expert=placement.instance_expert)
-        quotas = retention.quotas.numpy()
-        peak = float(np.maximum.reduce(_memory(
-            cost, ctx, routed, np.add.reduce(assignment.counts.numpy(), axis=0), quotas)))
+        n = check_assignment_counts(counts, placement)
+        assignment, cells, routed = self._assign(n, ctx, None)
+        make_retention, quotas = self._retention(assignment, cells, float(s.capacity_factor),
+                                                 ctx, routed)
+        retention = make_retention()
+        peak = float(np.maximum.reduce(self._memory(ctx, routed, cells, quotas)))
         starts = ctx.rank_starts
-        fwd, bwd = cost.layer_time(np.add.reduceat(assignment.counts.numpy(), starts, axis=1),
+        fwd, bwd = cost.layer_time(np.add.reduceat(cells, starts, axis=1),
                                    np.add.reduceat(quotas, starts, axis=1))     # [R, R] each
-        sync = cost.replica_cost_per_microbatch(_busiest(placement))
+        busiest = _busiest(placement)
+        sync = self._replica_costs.get(busiest)
+        if sync is None:       # a pure function of the busiest count: priced once
+            sync = self._replica_costs[busiest] = cost.replica_cost_per_microbatch(busiest)
         plan = MicroBatchPlan(assignment=assignment, retention=retention,
-                              capacity_factor_used=float(s.capacity_factor))
+                              capacity_factor_used=float(s.capacity_factor), rank_load=routed)
         return plan, fwd + bwd + sync, peak
 
     # ------------------------------------------------------------ checkpoint
@@ -297,7 +391,8 @@ class LayerPlanner:
             "smoothed_counts": (None if self.smoothed_counts is None
                                 else self.smoothed_counts.clone()),
             "replicas": [list(p) for p in self.placement.replicas],
-            "observed_sum": None if self._observed_sum is None else self._observed_sum.clone(),
+            "observed_sum": (None if self._observed_sum is None
+                             else torch.from_numpy(self._observed_sum.copy())),
             "observed": self._observed,
         }
 
@@ -319,8 +414,14 @@ class LayerPlanner:
         self.smoothed_counts = (None if smoothed is None
                                 else smoothed.detach().to("cpu", torch.float64).clone())
         self._observed_sum = (None if observed_sum is None
-                              else observed_sum.detach().to("cpu", torch.float64).clone())
+                              else observed_sum.detach().to("cpu", torch.float64).numpy().copy())
         self._observed = int(state["observed"])
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+# Placements (and their contexts) kept per planner: a step plans static and up to four
+# candidates, so this keeps several steps' worth.
+_CACHED_PLACEMENTS = 32
 
 
 def _busiest(placement: Placement) -> int:

@@ -83,6 +83,7 @@ __all__ = [
     "UNLIMITED_CAPACITY",
     "RetentionPlan",
     "capacity_for_factor",
+    "decimal_fraction",
     "default_retention_in_forward",
     "factor_for_capacity",
     "plan_retention",
@@ -522,6 +523,11 @@ def factor_for_capacity(capacity: int, total: int, num_ranks: int) -> float:
     while capacity_for_factor(gamma, total, num_ranks) > capacity:
         gamma = math.nextafter(gamma, 0.0)
     return gamma
+
+
+def decimal_fraction(x: float) -> Fraction:
+    """x as the exact decimal its ``repr`` shows (how gamma and m are read)."""
+    return _as_decimal_fraction(float(x))
 
 
 def _ceil_div(a: int, b: int) -> int:

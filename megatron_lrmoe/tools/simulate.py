@@ -411,8 +411,9 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
     ``resample=False`` replays the recorded counts as they are (they must already hold
     the shape's pairs per rank), as the validation against measured runs does.
     ``planner_s``: the planner's host time per call charged to the forward of policies
-    that run it; None measures it here (wall time of each call's ``observe`` and
-    ``plan``, as the layer times them), on this machine's CPU.
+    that run it; None measures it here (wall time of each call's ``observe``, ``plan``
+    and, with the compiled planner, the call layout of rank 0, as the layer times them),
+    on this machine's CPU.
     """
     shape = shape or model.shape(ep_size, pipeline)
     if shape.num_experts % ep_size:
@@ -448,7 +449,9 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
                     counts_t = torch.from_numpy(counts)
                     started = time.perf_counter()
                     planner.observe(counts_t)
-                    plan = planner.plan(counts_t).retention
+                    mb_plan = planner.plan(counts_t)
+                    planner.native_layout(mb_plan, 0)   # the call layout, as the layer
+                    plan = mb_plan.retention
                     host = time.perf_counter() - started if planner_s is None else planner_s
                     routed = plan.routed_matrix.numpy()
                     retained = plan.retained_matrix.numpy()

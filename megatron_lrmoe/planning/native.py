@@ -1,0 +1,94 @@
+"""The compiled per-call planner (``kernels/planner.cpp``, in ``megatron_lrmoe._kernels``).
+
+One ``NativePlanner`` per placement computes what the Python planner computes per layer
+call, on the same numbers and to the same bit: the capacity-aware instance assignment
+(``instance_assignment``), the uniform retention quotas (``retention.plan_retention``),
+each rank's memory (``CostModel.rank_memory``, as ``planner._memory`` calls it) and the
+region's host layout (``layer.region_layout.CallLayout``). The Python code stays the
+specification, the fallback and the oracle of the property tests
+(tests/planning/test_native_planner.py); ``LayerPlanner(native=False)`` runs it.
+
+Why compiled: the planning sits between the counts read and the first dispatch
+all-to-all of every MoE layer call, so the GPU waits for it. In numpy it is a few hundred
+small array ops (~1 us each); here it is one pass over a few thousand integers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.placement import Placement
+
+__all__ = ["native_available", "native_greedy", "native_planner"]
+
+try:
+    import torch  # noqa: F401  (the extension links torch's libraries: load them first)
+
+    from megatron_lrmoe import _kernels
+except ImportError:  # not built: the Python planner runs
+    _kernels = None
+_NativePlanner = getattr(_kernels, "NativePlanner", None)
+
+
+def native_available() -> bool:
+    """Whether the extension in this checkout has the compiled planner."""
+    return _NativePlanner is not None
+
+
+def native_planner(placement: Placement, cost: CostModel | None,
+                   replicas: np.ndarray) -> Any:
+    """The compiled planner of ``placement`` (with ``cost``'s rank memory when given;
+    ``replicas`` [R]: the replicas each rank hosts)."""
+    if _NativePlanner is None:
+        raise RuntimeError("megatron_lrmoe._kernels has no NativePlanner: rebuild the "
+                           "extension (pip install --no-build-isolation -e .)")
+    return _NativePlanner(placement.num_ranks, placement.num_experts,
+                          list(placement.instance_rank), list(placement.instance_expert),
+                          list(placement.home_instance),
+                          None if cost is None else _memory_model(cost, replicas))
+
+
+def native_greedy(routed: list[int], num_ranks: int, num_experts: int) -> Any:
+    """The compiled moves of ``placement_policies.greedy_replicas`` on the experts' routed
+    pairs ``routed`` [E] (``GreedyReplicas.advance(target)``: moves up to ``target``)."""
+    if _kernels is None or not hasattr(_kernels, "GreedyReplicas"):
+        raise RuntimeError("megatron_lrmoe._kernels has no GreedyReplicas: rebuild the "
+                           "extension (pip install --no-build-isolation -e .)")
+    return _kernels.GreedyReplicas([int(n) for n in routed], num_ranks, num_experts)
+
+
+def _memory_model(cost: CostModel, replicas: np.ndarray) -> dict[str, Any]:
+    """The per-rank terms and byte counts ``CostModel.rank_memory`` reads, taken from the
+    cost model itself (its ``_layout``, ``_held_weight_grads`` and ``_grouped_terms``), so
+    that the compiled rank memory starts from the very numbers the Python one does."""
+    s = cost.shape
+    xc, rc, local = cost._layout(replicas)
+    held_dw2, held_dw = cost._held_weight_grads(replicas, local)
+    num_ranks = len(replicas)
+    if s.grouped_gemm:
+        w1, w2, conv = cost._grouped_terms(local)
+    else:
+        w1, w2, conv = np.zeros(num_ranks), np.zeros(num_ranks), 0.0
+    p = s.source_pairs
+
+    def per_rank(value) -> np.ndarray:
+        return np.broadcast_to(np.asarray(value, dtype=np.float64), (num_ranks,)).copy()
+
+    return {
+        "grouped": s.grouped_gemm, "forward_retention": s.forward_retention,
+        "xc": float(xc), "conv": float(conv), "row": s.row_bytes,
+        "sr": s.saved_bytes_per_routed_pair, "p": p, "pss": p * s.saved_bytes_per_source_pair,
+        "meta": p * s.metadata_bytes_per_source_pair,
+        "f_b": s.ffn_hidden_size * s.dtype_bytes, "f1_b": s.fc1_size * s.dtype_bytes,
+        "hb": s.hidden_size * s.dtype_bytes, "fac": s.forward_activation_factor,
+        "ob": s.output_bytes, "pbb": p * s.backward_bytes_per_source_pair,
+        "wgt_tmp": s.weight_gradient_temporary_bytes, "ib": s.instance_bytes,
+        "kappa_mif": s.kept_layers_fraction * s.microbatches_in_flight,
+        "kappa": float(s.kept_layers_fraction), "rerun": s.rerun_output_bytes,
+        "lyr": s.num_layers, "mif": s.microbatches_in_flight,
+        "nrep": per_rank(replicas), "rc": per_rank(rc), "w1": per_rank(w1), "w2": per_rank(w2),
+        "held_dw2": per_rank(held_dw2), "held_dw": per_rank(held_dw),
+    }
