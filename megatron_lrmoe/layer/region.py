@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,7 +37,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrmoe.layer.comm import all_to_all_rows
-from megatron_lrmoe.layer.expert_gemms import experts_backward, experts_forward, use_grouped_mm
+from megatron_lrmoe.layer.expert_gemms import (
+    WeightStack,
+    experts_backward,
+    experts_forward,
+    use_grouped_mm,
+    weight_stack,
+)
 from megatron_lrmoe.layer.region_layout import CallLayout, chunk_permutation
 from megatron_lrmoe.ops import combine_rows, combine_rows_backward, scatter_add_rows, select_rows
 from megatron_lrmoe.ops.select import splitmix64_tensor
@@ -45,6 +52,8 @@ from megatron_lrmoe.planning.retention import (
     retention_in_forward,
     rule_reads_metric,
 )
+
+_LOG = logging.getLogger(__name__)
 
 __all__ = ["ExpertWeights", "KeptPairs", "KeptPairsLog", "RegionContext", "RegionStats",
            "lrmoe_region", "record_kept_pairs"]
@@ -67,6 +76,10 @@ class ExpertWeights:
     gradient_accumulation_fusion: bool = False
     num_home: int | None = None
     """How many leading entries are home experts (None: all)."""
+    stack: WeightStack | str | None = None
+    """All entries' weights as one [L, ...] view each, for grouped GEMMs
+    (``expert_gemms.weight_stack``); a str: why there is none (the grouped GEMMs then
+    stack the weights per call, a copy); None: not derived (the region derives it)."""
 
     @property
     def homes(self) -> int:
@@ -75,8 +88,11 @@ class ExpertWeights:
     def with_replicas(self, w1: tuple[torch.Tensor, ...],
                       w2: tuple[torch.Tensor, ...]) -> ExpertWeights:
         """These home experts followed by replica weights ``w1``, ``w2``."""
-        return dataclasses.replace(self, w1=self.w1[: self.homes] + tuple(w1),
-                                   w2=self.w2[: self.homes] + tuple(w2), num_home=self.homes)
+        return dataclasses.replace(
+            self, w1=self.w1[: self.homes] + tuple(w1), w2=self.w2[: self.homes] + tuple(w2),
+            num_home=self.homes,
+            stack="this rank hosts replicas this step: the home weights and the replicas' "
+                  "live in separate buffers, and one grouped call reads one [L, ...] tensor")
 
 
 @dataclass
@@ -103,6 +119,9 @@ class RegionStats:
     """The planner lowered quotas or could not fit the budget for this call (its notes)."""
     grouped_gemm: bool = False
     """The expert GEMMs ran grouped (grouped_mm), not as the per-expert loop."""
+    weight_bytes_copied: int = 0
+    """Bytes of expert weights the grouped GEMMs copied (stacked) in this call, forward
+    and backward: 0 where they read zero-copy views (``ExpertWeights.stack``)."""
     backward_done: bool = False
 
 
@@ -285,8 +304,9 @@ class _LRMoERegion(torch.autograd.Function):
                                                         pair_prob, x.device)
 
         # ---- experts on every pair --------------------------------------------------
+        stack = _weight_stack(experts, rc.stats) if grouped else None
         z, o_exp, a_exp = experts_forward(x_exp, lay.rows_fwd, offs, experts.w1, experts.w2,
-                                          experts.activation, rc.needs_norm, grouped)
+                                          experts.activation, rc.needs_norm, grouped, stack)
         if keep_rows is not None:
             # Only the retained rows' x and z are needed in backward: compact them now,
             # in the exp-major order the retained gradient rows will arrive in.
@@ -310,6 +330,7 @@ class _LRMoERegion(torch.autograd.Function):
                               scale)
         rc.stats.routed_pairs = lay.num_pairs
         rc.stats.grouped_gemm = grouped
+        ctx.stack = stack
         return y
 
     @staticmethod
@@ -329,7 +350,7 @@ class _LRMoERegion(torch.autograd.Function):
         # are local, so skipping them keeps every rank's collectives in step).
         weight_grads = any(ctx.needs_input_grad[5:]) or experts.homes < len(experts.w1)
         expert_grads = _experts_backward(experts, lay, tables, ctx.grouped, x_exp, z, g_exp,
-                                         rows, weight_grads)
+                                         rows, weight_grads, ctx.stack, rc.stats)
         del g_exp, rows      # freed before dX travels back
         dx = _dispatch_backward(rc, lay, tables, expert_grads, dy, pair_token, kept)
 
@@ -410,9 +431,14 @@ class _ExpertGrads:
 
 def _experts_backward(experts: ExpertWeights, lay: CallLayout, tables, grouped: bool,
                       x_exp: torch.Tensor, z: torch.Tensor, g_exp: torch.Tensor,
-                      rows: torch.Tensor | None, weight_grads: bool) -> _ExpertGrads:
-    """The expert GEMMs' backward over the retained rows only (h recomputed from z)."""
+                      rows: torch.Tensor | None, weight_grads: bool, stack: WeightStack | None,
+                      stats: RegionStats) -> _ExpertGrads:
+    """The expert GEMMs' backward over the retained rows only (h recomputed from z).
+    ``stack``: the forward's zero-copy views (None: the weights are stacked again, and
+    counted in ``stats``)."""
     offs = tables.offs_bwd.to(torch.int32) if grouped else None
+    if grouped and stack is None:
+        _count_stacked(experts, stats)
     homes = experts.homes
     fuse = experts.gradient_accumulation_fusion
 
@@ -424,8 +450,31 @@ def _experts_backward(experts: ExpertWeights, lay: CallLayout, tables, grouped: 
 
     dx_rows, dw1, dw2 = experts_backward(x_exp, z, g_exp, lay.rows_bwd, offs, experts.w1,
                                          experts.w2, experts.activation, grouped,
-                                         weight_grads, sink, rows)
+                                         weight_grads, sink, rows, stack)
     return _ExpertGrads(dx_rows, dw1, dw2)
+
+
+_unstacked_logged: set[str] = set()
+
+
+def _weight_stack(experts: ExpertWeights, stats: RegionStats) -> WeightStack | None:
+    """The weights as grouped_mm reads them without a copy, or None: the grouped GEMMs
+    stack them per call (counted in ``stats``, the reason logged once per process)."""
+    stack = experts.stack if experts.stack is not None else weight_stack(experts.w1,
+                                                                         experts.w2)
+    if isinstance(stack, str):
+        if stack not in _unstacked_logged:
+            _unstacked_logged.add(stack)
+            _LOG.warning("LRMoE: the grouped expert GEMMs copy (stack) the local experts' "
+                         "weights in every call: %s", stack)
+        _count_stacked(experts, stats)
+        return None
+    return stack
+
+
+def _count_stacked(experts: ExpertWeights, stats: RegionStats) -> None:
+    stats.weight_bytes_copied += sum(w.numel() * w.element_size()
+                                     for w in (*experts.w1, *experts.w2))
 
 
 def _dispatch_backward(rc: RegionContext, lay: CallLayout, tables, expert_grads: _ExpertGrads,
