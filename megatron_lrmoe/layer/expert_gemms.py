@@ -254,20 +254,25 @@ def use_grouped_mm(requested: bool | None, x: torch.Tensor, w1: torch.Tensor,
 
 
 class WeightStack(NamedTuple):
-    """The local instances' weights as grouped_mm reads them: w1 [L, F1, H], w2 [L, H, F]."""
+    """The local instances' weights as grouped_mm reads them: w1 [L, F1, H], w2 [L, H, F].
+
+    ``reversed``: entry g is instance L-1-g (the weights lie in descending order in their
+    storage, as Megatron's distributed optimizer lays out a buffer: last parameter
+    first), so the grouped GEMMs take the rows in reverse order too."""
 
     w1: torch.Tensor
     w2: torch.Tensor
+    reversed: bool = False
 
 
-def stacked_view(weights: Sequence[torch.Tensor]) -> torch.Tensor | str:
+def stacked_view(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool] | str:
     """``weights`` (L tensors of one shape) as one [L, ...] view of their storage, without
-    a copy, or the reason there is none.
+    a copy, and whether it lists them last first; or the reason there is none.
 
     Host metadata only (storage, offsets, strides; no device read, no data pointer, so
     fake tensors work too). A view exists when every weight is contiguous and they lie in
-    one storage in order at one positive spacing, at least a weight apart (no overlap),
-    16-byte aligned (grouped_mm's rule for its operands' starts and strides).
+    one storage at one spacing, ascending or descending, at least a weight apart (no
+    overlap), 16-byte aligned (grouped_mm's rule for its operands' starts and strides).
     """
     first = weights[0]
     shape, dtype, device = first.shape, first.dtype, first.device
@@ -283,25 +288,28 @@ def stacked_view(weights: Sequence[torch.Tensor]) -> torch.Tensor | str:
     if len(steps) > 1:
         return "the weights lie in one storage at uneven spacing (padding between them)"
     (step,) = steps
-    if step < 0:
-        return "the weights lie in one storage in descending order"
+    descending = step < 0
+    step, start = abs(step), min(offsets)
     if step < first.numel():
         return "the weights overlap in their storage"
     align = 16 // first.element_size()
-    if offsets[0] % align or step % align:
+    if start % align or step % align:
         return "the weights are not 16-byte aligned in their storage"
-    return torch.as_strided(first.detach(), (len(weights), *shape),
-                            (step, *first.stride()), offsets[0])
+    view = torch.as_strided(first.detach(), (len(weights), *shape), (step, *first.stride()),
+                            start)
+    return view, descending
 
 
 def weight_stack(w1: Sequence[torch.Tensor],
                  w2: Sequence[torch.Tensor]) -> WeightStack | str:
-    """Both projections' ``stacked_view``, or the reason one has none."""
+    """Both projections' ``stacked_view``, or the reason there is none."""
     v1, v2 = stacked_view(w1), stacked_view(w2)
     for name, view in (("W1", v1), ("W2", v2)):
         if isinstance(view, str):
             return f"{name}: {view}"
-    return WeightStack(v1, v2)
+    if v1[1] != v2[1]:
+        return "W1 and W2 lie in opposite orders"
+    return WeightStack(v1[0], v2[0], v1[1])
 
 
 # -----------------------------------------------------------------------------

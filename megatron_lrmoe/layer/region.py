@@ -288,7 +288,11 @@ class _LRMoERegion(torch.autograd.Function):
         lay = CallLayout(plan, s, local)
         tables_buffer, tables = lay.device_tables(x.device)
         grouped = use_grouped_mm(rc.grouped_gemm, x, experts.w1[0], experts.w2[0])
-        offs = tables.offs_fwd.to(torch.int32) if grouped else None
+        stack = _weight_stack(experts, lay, rc.stats) if grouped else None
+        # The weights lie last expert first: every exp-major row order runs reversed
+        # ("GEMM order"), folded into the reorders the rows take anyway.
+        rev = stack is not None and stack.reversed
+        offs = _offsets(tables.offs_fwd, lay.received, rev) if grouped else None
 
         # ---- dispatch every pair ------------------------------------------------
         x_recv = _exchange(x.index_select(0, pair_token), lay.send_fwd, lay.recv_fwd, group)
@@ -296,7 +300,7 @@ class _LRMoERegion(torch.autograd.Function):
             x_exp = x_recv                                                # [Pr, H] exp-major
         else:
             to_expert = chunk_permutation(tables.fwd[0], tables.fwd[1], lay.received)
-            x_exp = x_recv.index_select(0, to_expert)
+            x_exp = x_recv.index_select(0, to_expert.flip(0) if rev else to_expert)
         del x_recv   # free the receive buffer now, not when forward returns
         kept = scale = keep_rows = None
         if rc.forward_retention:
@@ -304,17 +308,21 @@ class _LRMoERegion(torch.autograd.Function):
                                                         pair_prob, x.device)
 
         # ---- experts on every pair --------------------------------------------------
-        stack = _weight_stack(experts, rc.stats) if grouped else None
-        z, o_exp, a_exp = experts_forward(x_exp, lay.rows_fwd, offs, experts.w1, experts.w2,
+        w1, w2, rows_fwd = _in_gemm_order(rev, experts.w1, experts.w2, lay.rows_fwd)
+        z, o_exp, a_exp = experts_forward(x_exp, rows_fwd, offs, w1, w2,
                                           experts.activation, rc.needs_norm, grouped, stack)
         if keep_rows is not None:
             # Only the retained rows' x and z are needed in backward: compact them now,
             # in the exp-major order the retained gradient rows will arrive in.
+            if rev:
+                keep_rows = _reversed_rows(keep_rows, lay.received)
             x_exp = x_exp.index_select(0, keep_rows)
             z = z.index_select(0, keep_rows)
         # ---- back to the sources, then the weighted combine -------------------------
         if not lay.fwd_identity:
             back = chunk_permutation(tables.fwd[2], tables.fwd[3], lay.received)
+            if rev:
+                back = (lay.received - 1) - back
             o_exp = o_exp.index_select(0, back)
             a_exp = None if a_exp is None else a_exp.index_select(0, back)
         o = _exchange(o_exp, lay.recv_fwd, lay.send_fwd, group)              # [P, H]
@@ -330,7 +338,7 @@ class _LRMoERegion(torch.autograd.Function):
                               scale)
         rc.stats.routed_pairs = lay.num_pairs
         rc.stats.grouped_gemm = grouped
-        ctx.stack = stack
+        ctx.stack, ctx.rev = stack, rev
         return y
 
     @staticmethod
@@ -345,14 +353,14 @@ class _LRMoERegion(torch.autograd.Function):
         metric, kept, scale, slot = _select_kept_pairs(rc, lay, tables, dy, pair_token,
                                                        pair_prob, a, kept, scale)
         dprob, g_exp, rows = _combine_backward(rc, lay, tables, dy, o, pair_token, pair_prob,
-                                               kept, scale, slot)
+                                               kept, scale, slot, ctx.rev)
         # Frozen home experts and no replica: no weight gradient to compute (the dW GEMMs
         # are local, so skipping them keeps every rank's collectives in step).
         weight_grads = any(ctx.needs_input_grad[5:]) or experts.homes < len(experts.w1)
         expert_grads = _experts_backward(experts, lay, tables, ctx.grouped, x_exp, z, g_exp,
                                          rows, weight_grads, ctx.stack, rc.stats)
         del g_exp, rows      # freed before dX travels back
-        dx = _dispatch_backward(rc, lay, tables, expert_grads, dy, pair_token, kept)
+        dx = _dispatch_backward(rc, lay, tables, expert_grads, dy, pair_token, kept, ctx.rev)
 
         _record_backward(rc, lay, metric, kept, scale, pair_token, dy)
         home_grads = _home_weight_grads(rc, experts, expert_grads, weight_grads)
@@ -387,14 +395,14 @@ def _select_kept_pairs(rc: RegionContext, lay: CallLayout, tables, dy: torch.Ten
 def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tensor,
                       o: torch.Tensor, pair_token: torch.Tensor, pair_prob: torch.Tensor,
                       kept: torch.Tensor | None, scale: torch.Tensor | None,
-                      slot: torch.Tensor | None
+                      slot: torch.Tensor | None, rev: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The weighted combine's backward and its all-to-all reversed: (dprob [P], g_exp
     [Kr, H], rows). One pass over dy per pair gives every pair's router gradient <dy, o>
     (kept or dropped) and the kept rows p w dy in send order; they travel to their
     instances with the retained split sizes and are reordered exp-major. ``rows``: the
     kept rows' positions in x_exp and z, or None when they are those rows in order
-    (every row kept, or compacted in forward)."""
+    (every row kept, or compacted in forward). ``rev``: in GEMM order (reversed)."""
     group, device = rc.group, dy.device
     in_forward = rc.forward_retention
     dprob, g_kept = combine_rows_backward(
@@ -410,11 +418,15 @@ def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tens
         g_exp = g_recv
     else:
         to_expert = chunk_permutation(tables.bwd[0], tables.bwd[1], lay.received_kept)
+        if rev:
+            to_expert = to_expert.flip(0)
         g_exp = g_recv.index_select(0, to_expert)
         if positions is not None and not lay.receiver_keeps_all:
             positions = positions.index_select(0, to_expert)
     del g_recv
     rows = None if lay.receiver_keeps_all or in_forward else positions.long()
+    if rev and rows is not None:
+        rows = (lay.received - 1) - rows      # exp-major rows of x_exp, z: GEMM order
     return dprob, g_exp, rows
 
 
@@ -435,33 +447,45 @@ def _experts_backward(experts: ExpertWeights, lay: CallLayout, tables, grouped: 
                       stats: RegionStats) -> _ExpertGrads:
     """The expert GEMMs' backward over the retained rows only (h recomputed from z).
     ``stack``: the forward's zero-copy views (None: the weights are stacked again, and
-    counted in ``stats``)."""
-    offs = tables.offs_bwd.to(torch.int32) if grouped else None
+    counted in ``stats``); reversed ones take the rows in GEMM order."""
+    rev = stack is not None and stack.reversed
+    offs = _offsets(tables.offs_bwd, lay.received_kept, rev) if grouped else None
     if grouped and stack is None:
         _count_stacked(experts, stats)
     homes = experts.homes
     fuse = experts.gradient_accumulation_fusion
 
+    last = len(experts.w1) - 1
+
     def sink(projection: int, e: int, grad: torch.Tensor) -> bool:
         # Home experts' dW go where they end up as soon as each exists (replicas'
         # go to the replica hook, ``_home_weight_grads``).
+        e = last - e if rev else e
         weights = experts.w1 if projection == 1 else experts.w2
         return e < homes and _accumulate_now(weights[e], grad, fuse)
 
-    dx_rows, dw1, dw2 = experts_backward(x_exp, z, g_exp, lay.rows_bwd, offs, experts.w1,
-                                         experts.w2, experts.activation, grouped,
-                                         weight_grads, sink, rows, stack)
+    w1, w2, rows_bwd = _in_gemm_order(rev, experts.w1, experts.w2, lay.rows_bwd)
+    dx_rows, dw1, dw2 = experts_backward(x_exp, z, g_exp, rows_bwd, offs, w1, w2,
+                                         experts.activation, grouped, weight_grads, sink,
+                                         rows, stack)
+    if rev and dw1 is not None:
+        dw1, dw2 = dw1[::-1], dw2[::-1]
     return _ExpertGrads(dx_rows, dw1, dw2)
 
 
 _unstacked_logged: set[str] = set()
 
 
-def _weight_stack(experts: ExpertWeights, stats: RegionStats) -> WeightStack | None:
+def _weight_stack(experts: ExpertWeights, lay: CallLayout,
+                  stats: RegionStats) -> WeightStack | None:
     """The weights as grouped_mm reads them without a copy, or None: the grouped GEMMs
     stack them per call (counted in ``stats``, the reason logged once per process)."""
     stack = experts.stack if experts.stack is not None else weight_stack(experts.w1,
                                                                          experts.w2)
+    if not isinstance(stack, str) and stack.reversed and (lay.fwd_identity
+                                                           or lay.bwd_identity):
+        stack = ("the weights lie last expert first, and this call's rows reach the "
+                 "experts in order without a reorder to fold the reversal into")
     if isinstance(stack, str):
         if stack not in _unstacked_logged:
             _unstacked_logged.add(stack)
@@ -472,6 +496,24 @@ def _weight_stack(experts: ExpertWeights, stats: RegionStats) -> WeightStack | N
     return stack
 
 
+def _offsets(offs: torch.Tensor, total: int, rev: bool) -> torch.Tensor:
+    """grouped_mm's int32 cumulative rows per group: the plan's (``offs`` [L], inclusive),
+    or those of the groups in reverse order (GEMM order), derived on the device."""
+    if rev:
+        offs = total - torch.nn.functional.pad(offs[:-1], (1, 0)).flip(0)
+    return offs.to(torch.int32)
+
+
+def _reversed_rows(index: torch.Tensor, total: int) -> torch.Tensor:
+    """Row indices into an exp-major buffer of ``total`` rows, listed in order, as
+    indices into the reversed buffer, listed in reverse order."""
+    return (total - 1) - index.flip(0)
+
+
+def _in_gemm_order(rev: bool, w1: tuple, w2: tuple, rows: list[int]) -> tuple:
+    return (w1[::-1], w2[::-1], rows[::-1]) if rev else (w1, w2, rows)
+
+
 def _count_stacked(experts: ExpertWeights, stats: RegionStats) -> None:
     stats.weight_bytes_copied += sum(w.numel() * w.element_size()
                                      for w in (*experts.w1, *experts.w2))
@@ -479,12 +521,14 @@ def _count_stacked(experts: ExpertWeights, stats: RegionStats) -> None:
 
 def _dispatch_backward(rc: RegionContext, lay: CallLayout, tables, expert_grads: _ExpertGrads,
                        dy: torch.Tensor, pair_token: torch.Tensor,
-                       kept: torch.Tensor | None) -> torch.Tensor:
+                       kept: torch.Tensor | None, rev: bool = False) -> torch.Tensor:
     """The dispatch reversed: dX rows back to source order and to their sources, then
     scatter-added into the token gradients dx [T, H] at the kept pairs' tokens."""
     dx_rows, expert_grads.dx_rows = expert_grads.dx_rows, None    # freed once sent
     if not lay.bwd_identity:
         back = chunk_permutation(tables.bwd[2], tables.bwd[3], lay.received_kept)
+        if rev:
+            back = (lay.received_kept - 1) - back
         dx_rows = dx_rows.index_select(0, back)
     dx_back = _exchange(dx_rows, lay.recv_bwd, lay.send_bwd, rc.group)     # [K, H]
     del dx_rows
