@@ -199,6 +199,42 @@ def test_grouped_views_survive_ddp_optimizer_and_checkpoint(gloo2, tmp_path,
             assert got["dropped"], (rank, stage, got)
 
 
+def _descending_without_ddp(metric: str) -> dict:
+    """The weights moved, without DDP, into one buffer last expert first (the distributed
+    optimizer's order), so the region's own weight gradients (autograd's ``.grad``, no
+    ``main_grad`` to take them early) come back from GEMMs run in that order."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_lrmoe.layer.spec import to_lrmoe_spec
+    from tests.layer.test_lrmoe_layer import EXPERTS, _build, _inputs
+
+    _, lrmoe = _build(2, 0.6, selection="topk", aux=0.0, metric=metric)
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS).submodules.mlp
+    layer = to_lrmoe_spec(spec)(config=lrmoe.config)
+    lrmoe.grouped_gemm = layer.grouped_gemm = True
+    weights = [w for e in lrmoe.experts.local_experts[::-1]
+               for w in (e.linear_fc2.weight, e.linear_fc1.weight)]
+    buffer = torch.empty(sum(w.numel() for w in weights))
+    start = 0
+    for w in weights:
+        view = buffer[start:start + w.numel()].view(w.shape)
+        view.copy_(w.detach())
+        w.data = view
+        start += w.numel()
+    stack = lrmoe.experts.weight_stack()
+    x, dy = _inputs(14)
+    return {"reversed": not isinstance(stack, str) and stack.reversed,
+            **_agree(lrmoe, _stacked_twin(lrmoe, layer), x, dy, None)}
+
+
+@pytest.mark.parametrize("metric", ["grad_act", "prob"])
+def test_descending_weights_without_ddp_equal_the_stacked_layer(gloo2, metric):
+    for rank, got in enumerate(gloo2.run(_descending_without_ddp, metric)):
+        assert got["reversed"] and got["grouped"] and got["dropped"], (rank, got)
+        assert got["copied"] == 0 and got["twin-copied"] > 0, (rank, got)
+        assert got["forward"] and got["dx"] and got["grads"], (rank, got)
+
+
 # -----------------------------------------------------------------------------
 # Weight bytes copied per layer call, on fake CUDA at Qwen3-30B-A3B's shape (EP 8)
 # -----------------------------------------------------------------------------
