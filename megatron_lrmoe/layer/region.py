@@ -288,7 +288,7 @@ class _LRMoERegion(torch.autograd.Function):
         lay = CallLayout(plan, s, local)
         tables_buffer, tables = lay.device_tables(x.device)
         grouped = use_grouped_mm(rc.grouped_gemm, x, experts.w1[0], experts.w2[0])
-        stack = _weight_stack(experts, lay, rc.stats) if grouped else None
+        stack = _weight_stack(experts, rc.stats) if grouped else None
         # The weights lie last expert first: every exp-major row order runs reversed
         # ("GEMM order"), folded into the reorders the rows take anyway.
         rev = stack is not None and stack.reversed
@@ -296,8 +296,8 @@ class _LRMoERegion(torch.autograd.Function):
 
         # ---- dispatch every pair ------------------------------------------------
         x_recv = _exchange(x.index_select(0, pair_token), lay.send_fwd, lay.recv_fwd, group)
-        if lay.fwd_identity:
-            x_exp = x_recv                                                # [Pr, H] exp-major
+        if lay.fwd_identity:       # [Pr, H] exp-major (reversed: a copy of the rows)
+            x_exp = x_recv.flip(0) if rev else x_recv
         else:
             to_expert = chunk_permutation(tables.fwd[0], tables.fwd[1], lay.received)
             x_exp = x_recv.index_select(0, to_expert.flip(0) if rev else to_expert)
@@ -325,6 +325,9 @@ class _LRMoERegion(torch.autograd.Function):
                 back = (lay.received - 1) - back
             o_exp = o_exp.index_select(0, back)
             a_exp = None if a_exp is None else a_exp.index_select(0, back)
+        elif rev:
+            o_exp = o_exp.flip(0)
+            a_exp = None if a_exp is None else a_exp.flip(0)
         o = _exchange(o_exp, lay.recv_fwd, lay.send_fwd, group)              # [P, H]
         a = None if a_exp is None else _exchange(a_exp, lay.recv_fwd, lay.send_fwd, group)
         del o_exp, a_exp
@@ -415,7 +418,9 @@ def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tens
         positions = _exchange(_positions(lay, tables, kept, device), lay.send_pos,
                               lay.recv_pos, group)
     if lay.bwd_identity:
-        g_exp = g_recv
+        g_exp = g_recv.flip(0) if rev else g_recv
+        if rev and positions is not None:
+            positions = positions.flip(0)
     else:
         to_expert = chunk_permutation(tables.bwd[0], tables.bwd[1], lay.received_kept)
         if rev:
@@ -476,16 +481,11 @@ def _experts_backward(experts: ExpertWeights, lay: CallLayout, tables, grouped: 
 _unstacked_logged: set[str] = set()
 
 
-def _weight_stack(experts: ExpertWeights, lay: CallLayout,
-                  stats: RegionStats) -> WeightStack | None:
+def _weight_stack(experts: ExpertWeights, stats: RegionStats) -> WeightStack | None:
     """The weights as grouped_mm reads them without a copy, or None: the grouped GEMMs
     stack them per call (counted in ``stats``, the reason logged once per process)."""
     stack = experts.stack if experts.stack is not None else weight_stack(experts.w1,
                                                                          experts.w2)
-    if not isinstance(stack, str) and stack.reversed and (lay.fwd_identity
-                                                           or lay.bwd_identity):
-        stack = ("the weights lie last expert first, and this call's rows reach the "
-                 "experts in order without a reorder to fold the reversal into")
     if isinstance(stack, str):
         if stack not in _unstacked_logged:
             _unstacked_logged.add(stack)
@@ -530,6 +530,8 @@ def _dispatch_backward(rc: RegionContext, lay: CallLayout, tables, expert_grads:
         if rev:
             back = (lay.received_kept - 1) - back
         dx_rows = dx_rows.index_select(0, back)
+    elif rev:
+        dx_rows = dx_rows.flip(0)
     dx_back = _exchange(dx_rows, lay.recv_bwd, lay.send_bwd, rc.group)     # [K, H]
     del dx_rows
     dx = torch.zeros((dy.shape[0], dy.shape[1]), dtype=dy.dtype, device=dy.device)
