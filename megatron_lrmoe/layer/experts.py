@@ -58,7 +58,10 @@ def share_one_buffer(weights: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
 
 
 def _owns_storage(w: torch.Tensor) -> bool:
-    return (w.is_contiguous() and w.storage_offset() == 0
+    # Plain tensors only: a quantized parameter (Transformer Engine's FP8) keeps its
+    # data in its own structures.
+    return ((type(w.data) is torch.Tensor or is_fake(w.data)) and w.is_contiguous()
+            and w.storage_offset() == 0
             and w.untyped_storage().nbytes() == w.numel() * w.element_size())
 
 

@@ -78,6 +78,29 @@ def test_projections_in_opposite_orders_have_no_stack():
     assert weight_stack(w1, w2) == "W1 and W2 lie in opposite orders"
 
 
+def _one_buffer_after_conversion() -> dict:
+    from tests.layer.test_lrmoe_layer import _build
+
+    _, lrmoe = _build(1, math.inf)
+    experts = lrmoe.experts
+    before = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    built = experts.weight_stack()
+    experts.to(torch.float64)      # converts parameter by parameter; _apply shares again
+    after = experts.weight_stack()
+    w = experts.local_experts[0].linear_fc1.weight
+    return {"built": not isinstance(built, str), "converted": not isinstance(after, str),
+            "dtype": str(after.w1.dtype) if not isinstance(after, str) else after,
+            "values": all(torch.equal(p.float(), before[n])
+                          for n, p in experts.named_parameters()),
+            "is_parameter": isinstance(w, torch.nn.Parameter) and w.requires_grad}
+
+
+def test_dtype_conversion_keeps_one_buffer(gloo1):
+    (got,) = gloo1.run(_one_buffer_after_conversion)
+    assert got == {"built": True, "converted": True, "dtype": "torch.float64",
+                   "values": True, "is_parameter": True}
+
+
 # -----------------------------------------------------------------------------
 # The layer under Megatron's DDP, optimizer and dist_checkpointing (gloo, 2 ranks)
 # -----------------------------------------------------------------------------
