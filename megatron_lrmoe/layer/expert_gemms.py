@@ -52,7 +52,8 @@ from torch._subclasses.fake_tensor import is_fake
 _LOG = logging.getLogger(__name__)
 
 __all__ = ["GradSink", "GroupedMMRule", "WeightStack", "experts_backward", "experts_forward",
-           "grouped_mm_rule", "grouped_mm_works", "stacked_view", "use_grouped_mm", "weight_stack"]
+           "grouped_mm_rule", "grouped_mm_works", "stacked_view", "strided_weights_work",
+           "use_grouped_mm", "weight_stack"]
 
 # (projection 1 or 2, local instance, dW) -> whether it was taken (accumulated already)
 GradSink = Callable[[int, int, torch.Tensor], bool]
@@ -183,6 +184,32 @@ def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
     finally:
         if on_cuda:
             torch.cuda.set_sync_debug_mode(mode)
+
+
+@functools.lru_cache(maxsize=16)
+def _probe_views(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when grouped_mm reads a strided [L, ...] weight view (a batch stride beyond
+    one weight, as ``stacked_view`` gives) as it reads the contiguous stack, else why not."""
+    try:
+        rows, x, w, dy, offs = _probe_inputs(device, dtype)
+        padded = w.new_zeros((w.shape[0], w[0].numel() + 16 // w.element_size()))
+        padded[:, :w[0].numel()] = w.reshape(w.shape[0], -1)
+        view = padded[:, :w[0].numel()].view(w.shape)
+        for name, a, b in zip(("x @ W^T", "dZ @ W"), _probe_gemms(x, view, dy, offs)[:2],
+                              _probe_gemms(x, w, dy, offs)[:2], strict=True):
+            if not torch.equal(a, b):
+                return f"torch's grouped_mm misreads strided weights ({name})"
+        return None
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
+        return (f"torch's grouped_mm refused strided weights ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''})")
+
+
+def strided_weights_work(x: torch.Tensor) -> str | None:
+    """None when the grouped GEMMs may read ``stacked_view``'s strided weights on x's
+    device and dtype (a start-up probe, once per device and dtype; fake tensors are
+    trusted, having no values to compare), else why not."""
+    return None if is_fake(x) else _probe_views(x.device, x.dtype)
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:

@@ -41,6 +41,7 @@ from megatron_lrmoe.layer.expert_gemms import (
     WeightStack,
     experts_backward,
     experts_forward,
+    strided_weights_work,
     use_grouped_mm,
     weight_stack,
 )
@@ -288,7 +289,7 @@ class _LRMoERegion(torch.autograd.Function):
         lay = CallLayout(plan, s, local)
         tables_buffer, tables = lay.device_tables(x.device)
         grouped = use_grouped_mm(rc.grouped_gemm, x, experts.w1[0], experts.w2[0])
-        stack = _weight_stack(experts, rc.stats) if grouped else None
+        stack = _weight_stack(experts, rc.stats, x) if grouped else None
         # The weights lie last expert first: every exp-major row order runs reversed
         # ("GEMM order"), folded into the reorders the rows take anyway.
         rev = stack is not None and stack.reversed
@@ -481,11 +482,14 @@ def _experts_backward(experts: ExpertWeights, lay: CallLayout, tables, grouped: 
 _unstacked_logged: set[str] = set()
 
 
-def _weight_stack(experts: ExpertWeights, stats: RegionStats) -> WeightStack | None:
+def _weight_stack(experts: ExpertWeights, stats: RegionStats,
+                  x: torch.Tensor) -> WeightStack | None:
     """The weights as grouped_mm reads them without a copy, or None: the grouped GEMMs
     stack them per call (counted in ``stats``, the reason logged once per process)."""
     stack = experts.stack if experts.stack is not None else weight_stack(experts.w1,
                                                                          experts.w2)
+    if not isinstance(stack, str):
+        stack = strided_weights_work(x) or stack
     if isinstance(stack, str):
         if stack not in _unstacked_logged:
             _unstacked_logged.add(stack)

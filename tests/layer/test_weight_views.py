@@ -78,6 +78,24 @@ def test_projections_in_opposite_orders_have_no_stack():
     assert weight_stack(w1, w2) == "W1 and W2 lie in opposite orders"
 
 
+def test_a_grouped_mm_that_ignores_the_batch_stride_fails_the_views_probe(monkeypatch):
+    """The views go to grouped_mm only where it reads them as it reads a stack."""
+    from megatron_lrmoe.layer import expert_gemms
+
+    real = expert_gemms._GROUPED_MM
+    assert expert_gemms._probe_views.__wrapped__(torch.device("cpu"), torch.float32) is None
+
+    def dense_batches(a, b, offs=None):      # reads b as if its batches were adjacent
+        if b.dim() == 3:
+            b = torch.as_strided(b, b.shape, (b[0].numel(), *b.stride()[1:]),
+                                 b.storage_offset())
+        return real(a, b, offs=offs)
+
+    monkeypatch.setattr(expert_gemms, "_GROUPED_MM", dense_batches)
+    why = expert_gemms._probe_views.__wrapped__(torch.device("cpu"), torch.float32)
+    assert why is not None and "misreads strided weights" in why
+
+
 def _one_buffer_after_conversion() -> dict:
     from tests.layer.test_lrmoe_layer import _build
 
