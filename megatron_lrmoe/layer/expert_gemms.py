@@ -12,8 +12,10 @@ Two implementations, numerically equivalent (not bitwise):
 - ``grouped``: ``torch.nn.functional.grouped_mm`` over variable-size groups (int32
   cumulative offsets): one call per GEMM whatever L is. It reads the weights as one
   [L, F1, H] and one [L, H, F] tensor: ``WeightStack``, zero-copy strided views over the
-  storage the per-expert weights live in when they lie there at one positive spacing
-  (``stacked_view``), else one ``torch.stack`` per weight and call (a copy).
+  storage the per-expert weights live in when they lie there at one spacing
+  (``stacked_view``; descending: the caller runs the groups in that order), else one
+  ``torch.stack`` per weight and call (a copy). A start-up probe
+  (``strided_weights_work``) checks grouped_mm reads such views as it reads a stack.
 - the loop: per-instance matmuls writing into slices of preallocated outputs (no
   concatenation copies), the CPU default.
 
