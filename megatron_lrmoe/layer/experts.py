@@ -12,8 +12,9 @@ grouped GEMMs it hands the region the weights as [L, F1, H] and [L, H, F] views 
 storage they live in (``expert_gemms.weight_stack``, cached until a weight moves): the
 experts' weights are allocated in one buffer per layer (each parameter a view of it,
 names and registration order unchanged), which Megatron's DDP keeps without the
-distributed optimizer; with it, DDP moves them into its own buffer (then a view exists
-where that layout is uniform, else the region stacks them per call; docs/implementation.md,
+distributed optimizer; with it, DDP moves them into its own buffer, last expert first,
+and the views list them in that order (the region runs its groups in it). Where no
+uniform layout exists the region stacks them per call (docs/implementation.md,
 "Grouped GEMMs").
 """
 
