@@ -91,16 +91,20 @@ class LRMoESequentialMLP(SequentialMLP):
 
     def weight_stack(self) -> WeightStack | str:
         """The home experts' weights as grouped_mm reads them (zero-copy views), or why
-        there are none; derived again whenever a weight's storage or place in it changed
-        (Megatron's DDP re-pointing ``.data`` into its buffer, a checkpoint load that
-        replaced a tensor)."""
-        weights = self._weights()
-        flat = [w for pair in weights for w in pair]
+        there are none."""
+        w1, w2 = zip(*self._weights(), strict=True)
+        return self._stack_of(w1, w2)
+
+    def _stack_of(self, w1: tuple[torch.Tensor, ...],
+                  w2: tuple[torch.Tensor, ...]) -> WeightStack | str:
+        """``weight_stack`` of these weights, derived again whenever one's storage or
+        place in it changed (Megatron's DDP re-pointing ``.data`` into its buffer, a
+        checkpoint load that replaced a tensor)."""
         # Data pointers: host metadata, the cheapest key (fake tensors have none).
-        key = tuple((w.untyped_storage()._cdata, w.storage_offset()) for w in flat) \
-            if is_fake(flat[0]) else tuple(w.data_ptr() for w in flat)
+        key = (tuple((w.untyped_storage()._cdata, w.storage_offset()) for w in (*w1, *w2))
+               if is_fake(w1[0]) else tuple(map(torch.Tensor.data_ptr, (*w1, *w2))))
         if key != self._stack_key:
-            self._stack = weight_stack(*zip(*weights, strict=True))
+            self._stack = weight_stack(w1, w2)
             self._stack_key = key
         return self._stack
 
@@ -121,14 +125,15 @@ class LRMoESequentialMLP(SequentialMLP):
         The region never calls the linears, so hooks registered on them (Megatron DDP's
         wait for the overlapped parameter all-gather) are run here, once per forward.
         """
+        w1, w2 = [], []
         for expert in self.local_experts:
-            for linear in (expert.linear_fc1, expert.linear_fc2):
+            for linear, weights in ((expert.linear_fc1, w1), (expert.linear_fc2, w2)):
                 for hook in forward_pre_hooks(linear):
                     hook(linear, ())
+                weights.append(linear.weight)
+        w1, w2 = tuple(w1), tuple(w2)
         return ExpertWeights(
-            w1=tuple(expert.linear_fc1.weight for expert in self.local_experts),
-            w2=tuple(expert.linear_fc2.weight for expert in self.local_experts),
-            activation=self._activation,
+            w1=w1, w2=w2, activation=self._activation,
             gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
-            stack=self.weight_stack(),
+            stack=self._stack_of(w1, w2),
         )
