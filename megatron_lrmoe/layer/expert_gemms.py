@@ -10,9 +10,12 @@ activation's gradient, dW2 = g^T h, dW1 = dz^T x, dX = dz W1.
 
 Two implementations, numerically equivalent (not bitwise):
 - ``grouped``: ``torch.nn.functional.grouped_mm`` over variable-size groups (int32
-  cumulative offsets): one call per GEMM whatever L is. It needs the stacked weights
-  [L, F1, H] and [L, H, F]: one ``torch.stack`` per weight and call, a copy of the
-  local experts' weights (docs/lrmoe.md, "Expert GEMMs", says why, and what it costs).
+  cumulative offsets): one call per GEMM whatever L is. It reads the weights as one
+  [L, F1, H] and one [L, H, F] tensor: ``WeightStack``, zero-copy strided views over the
+  storage the per-expert weights live in when they lie there at one spacing
+  (``stacked_view``; descending: the caller runs the groups in that order), else one
+  ``torch.stack`` per weight and call (a copy). A start-up probe
+  (``strided_weights_work``) checks grouped_mm reads such views as it reads a stack.
 - the loop: per-instance matmuls writing into slices of preallocated outputs (no
   concatenation copies), the CPU default.
 
@@ -50,8 +53,9 @@ from torch._subclasses.fake_tensor import is_fake
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["GradSink", "GroupedMMRule", "experts_backward", "experts_forward",
-           "grouped_mm_rule", "grouped_mm_works", "use_grouped_mm"]
+__all__ = ["GradSink", "GroupedMMRule", "WeightStack", "experts_backward", "experts_forward",
+           "grouped_mm_rule", "grouped_mm_works", "stacked_view", "strided_weights_work",
+           "use_grouped_mm", "weight_stack"]
 
 # (projection 1 or 2, local instance, dW) -> whether it was taken (accumulated already)
 GradSink = Callable[[int, int, torch.Tensor], bool]
@@ -184,6 +188,32 @@ def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
             torch.cuda.set_sync_debug_mode(mode)
 
 
+@functools.lru_cache(maxsize=16)
+def _probe_views(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when grouped_mm reads a strided [L, ...] weight view (a batch stride beyond
+    one weight, as ``stacked_view`` gives) as it reads the contiguous stack, else why not."""
+    try:
+        rows, x, w, dy, offs = _probe_inputs(device, dtype)
+        padded = w.new_zeros((w.shape[0], w[0].numel() + 16 // w.element_size()))
+        padded[:, :w[0].numel()] = w.reshape(w.shape[0], -1)
+        view = padded[:, :w[0].numel()].view(w.shape)
+        for name, a, b in zip(("x @ W^T", "dZ @ W"), _probe_gemms(x, view, dy, offs)[:2],
+                              _probe_gemms(x, w, dy, offs)[:2], strict=True):
+            if not torch.equal(a, b):
+                return f"torch's grouped_mm misreads strided weights ({name})"
+        return None
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
+        return (f"torch's grouped_mm refused strided weights ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''})")
+
+
+def strided_weights_work(x: torch.Tensor) -> str | None:
+    """None when the grouped GEMMs may read ``stacked_view``'s strided weights on x's
+    device and dtype (a start-up probe, once per device and dtype; fake tensors are
+    trusted, having no values to compare), else why not."""
+    return None if is_fake(x) else _probe_views(x.device, x.dtype)
+
+
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Start-up probe: grouped_mm gives the loop's result on ``device`` in ``dtype``.
 
@@ -248,6 +278,70 @@ def use_grouped_mm(requested: bool | None, x: torch.Tensor, w1: torch.Tensor,
 
 
 # -----------------------------------------------------------------------------
+# The weights as [L, ...] tensors
+# -----------------------------------------------------------------------------
+
+
+class WeightStack(NamedTuple):
+    """The local instances' weights as grouped_mm reads them: w1 [L, F1, H], w2 [L, H, F].
+
+    ``reversed``: entry g is instance L-1-g (the weights lie in descending order in their
+    storage, as Megatron's distributed optimizer lays out a buffer: last parameter
+    first), so the grouped GEMMs take the rows in reverse order too."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    reversed: bool = False
+
+
+def stacked_view(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool] | str:
+    """``weights`` (L tensors of one shape) as one [L, ...] view of their storage, without
+    a copy, and whether it lists them last first; or the reason there is none.
+
+    Host metadata only (storage, offsets, strides; no device read, no data pointer, so
+    fake tensors work too). A view exists when every weight is contiguous and they lie in
+    one storage at one spacing, ascending or descending, at least a weight apart (no
+    overlap), 16-byte aligned (grouped_mm's rule for its operands' starts and strides).
+    """
+    first = weights[0]
+    shape, dtype, device = first.shape, first.dtype, first.device
+    if any(w.shape != shape or w.dtype != dtype or w.device != device for w in weights):
+        return "the weights differ in shape, dtype or device"
+    if not all(w.is_contiguous() for w in weights):
+        return "a weight is not contiguous"
+    storage = first.untyped_storage()._cdata
+    if any(w.untyped_storage()._cdata != storage for w in weights[1:]):
+        return "the weights live in separate storages"
+    offsets = [w.storage_offset() for w in weights]
+    steps = {b - a for a, b in zip(offsets, offsets[1:], strict=False)} or {first.numel()}
+    if len(steps) > 1:
+        return "the weights lie in one storage at uneven spacing (padding between them)"
+    (step,) = steps
+    descending = step < 0
+    step, start = abs(step), min(offsets)
+    if step < first.numel():
+        return "the weights overlap in their storage"
+    align = 16 // first.element_size()
+    if start % align or step % align:
+        return "the weights are not 16-byte aligned in their storage"
+    view = torch.as_strided(first.detach(), (len(weights), *shape), (step, *first.stride()),
+                            start)
+    return view, descending
+
+
+def weight_stack(w1: Sequence[torch.Tensor],
+                 w2: Sequence[torch.Tensor]) -> WeightStack | str:
+    """Both projections' ``stacked_view``, or the reason there is none."""
+    v1, v2 = stacked_view(w1), stacked_view(w2)
+    for name, view in (("W1", v1), ("W2", v2)):
+        if isinstance(view, str):
+            return f"{name}: {view}"
+    if v1[1] != v2[1]:
+        return "W1 and W2 lie in opposite orders"
+    return WeightStack(v1[0], v2[0], v1[1])
+
+
+# -----------------------------------------------------------------------------
 # Forward
 # -----------------------------------------------------------------------------
 
@@ -255,17 +349,19 @@ def use_grouped_mm(requested: bool | None, x: torch.Tensor, w1: torch.Tensor,
 def experts_forward(x: torch.Tensor, rows: Sequence[int], offs: torch.Tensor | None,
                     w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor],
                     activation: Callable[[torch.Tensor], torch.Tensor], need_norm: bool,
-                    grouped: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    grouped: bool, stack: WeightStack | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(z [N, F1], o [N, H], a [N] fp32 or None) for rows grouped by instance.
 
-    ``offs``: int32 cumulative rows on x's device (grouped only).
+    ``offs``: int32 cumulative rows on x's device (grouped only). ``stack``: the weights
+    as grouped_mm reads them (grouped only; None: stacked here, a copy).
     """
     if grouped and x.shape[0] > 0:
-        w1s = torch.stack(tuple(w1))                                    # [L, F1, H]
+        w1s = torch.stack(tuple(w1)) if stack is None else stack.w1     # [L, F1, H]
         z = _GROUPED_MM(x, w1s.transpose(1, 2), offs=offs)
         del w1s
         h = activation(z)
-        w2s = torch.stack(tuple(w2))                                    # [L, H, F]
+        w2s = torch.stack(tuple(w2)) if stack is None else stack.w2     # [L, H, F]
         o = _GROUPED_MM(h, w2s.transpose(1, 2), offs=offs)
         a = torch.linalg.vector_norm(h, dim=1, dtype=torch.float32) if need_norm else None
         return z, o, a
@@ -309,7 +405,7 @@ def experts_backward(x: torch.Tensor, z: torch.Tensor, g: torch.Tensor, rows: Se
                      w2: Sequence[torch.Tensor],
                      activation: Callable[[torch.Tensor], torch.Tensor], grouped: bool,
                      weight_grads: bool = True, sink: GradSink | None = None,
-                     index: torch.Tensor | None = None
+                     index: torch.Tensor | None = None, stack: WeightStack | None = None
                      ) -> tuple[torch.Tensor, list[torch.Tensor | None] | None,
                                 list[torch.Tensor | None] | None]:
     """dX [K, H], dW1[l] [F1, H], dW2[l] [H, F] over the retained rows only.
@@ -321,6 +417,7 @@ def experts_backward(x: torch.Tensor, z: torch.Tensor, g: torch.Tensor, rows: Se
     False (frozen experts) skips the dW GEMMs and returns None for them.
     ``sink(projection, l, dW)`` may take each dW as soon as it exists (True: taken, its
     entry becomes None), so that every expert's dW need not be held at once.
+    ``stack``: as ``experts_forward``'s.
     """
     if grouped and g.shape[0] > 0:
         if index is not None:
@@ -329,11 +426,11 @@ def experts_backward(x: torch.Tensor, z: torch.Tensor, g: torch.Tensor, rows: Se
         with torch.enable_grad():
             z.requires_grad_(True)
             h = activation(z)                                          # [K, F]
-        w2s = torch.stack(tuple(w2))                                    # [L, H, F]
+        w2s = torch.stack(tuple(w2)) if stack is None else stack.w2     # [L, H, F]
         dh = _GROUPED_MM(g, w2s, offs=offs)                             # [K, F]
         del w2s
         (dz,) = torch.autograd.grad(h, z, dh)                           # [K, F1]
-        w1s = torch.stack(tuple(w1))                                    # [L, F1, H]
+        w1s = torch.stack(tuple(w1)) if stack is None else stack.w1     # [L, F1, H]
         dx = _GROUPED_MM(dz, w1s, offs=offs)                            # [K, H]
         del w1s
         if not weight_grads:

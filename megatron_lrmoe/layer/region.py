@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,7 +37,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrmoe.layer.comm import all_to_all_rows
-from megatron_lrmoe.layer.expert_gemms import experts_backward, experts_forward, use_grouped_mm
+from megatron_lrmoe.layer.expert_gemms import (
+    WeightStack,
+    experts_backward,
+    experts_forward,
+    strided_weights_work,
+    use_grouped_mm,
+    weight_stack,
+)
 from megatron_lrmoe.layer.region_layout import CallLayout, chunk_permutation, chunk_permutations
 from megatron_lrmoe.ops import (
     combine_rows,
@@ -51,6 +59,8 @@ from megatron_lrmoe.planning.retention import (
     retention_in_forward,
     rule_reads_metric,
 )
+
+_LOG = logging.getLogger(__name__)
 
 __all__ = ["ExpertWeights", "KeptPairs", "KeptPairsLog", "RegionContext", "RegionStats",
            "local_instances", "lrmoe_region", "record_kept_pairs"]
@@ -73,6 +83,10 @@ class ExpertWeights:
     gradient_accumulation_fusion: bool = False
     num_home: int | None = None
     """How many leading entries are home experts (None: all)."""
+    stack: WeightStack | str | None = None
+    """All entries' weights as one [L, ...] view each, for grouped GEMMs
+    (``expert_gemms.weight_stack``); a str: why there is none (the grouped GEMMs then
+    stack the weights per call, a copy); None: not derived (the region derives it)."""
 
     @property
     def homes(self) -> int:
@@ -81,8 +95,11 @@ class ExpertWeights:
     def with_replicas(self, w1: tuple[torch.Tensor, ...],
                       w2: tuple[torch.Tensor, ...]) -> ExpertWeights:
         """These home experts followed by replica weights ``w1``, ``w2``."""
-        return dataclasses.replace(self, w1=self.w1[: self.homes] + tuple(w1),
-                                   w2=self.w2[: self.homes] + tuple(w2), num_home=self.homes)
+        return dataclasses.replace(
+            self, w1=self.w1[: self.homes] + tuple(w1), w2=self.w2[: self.homes] + tuple(w2),
+            num_home=self.homes,
+            stack="this rank hosts replicas this step: the home weights and the replicas' "
+                  "live in separate buffers, and one grouped call reads one [L, ...] tensor")
 
 
 @dataclass
@@ -109,6 +126,9 @@ class RegionStats:
     """The planner lowered quotas or could not fit the budget for this call (its notes)."""
     grouped_gemm: bool = False
     """The expert GEMMs ran grouped (grouped_mm), not as the per-expert loop."""
+    weight_bytes_copied: int = 0
+    """Bytes of expert weights the grouped GEMMs copied (stacked) in this call, forward
+    and backward: 0 where they read zero-copy views (``ExpertWeights.stack``)."""
     backward_done: bool = False
 
 
@@ -283,15 +303,21 @@ class _LRMoERegion(torch.autograd.Function):
         lay = rc.layout if rc.layout is not None else CallLayout(plan, s, local)
         tables_buffer, tables = lay.device_tables(x.device)
         grouped = use_grouped_mm(rc.grouped_gemm, x, experts.w1[0], experts.w2[0])
-        offs = tables.offs_fwd if grouped else None
+        stack = _weight_stack(experts, rc.stats, x) if grouped else None
+        # The weights lie last expert first: every exp-major row order runs reversed
+        # ("GEMM order"), folded into the reorders the rows take anyway.
+        rev = stack is not None and stack.reversed
+        offs = _offsets(tables.offs_fwd, lay.received, rev) if grouped else None
 
         # ---- dispatch every pair ------------------------------------------------
         x_recv = _exchange(x.index_select(0, pair_token), lay.send_fwd, lay.recv_fwd, group)
-        if lay.fwd_identity:
-            x_exp, back = x_recv, None                                    # [Pr, H] exp-major
+        if lay.fwd_identity:       # [Pr, H] exp-major (reversed: a copy of the rows)
+            x_exp, back = (x_recv.flip(0) if rev else x_recv), None
         else:
             # Both reorders (to the experts and back) expanded at once.
             to_expert, back = chunk_permutations(*tables.fwd_pair, lay.received)
+            if rev:
+                to_expert, back = to_expert.flip(0), (lay.received - 1) - back
             x_exp = x_recv.index_select(0, to_expert)
         del x_recv   # free the receive buffer now, not when forward returns
         kept = scale = keep_rows = None
@@ -300,17 +326,23 @@ class _LRMoERegion(torch.autograd.Function):
                                                         pair_prob, x.device)
 
         # ---- experts on every pair --------------------------------------------------
-        z, o_exp, a_exp = experts_forward(x_exp, lay.rows_fwd, offs, experts.w1, experts.w2,
-                                          experts.activation, rc.needs_norm, grouped)
+        w1, w2, rows_fwd = _in_gemm_order(rev, experts.w1, experts.w2, lay.rows_fwd)
+        z, o_exp, a_exp = experts_forward(x_exp, rows_fwd, offs, w1, w2,
+                                          experts.activation, rc.needs_norm, grouped, stack)
         if keep_rows is not None:
             # Only the retained rows' x and z are needed in backward: compact them now,
             # in the exp-major order the retained gradient rows will arrive in.
+            if rev:
+                keep_rows = _reversed_rows(keep_rows, lay.received)
             x_exp = x_exp.index_select(0, keep_rows)
             z = z.index_select(0, keep_rows)
         # ---- back to the sources, then the weighted combine -------------------------
         if back is not None:
             o_exp = o_exp.index_select(0, back)
             a_exp = None if a_exp is None else a_exp.index_select(0, back)
+        elif rev:
+            o_exp = o_exp.flip(0)
+            a_exp = None if a_exp is None else a_exp.flip(0)
         o = _exchange(o_exp, lay.recv_fwd, lay.send_fwd, group)              # [P, H]
         a = None if a_exp is None else _exchange(a_exp, lay.recv_fwd, lay.send_fwd, group)
         del o_exp, a_exp
@@ -324,6 +356,7 @@ class _LRMoERegion(torch.autograd.Function):
                               scale)
         rc.stats.routed_pairs = lay.num_pairs
         rc.stats.grouped_gemm = grouped
+        ctx.stack, ctx.rev = stack, rev
         return y
 
     @staticmethod
@@ -338,14 +371,14 @@ class _LRMoERegion(torch.autograd.Function):
         metric, kept, scale, slot = _select_kept_pairs(rc, lay, tables, dy, pair_token,
                                                        pair_prob, a, kept, scale)
         dprob, g_exp, rows, back = _combine_backward(rc, lay, tables, dy, o, pair_token,
-                                                     pair_prob, kept, scale, slot)
+                                                     pair_prob, kept, scale, slot, ctx.rev)
         # Frozen home experts and no replica: no weight gradient to compute (the dW GEMMs
         # are local, so skipping them keeps every rank's collectives in step).
         weight_grads = any(ctx.needs_input_grad[5:]) or experts.homes < len(experts.w1)
         expert_grads = _experts_backward(experts, lay, tables, ctx.grouped, x_exp, z, g_exp,
-                                         rows, weight_grads)
+                                         rows, weight_grads, ctx.stack, rc.stats)
         del g_exp, rows      # freed before dX travels back
-        dx = _dispatch_backward(rc, lay, back, expert_grads, dy, pair_token, kept)
+        dx = _dispatch_backward(rc, lay, back, expert_grads, dy, pair_token, kept, ctx.rev)
 
         _record_backward(rc, lay, metric, kept, scale, pair_token, dy)
         home_grads = _home_weight_grads(rc, experts, expert_grads, weight_grads)
@@ -380,7 +413,7 @@ def _select_kept_pairs(rc: RegionContext, lay: CallLayout, tables, dy: torch.Ten
 def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tensor,
                       o: torch.Tensor, pair_token: torch.Tensor, pair_prob: torch.Tensor,
                       kept: torch.Tensor | None, scale: torch.Tensor | None,
-                      slot: torch.Tensor | None
+                      slot: torch.Tensor | None, rev: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                  torch.Tensor | None]:
     """The weighted combine's backward and its all-to-all reversed: (dprob [P], g_exp
@@ -389,7 +422,8 @@ def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tens
     instances with the retained split sizes and are reordered exp-major. ``rows``: the
     kept rows' positions in x_exp and z, or None when they are those rows in order
     (every row kept, or compacted in forward). ``back``: the reverse reorder, for the
-    dispatch backward (expanded with this one; None when both are identities)."""
+    dispatch backward (expanded with this one; None when both are identities). ``rev``:
+    in GEMM order (reversed)."""
     group, device = rc.group, dy.device
     in_forward = rc.forward_retention
     dprob, g_kept = combine_rows_backward(
@@ -402,14 +436,20 @@ def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tens
         positions = _exchange(_positions(lay, tables, kept, device), lay.send_pos,
                               lay.recv_pos, group)
     if lay.bwd_identity:
-        g_exp, back = g_recv, None
+        g_exp, back = (g_recv.flip(0) if rev else g_recv), None
+        if rev and positions is not None:
+            positions = positions.flip(0)
     else:
         to_expert, back = chunk_permutations(*tables.bwd_pair, lay.received_kept)
+        if rev:
+            to_expert, back = to_expert.flip(0), (lay.received_kept - 1) - back
         g_exp = g_recv.index_select(0, to_expert)
         if positions is not None and not lay.receiver_keeps_all:
             positions = positions.index_select(0, to_expert)
     del g_recv
     rows = None if lay.receiver_keeps_all or in_forward else positions.long()
+    if rev and rows is not None:
+        rows = (lay.received - 1) - rows      # exp-major rows of x_exp, z: GEMM order
     return dprob, g_exp, rows, back
 
 
@@ -426,33 +466,92 @@ class _ExpertGrads:
 
 def _experts_backward(experts: ExpertWeights, lay: CallLayout, tables, grouped: bool,
                       x_exp: torch.Tensor, z: torch.Tensor, g_exp: torch.Tensor,
-                      rows: torch.Tensor | None, weight_grads: bool) -> _ExpertGrads:
-    """The expert GEMMs' backward over the retained rows only (h recomputed from z)."""
-    offs = tables.offs_bwd if grouped else None
+                      rows: torch.Tensor | None, weight_grads: bool, stack: WeightStack | None,
+                      stats: RegionStats) -> _ExpertGrads:
+    """The expert GEMMs' backward over the retained rows only (h recomputed from z).
+    ``stack``: the forward's zero-copy views (None: the weights are stacked again, and
+    counted in ``stats``); reversed ones take the rows in GEMM order."""
+    rev = stack is not None and stack.reversed
+    offs = _offsets(tables.offs_bwd, lay.received_kept, rev) if grouped else None
+    if grouped and stack is None:
+        _count_stacked(experts, stats)
     homes = experts.homes
     fuse = experts.gradient_accumulation_fusion
+
+    last = len(experts.w1) - 1
 
     def sink(projection: int, e: int, grad: torch.Tensor) -> bool:
         # Home experts' dW go where they end up as soon as each exists (replicas'
         # go to the replica hook, ``_home_weight_grads``).
+        e = last - e if rev else e
         weights = experts.w1 if projection == 1 else experts.w2
         return e < homes and _accumulate_now(weights[e], grad, fuse)
 
-    dx_rows, dw1, dw2 = experts_backward(x_exp, z, g_exp, lay.rows_bwd, offs, experts.w1,
-                                         experts.w2, experts.activation, grouped,
-                                         weight_grads, sink, rows)
+    w1, w2, rows_bwd = _in_gemm_order(rev, experts.w1, experts.w2, lay.rows_bwd)
+    dx_rows, dw1, dw2 = experts_backward(x_exp, z, g_exp, rows_bwd, offs, w1, w2,
+                                         experts.activation, grouped, weight_grads, sink,
+                                         rows, stack)
+    if rev and dw1 is not None:
+        dw1, dw2 = dw1[::-1], dw2[::-1]
     return _ExpertGrads(dx_rows, dw1, dw2)
+
+
+_unstacked_logged: set[str] = set()
+
+
+def _weight_stack(experts: ExpertWeights, stats: RegionStats,
+                  x: torch.Tensor) -> WeightStack | None:
+    """The weights as grouped_mm reads them without a copy, or None: the grouped GEMMs
+    stack them per call (counted in ``stats``, the reason logged once per process)."""
+    stack = experts.stack if experts.stack is not None else weight_stack(experts.w1,
+                                                                         experts.w2)
+    if not isinstance(stack, str):
+        stack = strided_weights_work(x) or stack
+    if isinstance(stack, str):
+        if stack not in _unstacked_logged:
+            _unstacked_logged.add(stack)
+            _LOG.warning("LRMoE: the grouped expert GEMMs copy (stack) the local experts' "
+                         "weights in every call: %s", stack)
+        _count_stacked(experts, stats)
+        return None
+    return stack
+
+
+def _offsets(offs: torch.Tensor, total: int, rev: bool) -> torch.Tensor:
+    """grouped_mm's int32 cumulative rows per group: the plan's (``offs`` [L], inclusive),
+    or those of the groups in reverse order (GEMM order), derived on the device."""
+    if rev:
+        offs = total - torch.nn.functional.pad(offs[:-1], (1, 0)).flip(0)
+    return offs.to(torch.int32)
+
+
+def _reversed_rows(index: torch.Tensor, total: int) -> torch.Tensor:
+    """Row indices into an exp-major buffer of ``total`` rows, listed in order, as
+    indices into the reversed buffer, listed in reverse order."""
+    return (total - 1) - index.flip(0)
+
+
+def _in_gemm_order(rev: bool, w1: tuple, w2: tuple, rows: list[int]) -> tuple:
+    return (w1[::-1], w2[::-1], rows[::-1]) if rev else (w1, w2, rows)
+
+
+def _count_stacked(experts: ExpertWeights, stats: RegionStats) -> None:
+    stats.weight_bytes_copied += sum(w.numel() * w.element_size()
+                                     for w in (*experts.w1, *experts.w2))
 
 
 def _dispatch_backward(rc: RegionContext, lay: CallLayout, back: torch.Tensor | None,
                        expert_grads: _ExpertGrads, dy: torch.Tensor, pair_token: torch.Tensor,
-                       kept: torch.Tensor | None) -> torch.Tensor:
+                       kept: torch.Tensor | None, rev: bool = False) -> torch.Tensor:
     """The dispatch reversed: dX rows back to source order (``back``: the exp-major to
-    src-major reorder, None when it is the identity) and to their sources, then
-    scatter-added into the token gradients dx [T, H] at the kept pairs' tokens."""
+    src-major reorder, None when it is the identity; ``rev``: the rows are in GEMM order)
+    and to their sources, then scatter-added into the token gradients dx [T, H] at the kept
+    pairs' tokens."""
     dx_rows, expert_grads.dx_rows = expert_grads.dx_rows, None    # freed once sent
     if back is not None:
         dx_rows = dx_rows.index_select(0, back)
+    elif rev:
+        dx_rows = dx_rows.flip(0)
     dx_back = _exchange(dx_rows, lay.recv_bwd, lay.send_bwd, rc.group)     # [K, H]
     del dx_rows
     dx = torch.zeros((dy.shape[0], dy.shape[1]), dtype=dy.dtype, device=dy.device)

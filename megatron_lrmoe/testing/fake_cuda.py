@@ -88,7 +88,7 @@ __all__ = ["TORCH_PIN", "Case", "CaseResult", "DeviceRun", "GemmCall", "LayerCas
            "fake_cuda_session", "megatron_fake_cuda", "memory_record",
            "move_parameters_to_fake_cuda", "node_grad", "qwen3_layer_config", "rank_view_plan",
            "region_node", "releasing_saved_tensors", "run_case", "run_case_on_device",
-           "run_cases", "run_layer_case", "trace_counts"]
+           "run_cases", "run_layer_case", "run_weight_copy_case", "trace_counts"]
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "benchmarks" / "results" / "routing_traces" / "qwen3" / "trace"
@@ -949,6 +949,114 @@ def run_layer_case(case: Case, rank: int, model: str = "qwen3-30b-a3b",
 
 
 # -----------------------------------------------------------------------------
+# Expert weight bytes copied per layer call
+# -----------------------------------------------------------------------------
+
+# Ops that write new memory from their inputs' values: a copy of an expert weight when
+# an input aliases one (``torch.stack`` reaches the dispatcher as ``cat`` of views or as
+# ``stack``; ``.to``, ``.contiguous`` as ``_to_copy``, ``clone``). GEMMs read weights
+# without copying them and are not in it.
+_COPY_OPS = frozenset({"stack", "cat", "clone", "_to_copy", "copy_", "copy", "index_select",
+                       "index", "gather", "take", "flip", "roll", "repeat", "narrow_copy",
+                       "as_strided_copy", "expand_copy", "view_copy", "slice_copy",
+                       "unbind_copy", "split_copy", "select_copy", "permute_copy",
+                       "transpose_copy", "t_copy", "_unsafe_view", "constant_pad_nd"})
+
+
+class WeightCopyCounter(TorchDispatchMode):
+    """Bytes that copy ops (``_COPY_OPS``) write from tensors aliasing the given weights'
+    storages, per phase; an in-place copy into a weight is a write to it, not counted."""
+
+    def __init__(self, weights) -> None:
+        super().__init__()
+        self.storages = {w.untyped_storage()._cdata for w in weights}
+        self.phase = ""
+        self.bytes: dict[str, int] = {}
+        self.ops: dict[str, list[str]] = {}
+
+    def _aliases(self, t: object) -> bool:
+        return isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in self.storages
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if name in _COPY_OPS:
+            sources = args[1:2] if name == "copy_" else tree_flatten((args, kwargs))[0]
+            written = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+                       and not self._aliases(t)]
+            if any(self._aliases(t) for t in sources) and written:
+                self.bytes[self.phase] = self.bytes.get(self.phase, 0) + sum(
+                    t.numel() * t.element_size() for t in written)
+                self.ops.setdefault(self.phase, []).append(name)
+        return out
+
+
+def _wrap_experts(layer, wrap: str):
+    """The layer as a training run holds it: ``module`` as built; ``ddp`` / ``distopt``
+    wrapped in Megatron's DistributedDataParallel without / with the distributed
+    optimizer's parameter buffer; ``separate`` each expert weight in a storage of its
+    own (as every parameter was before the layer shared one buffer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    if wrap in ("ddp", "distopt"):
+        return DistributedDataParallel(
+            config=layer.config, module=layer, ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=wrap == "distopt"))
+    if wrap == "separate":
+        for expert in layer.experts.local_experts:
+            for linear in (expert.linear_fc1, expert.linear_fc2):
+                linear.weight.data = linear.weight.data.clone()
+    elif wrap != "module":
+        raise ValueError(f"wrap {wrap!r}: module, ddp, distopt or separate")
+    return layer
+
+
+def run_weight_copy_case(case: Case, rank: int, wrap: str,
+                         model: str = "qwen3-30b-a3b") -> dict:
+    """Bytes of expert weights copied in one LRMoELayer call, forward and backward, at
+    ``model``'s shape as rank ``rank`` of a fake EP group (``megatron_fake_cuda``), the
+    experts held as ``wrap`` says (``_wrap_experts``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_lrmoe.layer.spec import to_lrmoe_spec
+    from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
+
+    spec = ModelSpec.from_config(model, MODELS[model])
+    t = spec.shape(case.ep).tokens_per_rank
+    counts = case_counts(case, model)
+    with megatron_fake_cuda(rank, case.ep):
+        mlp = get_gpt_layer_local_spec(num_experts=spec.num_experts,
+                                       moe_grouped_gemm=True).submodules.mlp
+        layer = to_lrmoe_spec(mlp)(config=qwen3_layer_config(case, model), layer_number=1)
+        layer.set_layer_number(1)
+        move_parameters_to_fake_cuda(layer)
+        module = _wrap_experts(layer, wrap)
+        layer.setup_planner(t, 1)
+        layer.counts_exchange = TraceCountsExchange(counts, rank)
+        x = torch.empty(t // 2, 2, spec.hidden_size, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True)
+        if case.replicas:
+            module(x)
+            layer.finish_step()
+        weights = [w for e in layer.experts.local_experts
+                   for w in (e.linear_fc1.weight, e.linear_fc2.weight)]
+        counter = WeightCopyCounter(weights)
+        with counter:
+            counter.phase = "forward"
+            out, _ = module(x)
+            counter.phase = "backward"
+            node, _ = region_node(out)
+            backward_through_node(node, torch.empty(t, spec.hidden_size, device="cuda",
+                                                    dtype=torch.bfloat16))
+        stats = layer.lrmoe_stats.calls[-1]
+        return {"case": case.name, "wrap": wrap, "bytes": counter.bytes, "ops": counter.ops,
+                "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
+                "grouped_gemm": stats.grouped_gemm,
+                "weight_bytes_copied": stats.weight_bytes_copied}
+
+
+# -----------------------------------------------------------------------------
 # The same cases on a real device (issue 25, part 5: scripts/dev/region_at_scale_check.py)
 # -----------------------------------------------------------------------------
 #
@@ -1295,10 +1403,20 @@ def compare_values(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
     return out
 
 
+def _parse_case(spec: str) -> Case:
+    ep, gamma, selection, replicas = spec.split(":")
+    return Case(int(ep), math.inf if gamma == "inf" else float(gamma), selection,
+                replicas == "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m megatron_lrmoe.testing.fake_cuda [layer] RANK EP:GAMMA:SELECTION:REPLICAS
     ...``: one JSON list of case results (``layer``: of the whole layer) on stdout."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "weights":       # ``... weights RANK WRAP CASE ...``
+        json.dump([run_weight_copy_case(_parse_case(c), int(argv[1]), argv[2])
+                   for c in argv[3:]], sys.stdout)
+        return 0
     layer = bool(argv) and argv[0] == "layer"     # ``... layer RANK CASE ...``: the layer
     argv = argv[1:] if layer else argv
     rank = int(argv[0])
