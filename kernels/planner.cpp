@@ -295,7 +295,9 @@ class NativePlanner {
       recv_pos[r] = drops[s] ? recv_bwd[r] : 0;
     }
     const i64 LR = L * R_;
-    std::vector<i64> sizes = {I_ + 1, I_, I_, LR, LR, LR, LR, LR, LR, LR, LR, L, L};
+    // Each direction's two reorders as their deltas then their sizes (the layout's
+    // ``chunk_permutations``), then the grouped GEMMs' int32 offsets two to a slot.
+    std::vector<i64> sizes = {I_ + 1, I_, I_, 2 * LR, 2 * LR, 2 * LR, 2 * LR, L};
     I64Array packed(std::accumulate(sizes.begin(), sizes.end(), i64(0)));
     i64* out = packed.mutable_data();
     // cell offsets of this source, its quotas, and the shift to each cell's
@@ -346,8 +348,8 @@ class NativePlanner {
         }
       }
       i64* delta_exp = cursor;
-      i64* sizes_exp = cursor + LR;
-      i64* delta_src = cursor + 2 * LR;
+      i64* delta_src = cursor + LR;
+      i64* sizes_exp = cursor + 2 * LR;
       i64* sizes_src = cursor + 3 * LR;
       for (i64 l = 0; l < L; ++l)
         for (i64 r = 0; r < R_; ++r) {
@@ -361,12 +363,18 @@ class NativePlanner {
       (pass == 0 ? received : received_kept) = acc;
       (pass == 0 ? fwd_identity : bwd_identity) = identity;
     }
+    if (received >= (i64(1) << 31))
+      throw py::value_error("rank " + std::to_string(s) + " receives " +
+                            std::to_string(received) +
+                            " rows: the grouped GEMMs' int32 offsets hold at most 2**31 - 1");
+    // int32 in memory order, as numpy's astype(int32).view(int64) packs them
+    int32_t* offs = reinterpret_cast<int32_t*>(cursor);
     for (int pass = 0; pass < 2; ++pass) {
       const auto& rows = pass == 0 ? rows_fwd : rows_bwd;
       i64 acc = 0;
       for (i64 l = 0; l < L; ++l) {
         acc += rows[l];
-        *cursor++ = acc;
+        *offs++ = static_cast<int32_t>(acc);
       }
     }
     py::object order = py::none();
