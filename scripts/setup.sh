@@ -3,10 +3,13 @@
 #
 #   bash scripts/setup.sh            # .venv (Python 3.12) with requirements/lock.txt:
 #                                    # megatron-core 0.19.2, torch 2.13.0 (its CUDA build,
-#                                    # which runs on CPU machines too), hash-checked
+#                                    # which runs on CPU machines too), hash-checked;
+#                                    # then requirements/bridge.txt: Megatron-Bridge 0.6.2
+#                                    # and what it imports, hash-checked, --no-deps
 #   LRMOE_GPU=1 bash scripts/setup.sh
 #                                    # GPU: .venv that sees the machine's CUDA torch
-#                                    # (--system-site-packages), nothing of torch pinned
+#                                    # (--system-site-packages), nothing of torch pinned;
+#                                    # requirements/bridge.txt as above
 #
 # Then installs the package in editable mode, which compiles megatron_lrmoe._kernels
 # against the torch in the environment: the CPU backend, plus the CUDA one when torch
@@ -64,6 +67,9 @@ else
   "$PY" -m pip install -q --require-hashes -r requirements/lock.txt
   deps=(--no-deps -e .)   # the lock holds every dependency and the dev tools
 fi
+# Megatron-Bridge's declared requirements do not resolve from the registry; the file holds
+# Bridge and exactly what it imports (its header says why and how to regenerate it).
+"$PY" -m pip install -q --no-deps --require-hashes -r requirements/bridge.txt
 if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] \
    && ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
   # No GPU to read the architecture from: build for Hopper (H100/H200).

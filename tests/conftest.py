@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 from hypothesis import settings
 
 from megatron_lrmoe.testing.gloo_pool import GlooPool
+from megatron_lrmoe.testing.hf_cache import offline_hf_environment, prefilled_hf_cache
 
 # Property tests draw the same examples on every run (CI gates on them; a new random
 # counterexample should not fail a change that did not cause it). To search new ones:
@@ -23,6 +25,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ops check index and metric values on every device (a host sync on GPUs, off by
 # default in training); set before the worker pools start, so they inherit it.
 os.environ.setdefault("MEGATRON_LRMOE_DEBUG_CHECKS", "1")
+
+# Megatron-Bridge's recipes read their models' config.json from the Hugging Face Hub: the
+# shipped configs, in a pre-filled cache, offline (huggingface_hub reads these variables at
+# import; set before the worker pools start, so they inherit them).
+os.environ.update(offline_hf_environment(prefilled_hf_cache(
+    tempfile.mkdtemp(prefix="lrmoe-hf-cache-"))))
 
 _pools: dict[int, GlooPool] = {}
 
@@ -66,6 +74,18 @@ def corpus(tmp_path_factory) -> str:
     inputs = [os.path.join(stdlib, name) for name in ("json", "email", "logging")]
     prepare_dataset(inputs, prefix, extensions=".py")
     return prefix
+
+
+@pytest.fixture(scope="session")
+def bridge():
+    """megatron.bridge, imported (Megatron-Bridge is part of the test environment; what
+    cannot be installed here is stubbed for the Bridge modules that import it)."""
+    from megatron_lrmoe.integration.runtime.compat import stub_bridge_imports_of_absent_modules
+
+    stub_bridge_imports_of_absent_modules()
+    import megatron.bridge
+
+    return megatron.bridge
 
 
 @pytest.fixture(scope="module")

@@ -42,8 +42,9 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "EXTRA_FIELDS", "MEGATRON_OPTIONS", "OFFLOAD_MODULES_AS_IS", "OFFLOAD_MODULES_REFUSED",
-    "PREFIXES", "Handling", "MegatronOption", "megatron_lm_argument_rows", "megatron_option",
+    "EXTRA_FIELDS", "MEGATRON_OPTIONS", "NO_FIX", "OFFLOAD_MODULES_AS_IS",
+    "OFFLOAD_MODULES_REFUSED", "PREFIXES", "Handling", "MegatronOption",
+    "megatron_lm_argument_rows", "megatron_option",
     "refused_offload_modules",
 ]
 
@@ -63,6 +64,15 @@ class Handling(enum.Enum):
 AS_IS, IMPLEMENTED, REFUSED = Handling.AS_IS, Handling.IMPLEMENTED, Handling.REFUSED
 
 
+class _NoFix:
+    def __repr__(self) -> str:
+        return "NO_FIX"
+
+
+#: ``MegatronOption.fix`` when Megatron's default of the field is what LRMoE needs.
+NO_FIX: Any = _NoFix()
+
+
 @dataclass(frozen=True)
 class MegatronOption:
     """One Megatron option under ``--moe-lrmoe``.
@@ -73,6 +83,13 @@ class MegatronOption:
     ``--flag: `` (a format string with ``{value}``, or a function of the value). ``flag``
     is the command-line flag when it is not the name with dashes (for a field without a
     Megatron-LM flag: the field name itself).
+
+    For a refused value, ``fix`` is what LRMoE needs instead (a value, or a function of
+    the refused value); ``NO_FIX`` means Megatron's default of the field, which no row
+    refuses unless it sets ``fix``. ``adaptable``: a Bridge recipe's value may be
+    replaced by the fix (``enable_lrmoe(cfg, adapt=True)``). Only implementation choices
+    are (dispatcher, fusions, overlaps, CUDA graphs, offloading): settings that change the
+    model's parameters or function, its parallel layout, or its precision are not.
     """
 
     name: str
@@ -83,6 +100,8 @@ class MegatronOption:
     flag: str | None = None
     args_only: bool = False
     carried_to: str | None = None
+    fix: Any = NO_FIX
+    adaptable: bool = True
 
     def __post_init__(self) -> None:
         # A refused option refuses something; a row that refuses names the fix.
@@ -90,6 +109,11 @@ class MegatronOption:
             raise ValueError(f"{self.name}: a refused option needs its refuse predicate")
         if (self.refuse is None) != (self.problem is None):
             raise ValueError(f"{self.name}: refuse and problem go together")
+
+    def fix_for(self, value: Any) -> Any:
+        """What LRMoE needs instead of the refused ``value``; ``NO_FIX``: Megatron's
+        default of the field."""
+        return self.fix(value) if callable(self.fix) else self.fix
 
     def problem_for(self, value: Any) -> str:
         """The refusal text for ``value`` (the caller prefixes the flag)."""
@@ -215,20 +239,20 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
         "autograd function; allgather and flex are refused",
         refuse=lambda v: v != "alltoall",
         problem="--moe-lrmoe needs --moe-token-dispatcher-type alltoall (its backward region "
-                "is an all-to-all dispatcher), got {value!r}"),
+                "is an all-to-all dispatcher), got {value!r}", fix="alltoall"),
     _refused("add_bias_linear",
              "--moe-lrmoe needs --disable-bias-linear (expert biases are not supported)",
-             flag="--disable-bias-linear"),
+             flag="--disable-bias-linear", fix=False, adaptable=False),
     _refused("moe_expert_capacity_factor",
              "--moe-lrmoe keeps the forward exact: drop --moe-expert-capacity-factor (a "
-             "forward capacity drops pairs in forward)", refuse=_given),
+             "forward capacity drops pairs in forward)", refuse=_given, adaptable=False),
     _refused("expert_tensor_parallel_size",
              "--moe-lrmoe needs --expert-tensor-parallel-size 1 (expert tensor parallelism is "
              "not supported yet; Megatron-LM defaults it to --tensor-model-parallel-size), "
-             "got {value}", refuse=lambda v: v not in (None, 1)),
+             "got {value}", refuse=lambda v: v not in (None, 1), fix=1, adaptable=False),
     _refused("moe_apply_probs_on_input",
              "not supported with --moe-lrmoe (LRMoE applies the probabilities after the "
-             "combine, and its router gradient is <dy, o>); drop the flag"),
+             "combine, and its router gradient is <dy, o>); drop the flag", adaptable=False),
     _refused("overlap_moe_expert_parallel_comm",
              "not supported with --moe-lrmoe: the 1F1B overlap schedules the stages of "
              "Megatron's dispatcher and experts, which the LRMoE region replaces; drop the "
@@ -245,11 +269,12 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
              refuse=lambda v: v != "none"),
     _refused("context_parallel_size",
              "context parallelism is not supported with --moe-lrmoe yet; use "
-             "--context-parallel-size 1", refuse=lambda v: v != 1),
+             "--context-parallel-size 1", refuse=lambda v: v != 1, adaptable=False),
     _refused("moe_latent_size",
              "not supported with --moe-lrmoe (the latent projections wrap Megatron's "
-             "dispatcher, which the region replaces); drop the flag", refuse=_given),
-    _refused("fp8", _FP8, refuse=_given, flag="--fp8-format"),
+             "dispatcher, which the region replaces); drop the flag", refuse=_given,
+             adaptable=False),
+    _refused("fp8", _FP8, refuse=_given, flag="--fp8-format", adaptable=False),
 
     # --- routing: Megatron's router ---------------------------------------------------
     _as_is("moe_router_topk", _ROUTER),
@@ -289,7 +314,7 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
         "fp64 is refused",
         refuse=lambda v: v == "fp64",
         problem="--moe-lrmoe combines expert outputs in fp32, so fp64 is not supported: use "
-                "--moe-router-dtype fp32"),
+                "--moe-router-dtype fp32", fix="fp32"),
 
     # --- what the region replaces: dispatch, experts, combine --------------------------
     _implemented("moe_grouped_gemm",
@@ -339,7 +364,9 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
     _refused("moe_paged_stash_buffer_size_factor_cuda", _STASH, refuse=_differs(1.1)),
     _refused("moe_paged_stash_buffer_size_factor_cpu", _STASH, refuse=_differs(0.0)),
     _refused("moe_enable_deepep", _FLEX),
-    _refused("moe_flex_dispatcher_backend", _FLEX, refuse=_differs("deepep")),
+    # Megatron's default (deepep) and Bridge's None choose no flex backend.
+    _refused("moe_flex_dispatcher_backend", _FLEX, refuse=lambda v: v not in ("deepep", None),
+             fix=None),
     _refused("moe_flex_dispatcher_num_sms", _FLEX, refuse=_given),
     _refused("moe_deepep_num_sms", _FLEX, refuse=_given),
     _refused("moe_hybridep_num_sms", _FLEX, refuse=_given),
@@ -364,7 +391,7 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
            refuse=lambda v: v == "inference_optimized",
            problem="inference_optimized picks Megatron's inference dispatchers inside "
                    "MoELayer.forward, which the --moe-lrmoe layer replaces; use local or "
-                   "transformer_engine"),
+                   "transformer_engine", adaptable=False),
 
     # --- shared experts: Megatron's ---------------------------------------------------
     _as_is("moe_shared_expert_intermediate_size", _SHARED),
@@ -412,7 +439,8 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
            "attention-side and norm modules offload in Megatron's layer, outside the MoE layer "
            "(OFFLOAD_MODULES_AS_IS); expert_fc1, moe_act, fused_group_mlp are refused "
            "(OFFLOAD_MODULES_REFUSED)",
-           refuse=lambda v: bool(refused_offload_modules(v)), problem=_offload_problem),
+           refuse=lambda v: bool(refused_offload_modules(v)), problem=_offload_problem,
+           fix=lambda v: [m for m in v if m in OFFLOAD_MODULES_AS_IS]),
     _as_is("fine_grained_offloading_max_inflight_offloads", "Megatron's offload manager"),
     _refused("cpu_offloading",
              "layer-level CPU offloading would move the --moe-lrmoe region's saved tensors, "
@@ -432,7 +460,7 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
     _refused("fp8_output_proj", _FP8),
     _refused("fp8_dot_product_attention", _FP8, flag="fp8_dot_product_attention"),
     _refused("fp8_multi_head_attention", _FP8, flag="fp8_multi_head_attention"),
-    _refused("fp4", _FP4, refuse=_given, flag="--fp4-format"),
+    _refused("fp4", _FP4, refuse=_given, flag="--fp4-format", adaptable=False),
     _refused("fp4_recipe", _FP4, refuse=_differs("nvfp4")),
     _refused("fp4_param", _FP4, flag="--fp4-param-gather"),
     _refused("fp4_quantizer_factory", _FP4, refuse=_given),

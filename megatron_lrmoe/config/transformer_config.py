@@ -91,6 +91,13 @@ class LRMoETransformerConfig(TransformerConfig):
         # --moe-lrmoe refuses is then refused by its own name, not by whatever Megatron's
         # validation of it says (the flex dispatcher's knobs, FP8 recipes ...). They run
         # again on what Megatron derives (expert TP from TP, deprecated spellings migrated).
+        self.check_lrmoe()
+        TransformerConfig.__post_init__(self)
+        self.check_lrmoe()
+
+    def check_lrmoe(self, view: Any = None) -> None:
+        """Every LRMoE check (``options.validate_lrmoe``) on this config, or on ``view``
+        of it (the Bridge provider hides the FP8 knobs of a run without FP8)."""
         if self.moe_lrmoe_memory_budget_gb == AUTO:
             # The flag's auto is resolved to GiB by the entry point from the device's size
             # and the memory account, before the config is built.
@@ -98,6 +105,4 @@ class LRMoETransformerConfig(TransformerConfig):
                 "moe_lrmoe_memory_budget_gb",
                 "auto is resolved by the entry point (--device-memory-gb and the memory "
                 "account: config.planner_inputs.resolve_memory_budget); a config takes GiB")
-        validate_lrmoe(self)
-        TransformerConfig.__post_init__(self)
-        validate_lrmoe(self)
+        validate_lrmoe(self if view is None else view)

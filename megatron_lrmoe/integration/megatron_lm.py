@@ -546,12 +546,9 @@ def _finish_build(args: argparse.Namespace, model: Any, config: Any) -> None:
 
 def _check_converted(model: Any) -> None:
     """Every MoE layer of the built model must be LRMoE's (no silent fallback)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron_lrmoe.integration.step_hooks import unconverted_moe_layers
 
-    from megatron_lrmoe.layer.moe_layer import LRMoELayer
-
-    missed = [name for name, m in model.named_modules()
-              if isinstance(m, MoELayer) and not isinstance(m, LRMoELayer)]
+    missed = unconverted_moe_layers([model])
     if missed:
         raise ConfigError(f"--moe-lrmoe: these MoE layers were not converted: {missed[:3]}")
 
@@ -641,46 +638,20 @@ def log_lrmoe_stats(iteration: int) -> dict[str, float]:
     every rank calls it at the same iteration, as Megatron-LM's training loop does)."""
     from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
 
-    from megatron_lrmoe.layer.telemetry import collect_lrmoe_stats
+    from megatron_lrmoe.integration.step_hooks import write_lrmoe_stats
 
     args = get_args()
-    interval = args.moe_lrmoe_log_interval or args.log_interval
-    if not interval or iteration % interval:
-        return {}
     num_layers = args.num_layers + (getattr(args, "mtp_num_layers", None) or 0)
-    stats = collect_lrmoe_stats(built_models(), num_layers, args.num_experts)
-    scalars = {k: float(v) for k, v in stats.items() if isinstance(v, int | float)}
-    writer = get_tensorboard_writer()
-    if writer is not None:
-        for key, value in scalars.items():
-            writer.add_scalar(key, value, iteration)
-    wandb = get_wandb_writer()
-    if wandb is not None:
-        wandb.log(scalars, iteration)
-    if "lrmoe/retained-fraction" in scalars:
-        _print_on_last_rank(format_lrmoe_line(iteration, scalars))
-    return scalars
-
-
-def _print_on_last_rank(line: str) -> None:
-    """``print_rank_last`` (the same rank), as one write of the line and its newline: a
-    print's text and newline are two writes on an unbuffered stdout, and another rank's
-    output (Megatron's memory report) could land between them."""
-    import torch.distributed as dist
-    from megatron.training.utils import is_last_rank
-
-    if dist.is_initialized() and dist.get_backend() != "fake" and not is_last_rank():
-        return
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    return write_lrmoe_stats(built_models(), iteration,
+                             args.moe_lrmoe_log_interval or args.log_interval, num_layers,
+                             args.num_experts, get_tensorboard_writer(), get_wandb_writer())
 
 
 def format_lrmoe_line(iteration: int, stats: dict[str, float]) -> str:
-    """The one-line summary: Megatron-LM's iteration prefix and the words of
-    ``telemetry.format_lrmoe_stats``, which the lean launcher prints too."""
-    from megatron_lrmoe.layer.telemetry import format_lrmoe_stats
+    """The one-line summary (``step_hooks.format_lrmoe_line``)."""
+    from megatron_lrmoe.integration.step_hooks import format_lrmoe_line as line
 
-    return f" [LRMoE] iteration {iteration:8d} | {format_lrmoe_stats(stats)}"
+    return line(iteration, stats)
 
 
 # -----------------------------------------------------------------------------

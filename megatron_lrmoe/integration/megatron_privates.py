@@ -20,6 +20,10 @@ The internals, each read from the version named (``MEGATRON_CORE``: megatron-cor
   core_v0.19.0; private, wrapped by ``wrap_sharded_state_dict_metadata``): the one place
   the sharded state dict metadata of a save is made; the wrapper adds the LRMoE
   step-state flag under ``--moe-lrmoe``.
+* ``megatron.bridge.training.checkpointing:_build_sharded_state_dict_metadata``
+  (Megatron-Bridge 0.6.2; private, wrapped by ``wrap_bridge_sharded_state_dict_metadata``):
+  Bridge's one maker of the sharded state dict metadata of a save (and of local-checkpoint
+  loads); the wrapper adds the LRMoE step-state flag while an LRMoE model trains.
 * the module global ``GPTModel`` of ``megatron.training.models.gpt`` (looked up by
   ``GPTModelBuilder.build_model``) and of ``gpt_builders`` (``gpt_builder``)
   (Megatron-LM core_v0.19.0; swapped by ``swap_gpt_model_class`` while one LRMoE model
@@ -58,6 +62,17 @@ The internals, each read from the version named (``MEGATRON_CORE``: megatron-cor
   replaced on one instance by ``replaced_dispatcher_dtoh``): the device-op count
   (testing/device_ops.py) runs Megatron's own layer on fake CUDA, where the split sizes
   it reads on the host have no values and its stream and event need a driver.
+* the module global ``initialize_megatron`` of ``megatron.bridge.training.setup`` (looked
+  up by ``setup``), and ``compile_helpers`` and the private ``_set_random_seed`` of
+  ``megatron.bridge.training.initialize`` (looked up by ``initialize_megatron`` and by
+  ``torch_dist_init``'s inner ``finish_mpu_init``), Megatron-Bridge 0.6.2 (``BRIDGE``; wrapped by
+  ``wrap_bridge_initialize_megatron``, ``wrap_bridge_compile_helpers`` and
+  ``wrap_bridge_set_random_seed``): the CPU runtime's fixes for Bridge's training
+  (runtime/cpu.py, ``BRIDGE_FIXES``).
+* the module global ``mtp_block_spec`` of ``megatron.bridge.models.gpt_provider`` (looked
+  up by ``GPTModelProvider.provide``; Megatron-Bridge 0.6.2, which builds the MTP block
+  with Transformer Engine hard-coded; swapped by ``swapped_bridge_mtp_block_spec``): the
+  test harness's local MTP spec on CPU (testing/bridge.py).
 * ``torch.nn.Module._forward_pre_hooks`` of an expert linear (torch 2.13; read by
   ``forward_pre_hooks``): the hooks that megatron-core 0.19.2's
   ``DistributedDataParallel`` registers there (distributed_data_parallel.py:408,
@@ -82,6 +97,7 @@ from typing import Any
 MEGATRON_CORE = "megatron-core 0.19.2"
 MEGATRON_LM = "Megatron-LM core_v0.19.0"
 TORCH = "torch 2.13"
+BRIDGE = "Megatron-Bridge 0.6.2"
 
 # Set on every function this module puts into Megatron, so that a second call is a no-op.
 _MARK = "_lrmoe"
@@ -95,7 +111,7 @@ class MegatronPrivate:
 
     module: str              # the module that holds it
     name: str                # dotted path inside the module
-    version: str             # where it was read: MEGATRON_CORE, MEGATRON_LM or TORCH
+    version: str             # where it was read: MEGATRON_CORE, MEGATRON_LM, BRIDGE or TORCH
     access: str              # wrapped, replaced, swapped or read
     accessor: str            # the function of this module that touches it
     params: tuple[str, ...] = ()        # parameters the plugin binds by name
@@ -110,6 +126,7 @@ class MegatronPrivate:
 
 
 _RANDOM = "megatron.core.tensor_parallel.random"
+_BRIDGE_INITIALIZE = "megatron.bridge.training.initialize"
 
 #: Every Megatron internal touched by the package, in the order of the list above.
 PRIVATES: tuple[MegatronPrivate, ...] = (
@@ -118,6 +135,9 @@ PRIVATES: tuple[MegatronPrivate, ...] = (
     MegatronPrivate("megatron.training.checkpointing", "_build_sharded_state_dict_metadata",
                     MEGATRON_LM, "wrapped", "wrap_sharded_state_dict_metadata",
                     params=("args",), looked_up_by="save_checkpoint"),
+    MegatronPrivate("megatron.bridge.training.checkpointing", "_build_sharded_state_dict_metadata",
+                    BRIDGE, "wrapped", "wrap_bridge_sharded_state_dict_metadata",
+                    params=("use_distributed_optimizer", "cfg"), looked_up_by="save_checkpoint"),
     MegatronPrivate("megatron.training.models.gpt", "GPTModel", MEGATRON_LM, "swapped",
                     "swap_gpt_model_class", looked_up_by="GPTModelBuilder.build_model"),
     MegatronPrivate("gpt_builders", "GPTModel", MEGATRON_LM, "swapped",
@@ -156,6 +176,17 @@ PRIVATES: tuple[MegatronPrivate, ...] = (
                     "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", MEGATRON_CORE,
                     "replaced", "replaced_dispatcher_dtoh",
                     params=("point", "tokens_per_expert")),
+    MegatronPrivate("megatron.bridge.training.setup", "initialize_megatron", BRIDGE, "wrapped",
+                    "wrap_bridge_initialize_megatron", params=("allow_no_cuda",),
+                    looked_up_by="setup"),
+    MegatronPrivate(_BRIDGE_INITIALIZE, "compile_helpers", BRIDGE, "wrapped",
+                    "wrap_bridge_compile_helpers", looked_up_by="initialize_megatron"),
+    # Looked up by finish_mpu_init, a closure inside torch_dist_init (not reachable by name).
+    MegatronPrivate(_BRIDGE_INITIALIZE, "_set_random_seed", BRIDGE, "wrapped",
+                    "wrap_bridge_set_random_seed", params=("seed_", "pg_collection")),
+    MegatronPrivate("megatron.bridge.models.gpt_provider", "mtp_block_spec", BRIDGE, "swapped",
+                    "swapped_bridge_mtp_block_spec", params=("config", "vp_stage"),
+                    looked_up_by="GPTModelProvider.provide"),
     MegatronPrivate("torch.nn", "Module._forward_pre_hooks", TORCH, "read",
                     "forward_pre_hooks", on_instance=True),
 )
@@ -204,6 +235,19 @@ def wrap_sharded_state_dict_metadata(make_wrapper: Wrapper) -> bool:
 
     Idempotent: returns False, changing nothing, when it is wrapped already."""
     from megatron.training import checkpointing
+
+    return _wrap_attribute(checkpointing, "_build_sharded_state_dict_metadata", make_wrapper)
+
+
+def wrap_bridge_sharded_state_dict_metadata(make_wrapper: Wrapper) -> bool:
+    """Replace ``megatron.bridge.training.checkpointing._build_sharded_state_dict_metadata``
+    (megatron/bridge/training/checkpointing.py:_build_sharded_state_dict_metadata,
+    Megatron-Bridge 0.6.2, private: makes the content metadata of every save, looked up in
+    its module by ``save_checkpoint``, and of local-checkpoint loads) by
+    ``make_wrapper(original)``.
+
+    Idempotent: returns False, changing nothing, when it is wrapped already."""
+    from megatron.bridge.training import checkpointing
 
     return _wrap_attribute(checkpointing, "_build_sharded_state_dict_metadata", make_wrapper)
 
@@ -384,6 +428,58 @@ def replaced_dispatcher_dtoh(dispatcher: Any, replacement: Callable[..., Any]) -
     by its dispatch stages at each sync point; moves the split sizes to the host at
     ``cuda_dtoh_point`` and returns ``tokens_per_expert``). The class is untouched."""
     dispatcher._maybe_dtoh_and_synchronize = replacement
+
+
+# -----------------------------------------------------------------------------
+# Megatron-Bridge (0.6.2)
+# -----------------------------------------------------------------------------
+
+
+def wrap_bridge_initialize_megatron(make_wrapper: Wrapper) -> bool:
+    """Replace the ``initialize_megatron`` that megatron/bridge/training/setup.py:setup calls
+    (its module global, imported from training/initialize.py; Megatron-Bridge 0.6.2, which
+    passes no ``allow_no_cuda``) by ``make_wrapper(initialize_megatron)``.
+
+    Idempotent: returns False, changing nothing, when it is wrapped already."""
+    bridge_setup = importlib.import_module("megatron.bridge.training.setup")
+    return _wrap_attribute(bridge_setup, "initialize_megatron", make_wrapper)
+
+
+def wrap_bridge_compile_helpers(make_wrapper: Wrapper) -> bool:
+    """Replace the ``compile_helpers`` that megatron/bridge/training/initialize.py:
+    initialize_megatron runs on local rank 0 (its module global, imported from
+    megatron/core/datasets/utils.py; Megatron-Bridge 0.6.2) by ``make_wrapper(original)``.
+
+    Idempotent: returns False, changing nothing, when it is wrapped already."""
+    bridge_initialize = importlib.import_module(_BRIDGE_INITIALIZE)
+    return _wrap_attribute(bridge_initialize, "compile_helpers", make_wrapper)
+
+
+def wrap_bridge_set_random_seed(make_wrapper: Wrapper) -> bool:
+    """Replace megatron/bridge/training/initialize.py:_set_random_seed (private, looked up
+    by ``finish_mpu_init`` inside ``torch_dist_init``; Megatron-Bridge 0.6.2: seeds
+    Megatron's model-parallel RNG tracker only when ``torch.cuda.device_count() > 0``) by
+    ``make_wrapper(original)``.
+
+    Idempotent: returns False, changing nothing, when it is wrapped already."""
+    bridge_initialize = importlib.import_module(_BRIDGE_INITIALIZE)
+    return _wrap_attribute(bridge_initialize, "_set_random_seed", make_wrapper)
+
+
+@contextmanager
+def swapped_bridge_mtp_block_spec(replacement: Callable[..., Any]) -> Iterator[None]:
+    """While active, ``GPTModelProvider.provide`` builds its MTP block spec with
+    ``replacement(config, vp_stage=...)``: the module global ``mtp_block_spec`` of
+    megatron/bridge/models/gpt_provider.py (Megatron-Bridge 0.6.2, which passes
+    ``use_transformer_engine=True`` to megatron-core's ``get_gpt_mtp_block_spec``).
+    Restored on exit, also on error."""
+    gpt_provider = importlib.import_module("megatron.bridge.models.gpt_provider")
+    real = gpt_provider.mtp_block_spec
+    gpt_provider.mtp_block_spec = replacement
+    try:
+        yield
+    finally:
+        gpt_provider.mtp_block_spec = real
 
 
 # -----------------------------------------------------------------------------

@@ -33,6 +33,7 @@ state dict when its metadata carries ``PLANNER_STATE_FLAG`` (``checkpoint_conten
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -46,9 +47,10 @@ from megatron_lrmoe.layer.telemetry import lrmoe_layers
 from megatron_lrmoe.planning.cost_model import MachineConstants
 
 __all__ = ["PLANNER_STATE_FLAG", "chain_to_rerun_state_machine", "checkpoint_content_metadata",
-           "finish_lrmoe_step", "lrmoe_layers", "lrmoe_step_memory", "machine_constants_line",
-           "restore_lrmoe_state",
-           "setup_lrmoe_layers", "snapshot_lrmoe_state"]
+           "finish_lrmoe_step", "format_lrmoe_line", "lrmoe_layers", "lrmoe_step_memory",
+           "machine_constants_line", "print_on_last_rank", "restore_lrmoe_state",
+           "setup_lrmoe_layers", "snapshot_lrmoe_state", "unconverted_moe_layers",
+           "write_lrmoe_stats"]
 
 
 def _device() -> torch.device:
@@ -219,3 +221,55 @@ def checkpoint_content_metadata(config) -> dict[str, Any]:
     """What an LRMoE run adds to the sharded state dict metadata it saves with: the flag
     that puts every layer's step state in the checkpoint. Empty without ``moe_lrmoe``."""
     return {PLANNER_STATE_FLAG: True} if getattr(config, "moe_lrmoe", False) else {}
+
+
+def unconverted_moe_layers(model_chunks: Iterable[torch.nn.Module]) -> list[str]:
+    """Names of the MoE layers that are Megatron's, not LRMoE's (an LRMoE model has none:
+    every entry point refuses one, never falls back silently)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [name for chunk in model_chunks for name, m in chunk.named_modules()
+            if isinstance(m, MoELayer) and not isinstance(m, LRMoELayer)]
+
+
+def write_lrmoe_stats(model_chunks: Iterable[torch.nn.Module], iteration: int,
+                      interval: int | None, num_layers: int, num_experts: int,
+                      tensorboard: Any = None, wandb: Any = None) -> dict[str, float]:
+    """At every ``interval``-th iteration: reduce the LRMoE statistics over all ranks
+    (collective: every rank calls it at the same iteration), write them as ``lrmoe/...``
+    scalars to the TensorBoard writer and the W&B run given, and print one line on the
+    last rank. ``num_layers`` counts the MTP layers too. Returns the scalars ({} off the
+    interval)."""
+    from megatron_lrmoe.layer.telemetry import collect_lrmoe_stats
+
+    if not interval or iteration % interval:
+        return {}
+    stats = collect_lrmoe_stats(model_chunks, num_layers, num_experts)
+    scalars = {k: float(v) for k, v in stats.items() if isinstance(v, int | float)}
+    if tensorboard is not None:
+        for key, value in scalars.items():
+            tensorboard.add_scalar(key, value, iteration)
+    if wandb is not None:
+        wandb.log(scalars, iteration)
+    if "lrmoe/retained-fraction" in scalars:
+        print_on_last_rank(format_lrmoe_line(iteration, scalars))
+    return scalars
+
+
+def print_on_last_rank(line: str) -> None:
+    """Print ``line`` on the last rank (Megatron's logging rank), as one write of the line
+    and its newline: a print's text and newline are two writes on an unbuffered stdout,
+    and another rank's output could land between them."""
+    if (dist.is_initialized() and dist.get_backend() != "fake"
+            and dist.get_rank() != dist.get_world_size() - 1):
+        return
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def format_lrmoe_line(iteration: int, stats: dict[str, float]) -> str:
+    """The one-line summary: Megatron's iteration prefix and the words of
+    ``telemetry.format_lrmoe_stats``, which the lean launcher prints too."""
+    from megatron_lrmoe.layer.telemetry import format_lrmoe_stats
+
+    return f" [LRMoE] iteration {iteration:8d} | {format_lrmoe_stats(stats)}"

@@ -174,6 +174,10 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     # nothing behind costs no collection.
     results.put((rank, "ready", None))   # (starts the queue's feeder thread)
     baseline = thread_count()
+    # A task's changes to the environment are undone after it: Megatron-Bridge's training
+    # exports its recipe's variables and the attention backend's NVTE_* flags, which the
+    # next task's Megatron then reads (and refuses for another backend).
+    environment = dict(os.environ)
     parent = os.getppid()
     while True:
         try:
@@ -185,13 +189,22 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         if task is None:
             break
         task_id, module_name, qualname, search_paths, args, kwargs = task
+        # A task's environment variables end with it: Megatron sets NVTE_* for the
+        # attention backend it is given, Bridge its recipes' env_vars, and the next
+        # task's Megatron checks them against its own choice.
+        environment = dict(os.environ)
         try:
             fn = _resolve(module_name, qualname, search_paths)
             results.put((rank, task_id, (True, fn(*args, **kwargs))))
         except BaseException:  # noqa: BLE001 - every failure goes back to the caller
             results.put((rank, task_id, (False, traceback.format_exc())))
         finally:
+            os.environ.clear()
+            os.environ.update(environment)
             _cleanup_megatron_state()
+            if os.environ != environment:
+                os.environ.clear()
+                os.environ.update(environment)
             if thread_count() > baseline:
                 gc.collect()
                 baseline = max(baseline, thread_count())

@@ -281,7 +281,7 @@ def test_every_private_is_listed_with_its_version_and_accessor():
     doc = words(megatron_privates.__doc__)
     for private in PRIVATES:
         assert private.version in (megatron_privates.MEGATRON_CORE, megatron_privates.MEGATRON_LM,
-                                   megatron_privates.TORCH), private
+                                   megatron_privates.TORCH, megatron_privates.BRIDGE), private
         accessor = getattr(megatron_privates, private.accessor)
         assert private.version in words(accessor.__doc__), (private, accessor)
         assert private.name.rpartition(".")[2] in doc, private
@@ -289,9 +289,16 @@ def test_every_private_is_listed_with_its_version_and_accessor():
 
 
 def test_every_private_exists_in_the_installed_megatron_core():
-    # gpt_builders is a root module of the Megatron-LM checkout (next test).
-    installed = tuple(p for p in PRIVATES if p.module != "gpt_builders")
+    # gpt_builders is a root module of the Megatron-LM checkout (a later test); Bridge's
+    # are checked with Bridge importable (the next test).
+    installed = tuple(p for p in PRIVATES if p.module != "gpt_builders"
+                      and p.version != megatron_privates.BRIDGE)
     assert missing_privates(installed) == []
+
+
+def test_every_private_exists_in_the_installed_bridge(bridge):
+    of_bridge = tuple(p for p in PRIVATES if p.version == megatron_privates.BRIDGE)
+    assert of_bridge and missing_privates(of_bridge) == []
 
 
 def test_megatron_privates_imports_neither_torch_nor_megatron():

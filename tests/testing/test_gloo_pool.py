@@ -4,9 +4,12 @@ Its workers live for the whole suite, so every process group a task leaves alive
 its gloo threads (one TCP loop and two run loops each, all polling) until the end: one
 leaked ``train()`` per task once grew a gloo2 worker to about 2,100 threads. Threads
 are counted from ``/proc`` (``threading.active_count()`` does not see C++ threads).
+A task's changes to the environment are undone after it, too.
 """
 
 from __future__ import annotations
+
+import os
 
 TINY = [
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
@@ -53,3 +56,17 @@ def test_tasks_that_initialise_twice_leave_no_threads(gloo2, corpus):
         assert groups == 1, f"rank {rank}: {groups - 1} groups besides WORLD survived"
         assert threads_after <= threads_before, (
             f"rank {rank}: {threads_after - threads_before} threads leaked by 2 tasks")
+
+
+def _set_environment():
+    os.environ["LRMOE_POOL_PROBE"] = "set by a task"
+    os.environ.pop("OMP_NUM_THREADS")
+
+
+def _environment():
+    return os.environ.get("LRMOE_POOL_PROBE"), os.environ.get("OMP_NUM_THREADS")
+
+
+def test_a_tasks_environment_changes_are_undone(gloo2):
+    gloo2.run(_set_environment)
+    assert gloo2.run(_environment) == [(None, "1")] * 2

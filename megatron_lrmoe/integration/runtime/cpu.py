@@ -76,6 +76,25 @@ The fixes (see ``FIXES``; file:line in megatron/core of 0.19.2):
     ``CheckpointWithoutOutput._recompute``, random.py:768) run with the mode on again; the
     rest of backward stays as it was, so runs without recompute are timed as before.
 
+Megatron-Bridge's training (``BRIDGE_FIXES``, applied by ``enable_bridge_cpu_runtime()``
+on top of the above; file:line in megatron/bridge of 0.6.2; none is needed with CUDA):
+
+``bridge_allow_no_cuda``
+    ``setup()`` calls ``initialize_megatron`` without ``allow_no_cuda`` (setup.py:253),
+    which then asserts ``torch.cuda.is_available()`` (initialize.py:89-91); the call gets
+    ``allow_no_cuda=True``.
+``bridge_prebuilt_dataset_helpers``
+    ``initialize_megatron`` runs megatron-core's ``compile_helpers`` on local rank 0
+    (initialize.py:141-147): ``make -C megatron/core/datasets``, which exits the process
+    where megatron-core is the installed wheel (it ships ``helpers_cpp`` compiled and no
+    Makefile). The build is skipped when ``helpers_cpp`` is found; else it runs.
+``bridge_model_parallel_seed``
+    ``_set_random_seed`` seeds Megatron's model-parallel RNG tracker only when
+    ``torch.cuda.device_count() > 0`` (initialize.py:870-883), so on CPU the tracker has
+    no ``model-parallel-rng`` state and the first model init fails. On this runtime the
+    tracker seeds the CPU generator (``cpu_rng_for_megatron_tracker``): the call runs
+    with one device counted, so Bridge seeds it as it would on one GPU.
+
 Dropped with 0.19: ``te_general_gemm_placeholder``. 0.19's ``moe_utils`` defines
 ``te_general_gemm = None`` when TE is absent (moe_utils.py:41-53), which selects its own
 torch path in ``RouterGatingLinearFunction``.
@@ -101,6 +120,7 @@ that are not about the CPU and that a user of these tools cannot act on (docs/de
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import re
@@ -117,6 +137,7 @@ from megatron_lrmoe.config.megatron_support import check_megatron_core_version
 logger = logging.getLogger(__name__)
 
 _enabled_fixes: list[str] = []
+_enabled_bridge_fixes: list[str] = []
 _device_mode: TorchFunctionMode | None = None
 _warnings_quieted = False
 _device_warnings_quieted = False
@@ -455,6 +476,67 @@ def _hide(known_warnings: tuple[tuple[type[Warning], str, str], ...],
         logging.getLogger(name).addFilter(_DropKnownRecord(level, msg))
 
 
+# ---------------------------------------------------------------------------
+# Megatron-Bridge's training
+# ---------------------------------------------------------------------------
+
+
+def _allow_no_cuda(initialize_megatron: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(initialize_megatron)
+    def initialize_megatron_without_cuda(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_no_cuda"] = True
+        return initialize_megatron(*args, **kwargs)
+
+    return initialize_megatron_without_cuda
+
+
+def _fix_bridge_allow_no_cuda() -> None:
+    from megatron_lrmoe.integration.megatron_privates import wrap_bridge_initialize_megatron
+
+    wrap_bridge_initialize_megatron(_allow_no_cuda)
+
+
+def _unless_prebuilt(compile_helpers: Callable[[], None]) -> Callable[[], None]:
+    @functools.wraps(compile_helpers)
+    def compile_helpers_unless_prebuilt() -> None:
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+            compile_helpers()
+
+    return compile_helpers_unless_prebuilt
+
+
+def _fix_bridge_prebuilt_dataset_helpers() -> None:
+    from megatron_lrmoe.integration.megatron_privates import wrap_bridge_compile_helpers
+
+    wrap_bridge_compile_helpers(_unless_prebuilt)
+
+
+def _with_one_device_counted(set_random_seed: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(set_random_seed)
+    def set_random_seed_as_on_one_gpu(*args: Any, **kwargs: Any) -> Any:
+        device_count = torch.cuda.device_count
+        torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
+        try:
+            return set_random_seed(*args, **kwargs)
+        finally:
+            torch.cuda.device_count = device_count  # type: ignore[assignment]
+
+    return set_random_seed_as_on_one_gpu
+
+
+def _fix_bridge_model_parallel_seed() -> None:
+    from megatron_lrmoe.integration.megatron_privates import wrap_bridge_set_random_seed
+
+    wrap_bridge_set_random_seed(_with_one_device_counted)
+
+
+BRIDGE_FIXES: dict[str, Callable[[], None]] = {
+    "bridge_allow_no_cuda": _fix_bridge_allow_no_cuda,
+    "bridge_prebuilt_dataset_helpers": _fix_bridge_prebuilt_dataset_helpers,
+    "bridge_model_parallel_seed": _fix_bridge_model_parallel_seed,
+}
+
+
 FIXES: dict[str, Callable[[], None]] = {
     "inert_cuda_streams": _fix_inert_cuda_streams,
     "cpu_current_device": _fix_cpu_current_device,
@@ -487,6 +569,27 @@ def enable_cpu_runtime() -> bool:
     return True
 
 
+def enable_bridge_cpu_runtime() -> bool:
+    """``enable_cpu_runtime()`` plus ``BRIDGE_FIXES`` for Megatron-Bridge's ``pretrain()``.
+    Imports megatron.bridge (with ``compat``'s stubs where their modules are absent).
+    Idempotent.
+
+    Returns True when the CPU runtime is active, False when CUDA is available (in which
+    case nothing is changed)."""
+    if not enable_cpu_runtime():
+        return False
+    if _enabled_bridge_fixes:
+        return True
+    from megatron_lrmoe.integration.runtime.compat import stub_bridge_imports_of_absent_modules
+
+    stub_bridge_imports_of_absent_modules()
+    for name, fix in BRIDGE_FIXES.items():
+        fix()
+        _enabled_bridge_fixes.append(name)
+    logger.info("megatron_lrmoe CPU runtime for Megatron-Bridge: %s", ", ".join(BRIDGE_FIXES))
+    return True
+
+
 def cpu_runtime_active() -> bool:
     """Whether ``enable_cpu_runtime()`` has patched this process."""
     return bool(_enabled_fixes)
@@ -495,3 +598,8 @@ def cpu_runtime_active() -> bool:
 def enabled_fixes() -> tuple[str, ...]:
     """Names of the fixes applied in this process, in order."""
     return tuple(_enabled_fixes)
+
+
+def enabled_bridge_fixes() -> tuple[str, ...]:
+    """Names of the ``BRIDGE_FIXES`` applied in this process, in order."""
+    return tuple(_enabled_bridge_fixes)

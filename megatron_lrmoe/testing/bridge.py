@@ -1,0 +1,237 @@
+"""Megatron-Bridge recipes, shrunk, trained by Bridge's own ``pretrain()`` on gloo ranks.
+
+A test builds a recipe by its name, shrinks it with Bridge's own override mechanism
+(``process_config_with_overrides``, Hydra syntax), and runs Bridge's ``pretrain()`` with
+``gpt_step.forward_step`` on the ranks of a ``GlooPool``:
+
+    from megatron_lrmoe.testing import bridge as harness
+
+    runs = pool.run(harness.train, harness.QWEN3_30B_A3B_8GPU, harness.EP2, timeout=300)
+    runs[0].losses                  # one float per step, this rank's view
+
+    # LRMoE: a module-level convert(cfg) runs after the recipe is built (and, on CPU,
+    # given its local spec), before the overrides, as ``enable_lrmoe`` is meant to be used:
+    pool.run(harness.train, recipe, [...], convert=my_module.enable, callbacks=my_module.cbs)
+
+    # save at step 10, resume to 20 (directories shared by the ranks):
+    pool.run(harness.train, recipe, [*ovr, *harness.checkpoint_overrides(save=d, interval=10)])
+    pool.run(harness.train, recipe, [*ovr, *harness.checkpoint_overrides(load=d)])
+
+What is CPU-only (nothing of it on a CUDA machine): the CPU runtime with Bridge's fixes
+(``enable_bridge_cpu_runtime``), the local (non-TE) layer spec in place of the recipe's TE
+spec (``use_local_spec``), and the local backend of Bridge's MTP block spec, which Bridge
+builds with TE hard-coded (``local_mtp_block_spec``). ``CPU_OVERRIDES`` holds what a CPU
+run of a bf16 GPU recipe needs (fp32, no fused kernels, gloo, no distributed optimizer),
+``SMALL`` the width and depth, ``EP2`` both at expert parallelism 2. The recipes read
+their HF ``config.json`` from the pre-filled cache of ``testing/hf_cache.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+QWEN3_30B_A3B_8GPU = "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config"
+QWEN3_30B_A3B_16GPU = "qwen3_30b_a3b_pretrain_config"   # Bridge's alias of the 16 x H100 one
+GLM45_AIR = "glm45_air_106b_pretrain_config"
+
+#: Width of a CPU test model (every recipe; the depth is the recipe's shape, ``SHAPES``),
+#: one micro-batch per step per rank.
+SMALL: list[str] = [
+    "model.hidden_size=64", "model.ffn_hidden_size=128",
+    "model.moe_ffn_hidden_size=32", "model.num_moe_experts=4", "model.moe_router_topk=2",
+    "model.num_attention_heads=4", "model.num_query_groups=2", "model.kv_channels=16",
+    "model.seq_length=32", "dataset.seq_length=32",
+    "tokenizer.tokenizer_type=NullTokenizer", "tokenizer.tokenizer_model=null",
+    "tokenizer.vocab_size=256", "train.train_iters=20", "train.global_batch_size=4",
+    "train.micro_batch_size=1", "scheduler.lr_decay_iters=20", "scheduler.lr_warmup_iters=2",
+    "validation.eval_interval=1000", "validation.eval_iters=0", "logger.log_interval=5",
+    "logger.tensorboard_dir=null", "checkpoint.save=null", "checkpoint.load=null",
+    "rng.seed=1234",
+]
+
+#: Depth and shape of a shrunk recipe, by recipe-name prefix: GLM-4.5 keeps its dense first
+#: layer, a shared expert and one MTP layer; the others (Qwen3-MoE: every layer MoE) two layers.
+GLM_SHAPE: list[str] = [
+    "model.num_layers=3", "model.moe_layer_freq=[0,1,1]",
+    "model.moe_shared_expert_intermediate_size=32", "model.mtp_num_layers=1",
+]
+SHAPES: dict[str, list[str]] = {"glm45": GLM_SHAPE, "": ["model.num_layers=2"]}
+
+#: What a CPU run of a bf16 GPU recipe needs: fp32, no fused kernels (TE, apex), gloo, the
+#: all-to-all dispatcher (DeepEP and HybridEP, the flex backends, are CUDA-only), no
+#: recompute (a memory choice), no distributed optimizer (its checkpoint needs TE's fused
+#: Adam state), no parallelism but EP, data workers in the rank's process.
+CPU_OVERRIDES: list[str] = [
+    "model.tensor_model_parallel_size=1", "model.pipeline_model_parallel_size=1",
+    "model.context_parallel_size=1", "model.sequence_parallel=false",
+    "model.pipeline_dtype=null", "mixed_precision=null", "model.bf16=false",
+    "optimizer.bf16=false", "model.params_dtype=fp32", "ddp.overlap_grad_reduce=false",
+    "ddp.overlap_param_gather=false", "ddp.use_distributed_optimizer=false",
+    "optimizer.use_distributed_optimizer=false", "dataset.num_workers=0",
+    "model.recompute_granularity=null", "model.recompute_method=null",
+    "model.recompute_num_layers=null", "model.cross_entropy_loss_fusion=false",
+    "model.gradient_accumulation_fusion=false", "model.masked_softmax_fusion=false",
+    "model.bias_activation_fusion=false", "model.apply_rope_fusion=false",
+    "model.persist_layer_norm=false", "model.moe_grouped_gemm=false",
+    "model.moe_permute_fusion=false", "model.moe_token_dispatcher_type=alltoall",
+    "model.moe_flex_dispatcher_backend=null", "dist.distributed_backend=gloo",
+    "train.manual_gc=false",
+]
+
+#: A shrunk recipe on two ranks at expert parallelism 2 (on CPU: gloo and fp32).
+EP2: list[str] = [*SMALL, "model.expert_model_parallel_size=2",
+                  "model.expert_tensor_parallel_size=1"]
+
+
+def cpu() -> bool:
+    """Whether this process runs without CUDA (the CPU-only parts of the harness apply)."""
+    return not torch.cuda.is_available()
+
+
+def recipe_overrides(recipe: str, overrides: Sequence[str]) -> list[str]:
+    """``overrides`` after what the device and the recipe's shape add: ``CPU_OVERRIDES`` on
+    CPU, the recipe's ``SHAPES`` entry (the longest prefix of its name)."""
+    prefix = max((p for p in SHAPES if recipe.startswith(p)), key=len)
+    return [*(CPU_OVERRIDES if cpu() else []), *SHAPES[prefix], *overrides]
+
+
+def checkpoint_overrides(save: str | None = None, load: str | None = None,
+                         interval: int | None = None) -> list[str]:
+    """Overrides for Bridge's checkpointing: save to ``save`` every ``interval`` steps,
+    resume from ``load`` (its latest iteration). Synchronous saves, torch_dist format."""
+    out = ["checkpoint.ckpt_format=torch_dist", "checkpoint.async_save=false"]
+    if save is not None:
+        out += [f"checkpoint.save={save}", f"checkpoint.save_interval={interval or 1}"]
+    if load is not None:
+        out += [f"checkpoint.load={load}"]
+    return out
+
+
+def recipe_function(name: str) -> Callable[[], Any]:
+    """The recipe function Bridge exports as ``megatron.bridge.recipes.<name>``."""
+    import megatron.bridge.recipes as recipes
+
+    fn = getattr(recipes, name, None)
+    if not callable(fn):
+        raise ValueError(f"megatron.bridge.recipes has no recipe {name!r}")
+    return fn
+
+
+def use_local_spec(cfg: Any) -> None:
+    """The recipe's layer spec in its local (non-TE) flavour, local attention (CPU only:
+    Transformer Engine cannot be installed there). A recipe's block-spec builder
+    (``functools.partial`` of megatron-core's ``get_gpt_decoder_block_spec``, GLM) gets
+    ``use_transformer_engine=False``; Bridge's default TE layer spec becomes its
+    ``local_layer_spec``."""
+    from megatron.bridge.models.gpt_provider import default_layer_spec, local_layer_spec
+    from megatron.core.transformer.enums import AttnBackend
+
+    spec = cfg.model.transformer_layer_spec
+    if isinstance(spec, functools.partial) and "use_transformer_engine" in spec.keywords:
+        cfg.model.transformer_layer_spec = functools.partial(
+            spec.func, *spec.args, **{**spec.keywords, "use_transformer_engine": False})
+    elif spec is default_layer_spec:
+        cfg.model.transformer_layer_spec = local_layer_spec
+    else:
+        raise ValueError(f"no local flavour known for the recipe's layer spec {spec!r}")
+    cfg.model.attention_backend = AttnBackend.local
+    cfg.model.transformer_impl = "local"
+
+
+def local_mtp_block_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """Bridge's MTP block spec with megatron-core's local backend (Bridge hard-codes TE)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    spec = config.transformer_layer_spec
+    if callable(spec) and not hasattr(spec, "submodules"):
+        spec = spec(config, vp_stage=vp_stage) if _takes_vp_stage(spec) else spec(config)
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+
+
+def _takes_vp_stage(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    return "vp_stage" in inspect.signature(fn).parameters
+
+
+def build_recipe(recipe: str, overrides: Sequence[str] = (),
+                 convert: Callable[[Any], Any] | None = None) -> Any:
+    """Bridge's ``recipe`` config: built, on CPU given its local spec, ``convert(cfg)``
+    (e.g. ``enable_lrmoe``), then ``recipe_overrides(recipe, overrides)`` through Bridge's
+    ``process_config_with_overrides``. Not finalized (``pretrain`` does that)."""
+    from megatron_lrmoe.integration.runtime.compat import stub_bridge_imports_of_absent_modules
+
+    stub_bridge_imports_of_absent_modules()
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    cfg = recipe_function(recipe)()
+    if cpu():
+        use_local_spec(cfg)
+    if convert is not None:
+        convert(cfg)
+    return process_config_with_overrides(cfg, cli_overrides=recipe_overrides(recipe, overrides))
+
+
+@dataclasses.dataclass
+class BridgeRun:
+    """What one rank saw of a Bridge ``pretrain()`` run."""
+
+    losses: list[float]                 # "lm loss" after each step, in order
+    iterations: list[int]               # the step numbers those losses belong to
+    params: dict[str, torch.Tensor]     # this rank's parameters after the last step
+    mlps: dict[str, str]                # "<layer>.mlp" module name -> its class name
+
+
+def _recorder(run: BridgeRun) -> Any:
+    from megatron.bridge.training.callbacks import Callback
+
+    class Record(Callback):
+        def on_train_step_end(self, context: Any) -> None:
+            run.losses.append(float(context.loss_dict["lm loss"]))
+            run.iterations.append(int(context.state.train_state.step))
+
+        def on_train_end(self, context: Any) -> None:
+            model = context.model[0]
+            run.params.update({name: p.detach().clone() for name, p in model.named_parameters()})
+            run.mlps.update({name: type(m).__name__ for name, m in model.named_modules()
+                             if name.endswith(".mlp")})
+
+    return Record()
+
+
+def run_pretrain(cfg: Any, callbacks: Sequence[Any] = ()) -> BridgeRun:
+    """Bridge's ``pretrain(cfg, gpt_step.forward_step, callbacks)`` on this rank, with the
+    CPU runtime (and Bridge's CPU fixes) on a machine without CUDA."""
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    run = BridgeRun([], [], {}, {})
+    every = [*callbacks, _recorder(run)]
+    if not cpu():
+        pretrain(cfg, forward_step, callbacks=every)
+        return run
+    from megatron_lrmoe.integration.megatron_privates import swapped_bridge_mtp_block_spec
+
+    with swapped_bridge_mtp_block_spec(local_mtp_block_spec):
+        pretrain(cfg, forward_step, callbacks=every)
+    return run
+
+
+def train(recipe: str, overrides: Sequence[str] = (),
+          convert: Callable[[Any], Any] | None = None,
+          callbacks: Callable[[], Sequence[Any]] | None = None) -> BridgeRun:
+    """A pool task: ``build_recipe(recipe, overrides, convert)`` and ``run_pretrain`` on this
+    rank. ``convert`` and ``callbacks`` (a factory of Bridge ``Callback`` objects) must be
+    module-level functions, since the pool sends them by reference."""
+    from megatron_lrmoe.integration.runtime.cpu import enable_bridge_cpu_runtime
+
+    enable_bridge_cpu_runtime()
+    cfg = build_recipe(recipe, overrides, convert)
+    return run_pretrain(cfg, callbacks() if callbacks is not None else ())

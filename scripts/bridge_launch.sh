@@ -1,0 +1,109 @@
+# shellcheck shell=bash
+# Shared body of the Megatron-Bridge launch scripts (scripts/*_bridge_lrmoe.sh; sourced, not
+# run): runs `python -m megatron_lrmoe.bridge` (a Bridge recipe with LRMoE, trained by
+# Bridge's own pretrain) under torchrun or srun, or prints the command.
+#
+# The calling script sets RECIPE (a recipe function of megatron.bridge.recipes),
+# MODEL_NAME and the default NNODES (L_NNODES); the user's arguments are "$@".
+#
+# Variables (all optional):
+#   LRMOE            1 (default): LRMoE; 0: the same adapted recipe with Megatron's MoE layer
+#   ADAPT            1 (default): set the recipe settings LRMoE cannot run to what it needs
+#                    (the launcher prints each change); 0: refuse them instead
+#   CHECKPOINT_DIR   checkpoint.save and checkpoint.load (default runs/$RUN_NAME/checkpoints:
+#                    a second launch resumes)
+#   LOG_DIR          logger.tensorboard_dir (default runs/$RUN_NAME/tensorboard)
+#   NNODES GPUS_PER_NODE   nodes (default: the recipe's layout) and GPUs per node (8)
+#   LAUNCHER         torchrun (default outside SLURM) or srun (default inside an allocation)
+#   MASTER_ADDR MASTER_PORT RDZV_ID   rendezvous of multi-node torchrun (run the same command
+#                    on every node); under srun MASTER_ADDR is the allocation's first node
+#   PYTHON           Python with megatron_lrmoe and megatron.bridge importable (default python)
+# Arguments after the script name are Hydra-style overrides of the recipe, applied last
+# (model.moe_lrmoe_bwd_capacity_factor=0.75 train.train_iters=1000 ...); --dry-run prints
+# the command instead of running it, --config-file FILE merges a YAML before them.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=${PYTHON:-python}
+LRMOE=${LRMOE:-1}
+ADAPT=${ADAPT:-1}
+
+die() { echo "error: $*" >&2; exit 2; }
+
+DRY_RUN=0
+USER_ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1 ;;
+    --config-file) [ $# -ge 2 ] || die "--config-file needs a file"; USER_ARGS+=("$1" "$2"); shift ;;
+    *=*) USER_ARGS+=("$1") ;;
+    *) die "$1: expected --dry-run, --config-file FILE or an override KEY=VALUE" ;;
+  esac
+  shift
+done
+
+case "$LRMOE" in 0|1) ;; *) die "LRMOE must be 0 or 1, got $LRMOE" ;; esac
+case "$ADAPT" in 0|1) ;; *) die "ADAPT must be 0 or 1, got $ADAPT" ;; esac
+NNODES=${NNODES:-${SLURM_NNODES:-${L_NNODES:?}}}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+
+RUN_NAME=$MODEL_NAME-bridge
+[ "$LRMOE" = 1 ] || RUN_NAME=$RUN_NAME-baseline
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-$REPO/runs/$RUN_NAME/checkpoints}
+LOG_DIR=${LOG_DIR:-$REPO/runs/$RUN_NAME/tensorboard}
+
+LAUNCHER_FLAGS=(--recipe "$RECIPE")
+[ "$ADAPT" = 1 ] && LAUNCHER_FLAGS+=(--adapt)
+[ "$LRMOE" = 1 ] || LAUNCHER_FLAGS+=(--no-lrmoe)
+RUN_OVERRIDES=(
+  "checkpoint.save=$CHECKPOINT_DIR"
+  "checkpoint.load=$CHECKPOINT_DIR"
+  "logger.tensorboard_dir=$LOG_DIR"
+)
+
+if [ -n "${SLURM_JOB_ID:-}" ] && [ "$NNODES" -gt 1 ]; then default_launcher=srun; else default_launcher=torchrun; fi
+LAUNCHER=${LAUNCHER:-$default_launcher}
+MASTER_PORT=${MASTER_PORT:-29500}
+RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-lrmoe-$MODEL_NAME}}
+case "$LAUNCHER" in
+  torchrun)
+    if [ "$NNODES" -eq 1 ]; then
+      LAUNCH=(torchrun --standalone --nnodes 1 --nproc-per-node "$GPUS_PER_NODE")
+    else
+      [ -n "${MASTER_ADDR:-}" ] || [ "$DRY_RUN" = 1 ] \
+        || die "multi-node torchrun: set MASTER_ADDR (a host all nodes reach) and run this on every node"
+      LAUNCH=(torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE"
+              --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-\$MASTER_ADDR}:$MASTER_PORT"
+              --rdzv-id "$RDZV_ID")
+    fi
+    ;;
+  srun)
+    if [ -z "${MASTER_ADDR:-}" ]; then
+      if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+        MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+      else
+        [ "$DRY_RUN" = 1 ] || die "LAUNCHER=srun needs a SLURM allocation (sbatch/salloc)"
+        MASTER_ADDR="\$MASTER_ADDR"
+      fi
+    fi
+    LAUNCH=(srun --nodes "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1
+            torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE"
+            --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID")
+    ;;
+  *) die "LAUNCHER must be torchrun or srun, got $LAUNCHER" ;;
+esac
+
+CMD=("${LAUNCH[@]}" -m megatron_lrmoe.bridge "${LAUNCHER_FLAGS[@]}" "${RUN_OVERRIDES[@]}"
+     "${USER_ARGS[@]}")
+ENV_VARS=(CUDA_DEVICE_MAX_CONNECTIONS=1 "PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}")
+
+echo "# $MODEL_NAME on Megatron-Bridge ($RECIPE): LRMOE=$LRMOE ADAPT=$ADAPT" \
+     "nodes=$NNODES x $GPUS_PER_NODE GPUs, launcher=$LAUNCHER" >&2
+if [ "$DRY_RUN" = 1 ]; then
+  printf '%q ' env "${ENV_VARS[@]}" "${CMD[@]}"
+  echo
+  exit 0
+fi
+mkdir -p "$CHECKPOINT_DIR" "$LOG_DIR"
+cd "$REPO"
+exec env "${ENV_VARS[@]}" "${CMD[@]}"
