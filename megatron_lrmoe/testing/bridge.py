@@ -210,8 +210,12 @@ def run_pretrain(cfg: Any, callbacks: Sequence[Any] = ()) -> BridgeRun:
     """Bridge's ``pretrain(cfg, gpt_step.forward_step, callbacks)`` on this rank, with the
     CPU runtime (and Bridge's CPU fixes) on a machine without CUDA."""
     from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.initialize import destroy_global_state
     from megatron.bridge.training.pretrain import pretrain
 
+    # A pool worker runs many tasks: whatever an earlier run (or a launcher run that
+    # stopped early) left in Megatron's globals, e.g. the rerun state machine, must go.
+    destroy_global_state()
     run = BridgeRun([], [], {}, {})
     every = [*callbacks, _recorder(run)]
     if not cpu():
