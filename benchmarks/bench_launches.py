@@ -24,10 +24,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from megatron_lrmoe.tools.provenance import code_version
 
-from megatron_lrmoe.tools.provenance import code_version  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RANK = 3
 CASES = (("Megatron MoELayer, SequentialMLP", "megatron:8:inf:uniform:0"),

@@ -9,6 +9,7 @@ there too).
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import sys
 import textwrap
 
@@ -33,6 +34,18 @@ def fused():
 _NVRX_USER = "from nvidia_resiliency_ext.inprocess import CallWrapper\n"
 
 
+class _PackageIn:
+    """Finds ``stubbed_pkg`` in one folder (no change to sys.path)."""
+
+    def __init__(self, folder) -> None:
+        self.folder = str(folder)
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] != "stubbed_pkg":
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, path or [self.folder])
+
+
 @pytest.fixture
 def stubbed_pkg(tmp_path, monkeypatch):
     """A package whose modules import TE and nvrx as Bridge's do, given the same stubs."""
@@ -42,11 +55,11 @@ def stubbed_pkg(tmp_path, monkeypatch):
     (pkg / "te_user.py").write_text(textwrap.dedent(_TE_USER))
     (pkg / "nvrx_user.py").write_text(_NVRX_USER)
     (pkg / "plain.py").write_text("import transformer_engine\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
     stubs = {"stubbed_pkg.te_user": compat.BRIDGE_IMPORT_STUBS["megatron.bridge.peft.lora_layers"],
              "stubbed_pkg.nvrx_user":
                  compat.BRIDGE_IMPORT_STUBS["megatron.bridge.training.pretrain"]}
-    monkeypatch.setattr(sys, "meta_path", [compat._BridgeStubFinder(stubs), *sys.meta_path])
+    monkeypatch.setattr(sys, "meta_path", [compat._BridgeStubFinder(stubs),
+                                           _PackageIn(tmp_path), *sys.meta_path])
     yield
     for name in [m for m in sys.modules if m.split(".")[0] == "stubbed_pkg"]:
         sys.modules.pop(name)
