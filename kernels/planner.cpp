@@ -252,6 +252,35 @@ class NativePlanner {
   }
 
 
+  // ([R, R] routed, [R, R] kept) of an assignment's counts [R, I] and its quotas
+  // [R, I]: per source rank, the sum over each destination rank's instances (what
+  // CostModel.layer_time reads; planner._unbudgeted).
+  std::pair<I64Array, I64Array> rank_matrices(const I64Array& cells,
+                                              const I64Array& quotas) const {
+    check_counts(cells, I_, "assignment counts");
+    check_counts(quotas, I_, "quotas");
+    I64Array routed({R_, R_});
+    I64Array kept({R_, R_});
+    {
+      py::gil_scoped_release release;
+      const i64* c = cells.data();
+      const i64* q = quotas.data();
+      i64* ro = routed.mutable_data();
+      i64* ko = kept.mutable_data();
+      for (i64 s = 0; s < R_; ++s)
+        for (i64 r = 0; r < R_; ++r) {
+          i64 a = 0, b = 0;
+          for (i64 i = rank_starts_[r]; i < rank_starts_[r + 1]; ++i) {
+            a += c[s * I_ + i];
+            b += q[s * I_ + i];
+          }
+          ro[s * R_ + r] = a;
+          ko[s * R_ + r] = b;
+        }
+    }
+    return {routed, kept};
+  }
+
   // The region's per-call host layout on rank s (layer/region_layout.CallLayout) and
   // the layer's instance-order chunk tables (moe_layer._instance_order): one tuple.
   py::tuple layout(const I64Array& cells, const I64Array& quotas, i64 s) const {
@@ -1238,6 +1267,9 @@ void register_planner(py::module_& m) {
       .def("retained_limit", &NativePlanner::retained_limit,
            "[R] CostModel.retained_limit at the plan's loads", py::arg("share"),
            py::arg("cells"), py::arg("load"))
+      .def("rank_matrices", &NativePlanner::rank_matrices,
+           "([R, R] routed, [R, R] kept): counts and quotas summed per destination rank",
+           py::arg("cells"), py::arg("quotas"))
       .def("layout", &NativePlanner::layout,
            "((split sizes...), (rows and tables...), order tables or None) on rank s",
            py::arg("cells"), py::arg("quotas"), py::arg("rank"));

@@ -19,6 +19,7 @@ import functools
 import json
 import math
 import os
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -879,6 +880,36 @@ class CostModel:
             "backward_fixed": b_fixed,
         }
 
+    def layer_times(self, routed_matrices: np.ndarray, retained_matrices: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """``layer_time`` of K plans at once, element by element the same arithmetic:
+        ([K] forward_s, [K] backward_s) from [K, R, R] routed and retained matrices
+        (numpy, R >= 1), GEMMs spread evenly, no planner time. A planner that judges
+        several candidate placements prices them in one call."""
+        routed = np.asarray(routed_matrices, dtype=np.float64)
+        retained = np.asarray(retained_matrices, dtype=np.float64)
+        if (routed.ndim != 3 or routed.shape[1] != routed.shape[2] or routed.shape[1] < 1
+                or retained.shape != routed.shape):
+            raise ValueError(f"layer_times: routed {routed.shape} and retained "
+                             f"{retained.shape} must both be [K, R, R] with R >= 1")
+        num_ranks = routed.shape[2]
+        sent, kept = routed.sum(axis=2), retained.sum(axis=2)                  # [K, R]
+        routed_rows, retained_rows = routed.sum(axis=1), retained.sum(axis=1)
+        f_gemm, f_mem, b_gemm, b_mem = self._rank_times(routed_rows, retained_rows, sent,
+                                                        kept, num_ranks)
+        rows = np.arange(len(routed))
+        f, b = np.argmax(f_gemm + f_mem, axis=1), np.argmax(b_gemm + b_mem, axis=1)
+        f_router, b_router = self._router_times()
+        f_fixed, b_fixed = self._fixed_times()
+        # layer_time's sums: its terms in its order (planner_s = 0.0 last)
+        forward = _builtin_sum([f_gemm[rows, f], f_mem[rows, f],
+                                self._alltoall_time(_alltoall_pairs_batch(routed), True),
+                                f_router, f_fixed, 0.0])
+        backward = _builtin_sum([b_gemm[rows, b], b_mem[rows, b],
+                                 self._alltoall_time(_alltoall_pairs_batch(retained), False),
+                                 b_router, b_fixed])
+        return forward, backward
+
     def load_time(self, max_routed: float, max_retained: float, alltoall_routed: float,
                   alltoall_retained: float, num_ranks: int | None = None) -> float:
         """Forward + backward seconds from the per-rank maxima ``layer_time`` uses (for
@@ -1362,6 +1393,33 @@ def _alltoall_pairs(matrix: np.ndarray) -> float:
     diagonal = np.diagonal(matrix)
     return float(max(np.maximum.reduce(np.add.reduce(matrix, axis=1) - diagonal),
                      np.maximum.reduce(np.add.reduce(matrix, axis=0) - diagonal)))
+
+
+def _builtin_sum(terms: list) -> np.ndarray:
+    """Python's ``sum(terms)`` of float terms, element by element over arrays: from 3.12
+    the builtin adds floats with Neumaier's compensation (CPython's ``builtin_sum_impl``),
+    before it one by one."""
+    total = 0.0 + np.asarray(terms[0], dtype=np.float64)
+    if sys.version_info < (3, 12):
+        for x in terms[1:]:
+            total = total + x
+        return total
+    comp = np.zeros_like(total)
+    for x in terms[1:]:
+        if isinstance(x, int):          # the builtin adds an int without compensation
+            total = total + float(x)
+            continue
+        t = total + x
+        comp = comp + np.where(np.abs(total) >= np.abs(x), (total - t) + x, (x - t) + total)
+        total = t
+    return np.where((comp != 0) & np.isfinite(comp), total + comp, total)
+
+
+def _alltoall_pairs_batch(matrices: np.ndarray) -> np.ndarray:
+    """``_alltoall_pairs`` of each of [K, R, R] matrices: [K]."""
+    diagonal = np.diagonal(matrices, axis1=1, axis2=2)
+    return np.maximum((matrices.sum(axis=2) - diagonal).max(axis=1),
+                      (matrices.sum(axis=1) - diagonal).max(axis=1))
 
 
 def _max(*values) -> np.ndarray:

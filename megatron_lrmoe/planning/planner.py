@@ -46,6 +46,7 @@ class _PlacementContext:
     replicas: np.ndarray                # [R] int64 replicas each rank hosts
     capacity: np.ndarray | None         # [R] int64 assignment capacity (None: no budget)
     rank_starts: np.ndarray             # [R] first instance of each rank
+    busiest: int                        # _busiest(placement)
     native: Any = None                  # the compiled planner of the placement, or None
 
 
@@ -268,6 +269,7 @@ class LayerPlanner:
                    else self.settings.cost.assignment_capacity(share, replicas))
             ctx = _PlacementContext(placement, replicas, cap,
                                     np.asarray(placement.rank_starts[:-1], dtype=np.int64),
+                                    _busiest(placement),
                                     native_planner(placement, self.settings.cost, replicas)
                                     if self.native else None)
             self._contexts[placement] = ctx
@@ -320,7 +322,7 @@ class LayerPlanner:
         s = self.settings
         counts = torch.round(self.smoothed_counts).to(torch.int64).numpy()   # checked below
         static = self._placement(())
-        base, base_time, base_peak = self._unbudgeted(counts, static)
+        base, base_peak, base_matrices = self._unbudgeted(counts, static)
         share = s.layer_share
         # At gamma = inf replicas may not add to an excess static already has; at a
         # finite gamma a candidate must fit outright, or the budget would lower gamma
@@ -328,16 +330,21 @@ class LayerPlanner:
         allowed = max(share, base_peak) if math.isinf(s.capacity_factor) else share
         replicas = greedy_replicas(counts.sum(0).tolist(), base, s, native=self.native)
         n = len(replicas)
-        best: tuple[float, int] | None = None       # (estimated time, prefix size)
-        candidates = {}
-        for size in sorted({n, 3 * n // 4, n // 2, n // 4} - {0}):
+        sizes = sorted({n, 3 * n // 4, n // 2, n // 4} - {0})
+        candidates, planned = {}, []
+        for size in sizes:
             candidate = candidates[size] = self._placement(tuple(replicas[:size]))
-            planned, time, peak = self._unbudgeted(counts, candidate)
+            planned.append(self._unbudgeted(counts, candidate))
+        # Every estimate priced in one cost-model call: static's first.
+        base_time, *times = self._times([static, *candidates.values()],
+                                        [base_matrices, *(m for _, _, m in planned)])
+        best: tuple[float, int] | None = None       # (estimated time, prefix size)
+        for size, (plan, peak, _), time in zip(sizes, planned, times, strict=True):
             # The assignment capacities at this budget must not bind on the candidate's
             # assignment (they only grow with the budget), so the layer's capacity-aware
             # assignment finds the one judged here, and the judgement stays monotone.
-            capacity = self._context(candidate).capacity
-            fits_capacity = capacity is None or bool((planned.rank_load <= capacity).all())
+            capacity = self._context(candidates[size]).capacity
+            fits_capacity = capacity is None or bool((plan.rank_load <= capacity).all())
             # Replicas must pay: the time they save per micro-batch must exceed what
             # their refresh and gradient reduction cost, amortised over the step's
             # micro-batches (in ``time``); an equal estimate keeps static.
@@ -353,30 +360,52 @@ class LayerPlanner:
             f"static {base_time * 1e3:.3f} ms",)
 
     def _unbudgeted(self, counts: np.ndarray, placement: Placement
-                    ) -> tuple[MicroBatchPlan, float, float]:
-        """(plan, estimated time, peak memory) of ``placement`` on ``counts`` without the
-        budget's influence: instance assignment without capacities, gamma as set. The time is
-        forward + backward + the amortised replica refresh; the peak is the largest
-        ``CostModel.rank_memory`` over ranks."""
+                    ) -> tuple[MicroBatchPlan, float, tuple[np.ndarray, np.ndarray]]:
+        """(plan, peak memory, its [R, R] routed and kept matrices) of ``placement`` on
+        ``counts`` without the budget's influence: instance assignment without
+        capacities, gamma as set. The peak is the largest ``CostModel.rank_memory`` over
+        ranks; ``_times`` prices the matrices."""
         s = self.settings
-        cost = s.cost
         ctx = self._context(placement)
         n = check_assignment_counts(counts, placement)
         assignment, cells, routed = self._assign(n, ctx, None)
         make_retention, quotas = self._retention(assignment, cells, float(s.capacity_factor),
                                                  ctx, routed)
-        retention = make_retention()
         peak = float(np.maximum.reduce(self._memory(ctx, routed, cells, quotas)))
-        starts = ctx.rank_starts
-        fwd, bwd = cost.layer_time(np.add.reduceat(cells, starts, axis=1),
-                                   np.add.reduceat(quotas, starts, axis=1))     # [R, R] each
-        busiest = _busiest(placement)
-        sync = self._replica_costs.get(busiest)
-        if sync is None:       # a pure function of the busiest count: priced once
-            sync = self._replica_costs[busiest] = cost.replica_cost_per_microbatch(busiest)
-        plan = MicroBatchPlan(assignment=assignment, retention=retention,
+        if ctx.native is not None:
+            matrices = ctx.native.rank_matrices(cells, quotas)
+        else:
+            starts = ctx.rank_starts
+            matrices = (np.add.reduceat(cells, starts, axis=1),
+                        np.add.reduceat(quotas, starts, axis=1))
+        plan = MicroBatchPlan(assignment=assignment, retention=make_retention(),
                               capacity_factor_used=float(s.capacity_factor), rank_load=routed)
-        return plan, fwd + bwd + sync, peak
+        return plan, peak, matrices
+
+    def _times(self, placements: list[Placement],
+               matrices: list[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+        """The estimated time of each placement's plan from its [R, R] routed and kept
+        matrices: forward + backward (``CostModel.layer_time``) + the amortised replica
+        refresh. The compiled planner prices them in one ``CostModel.layer_times`` call,
+        the Python one plan by plan (the reference)."""
+        cost = self.settings.cost
+        sync = []
+        for placement in placements:
+            busiest = self._context(placement).busiest
+            cached = self._replica_costs.get(busiest)
+            if cached is None:      # a pure function of the busiest count: priced once
+                cached = self._replica_costs[busiest] = cost.replica_cost_per_microbatch(
+                    busiest)
+            sync.append(cached)
+        if self.native:
+            fwd, bwd = cost.layer_times(np.stack([m[0] for m in matrices]),
+                                        np.stack([m[1] for m in matrices]))
+            return ((fwd + bwd) + np.asarray(sync)).tolist()
+        times = []
+        for (routed, kept), cached in zip(matrices, sync, strict=True):
+            fwd, bwd = cost.layer_time(routed, kept)
+            times.append(fwd + bwd + cached)
+        return times
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
