@@ -19,7 +19,6 @@ import functools
 import json
 import math
 import os
-import sys
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -880,34 +879,43 @@ class CostModel:
             "backward_fixed": b_fixed,
         }
 
-    def layer_times(self, routed_matrices: np.ndarray, retained_matrices: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray]:
-        """``layer_time`` of K plans at once, element by element the same arithmetic:
-        ([K] forward_s, [K] backward_s) from [K, R, R] routed and retained matrices
-        (numpy, R >= 1), GEMMs spread evenly, no planner time. A planner that judges
-        several candidate placements prices them in one call."""
-        routed = np.asarray(routed_matrices, dtype=np.float64)
-        retained = np.asarray(retained_matrices, dtype=np.float64)
-        if (routed.ndim != 3 or routed.shape[1] != routed.shape[2] or routed.shape[1] < 1
-                or retained.shape != routed.shape):
-            raise ValueError(f"layer_times: routed {routed.shape} and retained "
-                             f"{retained.shape} must both be [K, R, R] with R >= 1")
-        num_ranks = routed.shape[2]
-        sent, kept = routed.sum(axis=2), retained.sum(axis=2)                  # [K, R]
-        routed_rows, retained_rows = routed.sum(axis=1), retained.sum(axis=1)
-        f_gemm, f_mem, b_gemm, b_mem = self._rank_times(routed_rows, retained_rows, sent,
-                                                        kept, num_ranks)
-        rows = np.arange(len(routed))
+    @staticmethod
+    def rank_loads(routed_matrix: np.ndarray, retained_matrix: np.ndarray) -> np.ndarray:
+        """[6, R] what ``layer_time`` reads of a plan's [R, R] routed and retained
+        matrices: the pairs each rank receives routed and retained (column sums), sends
+        and keeps as a source (row sums), and the two diagonals (pairs that cross no
+        link). ``layer_times`` prices a stack of them."""
+        routed, retained = np.asarray(routed_matrix), np.asarray(retained_matrix)
+        return np.stack([routed.sum(axis=0), retained.sum(axis=0), routed.sum(axis=1),
+                         retained.sum(axis=1), np.diagonal(routed), np.diagonal(retained)])
+
+    def layer_times(self, loads: np.ndarray) -> tuple[list[float], list[float]]:
+        """``layer_time`` of K plans at once from their [K, 6, R] ``rank_loads`` (R >= 1,
+        counts below 2**53), each to the bit: (forward_s, backward_s) lists of K; GEMMs
+        spread evenly, no planner time. A planner that judges several candidate
+        placements prices them in one call."""
+        loads = np.asarray(loads, dtype=np.float64)
+        if loads.ndim != 3 or loads.shape[1] != 6 or loads.shape[2] < 1:
+            raise ValueError(f"layer_times: loads of shape {loads.shape}, expected "
+                             f"[K, 6, R] (CostModel.rank_loads of each plan, R >= 1)")
+        routed, retained, sent, kept, own_routed, own_retained = loads.transpose(1, 0, 2)
+        num_ranks = loads.shape[2]
+        f_gemm, f_mem, b_gemm, b_mem = self._rank_times(routed, retained, sent, kept,
+                                                        num_ranks)
+        rows = np.arange(len(loads))
         f, b = np.argmax(f_gemm + f_mem, axis=1), np.argmax(b_gemm + b_mem, axis=1)
+        # _alltoall_pairs: the most pairs a rank sends to or receives from other ranks
+        f_a2a = self._alltoall_time(np.maximum((sent - own_routed).max(axis=1),
+                                               (routed - own_routed).max(axis=1)), True)
+        b_a2a = self._alltoall_time(np.maximum((kept - own_retained).max(axis=1),
+                                               (retained - own_retained).max(axis=1)), False)
         f_router, b_router = self._router_times()
         f_fixed, b_fixed = self._fixed_times()
-        # layer_time's sums: its terms in its order (planner_s = 0.0 last)
-        forward = _builtin_sum([f_gemm[rows, f], f_mem[rows, f],
-                                self._alltoall_time(_alltoall_pairs_batch(routed), True),
-                                f_router, f_fixed, 0.0])
-        backward = _builtin_sum([b_gemm[rows, b], b_mem[rows, b],
-                                 self._alltoall_time(_alltoall_pairs_batch(retained), False),
-                                 b_router, b_fixed])
+        # layer_time's own sums (the builtin's float summation), term by term in its order
+        forward = [sum([g, m, a, f_router, f_fixed, 0.0]) for g, m, a in zip(
+            f_gemm[rows, f].tolist(), f_mem[rows, f].tolist(), f_a2a.tolist(), strict=True)]
+        backward = [sum([g, m, a, b_router, b_fixed]) for g, m, a in zip(
+            b_gemm[rows, b].tolist(), b_mem[rows, b].tolist(), b_a2a.tolist(), strict=True)]
         return forward, backward
 
     def load_time(self, max_routed: float, max_retained: float, alltoall_routed: float,
@@ -1393,33 +1401,6 @@ def _alltoall_pairs(matrix: np.ndarray) -> float:
     diagonal = np.diagonal(matrix)
     return float(max(np.maximum.reduce(np.add.reduce(matrix, axis=1) - diagonal),
                      np.maximum.reduce(np.add.reduce(matrix, axis=0) - diagonal)))
-
-
-def _builtin_sum(terms: list) -> np.ndarray:
-    """Python's ``sum(terms)`` of float terms, element by element over arrays: from 3.12
-    the builtin adds floats with Neumaier's compensation (CPython's ``builtin_sum_impl``),
-    before it one by one."""
-    total = 0.0 + np.asarray(terms[0], dtype=np.float64)
-    if sys.version_info < (3, 12):
-        for x in terms[1:]:
-            total = total + x
-        return total
-    comp = np.zeros_like(total)
-    for x in terms[1:]:
-        if isinstance(x, int):          # the builtin adds an int without compensation
-            total = total + float(x)
-            continue
-        t = total + x
-        comp = comp + np.where(np.abs(total) >= np.abs(x), (total - t) + x, (x - t) + total)
-        total = t
-    return np.where((comp != 0) & np.isfinite(comp), total + comp, total)
-
-
-def _alltoall_pairs_batch(matrices: np.ndarray) -> np.ndarray:
-    """``_alltoall_pairs`` of each of [K, R, R] matrices: [K]."""
-    diagonal = np.diagonal(matrices, axis1=1, axis2=2)
-    return np.maximum((matrices.sum(axis=2) - diagonal).max(axis=1),
-                      (matrices.sum(axis=1) - diagonal).max(axis=1))
 
 
 def _max(*values) -> np.ndarray:

@@ -322,7 +322,7 @@ class LayerPlanner:
         s = self.settings
         counts = torch.round(self.smoothed_counts).to(torch.int64).numpy()   # checked below
         static = self._placement(())
-        base, base_peak, base_matrices = self._unbudgeted(counts, static)
+        base, base_peak, base_loads = self._unbudgeted(counts, static)
         share = s.layer_share
         # At gamma = inf replicas may not add to an excess static already has; at a
         # finite gamma a candidate must fit outright, or the budget would lower gamma
@@ -337,7 +337,7 @@ class LayerPlanner:
             planned.append(self._unbudgeted(counts, candidate))
         # Every estimate priced in one cost-model call: static's first.
         base_time, *times = self._times([static, *candidates.values()],
-                                        [base_matrices, *(m for _, _, m in planned)])
+                                        [base_loads, *(m for _, _, m in planned)])
         best: tuple[float, int] | None = None       # (estimated time, prefix size)
         for size, (plan, peak, _), time in zip(sizes, planned, times, strict=True):
             # The assignment capacities at this budget must not bind on the candidate's
@@ -360,11 +360,12 @@ class LayerPlanner:
             f"static {base_time * 1e3:.3f} ms",)
 
     def _unbudgeted(self, counts: np.ndarray, placement: Placement
-                    ) -> tuple[MicroBatchPlan, float, tuple[np.ndarray, np.ndarray]]:
-        """(plan, peak memory, its [R, R] routed and kept matrices) of ``placement`` on
-        ``counts`` without the budget's influence: instance assignment without
-        capacities, gamma as set. The peak is the largest ``CostModel.rank_memory`` over
-        ranks; ``_times`` prices the matrices."""
+                    ) -> tuple[MicroBatchPlan, float, Any]:
+        """(plan, peak memory, what ``_times`` prices) of ``placement`` on ``counts``
+        without the budget's influence: instance assignment without capacities, gamma as
+        set. The peak is the largest ``CostModel.rank_memory`` over ranks; the last is
+        the plan's [6, R] ``CostModel.rank_loads`` when compiled, else its [R, R] routed
+        and kept matrices."""
         s = self.settings
         ctx = self._context(placement)
         n = check_assignment_counts(counts, placement)
@@ -372,8 +373,8 @@ class LayerPlanner:
         make_retention, quotas = self._retention(assignment, cells, float(s.capacity_factor),
                                                  ctx, routed)
         peak = float(np.maximum.reduce(self._memory(ctx, routed, cells, quotas)))
-        if ctx.native is not None:
-            matrices = ctx.native.rank_matrices(cells, quotas)
+        if ctx.native is not None:       # what the compiled path prices: rank loads
+            matrices = ctx.native.rank_loads(cells, quotas)
         else:
             starts = ctx.rank_starts
             matrices = (np.add.reduceat(cells, starts, axis=1),
@@ -383,10 +384,10 @@ class LayerPlanner:
         return plan, peak, matrices
 
     def _times(self, placements: list[Placement],
-               matrices: list[tuple[np.ndarray, np.ndarray]]) -> list[float]:
-        """The estimated time of each placement's plan from its [R, R] routed and kept
-        matrices: forward + backward (``CostModel.layer_time``) + the amortised replica
-        refresh. The compiled planner prices them in one ``CostModel.layer_times`` call,
+               matrices: list) -> list[float]:
+        """The estimated time of each placement's plan (``_unbudgeted``'s last item):
+        forward + backward (``CostModel.layer_time``) + the amortised replica refresh.
+        The compiled planner prices all of them in one ``CostModel.layer_times`` call,
         the Python one plan by plan (the reference)."""
         cost = self.settings.cost
         sync = []
@@ -398,9 +399,8 @@ class LayerPlanner:
                     busiest)
             sync.append(cached)
         if self.native:
-            fwd, bwd = cost.layer_times(np.stack([m[0] for m in matrices]),
-                                        np.stack([m[1] for m in matrices]))
-            return ((fwd + bwd) + np.asarray(sync)).tolist()
+            fwd, bwd = cost.layer_times(np.stack(matrices))
+            return [f + b + c for f, b, c in zip(fwd, bwd, sync, strict=True)]
         times = []
         for (routed, kept), cached in zip(matrices, sync, strict=True):
             fwd, bwd = cost.layer_time(routed, kept)

@@ -342,15 +342,15 @@ def test_native_true_without_the_extension_is_refused(monkeypatch):
 
 @given(data=st.data())
 @SETTINGS
-def test_rank_matrices_equal_python(data):
-    """The compiled [R, R] routed and kept matrices of a plan (what the memory-aware
-    search prices) are its counts and quotas summed over each rank's instances."""
+def test_rank_loads_equal_python(data):
+    """The compiled rank loads of a plan (what the memory-aware search prices) are
+    ``CostModel.rank_loads`` of its routed and retained matrices."""
     placement, counts = data.draw(placements_and_counts())
     native = native_planner(placement, None, np.zeros(placement.num_ranks, np.int64))
     assignment = assign_instances(counts, placement)
     plan = plan_retention(assignment.counts, placement.num_ranks, 0.5, 0.0,
                           instance_rank=placement.instance_rank,
                           instance_expert=placement.instance_expert)
-    routed, kept = native.rank_matrices(assignment.counts.numpy(), plan.quotas.numpy())
-    assert np.array_equal(routed, plan.routed_matrix.numpy())
-    assert np.array_equal(kept, plan.retained_matrix.numpy())
+    loads = native.rank_loads(assignment.counts.numpy(), plan.quotas.numpy())
+    assert np.array_equal(loads, CostModel.rank_loads(plan.routed_matrix.numpy(),
+                                                      plan.retained_matrix.numpy()))

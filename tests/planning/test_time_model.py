@@ -361,8 +361,8 @@ def test_the_fixed_cost_of_a_call_is_measured_for_both_layers():
 ], ids=["rate tables", "size table", "flat rates"])
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 8])
 def test_layer_times_equal_layer_time_bit_for_bit(machine, num_ranks):
-    """``layer_times`` of K plans is ``layer_time`` of each (forward and backward to the
-    bit), on random routed matrices with drops, empty ranks and ties."""
+    """``layer_times`` of K plans' ``rank_loads`` is ``layer_time`` of each (forward and
+    backward to the bit), on random routed matrices with drops, empty ranks and ties."""
     shape = dataclasses.replace(SHAPE, num_experts=4 * num_ranks,
                                 expert_parallel_size=num_ranks)
     cost = CostModel(shape, machine)
@@ -373,8 +373,14 @@ def test_layer_times_equal_layer_time_bit_for_bit(machine, num_ranks):
     routed[3] = 7                                          # every rank tied
     retained = np.minimum(routed, gen.integers(0, 40, routed.shape))
     retained[4] = routed[4]                                # nothing dropped
-    fwd, bwd = cost.layer_times(routed, retained)
+    loads = np.stack([CostModel.rank_loads(a, b) for a, b in zip(routed, retained,
+                                                                     strict=True)])
+    assert loads[0].tolist() == [routed[0].sum(0).tolist(), retained[0].sum(0).tolist(),
+                                 routed[0].sum(1).tolist(), retained[0].sum(1).tolist(),
+                                 routed[0].diagonal().tolist(),
+                                 retained[0].diagonal().tolist()]
+    fwd, bwd = cost.layer_times(loads)
     for k in range(len(routed)):
         assert (fwd[k], bwd[k]) == cost.layer_time(routed[k], retained[k])
-    with pytest.raises(ValueError, match=r"\[K, R, R\]"):
-        cost.layer_times(routed[0], retained[0])
+    with pytest.raises(ValueError, match=r"\[K, 6, R\]"):
+        cost.layer_times(loads[0])
