@@ -328,7 +328,8 @@ class LayerPlanner:
         # finite gamma a candidate must fit outright, or the budget would lower gamma
         # for it and it would buy its time with drops.
         allowed = max(share, base_peak) if math.isinf(s.capacity_factor) else share
-        replicas = greedy_replicas(counts.sum(0).tolist(), base, s, native=self.native)
+        replicas = greedy_replicas(counts.sum(0).tolist(), base, s, native=self.native,
+                                   sync_cost=self._replica_costs)
         n = len(replicas)
         sizes = sorted({n, 3 * n // 4, n // 2, n // 4} - {0})
         candidates, planned = {}, []
