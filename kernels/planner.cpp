@@ -252,6 +252,39 @@ class NativePlanner {
   }
 
 
+  // [6, R] rank loads of an assignment's counts [R, I] and its quotas [R, I]
+  // (CostModel.rank_loads of its [R, R] routed and kept matrices): pairs each rank
+  // receives routed and kept, sends and keeps as a source, and the two diagonals.
+  I64Array rank_loads(const I64Array& cells, const I64Array& quotas) const {
+    check_counts(cells, I_, "assignment counts");
+    check_counts(quotas, I_, "quotas");
+    I64Array out({i64{6}, R_});
+    {
+      py::gil_scoped_release release;
+      const i64* c = cells.data();
+      const i64* q = quotas.data();
+      i64* o = out.mutable_data();
+      std::fill(o, o + 6 * R_, i64{0});
+      for (i64 s = 0; s < R_; ++s)
+        for (i64 r = 0; r < R_; ++r) {
+          i64 a = 0, b = 0;
+          for (i64 i = rank_starts_[r]; i < rank_starts_[r + 1]; ++i) {
+            a += c[s * I_ + i];
+            b += q[s * I_ + i];
+          }
+          o[r] += a;
+          o[R_ + r] += b;
+          o[2 * R_ + s] += a;
+          o[3 * R_ + s] += b;
+          if (r == s) {
+            o[4 * R_ + r] = a;
+            o[5 * R_ + r] = b;
+          }
+        }
+    }
+    return out;
+  }
+
   // The region's per-call host layout on rank s (layer/region_layout.CallLayout) and
   // the layer's instance-order chunk tables (moe_layer._instance_order): one tuple.
   py::tuple layout(const I64Array& cells, const I64Array& quotas, i64 s) const {
@@ -1238,6 +1271,9 @@ void register_planner(py::module_& m) {
       .def("retained_limit", &NativePlanner::retained_limit,
            "[R] CostModel.retained_limit at the plan's loads", py::arg("share"),
            py::arg("cells"), py::arg("load"))
+      .def("rank_loads", &NativePlanner::rank_loads,
+           "[6, R] CostModel.rank_loads of the plan's routed and kept matrices",
+           py::arg("cells"), py::arg("quotas"))
       .def("layout", &NativePlanner::layout,
            "((split sizes...), (rows and tables...), order tables or None) on rank s",
            py::arg("cells"), py::arg("quotas"), py::arg("rank"));

@@ -31,10 +31,13 @@ try:
 except ImportError:  # not built: the Python planner runs
     _kernels = None
 _NativePlanner = getattr(_kernels, "NativePlanner", None)
+if not hasattr(_NativePlanner, "rank_loads"):   # an extension built from older sources
+    _NativePlanner = None
 
 
 def native_available() -> bool:
-    """Whether the extension in this checkout has the compiled planner."""
+    """Whether the extension in this checkout has the compiled planner (as these sources
+    define it: one built before ``rank_loads`` counts as absent)."""
     return _NativePlanner is not None
 
 

@@ -69,7 +69,8 @@ def popularity_placement(popularity: np.ndarray, num_ranks: int, num_experts: in
 
 
 def greedy_replicas(routed: list[int], base: MicroBatchPlan,
-                     settings: PlannerSettings, native: bool = False) -> list[tuple[int, int]]:
+                     settings: PlannerSettings, native: bool = False,
+                     sync_cost: dict[int, float] | None = None) -> list[tuple[int, int]]:
     """Replicas in the order a greedy search adds them, on a fluid load estimate.
 
     State: each expert's pairs spread over its instances' ranks (starting from
@@ -92,7 +93,9 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     budget's influence too.
 
     ``native``: the moves by the compiled planner (``planning/native.py``: the same
-    moves, to the bit); else in Python (the reference).
+    moves, to the bit); else in Python (the reference). ``sync_cost``: a cache of
+    ``CostModel.replica_cost_per_microbatch`` by busiest count for ``settings.cost``
+    (filled here), which a caller keeps across steps.
     """
     cost = settings.cost
     num_ranks, num_experts = settings.num_ranks, settings.num_experts
@@ -101,7 +104,8 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     retained_cap = math.inf if cap_count == UNLIMITED_CAPACITY else float(cap_count)
     off_rank = (num_ranks - 1) / num_ranks
 
-    sync_cost: dict[int, float] = {}      # replica_cost_per_microbatch by busiest
+    if sync_cost is None:                 # replica_cost_per_microbatch by busiest
+        sync_cost = {}
 
     def est_times(tops: list[float], busiest_sync: list[int]) -> np.ndarray:
         # Per micro-batch: the layer at the top load, plus what the replicas cost in

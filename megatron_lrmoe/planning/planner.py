@@ -46,7 +46,20 @@ class _PlacementContext:
     replicas: np.ndarray                # [R] int64 replicas each rank hosts
     capacity: np.ndarray | None         # [R] int64 assignment capacity (None: no budget)
     rank_starts: np.ndarray             # [R] first instance of each rank
+    busiest: int                        # _busiest(placement)
     native: Any = None                  # the compiled planner of the placement, or None
+
+
+@dataclass(frozen=True, eq=False)
+class _Unbudgeted:
+    """A placement's plan without the budget's influence (``LayerPlanner._unbudgeted``)."""
+
+    ctx: _PlacementContext
+    load: np.ndarray                    # [R] routed pairs per rank
+    peak: float                         # the largest CostModel.rank_memory over ranks
+    priced: Any                         # [6, R] CostModel.rank_loads when compiled, else
+                                        # the [R, R] routed and kept matrices
+    plan: Callable[[], MicroBatchPlan]  # the MicroBatchPlan, built when called
 
 
 class LayerPlanner:
@@ -268,6 +281,7 @@ class LayerPlanner:
                    else self.settings.cost.assignment_capacity(share, replicas))
             ctx = _PlacementContext(placement, replicas, cap,
                                     np.asarray(placement.rank_starts[:-1], dtype=np.int64),
+                                    _busiest(placement),
                                     native_planner(placement, self.settings.cost, replicas)
                                     if self.native else None)
             self._contexts[placement] = ctx
@@ -319,64 +333,82 @@ class LayerPlanner:
         """
         s = self.settings
         counts = torch.round(self.smoothed_counts).to(torch.int64).numpy()   # checked below
-        static = self._placement(())
-        base, base_time, base_peak = self._unbudgeted(counts, static)
+        static = self._context(self._placement(()))
+        base = self._unbudgeted(counts, static)
         share = s.layer_share
         # At gamma = inf replicas may not add to an excess static already has; at a
         # finite gamma a candidate must fit outright, or the budget would lower gamma
         # for it and it would buy its time with drops.
-        allowed = max(share, base_peak) if math.isinf(s.capacity_factor) else share
-        replicas = greedy_replicas(counts.sum(0).tolist(), base, s, native=self.native)
+        allowed = max(share, base.peak) if math.isinf(s.capacity_factor) else share
+        replicas = greedy_replicas(counts.sum(0).tolist(), base.plan(), s, native=self.native,
+                                   sync_cost=self._replica_costs)
         n = len(replicas)
-        best: tuple[float, int] | None = None       # (estimated time, prefix size)
-        candidates = {}
-        for size in sorted({n, 3 * n // 4, n // 2, n // 4} - {0}):
-            candidate = candidates[size] = self._placement(tuple(replicas[:size]))
-            planned, time, peak = self._unbudgeted(counts, candidate)
+        sizes = sorted({n, 3 * n // 4, n // 2, n // 4} - {0})
+        planned = [self._unbudgeted(counts, self._context(self._placement(tuple(replicas[:size]))))
+                   for size in sizes]
+        # Every estimate priced in one cost-model call: static's first.
+        base_time, *times = self._times([base, *planned])
+        best: tuple[float, int] | None = None       # (estimated time, index in planned)
+        for k, (candidate, time) in enumerate(zip(planned, times, strict=True)):
             # The assignment capacities at this budget must not bind on the candidate's
             # assignment (they only grow with the budget), so the layer's capacity-aware
             # assignment finds the one judged here, and the judgement stays monotone.
-            capacity = self._context(candidate).capacity
-            fits_capacity = capacity is None or bool((planned.rank_load <= capacity).all())
+            capacity = candidate.ctx.capacity
+            fits_capacity = capacity is None or bool((candidate.load <= capacity).all())
             # Replicas must pay: the time they save per micro-batch must exceed what
             # their refresh and gradient reduction cost, amortised over the step's
             # micro-batches (in ``time``); an equal estimate keeps static.
-            if (time < base_time and peak <= allowed and fits_capacity
+            if (time < base_time and candidate.peak <= allowed and fits_capacity
                     and (best is None or time < best[0])):
-                best = (time, size)
+                best = (time, k)
         if best is None:
-            return static, (f"memory-aware: no replica pays off within the budget (static "
-                            f"{base_time * 1e3:.3f} ms, greedy proposed {n})",)
-        time, size = best
-        return candidates[size], (
-            f"memory-aware: {size} replicas, estimated layer time {time * 1e3:.3f} ms vs "
+            return static.placement, (f"memory-aware: no replica pays off within the budget "
+                                      f"(static {base_time * 1e3:.3f} ms, greedy proposed {n})",)
+        time, k = best
+        return planned[k].ctx.placement, (
+            f"memory-aware: {sizes[k]} replicas, estimated layer time {time * 1e3:.3f} ms vs "
             f"static {base_time * 1e3:.3f} ms",)
 
-    def _unbudgeted(self, counts: np.ndarray, placement: Placement
-                    ) -> tuple[MicroBatchPlan, float, float]:
-        """(plan, estimated time, peak memory) of ``placement`` on ``counts`` without the
-        budget's influence: instance assignment without capacities, gamma as set. The time is
-        forward + backward + the amortised replica refresh; the peak is the largest
-        ``CostModel.rank_memory`` over ranks."""
+    def _unbudgeted(self, counts: np.ndarray, ctx: _PlacementContext) -> _Unbudgeted:
+        """The plan of ``ctx``'s placement on ``counts`` without the budget's influence:
+        instance assignment without capacities, gamma as set (``_Unbudgeted``)."""
         s = self.settings
-        cost = s.cost
-        ctx = self._context(placement)
-        n = check_assignment_counts(counts, placement)
+        n = check_assignment_counts(counts, ctx.placement)
         assignment, cells, routed = self._assign(n, ctx, None)
-        make_retention, quotas = self._retention(assignment, cells, float(s.capacity_factor),
-                                                 ctx, routed)
-        retention = make_retention()
+        gamma = float(s.capacity_factor)
+        make_retention, quotas = self._retention(assignment, cells, gamma, ctx, routed)
         peak = float(np.maximum.reduce(self._memory(ctx, routed, cells, quotas)))
-        starts = ctx.rank_starts
-        fwd, bwd = cost.layer_time(np.add.reduceat(cells, starts, axis=1),
-                                   np.add.reduceat(quotas, starts, axis=1))     # [R, R] each
-        busiest = _busiest(placement)
-        sync = self._replica_costs.get(busiest)
-        if sync is None:       # a pure function of the busiest count: priced once
-            sync = self._replica_costs[busiest] = cost.replica_cost_per_microbatch(busiest)
-        plan = MicroBatchPlan(assignment=assignment, retention=retention,
-                              capacity_factor_used=float(s.capacity_factor), rank_load=routed)
-        return plan, fwd + bwd + sync, peak
+        if ctx.native is not None:       # what the compiled path prices: rank loads
+            priced = ctx.native.rank_loads(cells, quotas)
+        else:
+            starts = ctx.rank_starts
+            priced = (np.add.reduceat(cells, starts, axis=1),
+                      np.add.reduceat(quotas, starts, axis=1))
+        return _Unbudgeted(ctx, routed, peak, priced, lambda: MicroBatchPlan(
+            assignment=assignment, retention=make_retention(), capacity_factor_used=gamma,
+            rank_load=routed))
+
+    def _times(self, planned: list[_Unbudgeted]) -> list[float]:
+        """The estimated time of each unbudgeted plan: forward + backward
+        (``CostModel.layer_time``) + the amortised replica refresh. The compiled planner
+        prices all of them in one ``CostModel.layer_times`` call, the Python one plan by
+        plan (the reference)."""
+        cost = self.settings.cost
+        sync = []
+        for p in planned:
+            cached = self._replica_costs.get(p.ctx.busiest)
+            if cached is None:      # a pure function of the busiest count: priced once
+                cached = self._replica_costs[p.ctx.busiest] = (
+                    cost.replica_cost_per_microbatch(p.ctx.busiest))
+            sync.append(cached)
+        if self.native:
+            fwd, bwd = cost.layer_times(np.stack([p.priced for p in planned]))
+            return [f + b + c for f, b, c in zip(fwd, bwd, sync, strict=True)]
+        times = []
+        for p, cached in zip(planned, sync, strict=True):
+            fwd, bwd = cost.layer_time(*p.priced)
+            times.append(fwd + bwd + cached)
+        return times
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -338,3 +338,19 @@ def test_native_true_without_the_extension_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="NativePlanner"):
         LayerPlanner(PlannerSettings("static", 1, 2), native=True)
     assert not LayerPlanner(PlannerSettings("static", 1, 2)).native
+
+
+@given(data=st.data())
+@SETTINGS
+def test_rank_loads_equal_python(data):
+    """The compiled rank loads of a plan (what the memory-aware search prices) are
+    ``CostModel.rank_loads`` of its routed and retained matrices."""
+    placement, counts = data.draw(placements_and_counts())
+    native = native_planner(placement, None, np.zeros(placement.num_ranks, np.int64))
+    assignment = assign_instances(counts, placement)
+    plan = plan_retention(assignment.counts, placement.num_ranks, 0.5, 0.0,
+                          instance_rank=placement.instance_rank,
+                          instance_expert=placement.instance_expert)
+    loads = native.rank_loads(assignment.counts.numpy(), plan.quotas.numpy())
+    assert np.array_equal(loads, CostModel.rank_loads(plan.routed_matrix.numpy(),
+                                                      plan.retained_matrix.numpy()))

@@ -350,3 +350,37 @@ def test_the_fixed_cost_of_a_call_is_measured_for_both_layers():
         assert forward > 0 and backward > 0, layer
     with pytest.raises(ValueError, match="layer must be 'lrmoe' or 'megatron'"):
         measure_layer_fixed(4, 2, True, 0.0, repeats=5, warmup=2, layer="sequential")
+
+
+@pytest.mark.parametrize("machine", [
+    MACHINE,
+    dataclasses.replace(MACHINE, alltoall_sizes=(16.0, 256.0),
+                        alltoall_size_bytes_per_s=(1e7, 1e8)),
+    MachineConstants(gemm_flops_per_s=1e9, alltoall_bytes_per_s=1e9, alltoall_latency_s=1e-6,
+                     source="flat rates"),
+], ids=["rate tables", "size table", "flat rates"])
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 8])
+def test_layer_times_equal_layer_time_bit_for_bit(machine, num_ranks):
+    """``layer_times`` of K plans' ``rank_loads`` is ``layer_time`` of each (forward and
+    backward to the bit), on random routed matrices with drops, empty ranks and ties."""
+    shape = dataclasses.replace(SHAPE, num_experts=4 * num_ranks,
+                                expert_parallel_size=num_ranks)
+    cost = CostModel(shape, machine)
+    gen = np.random.default_rng(num_ranks)
+    routed = gen.integers(0, 40, (12, num_ranks, num_ranks))
+    routed[1] = 0                                          # nothing routed
+    routed[2, :, -1] = 0                                   # an idle rank
+    routed[3] = 7                                          # every rank tied
+    retained = np.minimum(routed, gen.integers(0, 40, routed.shape))
+    retained[4] = routed[4]                                # nothing dropped
+    loads = np.stack([CostModel.rank_loads(a, b) for a, b in zip(routed, retained,
+                                                                     strict=True)])
+    assert loads[0].tolist() == [routed[0].sum(0).tolist(), retained[0].sum(0).tolist(),
+                                 routed[0].sum(1).tolist(), retained[0].sum(1).tolist(),
+                                 routed[0].diagonal().tolist(),
+                                 retained[0].diagonal().tolist()]
+    fwd, bwd = cost.layer_times(loads)
+    for k in range(len(routed)):
+        assert (fwd[k], bwd[k]) == cost.layer_time(routed[k], retained[k])
+    with pytest.raises(ValueError, match=r"\[K, 6, R\]"):
+        cost.layer_times(loads[0])
