@@ -9,7 +9,9 @@ instance assignments and retention plans out; no process group and no config obj
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +81,8 @@ class LayerPlanner:
             raise ValueError("LayerPlanner(native=True): megatron_lrmoe._kernels has no "
                              "NativePlanner; rebuild the extension or pass native=None")
         self.native = native_available() if native is None else bool(native)
+        if native is None and not self.native:
+            _warn_python_planner()
         self.settings = settings
         self.placement = Placement.static(settings.num_ranks, settings.num_experts)
         self.step = 0
@@ -479,3 +483,12 @@ def _memory(cost: CostModel, ctx: _PlacementContext, routed: np.ndarray,
                             instance_routed=instance_routed,
                             instance_retained=instance_retained,
                             rank_starts=ctx.rank_starts)
+
+
+@functools.cache
+def _warn_python_planner() -> None:
+    """Once per process: the per-call planning runs in Python, ~10 x the host time."""
+    warnings.warn("megatron_lrmoe._kernels has no compiled planner (not built, or built from "
+                  "older sources): LayerPlanner plans in Python, about 10 x the host time per "
+                  "layer call; rebuild with `bash scripts/setup.sh` or "
+                  "`pip install --no-build-isolation -e .`", RuntimeWarning, stacklevel=3)
