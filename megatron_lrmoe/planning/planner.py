@@ -69,8 +69,9 @@ class LayerPlanner:
 
     Life cycle per training step: ``plan(counts)`` for each micro-batch (forward),
     ``observe(counts)`` for each training micro-batch, then ``next_step()`` at the step
-    boundary, which folds the step's mean counts into the smoothed loads and picks the
-    placement of the next step (docs/design.md, "Placement").
+    boundary, which folds the step's mean counts into the smoothed loads; the placement
+    of the next step is chosen from them when ``placement`` is first read, in the layer's
+    first forward of that step (docs/design.md, "Placement").
     """
 
     def __init__(self, settings: PlannerSettings, native: bool | None = None):
@@ -84,11 +85,11 @@ class LayerPlanner:
         if native is None and not self.native:
             _warn_python_planner()
         self.settings = settings
-        self.placement = Placement.static(settings.num_ranks, settings.num_experts)
+        self._placement_chosen = Placement.static(settings.num_ranks, settings.num_experts)
+        self._placement_notes: tuple[str, ...] = ()
+        self._choice_due = False     # next_step folded new loads; the choice waits for a read
         self.step = 0
         self.smoothed_counts: torch.Tensor | None = None
-        self.placement_notes: tuple[str, ...] = ()
-        """What the last ``next_step`` did, for logs."""
         self._observed_sum: np.ndarray | None = None    # [R, E] float64 (numpy: no tensor op)
         self._observed = 0
         self._capacity_tensors: dict[int, torch.Tensor] = {}
@@ -101,6 +102,34 @@ class LayerPlanner:
         computed whenever the settings carry a cost model (a budget, or a run held to its
         device); None without one. The planner only reports it: what a rank over its
         device means is the caller's (the launcher stops the run)."""
+
+    # ------------------------------------------------------------- placement
+    @property
+    def placement(self) -> Placement:
+        """This step's placement. The first read after ``next_step`` chooses it from the
+        smoothed loads (a pure function of them and the settings): the layer reads it at
+        its first forward of the step, where the host runs ahead of the device work it
+        queued, instead of at the step boundary (docs/design.md, "Placement")."""
+        if self._choice_due:
+            self._choice_due = False
+            self._placement_chosen, self._placement_notes = self._choose_placement()
+        return self._placement_chosen
+
+    @placement.setter
+    def placement(self, placement: Placement) -> None:
+        self._placement_chosen, self._placement_notes = placement, ()
+        self._choice_due = False
+
+    @property
+    def placement_notes(self) -> tuple[str, ...]:
+        """What the latest choice of placement did, for logs."""
+        self.placement     # noqa: B018  (a due choice is made first)
+        return self._placement_notes
+
+    @property
+    def placement_due(self) -> bool:
+        """Whether ``next_step`` folded loads whose placement is not chosen yet."""
+        return self._choice_due
 
     # ------------------------------------------------------------- per batch
     def observe(self, counts: torch.Tensor | np.ndarray) -> None:
@@ -292,31 +321,38 @@ class LayerPlanner:
         return ctx
 
     # -------------------------------------------------------------- per step
-    def next_step(self) -> Placement:
-        """Fold this step's observations into the EMA, advance, choose the placement.
+    def next_step(self) -> None:
+        """Fold this step's observations into the EMA and advance; the next placement is
+        chosen when ``placement`` is next read.
 
+        The fold is all the step boundary pays; the choice (up to ~1 ms per layer at EP
+        64 for memory-aware placement) moves to the layer's first forward of the next
+        step, where it overlaps the device work queued before the counts read.
         Without observations (evaluation only) nothing changes: not the EMA, not the
         step counter, not the placement.
         """
         if not self._observed:
-            self.placement_notes = ("no training micro-batch observed: placement kept",)
-            return self.placement
+            if not self._choice_due:
+                self._placement_notes = ("no training micro-batch observed: placement kept",)
+            return
         mean = torch.from_numpy(self._observed_sum / self._observed)
         a = float(self.settings.load_smoothing)
         self.smoothed_counts = (mean if self.smoothed_counts is None
                                 else a * self.smoothed_counts + (1.0 - a) * mean)
         self._observed_sum, self._observed = None, 0
         self.step += 1
-        policy = self.settings.policy
-        if policy == "static":
-            self.placement, self.placement_notes = self.placement, ()
-        elif policy == "popularity":
-            self.placement, self.placement_notes = popularity_placement(
+        if self.settings.policy == "static":
+            self._placement_notes = ()
+        else:
+            self._choice_due = True
+
+    def _choose_placement(self) -> tuple[Placement, tuple[str, ...]]:
+        """The placement of the smoothed loads under the policy (``next_step``'s choice)."""
+        if self.settings.policy == "popularity":
+            return popularity_placement(
                 self.smoothed_counts.sum(0).numpy(), self.settings.num_ranks,
                 self.settings.num_experts, self.settings.popularity_slots())
-        else:
-            self.placement, self.placement_notes = self._memory_aware_placement()
-        return self.placement
+        return self._memory_aware_placement()
 
     def _memory_aware_placement(self) -> tuple[Placement, tuple[str, ...]]:
         """The best prefix of a budget-independent greedy run that the budget admits.
@@ -417,7 +453,8 @@ class LayerPlanner:
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Small and picklable: smoothed loads, step, placement and this step's
-        observations so far, so that a resume is exact."""
+        observations so far, so that a resume is exact. A due placement is chosen first
+        (checkpoints and Megatron's re-run snapshots are rare next to layer calls)."""
         s = self.settings
         return {
             "version": 1,

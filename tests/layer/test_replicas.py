@@ -251,3 +251,42 @@ def test_replicas_need_the_step_boundaries_told(gloo2):
         assert "never told how many micro-batches a training step has" in errors["untold"]
         assert "layer.microbatches_per_step" in errors["untold"]
         assert "the step ended after 1 backward pass(es) of the 2" in errors["unfinished"]
+
+
+def _choice_in_first_forward(ep: int) -> dict:
+    """A popularity layer over three steps: after each step boundary the placement is
+    due; the next step's first forward chooses it at its entry (before the counts
+    exchange, whose read is the host's sync) and refreshes replicas for it."""
+    from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
+
+    _, layer = _build(ep, math.inf)
+    planner = LayerPlanner(PlannerSettings("popularity", ep, EXPERTS,
+                                           slots_per_rank=EXPERTS // ep + 1))
+    layer.lrmoe_state.planner = planner
+    layer.microbatches_per_step = 1
+    at_gather = []
+    gather = layer.counts_exchange.gather_counts
+
+    def watched(routing_map):
+        at_gather.append(planner.placement_due)
+        return gather(routing_map)
+    layer.counts_exchange.gather_counts = watched
+    due_after_step, hosted = [], []
+    for step in range(3):
+        x, dy = _inputs(20 + step)
+        out, _ = layer(x.clone().requires_grad_(True))
+        out.backward(dy)
+        hosted.append(len(layer.replicas.experts))
+        layer.finish_step()
+        due_after_step.append(planner.placement_due)
+    return {"due_after_step": due_after_step, "at_gather": at_gather, "hosted": hosted,
+            "replicas": len(planner.placement.replicas)}
+
+
+def test_placement_is_chosen_in_the_first_forward_of_a_step(gloo2):
+    results = gloo2.run(_choice_in_first_forward, 2)
+    for r in results:
+        assert r["due_after_step"] == [True, True, True], r    # the boundary only folds
+        assert r["at_gather"] == [False, False, False], r      # chosen at the layer's entry
+        assert r["replicas"] > 0 and r["hosted"][0] == 0, r
+    assert any(r["hosted"][1] for r in results)                # refreshed for the choice

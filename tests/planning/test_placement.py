@@ -759,7 +759,8 @@ def test_smoothing_and_eval_steps():
     assert torch.allclose(planner.smoothed_counts, 0.25 * first + 0.75 * counts_b.double())
     assert planner.step == 2
     before = (planner.placement, planner.smoothed_counts.clone())
-    assert planner.next_step() is before[0]  # nothing observed: nothing changes
+    planner.next_step()                      # nothing observed: nothing changes
+    assert planner.placement is before[0]
     assert planner.step == 2 and torch.equal(planner.smoothed_counts, before[1])
 
 
@@ -872,3 +873,39 @@ def test_planner_reports_each_plans_memory_with_a_cost_model():
     plan = budgeted.plan(counts)
     assert any(note.startswith("over budget") for note in plan.notes)
     assert np.array_equal(budgeted.last_memory, cost.plan_memory(plan.retention, np.zeros(4)))
+
+
+def test_placement_is_chosen_at_its_first_read_after_the_step():
+    """next_step only folds the loads: the choice (the costly part) waits for the first
+    read of ``placement`` (the layer's first forward of the next step), happens once, and
+    is the same placement however late it is read: a planner read after every step and
+    one read only at the end agree, and a state saved with the choice due resumes alike."""
+    cost = _cost(8)
+    s = PlannerSettings("memory-aware", 4, 8, budget_bytes=cost.balanced_dropless_need() * 3,
+                        cost=cost, load_smoothing=0.5)
+    batches = [_skewed_counts(4, 8, 128, seed=i) for i in range(6)]
+    eager, lazy = LayerPlanner(s), LayerPlanner(s)
+    choices = []
+    choose = lazy._choose_placement
+    lazy._choose_placement = lambda: choices.append(lazy.step) or choose()
+    for counts in batches:
+        for planner in (eager, lazy):
+            planner.observe(counts)
+            planner.next_step()
+        assert lazy.placement_due and choices[-1:] != [lazy.step]   # not at the boundary
+        eager.placement                                  # noqa: B018  (read every step)
+    assert choices == [1, 2, 3, 4, 5]                    # each due choice made by observe
+    assert lazy.placement == eager.placement and lazy.placement_due is False
+    assert choices == [1, 2, 3, 4, 5, 6]                 # the last, at the read, once
+    assert lazy.placement == eager.placement and len(choices) == 6   # a second read: none
+    assert lazy.placement.replicas, "the skew must make memory-aware place replicas"
+
+    due = LayerPlanner(s)
+    due.load_state_dict(lazy.state_dict())
+    due.observe(batches[0])
+    due.next_step()
+    state = due.state_dict()                             # saved with the choice due
+    assert not due.placement_due
+    eager.observe(batches[0])
+    eager.next_step()
+    assert state["replicas"] == [list(p) for p in eager.placement.replicas]
