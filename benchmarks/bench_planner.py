@@ -27,8 +27,9 @@ and the choice of the next placement, which ``next_step`` defers to the first re
 layer's read), each timed on its own.
 
 Goals: call <= 0.1 ms at EP 8 and 16, <= 0.2 ms at EP 64; ``next_step`` <= 0.5 ms at
-EP 64, or its work done while the next step's first forward runs (medians). Every path listed in ``--paths`` is measured in the same run, side by
-side, on the same count matrices and placements.
+EP 64, or its work done while the next step's first forward runs (medians). Every path
+listed in ``--paths`` is measured in the same run, side by side, on the same count
+matrices and placements.
 
 Shape: Qwen3-30B-A3B's experts (H=2048, F=768, SwiGLU, bf16, E=128, top-8, 4096 tokens
 per rank, 48 MoE layers, 8 micro-batches per step) with grouped GEMMs and the default
