@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
+from megatron_lrmoe.planning.shapes import MoEShape
 from megatron_lrmoe.tools.provenance import code_version
 
 MACHINE = MachineConstants(gemm_flops_per_s=1e9, alltoall_bytes_per_s=1e9,

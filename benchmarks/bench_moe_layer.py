@@ -416,8 +416,8 @@ def summarize_routing(cfg: dict, per_rank: list[dict], routing: str) -> list[dic
     for row in rows:
         if "error" in row:
             continue
-        # Paired against Megatron's MoELayer, forward and backward (issue 11's target for
-        # LRMoE at gamma = inf: <= 1.02 each).
+        # Paired against Megatron's MoELayer, forward and backward (the target for LRMoE
+        # at gamma = inf: <= 1.02 each).
         for phase in ("fwd", "bwd"):
             row[f"{phase}_vs_megatron"] = statistics.median(
                 a / b for a, b in zip(row[f"{phase}_reps"], megatron[f"{phase}_reps"],
@@ -443,7 +443,9 @@ def predicted_memory(cfg: dict, plan, counts: torch.Tensor,
     failed grouped_mm probe runs the loop, and the model then over-states the peak)."""
     import numpy as np
 
-    from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
+    from megatron_lrmoe.planning.cost_model import CostModel
+    from megatron_lrmoe.planning.machine import MachineConstants
+    from megatron_lrmoe.planning.shapes import MoEShape
 
     if plan.counts.tolist() != counts.tolist():
         raise ValueError("predicted_memory: the plan is not of these counts")
@@ -467,7 +469,8 @@ def predicted_megatron_memory(cfg: dict, counts: torch.Tensor, elem: int,
     the benchmark runs it (``MegatronMoEMemory``: all-to-all dispatcher, SequentialMLP,
     dropless, no recompute) from the routed counts; the probabilities require grad
     under Megatron's router, not under the forced routings (constant tensors)."""
-    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory, MoEShape
+    from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory
+    from megatron_lrmoe.planning.shapes import MoEShape
 
     shape = MoEShape(hidden_size=cfg["hidden"], ffn_hidden_size=cfg["ffn"],
                      num_experts=cfg["experts"], topk=cfg["topk"], gated=True,

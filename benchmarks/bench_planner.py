@@ -61,10 +61,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_lrmoe.layer.moe_layer import LRMoELayer
 from megatron_lrmoe.layer.region import RegionStats
 from megatron_lrmoe.layer.telemetry import LRMoELayerStats
-from megatron_lrmoe.planning.cost_model import CostModel, MoEShape
+from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import default_machine_constants
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import default_retention_in_forward
+from megatron_lrmoe.planning.shapes import MoEShape
 from megatron_lrmoe.tools.provenance import code_version
 
 RANK = 0

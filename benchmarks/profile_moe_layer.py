@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                      "bwd": 12.0 * args.hidden_size * args.moe_ffn_hidden_size}
     machine = None
     if args.calibration is not None:
-        from megatron_lrmoe.planning.cost_model import MachineConstants
+        from megatron_lrmoe.planning.machine import MachineConstants
         machine = MachineConstants.from_json(args.calibration)
     args.work_dir.mkdir(parents=True, exist_ok=True)
 

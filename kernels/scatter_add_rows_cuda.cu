@@ -1,7 +1,7 @@
 // scatter_add_rows: CUDA backend.
 //
 // Only CUDA headers here: torch/ATen headers cost ~74 s per .cu and do not
-// compile against the CPU torch wheel (shared/CPU_RUNTIME.md). Tensor checks
+// compile against the CPU torch wheel. Tensor checks
 // and the current stream live in kernels/bindings.cpp.
 //
 // Notation: N rows of out, M rows of src (= len(index)), H hidden size.

@@ -1,4 +1,4 @@
-"""Shell logic of scripts/: the CUDA toolkit the kernels build against (issue 25, item 3).
+"""Shell logic of scripts/: the CUDA toolkit the kernels build against.
 
 torch takes CUDA_HOME from the folder of ``which nvcc``; where nvcc on PATH is a wrapper
 script that gives a folder without the CUDA headers. scripts/lib/cuda_home.sh asks nvcc

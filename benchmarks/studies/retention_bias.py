@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/studies/retention_bias.py --out benchmarks/results/retention_bias.md
 
-A measurement, not a timing (docs/convergence.md reads it). One LRMoE layer at the
+A measurement, not a timing (docs/benchmarks.md, "Retention bias" reads it). One LRMoE layer at the
 time-to-loss study's shape (hidden 384, expert FFN 1024, 16 experts top-2, SwiGLU, no
 bias, fp32) on EP gloo ranks in this process's worker pool (default EP=2 on 2 ranks, as
 in the study: retention is planned per rank, so at EP=1 gamma 1.0 would drop nothing),
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             f"- command: `{command}`", f"- code: {code_version()}",
             f"- layer: {rb.describe(summary, cfg)}",
             "- columns: docstring of `benchmarks/studies/retention_bias.py`; reading: "
-            "`docs/convergence.md`", "", text, ""]))
+            "`docs/benchmarks.md`, \"Retention bias\"", "", text, ""]))
         print(f"written to {args.out}")
     return 0
 

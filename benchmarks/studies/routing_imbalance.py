@@ -1,4 +1,4 @@
-"""Routing imbalance at expert parallelism 8-64, from recorded routing traces (issue 14).
+"""Routing imbalance at expert parallelism 8-64, from recorded routing traces.
 
     .venv/bin/python benchmarks/studies/routing_imbalance.py record --model qwen3  # ~12 min
     .venv/bin/python benchmarks/studies/routing_imbalance.py record --model glm45     # ~12 min

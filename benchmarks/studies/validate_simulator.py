@@ -43,7 +43,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from megatron_lrmoe.planning.cost_model import MachineConstants
+from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.simulate import PART_NAMES
 from megatron_lrmoe.tools.simulator_validation import distinct_runs, summary_table, validate_run

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from megatron_lrmoe.config.flags import DEVICE_MEMORY_FLAG, tokens_per_rank
 from megatron_lrmoe.config.options import option
-from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
-from megatron_lrmoe.planning.machine import default_machine_constants
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.machine import MachineConstants, default_machine_constants
 from megatron_lrmoe.planning.memory_account import (
     MemoryAccount,
     RunShape,
@@ -32,6 +32,7 @@ from megatron_lrmoe.planning.memory_account import memory_account as account_of
 from megatron_lrmoe.planning.plan_types import budget_floor
 from megatron_lrmoe.planning.planner import PlannerSettings
 from megatron_lrmoe.planning.retention import retention_in_forward
+from megatron_lrmoe.planning.shapes import MoEShape
 
 __all__ = ["GIB", "agreed_machine_constants", "allocator_check", "check_memory_budget",
            "device_memory_bytes", "fitting_micro_batch_size", "machine_constants",

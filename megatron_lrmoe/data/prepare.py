@@ -32,7 +32,8 @@ from collections.abc import Callable, Sequence
 
 if __name__ == "__main__":
     # The command line: megatron.core's known benign notices fire at import, so hide them
-    # first (runtime/cpu.py, quiet_known_warnings; the package imports nothing of Megatron).
+    # first (integration/runtime/cpu.py, quiet_known_warnings; the package imports nothing
+    # of Megatron).
     from megatron_lrmoe.integration.runtime.cpu import quiet_known_warnings
 
     quiet_known_warnings()

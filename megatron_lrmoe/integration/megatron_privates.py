@@ -437,8 +437,9 @@ def replaced_dispatcher_dtoh(dispatcher: Any, replacement: Callable[..., Any]) -
 
 def wrap_bridge_initialize_megatron(make_wrapper: Wrapper) -> bool:
     """Replace the ``initialize_megatron`` that megatron/bridge/training/setup.py:setup calls
-    (its module global, imported from training/initialize.py; Megatron-Bridge 0.6.2, which
-    passes no ``allow_no_cuda``) by ``make_wrapper(initialize_megatron)``.
+    (its module global, imported from megatron/bridge/training/initialize.py;
+    Megatron-Bridge 0.6.2, which passes no ``allow_no_cuda``) by
+    ``make_wrapper(initialize_megatron)``.
 
     Idempotent: returns False, changing nothing, when it is wrapped already."""
     bridge_setup = importlib.import_module("megatron.bridge.training.setup")

@@ -44,7 +44,7 @@ from megatron_lrmoe.config.planner_inputs import agreed_machine_constants, needs
 from megatron_lrmoe.layer.moe_layer import LRMoELayer
 from megatron_lrmoe.layer.step_state import PLANNER_STATE_FLAG, MicrobatchesPerStep
 from megatron_lrmoe.layer.telemetry import lrmoe_layers
-from megatron_lrmoe.planning.cost_model import MachineConstants
+from megatron_lrmoe.planning.machine import MachineConstants
 
 __all__ = ["PLANNER_STATE_FLAG", "chain_to_rerun_state_machine", "checkpoint_content_metadata",
            "finish_lrmoe_step", "format_lrmoe_line", "lrmoe_layers", "lrmoe_step_memory",

@@ -816,7 +816,7 @@ def _megatron_memory(args: argparse.Namespace, config) -> _MegatronMemory | None
     if not _held(args) or args.moe_lrmoe or config.num_moe_experts is None:
         return None
     from megatron_lrmoe.config.planner_inputs import moe_shape
-    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory
+    from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory
 
     shape = moe_shape(config, tokens_per_rank(args), args.num_microbatches,
                       args.expert_model_parallel_size)
@@ -832,7 +832,7 @@ def _megatron_moe_bytes(memory: _MegatronMemory, recorder) -> float:
     holds, the most over the micro-batches of its EP group's levels
     (``planning.memory_account.megatron_layer_levels``), composed over those layers under
     the run's recompute (``cost_model.stage_moe_memory``)."""
-    from megatron_lrmoe.planning.cost_model import stage_moe_memory
+    from megatron_lrmoe.planning.megatron_baseline import stage_moe_memory
     from megatron_lrmoe.planning.memory_account import megatron_layer_levels
     from megatron_lrmoe.tools import routing_traces as rt
 

@@ -5,7 +5,7 @@ parameter per expert and projection) keeps the dist-checkpoint keys of Sequentia
 TEGroupedMLP, so weights move between plain Megatron runs and LRMoE runs in both
 directions; optimizer state moves with them between SequentialMLP and LRMoE runs in any
 format (same parameters, same order), and to or from TEGroupedMLP runs only in Megatron's
-fully reshardable optimizer format (docs/lrmoe.md, "Checkpoints").
+fully reshardable optimizer format (docs/implementation.md, "Choices inside the layer").
 The region computes the experts itself (it needs the rows of every pair, and the
 backward over retained rows only), so this class only adds ``expert_weights()``. For
 grouped GEMMs it hands the region the weights as [L, F1, H] and [L, H, F] views of the

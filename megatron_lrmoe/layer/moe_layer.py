@@ -44,7 +44,7 @@ from megatron_lrmoe.layer.step_state import (
 )
 from megatron_lrmoe.layer.telemetry import LRMoELayerStats
 from megatron_lrmoe.ops import deterministic_mode
-from megatron_lrmoe.planning.cost_model import MachineConstants
+from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.planner import LayerPlanner, MicroBatchPlan
 

@@ -295,7 +295,9 @@ class _LRMoERegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pair_token, pair_prob, rc: RegionContext, experts: ExpertWeights,
                 *weights):
-        plan, group, s = rc.plan, rc.group, rc.rank
+        """Megatron's stages (docs/design.md, "Region", Forward): dispatch every pair,
+        (the retained set when drawn in forward), experts on every pair, combine."""
+        plan, s = rc.plan, rc.rank
         local = local_instances(plan, s)
         if len(local) != len(experts.w1):
             raise ValueError(f"rank {s} hosts {len(local)} instances but got weights for "
@@ -309,26 +311,13 @@ class _LRMoERegion(torch.autograd.Function):
         rev = stack is not None and stack.reversed
         offs = _offsets(tables.offs_fwd, lay.received, rev) if grouped else None
 
-        # ---- dispatch every pair ------------------------------------------------
-        x_recv = _exchange(x.index_select(0, pair_token), lay.send_fwd, lay.recv_fwd, group)
-        if lay.fwd_identity:       # [Pr, H] exp-major (reversed: a copy of the rows)
-            x_exp, back = (x_recv.flip(0) if rev else x_recv), None
-        else:
-            # Both reorders (to the experts and back) expanded at once.
-            to_expert, back = chunk_permutations(*tables.fwd_pair, lay.received)
-            if rev:
-                to_expert, back = to_expert.flip(0), (lay.received - 1) - back
-            x_exp = x_recv.index_select(0, to_expert)
-        del x_recv   # free the receive buffer now, not when forward returns
+        x_exp, back = _dispatch(rc, lay, tables, x, pair_token, rev)
         kept = scale = keep_rows = None
         if rc.forward_retention:
             kept, scale, keep_rows = _retain_in_forward(rc, lay, tables, pair_token,
                                                         pair_prob, x.device)
-
-        # ---- experts on every pair --------------------------------------------------
-        w1, w2, rows_fwd = _in_gemm_order(rev, experts.w1, experts.w2, lay.rows_fwd)
-        z, o_exp, a_exp = experts_forward(x_exp, rows_fwd, offs, w1, w2,
-                                          experts.activation, rc.needs_norm, grouped, stack)
+        z, out = _experts_forward(experts, lay, grouped, x_exp, offs, stack, rev,
+                                  rc.needs_norm)
         if keep_rows is not None:
             # Only the retained rows' x and z are needed in backward: compact them now,
             # in the exp-major order the retained gradient rows will arrive in.
@@ -336,20 +325,7 @@ class _LRMoERegion(torch.autograd.Function):
                 keep_rows = _reversed_rows(keep_rows, lay.received)
             x_exp = x_exp.index_select(0, keep_rows)
             z = z.index_select(0, keep_rows)
-        # ---- back to the sources, then the weighted combine -------------------------
-        if back is not None:
-            o_exp = o_exp.index_select(0, back)
-            a_exp = None if a_exp is None else a_exp.index_select(0, back)
-        elif rev:
-            o_exp = o_exp.flip(0)
-            a_exp = None if a_exp is None else a_exp.flip(0)
-        o = _exchange(o_exp, lay.recv_fwd, lay.send_fwd, group)              # [P, H]
-        a = None if a_exp is None else _exchange(a_exp, lay.recv_fwd, lay.send_fwd, group)
-        del o_exp, a_exp
-        sorted_token, by_token = torch.sort(pair_token, stable=True)
-        token_offsets = torch.searchsorted(
-            sorted_token, torch.arange(x.shape[0] + 1, device=x.device))
-        y = combine_rows(o, pair_prob, by_token, token_offsets, backend=rc.kernels)
+        y, o, a = _combine(rc, lay, out, back, x.shape[0], pair_token, pair_prob, rev)
 
         ctx.rc, ctx.experts, ctx.layout, ctx.grouped = rc, experts, lay, grouped
         ctx.save_for_backward(x_exp, z, o, pair_token, pair_prob, a, tables_buffer, kept,
@@ -387,6 +363,59 @@ class _LRMoERegion(torch.autograd.Function):
         return (dx if ctx.needs_input_grad[0] else None, None,
                 dprob.to(pair_prob.dtype) if ctx.needs_input_grad[2] else None,
                 None, None, *home_grads)
+
+
+
+def _dispatch(rc: RegionContext, lay: CallLayout, tables, x: torch.Tensor,
+              pair_token: torch.Tensor, rev: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every pair's token row to its instance, then exp-major: (x_exp [Pr, H], back: the
+    reverse reorder for the combine, None when both are identities). ``rev``: in GEMM
+    order (reversed: a copy of the rows when no reorder runs)."""
+    x_recv = _exchange(x.index_select(0, pair_token), lay.send_fwd, lay.recv_fwd, rc.group)
+    if lay.fwd_identity:
+        return (x_recv.flip(0) if rev else x_recv), None
+    # Both reorders (to the experts and back) expanded at once.
+    to_expert, back = chunk_permutations(*tables.fwd_pair, lay.received)
+    if rev:
+        to_expert, back = to_expert.flip(0), (lay.received - 1) - back
+    return x_recv.index_select(0, to_expert), back
+
+
+def _experts_forward(experts: ExpertWeights, lay: CallLayout, grouped: bool,
+                     x_exp: torch.Tensor, offs: torch.Tensor | None,
+                     stack: WeightStack | None, rev: bool, need_norm: bool
+                     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The expert GEMMs on every received row: (z [Pr, F1], [o_exp [Pr, H], a_exp [Pr] or
+    None]); the list goes to ``_combine``, which empties it, so that nothing else holds
+    the exp-major output once it is reordered."""
+    w1, w2, rows_fwd = _in_gemm_order(rev, experts.w1, experts.w2, lay.rows_fwd)
+    z, o_exp, a_exp = experts_forward(x_exp, rows_fwd, offs, w1, w2, experts.activation,
+                                      need_norm, grouped, stack)
+    return z, [o_exp, a_exp]
+
+
+def _combine(rc: RegionContext, lay: CallLayout, out: list[torch.Tensor | None],
+             back: torch.Tensor | None, num_tokens: int, pair_token: torch.Tensor,
+             pair_prob: torch.Tensor, rev: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The expert rows back to their sources and the weighted sum per token: (y [T, H],
+    o [P, H] and a [P] or None in source order, saved for backward). ``out``: [o_exp,
+    a_exp] from ``_experts_forward``, taken (emptied) here."""
+    o_exp, a_exp = out
+    out.clear()
+    if back is not None:
+        o_exp = o_exp.index_select(0, back)
+        a_exp = None if a_exp is None else a_exp.index_select(0, back)
+    elif rev:
+        o_exp = o_exp.flip(0)
+        a_exp = None if a_exp is None else a_exp.flip(0)
+    o = _exchange(o_exp, lay.recv_fwd, lay.send_fwd, rc.group)              # [P, H]
+    a = None if a_exp is None else _exchange(a_exp, lay.recv_fwd, lay.send_fwd, rc.group)
+    del o_exp, a_exp
+    sorted_token, by_token = torch.sort(pair_token, stable=True)
+    token_offsets = torch.searchsorted(
+        sorted_token, torch.arange(num_tokens + 1, device=pair_token.device))
+    return combine_rows(o, pair_prob, by_token, token_offsets, backend=rc.kernels), o, a
 
 
 def _select_kept_pairs(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tensor,
@@ -433,8 +462,7 @@ def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tens
     del g_kept
     positions = None
     if lay.positions_exchanged and not in_forward:
-        positions = _exchange(_positions(lay, tables, kept, device), lay.send_pos,
-                              lay.recv_pos, group)
+        positions = _exchanged_positions(rc, lay, tables, kept, device)
     if lay.bwd_identity:
         g_exp, back = (g_recv.flip(0) if rev else g_recv), None
         if rev and positions is not None:
@@ -609,14 +637,21 @@ def _retain_in_forward(rc: RegionContext, lay: CallLayout, tables, pair_token: t
                   if rule_reads_metric(rc.selection) else None)
         kept, scale = _select(rc, lay, tables, metric)
     if lay.positions_exchanged:
-        positions = _exchange(_positions(lay, tables, kept, device), lay.send_pos,
-                              lay.recv_pos, rc.group)
+        positions = _exchanged_positions(rc, lay, tables, kept, device)
         if not lay.receiver_keeps_all:
             if not lay.bwd_identity:
                 positions = positions.index_select(0, chunk_permutation(
                     tables.bwd[0], tables.bwd[1], lay.received_kept))
             keep_rows = positions.long()
     return kept, scale, keep_rows
+
+
+def _exchanged_positions(rc: RegionContext, lay: CallLayout, tables,
+                         kept: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The kept rows' int32 exp-major positions (``_positions``) sent to their receivers,
+    as received (send order of each source; collective: every rank calls it alike)."""
+    return _exchange(_positions(lay, tables, kept, device), lay.send_pos, lay.recv_pos,
+                     rc.group)
 
 
 def _positions(lay: CallLayout, tables, kept: torch.Tensor | None,

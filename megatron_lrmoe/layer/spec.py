@@ -15,7 +15,7 @@ Grouped GEMM is not dropped: with ``--moe-grouped-gemm`` Megatron's spec holds
 TEGroupedMLP, which this converter replaces like SequentialMLP, since the region
 computes the experts itself; the flag stays in the config (``moe_grouped_gemm``), and
 the region then runs its expert GEMMs grouped (``torch.nn.functional.grouped_mm``,
-lrmoe/expert_gemms.py) on every device where they apply. The checkpoint keys stay
+layer/expert_gemms.py) on every device where they apply. The checkpoint keys stay
 SequentialMLP's, which TEGroupedMLP's equal.
 """
 

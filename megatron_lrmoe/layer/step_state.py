@@ -18,7 +18,8 @@ import torch
 
 from megatron_lrmoe.config.planner_inputs import moe_shape, needs_cost_model, planner_settings
 from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
-from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.planner import LayerPlanner
 
 __all__ = ["PLANNER_STATE_FLAG", "PLANNER_STATE_FORMAT", "PLANNER_STATE_VERSION",

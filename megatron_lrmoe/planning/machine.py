@@ -1,26 +1,216 @@
-"""This machine's expert GEMM rate and memory-copy rate, measured in-process.
+"""The machine the cost model divides by: ``MachineConstants`` (measured rates, saved as a
+calibration file) and their quick in-process measurement.
 
-The cost model (``cost_model.py``) divides by measured numbers and holds no timing
-constant of its own. ``default_machine_constants(device)`` is the fallback when the
-user gives no calibration file (``python -m megatron_lrmoe.tools.calibrate`` writes one):
-it measures in well under a second (a small GEMM and a memory copy) and says so in
-``source``.
+The cost model (``cost_model.py``) holds no timing constant of its own.
+``default_machine_constants(device)`` is the fallback when the user gives no calibration
+file (``python -m megatron_lrmoe.tools.calibrate`` writes one): it measures in well under
+a second (a small GEMM and a memory copy) and says so in ``source``.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import math
+import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
+import numpy as np
 import torch
 
-from megatron_lrmoe.planning.cost_model import MachineConstants
+__all__ = ["MachineConstants", "default_machine_constants", "interpolated_time",
+           "measure_copy_rate", "measure_gemm_rate", "measure_gemm_table", "measure_memory_rate",
+           "median_time", "synchronize"]
 
-__all__ = ["default_machine_constants", "measure_copy_rate", "measure_gemm_rate",
-           "measure_gemm_table", "measure_memory_rate", "median_time", "synchronize"]
+
+@dataclass(frozen=True)
+class MachineConstants:
+    """Measured rates of this machine: what the time model divides by."""
+
+    gemm_flops_per_s: float
+    """Expert GEMM rate of one rank (FLOP/s) at the model's shape and dtype."""
+    alltoall_bytes_per_s: float
+    """All-to-all bandwidth per rank (bytes one rank sends per second)."""
+    alltoall_latency_s: float = 0.0
+    """Fixed cost of one all-to-all call (s)."""
+    source: str = ""
+    """Where the numbers came from (calibration file, machine, method)."""
+    gemm_rows: tuple[float, ...] = ()
+    """Rows per expert GEMM at which the two tables below were measured, ascending. Empty
+    (old calibration files, the GPU presets): every expert GEMM runs at
+    ``gemm_flops_per_s`` whatever its rows."""
+    gemm_forward_flops_per_s: tuple[float, ...] = ()
+    """Forward expert GEMMs of one instance (x W1^T, h W2^T), FLOP/s at each of
+    ``gemm_rows`` (2H(F1 + F) FLOP per row). The time of n rows is interpolated linearly
+    in n between the measured points (``CostModel`` module doc, "Time")."""
+    gemm_backward_flops_per_s: tuple[float, ...] = ()
+    """Backward expert GEMMs of one instance (dh, dW2, dz W1, dW1, and both dW added into
+    the gradient buffers), FLOP/s at each of ``gemm_rows`` (4H(F1 + F) FLOP per row)."""
+    memory_bytes_per_s: float = 0.0
+    """Rate of the memory-bound work around the GEMMs (row gathers and reorders, the
+    combine and its backward, the activation, the router's elementwise work), bytes read
+    plus written per second on one rank. 0 (old calibration files): not priced."""
+    layer_forward_fixed_s: float = 0.0
+    """Fixed cost of one layer call's forward besides the two all-to-all latencies (s):
+    op dispatch and Python of the layer, the counts exchange, small collectives. 0 (old
+    calibration files): not priced."""
+    layer_backward_fixed_s: float = 0.0
+    """Fixed cost of one layer call's backward besides the two all-to-all latencies (s)."""
+    megatron_forward_fixed_s: float | None = None
+    """The same for one call of Megatron's MoELayer (``MoEShape.megatron_layer``): its
+    dispatcher's host work and its expert MLP's per-expert loop cost more per call than
+    the LRMoE layer's. None (old calibration files, the GPU presets): not measured, priced
+    as ``layer_forward_fixed_s``."""
+    megatron_backward_fixed_s: float | None = None
+    """Backward counterpart of ``megatron_forward_fixed_s``; None exactly when it is."""
+    alltoall_sizes: tuple[float, ...] = ()
+    """Bytes one rank sends to the other ranks in one all-to-all, at which
+    ``alltoall_size_bytes_per_s`` was measured, ascending. Empty (old calibration files,
+    the GPU presets): every message moves at ``alltoall_bytes_per_s`` whatever its size."""
+    alltoall_size_bytes_per_s: tuple[float, ...] = ()
+    """All-to-all bandwidth per rank at each of ``alltoall_sizes`` (bytes over the time
+    less ``alltoall_latency_s``). A layer's messages are a few MB, a replica refresh's
+    tens, and a rate measured at one size need not hold at another. The time of b bytes
+    is interpolated linearly in b between the measured points, as the GEMM tables are
+    in rows."""
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_rows", "gemm_forward_flops_per_s", "gemm_backward_flops_per_s",
+                     "alltoall_sizes", "alltoall_size_bytes_per_s"):
+            value = getattr(self, name)
+            if not isinstance(value, list | tuple) or any(
+                    isinstance(v, bool) or not isinstance(v, int | float)
+                    or not (math.isfinite(v) and v > 0) for v in value):
+                raise ValueError(f"MachineConstants.{name} must be a list of positive finite "
+                                 f"numbers, got {value!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in value))
+        if not (len(self.gemm_rows) == len(self.gemm_forward_flops_per_s)
+                == len(self.gemm_backward_flops_per_s)):
+            raise ValueError("MachineConstants.gemm_rows, gemm_forward_flops_per_s and "
+                             "gemm_backward_flops_per_s must have the same length")
+        if len(self.alltoall_sizes) != len(self.alltoall_size_bytes_per_s):
+            raise ValueError("MachineConstants.alltoall_sizes and alltoall_size_bytes_per_s "
+                             "must have the same length")
+        for name in ("gemm_rows", "alltoall_sizes"):
+            points = getattr(self, name)
+            if any(b <= a for a, b in zip(points[:-1], points[1:], strict=True)):
+                raise ValueError(f"MachineConstants.{name} must be strictly ascending, got "
+                                 f"{points!r}")
+        for name in ("memory_bytes_per_s", "layer_forward_fixed_s", "layer_backward_fixed_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    math.isfinite(value) and value >= 0):
+                raise ValueError(f"MachineConstants.{name} must be a finite number >= 0, "
+                                 f"got {value!r}")
+        megatron = (self.megatron_forward_fixed_s, self.megatron_backward_fixed_s)
+        if (megatron[0] is None) != (megatron[1] is None):
+            raise ValueError("MachineConstants.megatron_forward_fixed_s and "
+                             "megatron_backward_fixed_s must both be set or both be None, got "
+                             f"{megatron!r}")
+        for name in ("megatron_forward_fixed_s", "megatron_backward_fixed_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, int | float) or not (math.isfinite(value) and value >= 0)):
+                raise ValueError(f"MachineConstants.{name} must be None or a finite number "
+                                 f">= 0, got {value!r}")
+        for name in ("gemm_flops_per_s", "alltoall_bytes_per_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    math.isfinite(value) and value > 0):
+                raise ValueError(f"MachineConstants.{name} must be a positive finite number, "
+                                 f"got {value!r}")
+        lat = self.alltoall_latency_s
+        if isinstance(lat, bool) or not isinstance(lat, int | float) or not (
+                math.isfinite(lat) and lat >= 0):
+            raise ValueError(f"MachineConstants.alltoall_latency_s must be a finite number "
+                             f">= 0, got {lat!r}")
+        if not isinstance(self.source, str):
+            raise ValueError(f"MachineConstants.source must be a string, got {self.source!r}")
+
+    def instance_gemm_seconds(self, rows, flops_per_row: float, forward: bool) -> np.ndarray:
+        """Seconds of one expert instance's forward (or backward) GEMMs at each of
+        ``rows`` rows, ``flops_per_row`` FLOP per row: from the rate tables where measured
+        (interpolated linearly in rows, ``CostModel`` module doc, "Time"), else at
+        ``gemm_flops_per_s``; 0 at 0 rows (no GEMM runs. Both layers still call an empty
+        instance, whose backward zero-fills and accumulates a weight gradient: 0.45 ms on
+        this project's CPU at the study's shape against 3.2 ms at 16 rows, left out)."""
+        rows = np.asarray(rows, dtype=np.float64)
+        if not self.gemm_rows:
+            return rows * flops_per_row / self.gemm_flops_per_s
+        rates = self.gemm_forward_flops_per_s if forward else self.gemm_backward_flops_per_s
+        return np.where(rows > 0, interpolated_time(rows, self.gemm_rows, rates,
+                                                     flops_per_row), 0.0)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> MachineConstants:
+        """Read a calibration file; errors name the file and the offending key.
+
+        Keys: the fields above, plus an optional ``details`` object that is ignored
+        (the calibration tool records its measurement settings there).
+        """
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as err:
+            raise ValueError(f"{path}: cannot read calibration file: {err}") from err
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON: {err}") from err
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"details"})
+        if unknown:
+            raise ValueError(f"{path}: unknown key(s) {unknown}; expected {sorted(known)}")
+        for key in ("gemm_flops_per_s", "alltoall_bytes_per_s"):
+            if key not in data:
+                raise ValueError(f"{path}: missing key {key!r}")
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from err
+
+    def to_json(self, path: str | os.PathLike, details: dict | None = None) -> None:
+        """Write atomically (temporary file in the same folder, then ``os.replace``)."""
+        path = Path(path)
+        payload = asdict(self)
+        if details:
+            payload["details"] = details
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(payload, f, indent=2)
+                f.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def interpolated_time(rows: np.ndarray, table_rows: tuple[float, ...],
+                       rates: tuple[float, ...], flops: float) -> np.ndarray:
+    """Seconds of work of ``rows`` units (an instance's GEMM rows, an all-to-all's bytes)
+    from rates measured at ``table_rows`` units, ``flops`` of work per unit: the measured
+    times rows_i x flops / rate_i, interpolated linearly in rows; below the first point
+    extended along the first segment (down to 0 s), above the last at the last point's
+    rate (a single point: that rate throughout)."""
+    rows = np.asarray(rows, dtype=np.float64)
+    xs = np.asarray(table_rows)
+    ts = xs * flops / np.asarray(rates)
+    inside = np.interp(rows, xs, ts)
+    above = ts[-1] + (rows - xs[-1]) * flops / rates[-1]
+    if len(xs) > 1:
+        slope = (ts[1] - ts[0]) / (xs[1] - xs[0])
+        below = np.maximum(ts[0] + (rows - xs[0]) * slope, 0.0)
+    else:
+        below = rows * flops / rates[0]
+    return np.where(rows < xs[0], below, np.where(rows > xs[-1], above, inside))
 
 
 def synchronize(device: torch.device) -> None:

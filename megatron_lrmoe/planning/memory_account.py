@@ -38,11 +38,8 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from megatron_lrmoe.planning.cost_model import (
-    CostModel,
-    MegatronMoEMemory,
-    megatron_capacity_counts,
-)
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, megatron_capacity_counts
 
 __all__ = ["GIB", "DeviceOutOfMemory", "MemoryAccount", "RunShape", "account_line",
            "auto_budget_bytes", "check_device", "layer_activation_bytes",
@@ -408,7 +405,7 @@ def megatron_layer_levels(model: MegatronMoEMemory, counts: np.ndarray,
     the step's micro-batches of ``MegatronMoEMemory.rank_memory`` of its routed counts
     ``counts`` [M, R, E] (micro-batch x source rank of one EP group x expert), after the
     capacity drop (or pad) of ``--moe-expert-capacity-factor`` when given. The stage
-    composes its layers' levels with ``cost_model.stage_moe_memory`` (recompute there)."""
+    composes its layers' levels with ``megatron_baseline.stage_moe_memory`` (recompute there)."""
     counts = np.asarray(counts, dtype=np.float64)
     if counts.ndim != 3:
         raise ValueError(f"counts must be [M, R, E], got shape {counts.shape}")

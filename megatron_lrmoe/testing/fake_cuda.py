@@ -1,6 +1,6 @@
 """Run the LRMoE region's CUDA path at real size on fake CUDA tensors (no GPU needed).
 
-Test harness only (issue 25, parts 2 and 3). It is the one module that touches torch's
+Test harness only. It is the one module that touches torch's
 private and testing-only pieces used for this: ``FakeTensorMode``, the fake process group
 (``torch.testing._internal.distributed.fake_pg.FakeStore``), the memory tracker
 (``torch.distributed._tools.mem_tracker.MemTracker``) and the autograd graph's nodes;
@@ -663,7 +663,7 @@ def run_cases(cases: list[Case], rank: int) -> list[dict]:
 
 
 # -----------------------------------------------------------------------------
-# The layer at size (issue 25, part 2): Megatron's set-up and router on fake CUDA
+# The layer at size: Megatron's set-up and router on fake CUDA
 # -----------------------------------------------------------------------------
 #
 # What a training run sets up before the layer exists, and what each needs here:
@@ -1057,7 +1057,7 @@ def run_weight_copy_case(case: Case, rank: int, wrap: str,
 
 
 # -----------------------------------------------------------------------------
-# The same cases on a real device (issue 25, part 5: scripts/dev/region_at_scale_check.py)
+# The same cases on a real device (scripts/dev/region_at_scale_check.py)
 # -----------------------------------------------------------------------------
 #
 # Process group: one process cannot be rank r of a real group of 8 (NCCL needs the other
@@ -1336,7 +1336,7 @@ def check_device_record(record: dict, plan) -> list[str]:
     (on CUDA: the pinned staging buffer aside) in the design's dtypes; no host read and
     no sync in the region; each grouped GEMM got rank r's routed rows (forward) and
     retained rows (backward) of ``plan`` (``InstanceRows.of_plan``)."""
-    from megatron_lrmoe.planning.cost_model import InstanceRows
+    from megatron_lrmoe.planning.shapes import InstanceRows
 
     bad: list[str] = []
 

@@ -161,7 +161,7 @@ class HostReadDetector:
     >>> with HostReadDetector() as det:
     ...     det.taint(*model.parameters())
     ...     loss = model(x).sum(); loss.backward()
-    >>> [r for r in det.reads if r.inside("lrmoe/region.py", "backward")]
+    >>> [r for r in det.reads if r.inside("layer/region.py", "backward")]
     """
 
     def __init__(self) -> None:

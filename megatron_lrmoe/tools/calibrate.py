@@ -60,8 +60,8 @@ import time
 import torch
 
 from megatron_lrmoe.integration.runtime.local_gloo import run_on_local_ranks
-from megatron_lrmoe.planning.cost_model import MachineConstants
 from megatron_lrmoe.planning.machine import (
+    MachineConstants,
     measure_copy_rate,
     measure_gemm_rate,
     measure_gemm_table,

@@ -294,7 +294,7 @@ def best_fitting(predictions: list[Prediction], count: int = 2) -> list[Predicti
 def device_sizes(outside_gib: float, dropless_moe_gib: float, lrmoe_need_gib: float,
                  over: float = 1.15, margin: float = 1.03) -> tuple[float, float]:
     """(D1, D2) in GiB. D1: the dropless hot rank's MoE peak exceeds the MoE share the
-    device leaves by ``over`` (issue 22: at least 15%, about Qwen3-30B-A3B at EP 8).
+    device leaves by ``over`` (at least 15%, about Qwen3-30B-A3B at EP 8).
     D2: the smallest device LRMoE's default fits with ``margin`` (no dropless
     configuration fits without giving something up there, checked by the table)."""
     d1 = outside_gib + dropless_moe_gib / over

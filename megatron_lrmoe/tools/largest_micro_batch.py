@@ -1,4 +1,4 @@
-"""The largest micro-batch each policy trains with on a device, measured (issue 22, item 9).
+"""The largest micro-batch each policy trains with on a device, measured.
 
     .venv/bin/python benchmarks/studies/largest_micro_batch.py --device-gib 0.4391 \\
         --out-dir benchmarks/results/largest_micro_batch/d2

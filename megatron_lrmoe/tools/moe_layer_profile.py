@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 
-from megatron_lrmoe.planning.cost_model import MachineConstants
+from megatron_lrmoe.planning.machine import MachineConstants
 
 PHASES = ("fwd", "bwd")
 

@@ -1,7 +1,7 @@
-"""Projections at published recipe layouts, where the device's memory binds (issue 22, item 7).
+"""Projections at published recipe layouts, where the device's memory binds.
 
-    python -m megatron_lrmoe.tools.projections --preset qwen3-30b-a3b-8xh100 --out /tmp/item7
-    python -m megatron_lrmoe.tools.projections --preset all --out /tmp/item7
+    python -m megatron_lrmoe.tools.projections --preset qwen3-30b-a3b-8xh100 --out /tmp/projections
+    python -m megatron_lrmoe.tools.projections --preset all --out /tmp/projections
 
 A preset (``PRESETS``) is a published Megatron-Bridge recipe's parallel layout as the
 launcher's flags (TP, PP, EP, ETP, sequence parallelism, micro-batch, global batch,
@@ -20,7 +20,7 @@ of the memory account) this module predicts, with ``tools/fitting.py``:
   every n;
 * its MoE time and total step time per step, and to the target (``simulate``'s
   steps-to-target ratios, an assumption at this scale);
-* the largest micro-batch that fits (``fitting.largest_micro_batch``, issue 22 item 9),
+* the largest micro-batch that fits (``fitting.largest_micro_batch``),
   with the fitting choice's recompute, micro-batches per step unchanged.
 
 The time outside the MoE layers cannot be measured here: ``outside_flops`` counts it

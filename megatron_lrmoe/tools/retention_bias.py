@@ -3,9 +3,9 @@ measurement on each rank (``measure``) and the tables from the ranks' sums.
 
 ``benchmarks/studies/retention_bias.py`` runs it on a gloo worker pool and writes the
 report; its docstring defines the inputs, the skew, the draws and every column, and
-docs/convergence.md reads the table. ``measure`` runs on every rank of an initialised
-process group (the CPU runtime enabled), so it lives in an importable module: the pool's
-workers import the task, and unpickle its ``Config``, by module name.
+docs/benchmarks.md, "Retention bias", reads the table. ``measure`` runs on every rank of
+an initialised process group (the CPU runtime enabled), so it lives in an importable
+module: the pool's workers import the task, and unpickle its ``Config``, by module name.
 """
 
 from __future__ import annotations

@@ -41,16 +41,12 @@ import numpy as np
 import torch
 import yaml
 
-from megatron_lrmoe.planning.cost_model import (
-    CostModel,
-    InstanceRows,
-    MachineConstants,
-    MegatronMoEMemory,
-    MoEShape,
-    stage_moe_memory,
-)
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.machine import MachineConstants
+from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, stage_moe_memory
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import default_retention_in_forward
+from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
 from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.routing_traces import read_routing_trace, regroup_sources
 
@@ -115,8 +111,8 @@ class ClusterSpec:
 # - hbm_bytes_per_s: H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 40 GB 1,555 GB/s (1.6e12).
 # - nvlink_bytes_per_s: the datasheets give the bidirectional total per GPU, H100/H200
 #   900 GB/s (18 NVLink 4 links x 25 GB/s each way), A100 600 GB/s (12 NVLink 3 links x
-#   25 GB/s each way); one direction is half (issue 22, item 8: the totals were used as
-#   one direction, pricing NVLink bytes at twice the rate).
+#   25 GB/s each way); one direction is half (the totals taken as one
+#   direction would price NVLink bytes at twice the rate).
 # - network_bytes_per_s: one ConnectX-7 400 Gb/s NDR port per GPU on DGX H100/H200,
 #   one ConnectX-6 200 Gb/s HDR port per GPU on DGX A100; Gb/s per direction / 8.
 CLUSTERS: dict[str, ClusterSpec] = {
@@ -403,8 +399,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
     time order, as ``load_traces`` returns them) at ``ep_size``.
 
     The budget, per rank for the stage's MoE layers, is ``budget_gib`` or the balanced
-    dropless need plus ``budget_instances`` expert instances per layer (issue 13's
-    setting), the need of the shape the budgeted policies are planned with
+    dropless need plus ``budget_instances`` expert instances per layer (the
+    time-to-loss study's setting), the need of the shape the budgeted policies are planned with
     (``layer_shape(shape, True)``). Layers beyond the simulated ones are assumed to
     behave like their mean.
     ``shape`` replaces ``model.shape(ep_size, pipeline)`` (a measured run's own shape);

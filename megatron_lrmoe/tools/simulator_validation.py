@@ -16,7 +16,7 @@ import shlex
 import statistics
 from pathlib import Path
 
-from megatron_lrmoe.planning.cost_model import MoEShape
+from megatron_lrmoe.planning.shapes import MoEShape
 from megatron_lrmoe.tools.routing_traces import read_routing_trace
 from megatron_lrmoe.tools.simulate import CLUSTERS, ModelSpec, Policy, simulate
 

@@ -32,7 +32,7 @@ steps (at least 1): per-step losses of a small model on varied batches are noisy
 a shorter window made the 100% target easier to reach than the 75% one. A target
 counts as reached at the first step whose smoothed loss is at or below it.
 
-Held to a device (``--device-gib D --unconstrained-dir U``, issue 22): every run gets
+Held to a device (``--device-gib D --unconstrained-dir U``): every run gets
 ``--device-memory-gb D`` (the launcher stops a step over it, out of memory); the
 baselines run as their two best-predicted fitting configurations (``fitted_policies``,
 ``megatron_lrmoe.tools.fitting``: ``policy@fitted``), the LRMoE policies under the budget

@@ -37,8 +37,8 @@ def policies(budget_gb: float | str) -> dict[str, list[str]]:
                      "--moe-lrmoe-bwd-capacity-factor", gamma]
             out[name] = flags
             out[name + "-ma"] = flags + ["--moe-lrmoe-placement", "memory-aware", *budget]
-    # A convergence lever (docs/convergence.md): a minimum retention per expert lowers
-    # the hot experts' estimator variance.
+    # A convergence lever (docs/benchmarks.md, "Retention bias"): a minimum retention per
+    # expert lowers the hot experts' estimator variance.
     flags = ["--moe-lrmoe", "--moe-lrmoe-selection", "uniform",
              "--moe-lrmoe-bwd-capacity-factor", "0.75", "--moe-lrmoe-min-retention", "0.25"]
     out["lrmoe-uniform-g0.75-m0.25"] = flags

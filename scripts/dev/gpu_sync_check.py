@@ -2,7 +2,7 @@
 
     python scripts/dev/gpu_sync_check.py        # (scripts/gpu_check.sh runs it)
 
-0. Grouped-GEMM choice (issue 25, item 2): for bf16, fp16 and fp32 on this GPU, the rule
+0. Grouped-GEMM choice: for bf16, fp16 and fp32 on this GPU, the rule
    (``grouped_mm_rule``: torch's CUDA grouped_mm has its kernel only for bf16 on compute
    capability 9.x/10.x, elsewhere a fallback that reads the offsets on the host) beside
    the start-up probe, whose grouped calls run in sync-debug mode "error": where the rule
@@ -19,9 +19,10 @@
    requires grad), so the backward is the region's and the pair gather's, not Megatron's
    router (whose code reads values on the host elsewhere). Debug checks are off, as in
    training (``MEGATRON_LRMOE_DEBUG_CHECKS`` unset).
-2. Weight stack cost (docs/lrmoe.md, "Expert GEMMs"): ``torch.stack`` of the local
-   experts' W1 and W2 (what the grouped path does per call in forward and again in
-   backward) against the grouped forward GEMMs it feeds, Qwen3-30B-A3B shapes (H 2048,
+2. Weight stack cost (docs/implementation.md, "Choices inside the layer"): ``torch.stack``
+   of the local experts' W1 and W2 (what the grouped path does per call in forward and
+   again in backward when it cannot read them in place: a rank hosting replicas) against
+   the grouped forward GEMMs it feeds, Qwen3-30B-A3B shapes (H 2048,
    F 768, bf16) with 128 local experts (EP=1) and 16 (EP=8), 8192 tokens x top-8 spread
    over the experts; CUDA events, median of 20.
 

@@ -3,7 +3,7 @@
     python scripts/dev/region_at_scale_check.py [--ep 8] [--rank 3] [--tokens 4096]
         [--check-tokens 512] [--reps 10] [--device cuda]       # (scripts/gpu_check.sh runs it)
 
-Issue 25, part 5. The cases of tests/layer/test_region_fake_cuda.py (gamma inf, 1.0,
+The cases of tests/layer/test_region_fake_cuda.py (gamma inf, 1.0,
 0.75; uniform and topk; static and with replicas), the same plan from the qwen3 routing
 trace's counts, run on real tensors by ``megatron_lrmoe.testing.fake_cuda
 .run_case_on_device``: rank r's share of the EP plan as a 1-rank region (one process

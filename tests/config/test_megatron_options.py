@@ -1,4 +1,4 @@
-"""Megatron's options under --moe-lrmoe (lrmoe/megatron_options.py).
+"""Megatron's options under --moe-lrmoe (config/megatron_options.py).
 
 Every TransformerConfig field of the installed megatron-core and every Megatron-LM
 argument dest with the table's prefixes has a row (the Megatron-LM list is shipped in
@@ -90,7 +90,7 @@ def test_every_prefixed_config_field_is_classified():
     assert len(prefixed) > 80   # the filter found Megatron's fields
     missing = sorted(prefixed - {row.name for row in MEGATRON_OPTIONS})
     assert not missing, (f"Megatron options not classified for --moe-lrmoe; add each to "
-                         f"MEGATRON_OPTIONS (lrmoe/megatron_options.py): {missing}")
+                         f"MEGATRON_OPTIONS (config/megatron_options.py): {missing}")
 
 
 def test_every_prefixed_megatron_lm_argument_is_classified():
@@ -98,7 +98,7 @@ def test_every_prefixed_megatron_lm_argument_is_classified():
     assert len(dests) > 80 and "moe_router_topk" in dests and "offload_modules" in dests
     missing = sorted(dests - {row.name for row in MEGATRON_OPTIONS})
     assert not missing, (f"Megatron-LM arguments not classified for --moe-lrmoe; add each to "
-                         f"MEGATRON_OPTIONS (lrmoe/megatron_options.py): {missing}")
+                         f"MEGATRON_OPTIONS (config/megatron_options.py): {missing}")
 
 
 def test_every_row_is_a_real_megatron_option():

@@ -26,7 +26,8 @@ from megatron_lrmoe.config.planner_inputs import (
     run_shape,
 )
 from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
-from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.plan_types import budget_floor
 
 CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=2, num_moe_experts=4,

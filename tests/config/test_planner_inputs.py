@@ -92,7 +92,7 @@ def test_recompute_of_the_moe_layers_from_megatrons_settings(tmp_path, recompute
 
 def test_recompute_lowers_the_floor_a_budget_is_checked_against(tmp_path):
     # Full recompute of every layer: no layer keeps its saved buffers, so a budget below
-    # the floor without recompute can hold the layers (issue 22: the floor under
+    # the floor without recompute can hold the layers (the floor under
     # recompute).
     plain = _recompute_config(tmp_path)
     full = _recompute_config(tmp_path, recompute_granularity="full",

@@ -256,7 +256,7 @@ def test_launcher_records_routing_under_recompute(gloo2, tmp_path):
 
 def _recompute_under_the_cpu_runtime() -> list[torch.Tensor]:
     """Megatron's two recompute paths over code with a ``device='cuda'`` literal, which
-    the CPU runtime redirects in forward: in backward too (runtime/cpu.py)."""
+    the CPU runtime redirects in forward: in backward too (integration/runtime/cpu.py)."""
     from megatron.core import tensor_parallel
 
     def layer(x):

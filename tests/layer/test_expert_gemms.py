@@ -1,4 +1,4 @@
-"""The choice between grouped expert GEMMs and the per-expert loop (issue 25, item 2).
+"""The choice between grouped expert GEMMs and the per-expert loop.
 
 torch's CUDA grouped_mm runs its grouped kernel only for bf16 on compute capability
 9.x/10.x; elsewhere it takes a per-group fallback that reads the group offsets on the

@@ -1,4 +1,4 @@
-"""The whole LRMoELayer at Qwen3-30B-A3B's MoE size on fake CUDA tensors (issue 25, part 2).
+"""The whole LRMoELayer at Qwen3-30B-A3B's MoE size on fake CUDA tensors.
 
 Where tests/layer/test_region_fake_cuda.py calls the region directly, this builds the
 layer as a training run does: Megatron's ``parallel_state`` over a fake EP group of 8
@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lrmoe.planning.cost_model import InstanceRows
+from megatron_lrmoe.planning.shapes import InstanceRows
 from megatron_lrmoe.testing.fake_cuda import Case, case_counts, case_planner
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,4 @@
-"""The LRMoE region's CUDA path at Qwen3-30B-A3B's size, on fake CUDA tensors (issue 25,
-parts 2, 3 and 4).
+"""The LRMoE region's CUDA path at Qwen3-30B-A3B's size, on fake CUDA tensors.
 
 One subprocess (``python -m megatron_lrmoe.testing.fake_cuda``; the fake process group and
 the fake-tensor modes never enter this process) runs every case as rank r of a fake EP
@@ -27,7 +26,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lrmoe.planning.cost_model import CostModel, InstanceRows, MachineConstants, MoEShape
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.machine import MachineConstants
+from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
 from megatron_lrmoe.testing.fake_cuda import (
     Case,
     case_counts,

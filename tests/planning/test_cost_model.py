@@ -10,14 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lrmoe.planning.cost_model import (
-    CostModel,
-    MachineConstants,
-    MoEShape,
-    stage_moe_memory,
-)
-from megatron_lrmoe.planning.machine import default_machine_constants
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.machine import MachineConstants, default_machine_constants
+from megatron_lrmoe.planning.megatron_baseline import stage_moe_memory
 from megatron_lrmoe.planning.retention import plan_retention, retention_in_forward
+from megatron_lrmoe.planning.shapes import MoEShape
 
 ROOT = Path(__file__).resolve().parents[2]
 MACHINE = MachineConstants(gemm_flops_per_s=2e9, alltoall_bytes_per_s=1e8,
@@ -48,7 +45,7 @@ def _model(layers: int = 3, in_flight: int = 2, **fields) -> CostModel:
 
 # ---------------------------------------------------------------------------------------
 # Memory. The reference is a ledger: the region's buffers allocated and freed in the order
-# lrmoe/region.py and expert_gemms.py allocate and free them (the tensor each statement
+# layer/region.py and layer/expert_gemms.py allocate and free them (the tensor each statement
 # creates, and when its last reference goes), with the peak of the running total. It is
 # written from the code, not from the cost model's closed form, which must equal it.
 # ---------------------------------------------------------------------------------------
@@ -841,7 +838,7 @@ def _megatron_ledger(s: MoEShape, ranks: int, rows: list[int], sent: int, pg: bo
     (2, [30, 5, 0, 12], 40), (2, [3], 60), (1, [20, 0, 7, 13], 40), (1, [40], 40),
     (4, [200, 1, 1, 90], 37), (2, [0, 0], 40)])
 def test_megatron_layer_memory_equals_its_ledger(gated, pg, recompute, ranks, rows, sent):
-    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory
+    from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory
 
     shape = MoEShape(hidden_size=16, ffn_hidden_size=12, num_experts=8, topk=2,
                      gated=gated, dtype_bytes=2, tokens_per_rank=20,
@@ -853,7 +850,7 @@ def test_megatron_layer_memory_equals_its_ledger(gated, pg, recompute, ranks, ro
 
 
 def test_megatron_layer_memory_by_hand():
-    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory
+    from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory
 
     # H = 4, F = 2 (F1 = 4), b = 1, T = 3, E = 4, two ranks, one local expert of 5 rows,
     # P = 6 sent, probabilities without grad. Saved: input 5 x 4, z 5 x 4, silu, z2 + 0
@@ -877,7 +874,7 @@ def test_megatron_layer_memory_by_hand():
 
 
 def test_megatron_capacity_counts_by_hand():
-    from megatron_lrmoe.planning.cost_model import megatron_capacity_counts
+    from megatron_lrmoe.planning.megatron_baseline import megatron_capacity_counts
 
     counts = np.array([[9, 1, 4, 2], [3, 3, 3, 7]])     # T = 8 tokens, top-2, E = 4
     # C = ceil(8 x 2 / 4 x 1.0) = 4: keep min(count, 4); padded: 4 everywhere.
@@ -893,7 +890,7 @@ def test_megatron_grouped_memory_by_hand():
     # H = 4, F = 2, F1 = 4, b = 1, T = 3, E = 4 over 2 ranks (2 local experts, 3 + 2
     # rows), P = 6, probabilities with grad (argsort index 8 x 12). Saved: input 20, z 20,
     # h 10, probs 5, indices 48 + 96 = 199.
-    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory
+    from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory
 
     shape = MoEShape(4, 2, 4, 2, gated=True, dtype_bytes=1, tokens_per_rank=3,
                      expert_parallel_size=2)
@@ -967,7 +964,7 @@ def test_megatron_layer_memory_matches_the_measured_layer(gloo2, name):
     # peak against the allocator's, on every rank. The model leaves out the router's own
     # saved logits and scores (a few T x E) and small counts: within 2% here (0.6% at
     # most when written).
-    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory
+    from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory
 
     cfg = dict(device="cpu", dtype="fp32", ep=2, seed=1234, hidden=128, ffn=64, experts=8,
                topk=2, tokens=256, kernels="auto", grouped_gemm="auto")
@@ -976,7 +973,7 @@ def test_megatron_layer_memory_matches_the_measured_layer(gloo2, name):
     counts = np.asarray(results[0]["counts"], dtype=np.float64)
     padded = bool(fields.get("moe_pad_expert_input_to_capacity"))
     if padded:
-        from megatron_lrmoe.planning.cost_model import megatron_capacity_counts
+        from megatron_lrmoe.planning.megatron_baseline import megatron_capacity_counts
 
         counts = megatron_capacity_counts(counts, cfg["tokens"], cfg["topk"], 1.0, pad=True)
     shape = MoEShape(cfg["hidden"], cfg["ffn"], cfg["experts"], cfg["topk"], True, 4,
@@ -1052,7 +1049,7 @@ def test_lrmoe_layer_memory_under_recompute_matches_the_measured_layer(gloo2, na
 
 def test_stage_memory_without_recompute_is_the_layers_rank_memories():
     # The planner's convention: a stage holds the sum of its layers' rank_memory.
-    from megatron_lrmoe.planning.cost_model import stage_moe_memory
+    from megatron_lrmoe.planning.megatron_baseline import stage_moe_memory
 
     model = _model(layers=3, in_flight=2)
     loads = [(np.array([20.0, 14.0]), np.array([15.0, 14.0])),
@@ -1071,7 +1068,7 @@ def test_stage_memory_without_recompute_is_the_layers_rank_memories():
 def test_stage_memory_under_moe_recompute_is_megatrons_recomputed_peak():
     # Megatron's own model of its checkpointed layer (levels + y, nothing saved) is the
     # independent reference for the recompute composition.
-    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory, stage_moe_memory
+    from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, stage_moe_memory
 
     shape = MoEShape(16, 8, 4, 2, gated=True, dtype_bytes=4, tokens_per_rank=12,
                      expert_parallel_size=2)
@@ -1084,7 +1081,7 @@ def test_stage_memory_under_moe_recompute_is_megatrons_recomputed_peak():
 
 
 def test_stage_memory_under_full_recompute_by_hand():
-    from megatron_lrmoe.planning.cost_model import stage_moe_memory
+    from megatron_lrmoe.planning.megatron_baseline import stage_moe_memory
 
     saved = np.array([[10.0], [20.0], [30.0]])
     peak = np.array([[50.0], [45.0], [70.0]])

@@ -9,7 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.memory_account import (
     GIB,
     DeviceOutOfMemory,
@@ -24,6 +25,7 @@ from megatron_lrmoe.planning.memory_account import (
     out_of_memory_message,
     step_peak,
 )
+from megatron_lrmoe.planning.shapes import MoEShape
 
 # Two dense layers, H 8, F 16, 2 heads of d 4, vocabulary 32, s 4, b 2 (N = 8 tokens), fp32,
 # LayerNorm with biases, linear biases, tied embeddings, unfused attention, dropouts on.
@@ -196,7 +198,7 @@ def test_megatron_layer_levels_are_the_worst_micro_batch(capacity_factor, pad):
     """Brute force: each micro-batch's counts cut to the capacity C = ceil(T k / E x
     factor) by hand (or padded to exactly C), its ``MegatronMoEMemory`` levels, the most
     per rank over the micro-batches."""
-    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory
+    from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory
 
     model = MegatronMoEMemory(_cost().shape, padded=pad)    # T 8, top-2, 4 experts, EP 2
     rng = np.random.default_rng(1)

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from megatron_lrmoe.layer.moe_layer import _instance_order_tables
 from megatron_lrmoe.layer.region import local_instances
 from megatron_lrmoe.layer.region_layout import CallLayout
-from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
+from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.instance_assignment import assign_instances
+from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.native import native_available, native_planner
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.placement_policies import greedy_replicas
@@ -35,6 +36,7 @@ from megatron_lrmoe.planning.retention import (
     decimal_fraction,
     plan_retention,
 )
+from megatron_lrmoe.planning.shapes import MoEShape
 
 MACHINE = MachineConstants(gemm_flops_per_s=1e9, alltoall_bytes_per_s=1e9,
                            alltoall_latency_s=1e-6, source="test constants")

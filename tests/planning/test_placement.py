@@ -27,13 +27,15 @@ import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from megatron_lrmoe.planning.cost_model import CostModel, MachineConstants, MoEShape
+from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.instance_assignment import assign_instances
+from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.placement_policies import greedy_replicas, popularity_placement
 from megatron_lrmoe.planning.plan_types import budget_floor
 from megatron_lrmoe.planning.planner import LayerPlanner, MicroBatchPlan, PlannerSettings
 from megatron_lrmoe.planning.retention import plan_retention
+from megatron_lrmoe.planning.shapes import MoEShape
 
 # ---------------------------------------------------------------------------
 # Placement

@@ -1,4 +1,4 @@
-"""The cost model's time terms beyond GEMM FLOPs and all-to-all bytes (issue 14): GEMM
+"""The cost model's time terms beyond GEMM FLOPs and all-to-all bytes: GEMM
 rate by rows, memory-bound row work, router, fixed per call, the planner's host time;
 each against hand arithmetic from the constants (``cost_model`` module doc, "Time"),
 and the calibration tool's measurements of them."""
@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lrmoe.planning.cost_model import (
-    CostModel,
-    InstanceRows,
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.machine import (
     MachineConstants,
-    MoEShape,
-    _interpolated_time,
+    interpolated_time,
+    measure_gemm_table,
+    measure_memory_rate,
 )
-from megatron_lrmoe.planning.machine import measure_gemm_table, measure_memory_rate
 from megatron_lrmoe.planning.retention import plan_retention
+from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,16 +45,16 @@ RETAINED = np.array([[4, 2], [1, 5]])     # K = (5, 7); each source keeps 6
 
 def test_interpolated_time_interpolates_and_extends():
     rows, rates, flops = (2.0, 8.0), (48e6, 96e6), 48.0
-    got = _interpolated_time(np.array([1.0, 2.0, 3.0, 5.0, 8.0, 10.0]), rows, rates, flops)
+    got = interpolated_time(np.array([1.0, 2.0, 3.0, 5.0, 8.0, 10.0]), rows, rates, flops)
     # Inside: 2 us + (n - 2) / 3 us; below: the first segment extended; above: 8 rows'
     # 4 us + (n - 8) x 48 / 96e6 s.
     want = [2 - 1 / 3, 2, 2 + 1 / 3, 3, 4, 4 + 1]
     assert got == pytest.approx(np.array(want) * 1e-6, rel=1e-12)
     # A steep first segment is cut at 0 s below it.
-    steep = _interpolated_time(np.array([1.0]), (2.0, 8.0), (96e6, 48e6 * 8 / 13), 48.0)
+    steep = interpolated_time(np.array([1.0]), (2.0, 8.0), (96e6, 48e6 * 8 / 13), 48.0)
     assert steep[0] == 0.0
     # One point: its rate throughout.
-    assert _interpolated_time(np.array([5.0]), (4.0,), (48e6,), 48.0)[0] == pytest.approx(
+    assert interpolated_time(np.array([5.0]), (4.0,), (48e6,), 48.0)[0] == pytest.approx(
         5e-6)
 
 

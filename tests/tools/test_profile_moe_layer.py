@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_lrmoe.planning.cost_model import MachineConstants
+from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.tools import moe_layer_profile as prof
 
 # One instance's forward GEMMs: 2 rows in 2 us, 8 rows in 4 us (48 FLOP per row), so

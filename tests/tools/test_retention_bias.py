@@ -1,6 +1,6 @@
 """benchmarks/studies/retention_bias.py's measurement (megatron_lrmoe.tools.retention_bias)
-at a tiny shape: properties that hold whatever the numbers (docs/convergence.md reads the
-full-size table).
+at a tiny shape: properties that hold whatever the numbers (docs/benchmarks.md, "Retention
+bias", reads the full-size table).
 
 - gamma = inf is the reference itself: zero bias, zero spread.
 - The router weight gradient is exact under every rule (docs/design.md, "Exactness" 3).

@@ -52,7 +52,7 @@ def test_machine_constants_by_hand():
 
 
 def test_cluster_links_are_per_direction_datasheet_figures():
-    """Issue 22, item 8: ``nvlink_bytes_per_s`` is one direction (an all-to-all's rank
+    """``nvlink_bytes_per_s`` is one direction (an all-to-all's rank
     sends and receives at once), but the presets held the vendors' bidirectional totals
     (H100/H200 SXM: 900 GB/s = 18 NVLink 4 links x 2 x 25 GB/s; A100 SXM: 600 GB/s = 12
     NVLink 3 links x 2 x 25 GB/s), so every NVLink byte was priced at twice the rate.
@@ -195,7 +195,7 @@ def test_simulated_times_by_hand():
 def test_megatron_policies_are_priced_by_megatrons_memory_model():
     """Megatron's layer is priced by MegatronMoEMemory (not the LRMoE region's levels),
     and recompute changes memory and time as Megatron's means do."""
-    from megatron_lrmoe.planning.cost_model import MegatronMoEMemory
+    from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory
 
     model = ModelSpec("tiny", num_layers=2, hidden_size=64, ffn_hidden_size=32,
                       num_experts=16, topk=2, gated=True, seq_length=32, micro_batch_size=1,
@@ -245,7 +245,7 @@ def test_planner_time_only_where_the_policy_runs_it():
 def test_default_budget_is_the_planned_shapes_need():
     """One shape defines the budget: the default (balanced dropless need + instances) is
     that of the shape the budgeted policies are planned with (forward retention), not
-    Megatron's layer's (issue 22: --budget-instances 0 used to die on 12 bytes a pair)."""
+    Megatron's layer's (--budget-instances 0 once died on 12 bytes a pair)."""
     model = ModelSpec("tiny", num_layers=2, hidden_size=64, ffn_hidden_size=32,
                       num_experts=16, topk=2, gated=True, seq_length=32, micro_batch_size=1,
                       global_batch_size=4)
@@ -309,7 +309,7 @@ def test_cli_writes_table_and_plot(tmp_path, capsys):
 
 def test_global_batch_size_sets_the_step(tmp_path, capsys):
     """--global-batch-size replaces the config's (512 for Qwen3-30B-A3B) so a step can be
-    compared with a measured run's (issue 22, item 8: a 1024-sequence step): twice the
+    compared with a measured run's (a 1024-sequence step): twice the
     sequences, twice the micro-batches per rank, twice the MoE time per step."""
     args = ["--model", "qwen3-30b-a3b", "--cluster", "h100", "--ep", "16", "--layers", "1",
             "--steps", "1", "--zipf", "0", "--drift", "0", "--planner-ms", "0"]

@@ -230,7 +230,7 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     with pytest.raises(SystemExit, match="--rounds 4: a run's 6 steps must split"):
         ttl.main([*argv_rounds[:-1], "4"])
 
-    # Held to a device (issue 22, item 6's driver): the unconstrained study above sets the
+    # Held to a device (the fitted driver): the unconstrained study above sets the
     # targets and stays in the report; dropless runs as its two best-predicted fitting
     # configurations. A device this large binds nothing, so every candidate fits.
     held = tmp_path / "held"
@@ -271,7 +271,7 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     with pytest.raises(SystemExit, match=f"--policies {pinned}: not a configuration"):
         ttl.main(tiny)
 
-    # The largest micro-batch held to a device, measured (issue 22, item 9), on the
+    # The largest micro-batch held to a device, measured, on the
     # reference run above: at 64 GiB micro-batches 1 and 2 train; on a device between
     # their logged peaks, 1 trains and 2 stops out of memory, which is the measurement.
     def peak(run: Path) -> float:

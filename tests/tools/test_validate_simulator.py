@@ -97,7 +97,7 @@ def test_run_setting_resolves_a_held_runs_auto_budget_as_its_launcher_did(monkey
 def test_recompute_reruns_count_each_rerun_forward_in_the_phase_the_timer_sees():
     from dataclasses import replace
 
-    from megatron_lrmoe.planning.cost_model import MoEShape
+    from megatron_lrmoe.planning.shapes import MoEShape
 
     shape = MoEShape(num_layers=2, hidden_size=8, ffn_hidden_size=16, num_experts=4, topk=2,
                      tokens_per_rank=32, gated=True, dtype_bytes=4)
