@@ -77,7 +77,7 @@ void combine_rows_cpu(const at::Tensor& out, const at::Tensor& src, const at::Te
 void combine_rows_backward_cpu(const at::Tensor& dscale, const at::Tensor& out,
                                const at::Tensor& dy, const at::Tensor& src,
                                const at::Tensor& token, const at::Tensor& scale,
-                               const std::optional<at::Tensor>& slot,
+                               const std::optional<at::Tensor>& kept_row,
                                const std::optional<at::Tensor>& w);
 
 namespace {
@@ -278,7 +278,7 @@ void check_combine_args(const at::Tensor& src, const at::Tensor& scale, const at
 
 void check_combine_backward_args(const at::Tensor& dy, const at::Tensor& src,
                                  const at::Tensor& token, const at::Tensor& scale,
-                                 const std::optional<at::Tensor>& slot,
+                                 const std::optional<at::Tensor>& kept_row,
                                  const std::optional<at::Tensor>& w, int64_t n_out) {
   const char* op = "combine_rows_backward";
   TORCH_CHECK_VALUE(dy.dim() == 2 && src.dim() == 2 && dy.size(1) == src.size(1), op,
@@ -301,16 +301,16 @@ void check_combine_backward_args(const at::Tensor& dy, const at::Tensor& src,
   TORCH_CHECK_VALUE(dy.is_contiguous() && src.is_contiguous() && token.is_contiguous(), op,
                     ": dy, src and token must be contiguous");
   check_row_scale(op, scale, src, src.size(0), "P");
-  if (slot.has_value()) {
-    TORCH_CHECK_VALUE(slot->dim() == 1 && slot->size(0) == src.size(0), op,
-                      ": slot must be 1-D [P] with P = ", src.size(0), ", got shape ",
-                      slot->sizes());
-    TORCH_CHECK_TYPE(slot->scalar_type() == at::kLong, op, ": slot must be int64, got ",
-                     slot->scalar_type());
-    TORCH_CHECK_VALUE(slot->device() == device && slot->is_contiguous(), op,
-                      ": slot must be contiguous on ", device);
+  if (kept_row.has_value()) {
+    TORCH_CHECK_VALUE(kept_row->dim() == 1 && kept_row->size(0) == src.size(0), op,
+                      ": kept_row must be 1-D [P] with P = ", src.size(0), ", got shape ",
+                      kept_row->sizes());
+    TORCH_CHECK_TYPE(kept_row->scalar_type() == at::kLong, op, ": kept_row must be int64, got ",
+                     kept_row->scalar_type());
+    TORCH_CHECK_VALUE(kept_row->device() == device && kept_row->is_contiguous(), op,
+                      ": kept_row must be contiguous on ", device);
   } else {
-    TORCH_CHECK_VALUE(n_out == src.size(0), op, ": without slot every pair has its row, so K = ",
+    TORCH_CHECK_VALUE(n_out == src.size(0), op, ": without kept_row every pair has its row, so K = ",
                       n_out, " must equal P = ", src.size(0));
   }
   if (w.has_value()) {
@@ -535,44 +535,44 @@ at::Tensor combine_rows(const at::Tensor& src, const at::Tensor& scale, const at
 
 // The adjoint of combine_rows over one pass of dy per pair: returns
 // (dscale [P] in op-math, out [K, H]) with dscale[i] = <dy[token[i]], src[i]> and
-// out[slot[i]] = scale[i] * w[slot[i]] * dy[token[i]] for slot[i] >= 0 (slot
-// absent: slot[i] = i and K = P; w absent: 1).
+// out[kept_row[i]] = scale[i] * w[kept_row[i]] * dy[token[i]] for kept_row[i] >= 0 (kept_row
+// absent: kept_row[i] = i and K = P; w absent: 1).
 std::tuple<at::Tensor, at::Tensor> combine_rows_backward(
     const at::Tensor& dy, const at::Tensor& src, const at::Tensor& token, const at::Tensor& scale,
-    const std::optional<at::Tensor>& slot, const std::optional<at::Tensor>& w, int64_t n_out,
+    const std::optional<at::Tensor>& kept_row, const std::optional<at::Tensor>& w, int64_t n_out,
     bool check) {
-  if (n_out == -1 && !slot.has_value()) {
+  if (n_out == -1 && !kept_row.has_value()) {
     n_out = src.size(0);  // every pair has its row
   }
-  check_combine_backward_args(dy, src, token, scale, slot, w, n_out);
+  check_combine_backward_args(dy, src, token, scale, kept_row, w, n_out);
   at::Tensor dscale = at::empty({src.size(0)}, src.options().dtype(opmath_type(src.scalar_type())));
   at::Tensor out = at::empty({n_out, dy.size(1)}, dy.options());
   if (src.size(0) == 0) {
-    // No pair, so no slot names a row of out: zeros on every backend (the
+    // No pair, so no kept_row names a row of out: zeros on every backend (the
     // torch backend's result), instead of whatever memory at::empty handed out.
     out.zero_();
     return {dscale, out};
   }
   if (src.device().is_cpu()) {
-    combine_rows_backward_cpu(dscale, out, dy, src, token, scale, slot, w);
+    combine_rows_backward_cpu(dscale, out, dy, src, token, scale, kept_row, w);
     return {dscale, out};
   }
 #ifdef WITH_CUDA
   const c10::cuda::CUDAGuard guard(src.device());
   if (check) {
     check_index_range_cuda(token, dy.size(0), "combine_rows_backward", "token", "T", "dy");
-    if (slot.has_value()) {
-      const auto [lo, hi] = at::aminmax(*slot);
+    if (kept_row.has_value()) {
+      const auto [lo, hi] = at::aminmax(*kept_row);
       const at::Tensor bounds = at::stack({lo, hi}).cpu();  // host sync
       TORCH_CHECK_INDEX(bounds[0].item<int64_t>() >= -1 && bounds[1].item<int64_t>() < n_out,
-                        "combine_rows_backward: slot holds values outside [-1, K) with K = ",
+                        "combine_rows_backward: kept_row holds values outside [-1, K) with K = ",
                         n_out);
     }
   }
   const char* err = combine_rows_backward_cuda(
       dscale.data_ptr(), out.data_ptr(), dy.const_data_ptr(), src.const_data_ptr(),
       token.const_data_ptr(), scale.const_data_ptr(),
-      slot.has_value() ? slot->const_data_ptr<int64_t>() : nullptr,
+      kept_row.has_value() ? kept_row->const_data_ptr<int64_t>() : nullptr,
       w.has_value() ? w->const_data_ptr<float>() : nullptr, dy.size(0), src.size(0), n_out,
       dy.size(1), to_float_type(src.scalar_type()), to_index_type(token.scalar_type()),
       to_scale_type(scale, src.scalar_type()),
@@ -636,7 +636,7 @@ TORCH_LIBRARY(lrmoe, m) {
       "-> Tensor");
   m.def(
       "combine_rows_backward(Tensor dy, Tensor src, Tensor token, Tensor scale, "
-      "Tensor? slot=None, Tensor? w=None, int n_out=-1, bool check=True) -> (Tensor, Tensor)");
+      "Tensor? kept_row=None, Tensor? w=None, int n_out=-1, bool check=True) -> (Tensor, Tensor)");
 }
 
 // One set of functions serves both devices (they branch on the tensors' device),
@@ -676,10 +676,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("src"), py::arg("scale"), py::arg("order"), py::arg("offsets"),
         py::arg("check") = true, py::call_guard<py::gil_scoped_release>());
   m.def("combine_rows_backward", &lrmoe::combine_rows_backward,
-        "(dscale, out): dscale[i] = <dy[token[i]], src[i]>, out[slot[i]] = scale[i] * w[slot[i]] "
+        "(dscale, out): dscale[i] = <dy[token[i]], src[i]>, out[kept_row[i]] = scale[i] * w[kept_row[i]] "
         "* dy[token[i]]",
         py::arg("dy"), py::arg("src"), py::arg("token"), py::arg("scale"),
-        py::arg("slot") = py::none(), py::arg("w") = py::none(), py::arg("n_out") = -1,
+        py::arg("kept_row") = py::none(), py::arg("w") = py::none(), py::arg("n_out") = -1,
         py::arg("check") = true, py::call_guard<py::gil_scoped_release>());
   m.def("built_with_cuda", &lrmoe::built_with_cuda,
         "True when this build includes the CUDA backend");

@@ -94,16 +94,16 @@ void combine_forward_impl(scalar_t* out, const scalar_t* src, const scale_t* sca
 template <typename scalar_t, typename scale_t, typename index_t>
 void combine_backward_impl(at::opmath_type<scalar_t>* dscale, scalar_t* out, const scalar_t* dy,
                            const scalar_t* src, const index_t* token, const scale_t* scale,
-                           const int64_t* slot, const float* w, int64_t n_tokens, int64_t n_src,
+                           const int64_t* kept_row, const float* w, int64_t n_tokens, int64_t n_src,
                            int64_t n_out, int64_t hidden) {
   using acc_t = at::opmath_type<scalar_t>;
   for (int64_t i = 0; i < n_src; ++i) {
     const int64_t t = static_cast<int64_t>(token[i]);
     TORCH_CHECK_INDEX(t >= 0 && t < n_tokens, "combine_rows_backward: token[", i, "] = ", t,
                       " is outside [0, T) with T = ", n_tokens, " (rows of dy)");
-    if (slot != nullptr) {
-      TORCH_CHECK_INDEX(slot[i] >= -1 && slot[i] < n_out, "combine_rows_backward: slot[", i,
-                        "] = ", slot[i], " is outside [-1, K) with K = ", n_out);
+    if (kept_row != nullptr) {
+      TORCH_CHECK_INDEX(kept_row[i] >= -1 && kept_row[i] < n_out, "combine_rows_backward: kept_row[", i,
+                        "] = ", kept_row[i], " is outside [-1, K) with K = ", n_out);
     }
   }
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, hidden));
@@ -123,7 +123,7 @@ void combine_backward_impl(at::opmath_type<scalar_t>* dscale, scalar_t* out, con
       }
       dscale[i] = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
                   ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-      const int64_t s = slot == nullptr ? i : slot[i];
+      const int64_t s = kept_row == nullptr ? i : kept_row[i];
       if (s < 0) {
         continue;  // a dropped pair: its router gradient only
       }
@@ -169,17 +169,17 @@ void combine_rows_cpu(const at::Tensor& out, const at::Tensor& src, const at::Te
 
 // Declared in kernels/bindings.cpp, which has checked shapes, dtypes, devices
 // and contiguity: dscale [P] of the op-math type, out [K, H], dy [T, H], src [P, H], token [P],
-// scale [P], optional slot [P] int64 and w [K] fp32, all on the CPU, P > 0.
+// scale [P], optional kept_row [P] int64 and w [K] fp32, all on the CPU, P > 0.
 void combine_rows_backward_cpu(const at::Tensor& dscale, const at::Tensor& out,
                                const at::Tensor& dy, const at::Tensor& src,
                                const at::Tensor& token, const at::Tensor& scale,
-                               const std::optional<at::Tensor>& slot,
+                               const std::optional<at::Tensor>& kept_row,
                                const std::optional<at::Tensor>& w) {
   const int64_t n_tokens = dy.size(0);
   const int64_t n_src = src.size(0);
   const int64_t n_out = out.size(0);
   const int64_t hidden = dy.size(1);
-  const int64_t* slot_ptr = slot.has_value() ? slot->const_data_ptr<int64_t>() : nullptr;
+  const int64_t* kept_row_ptr = kept_row.has_value() ? kept_row->const_data_ptr<int64_t>() : nullptr;
   const float* w_ptr = w.has_value() ? w->const_data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, dy.scalar_type(), "combine_rows_backward_cpu", [&] {
@@ -191,11 +191,11 @@ void combine_rows_backward_cpu(const at::Tensor& dscale, const at::Tensor& out,
           const index_t* token_ptr = token.const_data_ptr<index_t>();
           if (scale.scalar_type() == src.scalar_type()) {
             combine_backward_impl(dscale_ptr, out_ptr, dy_ptr, src_ptr, token_ptr,
-                                  scale.const_data_ptr<scalar_t>(), slot_ptr, w_ptr, n_tokens,
+                                  scale.const_data_ptr<scalar_t>(), kept_row_ptr, w_ptr, n_tokens,
                                   n_src, n_out, hidden);
           } else {
             combine_backward_impl(dscale_ptr, out_ptr, dy_ptr, src_ptr, token_ptr,
-                                  scale.const_data_ptr<float>(), slot_ptr, w_ptr, n_tokens,
+                                  scale.const_data_ptr<float>(), kept_row_ptr, w_ptr, n_tokens,
                                   n_src, n_out, hidden);
           }
         });

@@ -20,8 +20,8 @@
 //
 // Backward (one pass over dy per pair):
 //   dscale[i] = <dy[token[i], :], src[i, :]>   (in and out in op-math: fp32, fp64 for fp64)
-//   out[slot[i], :] = (scale[i] * w[slot[i]]) * dy[token[i], :]   if slot[i] >= 0
-// with slot == nullptr meaning slot[i] = i, and w == nullptr meaning w = 1.
+//   out[kept_row[i], :] = (scale[i] * w[kept_row[i]]) * dy[token[i], :]   if kept_row[i] >= 0
+// with kept_row == nullptr meaning kept_row[i] = i, and w == nullptr meaning w = 1.
 
 #pragma once
 
@@ -45,11 +45,11 @@ const char* combine_rows_cuda(void* out, const void* src, const void* scale, con
 // Enqueues the backward on `stream`. Device pointers to contiguous data:
 // dscale [P] of the op-math type (written entirely), out [K, H] of dy's dtype, dy [T, H],
 // src [P, H], token [P] (index_type), scale [P] (scale_type, never kNone),
-// slot [P] int64 or nullptr, w [K] fp32 or nullptr. A token outside [0, T)
-// gives dscale 0 and no row; a slot outside [0, K) writes no row. Nothing is
+// kept_row [P] int64 or nullptr, w [K] fp32 or nullptr. A token outside [0, T)
+// gives dscale 0 and no row; a kept_row outside [0, K) writes no row. Nothing is
 // launched when P == 0. Returns nullptr on success, otherwise a static text.
 const char* combine_rows_backward_cuda(void* dscale, void* out, const void* dy, const void* src,
-                                       const void* token, const void* scale, const int64_t* slot,
+                                       const void* token, const void* scale, const int64_t* kept_row,
                                        const float* w, int64_t n_tokens, int64_t n_src,
                                        int64_t n_out, int64_t hidden, FloatType dtype,
                                        IndexType index_type, ScaleType scale_type,

@@ -75,7 +75,7 @@ __global__ void combine_backward_kernel(typename AccType<T>::type* __restrict__ 
                                         T* __restrict__ out, const T* __restrict__ dy,
                                         const T* __restrict__ src, const I* __restrict__ token,
                                         const S* __restrict__ scale,
-                                        const int64_t* __restrict__ slot,
+                                        const int64_t* __restrict__ kept_row,
                                         const float* __restrict__ w, int64_t n_tokens,
                                         int64_t n_src, int64_t n_out, int64_t hidden) {
   using acc_t = typename AccType<T>::type;
@@ -84,7 +84,7 @@ __global__ void combine_backward_kernel(typename AccType<T>::type* __restrict__ 
        i += stride) {
     const int64_t t = static_cast<int64_t>(token[i]);
     const bool valid = t >= 0 && t < n_tokens;
-    int64_t s = slot == nullptr ? i : slot[i];
+    int64_t s = kept_row == nullptr ? i : kept_row[i];
     if (!valid || s >= n_out) {
       s = -1;  // never write out of bounds
     }
@@ -131,7 +131,7 @@ const char* launch_forward(void* out, const void* src, const void* scale, const 
 
 template <typename T, typename S, typename I>
 const char* launch_backward(void* dscale, void* out, const void* dy, const void* src,
-                            const void* token, const void* scale, const int64_t* slot,
+                            const void* token, const void* scale, const int64_t* kept_row,
                             const float* w, int64_t n_tokens, int64_t n_src, int64_t n_out,
                             int64_t hidden, cudaStream_t stream) {
   using acc_t = typename AccType<T>::type;
@@ -139,7 +139,7 @@ const char* launch_backward(void* dscale, void* out, const void* dy, const void*
                                      stream>>>(
       static_cast<acc_t*>(dscale), static_cast<T*>(out), static_cast<const T*>(dy),
       static_cast<const T*>(src), static_cast<const I*>(token), static_cast<const S*>(scale),
-      slot, w, n_tokens, n_src, n_out, hidden);
+      kept_row, w, n_tokens, n_src, n_out, hidden);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
@@ -156,10 +156,10 @@ struct ForwardOp {
 template <typename T, typename S, typename I>
 struct BackwardOp {
   static const char* run(void* dscale, void* out, const void* dy, const void* src,
-                         const void* token, const void* scale, const int64_t* slot,
+                         const void* token, const void* scale, const int64_t* kept_row,
                          const float* w, int64_t n_tokens, int64_t n_src, int64_t n_out,
                          int64_t hidden, cudaStream_t stream) {
-    return launch_backward<T, S, I>(dscale, out, dy, src, token, scale, slot, w, n_tokens, n_src,
+    return launch_backward<T, S, I>(dscale, out, dy, src, token, scale, kept_row, w, n_tokens, n_src,
                                     n_out, hidden, stream);
   }
 };
@@ -182,7 +182,7 @@ const char* combine_rows_cuda(void* out, const void* src, const void* scale, con
 }
 
 const char* combine_rows_backward_cuda(void* dscale, void* out, const void* dy, const void* src,
-                                       const void* token, const void* scale, const int64_t* slot,
+                                       const void* token, const void* scale, const int64_t* kept_row,
                                        const float* w, int64_t n_tokens, int64_t n_src,
                                        int64_t n_out, int64_t hidden, FloatType dtype,
                                        IndexType index_type, ScaleType scale_type,
@@ -194,7 +194,7 @@ const char* combine_rows_backward_cuda(void* dscale, void* out, const void* dy, 
     return "combine_rows_backward_cuda: a scale is required";
   }
   return dispatch_types<BackwardOp>(dtype, index_type, scale_type, dscale, out, dy, src, token,
-                                    scale, slot, w, n_tokens, n_src, n_out, hidden,
+                                    scale, kept_row, w, n_tokens, n_src, n_out, hidden,
                                     static_cast<cudaStream_t>(stream));
 }
 

@@ -1,4 +1,4 @@
-// The compiled per-call planner: instance assignment with capacities, uniform retention
+// The compiled per-call planner: instance assignment with receive limits, uniform retention
 // quotas, the cost model's rank memory, and the region's per-call host layout.
 //
 // Each function computes exactly what its Python counterpart does (the Python code is
@@ -200,15 +200,15 @@ class NativePlanner {
     }
   }
 
-  // (assignment [R, I], load [R]) of counts [R, E] with capacities [R] or None.
-  std::pair<I64Array, I64Array> assign(const I64Array& counts, py::object capacity) const {
+  // (assignment [R, I], load [R]) of counts [R, E] with receive limits [R] or None.
+  std::pair<I64Array, I64Array> assign(const I64Array& counts, py::object limit) const {
     check_counts(counts, E_, "counts");
     std::vector<i64> cap;
-    const bool capped = !capacity.is_none();
+    const bool capped = !limit.is_none();
     if (capped) {
-      I64Array c = capacity.cast<I64Array>();
+      I64Array c = limit.cast<I64Array>();
       if (c.ndim() != 1 || c.shape(0) != R_)
-        throw py::value_error("capacity must have one entry per rank");
+        throw py::value_error("limit must have one entry per rank");
       cap.assign(c.data(), c.data() + R_);
     }
     I64Array out({R_, I_});
@@ -329,7 +329,7 @@ class NativePlanner {
     }
     const i64 LR = L * R_;
     // Each direction's two reorders as their deltas then their sizes (the layout's
-    // ``chunk_permutations``), then the grouped GEMMs' int32 offsets two to a slot.
+    // ``chunk_permutations``), then the grouped GEMMs' int32 offsets two to an int64 word.
     std::vector<i64> sizes = {I_ + 1, I_, I_, 2 * LR, 2 * LR, 2 * LR, 2 * LR, L};
     I64Array packed(std::accumulate(sizes.begin(), sizes.end(), i64(0)));
     i64* out = packed.mutable_data();
@@ -1263,7 +1263,7 @@ void register_planner(py::module_& m) {
            py::arg("num_ranks"), py::arg("num_experts"), py::arg("instance_rank"),
            py::arg("instance_expert"), py::arg("home_instance"), py::arg("memory"))
       .def("assign", &NativePlanner::assign, "(assignment [R, I], load [R])",
-           py::arg("counts"), py::arg("capacity"))
+           py::arg("counts"), py::arg("limit"))
       .def("retain", &NativePlanner::retain, "(quotas [R, I], water level [R])",
            py::arg("cells"), py::arg("capacity"), py::arg("floor_num"), py::arg("floor_den"))
       .def("memory", &NativePlanner::memory, "[R] rank memory", py::arg("cells"),

@@ -15,7 +15,7 @@
 //      keep ascending positions: one sort gives every cell's rows in the
 //      topk order (metric descending, position ascending) without spending
 //      key bits on the position.
-//   2. For sorted slot j of cell c: rank = j - off[c]; keep iff rank < q[c]
+//   2. For sorted position j of cell c: rank = j - off[c]; keep iff rank < q[c]
 //      (the position-in-segment test), written as a flag at the row's
 //      original position, with the rank.
 //   3. sample only: one thread per cell replaces the flags of its cell by the
@@ -34,7 +34,7 @@
 //   U2. A second, stable radix sort of that order by (cell << 1 | not top)
 //       (cell_bits + 1 bits): least-significant-digit order, so every cell's
 //       rows come out top rows first, then the others by ascending key.
-//   U3. For sorted slot j of cell c: keep iff j - off[c] < q[c]; scale 1 for
+//   U3. For sorted position j of cell c: keep iff j - off[c] < q[c]; scale 1 for
 //       top rows and whole cells, float32((n - q_top) / (q - q_top)) for the
 //       others, written at the row's position. Then step 4.
 // One thread per cell in step 3 is simple and exact but serial within a
@@ -332,7 +332,7 @@ __global__ void build_row_keys_kernel(const int64_t* __restrict__ off, int64_t n
   }
 }
 
-// U2's key for sorted slot j: (cell << 1) | (row is not a top row).
+// U2's key for sorted position j: (cell << 1) | (row is not a top row).
 __global__ void build_group_keys_kernel(const int64_t* __restrict__ off,
                                         const int64_t* __restrict__ pos,
                                         const uint8_t* __restrict__ is_top, int64_t n_rows,

@@ -344,10 +344,10 @@ class _LRMoERegion(torch.autograd.Function):
         tables = lay.views(tables_buffer)
         dy = dy.contiguous()
 
-        metric, kept, scale, slot = _select_kept_pairs(rc, lay, tables, dy, pair_token,
+        metric, kept, scale, kept_row = _select_kept_pairs(rc, lay, tables, dy, pair_token,
                                                        pair_prob, a, kept, scale)
         dprob, g_exp, rows, back = _combine_backward(rc, lay, tables, dy, o, pair_token,
-                                                     pair_prob, kept, scale, slot, ctx.rev)
+                                                     pair_prob, kept, scale, kept_row, ctx.rev)
         # Frozen home experts and no replica: no weight gradient to compute (the dW GEMMs
         # are local, so skipping them keeps every rank's collectives in step).
         weight_grads = any(ctx.needs_input_grad[5:]) or experts.homes < len(experts.w1)
@@ -425,24 +425,24 @@ def _select_kept_pairs(rc: RegionContext, lay: CallLayout, tables, dy: torch.Ten
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None,
                                   torch.Tensor | None, torch.Tensor | None]:
     """Source side, before the combine's backward: (metric [P] or None, kept [K], scale
-    [K], slot [P]: each pair's row in the kept send buffer, -1 if dropped). kept and scale
+    [K], kept_row [P]: each pair's row in the kept send buffer, -1 if dropped). kept and scale
     come from forward when drawn there, else from the rule's draw here; all but metric
     are None when the source keeps every pair."""
     metric = (_pair_metric(rc.metric, dy, pair_token, pair_prob, a, rc.seed)
               if rc.needs_metric else None)
-    slot = None
+    kept_row = None
     if not lay.source_keeps_all:
         if not rc.forward_retention:
             kept, scale = _select(rc, lay, tables, metric)
-        slot = torch.full((lay.num_pairs,), -1, dtype=torch.int64, device=dy.device)
-        slot.index_copy_(0, kept, torch.arange(lay.num_kept, device=dy.device))
-    return metric, kept, scale, slot
+        kept_row = torch.full((lay.num_pairs,), -1, dtype=torch.int64, device=dy.device)
+        kept_row.index_copy_(0, kept, torch.arange(lay.num_kept, device=dy.device))
+    return metric, kept, scale, kept_row
 
 
 def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tensor,
                       o: torch.Tensor, pair_token: torch.Tensor, pair_prob: torch.Tensor,
                       kept: torch.Tensor | None, scale: torch.Tensor | None,
-                      slot: torch.Tensor | None, rev: bool = False
+                      kept_row: torch.Tensor | None, rev: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                  torch.Tensor | None]:
     """The weighted combine's backward and its all-to-all reversed: (dprob [P], g_exp
@@ -456,7 +456,7 @@ def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tens
     group, device = rc.group, dy.device
     in_forward = rc.forward_retention
     dprob, g_kept = combine_rows_backward(
-        dy, o, pair_token, pair_prob, slot,
+        dy, o, pair_token, pair_prob, kept_row,
         None if rc.selection == "topk" else scale, lay.num_kept, backend=rc.kernels)
     g_recv = _exchange(g_kept, lay.send_bwd, lay.recv_bwd, group)        # [Kr, H]
     del g_kept

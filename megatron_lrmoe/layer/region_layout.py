@@ -146,7 +146,7 @@ class CallLayout:
         self.fwd_identity = _is_identity(c_fwd)
         self.bwd_identity = _is_identity(c_bwd)
         fwd, bwd = _shuffle_tables(c_fwd), _shuffle_tables(c_bwd)
-        # The grouped GEMMs' int32 offsets, two to an int64 slot: on the device a view
+        # The grouped GEMMs' int32 offsets, two to an int64 word: on the device a view
         # (no conversion op). 2L values, so they fill whole slots.
         offs = np.concatenate([np.cumsum(c_fwd.sum(0)), np.cumsum(c_bwd.sum(0))])
         if self.received >= 2**31:

@@ -23,16 +23,16 @@ Forward: ``combine_rows(src, scale, order, offsets)``
   atomics on any compiled backend, so results are bitwise reproducible, and the
   "cpu" and "cuda" backends agree bitwise.
 
-Backward: ``combine_rows_backward(dy, src, token, scale, slot, w, n_out)``
+Backward: ``combine_rows_backward(dy, src, token, scale, kept_row, w, n_out)``
   dy [T, H]; src [P, H] (dy's dtype); token [P] int64/int32 in [0, T); scale [P]
-  src's dtype or float32; slot [P] int64 in [-1, K) or None (slot[i] = i, K = P);
+  src's dtype or float32; kept_row [P] int64 in [-1, K) or None (kept_row[i] = i, K = P);
   w [K] float32 or None (1)
   -> (dscale [P] op-math dtype, out [K, H] dy's dtype):
   dscale[i] = <dy[token[i]], src[i]>                       for every pair
-  out[slot[i]] = (scale[i] * w[slot[i]]) * dy[token[i]]    for slot[i] >= 0
+  out[kept_row[i]] = (scale[i] * w[kept_row[i]]) * dy[token[i]]    for kept_row[i] >= 0
   The factor scale * w is formed in op-math and rounded once with the row
-  (as scatter_add_rows rounds its products). Rows of ``out`` that no slot names are left
-  unwritten: ``slot`` must map the kept pairs one-to-one onto [0, K). The dot
+  (as scatter_add_rows rounds its products). Rows of ``out`` that no kept_row names are left
+  unwritten: ``kept_row`` must map the kept pairs one-to-one onto [0, K). The dot
   product's summation order is each backend's own (reproducible per backend, not
   bitwise across them).
 
@@ -92,20 +92,21 @@ def combine_rows_reference(src: torch.Tensor, scale: torch.Tensor, order: torch.
 
 def combine_rows_backward_reference(
     dy: torch.Tensor, src: torch.Tensor, token: torch.Tensor, scale: torch.Tensor,
-    slot: torch.Tensor | None, w: torch.Tensor | None, n_out: int,
+    kept_row: torch.Tensor | None, w: torch.Tensor | None, n_out: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The "torch" backend of ``combine_rows_backward`` without its checks."""
     opmath = opmath_of(src.dtype)
     g = dy.index_select(0, token).to(opmath)                              # [P, H]
     dscale = (g * src.to(opmath)).sum(1)
     out = torch.zeros(n_out, dy.shape[1], dtype=dy.dtype, device=dy.device)
-    if slot is None:
-        slot = torch.arange(src.shape[0], device=src.device)
-    kept = (slot >= 0).nonzero().flatten()
+    if kept_row is None:
+        kept_row = torch.arange(src.shape[0], device=src.device)
+    kept = (kept_row >= 0).nonzero().flatten()
     factor = scale.index_select(0, kept).to(opmath)
     if w is not None:
-        factor = factor * w.index_select(0, slot.index_select(0, kept)).to(opmath)
-    out[slot.index_select(0, kept)] = (g.index_select(0, kept) * factor.unsqueeze(1)).to(dy.dtype)
+        factor = factor * w.index_select(0, kept_row.index_select(0, kept)).to(opmath)
+    rows = kept_row.index_select(0, kept)
+    out[rows] = (g.index_select(0, kept) * factor.unsqueeze(1)).to(dy.dtype)
     return dscale, out
 
 
@@ -155,7 +156,7 @@ def _check_forward_values(order, offsets, n_src: int) -> None:
                          f"P = {n_src} (rows of src)")
 
 
-def _check_backward(dy, src, token, scale, slot, w, n_out: int) -> None:
+def _check_backward(dy, src, token, scale, kept_row, w, n_out: int) -> None:
     op = "combine_rows_backward"
     if dy.dim() != 2 or src.dim() != 2 or dy.shape[1] != src.shape[1]:
         raise ValueError(f"{op}: dy [T, H] and src [P, H] must be 2-D with one H, got "
@@ -172,31 +173,31 @@ def _check_backward(dy, src, token, scale, slot, w, n_out: int) -> None:
         raise ValueError(f"{op}: all tensors must be on one device; src is on {src.device}, "
                          f"dy on {dy.device}, token on {token.device}")
     check_row_scale(op, scale, src.shape[0], "P", src.dtype, src.device, "src")
-    if slot is None and n_out != src.shape[0]:
-        raise ValueError(f"{op}: without slot every pair has its row, so K = {n_out} must "
+    if kept_row is None and n_out != src.shape[0]:
+        raise ValueError(f"{op}: without kept_row every pair has its row, so K = {n_out} must "
                          f"equal P = {src.shape[0]}")
-    if slot is not None and (slot.dim() != 1 or slot.shape[0] != src.shape[0]
-                             or slot.dtype != torch.int64 or slot.device != src.device):
-        raise ValueError(f"{op}: slot must be 1-D int64 [P] with P = {src.shape[0]} on "
+    if kept_row is not None and (kept_row.dim() != 1 or kept_row.shape[0] != src.shape[0]
+                             or kept_row.dtype != torch.int64 or kept_row.device != src.device):
+        raise ValueError(f"{op}: kept_row must be 1-D int64 [P] with P = {src.shape[0]} on "
                          f"{src.device}")
     if w is not None and (w.dim() != 1 or w.shape[0] != n_out or w.dtype != torch.float32
                           or w.device != src.device):
         raise ValueError(f"{op}: w must be 1-D float32 [K] with K = {n_out} on {src.device}")
 
 
-def _check_backward_values(token, slot, n_tokens: int, n_out: int) -> None:
+def _check_backward_values(token, kept_row, n_tokens: int, n_out: int) -> None:
     t = token.cpu()
     bad = ((t < 0) | (t >= n_tokens)).nonzero()
     if bad.numel():
         i = int(bad[0])
         raise IndexError(f"combine_rows_backward: token[{i}] = {int(t[i])} is outside [0, T) "
                          f"with T = {n_tokens} (rows of dy)")
-    if slot is not None:
-        s = slot.cpu()
+    if kept_row is not None:
+        s = kept_row.cpu()
         bad = ((s < -1) | (s >= n_out)).nonzero()
         if bad.numel():
             i = int(bad[0])
-            raise IndexError(f"combine_rows_backward: slot[{i}] = {int(s[i])} is outside "
+            raise IndexError(f"combine_rows_backward: kept_row[{i}] = {int(s[i])} is outside "
                              f"[-1, K) with K = {n_out}")
 
 
@@ -214,15 +215,15 @@ def _combine_rows_fake(src: torch.Tensor, scale: torch.Tensor, order: torch.Tens
 
 def _combine_rows_backward_fake(
     dy: torch.Tensor, src: torch.Tensor, token: torch.Tensor, scale: torch.Tensor,
-    slot: torch.Tensor | None = None, w: torch.Tensor | None = None, n_out: int = -1,
+    kept_row: torch.Tensor | None = None, w: torch.Tensor | None = None, n_out: int = -1,
     check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if n_out == -1 and slot is None:
+    if n_out == -1 and kept_row is None:
         n_out = src.shape[0]  # every pair has its row, as in the binding
     if n_out < 0:
-        raise ValueError(f"combine_rows_backward: K = {n_out} must be >= 0 (with slot, K is "
+        raise ValueError(f"combine_rows_backward: K = {n_out} must be >= 0 (with kept_row, K is "
                          "the caller's: the plan's kept rows)")
-    _check_backward(dy, src, token, scale, slot, w, n_out)
+    _check_backward(dy, src, token, scale, kept_row, w, n_out)
     dscale = src.new_empty((src.shape[0],), dtype=opmath_of(src.dtype))
     return dscale, dy.new_empty((n_out, dy.shape[1]))
 
@@ -259,24 +260,24 @@ def combine_rows(src: torch.Tensor, scale: torch.Tensor, order: torch.Tensor,
 
 def combine_rows_backward(
     dy: torch.Tensor, src: torch.Tensor, token: torch.Tensor, scale: torch.Tensor,
-    slot: torch.Tensor | None = None, w: torch.Tensor | None = None,
+    kept_row: torch.Tensor | None = None, w: torch.Tensor | None = None,
     n_out: int | None = None, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dscale [P], out [K, H]): the router gradient of every pair and the scaled
     output-gradient rows of the kept ones (see the module docstring).
 
-    ``n_out`` is K (default: P, which requires ``slot`` None).
+    ``n_out`` is K (default: P, which requires ``kept_row`` None).
     """
     _refuse_autograd("combine_rows_backward", dy, src, scale)
     n_out = src.shape[0] if n_out is None else int(n_out)
     fake = is_fake(src)
     chosen = resolve_backend(backend, src.device, fake=fake)
     if chosen == "torch":
-        _check_backward(dy, src, token, scale, slot, w, n_out)
+        _check_backward(dy, src, token, scale, kept_row, w, n_out)
         if needs_value_check(src.device):
-            _check_backward_values(token, slot, dy.shape[0], n_out)
-        return combine_rows_backward_reference(dy, src, token, scale, slot, w, n_out)
+            _check_backward_values(token, kept_row, dy.shape[0], n_out)
+        return combine_rows_backward_reference(dy, src, token, scale, kept_row, w, n_out)
     return registered_ops().combine_rows_backward(
         dy.contiguous(), src.contiguous(), token.contiguous(), scale.contiguous(),
-        None if slot is None else slot.contiguous(), None if w is None else w.contiguous(),
+        None if kept_row is None else kept_row.contiguous(), None if w is None else w.contiguous(),
         n_out, debug_checks() and not fake)

@@ -1,6 +1,6 @@
-"""Capacity-aware instance assignment: every routed pair to an instance of its expert.
+"""Instance assignment under receive limits: every routed pair to an instance of its expert.
 
-Pure: counts, a placement and capacities in; an assignment out. Every EP rank assigns the
+Pure: counts, a placement and receive limits in; an assignment out. Every EP rank assigns the
 same gathered counts identically, so the ranks agree without communicating.
 
 Notation (docs/design.md, "Notation")
@@ -8,16 +8,16 @@ Notation (docs/design.md, "Notation")
   N_e      sum_s n[s, e]
   x_i      pairs assigned to instance i (a column total of the assignment)
   L_r      routed load of rank r: sum of x_i over the instances on r
-  c_r      buffer capacity of rank r: the most pairs it can receive (optional)
+  u_r      receive limit of rank r: the most pairs its buffers can take (optional)
 
 Assignment semantics (``assign_instances``), in order of priority:
   1. every pair goes to an instance of its expert (the forward is exact); experts
      without replicas go to their home instance;
-  2. overflow, the pairs above the ranks' capacities sum_r max(0, L_r - c_r), is as
+  2. overflow, the pairs above the ranks' limits sum_r max(0, L_r - u_r), is as
      small as any assignment can make it; the pairs that fit nowhere go to the home
      instance (exactness wins) and ``InstanceAssignment.overflow`` counts them;
   3. without overflow, the most loaded rank's load max_r L_r is as small as any
-     assignment within the capacities can make it (an exact integer optimum);
+     assignment within the limits can make it (an exact integer optimum);
   4. per instance totals fixed, a source whose rank hosts an instance of the expert
      sends min(n[s, e], x_i) pairs there (local, no network); the other pairs fill
      the remaining instance totals sources in rank order, each expert's instances in
@@ -140,7 +140,7 @@ class InstanceAssignment:
     counts: torch.Tensor
     """[R, I] int64 CPU: pairs from source s assigned to instance i."""
     overflow: int
-    """Pairs above the ranks' buffer capacities (0 without capacities): the least any
+    """Pairs above the ranks' receive limits (0 without limits): the least any
     assignment achieves; pairs that fit nowhere went to their home instance."""
     placement: Placement | None = None
     """The placement the instances belong to."""
@@ -158,30 +158,30 @@ class InstanceAssignment:
 def assign_instances(
     counts: torch.Tensor,
     placement: Placement,
-    capacity: torch.Tensor | Sequence[int] | None = None,
+    receive_limit: torch.Tensor | Sequence[int] | None = None,
 ) -> InstanceAssignment:
     """Assign every routed pair to an instance of its expert (docs/design.md, "InstanceAssignment").
 
     Args:
         counts: [R, E] integer n[s, e] (copied to CPU int64).
         placement: the instances; R and E must match ``counts``.
-        capacity: [R] most pairs each rank can receive, or None for no limit.
+        receive_limit: [R] most pairs each rank can receive, or None for no limit.
 
     Returns:
         The assignment; the module docstring states the semantics (overflow first,
         then the most loaded rank, then locality, then a fixed fill order).
     """
     n = check_assignment_counts(counts, placement)
-    cap = _check_assignment_capacity(capacity, placement.num_ranks)
-    return assign_checked(n, placement, cap)[0]
+    limit = _check_receive_limit(receive_limit, placement.num_ranks)
+    return assign_checked(n, placement, limit)[0]
 
 
 def assign_checked(n: np.ndarray, placement: Placement,
-                  capacity: np.ndarray | None) -> tuple[InstanceAssignment, np.ndarray]:
+                  receive_limit: np.ndarray | None) -> tuple[InstanceAssignment, np.ndarray]:
     """``assign_instances`` on checked input: (the assignment, [R] routed load per rank)."""
-    out, load = _assign(n, placement, None if capacity is None else capacity.tolist())
-    overflow = (0 if capacity is None
-                else int(np.add.reduce(np.maximum(load - capacity, 0))))
+    out, load = _assign(n, placement, None if receive_limit is None else receive_limit.tolist())
+    overflow = (0 if receive_limit is None
+                else int(np.add.reduce(np.maximum(load - receive_limit, 0))))
     assignment = InstanceAssignment(counts=torch.from_numpy(out), overflow=overflow,
                                     placement=placement)
     return assignment, load
@@ -219,12 +219,12 @@ def _balance(
     (rank r -> rank r' when an expert with pairs on r also has an instance on r'),
     moving whole blocks of pairs at a time:
       0. start from an even split of each expert over its instances;
-      1. with capacities, push the pairs above capacity to ranks with room until no
+      1. with receive limits, push the pairs above a limit to ranks with room until no
          over-full rank reaches one (a maximum flow: overflow is minimal), then move
-         replica pairs still above capacity to their homes (the overflow stays equal,
+         replica pairs still above a limit to their homes (the overflow stays equal,
          every home on the way being full);
       2. repair towards a level M that is a proven lower bound of the max load: push
-         load above M to ranks below M (and below capacity). When a rank above M
+         load above M to ranks below M (and below their limit). When a rank above M
          reaches no such rank, the ranks it reaches, T, hold every pair of the experts
          they touch, so any assignment puts load(T) on T: the least M' that fits it
          is a larger lower bound; raise M to it and go on. When no rank is above M,
@@ -441,7 +441,7 @@ class _Flow:
 
 
 def _overflow_home(x, load, limit, ranks_of, incidence, moved) -> None:
-    """Move replica pairs above capacity to their homes (no augmenting path is left,
+    """Move replica pairs above the limits to their homes (no augmenting path is left,
     so every home reached is full and the overflow stays the same). Appends the (k, j)
     of the x changed to ``moved``."""
     work = [r for r in range(len(load)) if load[r] > limit[r]]
@@ -548,17 +548,17 @@ def check_assignment_counts(counts: torch.Tensor | np.ndarray,
     return n
 
 
-def _check_assignment_capacity(capacity, num_ranks: int) -> np.ndarray | None:
-    if capacity is None:
+def _check_receive_limit(receive_limit, num_ranks: int) -> np.ndarray | None:
+    if receive_limit is None:
         return None
-    if isinstance(capacity, torch.Tensor):
-        cap = capacity.detach().to("cpu").numpy()
+    if isinstance(receive_limit, torch.Tensor):
+        cap = receive_limit.detach().to("cpu").numpy()
     else:
-        cap = np.asarray(list(capacity))
+        cap = np.asarray(list(receive_limit))
     if cap.shape != (num_ranks,):
-        raise ValueError(f"capacity must have {num_ranks} entries, got shape {cap.shape}")
+        raise ValueError(f"receive_limit must have {num_ranks} entries, got shape {cap.shape}")
     if cap.dtype.kind not in "iu" or (cap < 0).any():
-        raise ValueError("capacity must hold non-negative integers")
+        raise ValueError("receive_limit must hold non-negative integers")
     return cap.astype(np.int64)
 
 

@@ -1,5 +1,5 @@
 """Bytes of one LRMoE layer on one rank, phase by phase (``LayerMemory``, one half of
-``CostModel``), and what a share of the budget admits: assignment capacities and retained
+``CostModel``), and what a share of the budget admits: receive limits and retained
 limits. docs/design.md, "Cost model".
 
 The levels follow the buffers the region (layer/region.py, layer/expert_gemms.py)
@@ -248,7 +248,7 @@ class LayerMemory:
                 dict(sent_kept=np.add.reduce(quotas, axis=1), instance_routed=inst_routed,
                      instance_retained=inst_retained, rank_starts=starts))
 
-    def assignment_capacity(self, share: float, num_replicas: np.ndarray) -> np.ndarray:
+    def receive_limit(self, share: float, num_replicas: np.ndarray) -> np.ndarray:
         """[R] int64: the most routed pairs a rank can receive within ``share`` when
         backward drops as much as it may (nothing retained; its pairs as a source all
         kept, and one instance's activation over all its rows: upper bounds), i.e. the

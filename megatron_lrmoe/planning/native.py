@@ -1,7 +1,7 @@
 """The compiled per-call planner (``kernels/planner.cpp``, in ``megatron_lrmoe._kernels``).
 
 One ``NativePlanner`` per placement computes what the Python planner computes per layer
-call, on the same numbers and to the same bit: the capacity-aware instance assignment
+call, on the same numbers and to the same bit: the instance assignment under receive limits
 (``instance_assignment``), the uniform retention quotas (``retention.plan_retention``),
 each rank's memory (``CostModel.rank_memory``, as ``planner._memory`` calls it) and the
 region's host layout (``layer.region_layout.CallLayout``). The Python code stays the

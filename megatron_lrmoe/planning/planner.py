@@ -46,7 +46,7 @@ class _PlacementContext:
 
     placement: Placement
     replicas: np.ndarray                # [R] int64 replicas each rank hosts
-    capacity: np.ndarray | None         # [R] int64 assignment capacity (None: no budget)
+    receive_limit: np.ndarray | None    # [R] int64 most pairs each rank receives (None: no budget)
     rank_starts: np.ndarray             # [R] first instance of each rank
     busiest: int                        # _busiest(placement)
     native: Any = None                  # the compiled planner of the placement, or None
@@ -163,7 +163,7 @@ class LayerPlanner:
     def plan(self, counts: torch.Tensor | np.ndarray) -> MicroBatchPlan:
         """Instance assignment and quotas of one micro-batch under the current placement.
 
-        With a budget the instance assignment respects each rank's buffer capacity (the layer share
+        With a budget the instance assignment respects each rank's receive limit (the layer share
         minus its replicas), and when the plan at gamma does not fit, gamma is lowered
         until the backward buffers do; the forward never drops. What was done is in
         ``notes``.
@@ -179,7 +179,7 @@ class LayerPlanner:
         # numpy on [R] arrays (a torch op costs ~10 us here), as the cost model is.
         s = self.settings
         n = check_assignment_counts(counts, ctx.placement)
-        assignment, cells, routed = self._assign(n, ctx, ctx.capacity)  # routed: [R] load
+        assignment, cells, routed = self._assign(n, ctx, ctx.receive_limit)  # routed: [R] load
         overflow = assignment.overflow
         notes = []
         if overflow:
@@ -237,16 +237,16 @@ class LayerPlanner:
                          else (plan.retention.counts.numpy(), plan.retention.quotas.numpy()))
         return ctx.native.layout(cells, quotas, rank)
 
-    def _assign(self, n: np.ndarray, ctx: _PlacementContext, capacity: np.ndarray | None
+    def _assign(self, n: np.ndarray, ctx: _PlacementContext, limit: np.ndarray | None
                 ) -> tuple[InstanceAssignment, np.ndarray, np.ndarray]:
-        """(the instance assignment of checked counts ``n`` under ``capacity``, its [R, I]
+        """(the instance assignment of checked counts ``n`` under receive ``limit``, its [R, I]
         counts, [R] load per rank)."""
         if ctx.native is None:
-            assignment, load = assign_checked(n, ctx.placement, capacity)
+            assignment, load = assign_checked(n, ctx.placement, limit)
             return assignment, assignment.counts.numpy(), load
-        cells, load = ctx.native.assign(n, capacity)
-        overflow = (0 if capacity is None
-                    else int(np.add.reduce(np.maximum(load - capacity, 0))))
+        cells, load = ctx.native.assign(n, limit)
+        overflow = (0 if limit is None
+                    else int(np.add.reduce(np.maximum(load - limit, 0))))
         return InstanceAssignment(counts=torch.from_numpy(cells), overflow=overflow,
                                   placement=ctx.placement), cells, load
 
@@ -310,9 +310,9 @@ class LayerPlanner:
                 self._contexts.clear()
             replicas = np.asarray(placement.replicas_per_rank(), dtype=np.int64)
             share = self.settings.layer_share
-            cap = (None if share is None
-                   else self.settings.cost.assignment_capacity(share, replicas))
-            ctx = _PlacementContext(placement, replicas, cap,
+            limit = (None if share is None
+                     else self.settings.cost.receive_limit(share, replicas))
+            ctx = _PlacementContext(placement, replicas, limit,
                                     np.asarray(placement.rank_starts[:-1], dtype=np.int64),
                                     _busiest(placement),
                                     native_planner(placement, self.settings.cost, replicas)
@@ -360,7 +360,7 @@ class LayerPlanner:
         ``greedy_replicas`` proposes replicas in order on a fluid load estimate of the
         smoothed counts, without looking at the budget. Its prefixes of all, 3/4, 1/2
         and 1/4 of the replicas are then planned exactly, like ``plan`` does but with
-        neither assignment capacities nor a lowered gamma (``_unbudgeted``), so each
+        neither receive limits nor a lowered gamma (``_unbudgeted``), so each
         prefix's estimated time and peak memory do not depend on the budget either. A
         prefix qualifies if its time (replica transfers amortised over the step's
         micro-batches included) is lower than static's and its memory excess over the
@@ -390,15 +390,15 @@ class LayerPlanner:
         base_time, *times = self._times([base, *planned])
         best: tuple[float, int] | None = None       # (estimated time, index in planned)
         for k, (candidate, time) in enumerate(zip(planned, times, strict=True)):
-            # The assignment capacities at this budget must not bind on the candidate's
-            # assignment (they only grow with the budget), so the layer's capacity-aware
+            # The receive limits at this budget must not bind on the candidate's
+            # assignment (they only grow with the budget), so the layer's limit-aware
             # assignment finds the one judged here, and the judgement stays monotone.
-            capacity = candidate.ctx.capacity
-            fits_capacity = capacity is None or bool((candidate.load <= capacity).all())
+            limit = candidate.ctx.receive_limit
+            fits_limit = limit is None or bool((candidate.load <= limit).all())
             # Replicas must pay: the time they save per micro-batch must exceed what
             # their refresh and gradient reduction cost, amortised over the step's
             # micro-batches (in ``time``); an equal estimate keeps static.
-            if (time < base_time and candidate.peak <= allowed and fits_capacity
+            if (time < base_time and candidate.peak <= allowed and fits_limit
                     and (best is None or time < best[0])):
                 best = (time, k)
         if best is None:
@@ -411,7 +411,7 @@ class LayerPlanner:
 
     def _unbudgeted(self, counts: np.ndarray, ctx: _PlacementContext) -> _Unbudgeted:
         """The plan of ``ctx``'s placement on ``counts`` without the budget's influence:
-        instance assignment without capacities, gamma as set (``_Unbudgeted``)."""
+        instance assignment without receive limits, gamma as set (``_Unbudgeted``)."""
         s = self.settings
         n = check_assignment_counts(counts, ctx.placement)
         assignment, cells, routed = self._assign(n, ctx, None)

@@ -305,7 +305,7 @@ def plan_retention(
             floors = np.zeros_like(routed_loc)
             target = np.minimum(load, capacity)
         kept_loc, level = _integer_fill_with_floors(routed_loc, floors, target, load, bound)
-        kept = kept_loc.reshape(-1)[layout.position]    # each instance sits in one slot
+        kept = kept_loc.reshape(-1)[layout.position]    # each instance sits in one place
 
     return RetentionPlan(
         counts=n,
@@ -330,18 +330,18 @@ class _Layout:
 
     instance_rank: tuple[int, ...]
     instance_expert: tuple[int, ...]
-    slots: np.ndarray
-    """[K, R] the instance ids of each rank (a column) in ascending order; padding slots
+    grid: np.ndarray
+    """[K, R] the instance ids of each rank (a column) in ascending order; padding places
     (ranks with fewer than K instances) hold 0 and are masked by ``filled``. Ranks are
     the last, contiguous axis: numpy's inner loops then run over R, not over a short K."""
     filled: np.ndarray | None
-    """[K, R] int64 1 on real slots, 0 on padding; None when no rank has padding."""
+    """[K, R] int64 1 on real places, 0 on padding; None when no rank has padding."""
     position: np.ndarray
-    """[I] flat index into [K, R] of each instance's slot (the inverse of ``slots``)."""
+    """[I] flat index into [K, R] of each instance's place (the inverse of ``grid``)."""
 
     def per_rank(self, values: np.ndarray) -> np.ndarray:
-        """[K, R] values[i] of each rank's instances, 0 in the padding slots."""
-        out = values[self.slots]
+        """[K, R] values[i] of each rank's instances, 0 in the padding places."""
+        out = values[self.grid]
         if self.filled is not None:
             out *= self.filled
         return out
@@ -372,15 +372,15 @@ def _layout(
     order = np.argsort(rank_of, kind="stable")          # instances by rank, then id
     starts = np.cumsum(per_rank) - per_rank
     column = np.arange(num_instances) - starts[rank_of[order]]
-    slots = np.zeros((width, num_ranks), dtype=np.int64)
-    slots[column, rank_of[order]] = order
+    grid = np.zeros((width, num_ranks), dtype=np.int64)
+    grid[column, rank_of[order]] = order
     filled = np.zeros((width, num_ranks), dtype=np.int64)
     filled[column, rank_of[order]] = 1
     position = np.empty(num_instances, dtype=np.int64)
     position[order] = column * num_ranks + rank_of[order]
-    for array in (slots, filled, position):
+    for array in (grid, filled, position):
         array.setflags(write=False)
-    return _Layout(ranks, experts, slots, None if filled.all() else filled, position)
+    return _Layout(ranks, experts, grid, None if filled.all() else filled, position)
 
 
 # ---------------------------------------------------------------------------
@@ -394,7 +394,7 @@ def _integer_fill_with_floors(
     """Integer water-filling with floors, every rank at once.
 
     Args:
-        routed: [K, R] N_i of each rank's instances (0 in padding slots).
+        routed: [K, R] N_i of each rank's instances (0 in padding places).
         floors: [K, R] f_i, 0 <= f_i <= N_i.
         target: [R] T_r with sum_i f_i <= T_r <= L_r.
         load: [R] L_r = sum_i N_i.

@@ -17,7 +17,7 @@ __all__ = ["InstanceRows", "MoEShape"]
 # view of (16), the probability (up to 4 in the dtypes trained), the side statistic a (4),
 # the probability gather's int64 index (8).
 _PAIR_METADATA_BYTES = 32
-# Backward bookkeeping per source pair: metric fp32, slot int64, router gradient fp32,
+# Backward bookkeeping per source pair: metric fp32, kept row int64, router gradient fp32,
 # kept index int64 and scale fp32 of a kept pair.
 _SELECTION_BYTES_PER_PAIR = 28
 _POSITION_BYTES = 4         # int32 row position sent with each retained gradient row

@@ -327,17 +327,17 @@ def node_grad(outputs, inputs, grad_outputs=None, **kwargs):
                 edges = [edge for edge in edges if edge[0] is not None]
             _SAVED.release(held)          # as the engine does without retain_graph
             results = results if isinstance(results, (tuple, list)) else (results,)
-            for (nxt, slot), g in zip(edges, results, strict=True):
+            for (nxt, index), g in zip(edges, results, strict=True):
                 if nxt is None or g is None:
                     continue
                 # One gradient per output of the forward op (None: that output unused),
                 # reduced over broadcast dimensions to that output's shape, as the
                 # engine's validate_outputs does.
                 metadata = nxt._input_metadata
-                if metadata and tuple(g.shape) != tuple(metadata[slot].shape):
-                    g = g.sum_to_size(tuple(metadata[slot].shape))
+                if metadata and tuple(g.shape) != tuple(metadata[index].shape):
+                    g = g.sum_to_size(tuple(metadata[index].shape))
                 acc = pending.setdefault(nxt, [None] * max(len(metadata), 1))
-                acc[slot] = g if acc[slot] is None else acc[slot] + g
+                acc[index] = g if acc[index] is None else acc[index] + g
     return tuple(found.get(id(t)) for t in inputs)
 
 

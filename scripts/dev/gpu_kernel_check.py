@@ -147,10 +147,10 @@ class Checker:
                 dy = torch.randn(t, h, generator=g).to(dtype)
                 prob = torch.rand(p, generator=g)
                 kept = torch.randperm(p, generator=g)[: p // 2].sort().values
-                slot = torch.full((p,), -1, dtype=torch.long)
-                slot[kept] = torch.arange(kept.numel())
+                kept_row = torch.full((p,), -1, dtype=torch.long)
+                kept_row[kept] = torch.arange(kept.numel())
                 w = torch.rand(kept.numel(), generator=g) + 0.5
-                for s, ww, k in ((None, None, p), (slot, w, kept.numel())):
+                for s, ww, k in ((None, None, p), (kept_row, w, kept.numel())):
                     d_ref, o_ref = combine_rows_backward_reference(dy, src, token, prob, s, ww, k)
                     d_got, o_got = combine_rows_backward(
                         *map(self.on_device, (dy, src, token, prob, s, ww)), k,

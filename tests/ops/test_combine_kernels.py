@@ -78,14 +78,14 @@ def test_combine_is_independent_of_thread_count(kernels):
     assert torch.equal(results[0], results[1])
 
 
-def _naive_backward(dy, src, token, scale, slot, w, k):
+def _naive_backward(dy, src, token, scale, kept_row, w, k):
     opmath = torch.promote_types(src.dtype, torch.float32)
     dscale = torch.zeros(src.shape[0], dtype=torch.float64)
     out = torch.full((k, dy.shape[1]), float("nan"), dtype=dy.dtype)
     for i in range(src.shape[0]):
         row = dy[int(token[i])]
         dscale[i] = float((row.double() * src[i].double()).sum())
-        s = i if slot is None else int(slot[i])
+        s = i if kept_row is None else int(kept_row[i])
         if s < 0:
             continue
         factor = scale[i].to(opmath) * (w[s].to(opmath) if w is not None else 1.0)
@@ -101,10 +101,11 @@ def test_backward_matches_per_pair_loop(kernels, backend, dtype, kept_share):
     dy = torch.randn(17, 33, generator=torch.Generator().manual_seed(12)).to(dtype)
     g = torch.Generator().manual_seed(13)
     kept = torch.randperm(120, generator=g)[: int(120 * kept_share)].sort().values
-    slot = torch.full((120,), -1, dtype=torch.long)
-    slot[kept] = torch.arange(kept.numel())
+    kept_row = torch.full((120,), -1, dtype=torch.long)
+    kept_row[kept] = torch.arange(kept.numel())
     w = torch.rand(kept.numel(), generator=g) + 0.5
-    for s, ww, k in ((None, None, 120), (slot, w, kept.numel()), (slot, None, kept.numel())):
+    for s, ww, k in ((None, None, 120), (kept_row, w, kept.numel()),
+                     (kept_row, None, kept.numel())):
         dscale, out = combine_rows_backward(dy, src, token, scale, s, ww, k, backend=backend)
         want_d, want_out = _naive_backward(dy, src, token, scale, s, ww, k)
         assert dscale.dtype == torch.promote_types(dtype, torch.float32)
@@ -135,10 +136,10 @@ def test_bad_values_raise_naming_them(kernels, backend):
         combine_rows_backward(torch.zeros(4, 3), src, token.index_put((torch.tensor(3),),
                                                                       torch.tensor(4)),
                               scale, backend=backend)
-    slot = torch.full((10,), -1, dtype=torch.long)
-    slot[2] = 5
-    with pytest.raises(IndexError, match=r"slot\[2\] = 5 is outside \[-1, K\)"):
-        combine_rows_backward(torch.zeros(4, 3), src, token, scale, slot, None, 2,
+    kept_row = torch.full((10,), -1, dtype=torch.long)
+    kept_row[2] = 5
+    with pytest.raises(IndexError, match=r"kept_row\[2\] = 5 is outside \[-1, K\)"):
+        combine_rows_backward(torch.zeros(4, 3), src, token, scale, kept_row, None, 2,
                               backend=backend)
 
 

@@ -100,13 +100,13 @@ def test_opcheck_combine_rows_backward(ops, shape):
     src, token, scale, _, _, dy = _pairs(*shape)
     p = shape[0]
     _opcheck(ops.combine_rows_backward.default, (dy, src, token, scale), {"check": True})
-    # With slot and w: every other pair kept, K of them, each row written once.
+    # With kept_row and w: every other pair kept, K of them, each row written once.
     kept = torch.arange(0, p, 2)
-    slot = torch.full((p,), -1, dtype=torch.int64)
-    slot[kept] = torch.arange(kept.numel())
+    kept_row = torch.full((p,), -1, dtype=torch.int64)
+    kept_row[kept] = torch.arange(kept.numel())
     w = torch.rand(kept.numel())
     _opcheck(ops.combine_rows_backward.default,
-             (dy, src, token, scale, slot, w, kept.numel(), True))
+             (dy, src, token, scale, kept_row, w, kept.numel(), True))
 
 
 @pytest.mark.parametrize("shape", [(6, 20, 7), (5, 0, 8), (0, 0, 3)])
@@ -155,9 +155,9 @@ def test_fake_select_rows_refuses_a_data_dependent_size(ops):
 
 def test_fake_combine_rows_backward_refuses_an_unknown_k(ops):
     src, token, scale, _, _, dy = _pairs(4, 2, 3)
-    slot = torch.tensor([0, -1, 1, -1])
+    kept_row = torch.tensor([0, -1, 1, -1])
     with FakeTensorMode() as mode:
-        args = [mode.from_tensor(t) for t in (dy, src, token, scale, slot)]
+        args = [mode.from_tensor(t) for t in (dy, src, token, scale, kept_row)]
         with pytest.raises(ValueError, match="K = -1"):
             ops.combine_rows_backward(*args)
 
@@ -208,9 +208,9 @@ def _run_every_op_on_fake_cuda() -> None:
 
         dy = torch.empty(t, h, dtype=torch.bfloat16, device=cuda)
         token = torch.empty(p, dtype=torch.int32, device=cuda)
-        slot = torch.empty(p, dtype=torch.int64, device=cuda)
+        kept_row = torch.empty(p, dtype=torch.int64, device=cuda)
         w = torch.empty(7, device=cuda)
-        dscale, g = combine_rows_backward(dy, src, token, scale, slot, w, n_out=7)
+        dscale, g = combine_rows_backward(dy, src, token, scale, kept_row, w, n_out=7)
         assert dscale.shape == (p,) and dscale.dtype == torch.float32
         assert g.shape == (7, h) and g.dtype == torch.bfloat16
         assert dscale.device == g.device == cuda_0()
@@ -311,7 +311,7 @@ def test_combine_rows_without_pairs_still_checks_offsets(kernels, backend):
 
 @pytest.mark.parametrize("backend", _backends())
 def test_combine_rows_backward_without_pairs_gives_zero_rows(kernels, backend):
-    """P = 0: dscale is empty and no slot names a row, so out [K, H] is zeros (as the
+    """P = 0: dscale is empty and no kept_row names a row, so out [K, H] is zeros (as the
     torch backend gives), not whatever memory the allocator handed out."""
     dev = _device(backend)
     k, h = 4, 16

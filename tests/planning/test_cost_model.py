@@ -378,7 +378,7 @@ def test_capacity_and_retained_limit_against_brute_force(fields, layers, in_flig
     balanced = cost.rank_memory(np.zeros(1), np.array([p]), np.array([p]))[0]
     for share in (balanced * 0.7, balanced, balanced * 1.3, balanced * 2.0, 2400.5):
         assert math.isclose(cost.memory_share(layers * share), share, rel_tol=1e-15)
-        cap = cost.assignment_capacity(share, reps)
+        cap = cost.receive_limit(share, reps)
         assert cap.dtype == np.int64
         for got, r in zip(cap.tolist(), reps.tolist(), strict=True):
             check(got, r, grid, 0 * grid)

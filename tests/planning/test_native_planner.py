@@ -322,7 +322,7 @@ def test_native_refuses_bad_shapes():
     native = native_planner(Placement(2, 4, ((0, 1),)), None, np.asarray([0, 1]))
     with pytest.raises(ValueError, match=r"counts must have shape \[R, 4\]"):
         native.assign(np.zeros((2, 3), dtype=np.int64), None)
-    with pytest.raises(ValueError, match="capacity must have one entry per rank"):
+    with pytest.raises(ValueError, match="limit must have one entry per rank"):
         native.assign(np.zeros((2, 4), dtype=np.int64), np.zeros(3, dtype=np.int64))
     with pytest.raises(ValueError, match="no cost model"):
         native.memory(np.zeros((2, 5), dtype=np.int64), np.zeros((2, 5), dtype=np.int64),

@@ -344,7 +344,7 @@ def test_capacity_overflow_goes_home():
     # and what exceeds rank 0's capacity is the overflow.
     placement = Placement(2, 2, ((0, 1),))
     counts = torch.tensor([[3, 0], [3, 2]])
-    routing = assign_instances(counts, placement, capacity=[4, 2])
+    routing = assign_instances(counts, placement, receive_limit=[4, 2])
     assert routing.counts[:, 2].sum() == 0
     assert routing.overflow == 2
     assert _loads(routing, placement) == [6, 2]
@@ -362,8 +362,8 @@ def test_route_pairs_refuses_bad_input():
         assign_instances(torch.zeros(2, 3, dtype=torch.int64), placement)
     with pytest.raises(ValueError, match="non-negative"):
         assign_instances(-torch.ones(2, 4, dtype=torch.int64), placement)
-    with pytest.raises(ValueError, match="capacity"):
-        assign_instances(torch.zeros(2, 4, dtype=torch.int64), placement, capacity=[1])
+    with pytest.raises(ValueError, match="receive_limit"):
+        assign_instances(torch.zeros(2, 4, dtype=torch.int64), placement, receive_limit=[1])
 
 
 # ---------------------------------------------------------------------------
