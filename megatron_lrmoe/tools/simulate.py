@@ -51,6 +51,7 @@ from megatron_lrmoe.planning.cost_model import (
 )
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import default_retention_in_forward
+from megatron_lrmoe.tools.figures import save_png
 from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.routing_traces import read_routing_trace, regroup_sources
 
@@ -632,7 +633,7 @@ def plot(by_ep: dict[int, list[PolicyResult]], steps_ratio: dict[str, float], pa
     axes[1].set_ylabel("projected MoE time to target / dropless")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
     plt.close(fig)
 
 
