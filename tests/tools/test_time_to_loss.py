@@ -5,6 +5,9 @@ run whose table must be well formed (its numbers are not checked: tiny and noisy
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -150,6 +153,35 @@ def test_a_run_ahead_of_its_round_waits(tmp_path, monkeypatch):
     assert ttl.run_one(run, [], 29599, segment=3, total=6, until=3) is None
     assert len(run_log.read_records(run / "log.jsonl")) == 3
     assert (run / "log.jsonl").is_file()         # a run in progress keeps its log plain
+
+
+def test_a_studys_report_renders_again_from_its_stored_logs(tmp_path, monkeypatch):
+    # The study held to D1 on the man pages: its runs' compressed logs (copied alone) and
+    # those of the unconstrained study beside it give the committed report.md and
+    # report.json again. What the logs do not hold comes from the committed report: the
+    # command, the machine's core count, and the device's predictions made before the
+    # runs (budget, binding, feasibility table: the cost model's, which moved since).
+    study = ROOT / "benchmarks/results/time_to_loss/h384_f1024_mb4/held_d1/manpages"
+    md, committed = (study / "report.md").read_text(), (study / "report.json").read_text()
+    command = re.search(r"^Command: `(.*)`$", md, re.MULTILINE).group(1)
+    cores = int(re.search(r"on (\d+) cores", md).group(1))
+    feasibility = md.split("\n## Feasibility (predicted before the runs)\n\n")[1]
+    args = ttl.parse_args(shlex.split(command)[2:])
+    stage, base = ttl.study_setup(args)
+    predicted = json.loads(committed)
+    device = ttl.Device(args.device_gib, predicted["budget_gib"], predicted["binding"],
+                        feasibility.removesuffix("\n"), args.unconstrained_dir)
+    out = tmp_path / "study"
+    for done in sorted(study.glob("runs/*/done.json")):
+        (out / "runs" / done.parent.name).mkdir(parents=True)
+        for name in ("done.json", "log.jsonl.gz"):
+            shutil.copy(done.parent / name, out / "runs" / done.parent.name)
+    monkeypatch.chdir(ROOT)           # the command names the unconstrained study from here
+    monkeypatch.setattr(ttl.os, "cpu_count", lambda: cores)
+    rows = ttl.write_report(out, stage, args.stage, command, base, "auto", device, plots=False)
+    assert len(rows) == 9 and not (out / "report").exists()
+    assert (out / "report.md").read_text() == md
+    assert (out / "report.json").read_text() == committed
 
 
 def test_every_policy_has_the_flags_it_names():
