@@ -15,14 +15,6 @@ DPI = 80
 COLORS = 256
 
 
-def _palette(image: Any) -> Any:
-    from PIL import Image
-
-    # No dithering: flat areas and lines stay flat instead of speckled.
-    return image.convert("RGB").quantize(COLORS, method=Image.Quantize.MEDIANCUT,
-                                         dither=Image.Dither.NONE)
-
-
 def save_png(fig: Any, path: str | os.PathLike, dpi: float = DPI) -> Path:
     """Save the matplotlib figure ``fig`` as a palette PNG at ``path`` (atomically: a
     half-written file never replaces a figure)."""
@@ -31,11 +23,11 @@ def save_png(fig: Any, path: str | os.PathLike, dpi: float = DPI) -> Path:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
     buffer.seek(0)
-    return _write(Image.open(buffer), Path(path))
-
-
-def _write(image: Any, path: Path) -> Path:
+    # No dithering: flat areas and lines stay flat instead of speckled.
+    image = Image.open(buffer).convert("RGB").quantize(
+        COLORS, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    _palette(image).save(tmp, format="PNG", optimize=True)
+    image.save(tmp, format="PNG", optimize=True)
     os.replace(tmp, path)
     return path
