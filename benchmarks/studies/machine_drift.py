@@ -18,8 +18,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools.provenance import code_version
-from megatron_lrmoe.tools.time_to_loss import read_log, speed_blocks
+from megatron_lrmoe.tools.time_to_loss import speed_blocks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                           *(sys.argv[1:] if argv is None else argv)])
     lines = [f"Command: `{command}`", f"Code: {code_version()}", ""]
     for study in a.studies:
-        runs = {f.parent.name: speed_blocks(read_log(f), a.block)
-                for f in sorted((study / "runs").glob("*/log.jsonl"))}
+        logs = [run / "log.jsonl" for run in sorted((study / "runs").iterdir())]
+        runs = {log.parent.name: speed_blocks(run_log.read_records(log), a.block)
+                for log in logs if run_log.stored(log).is_file()}
         width = max((len(b) for b in runs.values()), default=0)
         lines += [f"## {study}", "",
                   f"Per block of {a.block} steps: other s / MoE s per step (medians).", "",

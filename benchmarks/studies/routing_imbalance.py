@@ -9,7 +9,8 @@
 the config's ``moe-lrmoe*`` keys are left out) with the shape cut to what two CPU
 cores train in minutes (``TRACE_SHAPE``), EP=2 on 2 ranks x 1 thread, and the
 launcher's ``--record-routing``. Output: ``benchmarks/results/routing_traces/<model>/``
-(``trace/`` as written by the launcher, ``log.jsonl``, ``stdout.txt``, ``command.txt``).
+(``trace/`` as written by the launcher, ``log.jsonl.gz``, ``stdout.txt``, ``command.txt``;
+the log compressed and the trace repacked once the recording is done).
 
 ``table`` reads every trace there and writes ``benchmarks/results/routing_imbalance.md``
 (and ``routing_imbalance.png``): per MoE layer, the routed load max/mean over the EP
@@ -40,12 +41,15 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_lrmoe.tools import run_log
+from megatron_lrmoe.tools.figures import save_png
 from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.routing_traces import (
     RoutingTrace,
     load_max_over_mean,
     read_routing_trace,
     regroup_sources,
+    repack,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,6 +125,8 @@ def record(model: str, train_iters: int, port: int, force: bool) -> Path:
     display = [Path(command[0]).name, *command[1:]]
     (out / "command.txt").write_text(
         shlex.join(display) + f"\n# {time.perf_counter() - start:.0f} s, {code_version()}\n")
+    run_log.compress(out / "log.jsonl")
+    repack(out / "trace")
     return out
 
 
@@ -359,7 +365,7 @@ def plot(summaries: dict[str, dict], traces: dict[str, RoutingTrace], path: Path
             ax.set_ylabel("routed load max/mean")
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_png(fig, path)
     plt.close(fig)
 
 

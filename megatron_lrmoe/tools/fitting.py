@@ -23,7 +23,6 @@ fit (``best_fitting``); ``feasibility_table`` is what it prints before any run.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from dataclasses import dataclass, replace
@@ -32,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_lrmoe.planning.memory_account import GIB, MemoryAccount
+from megatron_lrmoe.tools import run_log
 
 __all__ = ["Candidate", "MemoryAccount", "OutsideTime", "Prediction", "best_fitting",
            "candidates", "device_sizes", "distinct", "feasibility_table", "full_recompute",
@@ -68,8 +68,7 @@ class OutsideTime:
 
     @classmethod
     def from_log(cls, log: Path) -> OutsideTime:
-        rows = [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
-        rows = [r for r in rows if "step-time-s" in r]
+        rows = [r for r in run_log.read_records(log) if "step-time-s" in r]
         steady = rows[len(rows) // 10:] or rows
         if not steady:
             raise ValueError(f"{log}: no step records (step-time-s)")

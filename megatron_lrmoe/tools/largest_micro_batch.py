@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 from megatron_lrmoe.tools import fitting as F
+from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools import time_to_loss as ttl
 from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.simulator_validation import reference_flags
@@ -53,7 +54,7 @@ def _shown(path: Path) -> str:
 
 def moe_ms_per_1k_tokens(log: Path, tokens_per_step: int) -> float:
     """Median MoE seconds of a step (after the first tenth) per 1000 tokens."""
-    steps = [r for r in map(json.loads, log.read_text().splitlines()) if "moe-forward-s" in r]
+    steps = [r for r in run_log.read_records(log) if "moe-forward-s" in r]
     steps = steps[len(steps) // 10:]
     median = statistics.median(r["moe-forward-s"] + r["moe-backward-s"] for r in steps)
     return 1e6 * median / tokens_per_step

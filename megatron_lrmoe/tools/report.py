@@ -1,7 +1,8 @@
 """Run reports: ``python -m megatron_lrmoe.tools.report RUN_DIR... [--out DIR]``.
 
 Reads the launcher's JSON-lines logs (``--log-json``; a RUN_DIR is a directory holding
-``log.jsonl``, or the ``.jsonl`` file itself) and writes PNGs (matplotlib, Agg):
+``log.jsonl`` or, once its study stored it compressed, ``log.jsonl.gz``; or the log file
+itself) and writes PNGs (matplotlib, Agg):
 
 - ``loss.png``: training loss vs step and vs cumulative MoE-layer time (every run
   overlaid; thin: the logged per-step loss, solid: its trailing mean; dots: validation);
@@ -34,6 +35,9 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from megatron_lrmoe.tools import run_log
+from megatron_lrmoe.tools.figures import save_png
 
 __all__ = ["LoadSeries", "RunSeries", "build_report", "read_run", "write_report"]
 
@@ -69,13 +73,13 @@ class RunSeries:
 
 
 def _log_file(path: Path) -> Path:
-    if path.is_file():
-        return path
+    if run_log.stored(path).is_file():
+        return run_log.stored(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such run directory or log file")
-    if (path / "log.jsonl").is_file():
-        return path / "log.jsonl"
-    logs = sorted(path.glob("*.jsonl"))
+    if run_log.stored(path / "log.jsonl").is_file():
+        return run_log.stored(path / "log.jsonl")
+    logs = sorted([*path.glob("*.jsonl"), *path.glob("*.jsonl" + run_log.SUFFIX)])
     if len(logs) != 1:
         raise FileNotFoundError(f"{path}: expected log.jsonl (the launcher's --log-json) or "
                                 f"one *.jsonl file, found {[p.name for p in logs]}")
@@ -121,7 +125,7 @@ def read_run(path: str | os.PathLike, name: str | None = None) -> RunSeries:
     """One run's series from its JSON-lines log."""
     log = _log_file(Path(path))
     records = []
-    for number, line in enumerate(log.read_text().splitlines(), start=1):
+    for number, line in enumerate(run_log.read_text(log).splitlines(), start=1):
         if line.strip():
             try:
                 records.append(json.loads(line))
@@ -129,7 +133,8 @@ def read_run(path: str | os.PathLike, name: str | None = None) -> RunSeries:
                 raise ValueError(f"{log}:{number}: not a JSON line ({error})") from None
     records = history(records)
     train = [r for r in records if "lm-loss" in r]
-    run = RunSeries(name or (log.parent.name if log.name == "log.jsonl" else log.stem), log)
+    plain = Path(log.name.removesuffix(run_log.SUFFIX))
+    run = RunSeries(name or (log.parent.name if plain.name == "log.jsonl" else plain.stem), log)
     run.iterations = [r["iteration"] for r in train]
     run.loss = [float(r["lm-loss"]) for r in train]
     run.moe_forward_s = [float(r.get("moe-forward-s", 0.0)) for r in train]
@@ -310,10 +315,8 @@ def write_report(runs: list[RunSeries], out_dir: str | os.PathLike) -> dict[str,
         if fig is None:
             (out / name).unlink(missing_ok=True)     # no stale figure from an earlier report
             continue
-        tmp = out / (name + ".tmp.png")
-        fig.savefig(tmp, dpi=100)
+        save_png(fig, out / name)
         plt.close(fig)
-        os.replace(tmp, out / name)
         written[name] = out / name
     lines = ["# Run report", "", "| run | log (relative to this file) | steps | final loss | "
              "MoE s | LRMoE stats | "
@@ -348,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_lrmoe.tools.report",
                                 description="PNG report of launcher runs (JSON-lines logs).")
     p.add_argument("runs", nargs="+", type=Path,
-                   help="run directories holding log.jsonl (--log-json), or the .jsonl files")
+                   help="run directories holding log.jsonl or log.jsonl.gz (--log-json), or "
+                        "the log files")
     p.add_argument("--out", type=Path, default=None,
                    help="output directory (default: RUN_DIR/report for one run, else "
                         "report/ in the runs' common directory)")

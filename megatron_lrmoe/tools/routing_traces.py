@@ -15,7 +15,10 @@ A trace is a directory::
     DIR/counts_000001.npz    iterations [n] int64, counts [n, L, M, S, E] int32
     DIR/counts_000002.npz    ...
 
-Chunks are numbered in the order they were written. A run resumed from a checkpoint
+Chunks are numbered in the order they were written. The writer compresses them with
+zlib (``np.savez_compressed``: fast enough to flush while training); a finished trace
+may be repacked with LZMA inside the same ``.npz`` zip (``repack``: about 40% smaller,
+read by ``np.load`` as the same arrays). A run resumed from a checkpoint
 appends chunks and may record some iterations again (the steps after the checkpoint
 it resumed from); the reader keeps the latest record of each iteration, which is the
 history the resumed run continued.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +48,7 @@ __all__ = [
     "rank_loads",
     "read_routing_trace",
     "regroup_sources",
+    "repack",
     "write_chunk",
     "write_header",
 ]
@@ -105,6 +110,27 @@ def write_chunk(path: str | os.PathLike, number: int, iterations: np.ndarray,
     np.savez_compressed(tmp, iterations=iterations, counts=counts.astype(np.int32))
     os.replace(tmp, final)
     return final
+
+
+def repack(path: str | os.PathLike) -> None:
+    """Rewrite a finished trace's chunks with LZMA inside their ``.npz`` zip: ``np.load``
+    (and so ``read_routing_trace``) returns the same arrays, dtypes and shapes. Chunks
+    already in LZMA are left as they are; the bytes depend on the arrays only (fixed
+    zip timestamps), so repacking again changes nothing."""
+    for chunk in sorted(Path(path).glob("counts_*.npz")):
+        with zipfile.ZipFile(chunk) as packed:
+            if all(i.compress_type == zipfile.ZIP_LZMA for i in packed.infolist()):
+                continue
+        with np.load(chunk) as data:
+            arrays = {name: data[name] for name in data.files}
+        tmp = chunk.with_name(chunk.name + ".tmp")     # not a counts_*.npz the reader sees
+        with zipfile.ZipFile(tmp, "w") as packed:
+            for name, array in arrays.items():
+                entry = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+                entry.compress_type = zipfile.ZIP_LZMA
+                with packed.open(entry, "w", force_zip64=True) as out:
+                    np.lib.format.write_array(out, array, allow_pickle=False)
+        os.replace(tmp, chunk)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,11 @@ from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, stage_moe_memory
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import default_retention_in_forward
+<<<<<<< HEAD
 from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
+=======
+from megatron_lrmoe.tools.figures import save_png
+>>>>>>> light
 from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.routing_traces import read_routing_trace, regroup_sources
 
@@ -628,7 +632,7 @@ def plot(by_ep: dict[int, list[PolicyResult]], steps_ratio: dict[str, float], pa
     axes[1].set_ylabel("projected MoE time to target / dropless")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
     plt.close(fig)
 
 

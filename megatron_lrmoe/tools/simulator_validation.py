@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 
 from megatron_lrmoe.planning.shapes import MoEShape
+from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools.routing_traces import read_routing_trace
 from megatron_lrmoe.tools.simulate import CLUSTERS, ModelSpec, Policy, simulate
 
@@ -86,8 +87,7 @@ def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
 def measured(log: Path) -> tuple[float, float, int, float | None]:
     """(forward s, backward s) per step, medians after the first tenth; steps used; the
     planner's logged host time per call (s, median; None where no planner ran)."""
-    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    train = [r for r in rows if "moe-forward-s" in r]
+    train = [r for r in run_log.read_records(log) if "moe-forward-s" in r]
     steady = train[len(train) // 10:] or train
     planner = [r["lrmoe/planner-ms-per-call"] / 1e3 for r in steady
                if "lrmoe/planner-ms-per-call" in r]
@@ -153,7 +153,7 @@ def distinct_runs(studies: list[Path]) -> list[Path]:
             run = done.parent
             if not (run / "routing" / "header.json").is_file():
                 continue
-            digest = hashlib.sha256((run / "log.jsonl").read_bytes()).hexdigest()
+            digest = hashlib.sha256(run_log.read_text(run / "log.jsonl").encode()).hexdigest()
             if digest not in seen:
                 seen.add(digest)
                 runs.append(run)

@@ -44,7 +44,9 @@ measures both fitted configurations; the confirmation names the faster one of ea
 baseline (``--policies symi@micro-batch_2_+_slots_10,...``) and runs only it.
 
 Runs are resumable: each finishes by writing ``runs/<policy>-s<seed>/done.json``, and
-a run with that file is never repeated; the report (``report.md``, ``report.json``,
+a run with that file is never repeated; a finished run's log is then stored compressed
+(``log.jsonl.gz``, ``megatron_lrmoe.tools.run_log``) and its routing record repacked
+(``routing_traces.repack``); the report (``report.md``, ``report.json``,
 ``loss_vs_moe_time.png``, and the run report ``report/*.png`` of
 ``megatron_lrmoe.tools.report``) is rewritten after every finished run, so a study can span
 several sessions. The exact command of every run is in its ``done.json``.
@@ -66,6 +68,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_lrmoe.tools import run_log
+from megatron_lrmoe.tools.figures import save_png
 from megatron_lrmoe.tools.time_to_loss_policies import (
     REFERENCE,
     STUDY_CONFIG,
@@ -131,6 +135,7 @@ def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = No
 
     done = run_dir / "done.json"
     if done.exists():
+        compact(run_dir)      # a study stopped between the two steps of finishing a run
         return json.loads(done.read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = run_dir / CHECKPOINT
@@ -176,7 +181,18 @@ def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = No
     _write_atomic(done, record)    # a half-written done.json never marks a run done
     shutil.rmtree(checkpoint, ignore_errors=True)
     walls_file.unlink(missing_ok=True)
+    compact(run_dir)
     return record
+
+
+def compact(run_dir: Path) -> None:
+    """Store a finished run small: its log compressed, its routing record repacked.
+    After ``done.json``: a run stopped while it trained keeps its plain log to resume."""
+    from megatron_lrmoe.tools.routing_traces import repack
+
+    run_log.compress(run_dir / "log.jsonl")
+    if (run_dir / "routing").is_dir():
+        repack(run_dir / "routing")
 
 
 def _write_atomic(path: Path, record: dict) -> None:
@@ -186,9 +202,11 @@ def _write_atomic(path: Path, record: dict) -> None:
 
 
 def _truncate_log(path: Path, iteration: int) -> None:
-    """Keep the records of the steps up to ``iteration`` (none: remove the log)."""
+    """Keep the records of the steps up to ``iteration`` (none: remove the log, and the
+    compressed one of an earlier attempt)."""
     if not iteration:
         path.unlink(missing_ok=True)
+        run_log.stored(path).unlink(missing_ok=True)
     elif path.exists():
         kept = [line for line in path.read_text().splitlines()
                 if line.strip() and json.loads(line)["iteration"] <= iteration]
@@ -216,10 +234,6 @@ def schedule(names: list[str], rounds: int) -> list[tuple[int, str]]:
 # -----------------------------------------------------------------------------
 # Analysis (pure: JSON-lines records in, numbers out)
 # -----------------------------------------------------------------------------
-
-
-def read_log(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def smoothed(values: list[float], window: int) -> list[float]:
@@ -516,10 +530,8 @@ def plot(per_run: dict[tuple[str, int], dict], targets: dict[int, dict[float, fl
     ax.set_title(f"Loss vs MoE time, seed {seed}")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    save_png(fig, path)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -546,20 +558,34 @@ def _finished_runs(out_dir: Path, prefix: str = "") -> tuple[dict, dict, dict]:
         if record.get("failed"):
             failed[key] = record["failed"]
             continue
-        logs[key] = read_log(done.parent / "log.jsonl")
+        logs[key] = run_log.read_records(done.parent / "log.jsonl")
         finished[key] = record
     return logs, finished, failed
 
 
-def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
-                 base_flags: list[str], budget_gb: float | str,
-                 device: Device | None = None) -> list[dict]:
-    """Analyse every finished run under ``out_dir`` and rewrite the report files."""
+@dataclass(frozen=True)
+class Analysis:
+    """A study's finished runs, keyed (policy, seed): their records, ``done.json``
+    records and out-of-memory stops, the seeds' targets, and each run's figures."""
+
+    logs: dict[tuple[str, int], list[dict]]
+    finished: dict[tuple[str, int], dict]
+    failed: dict[tuple[str, int], str]
+    targets: dict[int, dict[float, float]]
+    val_targets: dict[int, float | None]
+    per_run: dict[tuple[str, int], dict]
+
+
+def analyse_study(out_dir: Path, stage: Stage,
+                  unconstrained_dir: Path | None = None) -> Analysis:
+    """Every finished run under ``out_dir`` (with ``unconstrained_dir``: that study's
+    runs of the same seeds beside them, ``unconstrained/...``) against its seed's
+    targets."""
     window = max(1, stage.steps // 8)
     logs, finished, failed = _finished_runs(out_dir)
-    if device is not None:   # the unconstrained study's runs of the same seeds, beside
+    if unconstrained_dir is not None:
         seeds = {seed for _, seed in logs} | {seed for _, seed in failed}
-        more, more_done, _ = _finished_runs(device.unconstrained_dir, UNCONSTRAINED)
+        more, more_done, _ = _finished_runs(unconstrained_dir, UNCONSTRAINED)
         logs.update({k: v for k, v in more.items() if k[1] in seeds})
         finished.update({k: v for k, v in more_done.items() if k[1] in seeds})
     references = {seed: records for (name, seed), records in logs.items()
@@ -573,6 +599,39 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
                for key, records in logs.items() if key[1] in targets}
     for key, analysed in per_run.items():   # end-to-end wall time beside MoE time
         analysed["wall_s"] = finished[key]["wall_s"]
+    return Analysis(logs, finished, failed, targets, val_targets, per_run)
+
+
+def write_plots(out_dir: Path, analysis: Analysis,
+                unconstrained_dir: Path | None = None) -> None:
+    """The study's figures: ``loss_vs_moe_time.png`` and the run report ``report/``
+    (``megatron_lrmoe.tools.report``) over every run."""
+    if analysis.per_run:
+        plot(analysis.per_run, analysis.targets, out_dir / "loss_vs_moe_time.png")
+    if analysis.logs:
+        from megatron_lrmoe.tools.report import build_report
+        from megatron_lrmoe.tools.report import write_report as write_run_report
+
+        def run_dir(name: str, seed: int) -> Path:
+            if name.startswith(UNCONSTRAINED):
+                assert unconstrained_dir is not None
+                return (unconstrained_dir / "runs"
+                        / f"{name.removeprefix(UNCONSTRAINED)}-s{seed}")
+            return out_dir / "runs" / f"{name}-s{seed}"
+
+        write_run_report(build_report([run_dir(n, s) for n, s in analysis.logs]),
+                         out_dir / "report")
+
+
+def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
+                 base_flags: list[str], budget_gb: float | str,
+                 device: Device | None = None, plots: bool = True) -> list[dict]:
+    """Analyse every finished run under ``out_dir`` and rewrite the report files (the
+    figures too unless ``plots`` is False)."""
+    window = max(1, stage.steps // 8)
+    analysis = analyse_study(out_dir, stage, device and device.unconstrained_dir)
+    logs, finished, failed = analysis.logs, analysis.finished, analysis.failed
+    targets, val_targets, per_run = analysis.targets, analysis.val_targets, analysis.per_run
     rows = summarize(per_run) if per_run else []
     seeds = per_seed(per_run)
     done = list(finished.values())
@@ -640,20 +699,8 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
     if device is not None:
         text += "\n## Feasibility (predicted before the runs)\n\n" + device.feasibility + "\n"
         (out_dir / "report.md").write_text(text)
-    if per_run:
-        plot(per_run, targets, out_dir / "loss_vs_moe_time.png")
-    if logs:   # the stage's run report (python -m megatron_lrmoe.tools.report) over every run
-        from megatron_lrmoe.tools.report import build_report
-        from megatron_lrmoe.tools.report import write_report as write_run_report
-
-        def run_dir(name: str, seed: int) -> Path:
-            if name.startswith(UNCONSTRAINED):
-                assert device is not None
-                return (device.unconstrained_dir / "runs"
-                        / f"{name.removeprefix(UNCONSTRAINED)}-s{seed}")
-            return out_dir / "runs" / f"{name}-s{seed}"
-
-        write_run_report(build_report([run_dir(n, s) for n, s in logs]), out_dir / "report")
+    if plots:
+        write_plots(out_dir, analysis, device and device.unconstrained_dir)
     return rows
 
 
@@ -782,20 +829,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def study_setup(args: argparse.Namespace) -> tuple[Stage, list[str]]:
+    """The stage (steps, seeds) and the flags every run of the study shares."""
     stage = STAGES[args.stage]
     if args.steps:
         stage = Stage(args.steps, stage.seeds, stage.shape, stage.eval_interval)
     if args.seeds:
         stage = Stage(stage.steps, tuple(int(s) for s in args.seeds.split(",")), stage.shape,
                       stage.eval_interval)
-    out_dir = args.out_dir or ROOT / "benchmarks" / "results" / "time_to_loss" / args.stage
     total = round(1.5 * stage.steps)
-    if args.rounds < 1 or total % args.rounds:
-        raise SystemExit(f"--rounds {args.rounds}: a run's {total} steps must split into that "
-                         "many equal rounds; choose one of "
-                         + ", ".join(str(k) for k in range(1, total + 1) if total % k == 0))
     eval_interval = stage.eval_interval or max(1, stage.steps // 4)
     study_shape = []       # the study parameters, recorded in the report with the flags
     if args.hidden_size:
@@ -805,10 +847,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.microbatches:
         micro_batch = int(flag_or_config(list(stage.shape), "micro-batch-size"))
         study_shape += ["--global-batch-size", str(micro_batch * 2 * args.microbatches)]
-    base = ["--config", STUDY_CONFIG, *stage.shape, *study_shape,
-            "--data-path", args.data_path, "--data-cache-path", args.data_cache_path,
-            "--train-iters", str(total), "--eval-interval", str(eval_interval),
-            "--log-interval", str(max(1, stage.steps // 10)), "--no-progress-bar"]
+    return stage, ["--config", STUDY_CONFIG, *stage.shape, *study_shape,
+                   "--data-path", args.data_path, "--data-cache-path", args.data_cache_path,
+                   "--train-iters", str(total), "--eval-interval", str(eval_interval),
+                   "--log-interval", str(max(1, stage.steps // 10)), "--no-progress-bar"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stage, base = study_setup(args)
+    out_dir = args.out_dir or ROOT / "benchmarks" / "results" / "time_to_loss" / args.stage
+    total = round(1.5 * stage.steps)
+    if args.rounds < 1 or total % args.rounds:
+        raise SystemExit(f"--rounds {args.rounds}: a run's {total} steps must split into that "
+                         "many equal rounds; choose one of "
+                         + ", ".join(str(k) for k in range(1, total + 1) if total % k == 0))
     device = None
     os.environ.setdefault("WORLD_SIZE", "2")    # flags are validated as the 2-rank runs'
     if args.device_gib is not None:

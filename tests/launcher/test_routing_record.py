@@ -74,6 +74,48 @@ def test_chunks_round_trip_and_latest_record_wins(tmp_path):
     assert trace.ep_groups(1) == [[0, 1]]
 
 
+def test_repacked_chunks_load_as_the_same_arrays(tmp_path):
+    import zipfile
+
+    rng = np.random.default_rng(2)
+    counts = [rng.integers(0, 2**31 - 1, size=(3, 2, 2, 2, 8)), np.zeros((2, 2, 2, 2, 8))]
+
+    def write(directory) -> list:
+        rt.write_header(directory, _header())
+        rt.write_chunk(directory, 1, np.array([1, 2, 3]), counts[0])
+        rt.write_chunk(directory, 2, np.array([4, 5]), counts[1])
+        return sorted(directory.glob("counts_*.npz"))
+
+    def arrays(chunks) -> list[dict[str, np.ndarray]]:
+        out = []
+        for chunk in chunks:
+            with np.load(chunk) as data:
+                out.append({name: data[name] for name in data.files})
+        return out
+
+    trace_dir = tmp_path / "trace"
+    chunks = write(trace_dir)
+    before, trace = arrays(chunks), rt.read_routing_trace(trace_dir)
+    rt.repack(trace_dir)
+    for old, new in zip(before, arrays(chunks), strict=True):
+        assert old.keys() == new.keys()
+        for name in old:
+            assert new[name].dtype == old[name].dtype and np.array_equal(new[name], old[name])
+    for chunk in chunks:
+        with zipfile.ZipFile(chunk) as packed:
+            assert {i.compress_type for i in packed.infolist()} == {zipfile.ZIP_LZMA}
+    again = rt.read_routing_trace(trace_dir)
+    assert np.array_equal(again.iterations, trace.iterations)
+    assert np.array_equal(again.counts, trace.counts)
+    assert sorted(trace_dir.iterdir()) == sorted([*chunks, trace_dir / rt.HEADER])  # no tmp
+    stored = [chunk.read_bytes() for chunk in chunks]
+    rt.repack(trace_dir)                                   # repacked already: unchanged
+    assert [chunk.read_bytes() for chunk in chunks] == stored
+    copy = write(tmp_path / "copy")                        # the bytes depend on the arrays
+    rt.repack(tmp_path / "copy")
+    assert [chunk.read_bytes() for chunk in copy] == stored
+
+
 def test_reader_and_writer_refuse_bad_input(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a routing trace"):
         rt.read_routing_trace(tmp_path)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_lrmoe.tools import report
+from megatron_lrmoe.tools import report, run_log
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -159,3 +159,18 @@ def test_appended_logs_keep_the_last_history(tmp_path):
     log.write_text('{"iteration": 1}\nnot json\n')
     with pytest.raises(ValueError, match="log.jsonl:2: not a JSON line"):
         report.read_run(log)
+
+
+def test_a_compressed_log_reads_as_the_plain_one(tmp_path):
+    run_dir = tmp_path / "run-s1"
+    run_dir.mkdir()
+    log = run_dir / "log.jsonl"
+    log.write_text("".join(json.dumps({"iteration": i, "lm-loss": 9.0 - i, "moe-forward-s": 0.1,
+                                       "moe-backward-s": 0.2}) + "\n" for i in (1, 2, 3)))
+    plain = report.read_run(run_dir)
+    run_log.compress(log)
+    for path in (run_dir, log, run_dir / "log.jsonl.gz"):
+        packed = report.read_run(path)
+        assert packed.name == "run-s1" and packed.path == run_dir / "log.jsonl.gz"
+        assert (packed.iterations, packed.loss, packed.moe_cumulative_s) == (
+            plain.iterations, plain.loss, plain.moe_cumulative_s)

@@ -5,11 +5,16 @@ run whose table must be well formed (its numbers are not checked: tiny and noisy
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from megatron_lrmoe.tools import largest_micro_batch as lmb
+from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools import time_to_loss as ttl
 from megatron_lrmoe.tools import time_to_loss_policies as ttp
 
@@ -130,7 +135,7 @@ def test_a_segment_stopped_midway_keeps_the_log_up_to_its_checkpoint(tmp_path):
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in _records([5, 4, 3, 2])))
     ttl._truncate_log(log, 2)
-    assert [r["iteration"] for r in ttl.read_log(log)] == [1, 2]
+    assert [r["iteration"] for r in run_log.read_records(log)] == [1, 2]
     ttl._truncate_log(log, 0)
     assert not log.exists()
 
@@ -146,7 +151,37 @@ def test_a_run_ahead_of_its_round_waits(tmp_path, monkeypatch):
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records([5, 4, 3])))
     monkeypatch.setattr(ttl.subprocess, "call", lambda *a, **k: pytest.fail("a run started"))
     assert ttl.run_one(run, [], 29599, segment=3, total=6, until=3) is None
-    assert len(ttl.read_log(run / "log.jsonl")) == 3
+    assert len(run_log.read_records(run / "log.jsonl")) == 3
+    assert (run / "log.jsonl").is_file()         # a run in progress keeps its log plain
+
+
+def test_a_studys_report_renders_again_from_its_stored_logs(tmp_path, monkeypatch):
+    # The study held to D1 on the man pages: its runs' compressed logs (copied alone) and
+    # those of the unconstrained study beside it give the committed report.md and
+    # report.json again. What the logs do not hold comes from the committed report: the
+    # command, the machine's core count, and the device's predictions made before the
+    # runs (budget, binding, feasibility table: the cost model's, which moved since).
+    study = ROOT / "benchmarks/results/time_to_loss/h384_f1024_mb4/held_d1/manpages"
+    md, committed = (study / "report.md").read_text(), (study / "report.json").read_text()
+    command = re.search(r"^Command: `(.*)`$", md, re.MULTILINE).group(1)
+    cores = int(re.search(r"on (\d+) cores", md).group(1))
+    feasibility = md.split("\n## Feasibility (predicted before the runs)\n\n")[1]
+    args = ttl.parse_args(shlex.split(command)[2:])
+    stage, base = ttl.study_setup(args)
+    predicted = json.loads(committed)
+    device = ttl.Device(args.device_gib, predicted["budget_gib"], predicted["binding"],
+                        feasibility.removesuffix("\n"), args.unconstrained_dir)
+    out = tmp_path / "study"
+    for done in sorted(study.glob("runs/*/done.json")):
+        (out / "runs" / done.parent.name).mkdir(parents=True)
+        for name in ("done.json", "log.jsonl.gz"):
+            shutil.copy(done.parent / name, out / "runs" / done.parent.name)
+    monkeypatch.chdir(ROOT)           # the command names the unconstrained study from here
+    monkeypatch.setattr(ttl.os, "cpu_count", lambda: cores)
+    rows = ttl.write_report(out, stage, args.stage, command, base, "auto", device, plots=False)
+    assert len(rows) == 9 and not (out / "report").exists()
+    assert (out / "report.md").read_text() == md
+    assert (out / "report.json").read_text() == committed
 
 
 def test_every_policy_has_the_flags_it_names():
@@ -196,6 +231,12 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     assert "2 micro-batch(es) per step on 2 ranks" in (out / "report.md").read_text()
     for run in ("megatron-dropless-s1", "lrmoe-uniform-g0.75-s1"):
         assert (out / "runs" / run / "routing" / "header.json").is_file()
+        # Finished: its log stored compressed, its routing record repacked.
+        assert (out / "runs" / run / "log.jsonl.gz").is_file()
+        assert not (out / "runs" / run / "log.jsonl").exists()
+        for chunk in (out / "runs" / run / "routing").glob("counts_*.npz"):
+            with zipfile.ZipFile(chunk) as packed:
+                assert {i.compress_type for i in packed.infolist()} == {zipfile.ZIP_LZMA}
     # The stage's run report, over both runs (the LRMoE run logs its statistics).
     for name in ("loss.png", "moe_time.png", "lrmoe.png", "routed_load.png", "index.md"):
         assert (out / "report" / name).stat().st_size > 0
@@ -220,7 +261,8 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
         "megatron-dropless-s1", "lrmoe-uniform-g0.75-s1",      # round 1
         "lrmoe-uniform-g0.75-s1", "megatron-dropless-s1"]      # round 2, reversed
     for run in ("megatron-dropless-s1", "lrmoe-uniform-g0.75-s1"):
-        whole, in_rounds = (ttl.read_log(d / "runs" / run / "log.jsonl") for d in (out, rounds))
+        whole, in_rounds = (run_log.read_records(d / "runs" / run / "log.jsonl")
+                            for d in (out, rounds))
         assert [r["iteration"] for r in in_rounds] == list(range(1, 7))
         assert [r["lm-loss"] for r in in_rounds] == [r["lm-loss"] for r in whole]
         done = json.loads((rounds / "runs" / run / "done.json").read_text())
@@ -275,7 +317,7 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     # reference run above: at 64 GiB micro-batches 1 and 2 train; on a device between
     # their logged peaks, 1 trains and 2 stops out of memory, which is the measurement.
     def peak(run: Path) -> float:
-        rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+        rows = run_log.read_records(run / "log.jsonl")
         return max(r["memory-predicted-peak-gib"] for r in rows if "memory-predicted-peak-gib" in r)
 
     reference = out / "runs" / "megatron-dropless-s1"
