@@ -46,11 +46,8 @@ from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, stage_moe_memory
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import default_retention_in_forward
-<<<<<<< HEAD
 from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
-=======
 from megatron_lrmoe.tools.figures import save_png
->>>>>>> light
 from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.routing_traces import read_routing_trace, regroup_sources
 
