@@ -223,7 +223,7 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="(launcher) do not time MoE layers (avoids device syncs on GPU)")
     g.add_argument("--record-routing", default=None, metavar="DIR",
                    help="(launcher) record every MoE layer's routed counts per micro-batch and "
-                        "source rank into DIR (format: megatron_lrmoe/tools/routing_traces.py)")
+                        "source rank into DIR (format: megatron_lrmoe/data/routing_traces.py)")
 
 
 def _flag_dests(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

@@ -832,9 +832,9 @@ def _megatron_moe_bytes(memory: _MegatronMemory, recorder) -> float:
     holds, the most over the micro-batches of its EP group's levels
     (``planning.memory_account.megatron_layer_levels``), composed over those layers under
     the run's recompute (``cost_model.stage_moe_memory``)."""
+    from megatron_lrmoe.data import routing_traces as rt
     from megatron_lrmoe.planning.cost_model import stage_moe_memory
     from megatron_lrmoe.planning.memory_account import megatron_layer_levels
-    from megatron_lrmoe.tools import routing_traces as rt
 
     step, me = recorder.last_step, dist.get_rank()      # step: [L, M, S, E]
     saved, peak = [], []

@@ -12,7 +12,7 @@ Once per step, after the optimizer step and outside every timed span, ``end_step
 moves the step's counts to the host, gathers them from every rank (one all_gather of
 [layers, M, E] integers per rank), and rank 0 appends them to the trace (numbered
 ``.npz`` chunks every ``flush_every`` steps and at ``close``; the format, the reader
-and the load arithmetic are in ``megatron_lrmoe/tools/routing_traces.py``). It also returns,
+and the load arithmetic are in ``megatron_lrmoe/data/routing_traces.py``). It also returns,
 for the step's log record, each layer's routed load max/mean over the EP ranks under
 Megatron's expert layout (the maximum over the step's micro-batches and EP groups,
 as ``lrmoe/layer<N>/load-max-over-mean`` takes the maximum over calls).
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrmoe.config.flags import tokens_per_rank
-from megatron_lrmoe.tools import routing_traces as rt
+from megatron_lrmoe.data import routing_traces as rt
 
 __all__ = ["RoutingRecorder", "RoutingRecordError", "start_recording"]
 

@@ -262,7 +262,7 @@ def reference_run(run: Path) -> tuple[list[np.ndarray], OutsideTime]:
     """A measured run's recorded routing per layer (past its first tenth, as the
     simulator's validation replays it) and its time outside the MoE layers: what the
     predictions of a study of the same model are made from."""
-    from megatron_lrmoe.tools.routing_traces import read_routing_trace
+    from megatron_lrmoe.data.routing_traces import read_routing_trace
 
     trace = read_routing_trace(Path(run) / "routing")
     skip = len(trace.iterations) // 10

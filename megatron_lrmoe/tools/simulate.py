@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import yaml
 
+from megatron_lrmoe.data.routing_traces import read_routing_trace, regroup_sources
 from megatron_lrmoe.planning.cost_model import (
     CostModel,
     InstanceRows,
@@ -52,7 +53,6 @@ from megatron_lrmoe.planning.cost_model import (
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import default_retention_in_forward
 from megatron_lrmoe.tools.provenance import code_version
-from megatron_lrmoe.tools.routing_traces import read_routing_trace, regroup_sources
 
 __all__ = ["CLUSTERS", "MODELS", "POLICIES", "STEPS_TO_TARGET_FILE", "ClusterSpec",
            "ModelSpec", "Policy", "capacity_drop", "layer_shape", "load_steps_to_target",

@@ -16,8 +16,8 @@ import shlex
 import statistics
 from pathlib import Path
 
+from megatron_lrmoe.data.routing_traces import read_routing_trace
 from megatron_lrmoe.planning.cost_model import MoEShape
-from megatron_lrmoe.tools.routing_traces import read_routing_trace
 from megatron_lrmoe.tools.simulate import CLUSTERS, ModelSpec, Policy, simulate
 
 # The launcher's worker module; runs recorded before the package was laid out by role

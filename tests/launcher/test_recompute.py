@@ -237,7 +237,7 @@ def test_launcher_records_routing_under_recompute(gloo2, tmp_path):
     """The launcher end to end (``pretrain.train``, with dropout) under `moe` recompute,
     whose recorded router call runs in backward: the same routing recorded, once per
     micro-batch, and the same losses as without recompute."""
-    from megatron_lrmoe.tools.routing_traces import read_routing_trace
+    from megatron_lrmoe.data.routing_traces import read_routing_trace
     from tests.launcher.test_launcher import _train as launcher_train
 
     base = TINY + ["--mock-data", "--train-iters", "2", "--lr-warmup-iters", "0",
