@@ -26,8 +26,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+from megatron_lrmoe.config.command_line.data import data_blend
 from megatron_lrmoe.data.tokenizers import build_tokenizer
-from megatron_lrmoe.launcher.arguments import data_blend
 from megatron_lrmoe.launcher.norms import SequenceParallelTorchNorm
 from megatron_lrmoe.layer.spec_utils import replace_module
 

@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 
+from megatron_lrmoe.config.command_line import build_parser
 from megatron_lrmoe.config.flags import (
     ConfigError,
     UnusedLRMoEOptionWarning,
@@ -21,7 +22,7 @@ from megatron_lrmoe.config.flags import (
 )
 from megatron_lrmoe.config.options import OPTIONS, option
 from megatron_lrmoe.integration import megatron_lm
-from megatron_lrmoe.launcher.arguments import build_parser, parse_args
+from megatron_lrmoe.launcher.arguments import parse_args
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
