@@ -46,7 +46,8 @@ def _train_and_describe(argv: list[str]) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_lrmoe.launcher.arguments import parse_args
-    from megatron_lrmoe.launcher.pretrain import initialize_distributed, train
+    from megatron_lrmoe.launcher.distributed import initialize_distributed
+    from megatron_lrmoe.launcher.pretrain import train
 
     args = parse_args(argv)
     initialize_distributed(args)
