@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_lrmoe.config.command_line import build_parser, training, validate_args
+from megatron_lrmoe.config.command_line import build_parser, validate_args
+from megatron_lrmoe.config.command_line.training import warmup_from_one_source
 from megatron_lrmoe.config.command_line.yaml_config import load_yaml_config
 
 __all__ = ["fill_derived_args", "parse_args"]
@@ -34,7 +35,7 @@ def parse_args(argv: Sequence[str] | None = None,
     if pre.config:
         parser.set_defaults(**load_yaml_config(pre.config, parser))
     args = parser.parse_args(argv)
-    training.warmup_from_one_source(args, sys.argv[1:] if argv is None else argv)
+    warmup_from_one_source(args, sys.argv[1:] if argv is None else argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     fill_derived_args(args, world_size)
