@@ -1,4 +1,5 @@
-"""The package's import graph: no cycles, and the test harness stays out of production.
+"""The package's import graph: no cycles, the test harness stays out of production, and
+the launcher's modules stay short.
 
 Every module of ``megatron_lrmoe`` is parsed with ``ast`` (nothing is imported), and
 each import statement anywhere in it (module level, inside functions, under
@@ -155,7 +156,9 @@ def test_production_code_does_not_import_the_test_harness():
 
 # What each layer may import from the package: planning stays pure (host-side values and
 # the option table), the layer builds on planning and the ops, and nothing below the
-# integration, the launcher and the tools reaches up into them. The one exception is
+# integration, the launcher and the tools reaches up into them: the integration (the
+# Megatron-LM glue included) not into data or the launcher, the launcher not into the
+# tools (the routing-trace format it writes is data's). The one exception is
 # integration.megatron_privates, the module through which every Megatron private is
 # touched: the layer reaches Megatron's internals through it too, so it imports nothing
 # of the package at all.
@@ -165,6 +168,9 @@ ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
     "config": ("config", "planning"),
     "layer": ("layer", "config", "planning", "ops", "integration.megatron_privates"),
     "integration.megatron_privates": (),
+    "integration": ("integration", "layer", "config", "planning", "ops"),
+    "data": ("data", "integration", "layer", "config", "planning", "ops"),
+    "launcher": ("launcher", "data", "integration", "layer", "config", "planning", "ops"),
 }
 
 
@@ -201,3 +207,29 @@ def test_megatron_privates_imports_nothing_of_the_package():
     bad = [t for t in graph[f"{PACKAGE}.integration.megatron_privates"]
            if not _allowed(t, ALLOWED_IMPORTS["integration.megatron_privates"])]
     assert bad == [f"{PACKAGE}.config.flags"]
+
+
+# Every module of the launcher reads whole: one over this many lines is two modules.
+LAUNCHER_MAX_LINES = 400
+
+
+def _long_modules(folder: Path, limit: int) -> list[str]:
+    """The Python files under ``folder`` longer than ``limit`` lines, with their lengths."""
+    lengths = {path: len(path.read_text().splitlines()) for path in sorted(folder.rglob("*.py"))}
+    return [f"{path.relative_to(folder)}: {n} lines" for path, n in lengths.items() if n > limit]
+
+
+def test_launcher_modules_are_short():
+    launcher = ROOT / "launcher"
+    assert len(list(launcher.glob("*.py"))) > 10
+    long = _long_modules(launcher, LAUNCHER_MAX_LINES)
+    assert not long, (f"launcher modules over {LAUNCHER_MAX_LINES} lines (split them):\n  "
+                      + "\n  ".join(long))
+
+
+def test_the_length_check_sees_a_long_module(tmp_path):
+    (tmp_path / "short.py").write_text("x = 1\n" * LAUNCHER_MAX_LINES)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "long.py").write_text("x = 1\n" * (LAUNCHER_MAX_LINES + 1))
+    assert _long_modules(tmp_path, LAUNCHER_MAX_LINES) == [
+        f"sub/long.py: {LAUNCHER_MAX_LINES + 1} lines"]

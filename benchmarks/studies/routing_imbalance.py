@@ -17,7 +17,7 @@ the log compressed and the trace repacked once the recording is done).
 ranks at EP 8/16/32/64, with the experts placed contiguously as Megatron does (expert e
 on rank e // (E / R)). A trace recorded at EP=2 has 2 sources x M micro-batches of
 rows per step; the R sources of one call at EP=R are R consecutive rows in time order
-(step, micro-batch, source): ``megatron_lrmoe.tools.routing_traces.regroup_sources``. Each
+(step, micro-batch, source): ``megatron_lrmoe.data.routing_traces.regroup_sources``. Each
 source keeps the tokens of one recorded micro-batch (``tokens_per_source`` in the
 header), so a call at EP=R routes R x that many tokens, as R ranks would.
 
@@ -41,16 +41,16 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_lrmoe.tools import run_log
-from megatron_lrmoe.tools.figures import save_png
-from megatron_lrmoe.tools.provenance import code_version
-from megatron_lrmoe.tools.routing_traces import (
+from megatron_lrmoe.data.routing_traces import (
     RoutingTrace,
     load_max_over_mean,
     read_routing_trace,
     regroup_sources,
     repack,
 )
+from megatron_lrmoe.tools import run_log
+from megatron_lrmoe.tools.figures import save_png
+from megatron_lrmoe.tools.provenance import code_version
 
 ROOT = Path(__file__).resolve().parents[2]
 

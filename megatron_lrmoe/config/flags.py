@@ -1,7 +1,7 @@
 """The LRMoE flags both entry points share: their argparse definitions, their parse-time
 checks, and the rules read from either entry point's parsed args.
 
-The lean launcher (``megatron_lrmoe.launcher.arguments``) and the Megatron-LM wrapper
+The lean launcher (``megatron_lrmoe.config.command_line``) and the Megatron-LM wrapper
 (``megatron_lrmoe.integration.megatron_lm``, as ``extra_args_provider``) add the same
 ``--moe-lrmoe*`` flags, generated from the option table (``OPTIONS`` in
 ``megatron_lrmoe/config/options.py``), and check them the same way.

@@ -1,4 +1,5 @@
-"""Data tier: offline tokenizers, corpus harvesting, and the indexed-dataset prepare tool.
+"""Data tier: offline tokenizers, corpus harvesting, the indexed-dataset prepare tool, and
+the routing-trace format (``routing_traces``: what ``--record-routing`` writes and the tools read).
 
 build_tokenizer("ByteLevelTokenizer")        -> a tokenizer GPTDatasetConfig accepts
 prepare_dataset(inputs, "data/stdlib")       -> data/stdlib.{bin,idx,meta.json}

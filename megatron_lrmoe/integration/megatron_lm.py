@@ -75,6 +75,8 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+from megatron_lrmoe.config.command_line import build_parser
+from megatron_lrmoe.config.command_line.yaml_config import load_yaml_config
 from megatron_lrmoe.config.flags import (
     ConfigError,
     add_lrmoe_args,
@@ -89,7 +91,6 @@ from megatron_lrmoe.config.megatron_support import (
     supported,
 )
 from megatron_lrmoe.config.options import LRMoEConfigError
-from megatron_lrmoe.launcher.arguments import build_parser, load_yaml_config
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 Builder = Callable[..., Any]

@@ -2,7 +2,7 @@
 
 Every LRMoE layer keeps state across training steps (what it is: docs/design.md,
 "Step state"; where it lives: ``layer/step_state.py``, ``LayerStepState``). The entry
-points (``megatron_lrmoe/launcher/pretrain.py`` and the Megatron-LM integration,
+points (``megatron_lrmoe/launcher/training.py`` and the Megatron-LM integration,
 ``megatron_lrmoe/integration/megatron_lm.py``) drive it through the functions here, at three
 explicit points:
 

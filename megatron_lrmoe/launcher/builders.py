@@ -1,4 +1,4 @@
-"""Builders of the launcher: config, model, optimizer, scheduler, datasets.
+"""Builders of the launcher: model, optimizer, scheduler, tokenizer, datasets.
 
 Each is a thin call into megatron.core with the launcher's arguments mapped to
 Megatron's config fields, the way Megatron-LM's ``pretrain_gpt.py`` and
@@ -9,12 +9,10 @@ would build from the same flags.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -24,11 +22,13 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+from megatron_lrmoe.config.command_line.data import data_blend
 from megatron_lrmoe.data.tokenizers import build_tokenizer
-from megatron_lrmoe.launcher.arguments import data_blend
 from megatron_lrmoe.launcher.norms import SequenceParallelTorchNorm
+from megatron_lrmoe.layer.spec import to_lrmoe_spec
 from megatron_lrmoe.layer.spec_utils import replace_module
 
 # A layer-spec transform: Megatron spec in, spec out. The identity for plain
@@ -44,104 +44,9 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.float32
 
 
-def transformer_config_from_args(
-    args: argparse.Namespace, config_class: type[TransformerConfig] | None = None
-) -> TransformerConfig:
-    """Map launcher flags to a (subclass of) Megatron's TransformerConfig.
-
-    With ``--moe-lrmoe`` the class is LRMoETransformerConfig and every ``moe_lrmoe*``
-    field takes the same-named flag, as Megatron-LM's config builder does.
-    """
-    if config_class is None:
-        config_class = _lrmoe_config_class() if args.moe_lrmoe else TransformerConfig
-    dtype = params_dtype(args)
-    moe = args.num_experts is not None
-    kwargs = dict(
-        # Megatron-LM's parser default ([]): the dataclass default "full" is deprecated
-        # and warns on every rank.
-        cuda_graph_scope=[],
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        kv_channels=args.kv_channels,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=not args.disable_bias_linear,
-        add_qkv_bias=args.add_qkv_bias,
-        qk_layernorm=args.qk_layernorm,
-        init_method_std=args.init_method_std,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        # Fusions need apex/TE kernels; the launcher keeps Megatron's unfused paths.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-    )
-    if args.recompute_modules is not None:
-        kwargs["recompute_modules"] = args.recompute_modules
-    if moe:
-        kwargs.update(
-            num_moe_experts=args.num_experts,
-            moe_router_topk=args.moe_router_topk,
-            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-            moe_layer_freq=args.moe_layer_freq,
-            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-            moe_z_loss_coeff=args.moe_z_loss_coeff,
-            moe_router_score_function=args.moe_router_score_function,
-            moe_router_pre_softmax=args.moe_router_pre_softmax,
-            moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
-            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
-            moe_router_dtype=args.moe_router_dtype,
-            moe_expert_capacity_factor=args.moe_expert_capacity_factor,
-            moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
-            moe_token_drop_policy=args.moe_token_drop_policy,
-            moe_grouped_gemm=args.moe_grouped_gemm,
-            moe_permute_fusion=args.moe_permute_fusion,
-        )
-    kwargs.update(
-        (f.name, getattr(args, f.name))
-        for f in dataclasses.fields(config_class)
-        if f.name.startswith("moe_lrmoe") and hasattr(args, f.name)
-    )
-    return config_class(**kwargs)
-
-
-def _lrmoe_config_class() -> type[TransformerConfig]:
-    # Imported only when asked for: without --moe-lrmoe nothing of LRMoE is loaded.
-    from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
-
-    return LRMoETransformerConfig
-
-
 def lrmoe_spec_transform(args: argparse.Namespace) -> SpecTransform | None:
     """The LRMoE spec converter with --moe-lrmoe, else None (Megatron's spec untouched)."""
-    if not args.moe_lrmoe:
-        return None
-    from megatron_lrmoe.layer.spec import to_lrmoe_spec
-
-    return to_lrmoe_spec
+    return to_lrmoe_spec if args.moe_lrmoe else None
 
 
 def layer_spec_from_args(args: argparse.Namespace, config: TransformerConfig):
@@ -190,8 +95,6 @@ def build_model(
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if args.bf16 or args.fp16:
-        from megatron.core.transformer.module import Float16Module
-
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,

@@ -39,6 +39,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.utils import get_model_config, unwrap_model
 
+from megatron_lrmoe.integration.step_hooks import checkpoint_content_metadata
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 # The distributed optimizer's default sharding ("fully_sharded_model_space") relies on
 # ShardedTensor.flattened_range, which dist_checkpointing refuses; "dp_reshardable" is
@@ -71,8 +73,6 @@ def read_tracker(root: str) -> int | None:
 def content_metadata(model) -> dict[str, Any]:
     """The sharded state dict metadata this run saves with (and as the checkpoint's
     content metadata): the optimizer format and, with LRMoE, the step-state flag."""
-    from megatron_lrmoe.integration.step_hooks import checkpoint_content_metadata
-
     return {**SHARDED_METADATA, **checkpoint_content_metadata(get_model_config(model[0]))}
 
 

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
 __all__ = ["MoETimer", "attach_moe_timer"]
 
@@ -102,8 +103,6 @@ def attach_moe_timer(model: torch.nn.Module, timer: MoETimer) -> int:
 
     Returns the number of layers instrumented.
     """
-    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
-
     count = 0
     for module in model.modules():
         if isinstance(module, BaseMoELayer):

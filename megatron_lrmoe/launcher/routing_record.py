@@ -12,7 +12,7 @@ Once per step, after the optimizer step and outside every timed span, ``end_step
 moves the step's counts to the host, gathers them from every rank (one all_gather of
 [layers, M, E] integers per rank), and rank 0 appends them to the trace (numbered
 ``.npz`` chunks every ``flush_every`` steps and at ``close``; the format, the reader
-and the load arithmetic are in ``megatron_lrmoe/tools/routing_traces.py``). It also returns,
+and the load arithmetic are in ``megatron_lrmoe/data/routing_traces.py``). It also returns,
 for the step's log record, each layer's routed load max/mean over the EP ranks under
 Megatron's expert layout (the maximum over the step's micro-batches and EP groups,
 as ``lrmoe/layer<N>/load-max-over-mean`` takes the maximum over calls).
@@ -32,15 +32,19 @@ the step's end. A layer routing other than once per micro-batch in a step is an 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
 from megatron_lrmoe.config.flags import tokens_per_rank
-from megatron_lrmoe.tools import routing_traces as rt
+from megatron_lrmoe.data import routing_traces as rt
 
 __all__ = ["RoutingRecorder", "RoutingRecordError", "start_recording"]
 
@@ -161,8 +165,6 @@ class RoutingRecorder:
 
 
 def _moe_layers_of(module_chunks) -> dict[int, torch.nn.Module]:
-    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
-
     found = {}
     for chunk in module_chunks:
         for module in chunk.modules():
@@ -194,8 +196,6 @@ def start_recording(args: argparse.Namespace, model_chunks,
     create the trace directory (``path``; "" for ``args.record_routing``, None for none:
     the counts are gathered each step but not written) and hook this rank's MoE layers.
     Collective."""
-    from megatron.core import parallel_state as ps
-
     path = args.record_routing if path == "" else path
     local = _moe_layers_of(model_chunks)
     ep_group = ps.get_expert_model_parallel_group()
@@ -238,8 +238,6 @@ def _prepare_directory(path: str, header: dict) -> str | None:
         return f"--record-routing {path}: exists and is not a directory"
     existing = directory / rt.HEADER
     if existing.is_file():
-        import json
-
         old = json.loads(existing.read_text())
         section = rt.header_mismatch(old, header)
         if section is not None:
@@ -254,6 +252,4 @@ def _prepare_directory(path: str, header: dict) -> str | None:
 
 
 def _command() -> list[str]:
-    import sys
-
     return [os.path.basename(sys.executable), *sys.argv]

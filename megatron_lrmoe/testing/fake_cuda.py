@@ -440,7 +440,7 @@ def trace_counts(ep_size: int, pairs_per_rank: int, call: int = 0, seed: int = 0
     """[R, E] int64 counts of one micro-batch at ``ep_size`` sources, from the qwen3 trace,
     formed and resampled to ``pairs_per_rank`` as the simulator does (call ``call`` of its
     sequence for the trace's ``layer_index``-th MoE layer)."""
-    from megatron_lrmoe.tools.routing_traces import read_routing_trace
+    from megatron_lrmoe.data.routing_traces import read_routing_trace
     from megatron_lrmoe.tools.simulate import source_batches
 
     trace = read_routing_trace(TRACE)

@@ -219,9 +219,10 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     measured here, as ``simulate`` does). ``vocab_size``: the run's tokenizer vocabulary
     where the launcher's tokenizers (byte-level, SentencePiece from a file) cannot give it
     (a Hugging Face tokenizer's), padded as the model pads it; None: the tokenizer's."""
+    from megatron_lrmoe.config.flags import ConfigError
     from megatron_lrmoe.config.planner_inputs import device_memory_bytes, memory_account
     from megatron_lrmoe.launcher import builders
-    from megatron_lrmoe.launcher.pretrain import ConfigError, resolve_auto_budget
+    from megatron_lrmoe.launcher.run_config import build_config
     from megatron_lrmoe.tools.simulate import CLUSTERS, ModelSpec, simulate
     from megatron_lrmoe.tools.simulator_validation import run_setting
 
@@ -232,13 +233,13 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     vocab = builders.padded_vocab_size(
         vocab_size or builders.build_tokenizer_from_args(args).vocab_size, args)
     try:
-        resolve_auto_budget(args, vocab if vocab_size else None)
+        config = build_config(args, vocab)
     except ConfigError as exc:
         empty = MemoryAccount(0.0, 0.0, 0.0, 0.0, 0.0, device_gib * GIB)
         return Prediction(candidate, empty, math.nan, math.nan, error=str(exc))
     flags = [*flags]
     if "auto" in flags:   # the resolved budget, as the launcher plans with it
-        flags[flags.index("auto")] = f"{args.moe_lrmoe_memory_budget_gb:.9g}"
+        flags[flags.index("auto")] = f"{config.moe_lrmoe_memory_budget_gb:.9g}"
     shape, policy, budget_gib, ep = run_setting(flags)      # the shape has the recompute
     policy = replace(policy, slots_per_rank=getattr(args, "moe_lrmoe_slots_per_rank", None))
     model = ModelSpec("fit", shape.num_layers, shape.hidden_size, shape.ffn_hidden_size,
@@ -247,7 +248,6 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     [result] = simulate(model, CLUSTERS[cluster], ep, traces, policies=(policy,), steps=steps,
                         budget_gib=budget_gib, calibration=calibration, shape=shape,
                         resample=True, planner_s=planner_s)
-    config = builders.transformer_config_from_args(args)
     account = memory_account(config, args, vocab, shape.microbatches_per_step,
                              device_memory_bytes(device_gib))
     account = replace(account, moe=result.memory_gib * GIB)
@@ -261,7 +261,7 @@ def reference_run(run: Path) -> tuple[list[np.ndarray], OutsideTime]:
     """A measured run's recorded routing per layer (past its first tenth, as the
     simulator's validation replays it) and its time outside the MoE layers: what the
     predictions of a study of the same model are made from."""
-    from megatron_lrmoe.tools.routing_traces import read_routing_trace
+    from megatron_lrmoe.data.routing_traces import read_routing_trace
 
     trace = read_routing_trace(Path(run) / "routing")
     skip = len(trace.iterations) // 10

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import yaml
 
+from megatron_lrmoe.data.routing_traces import read_routing_trace, regroup_sources
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, stage_moe_memory
@@ -49,7 +50,6 @@ from megatron_lrmoe.planning.retention import default_retention_in_forward
 from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
 from megatron_lrmoe.tools.figures import save_png
 from megatron_lrmoe.tools.provenance import code_version
-from megatron_lrmoe.tools.routing_traces import read_routing_trace, regroup_sources
 
 __all__ = ["CLUSTERS", "MODELS", "POLICIES", "STEPS_TO_TARGET_FILE", "ClusterSpec",
            "ModelSpec", "Policy", "capacity_drop", "layer_shape", "load_steps_to_target",

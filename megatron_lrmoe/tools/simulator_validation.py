@@ -16,9 +16,9 @@ import shlex
 import statistics
 from pathlib import Path
 
+from megatron_lrmoe.data.routing_traces import read_routing_trace
 from megatron_lrmoe.planning.shapes import MoEShape
 from megatron_lrmoe.tools import run_log
-from megatron_lrmoe.tools.routing_traces import read_routing_trace
 from megatron_lrmoe.tools.simulate import CLUSTERS, ModelSpec, Policy, simulate
 
 # The launcher's worker module; runs recorded before the package was laid out by role
@@ -61,15 +61,13 @@ def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
     from megatron_lrmoe.config.flags import tokens_per_rank
     from megatron_lrmoe.config.planner_inputs import moe_shape
     from megatron_lrmoe.launcher.arguments import parse_args
-    from megatron_lrmoe.launcher.builders import transformer_config_from_args
-    from megatron_lrmoe.launcher.pretrain import resolve_auto_budget
+    from megatron_lrmoe.launcher.run_config import build_config
 
     os.environ.setdefault("WORLD_SIZE", "2")
     args = parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"])
     # A run held to a device (``--moe-lrmoe-memory-budget-gb auto``) planned with the
     # budget its memory account left, resolved here as the launcher resolved it.
-    resolve_auto_budget(args)
-    config = transformer_config_from_args(args)
+    config = build_config(args)
     # The rank's tokens (micro-batch x sequence, / TP under sequence parallelism) and the
     # micro-batches per step over the data-parallel size, as the launcher derives them.
     shape = moe_shape(config, tokens_per_rank(args), args.global_batch_size
@@ -81,7 +79,10 @@ def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
     else:
         policy = Policy("megatron", forward_capacity_factor=args.moe_expert_capacity_factor,
                         runs_planner=False)
-    return shape, policy, args.moe_lrmoe_memory_budget_gb, args.expert_model_parallel_size
+    # With --moe-lrmoe the config's budget (an auto one resolved); without it, as given.
+    budget = (config.moe_lrmoe_memory_budget_gb if args.moe_lrmoe
+              else args.moe_lrmoe_memory_budget_gb)
+    return shape, policy, budget, args.expert_model_parallel_size
 
 
 def measured(log: Path) -> tuple[float, float, int, float | None]:

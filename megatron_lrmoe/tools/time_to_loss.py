@@ -188,7 +188,7 @@ def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = No
 def compact(run_dir: Path) -> None:
     """Store a finished run small: its log compressed, its routing record repacked.
     After ``done.json``: a run stopped while it trained keeps its plain log to resume."""
-    from megatron_lrmoe.tools.routing_traces import repack
+    from megatron_lrmoe.data.routing_traces import repack
 
     run_log.compress(run_dir / "log.jsonl")
     if (run_dir / "routing").is_dir():

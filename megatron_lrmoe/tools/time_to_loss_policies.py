@@ -52,7 +52,7 @@ def study_budget_gb(base_flags: list[str], extra_instances: float) -> float:
     instances per layer and rank (GiB), from the cost model (memory only)."""
     from megatron_lrmoe.config.planner_inputs import GIB, machine_constants, moe_shape
     from megatron_lrmoe.launcher.arguments import parse_args
-    from megatron_lrmoe.launcher.builders import transformer_config_from_args
+    from megatron_lrmoe.launcher.run_config import transformer_config_from_args
     from megatron_lrmoe.planning.cost_model import CostModel
 
     os.environ.setdefault("WORLD_SIZE", "2")    # validate as the 2-rank runs will be

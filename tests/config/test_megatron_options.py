@@ -30,6 +30,7 @@ from unittest import mock
 import pytest
 import torch
 
+from megatron_lrmoe.config.command_line import build_parser
 from megatron_lrmoe.config.flags import ConfigError, validate_lrmoe_flags
 from megatron_lrmoe.config.megatron_options import (
     EXTRA_FIELDS,
@@ -47,7 +48,7 @@ from megatron_lrmoe.config.options import (
     flag_of,
 )
 from megatron_lrmoe.integration import megatron_lm
-from megatron_lrmoe.launcher.arguments import build_parser, parse_args
+from megatron_lrmoe.launcher.arguments import parse_args
 
 SHIPPED = Path(__file__).parents[1] / "fixtures" / "megatron_lm_0.19_moe_args.tsv"
 LRMOE_CONFIG = dict(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=4,

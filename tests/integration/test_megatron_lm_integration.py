@@ -177,14 +177,14 @@ def test_both_entry_points_print_the_lrmoe_line_of_one_formatter(monkeypatch):
     formatter (``telemetry.format_lrmoe_stats``), as docs/design.md says: for the same
     statistics the same words, each after its own iteration prefix."""
     from megatron_lrmoe.integration.megatron_lm import format_lrmoe_line
-    from megatron_lrmoe.launcher import pretrain
+    from megatron_lrmoe.launcher.logger import lrmoe_log_line
     from megatron_lrmoe.layer import telemetry
 
     stats = {"lrmoe/retained-fraction": 0.912, "lrmoe/dropped-contribution-fraction": 0.031,
              "lrmoe/backward-bytes-saved": 412.5 * 2**20, "lrmoe/load-max-over-mean": 1.37}
     words = telemetry.format_lrmoe_stats(stats)
     megatron_line = format_lrmoe_line(100, stats)
-    launcher_line = pretrain.lrmoe_log_line(100, stats)
+    launcher_line = lrmoe_log_line(100, stats)
     assert megatron_line == f" [LRMoE] iteration      100 | {words}"
     assert launcher_line == f"iter    100 | LRMoE {words}"
     assert megatron_line.split(" | ", 1)[1] == launcher_line.split(" | LRMoE ", 1)[1] == words
@@ -192,7 +192,7 @@ def test_both_entry_points_print_the_lrmoe_line_of_one_formatter(monkeypatch):
         assert megatron_line in spec.read().splitlines()
     monkeypatch.setattr(telemetry, "format_lrmoe_stats", lambda _: "WORDS")
     assert format_lrmoe_line(7, stats) == " [LRMoE] iteration        7 | WORDS"
-    assert pretrain.lrmoe_log_line(7, stats) == "iter      7 | LRMoE WORDS"
+    assert lrmoe_log_line(7, stats) == "iter      7 | LRMoE WORDS"
 
 
 # -----------------------------------------------------------------------------
@@ -218,7 +218,7 @@ def test_config_flags_round_trip_through_the_launcher(name):
 
 def test_configs_have_the_reference_shapes():
     from megatron_lrmoe.launcher.arguments import parse_args
-    from megatron_lrmoe.launcher.pretrain import check_megatron_accepts
+    from megatron_lrmoe.launcher.run_config import build_config
 
     qwen = parse_args(["--config", os.path.join(REPO, CONFIGS["qwen3"]), "--mock-data"])
     glm = parse_args(["--config", os.path.join(REPO, CONFIGS["glm"]), "--mock-data"])
@@ -233,7 +233,7 @@ def test_configs_have_the_reference_shapes():
     assert glm.add_qkv_bias and glm.moe_router_score_function == "sigmoid"
     assert glm.moe_router_enable_expert_bias
     for args in (qwen, glm):
-        check_megatron_accepts(args)  # Megatron-Core's config accepts the full shapes
+        build_config(args)  # Megatron-Core's config accepts the full shapes
 
 
 def _tiny_variant(name: str, tmp_path) -> str:

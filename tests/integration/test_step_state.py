@@ -86,7 +86,7 @@ def _checkpoint_contents(path: str) -> dict:
 
 
 def _launcher_parts(argv: list[str]) -> dict:
-    """What ``pretrain.train`` builds before its loop, through the same builders."""
+    """What ``training.train`` builds before its loop, through the same builders."""
     from megatron.core import num_microbatches_calculator as nmc
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
@@ -96,7 +96,8 @@ def _launcher_parts(argv: list[str]) -> dict:
     from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
     from megatron_lrmoe.launcher import builders
     from megatron_lrmoe.launcher.arguments import parse_args
-    from megatron_lrmoe.launcher.pretrain import initialize_distributed
+    from megatron_lrmoe.launcher.distributed import initialize_distributed
+    from megatron_lrmoe.launcher.run_config import build_config
 
     args = parse_args(argv)
     device, _ = initialize_distributed(args)
@@ -105,7 +106,7 @@ def _launcher_parts(argv: list[str]) -> dict:
     nmc.init_num_microbatches_calculator(0, None, args.global_batch_size, args.micro_batch_size,
                                          ps.get_data_parallel_world_size())
     tokenizer = builders.build_tokenizer_from_args(args)
-    config = builders.transformer_config_from_args(args)
+    config = build_config(args)
     model = builders.build_model(args, config, tokenizer.vocab_size,
                                  spec_transform=builders.lrmoe_spec_transform(args))
     if args.moe_lrmoe:
@@ -190,7 +191,7 @@ def _steps(argv: list[str], steps: int, rerun: bool, evaluate: bool, fatal: str 
     from megatron_lrmoe.launcher.builders import build_datasets
     from megatron_lrmoe.launcher.checkpointing import TrainingProgress, save_checkpoint
     from megatron_lrmoe.launcher.data_iterators import MicroBatchIterator
-    from megatron_lrmoe.launcher.pretrain import forward_step
+    from megatron_lrmoe.launcher.step import forward_step
 
     parts = _launcher_parts(argv)
     args, model, optimizer = parts["args"], parts["model"], parts["optimizer"]

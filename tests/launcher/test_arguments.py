@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 
+from megatron_lrmoe.config.command_line import build_parser
 from megatron_lrmoe.config.flags import (
     ConfigError,
     UnusedLRMoEOptionWarning,
@@ -21,7 +22,7 @@ from megatron_lrmoe.config.flags import (
 )
 from megatron_lrmoe.config.options import OPTIONS, option
 from megatron_lrmoe.integration import megatron_lm
-from megatron_lrmoe.launcher.arguments import build_parser, parse_args
+from megatron_lrmoe.launcher.arguments import parse_args
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -597,10 +598,8 @@ def test_without_moe_lrmoe_nothing_of_the_plugin_is_built(world):
     """No --moe-lrmoe: Megatron's TransformerConfig and an untouched spec."""
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_lrmoe.launcher.builders import (
-        lrmoe_spec_transform,
-        transformer_config_from_args,
-    )
+    from megatron_lrmoe.launcher.builders import lrmoe_spec_transform
+    from megatron_lrmoe.launcher.run_config import transformer_config_from_args
 
     args = parse_args(BASE + ["--moe-token-dispatcher-type", "alltoall"])
     assert type(transformer_config_from_args(args)) is TransformerConfig
@@ -616,7 +615,7 @@ def test_without_moe_lrmoe_nothing_of_the_plugin_is_built(world):
 
 @pytest.mark.parametrize("selection", ["uniform", "hybrid"])
 def test_new_selection_rules_reach_the_config(world, selection):
-    from megatron_lrmoe.launcher.builders import transformer_config_from_args
+    from megatron_lrmoe.launcher.run_config import transformer_config_from_args
 
     args = parse_args(BASE + ["--moe-token-dispatcher-type", "alltoall", "--moe-lrmoe",
                               "--disable-bias-linear", "--moe-lrmoe-selection", selection,
@@ -628,7 +627,7 @@ def test_new_selection_rules_reach_the_config(world, selection):
 
 def test_grouped_gemm_with_lrmoe_is_accepted_without_transformer_engine(world):
     """--moe-grouped-gemm with --moe-lrmoe means the region's grouped GEMMs (any device)."""
-    from megatron_lrmoe.launcher.builders import transformer_config_from_args
+    from megatron_lrmoe.launcher.run_config import transformer_config_from_args
 
     args = parse_args(BASE + ["--moe-token-dispatcher-type", "alltoall", "--moe-lrmoe",
                               "--disable-bias-linear", "--moe-grouped-gemm"])
@@ -657,14 +656,29 @@ def test_bad_device_memory_names_the_flag(world, text):
         parse_args(BASE + LRMOE_OK + ["--device-memory-gb", text])
 
 
-def test_auto_resolves_before_the_config_in_the_lean_launcher(world):
+def test_auto_resolves_once_on_the_one_config_in_the_lean_launcher(world, monkeypatch):
+    """The flags keep ``auto``; the run's config, built once, holds the GiB the memory
+    account leaves, and is the config of that budget given as a number."""
+    from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
     from megatron_lrmoe.launcher.pretrain import parse_args_or_exit
 
     world(2)
-    args = parse_args_or_exit(TINY + ["--device-memory-gb", "1",
-                                      "--moe-lrmoe-memory-budget-gb", "auto"], 2)
-    assert isinstance(args.moe_lrmoe_memory_budget_gb, float)
-    assert 0 < args.moe_lrmoe_memory_budget_gb < 1
+    built = []
+    post_init = LRMoETransformerConfig.__post_init__
+    monkeypatch.setattr(LRMoETransformerConfig, "__post_init__",
+                        lambda self: (built.append(self), post_init(self))[1])
+    args, config = parse_args_or_exit(TINY + ["--device-memory-gb", "1",
+                                              "--moe-lrmoe-memory-budget-gb", "auto"], 2)
+    assert built == [config]
+    assert args.moe_lrmoe_memory_budget_gb == "auto"
+    budget = config.moe_lrmoe_memory_budget_gb
+    assert isinstance(budget, float) and 0 < budget < 1
+    _, given = parse_args_or_exit(TINY + ["--device-memory-gb", "1",
+                                          "--moe-lrmoe-memory-budget-gb", repr(budget)], 2)
+    assert [getattr(given, f.name) for f in dataclasses.fields(given)
+            if f.name.startswith("moe_lrmoe")] == [
+        getattr(config, f.name) for f in dataclasses.fields(config)
+        if f.name.startswith("moe_lrmoe")]
 
 
 @pytest.mark.parametrize("extra,words", [

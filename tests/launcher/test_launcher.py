@@ -46,7 +46,8 @@ def _train_and_describe(argv: list[str]) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_lrmoe.launcher.arguments import parse_args
-    from megatron_lrmoe.launcher.pretrain import initialize_distributed, train
+    from megatron_lrmoe.launcher.distributed import initialize_distributed
+    from megatron_lrmoe.launcher.pretrain import train
 
     args = parse_args(argv)
     initialize_distributed(args)
@@ -197,7 +198,7 @@ def test_launch_flag_names_do_not_overlap_torchrun_options():
     the launcher with a torchrun name would be handed to torchrun instead."""
     from torch.distributed.run import get_args_parser
 
-    from megatron_lrmoe.launcher.arguments import build_parser
+    from megatron_lrmoe.config.command_line import build_parser
 
     ours = set(build_parser()._option_string_actions) - {"-h", "--help"}
     assert not ours & set(get_args_parser()._option_string_actions)

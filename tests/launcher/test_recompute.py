@@ -71,8 +71,10 @@ def _train(argv: list[str]) -> dict:
     from megatron_lrmoe.launcher import builders
     from megatron_lrmoe.launcher.arguments import parse_args
     from megatron_lrmoe.launcher.data_iterators import MicroBatchIterator
+    from megatron_lrmoe.launcher.distributed import initialize_distributed
     from megatron_lrmoe.launcher.moe_timing import MoETimer, attach_moe_timer
-    from megatron_lrmoe.launcher.pretrain import forward_step, initialize_distributed
+    from megatron_lrmoe.launcher.run_config import build_config
+    from megatron_lrmoe.launcher.step import forward_step
     from megatron_lrmoe.layer.region import record_kept_pairs
 
     args = parse_args(argv)
@@ -82,7 +84,7 @@ def _train(argv: list[str]) -> dict:
     nmc.init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size,
                                          args.micro_batch_size, dp)
     tokenizer = builders.build_tokenizer_from_args(args)
-    config = builders.transformer_config_from_args(args)
+    config = build_config(args)
     model = builders.build_model(args, config, tokenizer.vocab_size,
                                  spec_transform=builders.lrmoe_spec_transform(args))
     setup_lrmoe_layers(model, args.micro_batch_size * args.seq_length,
@@ -237,7 +239,7 @@ def test_launcher_records_routing_under_recompute(gloo2, tmp_path):
     """The launcher end to end (``pretrain.train``, with dropout) under `moe` recompute,
     whose recorded router call runs in backward: the same routing recorded, once per
     micro-batch, and the same losses as without recompute."""
-    from megatron_lrmoe.tools.routing_traces import read_routing_trace
+    from megatron_lrmoe.data.routing_traces import read_routing_trace
     from tests.launcher.test_launcher import _train as launcher_train
 
     base = TINY + ["--mock-data", "--train-iters", "2", "--lr-warmup-iters", "0",

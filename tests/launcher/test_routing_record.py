@@ -12,7 +12,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from megatron_lrmoe.tools import routing_traces as rt
+from megatron_lrmoe.data import routing_traces as rt
 
 # -----------------------------------------------------------------------------
 # Pure: format and arithmetic

@@ -36,7 +36,8 @@ def _initialise_twice_and_train(argv: list[str]) -> int:
     from megatron.core import parallel_state as ps
 
     from megatron_lrmoe.launcher.arguments import parse_args
-    from megatron_lrmoe.launcher.pretrain import initialize_distributed, train
+    from megatron_lrmoe.launcher.distributed import initialize_distributed
+    from megatron_lrmoe.launcher.pretrain import train
 
     args = parse_args(argv)
     initialize_distributed(args)

@@ -144,21 +144,18 @@ def test_reserve_lowers_the_device():
 
 def test_a_given_vocabulary_enters_the_account_and_the_auto_budget():
     from megatron_lrmoe.launcher import builders
-    from megatron_lrmoe.launcher.pretrain import resolve_auto_budget
+    from megatron_lrmoe.launcher.run_config import build_config
 
     preset = _tiny_preset(8.0)
     flags = [*P.base_flags(preset), *P.POLICIES["lrmoe-uniform-g1.0"][1],
              "--device-memory-gb", "8"]
     # The launcher's auto budget given the tokenizer's own vocabulary is its budget.
-    launcher, given = P._parse(preset, flags), P._parse(preset, flags)
-    resolve_auto_budget(launcher)
+    args = P._parse(preset, flags)
+    launcher = build_config(args).moe_lrmoe_memory_budget_gb
     tokenizer = builders.padded_vocab_size(
-        builders.build_tokenizer_from_args(given).vocab_size, given)
-    resolve_auto_budget(given, tokenizer)
-    assert given.moe_lrmoe_memory_budget_gb == launcher.moe_lrmoe_memory_budget_gb
-    larger = P._parse(preset, flags)
-    resolve_auto_budget(larger, tokenizer + 50000)
-    assert larger.moe_lrmoe_memory_budget_gb < launcher.moe_lrmoe_memory_budget_gb
+        builders.build_tokenizer_from_args(args).vocab_size, args)
+    assert build_config(args, tokenizer).moe_lrmoe_memory_budget_gb == launcher
+    assert build_config(args, tokenizer + 50000).moe_lrmoe_memory_budget_gb < launcher
     # A larger vocabulary: more weights outside the MoE layers, a smaller auto budget.
     traces, outside = _skewed_traces(), F.OutsideTime(0.5)
     candidate = F.Candidate("lrmoe", "none", P.POLICIES["lrmoe-uniform-g1.0"][1])

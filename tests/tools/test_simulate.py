@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
+from megatron_lrmoe.data import routing_traces as rt
 from megatron_lrmoe.planning.cost_model import CostModel
-from megatron_lrmoe.tools import routing_traces as rt
 from megatron_lrmoe.tools.simulate import (
     CLUSTERS,
     POLICIES,
