@@ -148,7 +148,7 @@ def _megatron_moe_bytes(memory: MegatronMemory, recorder: RoutingRecorder) -> fl
     """This rank's MoE bytes of the step the recorder last gathered: per MoE layer it
     holds, the most over the micro-batches of its EP group's levels
     (``planning.memory_account.megatron_layer_levels``), composed over those layers under
-    the run's recompute (``cost_model.stage_moe_memory``)."""
+    the run's recompute (``megatron_baseline.stage_moe_memory``)."""
     step, me = recorder.last_step, dist.get_rank()      # step: [L, M, S, E]
     saved, peak = [], []
     for index, number in enumerate(recorder.layers):
