@@ -233,3 +233,65 @@ def test_the_length_check_sees_a_long_module(tmp_path):
     (tmp_path / "sub" / "long.py").write_text("x = 1\n" * (LAUNCHER_MAX_LINES + 1))
     assert _long_modules(tmp_path, LAUNCHER_MAX_LINES) == [
         f"sub/long.py: {LAUNCHER_MAX_LINES + 1} lines"]
+
+
+# The floors, from the ground up (docs/implementation.md, "Package by role"): a package
+# imports its own floor and the ones below. The Bridge entry point is a launcher.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("ops", "_kernels"), ("planning",), ("config",), ("layer",), ("integration",), ("data",),
+    ("launcher", "bridge"), ("tools",), ("testing",))
+# Upward package imports still there: (from, to) -> why. Each must go; one that is gone
+# fails the test too (remove its entry).
+KNOWN_UPWARD: dict[tuple[str, str], str] = {
+    ("planning", "config"): "the option validators live in config.options, not on the "
+                            "ground floor yet",
+    ("layer", "integration"): "integration.megatron_privates sits in integration, not below "
+                              "the layer yet",
+}
+
+
+def _floor(package: str) -> int:
+    return next(i for i, floor in enumerate(FLOORS) if package in floor)
+
+
+def _package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        source = _package(name)
+        if source is None:
+            continue
+        out.setdefault(source, set())
+        out[source] |= {t for t in map(_package, targets) if t is not None and t != source}
+    return out
+
+
+def _upward(packages: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(a, b) for a, targets in packages.items() for b in targets
+            if _floor(b) > _floor(a)}
+
+
+def test_packages_import_only_their_floor_and_below():
+    packages = _package_graph(_graph())
+    assert set(packages) <= {p for floor in FLOORS for p in floor}, \
+        f"a package on no floor: {sorted(set(packages) - {p for f in FLOORS for p in f})}"
+    upward = _upward(packages)
+    new = sorted(upward - KNOWN_UPWARD.keys())
+    assert not new, "packages importing a higher floor:\n  " + "\n  ".join(
+        f"{a} -> {b}" for a, b in new)
+    gone = sorted(KNOWN_UPWARD.keys() - upward)
+    assert not gone, f"upward imports no longer there (remove them from KNOWN_UPWARD): {gone}"
+    cycles = [c for c in _cycles(packages)
+              if not all((a, b) in KNOWN_UPWARD for a in c for b in c
+                         if b in packages.get(a, ()) and _floor(b) > _floor(a))]
+    assert not cycles, f"package cycles: {cycles}"
+
+
+def test_the_package_check_sees_an_upward_import_and_a_cycle():
+    packages = {"planning": {"layer"}, "layer": {"planning"}, "ops": set()}
+    assert _upward(packages) == {("planning", "layer")}
+    assert _cycles(packages) == [["layer", "planning"]]
