@@ -101,10 +101,11 @@ def recipe_overrides(recipe: str, overrides: Sequence[str]) -> list[str]:
 
 
 def checkpoint_overrides(save: str | None = None, load: str | None = None,
-                         interval: int | None = None) -> list[str]:
+                         interval: int | None = None, async_save: bool = False) -> list[str]:
     """Overrides for Bridge's checkpointing: save to ``save`` every ``interval`` steps,
-    resume from ``load`` (its latest iteration). Synchronous saves, torch_dist format."""
-    out = ["checkpoint.ckpt_format=torch_dist", "checkpoint.async_save=false"]
+    resume from ``load`` (its latest iteration). torch_dist format; synchronous saves
+    unless ``async_save`` (Bridge's persistent worker process)."""
+    out = ["checkpoint.ckpt_format=torch_dist", f"checkpoint.async_save={str(async_save).lower()}"]
     if save is not None:
         out += [f"checkpoint.save={save}", f"checkpoint.save_interval={interval or 1}"]
     if load is not None:

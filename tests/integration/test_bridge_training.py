@@ -9,8 +9,9 @@ For each recipe, four runs of 20 steps on one pool:
   first layer stays dense);
 * LRMoE at gamma = inf and the same adapted recipe with Megatron's MoE layer
   (``model.moe_lrmoe=false``): the same losses within the layer tests' bars;
-* the first run saves at step 10, a new one resumes from that checkpoint to step 20:
-  bitwise the losses, parameters and LRMoE step state of the uninterrupted run.
+* the first run saves at step 10 (Qwen's asynchronously, GLM's synchronously), a new one
+  resumes from that checkpoint to step 20: bitwise the losses, parameters and LRMoE step
+  state of the uninterrupted run.
 
 One recipe runs through the API (``enable_lrmoe``, Bridge's ``process_config_with_overrides``,
 ``pretrain``) and saves/resumes through the launcher (``python -m megatron_lrmoe.bridge``'s
@@ -57,6 +58,7 @@ def _recorder(out: dict):
                           context.model[0].named_modules() if isinstance(m, MoELayer)]
             layers = lrmoe_layers(context.model)
             out["origin"] = layers[0].lrmoe_state.planner_state_origin if layers else None
+            out["async_saves"] = context.state.async_calls_queue is not None
 
     return Record()
 
@@ -109,13 +111,16 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("recipe, api_runs_first", [(QWEN_8, True), (GLM_AIR, False)])
+@pytest.mark.parametrize("recipe, api_runs_first, async_save",
+                         [(QWEN_8, True, True), (GLM_AIR, False, False)])
 def test_recipe_trains_with_lrmoe_exact_at_inf_and_resumes_bitwise(gloo2, tmp_path, recipe,
-                                                                   api_runs_first):
+                                                                   api_runs_first, async_save):
     run = functools.partial(gloo2.run, train, recipe, timeout=600)
-    # The uninterrupted run saves at steps 10 and 20; the resumed one starts from step 10.
+    # The uninterrupted run saves at steps 10 and 20 (one recipe asynchronously, through
+    # Bridge's persistent worker process); the resumed one starts from step 10.
     board = tmp_path / "tensorboard"
-    full = run([*LRMOE, *harness.checkpoint_overrides(save=str(tmp_path), interval=10),
+    full = run([*LRMOE, *harness.checkpoint_overrides(save=str(tmp_path), interval=10,
+                                                      async_save=async_save),
                 f"logger.tensorboard_dir={board}"], launcher=not api_runs_first)
     inf = run([*LRMOE[:1], "model.moe_lrmoe_bwd_capacity_factor=inf"],
               launcher=not api_runs_first)
@@ -139,6 +144,7 @@ def test_recipe_trains_with_lrmoe_exact_at_inf_and_resumes_bitwise(gloo2, tmp_pa
         assert [cls for _, cls in off[rank]["moe"]] == ["MoELayer"] * len(names)
         torch.testing.assert_close(torch.tensor(inf[rank]["losses"]),
                                    torch.tensor(off[rank]["losses"]), rtol=RTOL, atol=ATOL)
+        assert full[rank]["async_saves"] == async_save
         assert resumed[rank]["losses"] == losses[10:]
         assert resumed[rank]["origin"] == "checkpoint"
         assert _equal(resumed[rank]["params"], full[rank]["params"])
