@@ -36,8 +36,9 @@ At run time:
   interval). The first training forward refuses to run without it;
 * the step state goes into Bridge's checkpoints as each layer's extra state: Bridge's
   private ``_build_sharded_state_dict_metadata`` is wrapped (``megatron_privates``) to add
-  the step-state flag while an LRMoE model trains. The state dict is built synchronously at
-  the save (the step state copied), so asynchronous saves carry it too.
+  the step-state flag while an LRMoE model trains. The step state is serialized when the
+  save is made, before an asynchronous save is handed to its worker, so asynchronous saves
+  carry it too (tested bitwise, as synchronous ones).
 """
 
 from __future__ import annotations

@@ -73,6 +73,14 @@ The internals, each read from the version named (``MEGATRON_CORE``: megatron-cor
   up by ``GPTModelProvider.provide``; Megatron-Bridge 0.6.2, which builds the MTP block
   with Transformer Engine hard-coded; swapped by ``swapped_bridge_mtp_block_spec``): the
   test harness's local MTP spec on CPU (testing/bridge.py).
+* ``PersistentAsyncCaller.async_loop`` of
+  ``megatron.core.dist_checkpointing.strategies.async_utils`` and
+  ``FileSystemWriterAsync.preload_tensors`` of ``...strategies.filesystem_async``
+  (megatron-core 0.19.2; static methods, replaced by ``replace_persistent_async_loop`` and
+  ``replace_async_preload_tensors``, the originals read by ``persistent_async_loop`` and
+  ``async_preload_tensors``): the worker process of asynchronous checkpoint saves and the
+  copy it makes of the tensors to write, on the CPU runtime (runtime/cpu.py,
+  ``bridge_async_checkpoint_worker``).
 * ``torch.nn.Module._forward_pre_hooks`` of an expert linear (torch 2.13; read by
   ``forward_pre_hooks``): the hooks that megatron-core 0.19.2's
   ``DistributedDataParallel`` registers there (distributed_data_parallel.py:408,
@@ -127,6 +135,8 @@ class MegatronPrivate:
 
 _RANDOM = "megatron.core.tensor_parallel.random"
 _BRIDGE_INITIALIZE = "megatron.bridge.training.initialize"
+_ASYNC_UTILS = "megatron.core.dist_checkpointing.strategies.async_utils"
+_FILESYSTEM_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
 #: Every Megatron internal touched by the package, in the order of the list above.
 PRIVATES: tuple[MegatronPrivate, ...] = (
@@ -187,6 +197,12 @@ PRIVATES: tuple[MegatronPrivate, ...] = (
     MegatronPrivate("megatron.bridge.models.gpt_provider", "mtp_block_spec", BRIDGE, "swapped",
                     "swapped_bridge_mtp_block_spec", params=("config", "vp_stage"),
                     looked_up_by="GPTModelProvider.provide"),
+    MegatronPrivate(_ASYNC_UTILS, "PersistentAsyncCaller.async_loop", MEGATRON_CORE,
+                    "replaced", "replace_persistent_async_loop",
+                    params=("rank", "queue", "preload_q", "comp_q")),
+    MegatronPrivate(_FILESYSTEM_ASYNC, "FileSystemWriterAsync.preload_tensors", MEGATRON_CORE,
+                    "replaced", "replace_async_preload_tensors",
+                    params=("write_buckets", "non_blocking")),
     MegatronPrivate("torch.nn", "Module._forward_pre_hooks", TORCH, "read",
                     "forward_pre_hooks", on_instance=True),
 )
@@ -481,6 +497,63 @@ def swapped_bridge_mtp_block_spec(replacement: Callable[..., Any]) -> Iterator[N
         yield
     finally:
         gpt_provider.mtp_block_spec = real
+
+
+# -----------------------------------------------------------------------------
+# megatron-core's asynchronous checkpoint saves (0.19.2)
+# -----------------------------------------------------------------------------
+
+#: The static methods replaced in this process, as megatron-core defines them.
+_REPLACED_STATIC: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
+def _replace_static_method(module: str, owner: str, name: str,
+                           replacement: Callable[..., Any]) -> bool:
+    cls = getattr(importlib.import_module(module), owner)
+    if _marked(getattr(cls, name)):
+        return False
+    _REPLACED_STATIC[(module, f"{owner}.{name}")] = cls.__dict__[name].__func__
+    setattr(cls, name, staticmethod(_mark(replacement)))
+    return True
+
+
+def _original_static_method(module: str, owner: str, name: str) -> Callable[..., Any]:
+    found = _REPLACED_STATIC.get((module, f"{owner}.{name}"))
+    if found is not None:
+        return found
+    return getattr(importlib.import_module(module), owner).__dict__[name].__func__
+
+
+def replace_persistent_async_loop(replacement: Callable[..., Any]) -> bool:
+    """Make ``replacement`` megatron/core/dist_checkpointing/strategies/async_utils.py:
+    ``PersistentAsyncCaller.async_loop`` (a static method: the target of the persistent
+    worker process of asynchronous saves, started with ``spawn``; megatron-core 0.19.2).
+    The spawned interpreter unpickles the target by its name, so ``replacement`` must be
+    a module-level function. Idempotent: returns False, changing nothing, when it is
+    replaced already."""
+    return _replace_static_method(_ASYNC_UTILS, "PersistentAsyncCaller", "async_loop",
+                                  replacement)
+
+
+def persistent_async_loop() -> Callable[..., Any]:
+    """megatron-core's own ``PersistentAsyncCaller.async_loop``, replaced or not."""
+    return _original_static_method(_ASYNC_UTILS, "PersistentAsyncCaller", "async_loop")
+
+
+def replace_async_preload_tensors(replacement: Callable[..., Any]) -> bool:
+    """Make ``replacement`` megatron/core/dist_checkpointing/strategies/filesystem_async.py:
+    ``FileSystemWriterAsync.preload_tensors(write_buckets, non_blocking)`` (a static
+    method, sent by reference to the async-save worker, which calls it to stage the
+    tensors to write while the training rank waits; megatron-core 0.19.2). Module-level
+    ``replacement`` only, as above. Idempotent."""
+    return _replace_static_method(_FILESYSTEM_ASYNC, "FileSystemWriterAsync",
+                                  "preload_tensors", replacement)
+
+
+def async_preload_tensors() -> Callable[..., Any]:
+    """megatron-core's own ``FileSystemWriterAsync.preload_tensors``, replaced or not."""
+    return _original_static_method(_FILESYSTEM_ASYNC, "FileSystemWriterAsync",
+                                   "preload_tensors")
 
 
 # -----------------------------------------------------------------------------

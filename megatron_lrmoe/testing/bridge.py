@@ -17,6 +17,10 @@ A test builds a recipe by its name, shrinks it with Bridge's own override mechan
     pool.run(harness.train, recipe, [*ovr, *harness.checkpoint_overrides(save=d, interval=10)])
     pool.run(harness.train, recipe, [*ovr, *harness.checkpoint_overrides(load=d)])
 
+SFT recipes train with Bridge's ``finetune`` (``run_pretrain(cfg, callbacks, finetune=True)``)
+from a checkpoint, on a local dataset (``write_sft_dataset``) with an offline text tokenizer
+(``save_text_tokenizer``), both given by overrides.
+
 What is CPU-only (nothing of it on a CUDA machine): the CPU runtime with Bridge's fixes
 (``enable_bridge_cpu_runtime``), the local (non-TE) layer spec in place of the recipe's TE
 spec (``use_local_spec``), and the local backend of Bridge's MTP block spec, which Bridge
@@ -37,6 +41,7 @@ import torch
 
 QWEN3_30B_A3B_8GPU = "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config"
 QWEN3_30B_A3B_16GPU = "qwen3_30b_a3b_pretrain_config"   # Bridge's alias of the 16 x H100 one
+QWEN3_30B_A3B_SFT_8GPU = "qwen3_30b_a3b_sft_8gpu_h100_bf16_config"
 GLM45_AIR = "glm45_air_106b_pretrain_config"
 
 #: Width of a CPU test model (every recipe; the depth is the recipe's shape, ``SHAPES``),
@@ -101,15 +106,72 @@ def recipe_overrides(recipe: str, overrides: Sequence[str]) -> list[str]:
 
 
 def checkpoint_overrides(save: str | None = None, load: str | None = None,
-                         interval: int | None = None) -> list[str]:
+                         interval: int | None = None, async_save: bool = False) -> list[str]:
     """Overrides for Bridge's checkpointing: save to ``save`` every ``interval`` steps,
-    resume from ``load`` (its latest iteration). Synchronous saves, torch_dist format."""
-    out = ["checkpoint.ckpt_format=torch_dist", "checkpoint.async_save=false"]
+    resume from ``load`` (its latest iteration). torch_dist format; synchronous saves
+    unless ``async_save`` (Bridge's persistent worker process)."""
+    out = ["checkpoint.ckpt_format=torch_dist", f"checkpoint.async_save={str(async_save).lower()}"]
     if save is not None:
         out += [f"checkpoint.save={save}", f"checkpoint.save_interval={interval or 1}"]
     if load is not None:
         out += [f"checkpoint.load={load}"]
     return out
+
+
+#: Token ids of the offline tokenizer (``save_text_tokenizer``): 252 words "0" to "251",
+#: then the special tokens, 256 in all (``SMALL``'s vocabulary size).
+TEXT_WORDS = 252
+
+
+def save_text_tokenizer(directory: str) -> None:
+    """A word-level Hugging Face tokenizer built offline (the words ``"0"`` to ``"251"``
+    split on whitespace, with pad, bos, eos and unk tokens) saved to ``directory``
+    (``text_tokenizer_overrides`` use it). SFT datasets need a text tokenizer with those
+    special tokens, which ``NullTokenizer`` lacks; the recipes' own come from the Hub."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    words = [*map(str, range(TEXT_WORDS)), *specials]
+    inner = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", bos_token="<s>",
+                            eos_token="</s>", unk_token="<unk>").save_pretrained(directory)
+
+
+def text_tokenizer_overrides(directory: str) -> list[str]:
+    """The overrides that make a recipe use the tokenizer ``save_text_tokenizer`` saved in
+    ``directory`` (its 256 tokens are the model's vocabulary)."""
+    return ["tokenizer.tokenizer_type=HuggingFaceTokenizer",
+            f"tokenizer.tokenizer_model={directory}", "tokenizer.hf_tokenizer_kwargs={}",
+            "tokenizer.use_tokenizer_vocab_size=true"]
+
+
+def write_sft_dataset(root: str, examples: int = 64, seed: int = 0) -> None:
+    """A prompt-completion SFT dataset in ``root`` (``training.jsonl``, ``validation.jsonl``
+    in Bridge's local format, fields ``input`` and ``output``) of words of
+    ``save_text_tokenizer``: six random numbers, answered by each plus 100."""
+    import json
+    import os
+    import random
+
+    draw = random.Random(seed)
+    os.makedirs(root, exist_ok=True)
+    for name, count in (("training.jsonl", examples), ("validation.jsonl", examples // 8)):
+        with open(os.path.join(root, name), "w") as f:
+            for _ in range(count):
+                prompt = [draw.randrange(10, TEXT_WORDS - 100) for _ in range(6)]
+                f.write(json.dumps({"input": " ".join(map(str, prompt)),
+                                    "output": " ".join(str(x + 100) for x in prompt)}) + "\n")
+
+
+def sft_dataset_overrides(root: str) -> list[str]:
+    """The overrides that make an SFT recipe read the dataset ``write_sft_dataset`` wrote in
+    ``root`` in place of its Hub dataset (no offline packing, no validation or test split)."""
+    return [f"dataset.dataset_root={root}", "dataset.hf_dataset=null",
+            "dataset.hf_validation_proportion=null", "dataset.enable_offline_packing=false",
+            "dataset.offline_packing_specs=null", "dataset.dataset_kwargs=null",
+            "dataset.do_validation=false", "dataset.do_test=false"]
 
 
 def recipe_function(name: str) -> Callable[[], Any]:
@@ -206,12 +268,16 @@ def _recorder(run: BridgeRun) -> Any:
     return Record()
 
 
-def run_pretrain(cfg: Any, callbacks: Sequence[Any] = ()) -> BridgeRun:
-    """Bridge's ``pretrain(cfg, gpt_step.forward_step, callbacks)`` on this rank, with the
-    CPU runtime (and Bridge's CPU fixes) on a machine without CUDA."""
+def run_pretrain(cfg: Any, callbacks: Sequence[Any] = (), finetune: bool = False) -> BridgeRun:
+    """Bridge's ``pretrain(cfg, gpt_step.forward_step, callbacks)`` on this rank (its
+    ``finetune`` with ``finetune``), with the CPU runtime (and Bridge's CPU fixes) on a
+    machine without CUDA."""
+    from megatron.bridge.training import finetune as bridge_finetune
+    from megatron.bridge.training import pretrain as bridge_pretrain
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.initialize import destroy_global_state
-    from megatron.bridge.training.pretrain import pretrain
+
+    pretrain = bridge_finetune.finetune if finetune else bridge_pretrain.pretrain
 
     # A pool worker runs many tasks: whatever an earlier run (or a launcher run that
     # stopped early) left in Megatron's globals, e.g. the rerun state machine, must go.

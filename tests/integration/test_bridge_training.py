@@ -9,8 +9,11 @@ For each recipe, four runs of 20 steps on one pool:
   first layer stays dense);
 * LRMoE at gamma = inf and the same adapted recipe with Megatron's MoE layer
   (``model.moe_lrmoe=false``): the same losses within the layer tests' bars;
-* the first run saves at step 10, a new one resumes from that checkpoint to step 20:
-  bitwise the losses, parameters and LRMoE step state of the uninterrupted run.
+* the first run saves at step 10 (Qwen's asynchronously, GLM's synchronously), a new one
+  resumes from that checkpoint to step 20: bitwise the losses, parameters and LRMoE step
+  state of the uninterrupted run. The first run also logs to TensorBoard and to W&B (a
+  recording stand-in for the ``wandb`` module, not installed here): LRMoE's statistics
+  land in both, at the same steps with the same values.
 
 One recipe runs through the API (``enable_lrmoe``, Bridge's ``process_config_with_overrides``,
 ``pretrain``) and saves/resumes through the launcher (``python -m megatron_lrmoe.bridge``'s
@@ -20,8 +23,13 @@ the API's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.machinery
+import sys
+import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,14 +65,55 @@ def _recorder(out: dict):
                           context.model[0].named_modules() if isinstance(m, MoELayer)]
             layers = lrmoe_layers(context.model)
             out["origin"] = layers[0].lrmoe_state.planner_state_origin if layers else None
+            out["async_saves"] = context.state.async_calls_queue is not None
 
     return Record()
 
 
-def train(recipe: str, overrides: list[str], launcher: bool) -> dict:
+def _recording_wandb() -> types.ModuleType:
+    """A stand-in for the ``wandb`` module (not installed here) with what Bridge's training
+    calls on it (state.py:wandb_logger, train_utils.py:training_log, train.py):
+    ``init(**kwargs)``, ``log(data, step)``, ``finish()``; it records the calls."""
+    module = types.ModuleType("wandb")
+    module.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    module.calls = []
+    module.init = lambda **kwargs: module.calls.append(("init", kwargs["project"]))
+    module.log = lambda data, step=None, commit=None: module.calls.append(
+        ("log", dict(data), step))
+    module.finish = lambda: module.calls.append(("finish",))
+    return module
+
+
+def train(recipe: str, overrides: list[str], launcher: bool, wandb: bool = False) -> dict:
     """One Bridge run on this rank (a pool task), through the API or the launcher: losses,
     the final parameters, LRMoE step state and MoE layer classes, and where the planner
-    state came from."""
+    state came from; with ``wandb``, Bridge's W&B logging on (project "lrmoe") into a
+    recording ``wandb`` module, whose calls are ``out["wandb"]``."""
+    if not wandb:
+        return _train(recipe, overrides, launcher, contextlib.nullcontext)
+    recorder = _recording_wandb()
+
+    @contextlib.contextmanager
+    def recording():
+        # Only while Bridge trains (after the recipes are imported: some of their imports
+        # probe for wandb and would take the stand-in for the package).
+        before = sys.modules.get("wandb")
+        sys.modules["wandb"] = recorder
+        try:
+            yield
+        finally:
+            if before is None:
+                sys.modules.pop("wandb")
+            else:
+                sys.modules["wandb"] = before
+
+    out = _train(recipe, [*overrides, "logger.wandb_project=lrmoe",
+                          "logger.wandb_exp_name=test"], launcher, recording)
+    out["wandb"] = recorder.calls
+    return out
+
+
+def _train(recipe: str, overrides: list[str], launcher: bool, around) -> dict:
     from megatron_lrmoe.integration.runtime.cpu import enable_bridge_cpu_runtime
 
     enable_bridge_cpu_runtime()
@@ -74,10 +123,9 @@ def train(recipe: str, overrides: list[str], launcher: bool) -> dict:
         from megatron_lrmoe.integration.bridge import LRMoECallback
 
         cfg = harness.build_recipe(recipe, overrides, convert=_enable)
-        harness.run_pretrain(cfg, [LRMoECallback(), _recorder(out)])
+        with around():
+            harness.run_pretrain(cfg, [LRMoECallback(), _recorder(out)])
         return out
-    from contextlib import nullcontext
-
     from megatron.bridge.training import pretrain as bridge_pretrain
 
     from megatron_lrmoe.bridge.cli import main
@@ -86,12 +134,15 @@ def train(recipe: str, overrides: list[str], launcher: bool) -> dict:
     real = bridge_pretrain.pretrain
 
     def pretrain(cfg, forward_step, callbacks=None):
-        return real(cfg, forward_step, callbacks=[*callbacks, _recorder(out)])
+        with around():
+            return real(cfg, forward_step, callbacks=[*callbacks, _recorder(out)])
 
     bridge_pretrain.pretrain = pretrain
     cpu = harness.cpu()
     try:
-        with swapped_bridge_mtp_block_spec(harness.local_mtp_block_spec) if cpu else nullcontext():
+        mtp = (swapped_bridge_mtp_block_spec(harness.local_mtp_block_spec) if cpu
+               else contextlib.nullcontext())
+        with mtp:
             argv = ["--recipe", recipe, "--adapt", *harness.recipe_overrides(recipe, overrides)]
             assert main(argv, customize=harness.use_local_spec if cpu else None) == 0
     finally:
@@ -109,14 +160,17 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("recipe, api_runs_first", [(QWEN_8, True), (GLM_AIR, False)])
+@pytest.mark.parametrize("recipe, api_runs_first, async_save",
+                         [(QWEN_8, True, True), (GLM_AIR, False, False)])
 def test_recipe_trains_with_lrmoe_exact_at_inf_and_resumes_bitwise(gloo2, tmp_path, recipe,
-                                                                   api_runs_first):
+                                                                   api_runs_first, async_save):
     run = functools.partial(gloo2.run, train, recipe, timeout=600)
-    # The uninterrupted run saves at steps 10 and 20; the resumed one starts from step 10.
+    # The uninterrupted run saves at steps 10 and 20 (one recipe asynchronously, through
+    # Bridge's persistent worker process); the resumed one starts from step 10.
     board = tmp_path / "tensorboard"
-    full = run([*LRMOE, *harness.checkpoint_overrides(save=str(tmp_path), interval=10),
-                f"logger.tensorboard_dir={board}"], launcher=not api_runs_first)
+    full = run([*LRMOE, *harness.checkpoint_overrides(save=str(tmp_path), interval=10,
+                                                      async_save=async_save),
+                f"logger.tensorboard_dir={board}"], launcher=not api_runs_first, wandb=True)
     inf = run([*LRMOE[:1], "model.moe_lrmoe_bwd_capacity_factor=inf"],
               launcher=not api_runs_first)
     off = run(["model.moe_lrmoe=false"], launcher=not api_runs_first)
@@ -139,6 +193,7 @@ def test_recipe_trains_with_lrmoe_exact_at_inf_and_resumes_bitwise(gloo2, tmp_pa
         assert [cls for _, cls in off[rank]["moe"]] == ["MoELayer"] * len(names)
         torch.testing.assert_close(torch.tensor(inf[rank]["losses"]),
                                    torch.tensor(off[rank]["losses"]), rtol=RTOL, atol=ATOL)
+        assert full[rank]["async_saves"] == async_save
         assert resumed[rank]["losses"] == losses[10:]
         assert resumed[rank]["origin"] == "checkpoint"
         assert _equal(resumed[rank]["params"], full[rank]["params"])
@@ -150,6 +205,20 @@ def test_recipe_trains_with_lrmoe_exact_at_inf_and_resumes_bitwise(gloo2, tmp_pa
     events = EventAccumulator(str(board))
     events.Reload()
     assert [e.step for e in events.Scalars("lrmoe/retained-fraction")] == [5, 10, 15, 20]
+    # And in its W&B run, which Bridge starts on the last rank only: the same scalars at
+    # the same steps (TensorBoard keeps float32).
+    assert full[0]["wandb"] == []
+    calls = full[1]["wandb"]
+    assert calls[0] == ("init", "lrmoe")
+    logged: dict[str, list] = {}
+    for call in calls[1:]:
+        for key, value in (call[1].items() if call[0] == "log" else ()):
+            if key.startswith("lrmoe/"):
+                logged.setdefault(key, []).append((call[2], float(np.float32(value))))
+    board_tags = [t for t in events.Tags()["scalars"] if t.startswith("lrmoe/")]
+    assert sorted(logged) == sorted(board_tags) and "lrmoe/retained-fraction" in logged
+    for tag in board_tags:
+        assert logged[tag] == [(e.step, e.value) for e in events.Scalars(tag)], tag
 
 
 def count_parameters(recipe: str, lrmoe: bool) -> tuple[int, int]:

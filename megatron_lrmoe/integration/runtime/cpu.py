@@ -94,6 +94,17 @@ on top of the above; file:line in megatron/bridge of 0.6.2; none is needed with 
     no ``model-parallel-rng`` state and the first model init fails. On this runtime the
     tracker seeds the CPU generator (``cpu_rng_for_megatron_tracker``): the call runs
     with one device counted, so Bridge seeds it as it would on one GPU.
+``bridge_async_checkpoint_worker``
+    Bridge's asynchronous saves need megatron-core's persistent worker process
+    (config.py:603), a spawned interpreter whose loop first picks its GPU as
+    ``rank % torch.cuda.device_count()`` (dist_checkpointing/strategies/async_utils.py:565
+    of megatron-core 0.19.2): ZeroDivisionError here, the worker dies and the rank waits
+    on its queue forever. Its target becomes ``async_checkpoint_worker``, which enables this
+    runtime in the worker (the writer calls ``torch.cuda.synchronize()``) and counts the
+    rank's one device. The worker stages the tensors to write while the rank waits
+    (``FileSystemWriterAsync.preload_tensors``, filesystem_async.py): on a GPU a
+    device-to-host copy, on CPU ``.to("cpu")`` hands it the live tensors, which the next
+    optimizer step overwrites while they are written; ``preload_as_copies`` copies them.
 
 Dropped with 0.19: ``te_general_gemm_placeholder``. 0.19's ``moe_utils`` defines
 ``te_general_gemm = None`` when TE is absent (moe_utils.py:41-53), which selects its own
@@ -530,10 +541,50 @@ def _fix_bridge_model_parallel_seed() -> None:
     wrap_bridge_set_random_seed(_with_one_device_counted)
 
 
+def async_checkpoint_worker(rank: int, *args: Any, **kwargs: Any) -> None:
+    """The persistent worker of a CPU rank's asynchronous checkpoint saves (the process
+    target in place of megatron-core's ``PersistentAsyncCaller.async_loop``; module-level,
+    since the spawned interpreter imports it by name). The worker is a fresh interpreter:
+    it enables the CPU runtime itself (the writer's ``torch.cuda.synchronize()`` calls), and
+    megatron-core's loop picks its GPU as ``rank % torch.cuda.device_count()``, which it
+    then finds as the one device of its rank, an inert ``set_device``."""
+    from megatron_lrmoe.integration.megatron_privates import persistent_async_loop
+
+    enable_cpu_runtime()
+    # This process only writes checkpoints; the patch ends with it.
+    torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
+    torch.cuda.set_device = lambda device: None  # type: ignore[assignment]
+    persistent_async_loop()(rank, *args, **kwargs)
+
+
+def preload_as_copies(write_buckets: list[Any], non_blocking: bool = True) -> list[Any]:
+    """megatron-core's staging of an asynchronous save's tensors, with each tensor copied.
+    The worker stages while the training rank waits; on a GPU the staging is the
+    device-to-host copy, which training cannot change. On CPU ``.to("cpu")`` returns the
+    live tensor (shared with the worker), which the next optimizer step would overwrite
+    while the worker writes it; the copy keeps the saved step's values."""
+    from megatron_lrmoe.integration.megatron_privates import async_preload_tensors
+
+    staged = async_preload_tensors()(write_buckets, non_blocking)
+    return [(path, key, (data, [(item, tensor.clone()) for item, tensor in tensors]))
+            for path, key, (data, tensors) in staged]
+
+
+def _fix_bridge_async_checkpoint_worker() -> None:
+    from megatron_lrmoe.integration.megatron_privates import (
+        replace_async_preload_tensors,
+        replace_persistent_async_loop,
+    )
+
+    replace_persistent_async_loop(async_checkpoint_worker)
+    replace_async_preload_tensors(preload_as_copies)
+
+
 BRIDGE_FIXES: dict[str, Callable[[], None]] = {
     "bridge_allow_no_cuda": _fix_bridge_allow_no_cuda,
     "bridge_prebuilt_dataset_helpers": _fix_bridge_prebuilt_dataset_helpers,
     "bridge_model_parallel_seed": _fix_bridge_model_parallel_seed,
+    "bridge_async_checkpoint_worker": _fix_bridge_async_checkpoint_worker,
 }
 
 

@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 
+from megatron_lrmoe.integration import megatron_privates as privates
 from megatron_lrmoe.integration.runtime import compat
 from megatron_lrmoe.integration.runtime import cpu as runtime
 
@@ -177,7 +178,40 @@ def _blockers_and_fixes():
           lambda: seeded(initialize._set_random_seed.__wrapped__))
     probe("bridge_model_parallel_seed:fixed", lambda: seeded(initialize._set_random_seed))
     out["device_count_after"] = torch.cuda.device_count()
+    # The async-save worker: megatron-core's loop dies at its start (its GPU is rank modulo
+    # no device), ours runs until told to stop; the staging hands out the live tensor,
+    # ours a copy.
+    probe("bridge_async_checkpoint_worker:blocker",
+          lambda: _run_async_loop(privates.persistent_async_loop()))
+    probe("bridge_async_checkpoint_worker:fixed",
+          lambda: _run_async_loop(runtime.async_checkpoint_worker))
+    live = torch.arange(4.0)
+    for name, preload in (("blocker", privates.async_preload_tensors()),
+                          ("fixed", runtime.preload_as_copies)):
+        staged = preload([("file", "key", ([], [("item", live)]))], True)[0][2][1][0][1]
+        same = staged.untyped_storage().data_ptr() == live.untyped_storage().data_ptr()
+        out[f"bridge_async_checkpoint_worker:{name} preload"] = (staged.tolist(), same)
     return out
+
+
+def _run_async_loop(loop) -> str:
+    """``loop`` (the async-save worker's target) in this process, with a stop message
+    waiting; the process's torch.cuda counters and logging level as they were after."""
+    import logging
+    import queue
+
+    import torch
+
+    saved = torch.cuda.device_count, torch.cuda.set_device
+    level = logging.getLogger().level
+    work = queue.Queue()
+    work.put("DONE")
+    try:
+        loop(0, work, queue.Queue(), queue.Queue(), level)
+    finally:
+        torch.cuda.device_count, torch.cuda.set_device = saved
+        logging.getLogger().setLevel(level)
+    return "stopped" if work.unfinished_tasks == 0 else "running"
 
 
 def _forwards_allow_no_cuda(setup):
@@ -209,4 +243,9 @@ def test_each_bridge_fix_replaces_a_blocker(gloo2):
     assert blocker[0] == "ok" and tracker not in blocker[1]
     assert fixed[0] == "ok" and tracker in fixed[1]
     assert out["device_count_after"] == 0   # the count is restored after the call
+    assert out["bridge_async_checkpoint_worker:blocker"] == (
+        "ZeroDivisionError", "integer modulo by zero")
+    assert out["bridge_async_checkpoint_worker:fixed"] == ("ok", "stopped")
+    assert out["bridge_async_checkpoint_worker:blocker preload"] == ([0.0, 1.0, 2.0, 3.0], True)
+    assert out["bridge_async_checkpoint_worker:fixed preload"] == ([0.0, 1.0, 2.0, 3.0], False)
     assert {k.partition(":")[0] for k in out if ":" in k} == set(runtime.BRIDGE_FIXES)
