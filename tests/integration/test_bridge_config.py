@@ -4,7 +4,7 @@ checks, the final checks of ``finalize()`` after overrides, and the launcher's r
 
 The recipes read their models' config.json from the pre-filled Hugging Face cache
 (the ``bridge`` fixture). The oracle of what each recipe sets is the recipe's source
-(megatron/bridge/recipes/qwen/h100/qwen3_moe.py, recipes/glm/h100/glm45.py, Bridge
+(megatron/bridge/recipes/qwen/h100/qwen3_moe.py, megatron/bridge/recipes/glm/h100/glm45.py, Bridge
 0.6.2); what LRMoE refuses of it is Megatron's option table, whose own tests hold it to
 Megatron.
 """

@@ -204,7 +204,7 @@ def test_megatron_core_refusal_is_reported_cleanly():
 
 
 # -----------------------------------------------------------------------------
-# LRMoE options: one table (lrmoe/options.py OPTIONS), the flags of both entry points
+# LRMoE options: one table (config/options.py OPTIONS), the flags of both entry points
 # generated from it, every check naming the flag whichever path raised it.
 # -----------------------------------------------------------------------------
 
@@ -428,8 +428,8 @@ def test_generated_flags_equal_the_table(entry):
 
 
 def test_config_fields_equal_the_table():
-    """The config's moe_lrmoe* fields are written out in lrmoe/config.py: one per option,
-    in the table's order, with its annotation and default, so the two cannot drift."""
+    """The config's moe_lrmoe* fields are written out in config/transformer_config.py: one per
+    option, in the table's order, with its annotation and default, so the two cannot drift."""
     from megatron.core.transformer import TransformerConfig
 
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig

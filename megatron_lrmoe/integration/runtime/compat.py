@@ -81,7 +81,8 @@ def _te_pytorch_stub() -> types.ModuleType:
     """``transformer_engine.pytorch`` for megatron/bridge/peft/lora_layers.py (Bridge 0.6.2).
 
     Why: lora_layers.py imports it at line 20 with no fallback, and is reached from
-    ``import megatron.bridge`` (models/conversion/peft_bridge.py -> peft/canonical_lora.py).
+    ``import megatron.bridge`` (megatron/bridge/models/conversion/peft_bridge.py ->
+    megatron/bridge/peft/canonical_lora.py).
     Transformer Engine is a CUDA-only build that cannot be installed on a machine without
     a GPU toolchain. lora_layers names ``te`` classes in annotations and ``isinstance``
     checks, and builds them only in LoRA's methods: the stub's classes match nothing and

@@ -65,7 +65,7 @@ The fixes (see ``FIXES``; file:line in megatron/core of 0.19.2):
     CUDA type name that Megatron's optimizer and gradient clipping compare against
     (optimizer.py:315, 698-702, 1249; clip_grads.py:108-180; distrib_optimizer.py:401,
     466, 758; schedules.py:749, 2292 token counters; utils.py:1332; the causal mask,
-    transformer/utils.py:39). It costs one Python call per torch call: every benchmark
+    megatron/core/transformer/utils.py:39). It costs one Python call per torch call: every benchmark
     policy pays the same.
 ``recompute_under_cpu_device_mode``
     Activation recompute runs forward code inside backward, and backward starts in
@@ -97,9 +97,10 @@ on top of the above; file:line in megatron/bridge of 0.6.2; none is needed with 
 ``bridge_async_checkpoint_worker``
     Bridge's asynchronous saves need megatron-core's persistent worker process
     (config.py:603), a spawned interpreter whose loop first picks its GPU as
-    ``rank % torch.cuda.device_count()`` (dist_checkpointing/strategies/async_utils.py:565
-    of megatron-core 0.19.2): ZeroDivisionError here, the worker dies and the rank waits
-    on its queue forever. Its target becomes ``async_checkpoint_worker``, which enables this
+    ``rank % torch.cuda.device_count()``
+    (megatron/core/dist_checkpointing/strategies/async_utils.py:565 of megatron-core
+    0.19.2): ZeroDivisionError here, the worker dies and the rank waits on its queue
+    forever. Its target becomes ``async_checkpoint_worker``, which enables this
     runtime in the worker (the writer calls ``torch.cuda.synchronize()``) and counts the
     rank's one device. The worker stages the tensors to write while the rank waits
     (``FileSystemWriterAsync.preload_tensors``, filesystem_async.py): on a GPU a
@@ -385,8 +386,9 @@ KNOWN_CPU_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
 
 #: (logger, level, exact format string) of the log records every CPU run prints once per
 #: rank: torch logs where it would look for CUDA when ``torch.utils.cpp_extension`` is
-#: imported without a CUDA device (megatron-core 0.19 imports it in tensor_parallel/random.py
-#: to build a C++ helper for recompute; that build needs no CUDA). The format string is
+#: imported without a CUDA device (megatron-core 0.19 imports it in
+#: megatron/core/tensor_parallel/random.py to build a C++ helper for recompute; that build
+#: needs no CUDA). The format string is
 #: matched, so the path it names may differ; nothing else is hidden.
 KNOWN_CPU_LOG_RECORDS: tuple[tuple[str, int, str], ...] = (
     ("torch.utils.cpp_extension", logging.WARNING,
@@ -404,8 +406,8 @@ _GPT_MODEL = ("GPTModel IS DEPRECATED. GPTModel is only accepting critical bug f
 
 #: (category, exact message, emitting module) of the warnings megatron-core 0.19.2 prints
 #: on every device in a launcher run that the user cannot act on: get_megatron_optimizer
-#: imports the experimental MIMO model (optimizer/__init__.py:1019), whose config class
-#: warns at definition, once per rank. Hidden on CUDA too; nothing else is.
+#: imports the experimental MIMO model (megatron/core/optimizer/__init__.py:1019), whose
+#: config class warns at definition, once per rank. Hidden on CUDA too; nothing else is.
 KNOWN_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
     (UserWarning, "MimoModelConfig is experimental and still under active development. "
      "The API may change without notice in future releases.",
@@ -417,7 +419,8 @@ KNOWN_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
 #: builds GPTModel; porting is this project's work, tracked in docs/decisions.md), the
 #: rerun state machine announcing the mode the launcher itself sets (DISABLED, as
 #: Megatron-LM's default), and the deprecation that dist_checkpointing's *synchronous*
-#: save logs because it runs through the async path internally (strategies/torch.py:727).
+#: save logs because it runs through the async path internally
+#: (megatron/core/dist_checkpointing/strategies/torch.py:727).
 KNOWN_LOG_RECORDS: tuple[tuple[str, int, str], ...] = (
     ("megatron.core.models.gpt.gpt_model", logging.WARNING, _GPT_MODEL),
     ("megatron.core.rerun_state_machine", logging.WARNING,
