@@ -5,11 +5,11 @@ The LRMoE layer keeps Megatron's per-expert parameter names,
 (megatron/bridge/models/qwen/qwen3_moe_bridge.py) maps both those and the grouped-GEMM
 names (``mlp.experts.linear_fc{1,2}.weight<i>``, TE's grouped MLP); its GLM-4.5 mapping
 (megatron/bridge/models/glm/glm45_bridge.py) the grouped names only, so a GLM-4.5
-checkpoint does not load into a model with per-expert names (Bridge leaves those
-parameters without a conversion task). ``register_local_expert_mappings()`` registers,
-for GLM-4.5, Bridge's own bridge class with every per-expert grouped mapping also given
-under the per-expert name, the way Bridge's registry aliases layer-norm names. Checkpoints with fused HF experts
-(``gate_up_proj`` as one tensor) keep Bridge's grouped mapping only.
+checkpoint does not load into a model with per-expert names (Bridge leaves those parameters
+without a conversion task). ``register_local_expert_mappings()`` registers, for GLM-4.5,
+Bridge's own bridge class with every per-expert grouped mapping also given under the
+per-expert name, the way Bridge's registry aliases layer-norm names. Checkpoints with fused HF
+experts (``gate_up_proj`` as one tensor) keep Bridge's grouped mapping only.
 """
 
 from __future__ import annotations
