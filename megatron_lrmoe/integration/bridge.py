@@ -431,9 +431,6 @@ def lrmoe_pre_wrap_hook(model: list[Any]) -> list[Any]:
     from megatron.core.num_microbatches_calculator import get_micro_batch_size, get_num_microbatches
 
     from megatron_lrmoe.config.flags import tokens_per_rank
-    from megatron_lrmoe.integration.megatron_privates import (
-        wrap_bridge_sharded_state_dict_metadata,
-    )
     from megatron_lrmoe.integration.step_hooks import (
         chain_to_rerun_state_machine,
         lrmoe_layers,
@@ -441,6 +438,9 @@ def lrmoe_pre_wrap_hook(model: list[Any]) -> list[Any]:
         print_on_last_rank,
         setup_lrmoe_layers,
         unconverted_moe_layers,
+    )
+    from megatron_lrmoe.megatron_privates import (
+        wrap_bridge_sharded_state_dict_metadata,
     )
 
     config = model[0].config

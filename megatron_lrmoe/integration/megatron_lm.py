@@ -429,7 +429,7 @@ def _model_classes() -> tuple[type, type]:
         def build_model(self, pg_collection: Any, pre_process: bool | None = None,
                         post_process: bool | None = None, vp_stage: int | None = None):
             from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
-            from megatron_lrmoe.integration.megatron_privates import builder_model_config
+            from megatron_lrmoe.megatron_privates import builder_model_config
 
             config = builder_model_config(self).transformer
             if not (isinstance(config, LRMoETransformerConfig) and config.moe_lrmoe):
@@ -507,11 +507,11 @@ def _specs_converted(owner: Callable[..., Any]) -> Iterator[None]:
     with --moe-layer-freq, --spec, MTP block) and pass it straight to GPTModel:
     converting there covers every flavour without repeating Megatron-LM's choice.
     """
-    from megatron_lrmoe.integration.megatron_privates import (
+    from megatron_lrmoe.layer.spec import to_lrmoe_spec
+    from megatron_lrmoe.megatron_privates import (
         GPTModelNotFound,
         swap_gpt_model_class,
     )
-    from megatron_lrmoe.layer.spec import to_lrmoe_spec
 
     def converting(real: Any) -> Callable[..., Any]:
         def gpt_model(*args: Any, **kwargs: Any):
@@ -576,11 +576,11 @@ def install_lrmoe_hooks() -> None:
     """Once per process: the step boundary and statistics after Megatron-LM's
     ``training_log``, the step-state flag in its checkpoint metadata, and the LRMoE
     state in its re-run state machine's snapshots."""
-    from megatron_lrmoe.integration.megatron_privates import (
+    from megatron_lrmoe.integration.step_hooks import chain_to_rerun_state_machine
+    from megatron_lrmoe.megatron_privates import (
         wrap_sharded_state_dict_metadata,
         wrap_training_log,
     )
-    from megatron_lrmoe.integration.step_hooks import chain_to_rerun_state_machine
 
     chain_to_rerun_state_machine(built_models)
     wrap_training_log(_training_log_wrapper)
@@ -675,7 +675,7 @@ def run_pretrain_gpt() -> None:
     )
     from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_lrmoe.integration.megatron_privates import mark_datasets_provider_distributed
+    from megatron_lrmoe.megatron_privates import mark_datasets_provider_distributed
 
     set_startup_timestamps(program_start=start, main_entry=time.time())
     datasets = pretrain_gpt.train_valid_test_datasets_provider

@@ -24,9 +24,9 @@ import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 from torch._subclasses.fake_tensor import is_fake
 
-from megatron_lrmoe.integration.megatron_privates import forward_pre_hooks
 from megatron_lrmoe.layer.expert_gemms import WeightStack, weight_stack
 from megatron_lrmoe.layer.region import ExpertWeights
+from megatron_lrmoe.megatron_privates import forward_pre_hooks
 
 # Each expert weight starts at a multiple of this many elements of the layer's buffer
 # (as Megatron's distributed optimizer aligns parameters): 16-byte aligned in any dtype.

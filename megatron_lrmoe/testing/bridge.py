@@ -287,7 +287,7 @@ def run_pretrain(cfg: Any, callbacks: Sequence[Any] = (), finetune: bool = False
     if not cpu():
         pretrain(cfg, forward_step, callbacks=every)
         return run
-    from megatron_lrmoe.integration.megatron_privates import swapped_bridge_mtp_block_spec
+    from megatron_lrmoe.megatron_privates import swapped_bridge_mtp_block_spec
 
     with swapped_bridge_mtp_block_spec(local_mtp_block_spec):
         pretrain(cfg, forward_step, callbacks=every)

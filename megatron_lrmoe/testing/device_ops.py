@@ -385,8 +385,8 @@ def count_layer_ops(layer_kind: str, case, rank: int, model: str = "qwen3-30b-a3
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from megatron_lrmoe.integration.megatron_privates import replaced_dispatcher_dtoh
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
+    from megatron_lrmoe.megatron_privates import replaced_dispatcher_dtoh
     from megatron_lrmoe.testing.fake_cuda import (
         case_counts,
         megatron_fake_cuda,

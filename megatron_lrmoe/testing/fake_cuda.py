@@ -704,7 +704,7 @@ def _fake_rng_tracker():
     ``forks``, so a test sees under which state each weight was initialised."""
     from megatron.core.tensor_parallel import random as megatron_random
 
-    from megatron_lrmoe.integration.megatron_privates import model_parallel_rng_tracker_name
+    from megatron_lrmoe.megatron_privates import model_parallel_rng_tracker_name
 
     class FakeCudaRNGStatesTracker(megatron_random.CudaRNGStatesTracker):
         def __init__(self) -> None:
@@ -740,7 +740,7 @@ def megatron_fake_cuda(rank: int, ep_size: int, seed: int = 123):
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
-    from megatron_lrmoe.integration.megatron_privates import (
+    from megatron_lrmoe.megatron_privates import (
         installed_cuda_rng_tracker,
         swapped_dispatcher_dtoh_stream,
     )

@@ -129,7 +129,7 @@ def _train(recipe: str, overrides: list[str], launcher: bool, around) -> dict:
     from megatron.bridge.training import pretrain as bridge_pretrain
 
     from megatron_lrmoe.bridge.cli import main
-    from megatron_lrmoe.integration.megatron_privates import swapped_bridge_mtp_block_spec
+    from megatron_lrmoe.megatron_privates import swapped_bridge_mtp_block_spec
 
     real = bridge_pretrain.pretrain
 

@@ -36,7 +36,7 @@ def fp8_off_in_checkpoint_without_output_when_te_absent() -> bool:
 
     Returns True when the constructor was wrapped (TE absent), False otherwise.
     Idempotent. Megatron's internals are reached through ``megatron_privates``."""
-    from megatron_lrmoe.integration.megatron_privates import (
+    from megatron_lrmoe.megatron_privates import (
         tensor_parallel_random_has_te,
         wrap_checkpoint_without_output_init,
     )

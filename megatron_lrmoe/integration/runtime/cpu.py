@@ -23,7 +23,7 @@ Rules this module keeps:
   (``megatron_support``), since every fix below is tied to how 0.19 is written.
 * Each fix is one named function with the reason next to it. Where Megatron has
   no hook, the patch is this module's, and the Megatron internal it touches is reached
-  through ``integration/megatron_privates.py`` (which names each with its version);
+  through ``megatron_privates.py`` (which names each with its version);
   torch's ``torch.cuda`` functions are replaced here.
 
 The fixes (see ``FIXES``; file:line in megatron/core of 0.19.2):
@@ -251,7 +251,7 @@ class _DropTrackerCpuStateWarning(logging.Filter):
 
 
 def _fix_cpu_rng_for_megatron_tracker() -> None:
-    from megatron_lrmoe.integration.megatron_privates import replace_cuda_rng_state_functions
+    from megatron_lrmoe.megatron_privates import replace_cuda_rng_state_functions
 
     replace_cuda_rng_state_functions(_get_cpu_rng_state, _set_cpu_rng_state)
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore
@@ -290,7 +290,7 @@ def _move_to_cpu_as_on_gpu(move_to_cpu: Callable[..., Any]) -> Callable[..., Any
 
 
 def _fix_numpy_split_sizes_for_gloo() -> None:
-    from megatron_lrmoe.integration.megatron_privates import replace_dispatcher_move_to_cpu
+    from megatron_lrmoe.megatron_privates import replace_dispatcher_move_to_cpu
 
     replace_dispatcher_move_to_cpu(_move_to_cpu_as_on_gpu)
 
@@ -352,7 +352,7 @@ def _device_mode_on():
 
 
 def _fix_recompute_under_cpu_device_mode() -> None:
-    from megatron_lrmoe.integration.megatron_privates import run_recompute_under
+    from megatron_lrmoe.megatron_privates import run_recompute_under
 
     run_recompute_under(_device_mode_on)
 
@@ -505,7 +505,7 @@ def _allow_no_cuda(initialize_megatron: Callable[..., Any]) -> Callable[..., Any
 
 
 def _fix_bridge_allow_no_cuda() -> None:
-    from megatron_lrmoe.integration.megatron_privates import wrap_bridge_initialize_megatron
+    from megatron_lrmoe.megatron_privates import wrap_bridge_initialize_megatron
 
     wrap_bridge_initialize_megatron(_allow_no_cuda)
 
@@ -520,7 +520,7 @@ def _unless_prebuilt(compile_helpers: Callable[[], None]) -> Callable[[], None]:
 
 
 def _fix_bridge_prebuilt_dataset_helpers() -> None:
-    from megatron_lrmoe.integration.megatron_privates import wrap_bridge_compile_helpers
+    from megatron_lrmoe.megatron_privates import wrap_bridge_compile_helpers
 
     wrap_bridge_compile_helpers(_unless_prebuilt)
 
@@ -539,7 +539,7 @@ def _with_one_device_counted(set_random_seed: Callable[..., Any]) -> Callable[..
 
 
 def _fix_bridge_model_parallel_seed() -> None:
-    from megatron_lrmoe.integration.megatron_privates import wrap_bridge_set_random_seed
+    from megatron_lrmoe.megatron_privates import wrap_bridge_set_random_seed
 
     wrap_bridge_set_random_seed(_with_one_device_counted)
 
@@ -551,7 +551,7 @@ def async_checkpoint_worker(rank: int, *args: Any, **kwargs: Any) -> None:
     it enables the CPU runtime itself (the writer's ``torch.cuda.synchronize()`` calls), and
     megatron-core's loop picks its GPU as ``rank % torch.cuda.device_count()``, which it
     then finds as the one device of its rank, an inert ``set_device``."""
-    from megatron_lrmoe.integration.megatron_privates import persistent_async_loop
+    from megatron_lrmoe.megatron_privates import persistent_async_loop
 
     enable_cpu_runtime()
     # This process only writes checkpoints; the patch ends with it.
@@ -566,7 +566,7 @@ def preload_as_copies(write_buckets: list[Any], non_blocking: bool = True) -> li
     device-to-host copy, which training cannot change. On CPU ``.to("cpu")`` returns the
     live tensor (shared with the worker), which the next optimizer step would overwrite
     while the worker writes it; the copy keeps the saved step's values."""
-    from megatron_lrmoe.integration.megatron_privates import async_preload_tensors
+    from megatron_lrmoe.megatron_privates import async_preload_tensors
 
     staged = async_preload_tensors()(write_buckets, non_blocking)
     return [(path, key, (data, [(item, tensor.clone()) for item, tensor in tensors]))
@@ -574,7 +574,7 @@ def preload_as_copies(write_buckets: list[Any], non_blocking: bool = True) -> li
 
 
 def _fix_bridge_async_checkpoint_worker() -> None:
-    from megatron_lrmoe.integration.megatron_privates import (
+    from megatron_lrmoe.megatron_privates import (
         replace_async_preload_tensors,
         replace_persistent_async_loop,
     )

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from megatron_lrmoe.integration import megatron_privates as privates
+from megatron_lrmoe import megatron_privates as privates
 from megatron_lrmoe.integration.runtime import compat
 from megatron_lrmoe.integration.runtime import cpu as runtime
 

@@ -1,4 +1,4 @@
-"""Megatron's internals are touched through ``integration/megatron_privates.py`` only, and
+"""Megatron's internals are touched through ``megatron_privates.py`` only, and
 every one it lists still exists.
 
 The rule, applied to every module of the package with ``ast`` (nothing is imported).
@@ -38,13 +38,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lrmoe.integration import megatron_privates
-from megatron_lrmoe.integration.megatron_privates import PRIVATES, missing_privates
+from megatron_lrmoe import megatron_privates
+from megatron_lrmoe.megatron_privates import PRIVATES, missing_privates
 
 PACKAGE = "megatron_lrmoe"
-ROOT = Path(__file__).resolve().parents[2] / PACKAGE
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 REPO = ROOT.parent
-EXEMPT = f"{PACKAGE}/integration/megatron_privates.py"
+EXEMPT = f"{PACKAGE}/megatron_privates.py"
 MEGATRON_MODULES = ("megatron", "pretrain_gpt", "gpt_builders", "model_provider")
 PRIVATE_NAMES = frozenset(
     part for p in PRIVATES for part in p.name.split(".")
@@ -199,7 +199,7 @@ def test_only_megatron_privates_touches_megatron_privates():
     found = _package_touches()
     new = sorted(f"{path}:{line}: {text}" for (path, text), line in found.items()
                  if (path, text) not in KNOWN_OUTSIDE)
-    assert not new, ("Megatron privates touched outside integration/megatron_privates.py "
+    assert not new, ("Megatron privates touched outside megatron_privates.py "
                      "(add a named function there, with the Megatron file:symbol and "
                      "version):\n  " + "\n  ".join(new))
     gone = sorted(f"{path}: {text}" for path, text in KNOWN_OUTSIDE if (path, text) not in found)
@@ -302,7 +302,7 @@ def test_every_private_exists_in_the_installed_bridge(bridge):
 
 
 def test_megatron_privates_imports_neither_torch_nor_megatron():
-    code = ("import sys, megatron_lrmoe.integration.megatron_privates\n"
+    code = ("import sys, megatron_lrmoe.megatron_privates\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, timeout=120, check=True).stdout
@@ -315,7 +315,7 @@ def test_every_private_exists_in_the_megatron_lm_checkout():
     code = textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {checkout!r})
-        from megatron_lrmoe.integration.megatron_privates import missing_privates
+        from megatron_lrmoe.megatron_privates import missing_privates
         import megatron
         assert megatron.__path__[0].startswith({checkout!r}), megatron.__path__
         print(json.dumps(missing_privates()))
