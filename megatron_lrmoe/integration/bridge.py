@@ -482,11 +482,11 @@ def _sharded_state_dict_metadata_wrapper(original: Callable[..., Any]) -> Callab
 
     @functools.wraps(original)
     def sharded_state_dict_metadata(*args: Any, **kwargs: Any) -> dict:
-        from megatron_lrmoe.integration.step_hooks import PLANNER_STATE_FLAG
+        from megatron_lrmoe.integration.step_hooks import STEP_STATE_FLAG
 
         metadata = original(*args, **kwargs)
         if _RUN.live():
-            metadata[PLANNER_STATE_FLAG] = True
+            metadata[STEP_STATE_FLAG] = True
         return metadata
 
     return sharded_state_dict_metadata

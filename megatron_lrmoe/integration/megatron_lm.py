@@ -623,12 +623,12 @@ def _sharded_state_dict_metadata_wrapper(original: Callable[..., Any]) -> Callab
 
     @functools.wraps(original)
     def sharded_state_dict_metadata(*a: Any, **kw: Any) -> dict:
-        from megatron_lrmoe.integration.step_hooks import PLANNER_STATE_FLAG
+        from megatron_lrmoe.integration.step_hooks import STEP_STATE_FLAG
 
         # An LRMoE checkpoint says it holds the step state, a plain one does not.
         metadata = original(*a, **kw)
         if getattr(signature.bind(*a, **kw).arguments["args"], "moe_lrmoe", False):
-            metadata[PLANNER_STATE_FLAG] = True
+            metadata[STEP_STATE_FLAG] = True
         return metadata
 
     return sharded_state_dict_metadata

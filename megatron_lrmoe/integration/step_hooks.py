@@ -28,7 +28,7 @@ explicit points:
 
 Checkpoints need no launcher code: the state is each layer's module extra state
 (``LRMoELayer.get_extra_state``, kept by ``layer/step_state.py``), present in the sharded
-state dict when its metadata carries ``PLANNER_STATE_FLAG`` (``checkpoint_content_metadata``).
+state dict when its metadata carries ``STEP_STATE_FLAG`` (``checkpoint_content_metadata``).
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ import torch.distributed as dist
 
 from megatron_lrmoe.config.planner_inputs import agreed_machine_constants, needs_cost_model
 from megatron_lrmoe.layer.moe_layer import LRMoELayer
-from megatron_lrmoe.layer.step_state import PLANNER_STATE_FLAG, MicrobatchesPerStep
+from megatron_lrmoe.layer.step_state import STEP_STATE_FLAG, MicrobatchesPerStep
 from megatron_lrmoe.layer.telemetry import lrmoe_layers
 from megatron_lrmoe.planning.machine import MachineConstants
 
-__all__ = ["PLANNER_STATE_FLAG", "chain_to_rerun_state_machine", "checkpoint_content_metadata",
+__all__ = ["STEP_STATE_FLAG", "chain_to_rerun_state_machine", "checkpoint_content_metadata",
            "finish_lrmoe_step", "format_lrmoe_line", "lrmoe_layers", "lrmoe_step_memory",
            "machine_constants_line", "print_on_last_rank", "restore_lrmoe_state",
            "setup_lrmoe_layers", "snapshot_lrmoe_state", "unconverted_moe_layers",
@@ -220,7 +220,7 @@ def machine_constants_line(machine: MachineConstants) -> str:
 def checkpoint_content_metadata(config) -> dict[str, Any]:
     """What an LRMoE run adds to the sharded state dict metadata it saves with: the flag
     that puts every layer's step state in the checkpoint. Empty without ``moe_lrmoe``."""
-    return {PLANNER_STATE_FLAG: True} if getattr(config, "moe_lrmoe", False) else {}
+    return {STEP_STATE_FLAG: True} if getattr(config, "moe_lrmoe", False) else {}
 
 
 def unconverted_moe_layers(model_chunks: Iterable[torch.nn.Module]) -> list[str]:

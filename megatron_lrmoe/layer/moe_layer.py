@@ -36,11 +36,12 @@ from megatron_lrmoe.layer.region import (
 from megatron_lrmoe.layer.region_layout import CallLayout, chunk_permutation, to_device
 from megatron_lrmoe.layer.replicas import ExpertReplicas
 from megatron_lrmoe.layer.step_state import (
-    PLANNER_STATE_FLAG,
-    PLANNER_STATE_FORMAT,
-    PLANNER_STATE_VERSION,
+    STEP_STATE_FLAG,
+    STEP_STATE_FORMAT,
+    STEP_STATE_VERSION,
     LayerStepState,
     MicrobatchesPerStep,
+    carries_step_state,
 )
 from megatron_lrmoe.layer.telemetry import LRMoELayerStats
 from megatron_lrmoe.ops import deterministic_mode
@@ -48,7 +49,7 @@ from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.planner import LayerPlanner, MicroBatchPlan
 
-__all__ = ["PLANNER_STATE_FLAG", "PLANNER_STATE_FORMAT", "PLANNER_STATE_VERSION", "LRMoELayer",
+__all__ = ["STEP_STATE_FLAG", "STEP_STATE_FORMAT", "STEP_STATE_VERSION", "LRMoELayer",
            "MicrobatchesPerStep"]
 
 _LOG = logging.getLogger(__name__)
@@ -177,11 +178,11 @@ class LRMoELayer(MoELayer):
         with the layer offsets (EP-invariant key; replica_id non-zero on every rank but
         one tensor- and data-parallel rank 0, which all hold the same state).
 
-        The state is in the dict only when ``metadata`` carries ``PLANNER_STATE_FLAG``
+        The state is in the dict only when ``metadata`` carries ``STEP_STATE_FLAG``
         (docs/design.md, "Step state"): on load Megatron passes the checkpoint's own
         content metadata, so a plain Megatron checkpoint is never asked for it."""
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        if not (metadata or {}).get(PLANNER_STATE_FLAG):
+        if not carries_step_state(metadata):
             state.pop(f"{prefix}{_EXTRA_STATE_KEY}", None)
         return state
 

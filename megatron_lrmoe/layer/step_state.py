@@ -22,17 +22,26 @@ from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.planner import LayerPlanner
 
-__all__ = ["PLANNER_STATE_FLAG", "PLANNER_STATE_FORMAT", "PLANNER_STATE_VERSION",
+__all__ = ["STEP_STATE_FLAG", "STEP_STATE_FORMAT", "STEP_STATE_VERSION", "carries_step_state",
            "LayerStepState", "MicrobatchesPerStep"]
 
 _LOG = logging.getLogger(__name__)
 
 # The checkpointed step state: the layer's module extra state.
-PLANNER_STATE_FORMAT = "megatron-lrmoe layer step state"
-PLANNER_STATE_VERSION = 1
+STEP_STATE_FORMAT = "megatron-lrmoe layer step state"
+STEP_STATE_VERSION = 1
 # Content-metadata flag of a checkpoint whose LRMoE layers saved their step state; the
-# sharded state dict holds the state's key only when it is set.
-PLANNER_STATE_FLAG = "lrmoe_planner_state"
+# sharded state dict holds the state's key only when it is set. Checkpoints saved before
+# the flag had this name carry the legacy one, which means the same.
+STEP_STATE_FLAG = "lrmoe_step_state"
+_LEGACY_STEP_STATE_FLAG = "lrmoe_planner_state"
+
+
+def carries_step_state(metadata: dict | None) -> bool:
+    """Whether a checkpoint's content metadata says its LRMoE layers saved their step
+    state (``STEP_STATE_FLAG``, or the name it had before)."""
+    metadata = metadata or {}
+    return bool(metadata.get(STEP_STATE_FLAG) or metadata.get(_LEGACY_STEP_STATE_FLAG))
 
 MicrobatchesPerStep = int | Callable[[], int]
 
@@ -207,7 +216,7 @@ class LayerStepState:
         size, experts, policy)."""
         if self.planner is None and self.pending_state is not None:
             return self.pending_state        # loaded before setup_planner: saved unchanged
-        return {"format": PLANNER_STATE_FORMAT, "version": PLANNER_STATE_VERSION,
+        return {"format": STEP_STATE_FORMAT, "version": STEP_STATE_VERSION,
                 "ep_size": self.ep_size, "num_experts": self.config.num_moe_experts,
                 "policy": self.config.moe_lrmoe_placement, "step": self.step,
                 "planner": None if self.planner is None else self.planner.state_dict()}
@@ -245,12 +254,12 @@ class LayerStepState:
         """Load a saved step state, or start the planner fresh (and say why) when it does
         not apply to this run: another EP size, expert count or placement policy."""
         self._reset_progress()
-        if not isinstance(state, dict) or state.get("format") != PLANNER_STATE_FORMAT:
+        if not isinstance(state, dict) or state.get("format") != STEP_STATE_FORMAT:
             self._start_fresh("the checkpoint's state of this layer is not an LRMoE step state")
             return
-        if state.get("version") != PLANNER_STATE_VERSION:
+        if state.get("version") != STEP_STATE_VERSION:
             self._start_fresh(f"step state version {state.get('version')!r}, this code reads "
-                              f"{PLANNER_STATE_VERSION}")
+                              f"{STEP_STATE_VERSION}")
             return
         self._set_step(int(state["step"]))
         saved = (state.get("ep_size"), state.get("num_experts"), state.get("policy"))

@@ -415,6 +415,22 @@ def test_fatal_rerun_checkpoint_holds_the_pre_step_state(gloo2, corpus, tmp_path
     assert not unequal, unequal[:5]
 
 
+def _train_saving_the_legacy_flag(argv: list[str]) -> dict:
+    """``_train``, its checkpoints saved as before the step-state flag was renamed: their
+    content metadata names the state ``lrmoe_planner_state``."""
+    from megatron_lrmoe.launcher import checkpointing
+
+    def legacy(config) -> dict:
+        return {"lrmoe_planner_state": True} if config.moe_lrmoe else {}
+
+    current = checkpointing.checkpoint_content_metadata
+    checkpointing.checkpoint_content_metadata = legacy
+    try:      # the pool's workers live on: put the function back
+        return _train(argv)
+    finally:
+        checkpointing.checkpoint_content_metadata = current
+
+
 def test_checkpoints_cross_plain_megatron_and_ep_sizes(gloo2, corpus, tmp_path):
     """Plain Megatron -> LRMoE -> plain Megatron, and LRMoE EP=2 -> EP=1 as
     ``--no-load-optim --no-load-rng`` loads it: never an error (dist_checkpointing's
@@ -441,6 +457,13 @@ def test_checkpoints_cross_plain_megatron_and_ep_sizes(gloo2, corpus, tmp_path):
     assert lrmoe_ep2["origins"] == ["checkpoint"] * 2 and lrmoe_ep2["planner_steps"] == [2, 2]
     back_to_plain = gloo2.run(_load_and_describe, base, lrmoe_dir, timeout=300)[0]
     assert not _differs(back_to_plain["weights"], lrmoe_ep2["weights"])
+    # A checkpoint saved before the step-state flag had its name loads its state alike.
+    legacy_dir = str(tmp_path / "legacy")
+    gloo2.run(_train_saving_the_legacy_flag, base + lrmoe + [
+        "--train-iters", "4", "--load", plain_dir, "--save", legacy_dir], timeout=300)
+    legacy = gloo2.run(_load_and_describe, base + lrmoe, legacy_dir, timeout=300)[0]
+    assert legacy["origins"] == ["checkpoint"] * 2 and legacy["planner_steps"] == [2, 2]
+    assert not _differs(legacy["weights"], lrmoe_ep2["weights"])
 
     ep1 = list(base)
     ep1[ep1.index("--expert-model-parallel-size") + 1] = "1"
