@@ -332,7 +332,7 @@ def positioned_pairs(plan, rank: int) -> tuple[int, int]:
 
 def summarize_routing(cfg: dict, per_rank: list[dict], routing: str) -> list[dict]:
     """One row per setting: medians of the slowest rank, exact counts, target check."""
-    from megatron_lrmoe.layer.telemetry import TOTAL_FIELDS
+    from megatron_lrmoe.layer.stats import TOTAL_FIELDS
     from megatron_lrmoe.planning.retention import plan_retention
 
     data = [r["routings"][routing] for r in per_rank]

@@ -60,7 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_lrmoe.layer.moe_layer import LRMoELayer
 from megatron_lrmoe.layer.region import RegionStats
-from megatron_lrmoe.layer.telemetry import LRMoELayerStats
+from megatron_lrmoe.layer.stats import LRMoELayerStats
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import default_machine_constants
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings

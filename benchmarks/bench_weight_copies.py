@@ -2,7 +2,7 @@
 
 One LRMoELayer of Qwen3-30B-A3B's MoE shape (H 2048, 128 experts, top-8, F 768 SwiGLU,
 4096 tokens per rank, bf16, grouped GEMMs) as rank 3 of a fake EP group of 8
-(``megatron_lrmoe.testing.fake_cuda.run_weight_copy_case``), forward then backward; a
+(``megatron_lrmoe.testing.cuda_harness.run_weight_copy_case``), forward then backward; a
 dispatch mode adds up the bytes every copy op (stack, cat, clone, copy_, ``.to``, ...)
 writes from a tensor that aliases an expert weight's storage. One subprocess per way of
 holding the experts (the fake process group is process-wide): as built (one buffer per
@@ -39,7 +39,7 @@ MB = 1e6
 
 def measure(wrap: str, cases: list[str]) -> list[dict]:
     run = subprocess.run(
-        [sys.executable, "-m", "megatron_lrmoe.testing.fake_cuda", "weights", "3", wrap,
+        [sys.executable, "-m", "megatron_lrmoe.testing.cuda_harness", "weights", "3", wrap,
          *cases], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True, text=True, timeout=1200, check=False)
     if run.returncode:
@@ -57,7 +57,7 @@ def markdown(rows: list[dict], command: str) -> str:
         "",
         f"Date {datetime.date.today().isoformat()}. Qwen3-30B-A3B's MoE layer, EP 8, rank 3 "
         "(16 home experts: 151.0 MB of bf16 weights), fake CUDA; bytes written by copy "
-        "ops reading an expert weight's storage (``fake_cuda.WeightCopyCounter``), and the "
+        "ops reading an expert weight's storage (``cuda_harness.WeightCopyCounter``), and the "
         "region's own count (``RegionStats.weight_bytes_copied``).",
         "",
         "| experts held | call | forward MB | backward MB | copy ops | region's count MB |",

@@ -53,7 +53,7 @@ The internals, each read from the version named (``MEGATRON_CORE``: megatron-cor
 * the module globals ``_CUDA_RNG_STATE_TRACKER``, ``_CUDA_RNG_STATE_TRACKER_INITIALIZED``
   and ``_MODEL_PARALLEL_RNG_TRACKER_NAME`` of ``megatron.core.tensor_parallel.random``
   (megatron-core 0.19.2; swapped by ``installed_cuda_rng_tracker``, read by
-  ``model_parallel_rng_tracker_name``): the fake-CUDA harness (testing/fake_cuda.py)
+  ``model_parallel_rng_tracker_name``): the fake-CUDA harness (testing/cuda_harness.py)
   installs a tracker without a CUDA generator, which needs a driver.
 * the class attribute ``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`` (megatron-core
   0.19.2; swapped by ``swapped_dispatcher_dtoh_stream``): its constructor makes a CUDA

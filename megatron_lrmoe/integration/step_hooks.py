@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from megatron_lrmoe.config.planner_inputs import agreed_machine_constants, needs_cost_model
 from megatron_lrmoe.layer.moe_layer import LRMoELayer
+from megatron_lrmoe.layer.stats import lrmoe_layers
 from megatron_lrmoe.layer.step_state import STEP_STATE_FLAG, MicrobatchesPerStep
-from megatron_lrmoe.layer.telemetry import lrmoe_layers
 from megatron_lrmoe.planning.machine import MachineConstants
 
 __all__ = ["STEP_STATE_FLAG", "chain_to_rerun_state_machine", "checkpoint_content_metadata",
@@ -240,7 +240,7 @@ def write_lrmoe_stats(model_chunks: Iterable[torch.nn.Module], iteration: int,
     scalars to the TensorBoard writer and the W&B run given, and print one line on the
     last rank. ``num_layers`` counts the MTP layers too. Returns the scalars ({} off the
     interval)."""
-    from megatron_lrmoe.layer.telemetry import collect_lrmoe_stats
+    from megatron_lrmoe.layer.stats import collect_lrmoe_stats
 
     if not interval or iteration % interval:
         return {}
@@ -269,7 +269,7 @@ def print_on_last_rank(line: str) -> None:
 
 def format_lrmoe_line(iteration: int, stats: dict[str, float]) -> str:
     """The one-line summary: Megatron's iteration prefix and the words of
-    ``telemetry.format_lrmoe_stats``, which the lean launcher prints too."""
-    from megatron_lrmoe.layer.telemetry import format_lrmoe_stats
+    ``stats.format_lrmoe_stats``, which the lean launcher prints too."""
+    from megatron_lrmoe.layer.stats import format_lrmoe_stats
 
     return f" [LRMoE] iteration {iteration:8d} | {format_lrmoe_stats(stats)}"

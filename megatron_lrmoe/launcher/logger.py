@@ -2,7 +2,7 @@
 the progress bar), the interval and LRMoE lines, and the summary at the end.
 
 Every figure is reduced over the ranks before it gets here (``step.reduce_step_stats``,
-``telemetry.collect_lrmoe_stats``), so every rank holds the same records; only rank 0
+``layer_stats.collect_lrmoe_stats``), so every rank holds the same records; only rank 0
 writes them.
 """
 
@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from megatron_lrmoe.launcher.checkpointing import TrainingProgress
 from megatron_lrmoe.launcher.step import StepStats
-from megatron_lrmoe.layer import telemetry
+from megatron_lrmoe.layer import stats as layer_stats
 
 __all__ = ["Logger", "Tally", "log0", "log_interval", "log_lrmoe", "lrmoe_log_line",
            "print_summary", "summary", "unigram_baseline"]
@@ -33,8 +33,8 @@ def log0(*parts: object) -> None:
 
 def lrmoe_log_line(iteration: int, stats: dict[str, float]) -> str:
     """The launcher's LRMoE log line: its iteration prefix and the words Megatron-LM's
-    prints too (``telemetry.format_lrmoe_stats``)."""
-    return f"iter {iteration:6d} | LRMoE {telemetry.format_lrmoe_stats(stats)}"
+    prints too (``layer_stats.format_lrmoe_stats``)."""
+    return f"iter {iteration:6d} | LRMoE {layer_stats.format_lrmoe_stats(stats)}"
 
 
 @dataclass
@@ -148,7 +148,7 @@ def log_lrmoe(args: argparse.Namespace, model: list, logger: Logger,
     if args.moe_lrmoe and (
         progress.iteration % lrmoe_interval == 0 or progress.iteration == args.train_iters
     ):
-        lrmoe_stats = telemetry.collect_lrmoe_stats(model, args.num_layers, args.num_experts)
+        lrmoe_stats = layer_stats.collect_lrmoe_stats(model, args.num_layers, args.num_experts)
         record.update(lrmoe_stats)
         if "lrmoe/retained-fraction" in lrmoe_stats:
             logger.line(lrmoe_log_line(progress.iteration, lrmoe_stats))

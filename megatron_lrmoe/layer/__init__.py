@@ -1,1 +1,1 @@
-"""Inside a training step: LRMoELayer, its autograd region, experts, replicas, telemetry."""
+"""Inside a training step: LRMoELayer, its autograd region, experts, replicas, statistics."""

@@ -35,6 +35,7 @@ from megatron_lrmoe.layer.region import (
 )
 from megatron_lrmoe.layer.region_layout import CallLayout, chunk_permutation, to_device
 from megatron_lrmoe.layer.replicas import ExpertReplicas
+from megatron_lrmoe.layer.stats import LRMoELayerStats
 from megatron_lrmoe.layer.step_state import (
     STEP_STATE_FLAG,
     STEP_STATE_FORMAT,
@@ -43,7 +44,6 @@ from megatron_lrmoe.layer.step_state import (
     MicrobatchesPerStep,
     carries_step_state,
 )
-from megatron_lrmoe.layer.telemetry import LRMoELayerStats
 from megatron_lrmoe.ops import deterministic_mode
 from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.placement import Placement

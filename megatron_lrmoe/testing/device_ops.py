@@ -1,7 +1,7 @@
 """Count the device ops a MoE layer call dispatches, on fake CUDA at real size.
 
 Test harness and benchmark tool: runs in the fake-CUDA session of
-``megatron_lrmoe.testing.fake_cuda`` (its own process: ``python -m
+``megatron_lrmoe.testing.cuda_harness`` (its own process: ``python -m
 megatron_lrmoe.testing.device_ops``), for LRMoE's layer and for Megatron's own
 ``MoELayer`` with the all-to-all dispatcher, built from Megatron's local GPT spec, at the
 same shape, config and routing counts. What counts as a device op: ``op_kind``. Each op is
@@ -246,7 +246,7 @@ class DeviceOpCounter(TorchDispatchMode):
         while frame is not None:
             code = frame.f_code
             path = code.co_filename.replace("\\", "/")
-            if path.endswith("fake_cuda.py") and code.co_name == "node_grad":
+            if path.endswith("cuda_harness.py") and code.co_name == "node_grad":
                 node = frame.f_locals.get("node")
                 found = self.nodes.stage_of(node) if node is not None else None
                 if found is not None:
@@ -367,7 +367,7 @@ def _megatron_config(case, model: str):
     (``qwen3_layer_config``) but the LRMoE ones."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_lrmoe.testing.fake_cuda import qwen3_layer_config
+    from megatron_lrmoe.testing.cuda_harness import qwen3_layer_config
 
     lrmoe = qwen3_layer_config(case, model)
     names = {f.name for f in dataclasses.fields(TransformerConfig) if f.init}
@@ -387,7 +387,7 @@ def count_layer_ops(layer_kind: str, case, rank: int, model: str = "qwen3-30b-a3
 
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
     from megatron_lrmoe.megatron_privates import replaced_dispatcher_dtoh
-    from megatron_lrmoe.testing.fake_cuda import (
+    from megatron_lrmoe.testing.cuda_harness import (
         case_counts,
         megatron_fake_cuda,
         move_parameters_to_fake_cuda,
@@ -448,7 +448,7 @@ def count_layer_ops(layer_kind: str, case, rank: int, model: str = "qwen3-30b-a3
 def main(argv: list[str] | None = None) -> int:
     """``python -m megatron_lrmoe.testing.device_ops RANK KIND:EP:GAMMA:SELECTION:REPLICAS
     ...``: one JSON list of ``LayerOps`` on stdout (KIND: lrmoe or megatron)."""
-    from megatron_lrmoe.testing.fake_cuda import Case
+    from megatron_lrmoe.testing.cuda_harness import Case
 
     argv = sys.argv[1:] if argv is None else argv
     rank = int(argv[0])

@@ -174,15 +174,15 @@ def test_without_moe_lrmoe_the_model_config_is_pretrain_gpts_own():
 
 def test_both_entry_points_print_the_lrmoe_line_of_one_formatter(monkeypatch):
     """The lean launcher's LRMoE log line and Megatron-LM's carry the words of one
-    formatter (``telemetry.format_lrmoe_stats``), as docs/design.md says: for the same
+    formatter (``stats.format_lrmoe_stats``), as docs/design.md says: for the same
     statistics the same words, each after its own iteration prefix."""
     from megatron_lrmoe.integration.megatron_lm import format_lrmoe_line
     from megatron_lrmoe.launcher.logger import lrmoe_log_line
-    from megatron_lrmoe.layer import telemetry
+    from megatron_lrmoe.layer import stats as layer_stats
 
     stats = {"lrmoe/retained-fraction": 0.912, "lrmoe/dropped-contribution-fraction": 0.031,
              "lrmoe/backward-bytes-saved": 412.5 * 2**20, "lrmoe/load-max-over-mean": 1.37}
-    words = telemetry.format_lrmoe_stats(stats)
+    words = layer_stats.format_lrmoe_stats(stats)
     megatron_line = format_lrmoe_line(100, stats)
     launcher_line = lrmoe_log_line(100, stats)
     assert megatron_line == f" [LRMoE] iteration      100 | {words}"
@@ -190,7 +190,7 @@ def test_both_entry_points_print_the_lrmoe_line_of_one_formatter(monkeypatch):
     assert megatron_line.split(" | ", 1)[1] == launcher_line.split(" | LRMoE ", 1)[1] == words
     with open(os.path.join(REPO, "docs", "design.md")) as spec:   # the spec's example line
         assert megatron_line in spec.read().splitlines()
-    monkeypatch.setattr(telemetry, "format_lrmoe_stats", lambda _: "WORDS")
+    monkeypatch.setattr(layer_stats, "format_lrmoe_stats", lambda _: "WORDS")
     assert format_lrmoe_line(7, stats) == " [LRMoE] iteration        7 | WORDS"
     assert lrmoe_log_line(7, stats) == "iter      7 | LRMoE WORDS"
 

@@ -25,18 +25,18 @@ POPULARITY = ["--moe-lrmoe-placement", "popularity", "--moe-lrmoe-slots-per-rank
 
 def test_lrmoe_layers_is_one_definition_in_chunk_then_module_order():
     """The step state and the statistics find the LRMoE layers with the same function
-    (``telemetry.lrmoe_layers``, re-exported by ``step``): the modules that keep
+    (``stats.lrmoe_layers``, re-exported by ``step``): the modules that keep
     ``LRMoELayerStats``, chunk by chunk in module order; the model tests below use it on
     real LRMoE layers."""
     from megatron_lrmoe.integration import step_hooks as step
-    from megatron_lrmoe.layer import telemetry
+    from megatron_lrmoe.layer import stats
 
-    assert step.lrmoe_layers is telemetry.lrmoe_layers
-    assert "lrmoe_layers" in step.__all__ and "lrmoe_layers" in telemetry.__all__
+    assert step.lrmoe_layers is stats.lrmoe_layers
+    assert "lrmoe_layers" in step.__all__ and "lrmoe_layers" in stats.__all__
 
     def layer() -> torch.nn.Module:
         module = torch.nn.Module()
-        module.lrmoe_stats = telemetry.LRMoELayerStats()
+        module.lrmoe_stats = stats.LRMoELayerStats()
         return module
 
     first, second, third = layer(), layer(), layer()
@@ -44,9 +44,9 @@ def test_lrmoe_layers_is_one_definition_in_chunk_then_module_order():
     impostor = torch.nn.Module()
     impostor.lrmoe_stats = {"calls": []}   # not LRMoELayerStats: not an LRMoE layer
     chunk1 = torch.nn.Sequential(impostor, third)
-    assert telemetry.lrmoe_layers([chunk0, chunk1]) == [first, second, third]
-    assert telemetry.lrmoe_layers([chunk1, chunk0]) == [third, first, second]
-    assert telemetry.lrmoe_layers([torch.nn.Linear(2, 2)]) == []
+    assert stats.lrmoe_layers([chunk0, chunk1]) == [first, second, third]
+    assert stats.lrmoe_layers([chunk1, chunk0]) == [third, first, second]
+    assert stats.lrmoe_layers([torch.nn.Linear(2, 2)]) == []
 
 
 @pytest.fixture(scope="module")

@@ -295,7 +295,7 @@ def copies() -> dict[str, dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for wrap in WRAPS:
         run = subprocess.run(
-            [sys.executable, "-m", "megatron_lrmoe.testing.fake_cuda", "weights", "3", wrap,
+            [sys.executable, "-m", "megatron_lrmoe.testing.cuda_harness", "weights", "3", wrap,
              "8:inf:uniform:0"], cwd=ROOT, env=env, capture_output=True, text=True,
             timeout=300)
         assert run.returncode == 0, run.stderr[-6000:]

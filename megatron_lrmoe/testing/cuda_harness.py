@@ -5,7 +5,7 @@ private and testing-only pieces used for this: ``FakeTensorMode``, the fake proc
 (``torch.testing._internal.distributed.fake_pg.FakeStore``), the memory tracker
 (``torch.distributed._tools.mem_tracker.MemTracker``) and the autograd graph's nodes;
 it is pinned to torch 2.13 (``TORCH_PIN``, checked on use). Run it in its own process
-(``python -m megatron_lrmoe.testing.fake_cuda``, as tests/layer/test_region_fake_cuda.py
+(``python -m megatron_lrmoe.testing.cuda_harness``, as tests/layer/test_region_fake_cuda.py
 does): the process group and the modes are process-wide.
 
 What ``fake_cuda_session`` sets up, and why:
@@ -100,7 +100,7 @@ def check_torch_pin() -> None:
     """This harness uses torch's private and testing-only APIs (``FakeStore``,
     ``MemTracker``, ``FakeTensorMode``, autograd nodes' ``_input_metadata``): pinned."""
     assert torch.__version__.startswith(TORCH_PIN), (
-        f"megatron_lrmoe.testing.fake_cuda is pinned to torch {TORCH_PIN} (it uses torch's "
+        f"megatron_lrmoe.testing.cuda_harness is pinned to torch {TORCH_PIN} (it uses torch's "
         f"private FakeStore, MemTracker and FakeTensorMode); found torch {torch.__version__}: "
         f"re-check those APIs, then move TORCH_PIN")
 
@@ -1410,7 +1410,7 @@ def _parse_case(spec: str) -> Case:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m megatron_lrmoe.testing.fake_cuda [layer] RANK EP:GAMMA:SELECTION:REPLICAS
+    """``python -m megatron_lrmoe.testing.cuda_harness [layer] RANK EP:GAMMA:SELECTION:REPLICAS
     ...``: one JSON list of case results (``layer``: of the whole layer) on stdout."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "weights":       # ``... weights RANK WRAP CASE ...``
