@@ -9,12 +9,12 @@
 # provider, and the model config goes through lrmoe_model_config before pretrain() gets it.
 # pretrain_gpt.py then needs megatron-lrmoe importable (pip install -e .).
 # The tag and the supported megatron-core line (any 0.19.x; the tag reports 0.19.1) are read
-# from megatron_lrmoe/config/megatron_support.py, where the package defines them.
+# from megatron_lrmoe/options/megatron_support.py, where the package defines them.
 # Exit status: 0 applied (or already applied), 1 cannot apply, 2 usage / wrong checkout.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-SUPPORT="$REPO/megatron_lrmoe/config/megatron_support.py"
+SUPPORT="$REPO/megatron_lrmoe/options/megatron_support.py"
 TAG=$(sed -nE 's/^MEGATRON_LM_TAG *= *"([^"]+)".*/\1/p' "$SUPPORT" 2>/dev/null || true)
 LINE=$(sed -nE 's/^SUPPORTED_LINE[^=]*= *\( *([0-9]+) *, *([0-9]+) *\).*/\1.\2/p' "$SUPPORT" \
        2>/dev/null || true)

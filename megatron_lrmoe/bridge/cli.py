@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from megatron_lrmoe.config.options import OPTIONS
+from megatron_lrmoe.options.lrmoe import OPTIONS
 
 __all__ = ["build_config", "build_parser", "main", "recipe_function"]
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None,
     """Build the launch's config and train it with Bridge's ``pretrain`` (``finetune`` for
     an SFT recipe); returns the exit status."""
     args = build_parser().parse_intermixed_args(argv)
-    from megatron_lrmoe.config.options import LRMoEConfigError
+    from megatron_lrmoe.options.lrmoe import LRMoEConfigError
 
     try:
         cfg = build_config(args, customize)

@@ -4,7 +4,7 @@ checks, and the rules read from either entry point's parsed args.
 The lean launcher (``megatron_lrmoe.config.command_line``) and the Megatron-LM wrapper
 (``megatron_lrmoe.integration.megatron_lm``, as ``extra_args_provider``) add the same
 ``--moe-lrmoe*`` flags, generated from the option table (``OPTIONS`` in
-``megatron_lrmoe/config/options.py``), and check them the same way.
+``megatron_lrmoe/options/lrmoe.py``), and check them the same way.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import warnings
 from types import SimpleNamespace
 from typing import Any
 
-from megatron_lrmoe.config.megatron_options import MEGATRON_OPTIONS
-from megatron_lrmoe.config.options import (
+from megatron_lrmoe.options.lrmoe import (
     OPTIONS,
     LRMoEConfigError,
     check_positive_number,
     unused_options,
     validate_lrmoe,
 )
+from megatron_lrmoe.options.megatron import MEGATRON_OPTIONS
 
 __all__ = ["DEVICE_MEMORY_FLAG", "ConfigError", "UnusedLRMoEOptionWarning", "add_lrmoe_args",
            "lrmoe_view", "moe_layer_freq", "tokens_per_rank", "validate_lrmoe_flags"]
@@ -61,7 +61,7 @@ def moe_layer_freq(value: Any) -> int | list[int]:
 
 def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--moe-lrmoe*`` flags to ``parser``, generated from the option table
-    (``OPTIONS`` in megatron_lrmoe/config/options.py; docs/design.md, "Flags").
+    (``OPTIONS`` in megatron_lrmoe/options/lrmoe.py; docs/design.md, "Flags").
 
     Shared by this launcher and the Megatron-LM wrapper (as its
     ``extra_args_provider``): each flag fills the same-named field of

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrmoe.config.flags import DEVICE_MEMORY_FLAG, tokens_per_rank
-from megatron_lrmoe.config.options import option
+from megatron_lrmoe.options.lrmoe import option
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import MachineConstants, default_machine_constants
 from megatron_lrmoe.planning.memory_account import (

@@ -9,7 +9,7 @@ added or changed in ``OPTIONS`` and here together. Same-named fields are how Meg
 ``core_transformer_config_from_args`` fills a config class. ``__post_init__`` runs
 ``options.validate_lrmoe`` before and after Megatron's own: every option's check, and
 with ``moe_lrmoe`` the checks of its combination with Megatron's settings
-(config/megatron_options.py); errors name the flag.
+(options/megatron.py); errors name the flag.
 """
 
 # No ``from __future__ import annotations``: the fields' types stay the objects the table
@@ -21,7 +21,7 @@ from typing import Any
 
 from megatron.core.transformer import TransformerConfig
 
-from megatron_lrmoe.config.options import AUTO, LRMoEConfigError, option, validate_lrmoe
+from megatron_lrmoe.options.lrmoe import AUTO, LRMoEConfigError, option, validate_lrmoe
 
 __all__ = ["LRMoETransformerConfig"]
 

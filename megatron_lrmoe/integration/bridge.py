@@ -12,7 +12,7 @@ The order of use::
 every field value kept), sets the LRMoE options given by their config field names
 (``options.OPTIONS``: the same defaults and checks as the ``--moe-lrmoe*`` flags), and
 deals with the recipe settings LRMoE cannot run, taken from the table of Megatron's
-options (``config/megatron_options.py``, ``MEGATRON_OPTIONS``): refused by default, each
+options (``options/megatron.py``, ``MEGATRON_OPTIONS``): refused by default, each
 named with the value it would need; with ``adapt=True`` set to that value when the table
 marks it adaptable (an implementation choice: dispatcher, fusions, overlaps, CUDA graphs),
 one printed line and one returned ``Change`` each. Settings that change the model, its
@@ -70,18 +70,18 @@ from megatron.core.transformer.transformer_config import (  # noqa: E402
     TransformerConfig as MCoreConfig,
 )
 
-from megatron_lrmoe.config.megatron_options import (  # noqa: E402
-    MEGATRON_OPTIONS,
-    NO_FIX,
-    megatron_option,
-)
-from megatron_lrmoe.config.options import (  # noqa: E402
+from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig  # noqa: E402
+from megatron_lrmoe.options.lrmoe import (  # noqa: E402
     OPTIONS,
     RECOMPUTE_MODULES,
     LRMoEConfigError,
     option,
 )
-from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig  # noqa: E402
+from megatron_lrmoe.options.megatron import (  # noqa: E402
+    MEGATRON_OPTIONS,
+    NO_FIX,
+    megatron_option,
+)
 
 __all__ = ["BridgeConfigError", "Change", "LRMoECallback", "LRMoEGPTModelProvider",
            "enable_lrmoe", "lrmoe_pre_wrap_hook", "lrmoe_provider_class", "refused_settings"]

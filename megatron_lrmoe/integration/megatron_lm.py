@@ -84,13 +84,13 @@ from megatron_lrmoe.config.flags import (
     tokens_per_rank,
     validate_lrmoe_flags,
 )
-from megatron_lrmoe.config.megatron_support import (
+from megatron_lrmoe.options.lrmoe import LRMoEConfigError
+from megatron_lrmoe.options.megatron_support import (
     MEGATRON_LM_TAG,
     line,
     megatron_lm_version,
     supported,
 )
-from megatron_lrmoe.config.options import LRMoEConfigError
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 Builder = Callable[..., Any]
@@ -290,7 +290,7 @@ def _resolve_auto_budget(args: argparse.Namespace) -> None:
     """``--moe-lrmoe-memory-budget-gb auto``: replaced in ``args`` by the GiB the memory
     account leaves (``planner_inputs.resolve_memory_budget``), before the config is built
     from ``args``; refused naming both flags below the floor or without a device size."""
-    from megatron_lrmoe.config.options import AUTO
+    from megatron_lrmoe.options.lrmoe import AUTO
 
     if getattr(args, "moe_lrmoe_memory_budget_gb", None) != AUTO:
         return

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from megatron_lrmoe.config.flags import ConfigError
-from megatron_lrmoe.config.options import AUTO, LRMoEConfigError
 from megatron_lrmoe.config.planner_inputs import (
     device_memory_bytes,
     memory_account,
@@ -35,6 +34,7 @@ from megatron_lrmoe.launcher.builders import (
     padded_vocab_size,
     params_dtype,
 )
+from megatron_lrmoe.options.lrmoe import AUTO, LRMoEConfigError
 
 __all__ = ["budget_source", "build_config", "transformer_config_from_args"]
 

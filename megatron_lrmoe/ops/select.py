@@ -443,7 +443,7 @@ if kernels_available():
 def _check_fraction(hybrid_fraction: float) -> float:
     """The op's precondition on its ``hybrid_fraction`` argument (the compiled binding
     checks it too). Not the ``--moe-lrmoe-hybrid-fraction`` option check, which the
-    option table owns (config/options.py): ops sit below lrmoe and do not import it."""
+    option table owns (options/lrmoe.py): ops sit below lrmoe and do not import it."""
     if isinstance(hybrid_fraction, bool) or not isinstance(hybrid_fraction, (int, float)):
         raise TypeError(
             f"select_rows: hybrid_fraction must be a float, got {type(hybrid_fraction).__name__}"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_lrmoe.config.options import (
+from megatron_lrmoe.options.lrmoe import (
     check_capacity_factor,
     check_fraction,
     check_load_smoothing,
@@ -66,7 +66,7 @@ class PlannerSettings:
     """Needed with a budget and for memory-aware."""
 
     def __post_init__(self) -> None:
-        # The user options' own rules are the option table's checks (config/options.py);
+        # The user options' own rules are the option table's checks (options/lrmoe.py);
         # what is checked here beyond them relates the settings to each other.
         checks = [("policy", option("moe_lrmoe_placement").problem),
                   ("num_ranks", check_positive_int), ("num_experts", check_positive_int),

@@ -77,7 +77,7 @@ from typing import Final
 import numpy as np
 import torch
 
-from megatron_lrmoe.config.options import check_capacity_factor, check_fraction, option
+from megatron_lrmoe.options.lrmoe import check_capacity_factor, check_fraction, option
 
 __all__ = [
     "UNLIMITED_CAPACITY",

@@ -9,13 +9,6 @@ import types
 import pytest
 import torch
 
-from megatron_lrmoe.config.options import (
-    AUTO,
-    LRMoEConfigError,
-    check_memory_budget_gb,
-    memory_budget_gb,
-    option,
-)
 from megatron_lrmoe.config.planner_inputs import (
     GIB,
     allocator_check,
@@ -26,6 +19,13 @@ from megatron_lrmoe.config.planner_inputs import (
     run_shape,
 )
 from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+from megatron_lrmoe.options.lrmoe import (
+    AUTO,
+    LRMoEConfigError,
+    check_memory_budget_gb,
+    memory_budget_gb,
+    option,
+)
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.plan_types import budget_floor

@@ -78,10 +78,10 @@ def test_adapt_sets_what_lrmoe_needs_prints_each_change_and_keeps_the_rest(recip
                                                                            name):
     from megatron.bridge.models.gpt_provider import GPTModelProvider
 
-    from megatron_lrmoe.config.megatron_options import megatron_option
-    from megatron_lrmoe.config.options import OPTIONS
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
     from megatron_lrmoe.integration.bridge import enable_lrmoe, refused_settings
+    from megatron_lrmoe.options.lrmoe import OPTIONS
+    from megatron_lrmoe.options.megatron import megatron_option
 
     cfg = recipe(name)
     before = _fields(cfg.model)
@@ -180,15 +180,15 @@ BAD = {"moe_lrmoe_bwd_capacity_factor": (-1.0, 0.75), "moe_lrmoe_min_retention":
 
 
 def test_every_option_has_a_case():
-    from megatron_lrmoe.config.options import OPTIONS
+    from megatron_lrmoe.options.lrmoe import OPTIONS
 
     assert set(BAD) == {o.field for o in OPTIONS[1:]}
 
 
 @pytest.mark.parametrize("field", list(BAD))
 def test_each_option_by_field_name_with_its_flags_check(recipe, field):
-    from megatron_lrmoe.config.options import option
     from megatron_lrmoe.integration.bridge import BridgeConfigError, enable_lrmoe
+    from megatron_lrmoe.options.lrmoe import option
 
     bad, good = BAD[field]
     cfg = recipe(QWEN_8)
@@ -426,8 +426,8 @@ def _refusing_fields() -> list[str]:
 
 @pytest.mark.parametrize("name", _refusing_fields())
 def test_each_refused_setting_is_named_and_adapted_only_where_the_table_allows(recipe, name):
-    from megatron_lrmoe.config.megatron_options import megatron_option
     from megatron_lrmoe.integration.bridge import BridgeConfigError, enable_lrmoe
+    from megatron_lrmoe.options.megatron import megatron_option
     from tests.config.test_megatron_options import REFUSED_EXAMPLES
 
     value = REFUSED_EXAMPLES[name]

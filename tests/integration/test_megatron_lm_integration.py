@@ -15,7 +15,7 @@ import sys
 import pytest
 import yaml
 
-from megatron_lrmoe.config.megatron_support import (
+from megatron_lrmoe.options.megatron_support import (
     MEGATRON_LM_TAG,
     line,
     megatron_lm_version,

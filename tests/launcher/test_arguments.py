@@ -20,9 +20,9 @@ from megatron_lrmoe.config.flags import (
     lrmoe_view,
     tokens_per_rank,
 )
-from megatron_lrmoe.config.options import OPTIONS, option
 from megatron_lrmoe.integration import megatron_lm
 from megatron_lrmoe.launcher.arguments import parse_args
+from megatron_lrmoe.options.lrmoe import OPTIONS, option
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -204,7 +204,7 @@ def test_megatron_core_refusal_is_reported_cleanly():
 
 
 # -----------------------------------------------------------------------------
-# LRMoE options: one table (config/options.py OPTIONS), the flags of both entry points
+# LRMoE options: one table (options/lrmoe.py OPTIONS), the flags of both entry points
 # generated from it, every check naming the flag whichever path raised it.
 # -----------------------------------------------------------------------------
 
@@ -339,8 +339,8 @@ def test_megatron_lm_provider_parser_refuses_bad_values(capsys, field, text):
 @pytest.mark.parametrize("field,text", BAD_FLAGS + [("moe_lrmoe", "yes")],
                          ids=[_id(f, t) for f, t in BAD_FLAGS + [("moe_lrmoe", "yes")]])
 def test_bad_option_value_names_the_flag_in_the_config(field, text):
-    from megatron_lrmoe.config.options import LRMoEConfigError
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.options.lrmoe import LRMoEConfigError
 
     opt = option(field)
     value = text if opt.type is bool else _typed(opt, text)
@@ -367,8 +367,8 @@ LRMOE_CONFIG = dict(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_
 ])
 def test_lrmoe_config_refuses_unsupported_combinations(field, value, message):
     """The config class names the flag, for entry points that bypass the launcher."""
-    from megatron_lrmoe.config.options import LRMoEConfigError
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.options.lrmoe import LRMoEConfigError
 
     kwargs = dict(LRMOE_CONFIG)
     kwargs[field] = value

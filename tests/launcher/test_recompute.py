@@ -289,7 +289,7 @@ def test_unknown_recompute_module_is_refused_by_name():
     (test_megatron_options.py checks the list against Megatron's own validation)."""
     from types import SimpleNamespace
 
-    from megatron_lrmoe.config.options import (
+    from megatron_lrmoe.options.lrmoe import (
         RECOMPUTE_MODULES,
         LRMoEConfigError,
         check_recompute,

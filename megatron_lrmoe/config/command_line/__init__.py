@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=str, default=None, help="flat YAML of flag names to values")
     model.add_args(p)
     moe.add_args(p)
-    add_lrmoe_args(p)   # generated from the option table (config/options.py)
+    add_lrmoe_args(p)   # generated from the option table (options/lrmoe.py)
     parallelism.add_args(p)
     training.add_args(p)
     data.add_args(p)

@@ -144,7 +144,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_lrmoe.config.megatron_support import check_megatron_core_version
+from megatron_lrmoe.options.megatron_support import check_megatron_core_version
 
 logger = logging.getLogger(__name__)
 

@@ -20,12 +20,12 @@ refused by name: a refusal is honest, a silently ignored option is a bug.
 
 The refusals are enforced by ``options.check_combination`` (the one combination check of
 both entry points): on ``LRMoETransformerConfig`` when it is built, and at parse time on
-each entry point's parsed flags. ``tests/config/test_megatron_options.py`` checks that every
+each entry point's parsed flags. ``tests/options/test_megatron.py`` checks that every
 field of the installed TransformerConfig and every Megatron-LM dest with these prefixes
 has a row, so an option a new Megatron adds fails the suite until someone classifies it.
 The Megatron-LM dests are not installed with megatron-core; their list is shipped as
 ``tests/fixtures/megatron_lm_0.19_moe_args.tsv``, written from a checkout by
-``python -m megatron_lrmoe.config.megatron_options megatron-lm-args CHECKOUT``.
+``python -m megatron_lrmoe.options.megatron megatron-lm-args CHECKOUT``.
 
 Like options.py, this module imports neither torch nor Megatron (the flag tools read
 it before torchrun); only the list generator imports a checkout's Megatron-LM.
@@ -303,7 +303,7 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
     _as_is("moe_enable_routing_replay",
            _ROUTER + ": the recorded or replayed top-k indices are taken inside the router's "
            "top-k, before the region, which dispatches the replayed pairs "
-           "(tests/config/test_megatron_options.py)"),
+           "(tests/options/test_megatron.py)"),
     _as_is("moe_per_layer_logging", _ROUTER + " (per-layer aux and z losses)"),
     _as_is("moe_grad_scale_func",
            "set by Megatron's schedules to scale the router's aux-loss gradients"),
@@ -466,7 +466,7 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
     _refused("fp4_quantizer_factory", _FP4, refuse=_given),
 
     # --- Megatron-LM only: router trace, upcycling --------------------------------------
-    _as_is("moe_routing_trace_path", _TRACE + " (tests/config/test_megatron_options.py)",
+    _as_is("moe_routing_trace_path", _TRACE + " (tests/options/test_megatron.py)",
            args_only=True),
     _as_is("moe_routing_trace_max_training_iters", _TRACE, args_only=True),
     _as_is("moe_routing_trace_capture_logits", _TRACE, args_only=True),
@@ -511,7 +511,7 @@ def megatron_lm_argument_rows(checkout: str) -> list[tuple[str, str, str]]:
     (``add_megatron_arguments``), sorted by dest.
 
     Imports the checkout's ``megatron`` package: run it in a process of its own
-    (``python -m megatron_lrmoe.config.megatron_options megatron-lm-args CHECKOUT``), not
+    (``python -m megatron_lrmoe.options.megatron megatron-lm-args CHECKOUT``), not
     where the installed megatron-core is already imported."""
     sys.path.insert(0, os.path.abspath(checkout))
     from megatron.training.arguments import add_megatron_arguments
@@ -528,7 +528,7 @@ def megatron_lm_argument_rows(checkout: str) -> list[tuple[str, str, str]]:
 
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_lrmoe.config.megatron_options",
+        prog="python -m megatron_lrmoe.options.megatron",
         description="Write the Megatron-LM argument list the option-table tests compare with.")
     sub = parser.add_subparsers(dest="command", required=True)
     lm = sub.add_parser("megatron-lm-args", help="dests with the table's prefixes, from a "
@@ -537,11 +537,11 @@ def _main(argv: list[str] | None = None) -> int:
     lm.add_argument("--output", "-o", default=None, help="file to write (default: stdout)")
     args = parser.parse_args(argv)
     rows = megatron_lm_argument_rows(args.checkout)
-    from megatron_lrmoe.config.megatron_support import megatron_lm_version
+    from megatron_lrmoe.options.megatron_support import megatron_lm_version
 
     lines = [f"# Megatron-LM arguments whose dest starts with {', '.join(PREFIXES)}: dest, "
              "flags, default.",
-             f"# Written by: python -m megatron_lrmoe.config.megatron_options megatron-lm-args "
+             f"# Written by: python -m megatron_lrmoe.options.megatron megatron-lm-args "
              f"CHECKOUT (megatron-core {megatron_lm_version(args.checkout)})"]
     lines += ["\t".join(row) for row in rows]
     text = "\n".join(lines) + "\n"

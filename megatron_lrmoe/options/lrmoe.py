@@ -16,7 +16,7 @@ Errors name the flag (``flag_of``: one mapping from config field to flag), e.g.
 ``--moe-lrmoe-bwd-capacity-factor: must be > 0 or inf, got -1``. What combines an
 option with other settings (the all-to-all dispatcher, no expert biases, ...) is
 checked in one function, ``check_combination``; what it accepts and refuses of
-Megatron's own options is the table ``MEGATRON_OPTIONS`` (config/megatron_options.py).
+Megatron's own options is the table ``MEGATRON_OPTIONS`` (options/megatron.py).
 
 This module imports neither torch nor Megatron: the launchers build their parsers and
 the flag tools read configs from the table alone (``python -m megatron_lrmoe.integration.megatron_lm
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_lrmoe.config.megatron_options import MEGATRON_OPTIONS
+from megatron_lrmoe.options.megatron import MEGATRON_OPTIONS
 
 __all__ = [
     "AUTO", "OPTIONS", "RECOMPUTE_MODULES", "LRMoEConfigError", "Option",
@@ -137,7 +137,7 @@ def check_calibration_file(value: Any) -> str | None:
 # -----------------------------------------------------------------------------
 
 # Config fields whose Megatron-LM flag is not the field name with dashes: the MoE switch,
-# and those the Megatron option table names (config/megatron_options.py).
+# and those the Megatron option table names (options/megatron.py).
 _FLAGS = {
     "num_moe_experts": "--num-experts",
     **{row.name: row.flag for row in MEGATRON_OPTIONS if row.flag is not None},
@@ -316,7 +316,7 @@ def check_combination(c: Any) -> None:
     if getattr(c, "num_moe_experts", 1) is None:
         raise LRMoEConfigError("num_moe_experts", "--moe-lrmoe needs an MoE model: set "
                                                   "--num-experts")
-    # Megatron's options, as the table classifies them (config/megatron_options.py), in its
+    # Megatron's options, as the table classifies them (options/megatron.py), in its
     # order; the Megatron-LM-only ones where the checked object carries them.
     for row in MEGATRON_OPTIONS:
         value = getattr(c, row.name, _ABSENT)

@@ -1,4 +1,4 @@
-"""Megatron's options under --moe-lrmoe (config/megatron_options.py).
+"""Megatron's options under --moe-lrmoe (options/megatron.py).
 
 Every TransformerConfig field of the installed megatron-core and every Megatron-LM
 argument dest with the table's prefixes has a row (the Megatron-LM list is shipped in
@@ -32,7 +32,15 @@ import torch
 
 from megatron_lrmoe.config.command_line import build_parser
 from megatron_lrmoe.config.flags import ConfigError, validate_lrmoe_flags
-from megatron_lrmoe.config.megatron_options import (
+from megatron_lrmoe.integration import megatron_lm
+from megatron_lrmoe.launcher.arguments import parse_args
+from megatron_lrmoe.options.lrmoe import (
+    OPTIONS,
+    RECOMPUTE_MODULES,
+    LRMoEConfigError,
+    flag_of,
+)
+from megatron_lrmoe.options.megatron import (
     EXTRA_FIELDS,
     MEGATRON_OPTIONS,
     OFFLOAD_MODULES_AS_IS,
@@ -41,14 +49,6 @@ from megatron_lrmoe.config.megatron_options import (
     Handling,
     megatron_option,
 )
-from megatron_lrmoe.config.options import (
-    OPTIONS,
-    RECOMPUTE_MODULES,
-    LRMoEConfigError,
-    flag_of,
-)
-from megatron_lrmoe.integration import megatron_lm
-from megatron_lrmoe.launcher.arguments import parse_args
 
 SHIPPED = Path(__file__).parents[1] / "fixtures" / "megatron_lm_0.19_moe_args.tsv"
 LRMOE_CONFIG = dict(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=4,
@@ -91,7 +91,7 @@ def test_every_prefixed_config_field_is_classified():
     assert len(prefixed) > 80   # the filter found Megatron's fields
     missing = sorted(prefixed - {row.name for row in MEGATRON_OPTIONS})
     assert not missing, (f"Megatron options not classified for --moe-lrmoe; add each to "
-                         f"MEGATRON_OPTIONS (config/megatron_options.py): {missing}")
+                         f"MEGATRON_OPTIONS (options/megatron.py): {missing}")
 
 
 def test_every_prefixed_megatron_lm_argument_is_classified():
@@ -99,7 +99,7 @@ def test_every_prefixed_megatron_lm_argument_is_classified():
     assert len(dests) > 80 and "moe_router_topk" in dests and "offload_modules" in dests
     missing = sorted(dests - {row.name for row in MEGATRON_OPTIONS})
     assert not missing, (f"Megatron-LM arguments not classified for --moe-lrmoe; add each to "
-                         f"MEGATRON_OPTIONS (config/megatron_options.py): {missing}")
+                         f"MEGATRON_OPTIONS (options/megatron.py): {missing}")
 
 
 def test_every_row_is_a_real_megatron_option():
@@ -119,7 +119,7 @@ def _megatron_lm_checkout() -> str | None:
     path = os.environ.get("MEGATRON_LM")
     if not path:
         return None
-    from megatron_lrmoe.config.megatron_support import megatron_lm_version
+    from megatron_lrmoe.options.megatron_support import megatron_lm_version
 
     version = megatron_lm_version(path)
     return path if version is not None and version.startswith("0.19.") else None
@@ -131,7 +131,7 @@ def test_shipped_megatron_lm_arguments_equal_the_checkout():
     """The shipped list is what the checkout's own parser has (regenerated in a process
     of its own: the checkout's megatron package must not meet the installed one)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_lrmoe.config.megatron_options", "megatron-lm-args",
+        [sys.executable, "-m", "megatron_lrmoe.options.megatron", "megatron-lm-args",
          _megatron_lm_checkout()], capture_output=True, text=True, timeout=600,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -141,7 +141,7 @@ def test_shipped_megatron_lm_arguments_equal_the_checkout():
 
     assert rows(proc.stdout) == rows(SHIPPED.read_text()), (
         "Megatron-LM's arguments changed: regenerate tests/fixtures/megatron_lm_0.19_moe_args.tsv "
-        "with python -m megatron_lrmoe.config.megatron_options megatron-lm-args CHECKOUT -o ... "
+        "with python -m megatron_lrmoe.options.megatron megatron-lm-args CHECKOUT -o ... "
         "and classify the new ones")
 
 

@@ -1,4 +1,4 @@
-"""The supported Megatron line, checked once (megatron_lrmoe/config/megatron_support.py)."""
+"""The supported Megatron line, checked once (megatron_lrmoe/options/megatron_support.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from megatron_lrmoe.config import megatron_support
+from megatron_lrmoe.options import megatron_support
 
 
 @pytest.mark.parametrize("version", ["0.16.1", "0.18.0", "0.20.0rc0", "1.19.2"])
