@@ -178,7 +178,7 @@ def test_layer_at_size_on_fake_cuda(results, case):
     reads = record["forward_reads"]
     assert len(reads) == 1, reads
     op, frames = reads[0]
-    assert op == "cpu" and frames[:2] == ["fake_cuda.py:gather_counts",
+    assert op == "cpu" and frames[:2] == ["cuda_harness.py:gather_counts",
                                           "moe_layer.py:routed_output"], reads
     assert record["backward_reads"] == []
 

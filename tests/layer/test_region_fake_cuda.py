@@ -135,7 +135,7 @@ def test_region_at_size_on_fake_cuda(results, case):
     reads = record["forward_reads"]
     assert len(reads) == 1, reads
     op, frames = reads[0]
-    assert op == "cpu" and "fake_cuda.py:gather_counts" in frames, reads
+    assert op == "cpu" and "cuda_harness.py:gather_counts" in frames, reads
     assert not any(fr.startswith("region.py:") for _, fs in reads for fr in fs)
     assert record["backward_reads"] == []
 
