@@ -4,7 +4,7 @@ Everything else in the package uses Megatron's public API only; where the plugin
 more (a private function, a module global that Megatron looks up at call time, a method
 it replaces), the access is one named function here, whose docstring names the Megatron
 file:symbol and the version it was read from. ``PRIVATES`` lists them all, and
-tests/integration/test_megatron_privates.py checks both directions: no other module of
+tests/test_megatron_privates.py checks both directions: no other module of
 the package touches a Megatron private, and each entry still exists (installed
 megatron-core, and the Megatron-LM checkout when ``$MEGATRON_LM`` names one), so a
 Megatron upgrade fails there, loudly, before a run misbehaves.
@@ -45,7 +45,7 @@ The internals, each read from the version named (``MEGATRON_CORE``: megatron-cor
 * ``megatron.core.tensor_parallel.random:CheckpointWithoutOutput.__init__`` and the
   module global ``HAVE_TE`` (megatron-core 0.19.2; wrapped by
   ``wrap_checkpoint_without_output_init``, read by ``tensor_parallel_random_has_te``):
-  no FP8 without Transformer Engine (runtime/compat.py).
+  no FP8 without Transformer Engine (integration/runtime/compat.py).
 * the module global ``maybe_move_tensor_to_cpu`` of
   ``megatron.core.transformer.moe.token_dispatcher`` (megatron-core 0.19.2; looked up by
   ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``, replaced by
@@ -68,7 +68,7 @@ The internals, each read from the version named (``MEGATRON_CORE``: megatron-cor
   ``torch_dist_init``'s inner ``finish_mpu_init``), Megatron-Bridge 0.6.2 (``BRIDGE``; wrapped by
   ``wrap_bridge_initialize_megatron``, ``wrap_bridge_compile_helpers`` and
   ``wrap_bridge_set_random_seed``): the CPU runtime's fixes for Bridge's training
-  (runtime/cpu.py, ``BRIDGE_FIXES``).
+  (integration/runtime/cpu.py, ``BRIDGE_FIXES``).
 * the module global ``mtp_block_spec`` of ``megatron.bridge.models.gpt_provider`` (looked
   up by ``GPTModelProvider.provide``; Megatron-Bridge 0.6.2, which builds the MTP block
   with Transformer Engine hard-coded; swapped by ``swapped_bridge_mtp_block_spec``): the
@@ -79,7 +79,7 @@ The internals, each read from the version named (``MEGATRON_CORE``: megatron-cor
   (megatron-core 0.19.2; static methods, replaced by ``replace_persistent_async_loop`` and
   ``replace_async_preload_tensors``, the originals read by ``persistent_async_loop`` and
   ``async_preload_tensors``): the worker process of asynchronous checkpoint saves and the
-  copy it makes of the tensors to write, on the CPU runtime (runtime/cpu.py,
+  copy it makes of the tensors to write, on the CPU runtime (integration/runtime/cpu.py,
   ``bridge_async_checkpoint_worker``).
 * ``torch.nn.Module._forward_pre_hooks`` of an expert linear (torch 2.13; read by
   ``forward_pre_hooks``): the hooks that megatron-core 0.19.2's
