@@ -398,7 +398,7 @@ class LayerMemory:
         """[R] float64 bytes Megatron's own MoELayer holds on each rank, in
         ``rank_memory``'s terms (no replicas): MiF saved buffers plus 1/Lyr of the rest
         of its peak (``MegatronMoEMemory``), from the [R, E] routed counts (source rank x
-        expert; after a capacity drop or pad: ``megatron_capacity_counts``).
+        expert; after a capacity drop or pad: ``megatron_kept_counts``).
         ``recompute``: ``--recompute-modules moe``; ``grouped``: TEGroupedMLP (an
         unvalidated model), default the shape's ``grouped_gemm``."""
         s = self.shape

@@ -1,6 +1,6 @@
 """Megatron-Core's own MoELayer as a baseline: its bytes per rank phase by phase
 (``MegatronMoEMemory``), a pipeline stage's MoE memory (``stage_moe_memory``) and the rows
-its forward capacity factor keeps (``megatron_capacity_counts``).
+its forward capacity factor keeps (``megatron_kept_counts``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 
 from megatron_lrmoe.planning.shapes import MoEShape
 
-__all__ = ["MegatronMoEMemory", "megatron_capacity_counts", "stage_moe_memory"]
+__all__ = ["MegatronMoEMemory", "megatron_kept_counts", "stage_moe_memory"]
 
 _INDEX_BYTES = 8            # int64 permutation indices of Megatron's dispatcher
 
@@ -31,7 +31,7 @@ class MegatronMoEMemory:
     is in them, as it is in the LRMoE layer's (``CostModel.rank_memory``).
 
     Inputs: the rows each local expert of the rank receives (``expert_rows``, in
-    local-expert order; after a capacity drop or pad: ``megatron_capacity_counts``),
+    local-expert order; after a capacity drop or pad: ``megatron_kept_counts``),
     the rows the rank sends (``sent``, its P pairs after any drop, or capacity x E
     padded) and the EP size. b = dtype bytes, a row = H b; x = 1 with more than one rank
     (the all-to-all makes a new buffer; with one rank it returns its input), r = 1 with
@@ -228,7 +228,7 @@ class MegatronMoEMemory:
     def rank_memory(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """([R] saved bytes, [R] peak bytes) of every rank from the [R, E] routed counts
         (source rank x expert; after a capacity drop or pad,
-        ``megatron_capacity_counts``), rank r hosting experts r L .. r L + L - 1."""
+        ``megatron_kept_counts``), rank r hosting experts r L .. r L + L - 1."""
         counts = np.asarray(counts, dtype=np.float64)
         ranks, experts = counts.shape
         local = experts // ranks
@@ -276,7 +276,7 @@ def stage_moe_memory(saved: np.ndarray, peak: np.ndarray, replica_bytes: np.ndar
     return replicas + kept + np.add.reduce(transient, axis=0) / layers
 
 
-def megatron_capacity_counts(counts: np.ndarray, tokens: int, topk: int,
+def megatron_kept_counts(counts: np.ndarray, tokens: int, topk: int,
                              capacity_factor: float, pad: bool = False) -> np.ndarray:
     """[R, E] rows Megatron's MoELayer moves after ``--moe-expert-capacity-factor`` from
     the [R, E] routed counts before it (``apply_router_token_dropping``, per source rank

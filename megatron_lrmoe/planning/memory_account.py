@@ -39,7 +39,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from megatron_lrmoe.planning.cost_model import CostModel
-from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, megatron_capacity_counts
+from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, megatron_kept_counts
 
 __all__ = ["GIB", "DeviceOutOfMemory", "MemoryAccount", "RunShape", "account_line",
            "auto_budget_bytes", "check_device", "layer_activation_bytes",
@@ -413,7 +413,7 @@ def megatron_layer_levels(model: MegatronMoEMemory, counts: np.ndarray,
     saved = peak = np.zeros(counts.shape[1], dtype=np.float64)
     for routed in counts:
         if capacity_factor is not None:
-            routed = megatron_capacity_counts(routed, s.tokens_per_rank, s.topk,
+            routed = megatron_kept_counts(routed, s.tokens_per_rank, s.topk,
                                               capacity_factor, pad)
         s_call, p_call = model.rank_memory(routed)
         saved, peak = np.maximum(saved, s_call), np.maximum(peak, p_call)

@@ -44,7 +44,11 @@ import yaml
 from megatron_lrmoe.data.routing_traces import read_routing_trace, regroup_sources
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import MachineConstants
-from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, stage_moe_memory
+from megatron_lrmoe.planning.megatron_baseline import (
+    MegatronMoEMemory,
+    megatron_kept_counts,
+    stage_moe_memory,
+)
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import default_retention_in_forward
 from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
@@ -52,7 +56,7 @@ from megatron_lrmoe.tools.figures import save_png
 from megatron_lrmoe.tools.provenance import code_version
 
 __all__ = ["CLUSTERS", "MODELS", "POLICIES", "STEPS_TO_TARGET_FILE", "ClusterSpec",
-           "ModelSpec", "Policy", "capacity_drop", "layer_shape", "load_steps_to_target",
+           "ModelSpec", "Policy", "layer_shape", "load_steps_to_target",
            "machine_constants", "node_calibration", "simulate", "source_batches",
            "steps_ratios"]
 
@@ -274,7 +278,7 @@ class Policy:
     """LRMoE's backward capacity factor gamma (inf: nothing dropped in backward)."""
     budget: bool = False
     """Planned under the memory budget (routing capacities, gamma lowered to fit)."""
-    forward_capacity_factor: float | None = None
+    moe_expert_capacity_factor: float | None = None
     """Megatron's --moe-expert-capacity-factor: forward and backward drop alike."""
     label: str = ""
     runs_planner: bool = True
@@ -301,23 +305,13 @@ def layer_shape(shape: MoEShape, runs_planner: bool) -> MoEShape:
 
 POLICIES: tuple[Policy, ...] = (
     Policy("dropless", label="Megatron dropless", runs_planner=False),
-    Policy("capacity-drop", forward_capacity_factor=1.0,
+    Policy("capacity-drop", moe_expert_capacity_factor=1.0,
            label="Megatron capacity drop, cf 1.0", runs_planner=False),
     Policy("symi", placement="popularity", budget=True, label="SYMI-style"),
     Policy("lrmoe-drop", capacity_factor=0.75, budget=True, label="LRMoE drop only, 0.75"),
     Policy("lrmoe-ma", placement="memory-aware", capacity_factor=1.0, budget=True,
            label="LRMoE memory-aware + drop, 1.0 (default gamma)"),
 )
-
-
-def capacity_drop(counts: np.ndarray, tokens_per_rank: int, topk: int,
-                  capacity_factor: float) -> np.ndarray:
-    """Megatron's forward capacity drop on [R, E] counts: each source rank keeps at most
-    ceil(tokens * topk / E * factor) pairs per expert (the router drops the rest of its
-    local tokens' pairs before dispatch, in forward and hence in backward)."""
-    num_experts = counts.shape[1]
-    capacity = math.ceil(tokens_per_rank * topk / num_experts * capacity_factor)
-    return np.minimum(counts, capacity)
 
 
 # ------------------------------------------------------------------------------ routing
@@ -440,9 +434,10 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
             for _ in range(steps):
                 for _ in range(shape.microbatches_per_step):
                     counts = next(batches)
-                    if policy.forward_capacity_factor is not None:
-                        counts = capacity_drop(counts, shape.tokens_per_rank, shape.topk,
-                                               policy.forward_capacity_factor)
+                    if policy.moe_expert_capacity_factor is not None:
+                        counts = megatron_kept_counts(
+                            counts, shape.tokens_per_rank, shape.topk,
+                            policy.moe_expert_capacity_factor).astype(counts.dtype)
                     counts_t = torch.from_numpy(counts)
                     started = time.perf_counter()
                     planner.observe(counts_t)

@@ -77,7 +77,7 @@ def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
                         capacity_factor=args.moe_lrmoe_bwd_capacity_factor,
                         budget=args.moe_lrmoe_memory_budget_gb is not None)
     else:
-        policy = Policy("megatron", forward_capacity_factor=args.moe_expert_capacity_factor,
+        policy = Policy("megatron", moe_expert_capacity_factor=args.moe_expert_capacity_factor,
                         runs_planner=False)
     # With --moe-lrmoe the config's budget (an auto one resolved); without it, as given.
     budget = (config.moe_lrmoe_memory_budget_gb if args.moe_lrmoe

@@ -419,7 +419,7 @@ def test_sft_recipes_convert_like_the_pretraining_ones(recipe, name, expected):
 
 
 def _refusing_fields() -> list[str]:
-    from tests.config.test_megatron_options import CONFIG_REFUSING
+    from tests.options.test_megatron import CONFIG_REFUSING
 
     return CONFIG_REFUSING
 
@@ -428,7 +428,7 @@ def _refusing_fields() -> list[str]:
 def test_each_refused_setting_is_named_and_adapted_only_where_the_table_allows(recipe, name):
     from megatron_lrmoe.integration.bridge import BridgeConfigError, enable_lrmoe
     from megatron_lrmoe.options.megatron import megatron_option
-    from tests.config.test_megatron_options import REFUSED_EXAMPLES
+    from tests.options.test_megatron import REFUSED_EXAMPLES
 
     value = REFUSED_EXAMPLES[name]
     row = megatron_option(name)

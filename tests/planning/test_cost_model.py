@@ -873,16 +873,16 @@ def test_megatron_layer_memory_by_hand():
     assert recompute.peak_bytes([5], 6, 2) == 191 + 12
 
 
-def test_megatron_capacity_counts_by_hand():
-    from megatron_lrmoe.planning.megatron_baseline import megatron_capacity_counts
+def test_megatron_kept_counts_by_hand():
+    from megatron_lrmoe.planning.megatron_baseline import megatron_kept_counts
 
     counts = np.array([[9, 1, 4, 2], [3, 3, 3, 7]])     # T = 8 tokens, top-2, E = 4
     # C = ceil(8 x 2 / 4 x 1.0) = 4: keep min(count, 4); padded: 4 everywhere.
-    assert megatron_capacity_counts(counts, 8, 2, 1.0).tolist() == [[4, 1, 4, 2],
+    assert megatron_kept_counts(counts, 8, 2, 1.0).tolist() == [[4, 1, 4, 2],
                                                                     [3, 3, 3, 4]]
-    assert megatron_capacity_counts(counts, 8, 2, 1.0, pad=True).tolist() == [[4] * 4] * 2
+    assert megatron_kept_counts(counts, 8, 2, 1.0, pad=True).tolist() == [[4] * 4] * 2
     # C = ceil(4 x 2.5) = 10 > T: nothing dropped.
-    assert megatron_capacity_counts(counts, 8, 2, 2.5).tolist() == counts.tolist()
+    assert megatron_kept_counts(counts, 8, 2, 2.5).tolist() == counts.tolist()
 
 
 def test_megatron_grouped_memory_by_hand():
@@ -973,9 +973,9 @@ def test_megatron_layer_memory_matches_the_measured_layer(gloo2, name):
     counts = np.asarray(results[0]["counts"], dtype=np.float64)
     padded = bool(fields.get("moe_pad_expert_input_to_capacity"))
     if padded:
-        from megatron_lrmoe.planning.megatron_baseline import megatron_capacity_counts
+        from megatron_lrmoe.planning.megatron_baseline import megatron_kept_counts
 
-        counts = megatron_capacity_counts(counts, cfg["tokens"], cfg["topk"], 1.0, pad=True)
+        counts = megatron_kept_counts(counts, cfg["tokens"], cfg["topk"], 1.0, pad=True)
     shape = MoEShape(cfg["hidden"], cfg["ffn"], cfg["experts"], cfg["topk"], True, 4,
                      cfg["tokens"], expert_parallel_size=2)
     model = MegatronMoEMemory(shape, recompute="recompute_modules" in fields,

@@ -17,7 +17,6 @@ from megatron_lrmoe.tools.simulate import (
     STEPS_TO_TARGET_FILE,
     ModelSpec,
     Policy,
-    capacity_drop,
     layer_shape,
     load_steps_to_target,
     load_traces,
@@ -106,13 +105,6 @@ def test_node_calibration_keeps_the_clusters_links():
     assert "megatron_forward_fixed_s" not in unmeasured
     with pytest.raises(ValueError, match="gemm_flops_per_s"):
         node_calibration({"alltoall_bytes_per_s": 1e9})
-
-
-def test_capacity_drop_is_a_per_source_cap():
-    counts = np.array([[9, 1, 0, 10], [3, 3, 7, 7]])
-    # 10 tokens x top-2 over 4 experts at factor 1.0: capacity ceil(5.0) = 5 per source.
-    assert capacity_drop(counts, 10, 2, 1.0).tolist() == [[5, 1, 0, 5], [3, 3, 5, 5]]
-    assert capacity_drop(counts, 10, 2, 1.3).tolist() == [[7, 1, 0, 7], [3, 3, 7, 7]]
 
 
 def test_sources_are_consecutive_trace_rows():
