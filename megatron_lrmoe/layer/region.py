@@ -119,7 +119,7 @@ class RegionStats:
     backward_bytes_dense: int = 0
     expert_backward_rows: int = 0
     routing_overflow: int = 0
-    """Pairs routed beyond a rank's buffer capacity (to the home instance; forward exact)."""
+    """Pairs routed beyond a rank's receive limit (to the home instance; forward exact)."""
     planner_s: float = 0.0
     """Host seconds the placement planner took for this call (routing + quotas)."""
     budget_adjusted: bool = False

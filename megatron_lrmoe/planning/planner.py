@@ -175,46 +175,28 @@ class LayerPlanner:
     def _plan(self, counts: torch.Tensor | np.ndarray, ctx: _PlacementContext
               ) -> tuple[MicroBatchPlan, np.ndarray | None, tuple[np.ndarray, np.ndarray]]:
         """(the plan, [R] CostModel.rank_memory of it or None without a cost model, the
-        plan's [R, I] counts and quotas as the arrays its tensors view)."""
+        plan's [R, I] counts and quotas as the arrays its tensors view).
+
+        Stages: the instance assignment within the receive limits; the retention at the
+        configured gamma; where that does not fit the budget, gamma lowered to what fits
+        (``_fitting_gamma``) and the retention again; the notes of what was done."""
         # numpy on [R] arrays (a torch op costs ~10 us here), as the cost model is.
         s = self.settings
         n = check_assignment_counts(counts, ctx.placement)
         assignment, cells, routed = self._assign(n, ctx, ctx.receive_limit)  # routed: [R] load
-        overflow = assignment.overflow
         notes = []
-        if overflow:
-            notes.append(f"overflow: {overflow} pairs above the ranks' buffer "
-                         f"capacity went to home instances")
+        if assignment.overflow:
+            notes.append(f"overflow: {assignment.overflow} pairs above the ranks' receive "
+                         f"limits went to home instances")
         gamma = float(s.capacity_factor)
+        retention, quotas, memory = self._retain(assignment, cells, gamma, ctx, routed)
+        lowered = self._fitting_gamma(memory, ctx, cells, routed, gamma)
+        if lowered is not None:
+            gamma, needed = lowered
+            notes.append(f"budget: backward capacity factor lowered from "
+                         f"{s.capacity_factor:g} to {gamma:.4g} (C={needed})")
+            retention, quotas, memory = self._retain(assignment, cells, gamma, ctx, routed)
         share = s.layer_share
-        retention, quotas = self._retention(assignment, cells, gamma, ctx, routed)
-        memory = None
-        if s.cost is not None:
-            memory = self._memory(ctx, routed, cells, quotas)
-        if (share is not None and memory is not None and math.isfinite(gamma)
-                and bool((memory > share).any())):
-            # The plan does not fit: lower gamma to the smallest rank limit. The limits
-            # bound what they cannot know before the plan (each source's kept pairs, the
-            # retained rows per instance), so a plan within them fits.
-            if ctx.native is not None:
-                limit = ctx.native.retained_limit(share, cells, routed)
-            else:
-                instance_routed = np.add.reduce(cells, axis=0)                      # [I]
-                limit = s.cost.retained_limit(
-                    share, ctx.replicas, routed,
-                    np.maximum.reduceat(instance_routed, ctx.rank_starts))
-            # Ranks that do not fit even keeping nothing (limit 0) stay over budget
-            # whatever gamma is: they do not drag every rank's capacity to 1.
-            short = (routed > limit) & (limit > 0)
-            total = int(np.add.reduce(routed))
-            if short.any() and total:
-                needed = max(int(np.minimum.reduce(limit[short])), 1)
-                if needed < capacity_for_factor(gamma, total, s.num_ranks):
-                    gamma = factor_for_capacity(needed, total, s.num_ranks)
-                    notes.append(f"budget: backward capacity factor lowered from "
-                                 f"{s.capacity_factor:g} to {gamma:.4g} (C={needed})")
-                    retention, quotas = self._retention(assignment, cells, gamma, ctx, routed)
-                    memory = self._memory(ctx, routed, cells, quotas)
         if share is not None and memory is not None:
             over = memory > share
             if over.any():
@@ -224,6 +206,47 @@ class LayerPlanner:
         plan = MicroBatchPlan(assignment=assignment, retention=retention(),
                               capacity_factor_used=gamma, notes=tuple(notes), rank_load=routed)
         return plan, memory, (cells, quotas)
+
+    def _retain(self, assignment: InstanceAssignment, cells: np.ndarray, gamma: float,
+                ctx: _PlacementContext, routed: np.ndarray
+                ) -> tuple[Callable[[], RetentionPlan], np.ndarray, np.ndarray | None]:
+        """``_retention`` at ``gamma`` and the [R] rank memory of the result (None without
+        a cost model)."""
+        retention, quotas = self._retention(assignment, cells, gamma, ctx, routed)
+        memory = (None if self.settings.cost is None
+                  else self._memory(ctx, routed, cells, quotas))
+        return retention, quotas, memory
+
+    def _fitting_gamma(self, memory: np.ndarray | None, ctx: _PlacementContext,
+                       cells: np.ndarray, routed: np.ndarray, gamma: float
+                       ) -> tuple[float, int] | None:
+        """(the lowered gamma, its C) when the plan at ``gamma`` (its [R] ``memory``) does
+        not fit the layer share and a smaller C does; None when it fits, gamma is inf, or
+        lowering cannot help."""
+        s = self.settings
+        share = s.layer_share
+        if (share is None or memory is None or not math.isfinite(gamma)
+                or not bool((memory > share).any())):
+            return None
+        # Lower gamma to the smallest rank limit. The limits bound what they cannot know
+        # before the plan (each source's kept pairs, the retained rows per instance), so a
+        # plan within them fits.
+        if ctx.native is not None:
+            limit = ctx.native.retained_limit(share, cells, routed)
+        else:
+            instance_routed = np.add.reduce(cells, axis=0)                          # [I]
+            limit = s.cost.retained_limit(share, ctx.replicas, routed,
+                                          np.maximum.reduceat(instance_routed, ctx.rank_starts))
+        # Ranks that do not fit even keeping nothing (limit 0) stay over budget whatever
+        # gamma is: they do not drag every rank's C to 1.
+        short = (routed > limit) & (limit > 0)
+        total = int(np.add.reduce(routed))
+        if not short.any() or not total:
+            return None
+        needed = max(int(np.minimum.reduce(limit[short])), 1)
+        if needed >= capacity_for_factor(gamma, total, s.num_ranks):
+            return None
+        return factor_for_capacity(needed, total, s.num_ranks), needed
 
     def native_layout(self, plan: MicroBatchPlan, rank: int) -> tuple | None:
         """The region's host layout of ``plan`` on ``rank`` from the compiled planner
