@@ -1,6 +1,6 @@
 """The cost model's time terms beyond GEMM FLOPs and all-to-all bytes: GEMM
 rate by rows, memory-bound row work, router, fixed per call, the planner's host time;
-each against hand arithmetic from the constants (``cost_model`` module doc, "Time"),
+each against hand arithmetic from the constants (``layer_time``; docs/design.md, "Cost model"),
 and the calibration tool's measurements of them."""
 
 from __future__ import annotations
