@@ -3,7 +3,7 @@
 limits. docs/design.md, "Cost model".
 
 The levels follow the buffers the region (layer/region.py, layer/expert_gemms.py)
-allocates and frees; tests/planning/test_cost_model.py checks them against an independent
+allocates and frees; tests/planning/test_layer_memory.py checks them against an independent
 ledger of those allocations and against the allocator, and benchmarks/bench_moe_layer.py
 against a measured EP=2 forward+backward. numpy on [R] arrays: the planner calls these
 once per layer and micro-batch, where a torch op costs ~10 us and a numpy op ~1 us.

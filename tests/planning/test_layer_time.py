@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +27,7 @@ from megatron_lrmoe.planning.machine import (
 )
 from megatron_lrmoe.planning.retention import plan_retention
 from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
+from tests.planning.test_layer_memory import _model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -384,3 +387,43 @@ def test_layer_times_equal_layer_time_bit_for_bit(machine, num_ranks):
         assert (fwd[k], bwd[k]) == cost.layer_time(routed[k], retained[k])
     with pytest.raises(ValueError, match=r"\[K, 6, R\]"):
         cost.layer_times(loads[0])
+
+
+MATRIX_ROUTED = [[5, 2, 1], [0, 4, 6], [3, 0, 7]]     # source rank x destination rank
+MATRIX_RETAINED = [[4, 1, 1], [0, 3, 2], [2, 0, 5]]
+
+
+def test_layer_time_by_hand():
+    cost = _model()
+    # Per pair: weights (F1 + F) H = 64 elements, forward 2 * 64 = 128 FLOP, backward 256;
+    # all-to-all forward (2H + 1) b = 34 bytes, backward 2 H b + 4 = 36 bytes.
+    # Routed: columns (8, 6, 14) -> 14; off-diagonal sent (3, 6, 3), received (3, 2, 7) -> 7.
+    # Retained: columns (6, 4, 8) -> 8; sent (2, 2, 2), received (2, 1, 3) -> 3.
+    fwd, bwd = cost.layer_time(np.array(MATRIX_ROUTED), np.array(MATRIX_RETAINED))
+    latency = Fraction(2, 10**5)                       # 2 * 1e-5
+    want_fwd = Fraction(14 * 128, 2 * 10**9) + Fraction(7 * 34, 10**8) + latency
+    want_bwd = Fraction(8 * 256, 2 * 10**9) + Fraction(3 * 36, 10**8) + latency
+    assert math.isclose(fwd, want_fwd, rel_tol=1e-14)
+    assert math.isclose(bwd, want_bwd, rel_tol=1e-14)
+    # load_time from the same maxima is their sum.
+    assert math.isclose(cost.load_time(14, 8, 7, 3), want_fwd + want_bwd, rel_tol=1e-14)
+    # One rank: nothing crosses a link.
+    one = cost.layer_time(np.array([[9]]), np.array([[4]]))
+    assert math.isclose(one[0], Fraction(9 * 128, 2 * 10**9) + latency, rel_tol=1e-14)
+    assert math.isclose(one[1], Fraction(4 * 256, 2 * 10**9) + latency, rel_tol=1e-14)
+    # Dropping lowers the backward estimate, never the forward (a plan's matrices).
+    counts = torch.tensor([[6, 0, 2, 2], [4, 0, 0, 6]])
+    cut, full = plan_retention(counts, 2, 0.5), plan_retention(counts, 2, math.inf)
+    t_cut = cost.layer_time(cut.routed_matrix.numpy(), cut.retained_matrix.numpy())
+    t_full = cost.layer_time(full.routed_matrix.numpy(), full.retained_matrix.numpy())
+    assert t_cut[0] == t_full[0] and t_cut[1] < t_full[1]
+
+
+def test_replica_sync_time_by_hand():
+    cost = _model()
+    assert cost.replica_sync_time((), 2, 2) == 0.0
+    # Experts 0, 1 (home rank 0) to rank 1 and expert 2 (home rank 1) to rank 0: rank 0
+    # sends 2 and receives 1, rank 1 sends 1 and receives 2 -> busiest 2. Per replica:
+    # weights 64 * 2 bytes + gradient 64 * 2 bytes = 256 bytes.
+    got = cost.replica_sync_time(((0, 1), (1, 1), (2, 0)), 2, 2)
+    assert math.isclose(got, Fraction(2 * 256, 10**8) + Fraction(2, 10**5), rel_tol=1e-14)
