@@ -20,6 +20,7 @@ import io
 import re
 import subprocess
 import tokenize
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -81,20 +82,25 @@ def _prose(path: Path, text: str) -> list[tuple[int, str]]:
     return out
 
 
-def missing_citations() -> list[str]:
-    """``file:line: token`` for each cited path that does not exist."""
-    out = []
+def _prose_lines() -> Iterator[tuple[Path, int, str]]:
+    """(file, line number, text) of every line that may cite, in every tracked file."""
     for path in _tracked():
         try:
             text = path.read_text()
         except (UnicodeDecodeError, FileNotFoundError):
             continue
         for number, line in sorted(_prose(path, text)):
-            for match in TOKEN.finditer(line):
-                token = match.group(1)
-                if (token.startswith("docs/") or not _skipped(token)) and not _resolves(
-                        token, path):
-                    out.append(f"{path.relative_to(ROOT)}:{number}: {token}")
+            yield path, number, line
+
+
+def missing_citations() -> list[str]:
+    """``file:line: token`` for each cited path that does not exist."""
+    out = []
+    for path, number, line in _prose_lines():
+        for match in TOKEN.finditer(line):
+            token = match.group(1)
+            if (token.startswith("docs/") or not _skipped(token)) and not _resolves(token, path):
+                out.append(f"{path.relative_to(ROOT)}:{number}: {token}")
     return out
 
 
@@ -121,14 +127,7 @@ ISSUE_NUMBER = re.compile(r"\b(?:issue|item)s? ?#?\d+", re.IGNORECASE)
 
 def test_no_issue_numbers_in_code_or_docs():
     """Code and docs say what is true; which issue asked for it lives in git."""
-    found = []
-    for path in _tracked():
-        try:
-            text = path.read_text()
-        except (UnicodeDecodeError, FileNotFoundError):
-            continue
-        for number, line in sorted(_prose(path, text)):
-            if ISSUE_NUMBER.search(line):
-                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path, number, line in _prose_lines() if ISSUE_NUMBER.search(line)]
     assert not found, "issue numbers in code or docs:\n" + "\n".join(found)
     assert ISSUE_NUMBER.search("as item 9 said") and not ISSUE_NUMBER.search("issues show")
