@@ -156,7 +156,8 @@ def run_benchmark(cfg: dict) -> dict:
                     continue
                 if gamma is not None:
                     lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
-                    lrmoe.setup_planner(cfg["tokens"], 1)   # rebuilt from the config
+                    from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
+                    setup_lrmoe_layers([lrmoe], cfg["tokens"], 1)   # rebuilt from the config
                 try:
                     t_f, t_b, st, cpu, flt = one_step(layers[name], x, dy, sync, barrier)
                 except Exception:
@@ -179,7 +180,8 @@ def run_benchmark(cfg: dict) -> dict:
                 continue
             if gamma is not None:
                 lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
-                lrmoe.setup_planner(cfg["tokens"], 1)
+                from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
+                setup_lrmoe_layers([lrmoe], cfg["tokens"], 1)
             # Twice, keeping the smaller peak: a guard against buffers freed late by
             # other threads (gloo's are waited for: layer_bench._PromptCollectiveFrees).
             memory = min((measure_memory(cfg, layers[name], x, dy, sync, barrier)

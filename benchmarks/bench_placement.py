@@ -134,7 +134,7 @@ def _replicas_per_rank(plan) -> list[int]:
 
 def _cost_model(cfg: dict):
     """The cost model of the benchmarked shape (memory estimates; no timing used)."""
-    from megatron_lrmoe.config.planner_inputs import machine_constants, moe_shape
+    from megatron_lrmoe.integration.planner_inputs import machine_constants, moe_shape
     from megatron_lrmoe.planning.cost_model import CostModel
 
     config = _config(cfg)

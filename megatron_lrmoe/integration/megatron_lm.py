@@ -216,15 +216,28 @@ def lrmoe_config_from_args(args: argparse.Namespace) -> Any:
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.integration.planner_inputs import AUTO_STAND_IN_GIB
 
-    _resolve_auto_budget(args)
+    auto = _auto_budget(args)
+    source = args
+    if auto:
+        if _vocab_size(args) is None:
+            raise ConfigError("--moe-lrmoe-memory-budget-gb auto: the memory account needs the "
+                              "padded vocabulary (args.padded_vocab_size), which Megatron-LM "
+                              "sets with the tokenizer; build the LRMoE config after it")
+        # Megatron-LM fills a config from args alone: a copy carries the stand-in budget,
+        # and ``args`` keeps auto.
+        source = argparse.Namespace(**vars(args))
+        source.moe_lrmoe_memory_budget_gb = AUTO_STAND_IN_GIB
     try:
-        config = core_transformer_config_from_args(args, LRMoETransformerConfig)
+        config = core_transformer_config_from_args(source, LRMoETransformerConfig)
     except LRMoEConfigError as exc:
         raise ConfigError(str(exc)) from exc
     if not isinstance(config, LRMoETransformerConfig):
         raise ConfigError(f"Megatron-LM built a {type(config).__name__} for these flags, which "
                           "cannot carry --moe-lrmoe")
+    if auto:
+        _resolve_auto_budget(args, config)
     _check_memory_budget(args, config)
     _print_memory_account(args, config)
     return config
@@ -234,9 +247,9 @@ def _check_memory_budget(args: argparse.Namespace, config) -> None:
     """Refuse a --moe-lrmoe-memory-budget-gb below the floor (nothing fits even with nothing
     retained: ``planning.plan_types.budget_floor``, by ``check_memory_budget``), at start-up
     (after ``parse_and_validate_args``, which makes Megatron's micro-batch calculator)."""
-    if getattr(args, "moe_lrmoe_memory_budget_gb", None) is None:
+    if config.moe_lrmoe_memory_budget_gb is None:
         return
-    from megatron_lrmoe.config.planner_inputs import check_memory_budget
+    from megatron_lrmoe.integration.planner_inputs import check_memory_budget
 
     microbatches = _microbatches_per_step()
     try:
@@ -276,46 +289,35 @@ def _memory_account(args: argparse.Namespace, config) -> Any:
     """The run's memory account (``planner_inputs.memory_account``). The micro-batches
     per step set no byte of it (only the replica refresh's time): 1 where Megatron-LM's
     calculator is not set up yet."""
-    from megatron_lrmoe.config.planner_inputs import device_memory_bytes, memory_account
+    from megatron_lrmoe.integration.planner_inputs import device_memory_bytes, memory_account
 
-    try:
-        microbatches = _microbatches_per_step()
-    except ConfigError:
-        microbatches = 1
-    return memory_account(config, args, _vocab_size(args) or 0, microbatches,
+    return memory_account(config, args, _vocab_size(args) or 0, _microbatches_or_one(),
                           device_memory_bytes(getattr(args, "device_memory_gb", None)))
 
 
-def _resolve_auto_budget(args: argparse.Namespace) -> None:
-    """``--moe-lrmoe-memory-budget-gb auto``: replaced in ``args`` by the GiB the memory
-    account leaves (``planner_inputs.resolve_memory_budget``), before the config is built
-    from ``args``; refused naming both flags below the floor or without a device size."""
+def _microbatches_or_one() -> int:
+    try:
+        return _microbatches_per_step()
+    except ConfigError:
+        return 1
+
+
+def _auto_budget(args: argparse.Namespace) -> bool:
     from megatron_lrmoe.options.lrmoe import AUTO
 
-    if getattr(args, "moe_lrmoe_memory_budget_gb", None) != AUTO:
-        return
-    from megatron.training.arguments import core_transformer_config_from_args
+    return getattr(args, "moe_lrmoe_memory_budget_gb", None) == AUTO
 
-    from megatron_lrmoe.config.planner_inputs import resolve_memory_budget
-    from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
 
-    if _vocab_size(args) is None:
-        raise ConfigError("--moe-lrmoe-memory-budget-gb auto: the memory account needs the "
-                          "padded vocabulary (args.padded_vocab_size), which Megatron-LM sets "
-                          "with the tokenizer; build the LRMoE config after it")
-    # The model's numbers from a config with a placeholder budget (the account's parts
-    # other than the MoE one do not depend on it).
-    probe = argparse.Namespace(**vars(args))
-    probe.moe_lrmoe_memory_budget_gb = 1.0
+def _resolve_auto_budget(args: argparse.Namespace, config) -> None:
+    """``--moe-lrmoe-memory-budget-gb auto``: the GiB the memory account leaves, into the
+    run's one ``config`` (``planner_inputs.set_auto_budget``); refused naming both flags
+    below the floor or without a device size."""
+    from megatron_lrmoe.integration.planner_inputs import set_auto_budget
+
     try:
-        config = core_transformer_config_from_args(probe, LRMoETransformerConfig)
-        account = _memory_account(args, config)
-        args.moe_lrmoe_memory_budget_gb = resolve_memory_budget(account, config, args)
-    except LRMoEConfigError as exc:
+        set_auto_budget(config, _memory_account(args, config), args, _microbatches_or_one())
+    except ValueError as exc:      # LRMoEConfigError included: both name the flag
         raise ConfigError(str(exc)) from exc
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    args.lrmoe_budget_source = "auto: the device less the rest of the account"
 
 
 def _print_memory_account(args: argparse.Namespace, config) -> None:
@@ -325,14 +327,14 @@ def _print_memory_account(args: argparse.Namespace, config) -> None:
         return
     from megatron.training.utils import print_rank_0
 
-    from megatron_lrmoe.config.planner_inputs import GIB
+    from megatron_lrmoe.integration.planner_inputs import AUTO_BUDGET_SOURCE, GIB
     from megatron_lrmoe.planning.memory_account import account_line
 
     account = _memory_account(args, config)
-    budget = args.moe_lrmoe_memory_budget_gb
+    budget = config.moe_lrmoe_memory_budget_gb
     budget_bytes = None if budget is None else budget * GIB
-    line = account_line(account, budget_bytes,
-                        getattr(args, "lrmoe_budget_source", "--moe-lrmoe-memory-budget-gb"))
+    source = AUTO_BUDGET_SOURCE if _auto_budget(args) else "--moe-lrmoe-memory-budget-gb"
+    line = account_line(account, budget_bytes, source)
     if _vocab_size(args) is None:
         line += " (vocabulary not known yet: embeddings and logits not counted)"
     print_rank_0(" [LRMoE] " + line)
@@ -357,7 +359,7 @@ def check_allocator_once() -> None:
         return
     from megatron.training.utils import print_rank_0
 
-    from megatron_lrmoe.config.planner_inputs import allocator_check
+    from megatron_lrmoe.integration.planner_inputs import allocator_check
 
     print_rank_0(" [LRMoE] " + allocator_check(
         _ACCOUNT["account"], torch.cuda.max_memory_allocated(), _ACCOUNT["budget_bytes"]))

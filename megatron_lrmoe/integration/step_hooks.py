@@ -40,7 +40,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_lrmoe.config.planner_inputs import agreed_machine_constants, needs_cost_model
+from megatron_lrmoe.integration.planner_inputs import (
+    agreed_machine_constants,
+    needs_cost_model,
+    planner_settings,
+)
 from megatron_lrmoe.layer.moe_layer import LRMoELayer
 from megatron_lrmoe.layer.stats import lrmoe_layers
 from megatron_lrmoe.layer.step_state import STEP_STATE_FLAG, MicrobatchesPerStep
@@ -59,13 +63,16 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def setup_lrmoe_layers(model_chunks: Iterable[torch.nn.Module], tokens_per_rank: int,
+def setup_lrmoe_layers(model_chunks: Iterable[torch.nn.Module], tokens_per_rank: int | None,
                        microbatches_per_step: MicrobatchesPerStep,
                        config=None, hold_memory: bool = False) -> MachineConstants | None:
-    """Build every LRMoE layer's planner at model setup (docs/design.md, "Step state").
+    """Build every LRMoE layer's planner at model setup (docs/design.md, "Step state"):
+    the planner settings come from each layer's config here, and the layer is handed them
+    (``LRMoELayer.setup_planner``); it never reads its config to plan.
 
     ``tokens_per_rank``: tokens of one micro-batch on one rank (micro-batch size x
-    sequence length, divided by TP under sequence parallelism). ``microbatches_per_step``:
+    sequence length, divided by TP under sequence parallelism); may be None where no
+    planner prices memory (no budget, not memory-aware, not held). ``microbatches_per_step``:
     an int or a function (Megatron's ``get_num_microbatches``, which follows a batch-size
     ramp-up). ``config``: the run's TransformerConfig, for ranks whose pipeline stage has
     no LRMoE layer (default: the first layer's). ``hold_memory``: the run is held to its
@@ -84,12 +91,24 @@ def setup_lrmoe_layers(model_chunks: Iterable[torch.nn.Module], tokens_per_rank:
         group = dist.group.WORLD if dist.is_initialized() else None
         machine = agreed_machine_constants(config.moe_lrmoe_calibration, _device(), group)
     for layer in layers:
-        layer.lrmoe_state.hold_memory = hold_memory
-        layer.setup_planner(tokens_per_rank, microbatches_per_step, machine)
+        # The count is read now only where the cost model amortises over it.
+        count = (_microbatches(microbatches_per_step) if needs_cost_model(layer.config)
+                 else 1)
+        settings = planner_settings(layer.config, layer.lrmoe_state.ep_size, tokens_per_rank,
+                                    count, machine, hold_memory=hold_memory)
+        layer.setup_planner(settings, microbatches_per_step)
     # One layer per pipeline stage says where the planner state came from at a load.
     if layers and _is_first_rank_of_stage():
         layers[0].lrmoe_state.reports_checkpoint_state = True
     return machine
+
+
+def _microbatches(microbatches_per_step: MicrobatchesPerStep) -> int:
+    count = microbatches_per_step() if callable(microbatches_per_step) else microbatches_per_step
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"setup_lrmoe_layers: microbatches_per_step gave {count!r}, expected "
+                         "a positive int")
+    return count
 
 
 def _is_first_rank_of_stage() -> bool:

@@ -19,14 +19,14 @@ import torch.distributed as dist
 from megatron.core.transformer import TransformerConfig
 
 from megatron_lrmoe.config.flags import tokens_per_rank
-from megatron_lrmoe.config.planner_inputs import (
+from megatron_lrmoe.data import routing_traces as rt
+from megatron_lrmoe.integration.planner_inputs import (
     GIB,
     allocator_check,
     device_memory_bytes,
     memory_account,
     moe_shape,
 )
-from megatron_lrmoe.data import routing_traces as rt
 from megatron_lrmoe.integration.step_hooks import lrmoe_step_memory
 from megatron_lrmoe.launcher.logger import log0
 from megatron_lrmoe.launcher.routing_record import RoutingRecorder

@@ -9,7 +9,7 @@ the same object then builds the model.
 
 ``--moe-lrmoe-memory-budget-gb auto`` is resolved on that config, once: to the GiB the
 device (``--device-memory-gb``, or the CUDA device's) leaves after everything but the MoE
-part of the run's memory account (``config.planner_inputs.resolve_memory_budget``);
+part of the run's memory account (``integration.planner_inputs.resolve_memory_budget``);
 refused naming both flags below the floor. ``args`` keeps ``auto``
 (``budget_source`` says where the config's budget came from).
 """
@@ -23,12 +23,14 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from megatron_lrmoe.config.flags import ConfigError
-from megatron_lrmoe.config.planner_inputs import (
+from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+from megatron_lrmoe.integration.planner_inputs import (
+    AUTO_BUDGET_SOURCE,
+    AUTO_STAND_IN_GIB,
     device_memory_bytes,
     memory_account,
-    resolve_memory_budget,
+    set_auto_budget,
 )
-from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
 from megatron_lrmoe.launcher.builders import (
     build_tokenizer_from_args,
     padded_vocab_size,
@@ -37,11 +39,6 @@ from megatron_lrmoe.launcher.builders import (
 from megatron_lrmoe.options.lrmoe import AUTO, LRMoEConfigError
 
 __all__ = ["budget_source", "build_config", "transformer_config_from_args"]
-
-# The budget an ``auto`` run's config is built with until the account resolves it: any
-# GiB its checks accept, since nothing the memory account reads depends on the budget.
-_STAND_IN_GIB = 1.0
-
 
 def build_config(args: argparse.Namespace, vocab_size: int | None = None) -> TransformerConfig:
     """The run's config (module doc); raises ``ConfigError`` naming the flag.
@@ -52,7 +49,7 @@ def build_config(args: argparse.Namespace, vocab_size: int | None = None) -> Tra
     auto = _auto_budget(args)
     try:
         config = transformer_config_from_args(
-            args, **({"moe_lrmoe_memory_budget_gb": _STAND_IN_GIB} if auto else {}))
+            args, **({"moe_lrmoe_memory_budget_gb": AUTO_STAND_IN_GIB} if auto else {}))
     except LRMoEConfigError as exc:  # ours: already names the flag
         raise ConfigError(str(exc)) from exc
     except (ValueError, AssertionError) as exc:
@@ -65,7 +62,7 @@ def build_config(args: argparse.Namespace, vocab_size: int | None = None) -> Tra
 def budget_source(args: argparse.Namespace) -> str:
     """Where the config's ``--moe-lrmoe-memory-budget-gb`` came from, for the account line."""
     if _auto_budget(args):
-        return "auto: the device less the rest of the account"
+        return AUTO_BUDGET_SOURCE
     return "--moe-lrmoe-memory-budget-gb"
 
 
@@ -80,9 +77,7 @@ def _resolve_auto_budget(config: TransformerConfig, args: argparse.Namespace,
     try:
         account = memory_account(config, args, vocab_size or _vocab_size(args), microbatches,
                                  device_memory_bytes(getattr(args, "device_memory_gb", None)))
-        config.moe_lrmoe_memory_budget_gb = resolve_memory_budget(account, config, args,
-                                                                  microbatches)
-        config.check_lrmoe()
+        set_auto_budget(config, account, args, microbatches)
     except LRMoEConfigError as exc:
         raise ConfigError(str(exc)) from exc
     except (ValueError, AssertionError) as exc:

@@ -25,7 +25,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_model_config
 
 from megatron_lrmoe.config.flags import ConfigError, tokens_per_rank
-from megatron_lrmoe.config.planner_inputs import check_memory_budget
+from megatron_lrmoe.integration.planner_inputs import check_memory_budget
 from megatron_lrmoe.integration.step_hooks import (
     finish_lrmoe_step,
     machine_constants_line,

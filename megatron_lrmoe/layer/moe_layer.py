@@ -45,9 +45,8 @@ from megatron_lrmoe.layer.step_state import (
     carries_step_state,
 )
 from megatron_lrmoe.ops import deterministic_mode
-from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.placement import Placement
-from megatron_lrmoe.planning.planner import LayerPlanner, MicroBatchPlan
+from megatron_lrmoe.planning.planner import LayerPlanner, MicroBatchPlan, PlannerSettings
 
 __all__ = ["STEP_STATE_FLAG", "STEP_STATE_FORMAT", "STEP_STATE_VERSION", "LRMoELayer",
            "MicrobatchesPerStep"]
@@ -98,19 +97,18 @@ class LRMoELayer(MoELayer):
     # ------------------------------------------------------------------ planner
     @property
     def placement_planner(self) -> LayerPlanner:
-        """This layer's planner; an error before ``setup_planner`` where it is needed."""
+        """This layer's planner; an error before ``setup_planner``."""
         return self.lrmoe_state.require_planner(self.layer_number)
 
-    def setup_planner(self, tokens_per_rank: int, microbatches_per_step: MicrobatchesPerStep,
-                      machine: MachineConstants | None = None) -> LayerPlanner:
-        """Build the planner from the tokens of one micro-batch on this rank and the
-        machine constants (needed with a budget or memory-aware placement), and tell the
-        layer the micro-batches of a step. No measurement and no communication here.
+    def setup_planner(self, settings: PlannerSettings,
+                      microbatches_per_step: MicrobatchesPerStep) -> LayerPlanner:
+        """Build the planner from ``settings`` (integration derives them from the config:
+        ``step_hooks.setup_lrmoe_layers``) and tell the layer the micro-batches of a step.
+        No measurement and no communication here.
 
         A planner state already held (an earlier planner, or one loaded from a checkpoint
         before this call) carries over."""
-        return self.lrmoe_state.setup_planner(tokens_per_rank, microbatches_per_step, machine,
-                                              self.layer_number)
+        return self.lrmoe_state.setup_planner(settings, microbatches_per_step)
 
     @property
     def microbatches_per_step(self) -> MicrobatchesPerStep | None:

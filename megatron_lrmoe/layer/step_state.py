@@ -8,7 +8,6 @@ the step boundaries of a whole model.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -16,11 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_lrmoe.config.planner_inputs import moe_shape, needs_cost_model, planner_settings
 from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
-from megatron_lrmoe.planning.cost_model import CostModel
-from megatron_lrmoe.planning.machine import MachineConstants
-from megatron_lrmoe.planning.planner import LayerPlanner
+from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 
 __all__ = ["STEP_STATE_FLAG", "STEP_STATE_FORMAT", "STEP_STATE_VERSION", "carries_step_state",
            "LayerStepState", "MicrobatchesPerStep"]
@@ -70,22 +66,16 @@ class LayerStepState:
         ``get_num_microbatches``): how the layer finds the step's last backward, where
         replica gradients join the homes'. Set by ``setup_planner``; None = not told,
         which is an error once replicas exist."""
-        # Built now unless the cost model needs the tokens per micro-batch and the
-        # machine constants (a budget or memory-aware placement): then by setup_planner,
-        # which both entry points run right after building the model.
+        # Built by setup_planner from the settings integration derives from the config
+        # (step_hooks.setup_lrmoe_layers, which both entry points run right after building
+        # the model): the layer does not read its config to plan.
         self.planner: LayerPlanner | None = None
         self.pending_state: dict | None = None     # loaded before setup_planner ran
         self.planner_state_origin = "fresh"
         """Where the planner state came from: "fresh", "checkpoint", or "fresh: <why>"."""
         self.reports_checkpoint_state = False      # the one layer that logs it (setup)
-        if not needs_cost_model(config):
-            self.planner = LayerPlanner(planner_settings(config, ep_size))
         self.needs_refresh = True        # replicas must be refreshed before the next forward
         self.backwards_in_step = 0
-        self.hold_memory = False
-        """The run is held to its device (``--device-memory-gb``): ``setup_planner`` gives
-        the planner a cost model even without a budget, so that every plan reports its
-        [R] memory (set by ``step_hooks.setup_lrmoe_layers`` before it)."""
         self.step_memory: np.ndarray | None = None
         """[R] the most bytes any training micro-batch of this step planned per rank
         (``LayerPlanner.last_memory``); None when the planner reports none."""
@@ -95,30 +85,19 @@ class LayerStepState:
 
     # ------------------------------------------------------------------ planner
     def require_planner(self, layer_number: int | None) -> LayerPlanner:
-        """The planner; an error before ``setup_planner`` where it is needed."""
+        """The planner; an error before ``setup_planner``."""
         if self.planner is None:
             raise RuntimeError(
-                f"LRMoE layer {layer_number}: the planner of this configuration "
-                "(--moe-lrmoe-memory-budget-gb or --moe-lrmoe-placement memory-aware) is built "
-                "at model setup: call megatron_lrmoe.integration.step_hooks.setup_lrmoe_layers("
-                "model, ...) (both entry points do) or layer.setup_planner(...) before the first "
-                "forward")
+                f"LRMoE layer {layer_number} has no planner: its settings come from the run "
+                "at model setup; call megatron_lrmoe.integration.step_hooks."
+                "setup_lrmoe_layers(model, tokens_per_rank, microbatches_per_step) (both "
+                "entry points do) before the first forward")
         return self.planner
 
-    def setup_planner(self, tokens_per_rank: int, microbatches_per_step: MicrobatchesPerStep,
-                      machine: MachineConstants | None, layer_number: int | None
-                      ) -> LayerPlanner:
+    def setup_planner(self, settings: PlannerSettings,
+                      microbatches_per_step: MicrobatchesPerStep) -> LayerPlanner:
         """See ``LRMoELayer.setup_planner``."""
         self.microbatches_per_step = microbatches_per_step
-        # The count is read now only where the cost model amortises over it.
-        count = self.step_microbatches(layer_number) if needs_cost_model(self.config) else 1
-        settings = planner_settings(self.config, self.ep_size, tokens_per_rank, count, machine)
-        if self.hold_memory and settings.cost is None:
-            # Memory needs read no machine constant (time estimates are not asked for).
-            memory_only = MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0,
-                                           source="memory only")
-            shape = moe_shape(self.config, tokens_per_rank, count, self.ep_size)
-            settings = dataclasses.replace(settings, cost=CostModel(shape, memory_only))
         previous = self.planner.state_dict() if self.planner is not None else None
         self.planner = LayerPlanner(settings)
         if previous is not None:

@@ -2,7 +2,7 @@
 
 Pure: plain numbers of the configuration in (``RunShape``: model, layout, precision,
 optimizer, recompute), bytes per part out (``MemoryAccount``). No torch.distributed, no
-Megatron; ``config.planner_inputs.memory_account`` fills ``RunShape`` from a config and
+Megatron; ``integration.planner_inputs.memory_account`` fills ``RunShape`` from a config and
 the entry point's arguments. docs/design.md, "Memory budget" states the formulas; this
 module implements them. Every part is an estimate of what the rank holds at its peak:
 

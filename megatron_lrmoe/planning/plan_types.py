@@ -30,7 +30,7 @@ def budget_floor(cost: CostModel) -> float:
     flight) that can run at all: perfectly balanced routing with nothing retained in
     backward (``cost.balanced_need(0.0)``: every pair is still routed in forward, with
     the forward's buffers and what is saved regardless). The one rule of the start-up
-    refusal (``PlannerSettings``, ``config.planner_inputs.check_memory_budget``); between
+    refusal (``PlannerSettings``, ``integration.planner_inputs.check_memory_budget``); between
     it and ``cost.balanced_dropless_need()`` the planner lowers gamma
     (docs/design.md, "Memory budget")."""
     return cost.balanced_need(0.0)

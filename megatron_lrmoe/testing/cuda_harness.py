@@ -891,7 +891,8 @@ def run_layer_case(case: Case, rank: int, model: str = "qwen3-30b-a3b",
         forks = list(tracker.forks)
         moved = move_parameters_to_fake_cuda(layer)
         seconds["build"] = time.perf_counter() - started
-        layer.setup_planner(t, 1)
+        from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
+        setup_lrmoe_layers([layer], t, 1)
         layer.counts_exchange = TraceCountsExchange(counts, rank)
         x = torch.empty(t // batch, batch, h, device="cuda", dtype=torch.bfloat16,
                         requires_grad=True)
@@ -1032,7 +1033,8 @@ def run_weight_copy_case(case: Case, rank: int, wrap: str,
         layer.set_layer_number(1)
         move_parameters_to_fake_cuda(layer)
         module = _wrap_experts(layer, wrap)
-        layer.setup_planner(t, 1)
+        from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
+        setup_lrmoe_layers([layer], t, 1)
         layer.counts_exchange = TraceCountsExchange(counts, rank)
         x = torch.empty(t // 2, 2, spec.hidden_size, device="cuda", dtype=torch.bfloat16,
                         requires_grad=True)

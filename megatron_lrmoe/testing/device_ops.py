@@ -414,7 +414,8 @@ def count_layer_ops(layer_kind: str, case, rank: int, model: str = "qwen3-30b-a3
         layer.set_layer_number(1)
         move_parameters_to_fake_cuda(layer)
         if layer_kind == "lrmoe":
-            layer.setup_planner(t, 1)
+            from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
+            setup_lrmoe_layers([layer], t, 1)
             layer.counts_exchange = _trace_counts_exchange(counts, layer.ep_group)
         x = torch.empty(t // batch, batch, h, device="cuda", dtype=torch.bfloat16,
                         requires_grad=True)

@@ -220,7 +220,7 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     where the launcher's tokenizers (byte-level, SentencePiece from a file) cannot give it
     (a Hugging Face tokenizer's), padded as the model pads it; None: the tokenizer's."""
     from megatron_lrmoe.config.flags import ConfigError
-    from megatron_lrmoe.config.planner_inputs import device_memory_bytes, memory_account
+    from megatron_lrmoe.integration.planner_inputs import device_memory_bytes, memory_account
     from megatron_lrmoe.launcher import builders
     from megatron_lrmoe.launcher.run_config import build_config
     from megatron_lrmoe.tools.simulate import CLUSTERS, ModelSpec, simulate

@@ -280,7 +280,7 @@ def outside_flops(args: argparse.Namespace, vocab_size: int) -> dict[str, float]
     is 2 m k n. The router is the simulator's; norms, rotary and other memory-bound work
     are left out."""
     from megatron_lrmoe.config.flags import moe_layer_freq
-    from megatron_lrmoe.config.planner_inputs import moe_layers_per_stage
+    from megatron_lrmoe.integration.planner_inputs import moe_layers_per_stage
 
     h, layers, s = args.hidden_size, args.num_layers, args.seq_length
     d = args.kv_channels or h // args.num_attention_heads

@@ -79,6 +79,7 @@ def _build(cfg: Config, s: Setting):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
 
     config = LRMoETransformerConfig(
@@ -91,7 +92,9 @@ def _build(cfg: Config, s: Setting):
         moe_lrmoe_selection=s.selection, moe_lrmoe_metric=s.metric,
         moe_lrmoe_hybrid_fraction=s.hybrid_fraction, moe_lrmoe_min_retention=s.min_retention)
     spec = get_gpt_layer_local_spec(num_experts=cfg.experts).submodules.mlp
-    return to_lrmoe_spec(spec)(config=config)
+    layer = to_lrmoe_spec(spec)(config=config)
+    setup_lrmoe_layers([layer], None, 1)
+    return layer
 
 
 def _all_sum(t):

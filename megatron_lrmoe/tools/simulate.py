@@ -252,7 +252,7 @@ def _moe_layer_count(freq: int | str, num_layers: int) -> int:
     """MoE layers of Megatron's ``--moe-layer-freq`` (an int, or a pattern such as
     ``([0]*1+[1]*45)``), parsed and counted as the launcher does."""
     from megatron_lrmoe.config.flags import moe_layer_freq
-    from megatron_lrmoe.config.planner_inputs import moe_layers_per_stage
+    from megatron_lrmoe.integration.planner_inputs import moe_layers_per_stage
 
     pattern = moe_layer_freq(freq)
     if isinstance(pattern, list) and len(pattern) != num_layers:

@@ -59,7 +59,7 @@ def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
     """(``MoEShape`` of a layer, ``Policy``, budget GiB or None, EP size) of a run's
     flags; an ``auto`` budget resolved from ``--device-memory-gb`` as the launcher does."""
     from megatron_lrmoe.config.flags import tokens_per_rank
-    from megatron_lrmoe.config.planner_inputs import moe_shape
+    from megatron_lrmoe.integration.planner_inputs import moe_shape
     from megatron_lrmoe.launcher.arguments import parse_args
     from megatron_lrmoe.launcher.run_config import build_config
 

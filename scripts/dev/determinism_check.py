@@ -241,7 +241,8 @@ def _layer_grads(cfg: dict, gamma: float, megatron_flag: bool, torch_flag: bool
     lrmoe.config.deterministic_mode = megatron_flag
     lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
     lrmoe.config.moe_lrmoe_selection = "topk"
-    lrmoe.setup_planner(cfg["tokens"], 1)
+    from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
+    setup_lrmoe_layers([lrmoe], cfg["tokens"], 1)
     dev, dtype = torch.device(cfg["device"]), DTYPES[cfg["dtype"]]
     probs, routing_map = skewed_routing(cfg["tokens"], cfg["experts"], cfg["topk"], 1.2,
                                         cfg["seed"], 0, dtype)

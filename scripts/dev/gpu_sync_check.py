@@ -110,7 +110,8 @@ def _sync_check(failures: list[str]) -> None:
                 name = f"{dtype} grouped={grouped} gamma={gamma:g} {selection}"
                 lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
                 lrmoe.config.moe_lrmoe_selection = selection
-                lrmoe.setup_planner(cfg["tokens"], 1)
+                from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
+                setup_lrmoe_layers([lrmoe], cfg["tokens"], 1)
                 try:
                     for strict in (False, True):   # a warm-up step, then the checked one
                         x_in = x.detach().clone().requires_grad_(True)

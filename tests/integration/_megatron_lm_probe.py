@@ -123,8 +123,21 @@ def flags(argv: list[str]) -> dict:
 
 
 def parse(argv: list[str]) -> dict:
+    from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+
     args = _parse(argv)
-    model_cfg = _model_config(args)
+    built = []       # every LRMoETransformerConfig made on the way
+    post_init = LRMoETransformerConfig.__post_init__
+
+    def counted(self):
+        built.append(self)
+        post_init(self)
+
+    LRMoETransformerConfig.__post_init__ = counted
+    try:
+        model_cfg = _model_config(args)
+    finally:
+        LRMoETransformerConfig.__post_init__ = post_init
     out = {"moe_lrmoe": args.moe_lrmoe, "model_config": type(model_cfg).__name__,
            "builder": model_cfg.get_builder_cls().__name__,
            "transformer_config": type(model_cfg.transformer).__name__}
@@ -136,6 +149,15 @@ def parse(argv: list[str]) -> dict:
             "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "num_layers",
             "hidden_size", "num_query_groups", "kv_channels", "qk_layernorm",
             "moe_token_dispatcher_type", "expert_tensor_parallel_size")}
+        out["configs_built"] = len(built)
+        out["budget_gb"] = {"args": args.moe_lrmoe_memory_budget_gb,
+                            "config": config.moe_lrmoe_memory_budget_gb}
+        if args.moe_lrmoe_memory_budget_gb == "auto":
+            from megatron_lrmoe.integration.megatron_lm import _memory_account
+
+            account = _memory_account(args, config)
+            out["account_gib"] = {"device": account.device / 2**30,
+                                  "outside_moe": account.outside_moe / 2**30}
         # The GPT settings are gpt_config_from_args's, as without --moe-lrmoe.
         out["gpt_fields"] = {k: getattr(model_cfg, k) for k in (
             "vocab_size", "seq_length", "rotary_base", "position_embedding_type",

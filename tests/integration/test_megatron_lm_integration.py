@@ -393,6 +393,22 @@ def test_megatron_lm_parser_gives_the_lrmoe_config():
 
 
 @needs_megatron_lm
+def test_megatron_lm_auto_budget_is_resolved_once_on_the_one_config():
+    parsed = _probe_result(_probe("parse", "--", *QWEN3_ARGS, *LRMOE_ARGS,
+                                  "--moe-lrmoe-placement", "memory-aware",
+                                  "--moe-lrmoe-memory-budget-gb", "auto",
+                                  "--device-memory-gb", "1000"))
+    # One config for the run; the flag keeps auto and the config holds the GiB the device
+    # leaves after the rest of the account (exact: the account's own parts).
+    assert parsed["configs_built"] == 1
+    account = parsed["account_gib"]
+    assert account["device"] == 1000
+    assert parsed["budget_gb"]["args"] == "auto"
+    assert parsed["budget_gb"]["config"] == pytest.approx(1000 - account["outside_moe"],
+                                                          rel=1e-12)
+
+
+@needs_megatron_lm
 @pytest.mark.parametrize("bad, message", [
     (["--moe-lrmoe-bwd-capacity-factor", "0"], "--moe-lrmoe-bwd-capacity-factor: must be > 0"),
     (["--moe-lrmoe-min-retention", "1.5"], "--moe-lrmoe-min-retention: must be in [0, 1]"),

@@ -155,7 +155,7 @@ def test_replicas_without_drops_equal_megatron_on_4_ranks_ep2(gloo4, corpus, tmp
 
 def test_budget_below_the_floor_is_refused(gloo1, corpus):
     # The floor: balanced routing with nothing retained (planning.plan_types.budget_floor);
-    # above it the planner lowers gamma instead (tests/config/test_planner_inputs.py).
+    # above it the planner lowers gamma instead (tests/integration/test_planner_inputs.py).
     from megatron_lrmoe.testing.gloo_pool import TaskFailed
 
     with pytest.raises(TaskFailed, match=r"ConfigError: --moe-lrmoe-memory-budget-gb 1e-06 is "
@@ -170,8 +170,8 @@ def test_budget_between_floor_and_dropless_need_trains_with_gamma_lowered(
     # TINY's MoE layers on one rank (fp32, 4 x 64 tokens per micro-batch): between the
     # floor and the balanced dropless need even balanced routing does not fit at gamma 1,
     # so the run starts and every call's plan lowers gamma.
-    from megatron_lrmoe.config.planner_inputs import GIB, machine_constants, moe_shape
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.integration.planner_inputs import GIB, machine_constants, moe_shape
     from megatron_lrmoe.planning.cost_model import CostModel
     from megatron_lrmoe.planning.plan_types import budget_floor
 

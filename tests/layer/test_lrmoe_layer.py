@@ -28,6 +28,7 @@ def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
     from megatron.core.transformer import TransformerConfig
 
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
 
     if ps.model_parallel_is_initialized():
@@ -51,6 +52,7 @@ def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
         moe_lrmoe_hybrid_fraction=hybrid_fraction, moe_lrmoe_metric=metric)
     lrmoe = to_lrmoe_spec(spec)(config=lrmoe_config)
     lrmoe.load_state_dict(megatron.state_dict())  # same keys: interchangeable experts
+    setup_lrmoe_layers([lrmoe], None, 1)          # the run's planner settings, handed over
     return megatron, lrmoe
 
 
@@ -130,6 +132,7 @@ def _grouped_gemm_flag_is_honoured(ep: int):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
 
     megatron, plain = _build(ep, math.inf, aux=0.0)
@@ -144,6 +147,7 @@ def _grouped_gemm_flag_is_honoured(ep: int):
         **common, activation_func=F.silu, moe_grouped_gemm=True, moe_lrmoe=True,
         moe_lrmoe_bwd_capacity_factor=math.inf))
     grouped.load_state_dict(megatron.state_dict())
+    setup_lrmoe_layers([grouped], None, 1)
     x, dy = _inputs(12)
     out_m, dx_m, grads_m = _run(megatron, x, dy)
     out_g, dx_g, grads_g = _run(grouped, x, dy)

@@ -178,6 +178,7 @@ def _views_under_ddp(distributed_optimizer: bool, metric: str, ckpt_dir: str) ->
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
     from tests.layer.test_lrmoe_layer import EXPERTS, _build, _inputs
 
@@ -186,6 +187,7 @@ def _views_under_ddp(distributed_optimizer: bool, metric: str, ckpt_dir: str) ->
     _, lrmoe = _build(2, 0.6, selection="topk", aux=0.0, metric=metric)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS).submodules.mlp
     layer = to_lrmoe_spec(spec)(config=lrmoe.config)
+    setup_lrmoe_layers([layer], None, 1)
     lrmoe.grouped_gemm = layer.grouped_gemm = True
     result = {"built": lrmoe.experts.weight_stack().reversed}
     ddp = DistributedDataParallel(
@@ -247,12 +249,14 @@ def _descending_without_ddp(ep: int, metric: str) -> dict:
     the rows reach the experts without a reorder (reversed by a copy of the rows)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
     from tests.layer.test_lrmoe_layer import EXPERTS, _build, _inputs
 
     _, lrmoe = _build(ep, 0.6 if ep > 1 else 0.5, selection="topk", aux=0.0, metric=metric)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS).submodules.mlp
     layer = to_lrmoe_spec(spec)(config=lrmoe.config)
+    setup_lrmoe_layers([layer], None, 1)
     lrmoe.grouped_gemm = layer.grouped_gemm = True
     weights = [w for e in lrmoe.experts.local_experts[::-1]
                for w in (e.linear_fc2.weight, e.linear_fc1.weight)]

@@ -429,6 +429,7 @@ def _layers(ep: int, **settings: Any):
     from megatron.core.transformer import TransformerConfig
 
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
 
     if ps.model_parallel_is_initialized():
@@ -447,6 +448,7 @@ def _layers(ep: int, **settings: Any):
     lrmoe = to_lrmoe_spec(spec)(config=LRMoETransformerConfig(
         **common, moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=math.inf))
     lrmoe.load_state_dict(megatron.state_dict())
+    setup_lrmoe_layers([lrmoe], None, 1)
     return megatron, lrmoe
 
 

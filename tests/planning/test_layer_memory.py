@@ -606,7 +606,7 @@ def test_saved_activations_fall_with_retention(gamma):
 def test_fitting_micro_batch_size_against_brute_force(forward_retention):
     import dataclasses
 
-    from megatron_lrmoe.config.planner_inputs import fitting_micro_batch_size
+    from megatron_lrmoe.integration.planner_inputs import fitting_micro_batch_size
 
     cost = _model(layers=4, in_flight=2, gated=True, expert_parallel_size=2,
                   forward_retention=forward_retention)

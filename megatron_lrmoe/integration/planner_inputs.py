@@ -1,9 +1,9 @@
 """From Megatron's config to the pure planner's inputs (PlannerSettings, MoEShape, machine).
 
 The planner is a function of plain numbers; this module is the one place that reads
-them off an ``LRMoETransformerConfig`` and the run's layout, for the layer (at model
-setup, ``integration/step_hooks.py``, when the entry point knows the tokens per micro-batch) and for
-the launchers' start-up budget check (from the command line, before any model exists).
+them off an ``LRMoETransformerConfig`` and the run's layout: each layer's settings at
+model setup (``integration/step_hooks.py``, which hands them to the layer), the
+launchers' start-up budget check, and the run's memory account.
 
 Budget unit: ``--moe-lrmoe-memory-budget-gb`` is in GiB (2**30 bytes), the unit
 ``torch.cuda.memory_allocated`` and ``nvidia-smi`` figures are usually read in.
@@ -108,6 +108,12 @@ def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
     )
 
 
+# Memory needs read no machine constant: cost models that only price memory (a held
+# run's planners, the memory account) get these.
+_MEMORY_ONLY = MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0,
+                                source="memory only")
+
+
 @functools.lru_cache(maxsize=8)
 def machine_constants(calibration: str | None, device_type: str) -> MachineConstants:
     """Measured constants: the calibration JSON if given, else a quick in-process
@@ -148,12 +154,15 @@ def needs_cost_model(config) -> bool:
 
 def planner_settings(config, ep_size: int, tokens_per_rank: int | None = None,
                      microbatches_per_step: int = 1,
-                     machine: MachineConstants | None = None) -> PlannerSettings:
+                     machine: MachineConstants | None = None,
+                     hold_memory: bool = False) -> PlannerSettings:
     """PlannerSettings of one LRMoE layer (raises ValueError naming the setting).
 
     ``tokens_per_rank`` and ``machine`` are needed when ``needs_cost_model(config)``;
-    pure otherwise (no measurement, no communication: ``agreed_machine_constants`` is
-    the caller's, once for all layers)."""
+    ``tokens_per_rank`` also with ``hold_memory`` (the run is held to its device: the
+    planner prices every plan's [R] memory, which reads no machine constant). Pure: no
+    measurement, no communication (``agreed_machine_constants`` is the caller's, once
+    for all layers)."""
     cost = None
     if needs_cost_model(config):
         if tokens_per_rank is None or machine is None:
@@ -162,6 +171,12 @@ def planner_settings(config, ep_size: int, tokens_per_rank: int | None = None,
                              "micro-batch and the machine constants")
         cost = CostModel(moe_shape(config, tokens_per_rank, microbatches_per_step, ep_size),
                          machine)
+    elif hold_memory:
+        if tokens_per_rank is None:
+            raise ValueError("a run held to its device (--device-memory-gb) prices each "
+                             "plan's memory: the planner needs the tokens per micro-batch")
+        cost = CostModel(moe_shape(config, tokens_per_rank, microbatches_per_step, ep_size),
+                         _MEMORY_ONLY)
     budget = config.moe_lrmoe_memory_budget_gb
     return PlannerSettings(
         policy=config.moe_lrmoe_placement,
@@ -241,11 +256,6 @@ def fitting_micro_batch_size(cost: CostModel, budget_bytes: float, tokens_per_se
 # -----------------------------------------------------------------------------
 # The memory account (planning/memory_account.py) and --moe-lrmoe-memory-budget-gb auto
 # -----------------------------------------------------------------------------
-
-# Memory needs read no machine constant; the account's cost model gets these.
-_MEMORY_ONLY = MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0,
-                                source="memory only")
-
 
 def device_memory_bytes(device_memory_gb: float | None) -> float | None:
     """The device's size: ``--device-memory-gb`` when given, else on CUDA the total memory
@@ -349,6 +359,24 @@ def resolve_memory_budget(account: MemoryAccount, config, args,
             f"give a larger {DEVICE_MEMORY_FLAG} (the device's real size), or shrink the "
             "run (micro-batch, layers per stage, recompute, distributed optimizer)")
     return budget / GIB
+
+
+# The budget an ``auto`` run's config is built with until the account resolves it
+# (``set_auto_budget``): any GiB its checks accept, since nothing the memory account reads
+# depends on the budget.
+AUTO_STAND_IN_GIB = 1.0
+# Where an auto budget came from, in the account line.
+AUTO_BUDGET_SOURCE = "auto: the device less the rest of the account"
+
+
+def set_auto_budget(config, account: MemoryAccount, args,
+                    microbatches_per_step: int = 1) -> None:
+    """``--moe-lrmoe-memory-budget-gb auto`` resolved on the run's one config (built with
+    ``AUTO_STAND_IN_GIB``): ``resolve_memory_budget`` into its field, then its checks run
+    again as for a given budget. Raises ValueError / ``LRMoEConfigError`` naming the flags."""
+    config.moe_lrmoe_memory_budget_gb = resolve_memory_budget(account, config, args,
+                                                              microbatches_per_step)
+    config.check_lrmoe()
 
 
 def allocator_check(account: MemoryAccount, max_allocated_bytes: float,

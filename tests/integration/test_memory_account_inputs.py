@@ -1,5 +1,5 @@
 """The memory account from a config and an entry point's args, and
-``--moe-lrmoe-memory-budget-gb auto`` (config/planner_inputs.py; docs/design.md,
+``--moe-lrmoe-memory-budget-gb auto`` (integration/planner_inputs.py; docs/design.md,
 "Memory budget")."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 
-from megatron_lrmoe.config.planner_inputs import (
+from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+from megatron_lrmoe.integration.planner_inputs import (
     GIB,
     allocator_check,
     device_memory_bytes,
@@ -18,7 +19,6 @@ from megatron_lrmoe.config.planner_inputs import (
     resolve_memory_budget,
     run_shape,
 )
-from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
 from megatron_lrmoe.options.lrmoe import (
     AUTO,
     LRMoEConfigError,

@@ -9,14 +9,14 @@ import re
 
 import pytest
 
-from megatron_lrmoe.config.planner_inputs import (
+from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+from megatron_lrmoe.integration.planner_inputs import (
     GIB,
     check_memory_budget,
     machine_constants,
     moe_shape,
     recomputed_moe_layers,
 )
-from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.plan_types import budget_floor
 
