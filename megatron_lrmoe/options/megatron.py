@@ -406,7 +406,7 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
     _as_is("recompute_method", "Megatron's TransformerBlock chooses the recomputed layers"),
     _as_is("recompute_num_layers", "Megatron's TransformerBlock chooses the recomputed layers"),
     _implemented("recompute_modules",
-                 "each module as RECOMPUTE_MODULES (lrmoe/options.py) says; any other refused "
+                 "each module as RECOMPUTE_MODULES (options/lrmoe.py) says; any other refused "
                  "by options.check_recompute"),
     _implemented("moe_layer_recompute",
                  "deprecated spelling of --recompute-modules moe, which LRMoELayer.forward "

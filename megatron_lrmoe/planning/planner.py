@@ -4,7 +4,7 @@ One ``LayerPlanner`` per MoE layer, identical on every EP rank: each rank feeds 
 same gathered counts and gets the same answer, so the ranks agree without
 communicating. Pure: counts, plain numbers and frozen values in; placements,
 instance assignments and retention plans out; no process group and no config object
-(``planner_config.py`` derives the settings from Megatron's config).
+(``integration/planner_inputs.py`` derives the settings from Megatron's config).
 """
 
 from __future__ import annotations

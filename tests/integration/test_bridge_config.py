@@ -375,6 +375,7 @@ def test_a_saved_step_state_is_a_copy_later_steps_leave_alone():
     import torch
 
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.integration.planner_inputs import planner_settings
     from megatron_lrmoe.layer.step_state import LayerStepState
 
     config = LRMoETransformerConfig(
@@ -382,6 +383,7 @@ def test_a_saved_step_state_is_a_copy_later_steps_leave_alone():
         moe_router_topk=2, moe_token_dispatcher_type="alltoall", add_bias_linear=False,
         moe_lrmoe=True, moe_lrmoe_placement="popularity")
     state = LayerStepState(config, ep_size=2)
+    state.setup_planner(planner_settings(config, 2), 1)
     counts = torch.tensor([[3.0, 1.0, 0.0, 2.0], [1.0, 4.0, 2.0, 0.0]])
     state.count_training_forward()
     state.finish_step((counts, 1), False, 1)

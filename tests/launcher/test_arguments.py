@@ -708,14 +708,19 @@ def test_megatron_lm_provider_takes_auto_and_the_device_size():
 
 
 def test_megatron_lm_resolves_auto_and_prints_the_account(fake_megatron_training, monkeypatch):
-    """Megatron-LM's path: ``lrmoe_config_from_args`` resolves auto in ``args`` before the
-    config is built from them, and prints the account once (print_rank_0)."""
+    """Megatron-LM's path: ``lrmoe_config_from_args`` builds one config and resolves auto
+    on it (``args`` keeps auto), and prints the account once (print_rank_0)."""
     from megatron.core import num_microbatches_calculator as calculator
 
     printed: list[str] = []
-    fake_megatron_training(lambda args, cls: cls(**dict(
-        LRMOE_CONFIG, hidden_size=64, num_attention_heads=2,
-        moe_lrmoe_memory_budget_gb=args.moe_lrmoe_memory_budget_gb)))
+    built: list[object] = []
+
+    def build(args, cls):
+        built.append(cls(**dict(LRMOE_CONFIG, hidden_size=64, num_attention_heads=2,
+                                moe_lrmoe_memory_budget_gb=args.moe_lrmoe_memory_budget_gb)))
+        return built[-1]
+
+    fake_megatron_training(build)
     utils = types.ModuleType("megatron.training.utils")
     utils.print_rank_0 = printed.append
     monkeypatch.setitem(sys.modules, "megatron.training.utils", utils)
@@ -729,14 +734,16 @@ def test_megatron_lm_resolves_auto_and_prints_the_account(fake_megatron_training
             data_parallel_size=1, expert_model_parallel_size=1, optimizer="adam",
             use_distributed_optimizer=False)
         config = megatron_lm.lrmoe_config_from_args(args)
-        assert isinstance(args.moe_lrmoe_memory_budget_gb, float)
-        assert config.moe_lrmoe_memory_budget_gb == args.moe_lrmoe_memory_budget_gb
+        assert built == [config] and args.moe_lrmoe_memory_budget_gb == "auto"
+        account = megatron_lm._memory_account(args, config)
+        assert config.moe_lrmoe_memory_budget_gb == pytest.approx(
+            (account.device - account.outside_moe) / 2**30, rel=1e-12)
         account = [line for line in printed if "memory account" in line]
         assert len(account) == 1 and "device 1.000" in account[0]
         assert "MoE budget" in account[0] and "(auto" in account[0]
         megatron_lm.lrmoe_config_from_args(args)           # printed once per process
         assert len([line for line in printed if "memory account" in line]) == 1
-        args.moe_lrmoe_memory_budget_gb, args.device_memory_gb = "auto", 1e-4
+        args.device_memory_gb = 1e-4
         monkeypatch.setattr(megatron_lm, "_ACCOUNT", {"account": None, "budget_bytes": None,
                                                       "steps": 0})
         with pytest.raises(ConfigError) as err:
