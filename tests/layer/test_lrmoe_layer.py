@@ -542,3 +542,30 @@ def _main_grad_accumulation():
 
 def test_gradient_accumulation_fusion_adds_into_main_grad(gloo1):
     assert gloo1.run(_main_grad_accumulation) == [True]
+
+
+def _forward_before_and_after_setup() -> dict:
+    """A layer built from its spec plans only with the settings integration hands it."""
+    from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
+    from megatron_lrmoe.planning.planner import PlannerSettings
+
+    megatron, lrmoe = _build(1, 0.5, aux=0.0)
+    lrmoe.lrmoe_state.planner = None              # as built, before setup_lrmoe_layers
+    x, _ = _inputs(6)
+    out = {}
+    try:
+        lrmoe(x)
+    except RuntimeError as error:
+        out["error"] = str(error)
+    setup_lrmoe_layers([lrmoe], None, 1)
+    settings = lrmoe.placement_planner.settings
+    out["settings"] = isinstance(settings, PlannerSettings)
+    out["gamma"] = settings.capacity_factor
+    out["forward"] = torch.allclose(lrmoe(x)[0], megatron(x)[0], rtol=RTOL, atol=ATOL)
+    return out
+
+
+def test_the_layer_plans_only_with_the_settings_it_is_handed(gloo1):
+    (out,) = gloo1.run(_forward_before_and_after_setup)
+    assert "setup_lrmoe_layers(model, tokens_per_rank, microbatches_per_step)" in out["error"]
+    assert out["settings"] and out["gamma"] == 0.5 and out["forward"]
