@@ -480,24 +480,32 @@ def test_config_inherits_the_option_fields():
         f.name: f.default for f in lrmoe[1:]}
 
 
-def test_megatron_lm_fill_sets_every_option():
-    """Megatron-LM's way of filling a config (every field of the class that the args
-    namespace has, by name) reaches each LRMoE field from its flag's dest."""
+def test_megatron_lm_fill_sets_every_option(monkeypatch):
+    """Megatron-LM's own parser and config builder (installed with megatron-core) fill
+    the inherited LRMoE fields from the flags ``add_lrmoe_args`` adds."""
+    import torch
+
+    argument_utils = pytest.importorskip("megatron.training.argument_utils")
+    arguments = pytest.importorskip("megatron.training.arguments")
     from megatron_lrmoe.config.flags import add_lrmoe_args
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
 
-    parser = add_lrmoe_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "0.5",
-                              "--moe-lrmoe-selection", "hybrid",
-                              "--moe-lrmoe-slots-per-rank", "3"])
-    for name, value in LRMOE_CONFIG.items():
-        setattr(args, name, value)
-    config = LRMoETransformerConfig(**{f.name: getattr(args, f.name)
-                                       for f in dataclasses.fields(LRMoETransformerConfig)
-                                       if hasattr(args, f.name)})
+    monkeypatch.setattr(sys, "argv", [
+        "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+        "--micro-batch-size", "1", "--num-experts", "4", "--moe-router-topk", "2",
+        "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear", "--swiglu",
+        "--no-rope-fusion", "--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "0.5",
+        "--moe-lrmoe-selection", "hybrid", "--moe-lrmoe-slots-per-rank", "3"])
+    args = arguments.parse_args(extra_args_provider=add_lrmoe_args)
+    args.params_dtype = torch.float32          # what Megatron-LM's validate_args sets
+    config = argument_utils.core_transformer_config_from_args(args, LRMoETransformerConfig)
+    assert type(config) is LRMoETransformerConfig
     assert (config.moe_lrmoe, config.moe_lrmoe_bwd_capacity_factor, config.moe_lrmoe_selection,
-            config.moe_lrmoe_slots_per_rank) == (True, 0.5, "hybrid", 3)
-    assert {o.field for o in OPTIONS} <= set(vars(args))
+            config.moe_lrmoe_slots_per_rank, config.num_moe_experts) == (True, 0.5, "hybrid",
+                                                                         3, 4)
+    assert {o.field: getattr(config, o.field) for o in OPTIONS} == {
+        o.field: getattr(args, o.field) for o in OPTIONS}
 
 
 def test_config_survives_copy_and_pickle():
