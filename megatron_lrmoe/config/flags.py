@@ -56,7 +56,7 @@ class EntryPointOptions:
 
 
 ENTRY_POINT_OPTIONS: tuple[Option, ...] = options_of(EntryPointOptions)
-# Sizes the memory account (config.planner_inputs.resolve_memory_budget).
+# Sizes the memory account (planner_inputs.resolve_memory_budget).
 DEVICE_MEMORY_FLAG = flag_of("device_memory_gb")
 
 
