@@ -3,13 +3,15 @@ checks, and the rules read from either entry point's parsed args.
 
 The lean launcher (``megatron_lrmoe.config.command_line``) and the Megatron-LM wrapper
 (``megatron_lrmoe.integration.megatron_lm``, as ``extra_args_provider``) add the same
-``--moe-lrmoe*`` flags, generated from the option table (``OPTIONS`` in
-``megatron_lrmoe/options/lrmoe.py``), and check them the same way.
+flags and check them the same way: the ``--moe-lrmoe*`` flags, made from the fields of
+``LRMoEOptions`` (``OPTIONS`` in ``megatron_lrmoe/options/lrmoe.py``), and the flags with
+no config field, made from the fields of ``EntryPointOptions`` (``ENTRY_POINT_OPTIONS``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import warnings
 from types import SimpleNamespace
@@ -18,19 +20,44 @@ from typing import Any
 from megatron_lrmoe.options.lrmoe import (
     OPTIONS,
     LRMoEConfigError,
+    Option,
     check_positive_number,
+    flag_field,
+    flag_of,
+    options_of,
     unused_options,
     validate_lrmoe,
 )
 from megatron_lrmoe.options.megatron import MEGATRON_OPTIONS
 
-__all__ = ["DEVICE_MEMORY_FLAG", "ConfigError", "UnusedLRMoEOptionWarning", "add_lrmoe_args",
-           "lrmoe_view", "moe_layer_freq", "tokens_per_rank", "validate_lrmoe_flags"]
+__all__ = ["DEVICE_MEMORY_FLAG", "ENTRY_POINT_OPTIONS", "ConfigError", "EntryPointOptions",
+           "UnusedLRMoEOptionWarning", "add_lrmoe_args", "lrmoe_view", "moe_layer_freq",
+           "tokens_per_rank", "validate_lrmoe_flags"]
 
 
-# Not an option of the table (no config field): the entry point reads it to size the
-# memory account (config.planner_inputs.resolve_memory_budget).
-DEVICE_MEMORY_FLAG = "--device-memory-gb"
+@dataclasses.dataclass
+class EntryPointOptions:
+    """The flags both entry points add that are no config field: the entry point reads
+    them itself. Defined like ``LRMoEOptions``' fields (``flag_field``), so the parser and
+    the Flags table of docs/design.md are made from them the same way."""
+
+    device_memory_gb: float | None = flag_field(
+        None, check=check_positive_number, shown="CUDA: the device's memory; CPU: none",
+        help="the device's memory in GiB (2**30 bytes) for the memory account and "
+             "--moe-lrmoe-memory-budget-gb auto (default on CUDA: the device's total "
+             "memory; on CPU, required with auto; e.g. 40 for an A100-40). Given, it holds "
+             "the run to that size (the lean launcher, with Megatron's MoE layer or "
+             "--moe-lrmoe): after every step each rank's predicted peak (the memory account "
+             "outside the MoE layers plus the step's MoE memory from its routing; on CUDA "
+             "also torch.cuda.max_memory_allocated) must fit, else the run stops with an "
+             "out-of-memory error naming the step, the rank, the need and the device size")
+    """Device size in GiB: the memory account, ``auto``, and the out-of-memory hold of
+    every step (lean launcher; not a config field)."""
+
+
+ENTRY_POINT_OPTIONS: tuple[Option, ...] = options_of(EntryPointOptions)
+# Sizes the memory account (planner_inputs.resolve_memory_budget).
+DEVICE_MEMORY_FLAG = flag_of("device_memory_gb")
 
 
 class ConfigError(ValueError):
@@ -60,32 +87,21 @@ def moe_layer_freq(value: Any) -> int | list[int]:
 
 
 def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--moe-lrmoe*`` flags to ``parser``, generated from the option table
-    (``OPTIONS`` in megatron_lrmoe/options/lrmoe.py; docs/design.md, "Flags").
+    """Add the ``--moe-lrmoe*`` flags and ``--device-memory-gb`` to ``parser``, made from
+    ``OPTIONS`` and ``ENTRY_POINT_OPTIONS`` (docs/design.md, "Flags").
 
     Shared by this launcher and the Megatron-LM wrapper (as its
     ``extra_args_provider``): each flag fills the same-named field of
     ``LRMoETransformerConfig``. Values are checked by ``validate_lrmoe_flags``.
     """
     g = parser.add_argument_group("LRMoE (megatron_lrmoe)")
-    for o in OPTIONS:
+    for o in OPTIONS + ENTRY_POINT_OPTIONS:
         if o.type is bool:
             g.add_argument(o.flag, action="store_true", default=o.default, help=o.help)
             continue
         shown = "" if o.default is None else " (default: %(default)s)"
         g.add_argument(o.flag, type=o.arg_type, default=o.default, choices=o.choices,
                        help=o.help + shown)
-    g.add_argument(DEVICE_MEMORY_FLAG, type=float, default=None,
-                   help="the device's memory in GiB (2**30 bytes) for the memory account and "
-                        "--moe-lrmoe-memory-budget-gb auto (default on CUDA: the device's "
-                        "total memory; on CPU, required with auto; e.g. 40 for an A100-40). "
-                        "Given, it holds the run to that size (the lean launcher, with "
-                        "Megatron's MoE layer or --moe-lrmoe): after every step each rank's "
-                        "predicted peak (the memory account outside the MoE layers plus the "
-                        "step's MoE memory from its routing; on CUDA also "
-                        "torch.cuda.max_memory_allocated) must fit, else the run stops with "
-                        "an out-of-memory error naming the step, the rank, the need and the "
-                        "device size")
     return parser
 
 
@@ -107,11 +123,10 @@ def validate_lrmoe_flags(view: Any) -> None:
         validate_lrmoe(view)
     except LRMoEConfigError as exc:
         raise ConfigError(str(exc)) from exc
-    device = getattr(view, "device_memory_gb", None)
-    if device is not None:
-        problem = check_positive_number(device)
+    for o in ENTRY_POINT_OPTIONS:
+        problem = o.problem(getattr(view, o.field, o.default))
         if problem is not None:
-            raise ConfigError(f"{DEVICE_MEMORY_FLAG}: {problem}")
+            raise ConfigError(f"{o.flag}: {problem}")
     unused = unused_options(view)
     if unused and os.environ.get("RANK", "0") == "0":
         warnings.warn(f"{', '.join(o.flag for o in unused)} given without --moe-lrmoe: no "
@@ -133,8 +148,7 @@ def lrmoe_view(args: argparse.Namespace) -> SimpleNamespace:
     validate_args, the launcher's ``fill_derived_args``).
     """
     names = ([row.name for row in MEGATRON_OPTIONS] + [o.field for o in OPTIONS]
-             + ["add_bias_linear"])
-    names.append("device_memory_gb")
+             + ["add_bias_linear"] + [o.field for o in ENTRY_POINT_OPTIONS])
     view = {name: getattr(args, name) for name in names if hasattr(args, name)}
     view["num_moe_experts"] = getattr(args, "num_experts", None)
     if hasattr(args, "disable_bias_linear"):

@@ -1,14 +1,18 @@
-"""The LRMoE options, defined once: field, type, default, choices, check, help.
+"""The LRMoE options, defined once: the dataclass ``LRMoEOptions``.
 
-``OPTIONS`` is the one definition of every ``--moe-lrmoe*`` option: config field,
-type, default, choices, check and help text. From it come
+``LRMoEOptions`` has one field per ``--moe-lrmoe*`` option: its name is the config field,
+its annotation the type, its default the default, its attribute docstring what the option
+means (the "meaning" of docs/design.md, "Flags"), and its metadata what the flag needs
+(help text, check or choices, argparse parse function, the default as the table shows it;
+``flag_field``). From it come
 
-* the ``moe_lrmoe*`` fields of ``LRMoETransformerConfig``, Megatron's TransformerConfig
-  plus one field per option, written out in ``config.py`` with the type and default
-  given here (a test holds the two equal; same-named fields are how Megatron-LM's
-  ``core_transformer_config_from_args`` fills a config class);
-* the ``--moe-lrmoe*`` flags of both entry points (``flags.add_lrmoe_args``:
-  the lean launcher's parser and Megatron-LM's argument provider);
+* the ``moe_lrmoe*`` fields of ``LRMoETransformerConfig`` (config/transformer_config.py),
+  which inherits them: Megatron's TransformerConfig fields, then these (same-named fields
+  are how Megatron-LM's ``core_transformer_config_from_args`` fills a config class);
+* ``OPTIONS``, one ``Option`` per field (``options_of``: the field seen as its flag),
+  from which come the ``--moe-lrmoe*`` flags of both entry points (``flags.add_lrmoe_args``:
+  the lean launcher's parser and Megatron-LM's argument provider) and the Flags table of
+  docs/design.md (``python -m megatron_lrmoe.config.flags_table``);
 * every check of an option's value (``Option.problem``), run by ``validate_lrmoe``
   on the config when it is built and on the parsed flags of either entry point.
 
@@ -19,32 +23,35 @@ checked in one function, ``check_combination``; what it accepts and refuses of
 Megatron's own options is the table ``MEGATRON_OPTIONS`` (options/megatron.py).
 
 This module imports neither torch nor Megatron: the launchers build their parsers and
-the flag tools read configs from the table alone (``python -m megatron_lrmoe.integration.megatron_lm
+the flag tools read configs from it alone (``python -m megatron_lrmoe.integration.megatron_lm
 flags`` runs before torchrun, where megatron.core may only be reachable through the
-checkout). ``config.py``, which imports Megatron, holds the config class.
+checkout). ``config/transformer_config.py``, which imports Megatron, holds the config class.
 
-Defaults are those of docs/design.md, "Flags"; the backward capacity (1.0) and the
-selection (uniform) were chosen by the time-to-loss studies (docs/benchmarks.md,
-"Decision" and "Defaults at the GEMM-bound shape"). Defaults change only by measurement.
+The annotations are evaluated (no ``from __future__ import annotations``): the fields'
+types are the objects (``int | None``), as the config class and Bridge's providers,
+which inherit them, report them.
+
+The backward capacity (1.0) and the selection (uniform) defaults were chosen by the
+time-to-loss studies (docs/benchmarks.md, "Decision" and "Defaults at the GEMM-bound
+shape"). Defaults change only by measurement.
 """
 
-from __future__ import annotations
-
+import dataclasses
 import math
 import numbers
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 from megatron_lrmoe.options.megatron import MEGATRON_OPTIONS
 
 __all__ = [
-    "AUTO", "OPTIONS", "RECOMPUTE_MODULES", "LRMoEConfigError", "Option",
+    "AUTO", "OPTIONS", "RECOMPUTE_MODULES", "LRMoEConfigError", "LRMoEOptions", "Option",
     "check_capacity_factor", "check_combination", "check_fraction", "check_load_smoothing",
     "check_memory_budget_gb", "check_options", "check_positive_int", "check_positive_number",
-    "check_recompute", "flag_of", "memory_budget_gb", "option", "unused_options",
-    "validate_lrmoe",
+    "check_recompute", "flag_field", "flag_of", "memory_budget_gb", "option", "options_of",
+    "unused_options", "validate_lrmoe",
 ]
 
 
@@ -112,7 +119,7 @@ AUTO = "auto"
 def memory_budget_gb(text: str) -> float | str:
     """``--moe-lrmoe-memory-budget-gb``'s argparse type: GiB, or ``auto`` (the device's
     size less the rest of the memory account; resolved by the entry point before the
-    config is built, ``config.planner_inputs.resolve_memory_budget``)."""
+    config is built, ``integration.planner_inputs.resolve_memory_budget``)."""
     text = str(text).strip()
     return AUTO if text.lower() == AUTO else float(text)
 
@@ -133,7 +140,7 @@ def check_calibration_file(value: Any) -> str | None:
 
 
 # -----------------------------------------------------------------------------
-# The table
+# The options
 # -----------------------------------------------------------------------------
 
 # Config fields whose Megatron-LM flag is not the field name with dashes: the MoE switch,
@@ -161,7 +168,9 @@ class LRMoEConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Option:
-    """One LRMoE option: a config field and its ``--moe-lrmoe*`` flag.
+    """A field of an options dataclass (``LRMoEOptions``, or an entry point's own flags)
+    seen as its command-line flag: ``type`` is the annotation without None, the rest the
+    field's default and ``flag_field`` metadata.
 
     ``default`` None means "not set" (and None is then a valid value); ``choices``
     replaces ``check`` for the string options.
@@ -174,6 +183,20 @@ class Option:
     choices: tuple[str, ...] | None = None
     check: Callable[[Any], str | None] | None = None
     parse: Callable[[str], Any] | None = None
+    shown: str | None = None
+
+    @classmethod
+    def of(cls, f: dataclasses.Field, annotation: Any) -> "Option":
+        """The option of dataclass field ``f`` (made with ``flag_field``), whose annotation
+        is ``annotation`` (evaluated)."""
+        members = get_args(annotation)
+        if (f.default is None) != (type(None) in members):
+            raise TypeError(f"{f.name}: a default of None goes with an annotation 'X | None', "
+                            f"and only it; got {annotation} = {f.default!r}")
+        kind = next(m for m in members if m is not type(None)) if members else annotation
+        meta: Mapping[str, Any] = f.metadata
+        return cls(f.name, kind, f.default, meta["help"], meta.get("choices"),
+                   meta.get("check"), meta.get("parse"), meta.get("shown"))
 
     @property
     def arg_type(self) -> Callable[[str], Any]:
@@ -200,49 +223,114 @@ class Option:
         return self.check(value)
 
 
-OPTIONS: tuple[Option, ...] = (
-    Option("moe_lrmoe", bool, False, check=check_switch,
-           help="use the LRMoE MoE layer: exact forward, metric-driven backward drop with "
-                "compaction (off: Megatron's own classes, untouched)"),
-    Option("moe_lrmoe_bwd_capacity_factor", float, 1.0, check=check_capacity_factor,
-           help="backward capacity gamma, > 0: each EP rank keeps at most ceil(gamma x mean "
-                "routed pairs per rank) pairs in backward; inf drops nothing"),
-    Option("moe_lrmoe_min_retention", float, 0.0, check=check_fraction,
-           help="share of every expert's pairs always kept in backward (protects hot experts), "
-                "in [0, 1]"),
-    Option("moe_lrmoe_metric", str, "grad_act", choices=("grad_act", "grad", "prob", "random"),
-           help="per-pair contribution metric: grad_act (||g|| x ||h||), grad (||g||), prob, "
-                "random"),
-    Option("moe_lrmoe_selection", str, "uniform", choices=("topk", "sample", "uniform", "hybrid"),
-           help="how each (source, expert) cell keeps its quota: topk, sample (1/pi-scaled), "
-                "uniform (a uniform subset, n/q-scaled), hybrid (a share by top metric, the "
-                "rest uniform and scaled to stay unbiased)"),
-    Option("moe_lrmoe_hybrid_fraction", float, 0.5, check=check_fraction,
-           help="share of each cell's quota that hybrid keeps by top metric (floor of f x q), "
-                "in [0, 1]; 0 is uniform, 1 is topk"),
-    Option("moe_lrmoe_kernels", str, "auto", choices=("auto", "cpu", "cuda", "torch"),
-           help="compaction kernel backend"),
-    Option("moe_lrmoe_log_interval", int, None, check=check_positive_int,
-           help="steps between LRMoE statistics in the logs (default: --log-interval)"),
-    Option("moe_lrmoe_placement", str, "static", choices=("static", "popularity", "memory-aware"),
-           help="expert replicas: static (none, Megatron's layout), popularity (SYMI-style "
-                "slots), memory-aware (replicas where the memory budget leaves room, chosen "
-                "with the quotas; needs --moe-lrmoe-memory-budget-gb)"),
-    Option("moe_lrmoe_slots_per_rank", int, None, check=check_positive_int,
-           help="instance slots per EP rank for popularity (default: experts per rank, or what "
-                "the memory budget converts to; with a budget, the smaller of the two)"),
-    Option("moe_lrmoe_memory_budget_gb", float, None, check=check_memory_budget_gb,
-           parse=memory_budget_gb,
-           help="per-rank budget in GiB (2**30 bytes) for what the MoE layers hold at peak: "
-                "replicas of every layer plus the execution buffers of every micro-batch in "
-                "flight (docs/design.md, \"Memory budget\"); auto: the device's memory "
-                "(--device-memory-gb) less the rest of the run's memory account"),
-    Option("moe_lrmoe_load_smoothing", float, 0.5, check=check_load_smoothing,
-           help="EMA weight of the previous smoothed expert loads when planning the next "
-                "step's placement, in [0, 1)"),
-    Option("moe_lrmoe_calibration", str, None, check=check_calibration_file,
-           help="JSON of measured machine constants (python -m megatron_lrmoe.tools.calibrate)"),
-)
+def flag_field(default: Any, *, help: str, check: Callable[[Any], str | None] | None = None,
+               choices: tuple[str, ...] | None = None,
+               parse: Callable[[str], Any] | None = None, shown: str | None = None) -> Any:
+    """A field of an options dataclass, with what its flag needs as metadata: ``help``
+    (argparse's help text), ``check`` (None when a value is fine, else the problem) or
+    ``choices``, ``parse`` (argparse's type, when not the annotation's), ``shown`` (the
+    default as the Flags table writes it, when not the value's own spelling)."""
+    if (check is None) == (choices is None):
+        raise TypeError("a flag field has a check or choices, one of the two")
+    meta = {"help": help, "check": check, "choices": choices, "parse": parse, "shown": shown}
+    return dataclasses.field(default=default,
+                             metadata={k: v for k, v in meta.items() if v is not None})
+
+
+def options_of(cls: type) -> tuple[Option, ...]:
+    """The options of dataclass ``cls``'s fields, in their order (annotations evaluated,
+    postponed or not)."""
+    hints = get_type_hints(cls)
+    return tuple(Option.of(f, hints[f.name]) for f in dataclasses.fields(cls))
+
+
+@dataclass
+class LRMoEOptions:
+    """The LRMoE options: one field per ``--moe-lrmoe*`` flag. ``LRMoETransformerConfig``
+    inherits them; each field's docstring is its meaning in docs/design.md, "Flags"."""
+
+    moe_lrmoe: bool = flag_field(
+        False, check=check_switch,
+        help="use the LRMoE MoE layer: exact forward, metric-driven backward drop with "
+             "compaction (off: Megatron's own classes, untouched)")
+    """Use the LRMoE layer (needs the all-to-all dispatcher and ``--disable-bias-linear``)."""
+
+    moe_lrmoe_bwd_capacity_factor: float = flag_field(
+        1.0, check=check_capacity_factor,
+        help="backward capacity gamma, > 0: each EP rank keeps at most ceil(gamma x mean "
+             "routed pairs per rank) pairs in backward; inf drops nothing")
+    """Backward capacity gamma, > 0; ``inf`` drops nothing."""
+
+    moe_lrmoe_min_retention: float = flag_field(
+        0.0, check=check_fraction,
+        help="share of every expert's pairs always kept in backward (protects hot experts), "
+             "in [0, 1]")
+    """m in [0, 1]: the share of every expert's pairs always kept in backward."""
+
+    moe_lrmoe_metric: str = flag_field(
+        "grad_act", choices=("grad_act", "grad", "prob", "random"),
+        help="per-pair contribution metric: grad_act (||g|| x ||h||), grad (||g||), prob, "
+             "random")
+    """Per-pair contribution metric."""
+
+    moe_lrmoe_selection: str = flag_field(
+        "uniform", choices=("topk", "sample", "uniform", "hybrid"),
+        help="how each (source, expert) cell keeps its quota: topk, sample (1/pi-scaled), "
+             "uniform (a uniform subset, n/q-scaled), hybrid (a share by top metric, the "
+             "rest uniform and scaled to stay unbiased)")
+    """How each (source, expert) cell keeps its quota."""
+
+    moe_lrmoe_hybrid_fraction: float = flag_field(
+        0.5, check=check_fraction,
+        help="share of each cell's quota that hybrid keeps by top metric (floor of f x q), "
+             "in [0, 1]; 0 is uniform, 1 is topk")
+    """f in [0, 1]: the share of each cell's quota ``hybrid`` keeps by top metric."""
+
+    moe_lrmoe_kernels: str = flag_field(
+        "auto", choices=("auto", "cpu", "cuda", "torch"), help="compaction kernel backend")
+    """Compaction kernel backend."""
+
+    moe_lrmoe_log_interval: int | None = flag_field(
+        None, check=check_positive_int, shown="`--log-interval`",
+        help="steps between LRMoE statistics in the logs (default: --log-interval)")
+    """Iterations between LRMoE statistics in the logs."""
+
+    moe_lrmoe_placement: str = flag_field(
+        "static", choices=("static", "popularity", "memory-aware"),
+        help="expert replicas: static (none, Megatron's layout), popularity (SYMI-style "
+             "slots), memory-aware (replicas where the memory budget leaves room, chosen "
+             "with the quotas; needs --moe-lrmoe-memory-budget-gb)")
+    """Expert replicas: none, by popularity, or where the memory budget leaves room."""
+
+    moe_lrmoe_slots_per_rank: int | None = flag_field(
+        None, check=check_positive_int, shown="E_loc",
+        help="instance slots per EP rank for popularity (default: experts per rank, or what "
+             "the memory budget converts to; with a budget, the smaller of the two)")
+    """Instance slots per EP rank for ``popularity`` (with a budget, at most what the
+    budget converts to)."""
+
+    moe_lrmoe_memory_budget_gb: float | None = flag_field(
+        None, check=check_memory_budget_gb, parse=memory_budget_gb,
+        help="per-rank budget in GiB (2**30 bytes) for what the MoE layers hold at peak: "
+             "replicas of every layer plus the execution buffers of every micro-batch in "
+             "flight (docs/design.md, \"Memory budget\"); auto: the device's memory "
+             "(--device-memory-gb) less the rest of the run's memory account")
+    """Per-rank GiB, or ``auto`` (the device less the rest of the memory account);
+    required by ``memory-aware``."""
+
+    moe_lrmoe_load_smoothing: float = flag_field(
+        0.5, check=check_load_smoothing,
+        help="EMA weight of the previous smoothed expert loads when planning the next "
+             "step's placement, in [0, 1)")
+    """a in [0, 1): EMA weight of the old loads."""
+
+    moe_lrmoe_calibration: str | None = flag_field(
+        None, check=check_calibration_file,
+        help="JSON of measured machine constants (python -m megatron_lrmoe.tools.calibrate)")
+    """Machine-constants JSON from ``python -m megatron_lrmoe.tools.calibrate``."""
+
+
+OPTIONS: tuple[Option, ...] = options_of(LRMoEOptions)
 
 _BY_FIELD = {o.field: o for o in OPTIONS}
 

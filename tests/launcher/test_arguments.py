@@ -427,32 +427,85 @@ def test_generated_flags_equal_the_table(entry):
     assert device.type is float and "GiB" in device.help
 
 
-def test_config_fields_equal_the_table():
-    """The config's moe_lrmoe* fields are written out in config/transformer_config.py: one per
-    option, in the table's order, with its annotation and default, so the two cannot drift."""
+@pytest.mark.parametrize("entry", ["launcher", "megatron-lm"])
+def test_generated_flags_equal_the_fields(entry):
+    """Each field of LRMoEOptions and EntryPointOptions is one flag of either entry point:
+    the field name with dashes, its dest the field, its default and choices the field's,
+    its help the field's help metadata; and no other --moe-lrmoe* flag exists."""
+    from megatron_lrmoe.config.flags import EntryPointOptions
+    from megatron_lrmoe.options.lrmoe import LRMoEOptions
+
+    parser = (build_parser() if entry == "launcher" else
+              megatron_lm.lrmoe_args_provider()(argparse.ArgumentParser()))
+    by_flag = {s: a for a in parser._actions for s in a.option_strings}
+    lrmoe = dataclasses.fields(LRMoEOptions)
+    assert list(_lrmoe_actions(parser)) == ["--" + f.name.replace("_", "-") for f in lrmoe]
+    for f in lrmoe + dataclasses.fields(EntryPointOptions):
+        action = by_flag["--" + f.name.replace("_", "-")]
+        assert action.dest == f.name and action.default == f.default, f.name
+        assert action.help.startswith(f.metadata["help"]), f.name
+        assert action.choices == f.metadata.get("choices"), f.name
+
+
+def test_config_inherits_the_option_fields():
+    """The config's fields are Megatron's TransformerConfig fields, in Megatron's order and
+    as Megatron defines them, then LRMoEOptions' fields, inherited as defined there (the
+    config defines none of them again): Megatron-LM fills a config class from the
+    same-named args through dataclasses.fields()."""
     from megatron.core.transformer import TransformerConfig
 
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.options.lrmoe import LRMoEOptions
 
-    assert issubclass(LRMoETransformerConfig, TransformerConfig)
-    assert dataclasses.is_dataclass(LRMoETransformerConfig)
-    fields = [f for f in dataclasses.fields(LRMoETransformerConfig)
-              if f.name.startswith("moe_lrmoe")]
+    megatron = dataclasses.fields(TransformerConfig)
+    lrmoe = dataclasses.fields(LRMoEOptions)
+    fields = dataclasses.fields(LRMoETransformerConfig)
+    assert [f.name for f in fields] == [f.name for f in megatron] + [f.name for f in lrmoe]
     # Only the LRMoE fields are named so: none of Megatron's is (a later Megatron adding
     # one would be shadowed silently).
-    assert not [f.name for f in dataclasses.fields(TransformerConfig)
-                if f.name.startswith("moe_lrmoe")]
-    assert [f.name for f in fields] == [o.field for o in OPTIONS]
-    for f, o in zip(fields, OPTIONS, strict=True):
-        # The type itself, not a string: the module must not postpone annotations.
-        assert f.type == o.annotation, f.name
-        assert f.default == o.default and type(f.default) is type(o.default), f.name
+    assert [f.name for f in fields if f.name.startswith("moe_lrmoe")] == [f.name for f in lrmoe]
+    for f, theirs in zip(fields, megatron, strict=False):
+        assert f.type is theirs.type and f.default is theirs.default, f.name
+    for f, own in zip(fields[len(megatron):], lrmoe, strict=True):
+        # The type itself, not a string: the options module must not postpone annotations.
+        assert not isinstance(f.type, str) and f.type is own.type, f.name
+        assert f.default == own.default and type(f.default) is type(own.default), f.name
         assert f.default_factory is dataclasses.MISSING and f.init, f.name
-        assert f.metadata["option"] is o and f.metadata["help"] == o.help, f.name
+        assert f.metadata == own.metadata and f.metadata["help"], f.name
+    assert [(o.field, o.annotation, o.default) for o in OPTIONS] == [
+        (f.name, f.type, f.default) for f in lrmoe]
     built = LRMoETransformerConfig(**LRMOE_CONFIG)
     assert built.moe_lrmoe_bwd_capacity_factor == 1.0
-    assert {o.field: getattr(built, o.field) for o in OPTIONS[1:]} == {
-        o.field: o.default for o in OPTIONS[1:]}
+    assert {f.name: getattr(built, f.name) for f in lrmoe[1:]} == {
+        f.name: f.default for f in lrmoe[1:]}
+
+
+def test_megatron_lm_fill_sets_every_option(monkeypatch):
+    """Megatron-LM's own parser and config builder (installed with megatron-core) fill
+    the inherited LRMoE fields from the flags ``add_lrmoe_args`` adds."""
+    import torch
+
+    argument_utils = pytest.importorskip("megatron.training.argument_utils")
+    arguments = pytest.importorskip("megatron.training.arguments")
+    from megatron_lrmoe.config.flags import add_lrmoe_args
+    from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+
+    monkeypatch.setattr(sys, "argv", [
+        "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+        "--micro-batch-size", "1", "--num-experts", "4", "--moe-router-topk", "2",
+        "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear", "--swiglu",
+        "--no-rope-fusion", "--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "0.5",
+        "--moe-lrmoe-selection", "hybrid", "--moe-lrmoe-slots-per-rank", "3"])
+    args = arguments.parse_args(extra_args_provider=add_lrmoe_args)
+    args.params_dtype = torch.float32          # what Megatron-LM's validate_args sets
+    config = argument_utils.core_transformer_config_from_args(args, LRMoETransformerConfig)
+    assert type(config) is LRMoETransformerConfig
+    assert (config.moe_lrmoe, config.moe_lrmoe_bwd_capacity_factor, config.moe_lrmoe_selection,
+            config.moe_lrmoe_slots_per_rank, config.num_moe_experts) == (True, 0.5, "hybrid",
+                                                                         3, 4)
+    assert {o.field: getattr(config, o.field) for o in OPTIONS} == {
+        o.field: getattr(args, o.field) for o in OPTIONS}
 
 
 def test_config_survives_copy_and_pickle():
