@@ -1,7 +1,7 @@
 """The routing regime of the EP 8 / EP 16 study model: tokens per call, hot-rank load.
 
-    .venv/bin/python benchmarks/studies/ep_regime.py record --ep 16    # ~2 min
-    .venv/bin/python benchmarks/studies/ep_regime.py record --ep 8     # ~2 min
+    .venv/bin/python benchmarks/studies/ep_regime.py record --ep 16    # ~4 min (shared 2 cores)
+    .venv/bin/python benchmarks/studies/ep_regime.py record --ep 8     # ~2.5 min
     .venv/bin/python benchmarks/studies/ep_regime.py table             # seconds
 
 (``benchmarks/studies/ep_regime.py`` is this module's command line.)
