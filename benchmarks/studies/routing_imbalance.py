@@ -47,6 +47,7 @@ from megatron_lrmoe.data.routing_traces import (
     read_routing_trace,
     regroup_sources,
     repack,
+    uniform_load_max_over_mean,
 )
 from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools.figures import save_png
@@ -154,10 +155,8 @@ def uniform_reference(trace: RoutingTrace, ranks: int, calls: int, seed: int = 0
     """max/mean of ``calls`` calls of a uniform top-k router with the trace's token counts."""
     model, parallel = trace.header["model"], trace.header["parallel"]
     experts, topk = model["num_experts"], model["topk"]
-    tokens = ranks * parallel["tokens_per_source"]
-    rng = np.random.default_rng(seed)
-    counts = rng.binomial(tokens, topk / experts, size=(calls, 1, experts))
-    return load_max_over_mean(counts, ranks)
+    return uniform_load_max_over_mean(ranks * parallel["tokens_per_source"], experts, topk,
+                                      ranks, calls, seed)
 
 
 def concentration(trace: RoutingTrace, first_step: int) -> dict[int, tuple[float, int]]:

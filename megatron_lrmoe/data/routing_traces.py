@@ -49,6 +49,7 @@ __all__ = [
     "read_routing_trace",
     "regroup_sources",
     "repack",
+    "uniform_load_max_over_mean",
     "write_chunk",
     "write_header",
 ]
@@ -250,3 +251,13 @@ def regroup_sources(layer_counts: np.ndarray, ranks: int) -> np.ndarray:
     rows = layer_counts.reshape(-1, experts)
     usable = (rows.shape[0] // ranks) * ranks
     return rows[:usable].reshape(-1, ranks, experts)
+
+
+def uniform_load_max_over_mean(tokens: int, experts: int, topk: int, ranks: int, calls: int,
+                               seed: int = 0) -> np.ndarray:
+    """max / mean of the rank loads of ``calls`` calls of a uniform top-k router that routes
+    ``tokens`` tokens: per-expert counts Binomial(tokens, k/E), independent across experts
+    (the exact marginal of a uniform top-k choice), placed contiguously -> [calls]."""
+    rng = np.random.default_rng(seed)
+    counts = rng.binomial(tokens, topk / experts, size=(calls, 1, experts))
+    return load_max_over_mean(counts, ranks)

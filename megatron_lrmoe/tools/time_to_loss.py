@@ -11,7 +11,10 @@ through ``benchmarks/studies/time_to_loss.py``; the policies and the study's mod
 Every policy trains the same model (configs/time_to_loss.yaml) on the demo corpus
 (the CPython stdlib, prepared by the project's own tool) with the same seed and so
 the same data order, EP=2 on 2 ranks with one thread each (torchrun, gloo), for
-1.5 x ``--steps`` steps. The dropless run of each seed defines that seed's targets:
+1.5 x ``--steps`` steps. Another model config and expert-parallel size: ``--config``
+(e.g. configs/ep_study.yaml, Qwen3-30B-A3B's routing at small widths) and ``--ep N``
+(N ranks, one per expert-parallel rank; default: the config's
+``expert-model-parallel-size``). The dropless run of each seed defines that seed's targets:
 its smoothed training loss at 50%, 75% and 100% of ``--steps``. For every run the
 report gives the steps and the cumulative measured MoE-layer time (forward +
 backward, the sum of the launcher's per-step ``moe-forward-s`` and ``moe-backward-s``:
@@ -76,6 +79,7 @@ from megatron_lrmoe.tools.time_to_loss_policies import (
     flag_or_config,
     policies,
     study_budget_gb,
+    world_size,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,7 +119,10 @@ STAGES = {
 
 
 def run_command(run_dir: Path, flags: list[str], port: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    """The torchrun of one run: as many ranks as its flags' parallel layout has
+    (``world_size``: the expert-parallel size in the study)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+            str(world_size(flags)),
             "--master-port", str(port), "-m", "megatron_lrmoe.launcher.pretrain", *flags,
             "--log-json", str(run_dir / "log.jsonl")]
 
@@ -644,7 +651,8 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
         f"Command: `{command}`",
         "",
         f"Runs finished: {len(logs)}; machine time of the finished runs {machine / 60:.1f} min "
-        f"(2 ranks x 1 thread on {os.cpu_count()} cores, gloo). Each run: "
+        f"({world_size(base_flags)} ranks x 1 thread on {os.cpu_count()} cores, gloo). "
+        "Each run: "
         f"{round(1.5 * stage.steps)} steps; targets = the dropless run's trailing-mean "
         f"training loss (window {window}) at 50/75/100% of {stage.steps} steps, per seed: "
         + ", ".join(f"seed {s}: " + "/".join(f"{v:.4f}" for v in t.values())
@@ -714,11 +722,12 @@ def study_parameters(base_flags: list[str]) -> str:
     def value(name: str):
         return flag_or_config(base_flags, name)
 
-    micro = int(value("global-batch-size")) // (int(value("micro-batch-size")) * 2)
+    ranks = world_size(base_flags)
+    micro = int(value("global-batch-size")) // (int(value("micro-batch-size")) * ranks)
     return (f"hidden {value('hidden-size')}, expert FFN {value('moe-ffn-hidden-size')}, "
             f"{value('num-experts')} experts top-{value('moe-router-topk')}, "
             f"{value('num-layers')} layers, sequence {value('seq-length')}, micro-batch "
-            f"{value('micro-batch-size')}, {micro} micro-batch(es) per step on 2 ranks")
+            f"{value('micro-batch-size')}, {micro} micro-batch(es) per step on {ranks} ranks")
 
 
 def on_device(flags: list[str]) -> list[str]:
@@ -805,7 +814,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model shape (study parameter): expert FFN size (default: the config's)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches per optimizer step (study parameter): the global batch "
-                        "becomes micro-batch size x 2 ranks x this (default: the config's)")
+                        "becomes micro-batch size x ranks x this (default: the config's)")
+    p.add_argument("--config", default=STUDY_CONFIG,
+                   help="the study's model config (flat Megatron-LM flag names, relative to "
+                        "the repository root; e.g. configs/ep_study.yaml)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel size, one rank each (default: the config's "
+                        "expert-model-parallel-size)")
     p.add_argument("--no-record-routing", action="store_true",
                    help="do not record each run's routing (runs/<run>/routing, which the "
                         "simulator's validation replays)")
@@ -844,10 +859,14 @@ def study_setup(args: argparse.Namespace) -> tuple[Stage, list[str]]:
         study_shape += ["--hidden-size", str(args.hidden_size)]
     if args.moe_ffn_hidden_size:
         study_shape += ["--moe-ffn-hidden-size", str(args.moe_ffn_hidden_size)]
+    if args.ep:
+        study_shape += ["--expert-model-parallel-size", str(args.ep)]
     if args.microbatches:
-        micro_batch = int(flag_or_config(list(stage.shape), "micro-batch-size"))
-        study_shape += ["--global-batch-size", str(micro_batch * 2 * args.microbatches)]
-    return stage, ["--config", STUDY_CONFIG, *stage.shape, *study_shape,
+        shape = ["--config", args.config, *stage.shape, *study_shape]
+        micro_batch = int(flag_or_config(shape, "micro-batch-size"))
+        study_shape += ["--global-batch-size",
+                        str(micro_batch * world_size(shape) * args.microbatches)]
+    return stage, ["--config", args.config, *stage.shape, *study_shape,
                    "--data-path", args.data_path, "--data-cache-path", args.data_cache_path,
                    "--train-iters", str(total), "--eval-interval", str(eval_interval),
                    "--log-interval", str(max(1, stage.steps // 10)), "--no-progress-bar"]
@@ -856,14 +875,17 @@ def study_setup(args: argparse.Namespace) -> tuple[Stage, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stage, base = study_setup(args)
-    out_dir = args.out_dir or ROOT / "benchmarks" / "results" / "time_to_loss" / args.stage
+    out_dir = args.out_dir or ROOT / "benchmarks" / "results" / "time_to_loss" / (
+        args.stage if args.config == STUDY_CONFIG and not args.ep
+        else f"{Path(args.config).stem}_ep{world_size(base)}/{args.stage}")
     total = round(1.5 * stage.steps)
     if args.rounds < 1 or total % args.rounds:
         raise SystemExit(f"--rounds {args.rounds}: a run's {total} steps must split into that "
                          "many equal rounds; choose one of "
                          + ", ".join(str(k) for k in range(1, total + 1) if total % k == 0))
     device = None
-    os.environ.setdefault("WORLD_SIZE", "2")    # flags are validated as the 2-rank runs'
+    # Flags are validated as the runs' (one rank per expert-parallel rank).
+    os.environ["WORLD_SIZE"] = str(world_size(base))
     if args.device_gib is not None:
         if args.unconstrained_dir is None:
             raise SystemExit("--device-gib needs --unconstrained-dir (the unconstrained study "

@@ -55,7 +55,8 @@ def study_budget_gb(base_flags: list[str], extra_instances: float) -> float:
     from megatron_lrmoe.launcher.run_config import transformer_config_from_args
     from megatron_lrmoe.planning.cost_model import CostModel
 
-    os.environ.setdefault("WORLD_SIZE", "2")    # validate as the 2-rank runs will be
+    # Validate as the runs will be: one rank per expert-parallel rank.
+    os.environ["WORLD_SIZE"] = str(world_size(base_flags))
     args = parse_args(base_flags + ["--moe-lrmoe"])
     shape = moe_shape(transformer_config_from_args(args),
                       args.micro_batch_size * args.seq_length)
@@ -65,22 +66,45 @@ def study_budget_gb(base_flags: list[str], extra_instances: float) -> float:
 
 
 
-def config_value(name: str) -> Any:
-    """A value of the study's model config (configs/time_to_loss.yaml)."""
-    return _study_config()[name]
+def config_value(name: str, config: str = STUDY_CONFIG) -> Any:
+    """A value of a study's model config (by default configs/time_to_loss.yaml)."""
+    return _study_config(config)[name]
 
 
-@functools.lru_cache(maxsize=1)
-def _study_config() -> dict:
+@functools.lru_cache(maxsize=4)
+def _study_config(config: str) -> dict:
     import yaml
 
-    return yaml.safe_load((ROOT / STUDY_CONFIG).read_text())
+    return yaml.safe_load((ROOT / config).read_text())
+
+
+def _last(flags: list[str], flag: str) -> str | None:
+    if flag not in flags:
+        return None
+    return flags[len(flags) - 1 - flags[::-1].index(flag) + 1]
 
 
 def flag_or_config(flags: list[str], name: str) -> Any:
-    """The last value of ``--name`` in ``flags``, else the study config's (the launcher
-    lets later flags override earlier ones and the config)."""
-    flag = "--" + name
-    if flag in flags:
-        return flags[len(flags) - 1 - flags[::-1].index(flag) + 1]
-    return config_value(name)
+    """The last value of ``--name`` in ``flags``, else that of the config the flags name
+    (``--config``; without one, the time-to-loss study's): the launcher lets later flags
+    override earlier ones and the config."""
+    value = _last(flags, "--" + name)
+    return value if value is not None else config_value(
+        name, _last(flags, "--config") or STUDY_CONFIG)
+
+
+def world_size(flags: list[str]) -> int:
+    """The ranks a study's run starts (``--nproc-per-node``): one per expert-parallel rank
+    of its one data-parallel group, times tensor and pipeline parallelism (1 unless set)."""
+    config = _study_config(_last(flags, "--config") or STUDY_CONFIG)
+
+    def size(name: str, default: int | None) -> int:
+        value = _last(flags, "--" + name) or config.get(name, default)
+        if value is None:
+            raise SystemExit(f"--{name}: neither the flags nor the study config "
+                             f"({_last(flags, '--config') or STUDY_CONFIG}) set it; give it "
+                             "(the time-to-loss driver: --ep)")
+        return int(value)
+
+    return (size("expert-model-parallel-size", None) * size("tensor-model-parallel-size", 1)
+            * size("pipeline-model-parallel-size", 1))

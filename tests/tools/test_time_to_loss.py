@@ -341,3 +341,33 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     # the table shows the stop's need and device; the whole message is in report.json
     assert "2: out of memory at step" in table and "predicted peak" not in table
     assert "predicted peak" in row["stopped"]
+
+
+def test_the_runs_start_one_rank_per_expert_parallel_rank(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("WORLD_SIZE", "2")       # what main sets for itself; undone after
+    _, base = ttl.study_setup(ttl.parse_args(["--stage", "ci"]))
+    # The EP 2 study as before: its config's EP, no EP flag, the 2-rank torchrun.
+    assert base[:2] == ["--config", "configs/time_to_loss.yaml"]
+    assert "--expert-model-parallel-size" not in base
+    assert ttl.run_command(tmp_path, base, 29500)[:9] == [
+        ttl.sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", "29500", "-m", "megatron_lrmoe.launcher.pretrain"]
+    assert ttl.run_command(tmp_path, [], 29500)[4] == "2"     # no flags: the study's config
+    _, base4 = ttl.study_setup(ttl.parse_args(["--stage", "ci", "--ep", "4",
+                                               "--microbatches", "3"]))
+    command = ttl.run_command(tmp_path, base4, 29500)
+    assert command[command.index("--nproc-per-node") + 1] == "4"
+    assert command[command.index("--expert-model-parallel-size") + 1] == "4"
+    assert ttp.flag_or_config(base4, "global-batch-size") == str(2 * 4 * 3)
+    assert "3 micro-batch(es) per step on 4 ranks" in ttl.study_parameters(base4)
+    # The memory budget validates the flags at 4 ranks (at 2, EP 4 is refused).
+    assert ttp.study_budget_gb(base4, 2.0) > 0
+    # Another config: its values, and the EP the command line gives.
+    _, base16 = ttl.study_setup(ttl.parse_args(["--config", "configs/ep_study.yaml",
+                                                "--ep", "16"]))
+    assert ttp.flag_or_config(base16, "num-experts") == 128
+    assert ttl.run_command(tmp_path, base16, 29500)[4] == "16"
+    assert "1 micro-batch(es) per step on 16 ranks" in ttl.study_parameters(base16)
+    with pytest.raises(SystemExit, match="--expert-model-parallel-size: .* give it .*--ep"):
+        ttp.world_size(["--config", "configs/ep_study.yaml"])
