@@ -34,7 +34,7 @@ from megatron_lrmoe.planning.memory_account import GIB, MemoryAccount
 from megatron_lrmoe.tools import run_log
 
 __all__ = ["Candidate", "MemoryAccount", "OutsideTime", "Prediction", "best_fitting",
-           "binding_conditions", "binding_interval", "candidates", "device_sizes",
+           "binding_conditions", "binding_interval", "budget_slots", "candidates", "device_sizes",
            "distinct", "feasibility_table", "fits_only_by", "full_recompute",
            "largest_micro_batch", "means_of", "policy_predictions", "predict",
            "reference_run", "replace"]
@@ -277,16 +277,47 @@ def reference_run(run: Path) -> tuple[list[np.ndarray], OutsideTime]:
             OutsideTime.from_log(Path(run) / "log.jsonl"))
 
 
+def budget_slots(base_flags: list[str], policy_flags: list[str], device_gib: float,
+                 calibration: dict | None, cluster: str = "h100") -> int:
+    """The instance slots per rank SYMI-style's ``auto`` budget holds at ``device_gib``
+    (``PlannerSettings.popularity_slots`` of the budget the simulator plans with), the
+    most over its configurations without fewer slots (full recompute leaves more of the
+    device to the MoE layers); E/R where the budget is below its floor."""
+    from megatron_lrmoe.config.flags import ConfigError
+    from megatron_lrmoe.planning.cost_model import CostModel
+    from megatron_lrmoe.planning.planner import PlannerSettings
+    from megatron_lrmoe.tools.simulate import CLUSTERS, layer_shape, machine_constants
+    from megatron_lrmoe.tools.simulator_validation import run_setting
+
+    args = _parse(base_flags)
+    most = args.num_experts // args.expert_model_parallel_size
+    for c in candidates("symi", policy_flags, args):
+        if MICRO_BATCH in means_of(c.fitted):
+            continue
+        try:
+            shape, _, budget_gib, ep = run_setting(
+                [*base_flags, *c.flags, "--device-memory-gb", f"{device_gib:.6g}"])
+            cost = CostModel(layer_shape(shape, True),
+                             machine_constants(CLUSTERS[cluster], ep, calibration))
+            settings = PlannerSettings("popularity", ep, shape.num_experts,
+                                       budget_bytes=budget_gib * GIB, cost=cost)
+        except (ConfigError, ValueError):      # below the floor: cannot start at all
+            continue
+        most = max(most, settings.popularity_slots())
+    return most
+
+
 def policy_predictions(base_flags: list[str], policy: str, policy_flags: list[str],
                        baseline: bool, device_gib: float, traces: list[np.ndarray],
                        calibration: dict | None, outside: OutsideTime,
-                       **predict_options) -> list[Prediction]:
+                       slots_max: int | None = None, **predict_options) -> list[Prediction]:
     """A policy's predictions at ``device_gib``: a baseline's every configuration (single
-    means and pairs; SYMI-style's slots below what its budget holds), ``distinct``; any
-    other policy as it is (one prediction)."""
+    means and pairs; SYMI-style's slots below ``slots_max``, default E: those at or
+    above what its budget holds predict what it does as it is, ``budget_slots`` spares
+    their cost), ``distinct``; any other policy as it is (one prediction)."""
     args = _parse(base_flags)
     cands = (candidates(policy, policy_flags, args, combine=True,
-                        slots_max=args.num_experts if policy == "symi" else None)
+                        slots_max=(slots_max or args.num_experts) if policy == "symi" else None)
              if baseline else [Candidate(policy, NONE, tuple(policy_flags))])
     return distinct([predict(base_flags, c, device_gib, traces, calibration, outside,
                              **predict_options) for c in cands])

@@ -204,3 +204,29 @@ def test_binding_conditions_name_what_fails():
     assert held == {"LRMoE default fits as it is": True,
                     "dropless fits only by recompute": False,
                     "SYMI-style fits only by recompute or fewer replicas": False}
+
+
+def test_budget_slots_are_what_the_simulated_budget_holds():
+    """At a device whose budget holds some replicas but not every expert: SYMI-style
+    with that many slots (or all E) predicts what it does as it is, so the candidates
+    with fewer slots start below it; the slots grow with the device."""
+    traces, outside = _skewed_traces(), F.OutsideTime(0.5)
+    per_rank = 4
+    assert F.budget_slots(BASE, SYMI, 4.0, CALIBRATION) == 8           # all experts
+    device, slots = next((d, s) for d in np.arange(0.003, 0.02, 0.0005)
+                         if per_rank < (s := F.budget_slots(BASE, SYMI, d, CALIBRATION)) < 8)
+    [none] = F.candidates("symi", SYMI, F._parse(BASE))[:1]
+
+    def need(candidate):    # the planner's host time fixed: equal plans, equal figures
+        p = F.predict(BASE, candidate, device, traces, CALIBRATION, outside, steps=8,
+                      planner_s=0.0)
+        return p.need, p.moe_s
+
+    def with_slots(k):
+        return F.replace(none, fitted=f"slots {k}",
+                         flags=none.flags + ("--moe-lrmoe-slots-per-rank", str(k)))
+
+    assert need(with_slots(slots)) == need(none)
+    assert need(with_slots(8)) == need(none)
+    grid = [F.budget_slots(BASE, SYMI, d, CALIBRATION) for d in np.arange(0.002, 0.01, 0.001)]
+    assert grid == sorted(grid) and grid[0] == per_rank
