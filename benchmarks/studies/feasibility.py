@@ -28,7 +28,8 @@ the nearest D of the interval where the predicted needs say they do
 (``--world-size`` overrides).
 
     PYTHONPATH=. .venv/bin/python benchmarks/studies/feasibility.py --rule binding \
-        --run benchmarks/results/ep_regime/ep8 --run benchmarks/results/ep_regime/ep16 \
+        --steps 20 --run benchmarks/results/ep_regime/ep8 \
+        --run benchmarks/results/ep_regime/ep16 \
         --calibration benchmarks/results/calibration_cpu_ep_study.json \
         --out benchmarks/results/feasibility_ep_study
 """
