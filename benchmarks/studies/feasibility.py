@@ -16,12 +16,29 @@ Per device: the per-rank account of every candidate, whether it fits, the predic
 and total seconds per step, the two best-predicted fitting configurations of each
 baseline (what the study measures), and the largest micro-batch each policy fits. All
 numbers are predictions of the cost model and the memory account; nothing is timed here.
+
+``--rule binding`` (the EP 8 / EP 16 study, micro-batch pinned at 1): one device D per
+reference run (``--run``, repeatable; the EP regime's recordings serve), where memory
+binds as it does on GPUs: LRMoE's defaults (uniform, gamma 1.0, with and without
+memory-aware placement) fit as they are, dropless fits only by recompute and SYMI-style
+only by recompute or fewer replicas (``fitting.binding_conditions``). D is chosen as D2
+is (the LRMoE defaults' larger need + 3%); where the conditions do not all hold there,
+the nearest D of the interval where the predicted needs say they do
+(``fitting.binding_interval``), predicted again to check. Each run's ranks: its own
+(``--world-size`` overrides).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/studies/feasibility.py --rule binding \
+        --steps 20 --run benchmarks/results/ep_regime/ep8 \
+        --run benchmarks/results/ep_regime/ep16 \
+        --calibration benchmarks/results/calibration_cpu_ep_study.json \
+        --out benchmarks/results/feasibility_ep_study
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -31,6 +48,7 @@ from megatron_lrmoe.planning.memory_account import GIB
 from megatron_lrmoe.tools import fitting as F
 from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.simulator_validation import reference_flags
+from megatron_lrmoe.tools.time_to_loss_policies import world_size
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,14 +79,29 @@ def _shown(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # Resolved before the chdir to the checkout below, so paths relative to the caller work.
-    ap.add_argument("--run", type=_absolute, default=ROOT / REFERENCE_RUN)
+    ap.add_argument("--run", type=_absolute, action="append",
+                    help="a measured dropless run of the study's model: its flags, routing "
+                         "and time outside the MoE layers (a time-to-loss run or an EP "
+                         f"regime recording; default {REFERENCE_RUN}); repeatable with "
+                         "--rule binding")
     ap.add_argument("--calibration", type=_absolute, default=ROOT / CALIBRATION)
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps replayed per layer")
+    ap.add_argument("--world-size", type=int, default=None,
+                    help="the study's ranks (default: each run's, EP x TP x PP of its flags)")
+    ap.add_argument("--rule", choices=("d1-d2", "binding"), default="d1-d2",
+                    help="d1-d2: the EP 2 study's two devices; binding: per run the device "
+                         "where LRMoE fits as it is and the baselines only by their means")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "feasibility")
     a = ap.parse_args(argv)
-    os.environ.setdefault("WORLD_SIZE", "2")    # the study's 2 ranks
+    a.run = a.run or [ROOT / REFERENCE_RUN]
     os.chdir(ROOT)
+    if a.rule == "binding":
+        return binding(a)
+    if len(a.run) != 1:
+        raise SystemExit(f"--run given {len(a.run)} times: --rule d1-d2 takes one run")
+    a.run = a.run[0]
     base = [*reference_flags(a.run), "--mock-data"]   # the data is not read
+    os.environ["WORLD_SIZE"] = str(a.world_size or world_size(base))
     traces, outside = F.reference_run(a.run)
     calibration = json.loads(a.calibration.read_text())
     args = F._parse(base)
@@ -133,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {label} | {name} | none fits | - | - |")
             continue
         tokens = m * args.seq_length
-        per_step_tokens = tokens * (args.global_batch_size // (args.micro_batch_size * 2)) * 2
+        dp = args.data_parallel_size
+        per_step_tokens = tokens * (args.global_batch_size // (args.micro_batch_size * dp)) * dp
         lines.append(f"| {label} | {name} | {m} | {tokens} | "
                      f"{1e6 * p.moe_s / per_step_tokens:.2f} |")
     text = "\n".join(lines) + "\n"
@@ -145,6 +179,114 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [{"device_gib": d, "policy": p.candidate.policy, "fitted": p.candidate.fitted,
                   "fits": p.fits, "need_bytes": p.need, "moe_s": p.moe_s, "step_s": p.step_s,
                   "error": p.error} for d, p in rows]}, indent=1))
+    return 0
+
+
+def binding_device(base: list[str], traces, outside, calibration: dict, steps: int
+                   ) -> dict:
+    """One run's device for ``--rule binding`` and every prediction at it (module doc)."""
+    def at(device: float) -> dict[str, list[F.Prediction]]:
+        slots = F.budget_slots(base, BASELINES["symi"], device, calibration)
+        return {name: F.policy_predictions(base, name, flags, name in BASELINES, device,
+                                           traces, calibration, outside, steps=steps,
+                                           slots_max=slots)
+                for name, flags in {**BASELINES, **LRMOE}.items()}
+
+    def held(preds: dict[str, list[F.Prediction]]) -> dict[str, bool]:
+        return F.binding_conditions([preds[n][0] for n in LRMOE], preds["megatron-dropless"],
+                                    preds["symi"])
+
+    free = {name: F.predict(base, F.Candidate(name, F.NONE, tuple(flags)), 1024.0, traces,
+                            calibration, outside, steps=steps)
+            for name, flags in {**BASELINES, **LRMOE}.items()}
+    device = max(free[n].need for n in LRMOE) * 1.03 / GIB    # as D2: + 3%
+    tried = []
+    for _ in range(3):
+        preds = at(device)
+        conditions = held(preds)
+        tried.append((device, conditions))
+        if all(conditions.values()):
+            break
+        low, high = F.binding_interval([preds[n][0] for n in LRMOE],
+                                       preds["megatron-dropless"], preds["symi"])
+        if not low < high:
+            break
+        # The nearest device of [low, high), on a 1e-4 GiB grid inside it.
+        grid = 1e-4 * GIB
+        nearest = (math.ceil(low / grid) if device * GIB < low
+                   else math.floor(high / grid) - (high % grid == 0)) * grid
+        if not low <= nearest < high:
+            break
+        device = nearest / GIB
+    return {"free": free, "device": device, "preds": preds, "tried": tried}
+
+
+def binding(a: argparse.Namespace) -> int:
+    """``--rule binding``: per run, its device and the predictions at it (module doc)."""
+    calibration = json.loads(a.calibration.read_text())
+    command = shlex.join([sys.executable, *sys.argv]).replace(str(ROOT) + "/", "")
+    lines = ["# Feasibility where memory binds as on GPUs (predicted, nothing timed)", "",
+             f"Command: `{command}`  ", f"Code: {code_version()}  ",
+             f"Calibration `{_shown(a.calibration)}`; {a.steps} steps replayed per layer.",
+             "", "Per run the device D where LRMoE's defaults fit as they are, dropless only "
+             "by recompute and SYMI-style only by recompute or fewer replicas: first the "
+             "LRMoE defaults' larger need + 3% (as D2), else the nearest device where the "
+             "predicted needs say the conditions hold.", ""]
+    report = {"command": command, "code": code_version(),
+              "calibration": _shown(a.calibration), "runs": []}
+    for run in a.run:
+        base = [*reference_flags(run), "--mock-data"]    # the data is not read
+        ranks = a.world_size or world_size(base)
+        os.environ["WORLD_SIZE"] = str(ranks)
+        traces, outside = F.reference_run(run)
+        found = binding_device(base, traces, outside, calibration, a.steps)
+        free, device, preds = found["free"], found["device"], found["preds"]
+        mib = 2**20
+        lines += [f"## {_shown(run)}: {ranks} ranks, D = {device:.4f} GiB", "",
+                  f"Flags `{shlex.join(base)}`; time outside the MoE layers "
+                  f"{outside.seconds:.3f} s/step (measured).", "",
+                  f"Unconstrained (1024 GiB): outside the MoE layers "
+                  f"{free['megatron-dropless'].account.outside_moe / mib:.1f} MiB; "
+                  + "; ".join(f"{n} MoE {p.account.moe / mib:.1f} MiB (need "
+                              f"{p.need / mib:.1f})" for n, p in free.items()), ""]
+        for d, conditions in found["tried"]:
+            lines.append(f"- at {d:.4f} GiB: " + "; ".join(
+                f"{k}: {'yes' if v else 'no'}" for k, v in conditions.items()))
+        lines += ["", "| policy | fits as it is | fits by | need as it is MiB |",
+                  "|---|---|---|---|"]
+        for name, ps in preds.items():
+            by = sorted({m for p in ps[1:] if p.fits for m in F.means_of(p.candidate.fitted)})
+            lines.append(f"| {name} | {'yes' if ps[0].fits else 'no'} | "
+                         f"{', '.join(by) or '-'} | {ps[0].need / mib:.1f} |")
+        rows = [(device, p) for ps in preds.values() for p in ps]
+        lines += ["", F.feasibility_table(rows), "",
+                  "Two best-predicted fitting configurations per baseline (LRMoE as it is):",
+                  "", "| policy | fitted | MoE s/step | step s | need MiB |",
+                  "|---|---|---|---|---|"]
+        best = {}
+        for name, ps in preds.items():
+            best[name] = F.best_fitting(ps) if name in BASELINES else [p for p in ps if p.fits]
+            for p in best[name] or [None]:
+                lines.append(f"| {name} | nothing fits | - | - | - |" if p is None else
+                             f"| {name} | {p.candidate.fitted} | {p.moe_s:.3f} | "
+                             f"{p.step_s:.3f} | {p.need / mib:.1f} |")
+        lines.append("")
+        report["runs"].append({
+            "run": _shown(run), "world_size": ranks, "device_gib": device,
+            "outside_s": outside.seconds,
+            "tried": [{"device_gib": d, **c} for d, c in found["tried"]],
+            "free": {n: {"need_bytes": p.need, "moe_bytes": p.account.moe, "moe_s": p.moe_s}
+                     for n, p in free.items()},
+            "best": {n: [p.candidate.fitted for p in ps] for n, ps in best.items()},
+            "rows": [{"device_gib": d, "policy": p.candidate.policy,
+                      "fitted": p.candidate.fitted, "fits": p.fits, "need_bytes": p.need,
+                      "moe_s": p.moe_s, "step_s": p.step_s, "error": p.error}
+                     for d, p in rows]})
+    text = "\n".join(lines)
+    print(text)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "report.md").write_text(text)
+    (a.out / "report.json").write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -34,11 +34,15 @@ from megatron_lrmoe.planning.memory_account import GIB, MemoryAccount
 from megatron_lrmoe.tools import run_log
 
 __all__ = ["Candidate", "MemoryAccount", "OutsideTime", "Prediction", "best_fitting",
-           "candidates", "device_sizes", "distinct", "feasibility_table", "full_recompute",
-           "largest_micro_batch", "policy_predictions", "predict", "reference_run",
-           "replace"]
+           "binding_conditions", "binding_interval", "budget_slots", "candidates", "device_sizes",
+           "distinct", "feasibility_table", "fits_only_by", "full_recompute",
+           "largest_micro_batch", "means_of", "policy_predictions", "predict",
+           "reference_run", "replace"]
 
 NONE = "none"
+ROUTING_FOLDERS = ("routing", "trace")
+"""Where a reference run keeps its recorded routing: the time-to-loss driver's runs, the
+EP regime's recordings (``tools/ep_regime.py``)."""
 FORWARD_SHARE = 1 / 3
 """The forward's share of a layer's time outside the MoE layers (backward ~ 2 x forward:
 two GEMMs per forward one); what a recomputed layer costs again."""
@@ -260,25 +264,60 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
 def reference_run(run: Path) -> tuple[list[np.ndarray], OutsideTime]:
     """A measured run's recorded routing per layer (past its first tenth, as the
     simulator's validation replays it) and its time outside the MoE layers: what the
-    predictions of a study of the same model are made from."""
+    predictions of a study of the same model are made from. The routing is the run's
+    folder ``routing`` or ``trace`` (``ROUTING_FOLDERS``), the log its ``log.jsonl``."""
     from megatron_lrmoe.data.routing_traces import read_routing_trace
 
-    trace = read_routing_trace(Path(run) / "routing")
+    # ``routing``: the time-to-loss driver's runs; ``trace``: the EP regime's recordings.
+    folder = next((Path(run) / d for d in ROUTING_FOLDERS if (Path(run) / d).exists()),
+                  Path(run) / ROUTING_FOLDERS[0])
+    trace = read_routing_trace(folder)
     skip = len(trace.iterations) // 10
     return ([trace.layer(n)[skip:] for n in trace.layers],
             OutsideTime.from_log(Path(run) / "log.jsonl"))
 
 
+def budget_slots(base_flags: list[str], policy_flags: list[str], device_gib: float,
+                 calibration: dict | None, cluster: str = "h100") -> int:
+    """The instance slots per rank SYMI-style's ``auto`` budget holds at ``device_gib``
+    (``PlannerSettings.popularity_slots`` of the budget the simulator plans with), the
+    most over its configurations without fewer slots (full recompute leaves more of the
+    device to the MoE layers); E/R where the budget is below its floor."""
+    from megatron_lrmoe.config.flags import ConfigError
+    from megatron_lrmoe.planning.cost_model import CostModel
+    from megatron_lrmoe.planning.planner import PlannerSettings
+    from megatron_lrmoe.tools.simulate import CLUSTERS, layer_shape, machine_constants
+    from megatron_lrmoe.tools.simulator_validation import run_setting
+
+    args = _parse(base_flags)
+    most = args.num_experts // args.expert_model_parallel_size
+    for c in candidates("symi", policy_flags, args):
+        if MICRO_BATCH in means_of(c.fitted):
+            continue
+        try:
+            shape, _, budget_gib, ep = run_setting(
+                [*base_flags, *c.flags, "--device-memory-gb", f"{device_gib:.6g}"])
+            cost = CostModel(layer_shape(shape, True),
+                             machine_constants(CLUSTERS[cluster], ep, calibration))
+            settings = PlannerSettings("popularity", ep, shape.num_experts,
+                                       budget_bytes=budget_gib * GIB, cost=cost)
+        except (ConfigError, ValueError):      # below the floor: cannot start at all
+            continue
+        most = max(most, settings.popularity_slots())
+    return most
+
+
 def policy_predictions(base_flags: list[str], policy: str, policy_flags: list[str],
                        baseline: bool, device_gib: float, traces: list[np.ndarray],
                        calibration: dict | None, outside: OutsideTime,
-                       **predict_options) -> list[Prediction]:
+                       slots_max: int | None = None, **predict_options) -> list[Prediction]:
     """A policy's predictions at ``device_gib``: a baseline's every configuration (single
-    means and pairs; SYMI-style's slots below what its budget holds), ``distinct``; any
-    other policy as it is (one prediction)."""
+    means and pairs; SYMI-style's slots below ``slots_max``, default E: those at or
+    above what its budget holds predict what it does as it is, ``budget_slots`` spares
+    their cost), ``distinct``; any other policy as it is (one prediction)."""
     args = _parse(base_flags)
     cands = (candidates(policy, policy_flags, args, combine=True,
-                        slots_max=args.num_experts if policy == "symi" else None)
+                        slots_max=(slots_max or args.num_experts) if policy == "symi" else None)
              if baseline else [Candidate(policy, NONE, tuple(policy_flags))])
     return distinct([predict(base_flags, c, device_gib, traces, calibration, outside,
                              **predict_options) for c in cands])
@@ -299,6 +338,58 @@ def device_sizes(outside_gib: float, dropless_moe_gib: float, lrmoe_need_gib: fl
     d1 = outside_gib + dropless_moe_gib / over
     d2 = lrmoe_need_gib * margin
     return d1, d2
+
+
+RECOMPUTE, MICRO_BATCH, FEWER_REPLICAS = "recompute", "micro-batch", "slots"
+
+
+def means_of(fitted: str) -> frozenset[str]:
+    """The means a candidate gave up to fit (``Candidate.fitted``): a subset of
+    ``RECOMPUTE``, ``MICRO_BATCH``, ``FEWER_REPLICAS``; empty for ``none``."""
+    if fitted == NONE:
+        return frozenset()
+    return frozenset(part.split()[0] for part in fitted.split(" + "))
+
+
+def fits_only_by(predictions: list[Prediction], allowed: set[str]) -> bool:
+    """The policy does not fit as it is (its ``none`` prediction, the first) but some
+    configuration that gives up only ``allowed`` means does."""
+    as_it_is, *others = predictions
+    return (as_it_is.candidate.fitted == NONE and not as_it_is.fits
+            and any(p.fits and means_of(p.candidate.fitted) <= allowed for p in others))
+
+
+def binding_conditions(lrmoe: list[Prediction], dropless: list[Prediction],
+                       symi: list[Prediction]) -> dict[str, bool]:
+    """The device the EP study holds its runs to, where memory binds as on GPUs: every
+    LRMoE default fits as it is (``lrmoe``: one prediction each), dropless only by
+    recompute, SYMI-style only by recompute or fewer replicas (each list: the policy's
+    predictions at one device size, ``none`` first)."""
+    return {"LRMoE default fits as it is": all(p.fits for p in lrmoe),
+            "dropless fits only by recompute": fits_only_by(dropless, {RECOMPUTE}),
+            "SYMI-style fits only by recompute or fewer replicas":
+                fits_only_by(symi, {RECOMPUTE, FEWER_REPLICAS})}
+
+
+def binding_interval(lrmoe: list[Prediction], dropless: list[Prediction],
+                     symi: list[Prediction]) -> tuple[float, float]:
+    """[low, high) in bytes: the device sizes at which ``binding_conditions`` hold for
+    these predictions' needs (a need that does not change with the device; empty where
+    low >= high). low: the largest of the LRMoE defaults' needs and the least need of
+    dropless by recompute and of SYMI-style by recompute or fewer replicas; high: the
+    least of dropless's and SYMI-style's needs as they are. An ``error`` (a budget below
+    its floor: the device decides it) counts as not fitting."""
+    def least(preds: list[Prediction], allowed: set[str]) -> float:
+        return min((p.need for p in preds[1:] if not p.error
+                    and means_of(p.candidate.fitted) <= allowed), default=math.inf)
+
+    if any(p.error for p in lrmoe):
+        return math.inf, -math.inf
+    low = max(*(p.need for p in lrmoe), least(dropless, {RECOMPUTE}),
+              least(symi, {RECOMPUTE, FEWER_REPLICAS}))
+    # One that cannot start (``auto`` below the floor) does not fit as it is either.
+    high = min((p.need for p in (dropless[0], symi[0]) if not p.error), default=math.inf)
+    return low, high
 
 
 def feasibility_table(rows: list[tuple[float, Prediction]]) -> str:

@@ -41,11 +41,23 @@ RUN_ONLY = ("--seed", "--record-routing", "--log-json", "--eval-interval", "--lo
             "--data-path", "--data-cache-path")
 
 
+RUN_RECORDS = ("done.json", "run.json")
+"""The file of a finished run that holds its command: the time-to-loss driver's runs', the
+EP regime's recordings' (``tools/ep_regime.py``)."""
+
+
+def run_record(run: Path) -> Path:
+    """The record of ``run`` (``RUN_RECORDS``, the first that exists; else ``done.json``,
+    which a reader's error then names)."""
+    return next((Path(run) / r for r in RUN_RECORDS if (Path(run) / r).exists()),
+                Path(run) / RUN_RECORDS[0])
+
+
 def reference_flags(run: Path) -> list[str]:
     """A measured run's launcher flags less its per-run ones (``RUN_ONLY``): the model and
     the batch that predictions, and runs compared with it, are made of."""
     out, skip = [], False
-    for f in run_flags(Path(run) / "done.json"):
+    for f in run_flags(run_record(run)):
         if skip:
             skip = False
         elif f in RUN_ONLY:

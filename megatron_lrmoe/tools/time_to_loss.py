@@ -739,20 +739,22 @@ def on_device(flags: list[str]) -> list[str]:
 
 
 def fitted_policies(base: list[str], device_gib: float, unconstrained_dir: Path, seed: int,
-                    chosen: str | None) -> tuple[dict[str, list[str]], Device]:
+                    chosen: str | None, calibration: Path = ROOT / CALIBRATION
+                    ) -> tuple[dict[str, list[str]], Device]:
     """The runs of a device-held study: each baseline's two best-predicted fitting
     configurations (``fitted_name``) and the chosen LRMoE policies as they are, every one
     under the budget ``auto``, predicted from the unconstrained study's dropless run of
     ``seed`` (its routing and its time outside the MoE layers); and the ``Device`` for
     the report. A chosen ``policy@fitted`` (``symi@micro-batch_2_+_slots_10``; ``@none``
     for the configuration as it is) runs just that fitting configuration: the one the
-    screen measured faster, confirmed over the seeds."""
+    screen measured faster, confirmed over the seeds. ``calibration``: the machine
+    constants the predictions price the MoE layers with."""
     from megatron_lrmoe.planning.memory_account import GIB
     from megatron_lrmoe.tools import fitting
 
     reference = unconstrained_dir / "runs" / f"{REFERENCE}-s{seed}"
     traces, outside = fitting.reference_run(reference)
-    calibration = json.loads((ROOT / CALIBRATION).read_text())
+    constants = json.loads(Path(calibration).read_text())
     every = policies("auto")
     requested = [p for p in (chosen or "").split(",") if p] or list(every)
     pinned: dict[str, list[str]] = {}    # policy -> the fitted run names asked for
@@ -766,8 +768,11 @@ def fitted_policies(base: list[str], device_gib: float, unconstrained_dir: Path,
     table, rows, dropless = {}, [], None
     for name in names:
         flags = on_device(every[name])
+        # SYMI-style's slots from what its budget holds down (more predict the same).
+        slots = (fitting.budget_slots(base, flags, device_gib, constants)
+                 if name == "symi" else None)
         preds = fitting.policy_predictions(base, name, flags, name in BASELINES, device_gib,
-                                           traces, calibration, outside)
+                                           traces, constants, outside, slots_max=slots)
         dropless = preds[0] if name == REFERENCE else dropless
         rows += [(device_gib, p) for p in preds]
         if name in pinned:
@@ -834,6 +839,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --device-gib (required): the unconstrained study of the same "
                         "shape and seeds; its dropless runs set the targets, its rows stay in "
                         "the report")
+    p.add_argument("--calibration", type=Path, default=ROOT / CALIBRATION,
+                   help="with --device-gib: the machine constants (python -m "
+                        "megatron_lrmoe.tools.calibrate) the fitted configurations are "
+                        "predicted with; e.g. benchmarks/results/calibration_cpu_ep_study.json "
+                        "for configs/ep_study.yaml")
     p.add_argument("--rounds", type=int, default=1,
                    help="train each seed's runs in this many rounds of equal steps, each run "
                         "resumed from its checkpoint in turn, the order reversed every other "
@@ -891,7 +901,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--device-gib needs --unconstrained-dir (the unconstrained study "
                              "whose dropless runs set the targets)")
         budget_gb, (table, device) = "auto", fitted_policies(
-            base, args.device_gib, args.unconstrained_dir, stage.seeds[0], args.policies)
+            base, args.device_gib, args.unconstrained_dir, stage.seeds[0], args.policies,
+            args.calibration)
     else:
         budget_gb = study_budget_gb(base, args.budget_replicas)
         table = policies(budget_gb)

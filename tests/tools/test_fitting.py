@@ -149,3 +149,84 @@ def test_distinct_drops_what_an_earlier_prediction_already_predicts():
              pred("micro-batch 2", 2.0, F.replace(account, moe=2.0))]
     assert [p.candidate.fitted for p in F.distinct(preds)] == ["none", "slots 8",
                                                                "micro-batch 2"]
+
+
+def test_means_of_each_fitted_name():
+    assert F.means_of("none") == frozenset()
+    assert F.means_of("recompute full 3") == {F.RECOMPUTE}
+    assert F.means_of("micro-batch 2 + recompute moe") == {F.MICRO_BATCH, F.RECOMPUTE}
+    assert F.means_of("recompute moe + slots 9") == {F.RECOMPUTE, F.FEWER_REPLICAS}
+    # Every name the candidates give maps onto the three means.
+    for c in F.candidates("symi", SYMI, F._parse(BASE), slots_max=6, combine=True):
+        assert F.means_of(c.fitted) <= {F.RECOMPUTE, F.MICRO_BATCH, F.FEWER_REPLICAS}
+
+
+def test_micro_batch_one_has_no_smaller_micro_batch():
+    args = F._parse([*BASE, "--micro-batch-size", "1"])
+    names = [c.fitted for c in F.candidates("symi", SYMI, args, slots_max=6, combine=True)]
+    assert names and not any(F.MICRO_BATCH in F.means_of(n) for n in names)
+
+
+def _at(device: float, needs: dict[str, float], policy: str) -> list:
+    """A policy's predictions at ``device`` bytes with fixed needs (``none`` first)."""
+    return [F.Prediction(F.Candidate(policy, fitted),
+                         F.MemoryAccount(0.0, 0.0, 0.0, 0.0, need, device), 1.0, 1.0)
+            for fitted, need in needs.items()]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_binding_interval_is_where_the_conditions_hold(seed):
+    """Against a scan of device sizes: the conditions hold exactly on [low, high)."""
+    rng = np.random.default_rng(seed)
+    lrmoe = [{"none": float(v)} for v in rng.integers(40, 90, size=2)]
+    dropless = {"none": float(rng.integers(60, 120)),
+                **{f"recompute full {n}": float(rng.integers(30, 100)) for n in (1, 2)},
+                "micro-batch 1": float(rng.integers(10, 60))}     # not allowed: ignored
+    symi = {"none": float(rng.integers(60, 120)), "slots 9": float(rng.integers(30, 110)),
+            "recompute moe + slots 8": float(rng.integers(30, 110)),
+            "micro-batch 1 + recompute moe": float(rng.integers(10, 60))}
+    low, high = F.binding_interval([_at(0, n, "l")[0] for n in lrmoe],
+                                   _at(0, dropless, "d"), _at(0, symi, "s"))
+    assert low == max(*(n["none"] for n in lrmoe), min(dropless["recompute full 1"],
+                      dropless["recompute full 2"]),
+                      min(symi["slots 9"], symi["recompute moe + slots 8"]))
+    for device in np.arange(0.0, 130.0, 0.5):
+        held = F.binding_conditions([_at(device, n, "l")[0] for n in lrmoe],
+                                    _at(device, dropless, "d"), _at(device, symi, "s"))
+        assert all(held.values()) == (low <= device < high), (device, held)
+
+
+def test_binding_conditions_name_what_fails():
+    lrmoe = [_at(100.0, {"none": 90.0}, "l")[0]]
+    as_is = _at(100.0, {"none": 95.0, "recompute moe": 50.0}, "d")
+    only_smaller = _at(100.0, {"none": 120.0, "micro-batch 1": 50.0}, "s")
+    held = F.binding_conditions(lrmoe, as_is, only_smaller)
+    assert held == {"LRMoE default fits as it is": True,
+                    "dropless fits only by recompute": False,
+                    "SYMI-style fits only by recompute or fewer replicas": False}
+
+
+def test_budget_slots_are_what_the_simulated_budget_holds():
+    """At a device whose budget holds some replicas but not every expert: SYMI-style
+    with that many slots (or all E) predicts what it does as it is, so the candidates
+    with fewer slots start below it; the slots grow with the device."""
+    traces, outside = _skewed_traces(), F.OutsideTime(0.5)
+    per_rank = 4
+    assert F.budget_slots(BASE, SYMI, 4.0, CALIBRATION) == 8           # all experts
+    device, slots = next((d, s) for d in np.arange(0.003, 0.02, 0.0005)
+                         if per_rank < (s := F.budget_slots(BASE, SYMI, d, CALIBRATION)) < 8)
+    [none] = F.candidates("symi", SYMI, F._parse(BASE))[:1]
+
+    def need(candidate):    # the planner's host time fixed: equal plans, equal figures
+        p = F.predict(BASE, candidate, device, traces, CALIBRATION, outside, steps=8,
+                      planner_s=0.0)
+        return p.need, p.moe_s
+
+    def with_slots(k):
+        return F.replace(none, fitted=f"slots {k}",
+                         flags=none.flags + ("--moe-lrmoe-slots-per-rank", str(k)))
+
+    assert need(with_slots(slots)) == need(none)
+    assert need(with_slots(8)) == need(none)
+    grid = [F.budget_slots(BASE, SYMI, d, CALIBRATION) for d in np.arange(0.002, 0.01, 0.001)]
+    assert grid == sorted(grid) and grid[0] == per_rank
