@@ -370,6 +370,18 @@ def _plain(value: object) -> object:
     return value
 
 
+NOT_LOGGED = (
+    "Not in the runs' logs, so not compared: per-rank figures (the LRMoE statistics are "
+    "sums or maxima over all ranks and a log interval; Megatron's layer logs only the "
+    "received-load max/mean per step); rows per expert instance (logged only summed, as "
+    "expert-backward-rows, and per expert, as expert-load, sent not received); pairs "
+    "received per rank as counts; the per-rank MoE memory measured (the runs ran on CPU: "
+    "no allocator peak; memory-predicted-peak-gib of a held run is the launcher's model, "
+    "not a measurement). Logging these would take, per step and layer, the [R] received, "
+    "[R] kept-sent and [R] kept-received pairs, the [I] rows per instance and the "
+    "placement's replicas, and on CUDA the allocator's MoE peak per rank.")
+
+
 def report_lines(results: list[dict]) -> list[str]:
     """One row per run, then the mismatches (the first 20 of each run)."""
     lines = ["| run | policy | placement | EP | steps | calls | values compared | mismatches |",
@@ -414,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             "# The simulator's deterministic counts against the runs' logs", "",
             f"- command: `{command}`", f"- code: {code}",
             "- what is compared: megatron_lrmoe/tools/simulator_counts.py's docstring", "",
-            *lines, ""]))
+            *lines, "", NOT_LOGGED, ""]))
         print(f"written to {args.out}/report.md and report.json")
     return 1 if any(r["mismatches"] for r in results) else 0
 
