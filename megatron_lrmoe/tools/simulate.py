@@ -57,7 +57,7 @@ from megatron_lrmoe.tools.provenance import code_version
 
 __all__ = ["CLUSTERS", "MODELS", "POLICIES", "STEPS_TO_TARGET_FILE", "ClusterSpec",
            "ModelSpec", "Policy", "layer_shape", "load_steps_to_target",
-           "machine_constants", "node_calibration", "simulate", "source_batches",
+           "machine_constants", "node_calibration", "policy_planner", "simulate", "source_batches",
            "steps_ratios"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -314,6 +314,16 @@ POLICIES: tuple[Policy, ...] = (
 )
 
 
+def policy_planner(policy: Policy, ep_size: int, cost: CostModel,
+                   budget_bytes: float) -> LayerPlanner:
+    """One layer's planner as the simulator runs it for ``policy`` at ``ep_size`` ranks:
+    ``budget_bytes`` per rank applies where the policy plans under a budget."""
+    return LayerPlanner(PlannerSettings(
+        policy.placement, ep_size, cost.shape.num_experts,
+        capacity_factor=policy.capacity_factor, slots_per_rank=policy.slots_per_rank,
+        budget_bytes=budget_bytes if policy.budget else None, cost=cost))
+
+
 # ------------------------------------------------------------------------------ routing
 def source_batches(trace: np.ndarray, ep_size: int, pairs_per_rank: int | None,
                    rng: np.random.Generator) -> Iterator[np.ndarray]:
@@ -426,10 +436,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
             rng = np.random.default_rng([seed, layer])
             batches = source_batches(trace, ep_size, shape.source_pairs if resample else None,
                                      rng)
-            planner = LayerPlanner(PlannerSettings(
-                policy.placement, ep_size, shape.num_experts,
-                capacity_factor=policy.capacity_factor, slots_per_rank=policy.slots_per_rank,
-                budget_bytes=budget if policy.budget else None, cost=cost))
+            planner = policy_planner(policy, ep_size, cost, budget)
             saved = peak = replica_bytes = np.zeros(ep_size)
             for _ in range(steps):
                 for _ in range(shape.microbatches_per_step):

@@ -1,0 +1,69 @@
+"""megatron_lrmoe.tools.simulator_counts: the simulator's replay of a recorded EP 2 run's
+own routing against what the run logged (the layer's own figures, computed in the run
+from its plans: independent of the replay), exactly; and a perturbed log is caught."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from megatron_lrmoe.tools import run_log
+from megatron_lrmoe.tools import simulator_counts as sc
+
+RUNS = Path(__file__).resolve().parents[2] / "benchmarks/results/time_to_loss/validate/runs"
+
+
+def _run(name: str) -> Path:
+    run = RUNS / name
+    if not (run / "routing" / "header.json").is_file():
+        pytest.skip(f"{run}: no committed routing record")
+    return run
+
+
+@pytest.mark.parametrize("name", ["megatron-dropless-s1", "megatron-capacity-1.0-s1"])
+def test_megatron_layer_dispatch_matches_exactly(name: str):
+    result = sc.compare_run(_run(name))
+    assert result["mismatches"] == []
+    # Every step's received-load figure of both layers, and the pairs sent per source.
+    assert result["compared"]["routing/layer<N>/load-max-over-mean"] == 2 * 36
+    assert sum(result["compared"].values()) == 4 * 36
+
+
+def test_lrmoe_counts_match_exactly_but_the_positions_of_an_older_layer():
+    # Recorded by a layer that drew the retained set in backward and sent its positions
+    # there (4 bytes per kept pair to a dropping rank); today's draws it in forward. The
+    # counts themselves (kept, rows, loads, replicas, overflow, notes) match exactly.
+    result = sc.compare_run(_run("lrmoe-uniform-g0.75-s1"))
+    assert result["compared"]["lrmoe/layer<N>/retained-fraction"] == 2 * 18
+    assert result["compared"]["lrmoe/layer<N>/expert-backward-rows"] == 2 * 18
+    assert {m["key"].split("/")[-1] for m in result["mismatches"]} == {"backward-bytes-saved"}
+    for m in result["mismatches"]:
+        extra = m["simulated"] - m["logged"]
+        assert extra > 0 and extra % 4 == 0
+
+
+def test_a_perturbed_count_is_reported():
+    run = _run("megatron-dropless-s1")
+    records = run_log.read_records(run / "log.jsonl")
+    changed = copy.deepcopy(records)
+    changed[5]["routing/layer2/load-max-over-mean"] += 2**-20
+    result = sc.compare_run(run, changed)
+    assert [(m["iteration"], m["key"]) for m in result["mismatches"]] == [
+        (changed[5]["iteration"], "routing/layer2/load-max-over-mean")]
+
+
+def test_a_perturbed_lrmoe_figure_is_reported():
+    run = _run("lrmoe-uniform-g0.75-s1")
+    records = run_log.read_records(run / "log.jsonl")
+    i = next(i for i, r in enumerate(records) if "lrmoe/layer1/expert-backward-rows" in r)
+    records[i]["lrmoe/layer1/expert-backward-rows"] += 1
+    keys = {m["key"] for m in sc.compare_run(run, records)["mismatches"]
+            if m["iteration"] == records[i]["iteration"]}
+    assert "lrmoe/layer1/expert-backward-rows" in keys
+
+
+def test_max_over_mean_is_the_float_of_the_integers():
+    assert sc.max_over_mean([3, 1]) == 1.5
+    assert sc.max_over_mean([0, 0]) == 0.0
