@@ -164,19 +164,17 @@ def planner_settings(config, ep_size: int, tokens_per_rank: int | None = None,
     measurement, no communication (``agreed_machine_constants`` is the caller's, once
     for all layers)."""
     cost = None
-    if needs_cost_model(config):
-        if tokens_per_rank is None or machine is None:
-            raise ValueError("the planner of this configuration (--moe-lrmoe-memory-budget-gb "
-                             "or --moe-lrmoe-placement memory-aware) needs the tokens per "
-                             "micro-batch and the machine constants")
+    priced = needs_cost_model(config)
+    if priced and (tokens_per_rank is None or machine is None):
+        raise ValueError("the planner of this configuration (--moe-lrmoe-memory-budget-gb "
+                         "or --moe-lrmoe-placement memory-aware) needs the tokens per "
+                         "micro-batch and the machine constants")
+    if hold_memory and tokens_per_rank is None:
+        raise ValueError("a run held to its device (--device-memory-gb) prices each "
+                         "plan's memory: the planner needs the tokens per micro-batch")
+    if priced or hold_memory:
         cost = CostModel(moe_shape(config, tokens_per_rank, microbatches_per_step, ep_size),
-                         machine)
-    elif hold_memory:
-        if tokens_per_rank is None:
-            raise ValueError("a run held to its device (--device-memory-gb) prices each "
-                             "plan's memory: the planner needs the tokens per micro-batch")
-        cost = CostModel(moe_shape(config, tokens_per_rank, microbatches_per_step, ep_size),
-                         _MEMORY_ONLY)
+                         machine if priced else _MEMORY_ONLY)
     budget = config.moe_lrmoe_memory_budget_gb
     return PlannerSettings(
         policy=config.moe_lrmoe_placement,

@@ -90,12 +90,13 @@ def setup_lrmoe_layers(model_chunks: Iterable[torch.nn.Module], tokens_per_rank:
     if config is not None and getattr(config, "moe_lrmoe", False) and needs_cost_model(config):
         group = dist.group.WORLD if dist.is_initialized() else None
         machine = agreed_machine_constants(config.moe_lrmoe_calibration, _device(), group)
+    # The count is read (once) only where a cost model amortises over it.
+    count = (_microbatches(microbatches_per_step)
+             if any(needs_cost_model(layer.config) for layer in layers) else 1)
     for layer in layers:
-        # The count is read now only where the cost model amortises over it.
-        count = (_microbatches(microbatches_per_step) if needs_cost_model(layer.config)
-                 else 1)
-        settings = planner_settings(layer.config, layer.lrmoe_state.ep_size, tokens_per_rank,
-                                    count, machine, hold_memory=hold_memory)
+        settings = planner_settings(
+            layer.config, layer.lrmoe_state.ep_size, tokens_per_rank,
+            count if needs_cost_model(layer.config) else 1, machine, hold_memory=hold_memory)
         layer.setup_planner(settings, microbatches_per_step)
     # One layer per pipeline stage says where the planner state came from at a load.
     if layers and _is_first_rank_of_stage():
