@@ -17,6 +17,15 @@ for the step's log record, each layer's routed load max/mean over the EP ranks u
 Megatron's expert layout (the maximum over the step's micro-batches and EP groups,
 as ``lrmoe/layer<N>/load-max-over-mean`` takes the maximum over calls).
 
+Megatron's MoELayer also has its experts' input counted: a forward pre-hook on
+``layer.experts`` keeps the ``tokens_per_expert`` the dispatcher handed them (rows per
+local expert, after any capacity drop). ``end_step(..., interval_end=True)`` gathers
+their sums since the last interval end as ``routing/layer<N>/instance-rows`` ([W][L]
+by global rank): what the dispatch delivered, which the simulator's
+replay of the recorded counts must reproduce exactly
+(``megatron_lrmoe.tools.simulator_counts``). LRMoE's layer does not call its experts
+module; its dispatch is counted by its own statistics (``lrmoe/layer<N>/instance-rows``).
+
 Without a trace directory (``start_recording(args, model, path=None)``) nothing is
 written: the launcher holds a run with Megatron's own MoE layer to its device
 (``--device-memory-gb``) from each step's gathered counts (``last_step``).
@@ -69,6 +78,8 @@ class RoutingRecorder:
         self._modules = local_layers
         self._pending: dict[int, list[torch.Tensor]] = {n: [] for n in local_layers}
         self._calls: dict[int, list[torch.Tensor]] = {n: [] for n in local_layers}
+        self._expert_rows: dict[int, list[torch.Tensor]] = {n: [] for n in local_layers}
+        self._interval_rows: np.ndarray | None = None   # [L, local experts], this interval
         self._buffer_iterations: list[int] = []
         self._buffer_counts: list[np.ndarray] = []
         self._chunk = rt.next_chunk_number(path) if path and dist.get_rank() == 0 else 0
@@ -82,11 +93,19 @@ class RoutingRecorder:
         for number, layer in self._modules.items():
             self._handles.append(layer.router.register_forward_hook(self._router_hook(number)))
             self._handles.append(layer.register_forward_hook(self._layer_hook(number)))
+            self._handles.append(
+                layer.experts.register_forward_pre_hook(self._experts_hook(number)))
 
     def _router_hook(self, number: int):
         def hook(module, args, output):
             if module.training and torch.is_grad_enabled():
                 self._pending[number].append(output[1])   # routing map [T, E] bool
+        return hook
+
+    def _experts_hook(self, number: int):
+        def hook(module, args):
+            if module.training and torch.is_grad_enabled():
+                self._expert_rows[number].append(torch.as_tensor(args[1]))  # tokens_per_expert
         return hook
 
     def _layer_hook(self, number: int):
@@ -100,10 +119,11 @@ class RoutingRecorder:
         self._pending[number].clear()
 
     # ------------------------------------------------------------ per step
-    def end_step(self, iteration: int) -> dict[str, float]:
+    def end_step(self, iteration: int, interval_end: bool = False) -> dict[str, object]:
         """Gather this step's counts from every rank (kept in ``last_step``), buffer them
         (rank 0, with a trace directory) and return ``routing/layer<N>/load-max-over-mean``
-        for the log record. Collective."""
+        for the log record; at ``interval_end`` also the experts' input rows since the
+        last (``routing/layer<N>/instance-rows``, Megatron's layer only). Collective."""
         m, e = self.microbatches, self.num_experts
         local = torch.zeros(len(self.layers), m, e, dtype=torch.int64)
         for number, calls in self._calls.items():
@@ -130,7 +150,36 @@ class RoutingRecorder:
             self._buffer_counts.append(step)
             if len(self._buffer_iterations) >= self.flush_every:
                 self.flush()
-        return self.step_load(step)
+        self._add_expert_rows()
+        out: dict[str, object] = self.step_load(step)
+        return out | self._gather_expert_rows() if interval_end else out
+
+    def _add_expert_rows(self) -> None:
+        """This step's experts' input rows, summed per layer (a host read, after every
+        timed span), into the interval's sums."""
+        width = self.num_experts // self.ep
+        rows = np.zeros((len(self.layers), width), dtype=np.int64)
+        for number, calls in self._expert_rows.items():
+            if calls:
+                rows[self.layers.index(number)] = torch.stack(calls).sum(0).cpu().numpy()
+            calls.clear()
+        self._interval_rows = rows if self._interval_rows is None else self._interval_rows + rows
+
+    def _gather_expert_rows(self) -> dict[str, list]:
+        """The interval's experts' input rows from every rank: [W][L] per layer, for the
+        layers whose experts ran (Megatron's layer); then a new interval."""
+        local = torch.from_numpy(self._interval_rows)
+        if dist.get_backend() == "nccl":   # NCCL gathers device tensors only
+            local = local.to(torch.device("cuda", torch.cuda.current_device()))
+        gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local)
+        table = torch.stack(gathered).cpu().numpy()                 # [W, L, local experts]
+        self._interval_rows = None
+        out = {}
+        for index, number in enumerate(self.layers):
+            if table[:, index].any():
+                out[f"routing/layer{number}/instance-rows"] = table[:, index].tolist()
+        return out
 
     def step_load(self, step: np.ndarray) -> dict[str, float]:
         """Per layer: max over micro-batches and EP groups of the routed load max/mean over

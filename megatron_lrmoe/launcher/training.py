@@ -284,7 +284,8 @@ def _step_record(args: argparse.Namespace, run: _Run, tally: Tally, progress: Tr
         "consumed-samples": progress.consumed_train_samples,
     }
     if run.recorder is not None:   # one all_gather of the step's routed counts
-        loads = run.recorder.end_step(progress.iteration)
+        loads = run.recorder.end_step(progress.iteration, interval_end=(
+            progress.iteration % args.log_interval == 0 or progress.iteration == args.train_iters))
         if args.record_routing:
             record.update(loads)
     tally.add(stats, step_time)

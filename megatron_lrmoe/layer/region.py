@@ -118,6 +118,11 @@ class RegionStats:
     backward_bytes_sent: int = 0
     backward_bytes_dense: int = 0
     expert_backward_rows: int = 0
+    rows_per_instance: tuple[int, ...] = ()
+    """Rows each of this rank's expert instances received in forward (its homes, then its
+    replicas): the dispatch's own split sizes, for the simulator's exact comparison."""
+    kept_rows_per_instance: tuple[int, ...] = ()
+    """The same in backward: the kept rows each local instance received."""
     routing_overflow: int = 0
     """Pairs routed beyond a rank's receive limit (to the home instance; forward exact)."""
     planner_s: float = 0.0
@@ -331,6 +336,7 @@ class _LRMoERegion(torch.autograd.Function):
         ctx.save_for_backward(x_exp, z, o, pair_token, pair_prob, a, tables_buffer, kept,
                               scale)
         rc.stats.routed_pairs = lay.num_pairs
+        rc.stats.rows_per_instance = tuple(lay.rows_fwd)
         rc.stats.grouped_gemm = grouped
         ctx.stack, ctx.rev = stack, rev
         return y
@@ -726,6 +732,7 @@ def _record_backward(rc: RegionContext, lay: CallLayout, metric: torch.Tensor | 
     stats.backward_bytes_sent = lay.num_kept * row_bytes + positions
     stats.backward_bytes_dense = lay.num_pairs * row_bytes
     stats.expert_backward_rows = lay.received_kept
+    stats.kept_rows_per_instance = tuple(lay.rows_bwd)
     if metric is not None:
         total = metric.sum()
         dropped = total - metric.index_select(0, kept).sum() if kept is not None else \

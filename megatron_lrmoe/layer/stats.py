@@ -97,6 +97,19 @@ class LRMoELayerStats:
         return [float(len(done)) if name == "calls" else host[name] if name in host else
                 float(sum(getattr(c, name) for c in done)) for name in TOTAL_FIELDS]
 
+    def dispatch_counts(self) -> tuple[list[int], np.ndarray]:
+        """This rank's dispatch since the reset, over the completed calls: [2] (pairs it
+        sent, kept pairs it sent) and [2, L] (rows each of its expert instances received in
+        forward, kept rows in backward; instance j is the call's j-th local instance, its
+        homes then its replicas; L the most local instances of any call)."""
+        done = [c for c in self.calls if c.backward_done]
+        width = max((len(c.rows_per_instance) for c in done), default=0)
+        rows = np.zeros((2, width), dtype=np.int64)
+        for c in done:
+            rows[0, :len(c.rows_per_instance)] += c.rows_per_instance
+            rows[1, :len(c.kept_rows_per_instance)] += c.kept_rows_per_instance
+        return [sum(c.routed_pairs for c in done), sum(c.retained_pairs for c in done)], rows
+
     def load_median(self) -> float:
         """Median over the calls since the reset of their routed load max/mean over EP
         ranks (0 without calls): the typical call, where the maximum shows the worst."""
@@ -166,6 +179,49 @@ def format_lrmoe_stats(stats: Mapping[str, float]) -> str:
             f" | routed load max/mean {stats['lrmoe/load-max-over-mean']:.2f}")
 
 
+def _collective_device() -> torch.device:
+    """Where this process group's collectives take tensors: NCCL's only device tensors."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _dispatch_per_rank(layers, num_layers: int) -> dict[str, list]:
+    """Every layer's dispatch counts per global rank (``LRMoELayerStats.dispatch_counts``),
+    summed over the interval's calls: ``lrmoe/layer<N>/rank-sent-pairs`` and
+    ``rank-kept-sent-pairs`` [W], ``instance-rows`` and ``instance-kept-rows`` [W][L].
+    What the region handed its all-to-alls, for the simulator's exact per-rank
+    comparison (``megatron_lrmoe.tools.simulator_counts``). Collective."""
+    counts = {layer.layer_number or 0: layer.lrmoe_stats.dispatch_counts() for layer in layers}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = _collective_device()
+    width = torch.tensor([max((rows.shape[1] for _, rows in counts.values()), default=0)],
+                         device=device)
+    if world > 1:
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)
+    width = int(width.item())                     # host read: off the training path
+    pairs = torch.zeros(num_layers + 1, world, 2, dtype=torch.int64)
+    rows = torch.zeros(num_layers + 1, world, 2, width, dtype=torch.int64)
+    for n, (sent, layer_rows) in counts.items():
+        pairs[n, rank] += torch.tensor(sent)
+        rows[n, rank, :, :layer_rows.shape[1]] += torch.from_numpy(layer_rows)
+    if world > 1:                                 # each rank fills its own row: a gather
+        pairs, rows = pairs.to(device), rows.to(device)
+        dist.all_reduce(pairs)
+        dist.all_reduce(rows)
+    pairs, rows = pairs.cpu(), rows.cpu()
+    out: dict[str, list] = {}
+    for n in range(num_layers + 1):
+        if pairs[n].any():
+            prefix = f"lrmoe/layer{n}/"
+            out[prefix + "rank-sent-pairs"] = pairs[n, :, 0].tolist()
+            out[prefix + "rank-kept-sent-pairs"] = pairs[n, :, 1].tolist()
+            out[prefix + "instance-rows"] = rows[n, :, 0].tolist()
+            out[prefix + "instance-kept-rows"] = rows[n, :, 1].tolist()
+    return out
+
+
 def collect_lrmoe_stats(model_chunks, num_layers: int, num_experts: int) -> dict[str, float]:
     """Reduce and reset every LRMoE layer's statistics; keys ``lrmoe/...`` for logging.
 
@@ -173,6 +229,7 @@ def collect_lrmoe_stats(model_chunks, num_layers: int, num_experts: int) -> dict
     """
     width = len(TOTAL_FIELDS)
     layers = lrmoe_layers(model_chunks)
+    dispatch = _dispatch_per_rank(layers, num_layers)
     totals = torch.zeros(num_layers + 1, width, dtype=torch.float64)
     load = torch.zeros(num_layers + 1, dtype=torch.float64)
     median = torch.zeros(num_layers + 1, dtype=torch.float64)
@@ -190,11 +247,16 @@ def collect_lrmoe_stats(model_chunks, num_layers: int, num_experts: int) -> dict
             expert_load[n] += stats.expert_load
         stats.reset()
     if dist.is_initialized() and dist.get_world_size() > 1:
+        device = _collective_device()
+        totals, load, median, replicas, expert_load = (
+            t.to(device) for t in (totals, load, median, replicas, expert_load))
         dist.all_reduce(totals)
         dist.all_reduce(load, op=dist.ReduceOp.MAX)
         dist.all_reduce(median, op=dist.ReduceOp.MAX)
         dist.all_reduce(replicas, op=dist.ReduceOp.MAX)
         dist.all_reduce(expert_load)
+        totals, load, median, replicas, expert_load = (
+            t.cpu() for t in (totals, load, median, replicas, expert_load))
     out: dict[str, float] = {}
     present = [n for n in range(num_layers + 1) if totals[n, 0] > 0]
     for n in present:
@@ -210,4 +272,4 @@ def collect_lrmoe_stats(model_chunks, num_layers: int, num_experts: int) -> dict
                                     float(replicas[present].sum()),
                                     float(median[present].max())).items():
             out[f"lrmoe/{key}"] = value
-    return out
+    return out | dispatch

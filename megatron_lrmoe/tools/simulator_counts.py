@@ -19,14 +19,21 @@ sums equal to the same float division of the replayed integers):
   the step's micro-batches, of the pairs received per rank max/mean, from the
   simulator's dispatch of the recorded counts (static placement, Megatron's layout);
   and the pairs sent per source rank: tokens x top-k each (dropless), or, with a
-  capacity factor, the recorded counts unchanged by the simulator's capacity drop.
+  capacity factor, the recorded counts unchanged by the simulator's capacity drop;
+  and at each log interval ``routing/layer<N>/instance-rows`` ([W][L], summed over the
+  interval): the rows the dispatcher handed each rank's local experts, against the
+  simulator's dispatch of the recorded counts after its capacity drop.
 - LRMoE's layer (``lrmoe/layer<N>/...``, every LRMoE log interval, summed over ranks
   and the interval's calls): ``expert-load`` (pairs sent per expert),
   ``retained-fraction`` (kept pairs over routed), ``expert-backward-rows`` (kept rows
   received, over all instances), ``backward-bytes-saved`` (bytes of the dropped
   gradient rows less the positions sent), ``replicas`` (replicas placed),
   ``routing-overflow-pairs``, ``budget-adjusted-calls``, ``load-max-over-mean`` and its
-  median (pairs received per rank, max/mean), and the same over all layers.
+  median (pairs received per rank, max/mean), and the same over all layers; per rank
+  ([W], by global rank, summed over the interval) ``rank-sent-pairs`` and
+  ``rank-kept-sent-pairs``, and ``instance-rows`` and ``instance-kept-rows`` ([W][L]:
+  the rows each local instance of each rank received in forward and in backward, as
+  the region's layout handed them to its all-to-alls and grouped GEMMs).
 
 The planner settings the simulator derives are compared with the layer's own
 (``integration.planner_inputs.planner_settings`` of the run's config) as well: a
@@ -86,12 +93,18 @@ class CallCounts:
 
     iteration: int
     layer: int
+    ranks: list[int]
+    """[R] the global rank of each EP rank of the group (the counts' rows)."""
     counts: np.ndarray
     """[R, E] the recorded routed counts (pairs each source rank sent to each expert)."""
     received: np.ndarray
     """[R] pairs each rank receives (the dispatch: the planner's rank load)."""
     rows_per_instance: np.ndarray
     """[I] pairs each expert instance receives."""
+    kept_rows_per_instance: np.ndarray
+    """[I] kept rows each expert instance receives in backward."""
+    instance_rank: np.ndarray
+    """[I] the EP rank holding each instance (instances rank-major)."""
     kept_per_source: np.ndarray
     """[R] pairs each source rank keeps for backward (its quotas)."""
     kept_received: np.ndarray
@@ -190,6 +203,7 @@ def replay_calls(replay: RunReplay) -> list[CallCounts]:
     for number in trace.layers:
         planner = policy_planner(replay.policy, trace.ep, replay.cost, replay.budget_bytes)
         groups = trace.ep_groups(number)
+        sources = trace.header["sources"][str(number)]
         for iteration, step in zip(trace.iterations.tolist(), trace.layer(number), strict=True):
             for micro in step:                                        # [S, E]
                 for group in groups:
@@ -208,9 +222,12 @@ def replay_calls(replay: RunReplay) -> list[CallCounts]:
                     load = (plan.rank_load if plan.rank_load is not None
                             else retention.routed_per_rank.numpy())
                     out.append(CallCounts(
-                        iteration=iteration, layer=number, counts=counts,
+                        iteration=iteration, layer=number,
+                        ranks=[sources[row]["rank"] for row in group], counts=counts,
                         received=np.asarray(load, dtype=np.int64),
                         rows_per_instance=retention.routed_per_instance.numpy(),
+                        kept_rows_per_instance=retention.retained_per_instance.numpy(),
+                        instance_rank=rank_of,
                         kept_per_source=quotas.sum(1),
                         kept_received=retention.retained_per_rank.numpy(),
                         replicas=len(planner.placement.replicas),
@@ -251,6 +268,45 @@ def _megatron_step(calls: list[CallCounts], replay: RunReplay) -> dict[str, obje
     return out
 
 
+def _megatron_interval(calls: list[CallCounts], replay: RunReplay) -> dict[str, object]:
+    """``routing/layer<N>/instance-rows`` of Megatron's layer over an interval's calls:
+    [W][L] rows each rank's local experts received (Megatron's contiguous layout), the
+    recorded counts after the simulator's capacity drop where the run drops."""
+    s, world = replay.shape, replay.trace.header["parallel"]["world_size"]
+    local = s.num_experts // replay.trace.ep
+    factor = replay.policy.moe_expert_capacity_factor
+    out: dict[str, object] = {}
+    for number in replay.trace.layers:
+        rows = np.zeros((world, local), dtype=np.int64)
+        for c in (c for c in calls if c.layer == number):
+            kept = (c.counts if factor is None else   # float64 of integers: exact
+                    megatron_kept_counts(c.counts, s.tokens_per_rank, s.topk, factor))
+            rows[c.ranks] += kept.sum(0).astype(np.int64).reshape(len(c.ranks), local)
+        if rows.any():
+            out[f"routing/layer{number}/instance-rows"] = rows.tolist()
+    return out
+
+
+def _per_rank(calls: list[CallCounts], world: int) -> dict[str, object]:
+    """One layer's ``rank-sent-pairs``, ``rank-kept-sent-pairs`` [W] and ``instance-rows``,
+    ``instance-kept-rows`` [W][L] over calls, as ``stats.LRMoELayerStats.dispatch_counts``
+    sums them: instance j of a rank is its j-th instance in the call's order, L the most
+    any rank held in any call."""
+    sent = np.zeros(world, dtype=np.int64)
+    kept = np.zeros(world, dtype=np.int64)
+    width = max(int(np.bincount(c.instance_rank).max()) for c in calls)
+    rows = np.zeros((2, world, width), dtype=np.int64)
+    for c in calls:
+        sent[c.ranks] += c.counts.sum(1)
+        kept[c.ranks] += c.kept_per_source
+        for ep_rank, rank in enumerate(c.ranks):
+            mine = c.instance_rank == ep_rank
+            rows[0, rank, :mine.sum()] += c.rows_per_instance[mine]
+            rows[1, rank, :mine.sum()] += c.kept_rows_per_instance[mine]
+    return {"rank-sent-pairs": sent.tolist(), "rank-kept-sent-pairs": kept.tolist(),
+            "instance-rows": rows[0].tolist(), "instance-kept-rows": rows[1].tolist()}
+
+
 def _lrmoe_interval(calls: list[CallCounts], replay: RunReplay) -> dict[str, object]:
     """What ``collect_lrmoe_stats`` logs of an interval's calls (its deterministic keys),
     from the replay: per layer and over all layers."""
@@ -281,7 +337,9 @@ def _lrmoe_interval(calls: list[CallCounts], replay: RunReplay) -> dict[str, obj
                 prefix + "routing-overflow-pairs": t["overflow"],
                 prefix + "budget-adjusted-calls": t["adjusted"],
                 prefix + "load-max-over-mean": max(loads),
-                prefix + "load-max-over-mean-median": statistics.median(loads)}
+                prefix + "load-max-over-mean-median": statistics.median(loads),
+                **{prefix + k: v for k, v in _per_rank(
+                    mine, replay.trace.header["parallel"]["world_size"]).items()}}
     if totals:
         routed = sum(t["routed"] for t in totals.values())
         kept = sum(t["kept"] for t in totals.values())
@@ -303,7 +361,8 @@ def _equal(logged: object, simulated: object) -> bool:
     if isinstance(simulated, Fraction):
         return logged == simulated.numerator / simulated.denominator
     if isinstance(simulated, list):
-        return isinstance(logged, list) and [int(v) for v in logged] == simulated
+        return (isinstance(logged, list) and len(logged) == len(simulated)
+                and all(_equal(a, b) for a, b in zip(logged, simulated, strict=True)))
     return logged == simulated
 
 
@@ -321,9 +380,16 @@ def compare_run(run: Path, records: list[dict] | None = None) -> dict:
     compared: dict[str, int] = {}
     not_logged: set[str] = set()
     lrmoe = replay.policy.runs_planner
-    start = 0            # the first iteration of the current LRMoE log interval
+    start = 0            # the last iteration before the current log interval
     for record in records:
         iteration = record["iteration"]
+        if not lrmoe and any(k.endswith("/instance-rows") for k in record):
+            window = [c for i in range(start + 1, iteration + 1)
+                      for c in by_iteration.get(i, [])]
+            start = iteration
+            record_rows = _megatron_interval(window, replay)
+        else:
+            record_rows = {}
         if lrmoe:
             if "lrmoe/retained-fraction" not in record:
                 continue
@@ -338,6 +404,7 @@ def compare_run(run: Path, records: list[dict] | None = None) -> dict:
                 record = {**record, key: [tokens]}
             for key in [k for k in expected if k.endswith("/changed-by-capacity-drop")]:
                 record = {**record, key: 0}
+            expected |= record_rows
         for key, value in expected.items():
             family = re.sub(r"layer\d+/", "layer<N>/", key)
             if key not in record:        # a figure this run's code did not log
@@ -347,6 +414,8 @@ def compare_run(run: Path, records: list[dict] | None = None) -> dict:
             logged = record[key]
             if not _equal(logged, value):
                 mismatches.append(Mismatch(iteration, key, logged, _plain(value)))
+    if not lrmoe and not any(k.endswith("/instance-rows") for r in records for k in r):
+        not_logged.add("routing/layer<N>/instance-rows")
     memory = [c.memory for c in calls if c.memory is not None]
     return {"run": str(run), "policy": replay.policy.name,
             "placement": replay.policy.placement, "ep": replay.trace.ep,
@@ -371,15 +440,11 @@ def _plain(value: object) -> object:
 
 
 NOT_LOGGED = (
-    "Not in the runs' logs, so not compared: per-rank figures (the LRMoE statistics are "
-    "sums or maxima over all ranks and a log interval; Megatron's layer logs only the "
-    "received-load max/mean per step); rows per expert instance (logged only summed, as "
-    "expert-backward-rows, and per expert, as expert-load, sent not received); pairs "
-    "received per rank as counts; the per-rank MoE memory measured (the runs ran on CPU: "
-    "no allocator peak; memory-predicted-peak-gib of a held run is the launcher's model, "
-    "not a measurement). Logging these would take, per step and layer, the [R] received, "
-    "[R] kept-sent and [R] kept-received pairs, the [I] rows per instance and the "
-    "placement's replicas, and on CUDA the allocator's MoE peak per rank.")
+    "Runs whose code logged no per-rank figures (the key families a run lacks are listed "
+    "per run) are compared on their sums and maxima over ranks only. Memory is not in the "
+    "runs' logs (on CPU there is no allocator peak; memory-predicted-peak-gib of a held "
+    "run is the launcher's model, not a measurement): the simulator's per-rank memory is "
+    "compared with the layer benchmark's measurement separately.")
 
 
 def report_lines(results: list[dict]) -> list[str]:

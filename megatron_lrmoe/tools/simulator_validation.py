@@ -87,7 +87,8 @@ def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
     if args.moe_lrmoe:
         policy = Policy("lrmoe", placement=args.moe_lrmoe_placement,
                         capacity_factor=args.moe_lrmoe_bwd_capacity_factor,
-                        budget=args.moe_lrmoe_memory_budget_gb is not None)
+                        budget=args.moe_lrmoe_memory_budget_gb is not None,
+                        slots_per_rank=args.moe_lrmoe_slots_per_rank)
     else:
         policy = Policy("megatron", moe_expert_capacity_factor=args.moe_expert_capacity_factor,
                         runs_planner=False)

@@ -67,3 +67,55 @@ def test_a_perturbed_lrmoe_figure_is_reported():
 def test_max_over_mean_is_the_float_of_the_integers():
     assert sc.max_over_mean([3, 1]) == 1.5
     assert sc.max_over_mean([0, 0]) == 0.0
+
+
+# -----------------------------------------------------------------------------
+# A fresh run of today's layers on 2 gloo ranks: the per-rank figures they log
+# -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant, families", [
+    (["--moe-expert-capacity-factor", "1.0"], {"routing/layer<N>/instance-rows": 2 * 2}),
+    (["--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "0.75", "--moe-lrmoe-placement",
+      "popularity", "--moe-lrmoe-slots-per-rank", "5"],
+     {f"lrmoe/layer<N>/{k}": 2 * 2 for k in ("rank-sent-pairs", "rank-kept-sent-pairs",
+                                             "instance-rows", "instance-kept-rows")}),
+], ids=["megatron-capacity", "lrmoe-drop-replicas"])
+def test_a_fresh_runs_per_rank_dispatch_matches_the_replay(gloo2, corpus, tmp_path, variant,
+                                                          families):
+    import json
+    import shlex
+
+    from tests.launcher.test_routing_record import TINY
+
+    run = tmp_path / "run"
+    run.mkdir()
+    # 4 steps, 2 log intervals; the routing and the log where the driver keeps them.
+    flags = [*TINY, *variant, "--log-interval", "2", "--eval-iters", "0",
+             "--data-path", corpus, "--record-routing", str(run / "routing"),
+             "--log-json", str(run / "log.jsonl")]
+    gloo2.run(_train, flags, timeout=300)
+    (run / "done.json").write_text(json.dumps({"command": shlex.join(
+        ["python", "-m", "megatron_lrmoe.launcher.pretrain", *flags])}))
+    result = sc.compare_run(run)
+    assert result["mismatches"] == []
+    for family, count in families.items():          # 2 layers x 2 log intervals
+        assert result["compared"][family] == count
+    records = run_log.read_records(run / "log.jsonl")
+    rows = [r[k] for r in records for k in r if k.endswith("/instance-rows")]
+    assert rows and all(len(r) == 2 for r in rows)   # [W][L]: both ranks
+    if "--moe-lrmoe" in variant:
+        # A replica per rank (5 slots, 4 homes) and drops: the figures are not trivial.
+        assert any(len(r[0]) == 5 and r[0][4] > 0 for r in rows)
+        kept = [r[k] for r in records for k in r if k.endswith("/instance-kept-rows")]
+        assert sum(map(sum, sum(kept, []))) < sum(map(sum, sum(rows, [])))
+    # A changed per-rank count is caught.
+    key = next(k for k in records[-1] if k.endswith("/instance-rows"))
+    records[-1][key][1][0] += 1
+    assert [m["key"] for m in sc.compare_run(run, records)["mismatches"]] == [key]
+
+
+def _train(argv: list[str]) -> None:
+    from megatron_lrmoe.launcher.arguments import parse_args
+    from megatron_lrmoe.launcher.pretrain import train
+
+    train(parse_args(argv))
