@@ -157,6 +157,9 @@ def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = No
     resume = [] if not segment else ["--save", str(checkpoint), "--load", str(checkpoint),
                                      "--exit-interval", str(segment)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    from megatron_lrmoe.tools.provenance import code_version
+
+    launched = code_version()     # the code the run imports: the tree at its launch
     start = time.perf_counter()
     with open(run_dir / "stdout.txt", "a" if resumed else "w") as out:
         code = subprocess.call(command + resume, cwd=ROOT, env=env, stdout=out,
@@ -171,9 +174,7 @@ def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = No
             _keep_latest(checkpoint, reached)
             _write_atomic(walls_file, {"wall_s": walls})
             return None
-    from megatron_lrmoe.tools.provenance import code_version
-
-    record = {"command": shlex.join(command), "wall_s": sum(walls), "code": code_version()}
+    record = {"command": shlex.join(command), "wall_s": sum(walls), "code": launched}
     if segment:
         record["rounds"] = {"steps_per_round": segment, "wall_s": walls}
     if code != 0:
