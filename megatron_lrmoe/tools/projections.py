@@ -1,7 +1,8 @@
 """Projections at published recipe layouts, where the device's memory binds.
 
     python -m megatron_lrmoe.tools.projections --preset qwen3-30b-a3b-8xh100 --out /tmp/projections
-    python -m megatron_lrmoe.tools.projections --preset all --out /tmp/projections
+    python -m megatron_lrmoe.tools.projections --preset all --out /tmp/projections \
+        --steps-to-target-by-ep 8=ep8_steps.json 16=ep16_steps.json
 
 A preset (``PRESETS``) is a published Megatron-Bridge recipe's parallel layout as the
 launcher's flags (TP, PP, EP, ETP, sequence parallelism, micro-batch, global batch,
@@ -18,8 +19,11 @@ of the memory account) this module predicts, with ``tools/fitting.py``:
   recompute and SYMI's slots are searched by bisection (memory falls with n, rises with
   slots; time the other way), so the best fitting one of each is found without pricing
   every n;
-* its MoE time and total step time per step, and to the target (``simulate``'s
-  steps-to-target ratios, an assumption at this scale);
+* its MoE time and total step time per step, and to the target relative to dropless
+  and SYMI-style: the per-step time ratio times the steps-to-target ratio measured by a
+  time-to-loss study (an assumption at this scale), as the median and [min, max] over its
+  seeds (``to_target``); one file for every preset, or one per EP size
+  (``steps_for_ep``); at ``GOAL_PRESET`` the goal check (``goal_check``);
 * the largest micro-batch that fits (``fitting.largest_micro_batch``),
   with the fitting choice's recompute, micro-batches per step unchanged.
 
