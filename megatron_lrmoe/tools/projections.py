@@ -776,10 +776,10 @@ def main(argv: list[str] | None = None) -> int:
                 "context": context,
                 "steps_to_target": {"file": str(steps.path), "ep": steps_ep,
                                     "study_policy": steps.study_policy},
+                "to_target": {policy: _range_json(entry) for policy, entry in ranges.items()},
                 **({"goal": goal_check(rows, steps)} if name == GOAL_PRESET else {}),
                 "policies": [{
                     "policy": r.policy, "label": r.label, "steps_ratio": r.ratio,
-                    "to_target": _range_json(ranges.get(r.policy, {})),
                     "recipe": _prediction_json(r.recipe), "recipe_step_s": r.recipe_step_s,
                     "choice": _prediction_json(r.choice), "choice_step_s": r.choice_step_s,
                     "largest_micro_batch": None if r.largest is None else r.largest[0],

@@ -42,8 +42,9 @@ def _file(tmp_path, name="steps.json", seeds=True, ep=None, lrmoe_policy="lrmoe-
 
 def _row(policy: str, moe_s: float | None, step_s: float = 10.0) -> P.Projection:
     choice = None if moe_s is None else SimpleNamespace(
-        moe_s=moe_s, candidate=SimpleNamespace(fitted="none"))
-    return P.Projection(policy=policy, label=policy, recipe=None, choice=choice,
+        moe_s=moe_s, need=2**30, error="", candidate=SimpleNamespace(fitted="none"))
+    recipe = SimpleNamespace(error="", fits=True, need=2**30)
+    return P.Projection(policy=policy, label=policy, recipe=recipe, choice=choice,
                         choice_step_s=step_s if choice else math.nan,
                         recipe_step_s=math.nan, largest=None, ratio=math.nan)
 
@@ -188,3 +189,19 @@ def test_the_goal_when_something_does_not_fit(tmp_path):
     # A study policy without replicas: the projection without them is LRMoE's.
     steps = read_steps_to_target(_file(tmp_path, lrmoe_policy="lrmoe-x"), "f", P.STEPS_KEYS)
     assert P.goal_check(_rows(2.0), steps)["policy"] == "lrmoe-uniform-g1.0"
+
+
+def test_the_report_carries_the_ranges_and_the_goal(tmp_path):
+    steps = read_steps_to_target(_file(tmp_path), "f", P.STEPS_KEYS)
+    context = {"reserve_gib": 0.0, "microbatches_per_step": 64, "data_parallel": 16,
+               "stage_layers": 48, "pipeline_factor": 1.0, "outside_s": 1.0,
+               "outside_source": "s"}
+    text = P.report_markdown(P.PRESETS[P.GOAL_PRESET], context, _rows(2.0), "cmd", "code",
+                             steps, 16)
+    row = next(line for line in text.splitlines() if line.startswith("| lrmoe-uniform"))
+    assert ("| 0.880 [0.800, 0.990] |" in row and "| 0.400 [0.400, 0.550] |" in row
+            and "| 0.352 [0.320, 0.396] |" in row)
+    assert "measured at EP 16; this preset's EP 16" in text and "**met**" in text
+    other = P.report_markdown(P.PRESETS["qwen3-30b-a3b-8xh100"], context, _rows(2.0),
+                              "cmd", "code", steps, 8)
+    assert "**Goal**" not in other
