@@ -1,7 +1,8 @@
 """Projections at published recipe layouts, where the device's memory binds.
 
     python -m megatron_lrmoe.tools.projections --preset qwen3-30b-a3b-8xh100 --out /tmp/projections
-    python -m megatron_lrmoe.tools.projections --preset all --out /tmp/projections
+    python -m megatron_lrmoe.tools.projections --preset all --out /tmp/projections \
+        --steps-to-target-by-ep 8=ep8_steps.json 16=ep16_steps.json
 
 A preset (``PRESETS``) is a published Megatron-Bridge recipe's parallel layout as the
 launcher's flags (TP, PP, EP, ETP, sequence parallelism, micro-batch, global batch,
@@ -18,8 +19,11 @@ of the memory account) this module predicts, with ``tools/fitting.py``:
   recompute and SYMI's slots are searched by bisection (memory falls with n, rises with
   slots; time the other way), so the best fitting one of each is found without pricing
   every n;
-* its MoE time and total step time per step, and to the target (``simulate``'s
-  steps-to-target ratios, an assumption at this scale);
+* its MoE time and total step time per step, and to the target relative to dropless
+  and SYMI-style: the per-step time ratio times the steps-to-target ratio measured by a
+  time-to-loss study (an assumption at this scale), as the median and [min, max] over its
+  seeds (``to_target``); one file for every preset, or one per EP size
+  (``steps_for_ep``); at ``GOAL_PRESET`` the goal check (``goal_check``);
 * the largest micro-batch that fits (``fitting.largest_micro_batch``),
   with the fitting choice's recompute, micro-batches per step unchanged.
 
@@ -62,14 +66,17 @@ from megatron_lrmoe.tools.simulate import (
     MODELS,
     ROOT,
     STEPS_TO_TARGET_FILE,
-    load_steps_to_target,
+    StepsPair,
+    StepsToTarget,
     load_traces,
-    steps_ratios,
+    read_steps_to_target,
 )
+from megatron_lrmoe.tools.steps_to_target import Range, paired_range, ratio_range
 
-__all__ = ["DISPATCHER_CAVEAT", "POLICIES", "PRESETS", "Preset", "base_flags",
-           "config_flags", "outside_flops", "outside_time", "pipeline_factor", "project",
-           "report_markdown"]
+__all__ = ["DISPATCHER_CAVEAT", "GOAL", "GOAL_PRESET", "POLICIES", "PRESETS", "Preset",
+           "base_flags", "config_flags", "goal_check", "outside_flops", "outside_time",
+           "parse_steps_by_ep", "pipeline_factor", "project", "report_markdown",
+           "steps_for_ep", "to_target"]
 
 DISPATCHER_CAVEAT = (
     "All policies simulated with the all-to-all dispatcher and without the recipe's flex "
@@ -452,16 +459,173 @@ def project(preset: Preset, traces: list[np.ndarray], steps: int = 2,
     return context, out
 
 
+# ------------------------------------------------------------------ steps to target
+STEPS_KEYS = tuple(dict.fromkeys(key for _, _, key in POLICIES.values() if key != "dropless"))
+"""The steps-to-target file's policies the projections read."""
+BY_EP_FLAG = "--steps-to-target-by-ep"
+
+
+def parse_steps_by_ep(items: list[str]) -> dict[int, StepsToTarget]:
+    """``EP=FILE`` items of ``--steps-to-target-by-ep`` as read files by EP size. Raises
+    ValueError naming the flag and the item at fault, or the file (it names the EP size
+    it was measured at, ``"ep"``, and that is not the item's)."""
+    out: dict[int, StepsToTarget] = {}
+    for item in items:
+        ep, sep, path = item.partition("=")
+        if not (sep and ep.isdigit() and int(ep) >= 1 and path):
+            raise ValueError(f"{BY_EP_FLAG} {item}: expected EP=FILE with EP a positive "
+                             "integer (e.g. 16=steps_to_target.json)")
+        if int(ep) in out:
+            raise ValueError(f"{BY_EP_FLAG} {item}: EP {ep} given twice")
+        steps = read_steps_to_target(Path(path), f"{BY_EP_FLAG} {ep}=", STEPS_KEYS)
+        measured = json.loads(Path(path).read_text()).get("ep")
+        if measured is not None and measured != int(ep):
+            raise ValueError(f"{BY_EP_FLAG} {item}: the file's study ran at EP {measured} "
+                             f"(its \"ep\"); give it as {measured}={path}")
+        out[int(ep)] = steps
+    return out
+
+
+def steps_for_ep(by_ep: dict[int, StepsToTarget], ep: int) -> tuple[int, StepsToTarget]:
+    """The file a preset at expert-parallel size ``ep`` is projected with: the largest
+    EP's file at or above that EP, the smallest EP's at or below it, a given EP's at it.
+    An EP strictly between two given sizes has no measured ratio: ValueError naming the
+    flag (give a file for that EP)."""
+    sizes = sorted(by_ep)
+    if ep in by_ep:
+        return ep, by_ep[ep]
+    if ep > sizes[-1]:
+        return sizes[-1], by_ep[sizes[-1]]
+    if ep < sizes[0]:
+        return sizes[0], by_ep[sizes[0]]
+    below = max(s for s in sizes if s < ep)
+    above = min(s for s in sizes if s > ep)
+    raise ValueError(f"{BY_EP_FLAG}: a preset at EP {ep} lies between the files for EP "
+                     f"{below} and EP {above}; give one for EP {ep} ({ep}=FILE)")
+
+
+def _swap(pairs: tuple[StepsPair, ...]) -> tuple[StepsPair, ...]:
+    return tuple(StepsPair(p.dropless_steps, p.steps, p.seed) for p in pairs)
+
+
+def steps_vs(steps: StepsToTarget, a: str, b: str) -> tuple[Range, str]:
+    """Steps to target of ratio key ``a`` over key ``b`` (``POLICIES``' third field;
+    dropless is each pair's own dropless run) with how it was formed: per seed where the
+    pairs name the same seeds, else the cross range (``paired_range``)."""
+    if a == b:
+        return Range(1.0, 1.0, 1.0), "same"
+    if b == "dropless":
+        return ratio_range(steps.pairs[a]), "per seed"
+    if a == "dropless":
+        return ratio_range(_swap(steps.pairs[b])), "per seed"
+    return paired_range(steps.pairs[a], steps.pairs[b])
+
+
+def to_target(rows: list[Projection], steps: StepsToTarget | None) -> dict[str, dict]:
+    """Per policy with a fitting choice: its time to target relative to the fitting
+    choice of dropless and of SYMI-style, in step seconds and in MoE-layer seconds,
+    each the per-step time ratio x the steps ratio's median and [min, max] over seeds
+    (``steps_vs``). Without a file (``steps`` None) each row's ``ratio`` stands alone
+    (no spread)."""
+    by_policy = {r.policy: r for r in rows if r.choice is not None}
+    out: dict[str, dict] = {}
+    for r in by_policy.values():
+        key = POLICIES[r.policy][2]
+        entry: dict = {"steps_ratio": Range(r.ratio, r.ratio, r.ratio)}
+        if steps is not None and key != "dropless":
+            entry["steps_ratio"] = ratio_range(steps.pairs[key])
+        for base, name in (("megatron-dropless", "dropless"), ("symi", "symi")):
+            ref = by_policy.get(base)
+            if ref is None:
+                continue
+            if steps is None:
+                rel, how = Range(*(r.ratio / ref.ratio,) * 3), "medians (no file)"
+            else:
+                rel, how = steps_vs(steps, key, POLICIES[base][2])
+            entry[f"steps_vs_{name}"] = rel
+            entry[f"steps_vs_{name}_how"] = how
+            entry[f"step_vs_{name}"] = rel.scale(r.choice_step_s / ref.choice_step_s)
+            entry[f"moe_vs_{name}"] = rel.scale(r.choice.moe_s / ref.choice.moe_s)
+        out[r.policy] = entry
+    return out
+
+
+GOAL_PRESET = "qwen3-30b-a3b-16xh100"
+GOAL = 0.70
+"""LRMoE's cumulative MoE-layer time to target over the fastest fitted SYMI-style and
+dropless configuration's, at ``GOAL_PRESET``: at most this over the ratio's range."""
+_LEVELS = ("not met", "met at the best seed only", "met at the median only", "met")
+
+
+def _level(r: Range, goal: float) -> int:
+    return 3 if r.high <= goal else 2 if r.median <= goal else 1 if r.low <= goal else 0
+
+
+def goal_check(rows: list[Projection], steps: StepsToTarget | None,
+               goal: float = GOAL) -> dict:
+    """Whether LRMoE (the steps file's LRMoE run: with memory-aware replicas when its study
+    policy ends in ``-ma``) projects to at most ``goal`` x the MoE-layer time to target of
+    the fitting choice of SYMI-style and of dropless over the whole steps-ratio range.
+    Per baseline: "met" (the range's high end at most ``goal``), "met at the median
+    only", "met at the best seed only" (its low end), "not met"; overall the weaker of
+    the two. A baseline that fits nothing is left out of the verdict (said)."""
+    study = steps.study_policy.get("lrmoe-ma", "") if steps else ""
+    policy = ("lrmoe-uniform-g1.0" if study and not study.endswith("-ma")
+              else "lrmoe-uniform-g1.0-ma")
+    found = {r.policy: r for r in rows}
+    out: dict = {"goal": goal, "policy": policy, "study_policy": study or None}
+    if policy not in found or found[policy].choice is None:
+        why = "not projected" if policy not in found else "fits nothing"
+        return out | {"verdict": f"not met (LRMoE {policy} {why})", "baselines": {}}
+    ranges = to_target(rows, steps)[policy]
+    baselines, levels = {}, []
+    for base, name in (("symi", "symi"), ("megatron-dropless", "dropless")):
+        if f"moe_vs_{name}" not in ranges:
+            baselines[base] = {"verdict": "left out: " + (
+                "not projected" if base not in found else "fits nothing")}
+            continue
+        r = ranges[f"moe_vs_{name}"]
+        levels.append(_level(r, goal))
+        baselines[base] = {"moe_vs": asdict(r), "how": ranges[f"steps_vs_{name}_how"],
+                           "fitted": found[base].choice.candidate.fitted,
+                           "verdict": _LEVELS[levels[-1]]}
+    out["baselines"] = baselines
+    out["verdict"] = _LEVELS[min(levels)] if levels else "not assessed (no baseline fits)"
+    return out
+
+
+def goal_markdown(check: dict) -> str:
+    lines = [f"**Goal** (LRMoE's cumulative MoE-layer time to target at most "
+             f"{check['goal']:.2f} x the fastest fitted SYMI-style and dropless, over the "
+             f"steps ratio's range): **{check['verdict']}**. LRMoE: {check['policy']}"
+             + (f" (the steps file's run: {check['study_policy']})"
+                if check["study_policy"] else "") + "."]
+    for base, b in check["baselines"].items():
+        if "moe_vs" not in b:
+            lines.append(f"- vs {base}: {b['verdict']}")
+            continue
+        r = Range(**b["moe_vs"])
+        lines.append(f"- vs {base} ({b['fitted']}): {r.text()} (median [min, max], steps "
+                     f"ratio {b['how']}): {b['verdict']}")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------ report
 def _gib(p: F.Prediction | None) -> str:
     return "-" if p is None or p.error else f"{p.need / GIB:.1f}"
 
 
 def report_markdown(preset: Preset, context: dict, rows: list[Projection],
-                    command: str, code: str) -> str:
-    dropless = next((r for r in rows if r.policy == "megatron-dropless"), None)
-    ref = (dropless.choice_step_s * dropless.ratio
-           if dropless and dropless.choice else math.nan)
+                    command: str, code: str, steps: StepsToTarget | None = None,
+                    steps_ep: int | None = None) -> str:
+    """The preset's table; ``steps``: the steps-to-target file its ratios came from (the
+    spread over its seeds in every to-target column), measured at EP ``steps_ep``."""
+    ranges = to_target(rows, steps)
+
+    def rel(policy: str, key: str) -> str:
+        r = ranges.get(policy, {}).get(key)
+        return "-" if r is None else r.text()
+
     lines = [
         f"## {preset.name}: {preset.gpus} x {CLUSTERS[preset.cluster].gpu.split(' x ')[-1]}, "
         f"{preset.device_gib:.1f} GiB per device"
@@ -479,9 +643,16 @@ def report_markdown(preset: Preset, context: dict, rows: list[Projection],
         f"- outside the MoE layers: {context['outside_s']:.3f} s/step "
         f"({context['outside_source']}; TP communication, optimizer step, memory-bound "
         "kernels and DP reduction ignored)",
+        *([] if steps is None else [
+            f"- steps to target: `{steps.path}`"
+            + (f" (measured at EP {steps_ep}; this preset's EP "
+               f"{_parse(preset, base_flags(preset)).expert_model_parallel_size})"
+               if steps_ep is not None else "")
+            + "; runs: " + ", ".join(f"{k} {v}" for k, v in steps.study_policy.items())]),
         "", "| policy | recipe config fits (need GiB) | recipe step s | fitting choice | "
-        "need GiB | MoE s/step | step s | to target (s per dropless step) | vs dropless | "
-        "largest micro-batch (choice's recompute) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        "need GiB | MoE s/step | step s | steps ratio | to target vs dropless | "
+        "vs SYMI-style | MoE to target vs dropless | MoE vs SYMI-style | "
+        "largest micro-batch (choice's recompute) |", "|" + "---|" * 13]
     for r in rows:
         rec = r.recipe
         fits = ("cannot start (auto below the floor)" if "below the floor" in rec.error
@@ -492,18 +663,30 @@ def report_markdown(preset: Preset, context: dict, rows: list[Projection],
         recipe_step = "-" if math.isnan(r.recipe_step_s) else f"{r.recipe_step_s:.2f}"
         if r.choice is None:
             lines.append(f"| {r.label} | {fits} | {recipe_step} | nothing fits | - | "
-                         f"- | - | - | - | {largest} |")
+                         f"- | - | - | - | - | - | - | {largest} |")
             continue
-        target = r.choice_step_s * r.ratio
         lines.append(
             f"| {r.label} | {fits} | {recipe_step} | {r.choice.candidate.fitted} | "
             f"{_gib(r.choice)} | {r.choice.moe_s:.2f} | {r.choice_step_s:.2f} | "
-            f"{target:.2f} (x{r.ratio:.3f}) | {target / ref:.3f} | {largest} |")
+            f"{rel(r.policy, 'steps_ratio')} | {rel(r.policy, 'step_vs_dropless')} | "
+            f"{rel(r.policy, 'step_vs_symi')} | {rel(r.policy, 'moe_vs_dropless')} | "
+            f"{rel(r.policy, 'moe_vs_symi')} | {largest} |")
     lines += ["", "MoE s/step: the stage's MoE layers' busy time (no bubble); step s: MoE + "
-              "outside, times the 1F1B factor. To target: step s x the policy's steps-to-"
-              "target ratio (time-to-loss study, an assumption at this scale; LRMoE without "
-              "replicas takes the memory-aware run's).", ""]
+              "outside, times the 1F1B factor. Steps ratio: steps to target over the same "
+              "seed's dropless run's (time-to-loss study, an assumption at this scale; LRMoE "
+              "without replicas takes the memory-aware run's), median [min, max] over the "
+              "seeds. To target vs X: this policy's step s (MoE: MoE s/step) over X's "
+              "fitting choice's, times the steps ratio to X per seed (both runs of one seed "
+              "share its dropless run), median [min, max]; where the file's two policies "
+              "do not name the same seeds, the cross range (lowest over highest to highest "
+              "over lowest).", ""]
+    if preset.name == GOAL_PRESET:
+        lines += [goal_markdown(goal_check(rows, steps)), ""]
     return "\n".join(lines)
+
+
+def _range_json(entry: dict) -> dict:
+    return {k: asdict(v) if isinstance(v, Range) else v for k, v in entry.items()}
 
 
 def _prediction_json(p: F.Prediction | None) -> dict | None:
@@ -538,17 +721,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--planner-ms", type=float, default=None,
                     help="the planner's host time per call (ms); default: measured here per "
                          "call (this CPU for the cluster's hosts)")
-    ap.add_argument("--steps-to-target", type=Path, default=STEPS_TO_TARGET_FILE)
+    steps_files = ap.add_mutually_exclusive_group()
+    steps_files.add_argument("--steps-to-target", type=Path, default=None,
+                             help="one steps-to-target file for every preset (default: "
+                                  f"{STEPS_TO_TARGET_FILE.relative_to(ROOT)})")
+    steps_files.add_argument(BY_EP_FLAG, nargs="+", metavar="EP=FILE", default=None,
+                             help="steps-to-target files by the EP size they were measured "
+                                  "at: a preset at or above the largest EP takes its file, "
+                                  "at or below the smallest its file; between two: an "
+                                  "error (e.g. 8=ep8.json 16=ep16.json)")
     ap.add_argument("--out", type=Path, default=None,
                     help="directory for projections_<preset>.md and .json")
     a = ap.parse_args(argv)
     names = list(PRESETS) if "all" in a.preset else a.preset
-    ratios = steps_ratios(load_steps_to_target(a.steps_to_target))
+    try:
+        by_ep = (parse_steps_by_ep(a.steps_to_target_by_ep) if a.steps_to_target_by_ep
+                 else None)
+        single = None if by_ep else read_steps_to_target(
+            a.steps_to_target or STEPS_TO_TARGET_FILE, "--steps-to-target", STEPS_KEYS)
+        chosen = {name: (steps_for_ep(by_ep, _parse(
+            PRESETS[name], base_flags(PRESETS[name])).expert_model_parallel_size)
+            if by_ep else (None, single)) for name in names}
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
     command = shlex.join(["python", "-m", "megatron_lrmoe.tools.projections",
                           *(sys.argv[1:] if argv is None else argv)])
     code = code_version(("megatron_lrmoe", "configs"))
     for name in names:
         preset = PRESETS[name]
+        steps_ep, steps = chosen[name]
+        ratios = {"dropless": 1.0} | {key: ratio_range(pairs).median
+                                      for key, pairs in steps.pairs.items()}
         started = time.perf_counter()
         trace_dir = a.trace or _TRACES / preset.trace / "trace"
         args = _parse(preset, base_flags(preset))
@@ -559,17 +762,23 @@ def main(argv: list[str] | None = None) -> int:
                                 planner_s=None if a.planner_ms is None else a.planner_ms / 1e3,
                                 log=lambda line: print(line, file=sys.stderr, flush=True))
         elapsed = time.perf_counter() - started
-        text = report_markdown(preset, context, rows, command, code) + (
+        text = report_markdown(preset, context, rows, command, code, steps, steps_ep) + (
             f"\nRouting: {source}; {a.layers} layer(s) x {a.steps} step(s) replayed per "
             f"configuration. Projected in {elapsed:.0f} s.\n")
         print(text)
+        ranges = to_target(rows, steps)
         if a.out:
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / f"projections_{name}.md").write_text(text)
             (a.out / f"projections_{name}.json").write_text(json.dumps({
                 "command": command, "code": code, "preset": name,
                 "caveat": DISPATCHER_CAVEAT, "routing": source, "seconds": elapsed,
-                "context": context, "policies": [{
+                "context": context,
+                "steps_to_target": {"file": str(steps.path), "ep": steps_ep,
+                                    "study_policy": steps.study_policy},
+                "to_target": {policy: _range_json(entry) for policy, entry in ranges.items()},
+                **({"goal": goal_check(rows, steps)} if name == GOAL_PRESET else {}),
+                "policies": [{
                     "policy": r.policy, "label": r.label, "steps_ratio": r.ratio,
                     "recipe": _prediction_json(r.recipe), "recipe_step_s": r.recipe_step_s,
                     "choice": _prediction_json(r.choice), "choice_step_s": r.choice_step_s,

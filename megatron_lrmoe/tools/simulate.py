@@ -56,7 +56,8 @@ from megatron_lrmoe.tools.figures import save_png
 from megatron_lrmoe.tools.provenance import code_version
 
 __all__ = ["CLUSTERS", "MODELS", "POLICIES", "STEPS_TO_TARGET_FILE", "ClusterSpec",
-           "ModelSpec", "Policy", "layer_shape", "load_steps_to_target",
+           "ModelSpec", "Policy", "StepsPair", "StepsToTarget", "layer_shape",
+           "load_steps_to_target", "read_steps_to_target",
            "machine_constants", "node_calibration", "policy_planner", "simulate", "source_batches",
            "steps_ratios"]
 
@@ -515,13 +516,35 @@ def _steps(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def load_steps_to_target(path: Path) -> dict[str, tuple[tuple[int, int], ...]]:
-    """Per policy other than dropless (``POLICIES`` order), its (steps, the same seed's
-    dropless steps) pairs from a steps-to-target file (``STEPS_TO_TARGET_FILE`` is the
-    shipped one; its ``"what"`` and ``"fields"`` describe the format). Raises ValueError
-    naming ``--steps-to-target`` and the file when it is missing or malformed."""
+@dataclass(frozen=True)
+class StepsPair:
+    """One seed's pair of a steps-to-target file: the policy's steps and the same seed's
+    dropless run's steps to the target. ``seed``: (corpus, seed) where the file gives
+    them (None otherwise): two policies' pairs of one seed share the dropless run."""
+
+    steps: int
+    dropless_steps: int
+    seed: tuple[str | None, int] | None = None
+
+
+@dataclass(frozen=True)
+class StepsToTarget:
+    """A steps-to-target file: per policy its pairs and the study's name of the run."""
+
+    path: Path
+    pairs: dict[str, tuple[StepsPair, ...]]
+    study_policy: dict[str, str]
+
+
+def read_steps_to_target(path: Path, flag: str = "--steps-to-target",
+                         wanted: tuple[str, ...] | None = None) -> StepsToTarget:
+    """A steps-to-target file (``STEPS_TO_TARGET_FILE`` is the shipped one; its ``"what"``
+    and ``"fields"`` describe the format) with the policies of ``wanted`` (default: every
+    simulator policy other than dropless), in that order; others of ``POLICIES`` may be
+    present and are read too. Raises ValueError naming ``flag`` and the file when it is
+    missing or malformed."""
     def bad(problem: str) -> ValueError:
-        return ValueError(f"--steps-to-target {path}: {problem}")
+        return ValueError(f"{flag} {path}: {problem}")
 
     try:
         doc = json.loads(Path(path).read_text())
@@ -532,27 +555,43 @@ def load_steps_to_target(path: Path) -> dict[str, tuple[tuple[int, int], ...]]:
     policies = doc.get("policies") if isinstance(doc, dict) else None
     if not isinstance(policies, dict):
         raise bad('expected a JSON object with a "policies" object')
-    # Every policy the simulator prices needs its figures: one left out would project
+    known = [p.name for p in POLICIES if p.name != "dropless"]
+    # Every policy the caller prices needs its figures: one left out would project
     # to NaN (or, for SYMI-style, silently to 1.0 in the "vs SYMI" column).
-    wanted = [p.name for p in POLICIES if p.name != "dropless"]
-    unknown = sorted(set(policies) - set(wanted))
+    wanted = tuple(known) if wanted is None else wanted
+    unknown = sorted(set(policies) - set(known))
     missing = [name for name in wanted if name not in policies]
     if unknown or missing:
-        raise bad(f"policies must be exactly {', '.join(wanted)} (dropless is 1 by "
-                  f"definition); unknown: {', '.join(unknown) or '-'}, missing: "
-                  f"{', '.join(missing) or '-'}")
-    out: dict[str, tuple[tuple[int, int], ...]] = {}
-    for name in wanted:
-        pairs = policies[name].get("pairs") if isinstance(policies[name], dict) else None
-        if not isinstance(pairs, list) or not pairs:
+        need = ("exactly " if len(wanted) == len(known) else "") + ", ".join(wanted)
+        raise bad(f"policies must be {need} (dropless is 1 by definition); unknown: "
+                  f"{', '.join(unknown) or '-'}, missing: {', '.join(missing) or '-'}")
+    pairs: dict[str, tuple[StepsPair, ...]] = {}
+    study: dict[str, str] = {}
+    for name in [*wanted, *(n for n in known if n in policies and n not in wanted)]:
+        entry = policies[name]
+        listed = entry.get("pairs") if isinstance(entry, dict) else None
+        if not isinstance(listed, list) or not listed:
             raise bad(f'policy {name!r}: expected {{"pairs": [...]}} with at least one pair')
-        for i, pair in enumerate(pairs):
+        for i, pair in enumerate(listed):
             if not (isinstance(pair, dict) and _steps(pair.get("steps"))
                     and _steps(pair.get("dropless_steps"))):
                 raise bad(f'policy {name!r}, pair {i}: expected "steps" and "dropless_steps" '
                           f"as integers >= 1, got {pair!r}")
-        out[name] = tuple((pair["steps"], pair["dropless_steps"]) for pair in pairs)
-    return out
+        pairs[name] = tuple(StepsPair(
+            p["steps"], p["dropless_steps"],
+            (p.get("corpus"), p["seed"]) if isinstance(p.get("seed"), int) else None)
+            for p in listed)
+        study[name] = str(entry.get("study_policy", name))
+    return StepsToTarget(Path(path), pairs, study)
+
+
+def load_steps_to_target(path: Path) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Per policy other than dropless (``POLICIES`` order), its (steps, the same seed's
+    dropless steps) pairs from a steps-to-target file (``read_steps_to_target``; every
+    policy required). Raises ValueError naming ``--steps-to-target`` and the file when
+    it is missing or malformed."""
+    return {name: tuple((p.steps, p.dropless_steps) for p in pairs)
+            for name, pairs in read_steps_to_target(path).pairs.items()}
 
 
 def steps_ratios(steps_to_target: dict[str, tuple[tuple[int, int], ...]]) -> dict[str, float]:
