@@ -6,12 +6,14 @@ forced to the call's exact [R, E] counts.
     python -m megatron_lrmoe.tools.simulator_memory RUN_DIR... [--out DIR]
 
 What is compared, per rank, for each layer's call with the hottest rank (the largest
-received-pairs max/mean) and its median call (by the same figure):
+received-pairs max/mean under Megatron's expert layout, ``static_load``) and its median
+call (by the same figure):
 
 - model: the simulator's bytes of one layer's forward+backward of that call before it
   composes a stage (``simulate.call_memory_levels``): ``MegatronMoEMemory.rank_memory``
-  of the call's counts, the saved bytes S and the peak, each above what exists before
-  the call (the layer input, the routing, the weights and their gradient buffers).
+  of the call's counts (LRMoE's layer: ``CostModel.plan_levels``, below), the saved
+  bytes S and the peak, each above what exists before the call (the layer input, the
+  routing, the weights and their gradient buffers).
 - measured: ``layer_bench.measure_memory`` of one forward+backward of Megatron's
   MoELayer at the run's shape, EP size and capacity factor, each source rank's tokens
   routed so that its per-expert counts are exactly its recorded row
@@ -24,9 +26,14 @@ received-pairs max/mean) and its median call (by the same figure):
 The runs' recorded counts are after Megatron's capacity drop, so a capacity-drop run's
 calls are forced as recorded into a layer built with its capacity factor (its router,
 which drops, is bypassed). Recompute settings are not applied: the simulator composes a
-stage from these no-recompute levels (``stage_moe_memory``). Runs of LRMoE's layer are
-refused: their plans depend on the replicas the run's planner placed, which the layer
-built here cannot take.
+stage from these no-recompute levels (``stage_moe_memory``).
+
+Runs of LRMoE's layer (LRMoE, SYMI-style): their plans depend on the replicas the run's
+planner placed, which the layer built here cannot take. For them the same counts are
+planned without replicas (static placement, no budget, the run's gamma; the option
+table's default selection, as the simulator models the layer) and an LRMoELayer with
+that plan is measured against ``CostModel.plan_levels`` of it: the cost model on the
+recorded counts, not the run's replicated plans.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from megatron_lrmoe.tools.layer_bench import (
 )
 from megatron_lrmoe.tools.provenance import code_version
 
-__all__ = ["chosen_calls", "layer_cfg", "measure_calls", "run_jobs"]
+__all__ = ["chosen_calls", "layer_cfg", "measure_calls", "run_jobs", "static_load"]
 
 TOLERANCE = 0.05
 _DTYPE_NAMES = {4: "fp32", 2: "bf16"}
@@ -74,10 +81,11 @@ def measure_calls(cfg: dict, jobs: list[dict]) -> list[dict]:
 
     out, layer, built = [], None, object()
     for job in jobs:
-        if job["capacity_factor"] != built:
+        key = (job.get("gamma"), job["capacity_factor"])
+        if key != built:
             layer = None    # its process groups go with the model-parallel state
-            built = job["capacity_factor"]
-            layer = build_megatron_layer(cfg, moe_expert_capacity_factor=built)
+            built = key
+            layer = _build_layer(cfg, *key)
         row = np.asarray(job["counts"], dtype=np.int64)[rank]
         probs, routing_map = counts_routing(row, cfg["tokens"], cfg["topk"], cfg["seed"],
                                             rank, dtype)
@@ -100,6 +108,22 @@ def measure_calls(cfg: dict, jobs: list[dict]) -> list[dict]:
     return out
 
 
+def _build_layer(cfg: dict, gamma: float | None,
+                 capacity_factor: float | None) -> torch.nn.Module:
+    """Megatron's MoELayer (``gamma`` None) at ``capacity_factor``, or an LRMoELayer with
+    the same weights at backward capacity ``gamma``, static placement and no budget (its
+    planner rebuilt from the config, as bench_moe_layer.py switches gamma)."""
+    if gamma is None:
+        return build_megatron_layer(cfg, moe_expert_capacity_factor=capacity_factor)
+    from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
+    from megatron_lrmoe.tools.layer_bench import build_layers
+
+    _, lrmoe = build_layers(cfg)
+    lrmoe.config.moe_lrmoe_bwd_capacity_factor = gamma
+    setup_lrmoe_layers([lrmoe], cfg["tokens"], 1)
+    return lrmoe
+
+
 def layer_cfg(shape, ep: int, seed: int) -> dict:
     """The ``layer_bench`` cfg of a run's MoE layer shape at ``ep`` ranks (CPU)."""
     if not shape.gated or shape.grouped_gemm:
@@ -114,18 +138,26 @@ def layer_cfg(shape, ep: int, seed: int) -> dict:
             "tokens": shape.tokens_per_rank, "kernels": "auto", "grouped_gemm": "off"}
 
 
-def chosen_calls(calls: list, layers: list[int] | None = None) -> list[tuple[str, object]]:
-    """Per layer (all, or ``layers``): ("hottest", the call with the largest received
-    pairs max/mean) and ("median", the call at the median of that figure, the lower one
-    of an even count), in layer order; one entry where both are the same call."""
+def static_load(counts: np.ndarray) -> float:
+    """max/mean over ranks of the pairs each receives under Megatron's expert layout (no
+    replicas: what the measured layer receives) from [R, E] counts."""
     from megatron_lrmoe.tools.simulator_counts import max_over_mean
 
+    counts = np.asarray(counts)
+    return max_over_mean(counts.sum(0).reshape(counts.shape[0], -1).sum(1))
+
+
+def chosen_calls(calls: list, layers: list[int] | None = None) -> list[tuple[str, object]]:
+    """Per layer (all, or ``layers``): ("hottest", the call with the largest received
+    pairs max/mean without replicas, ``static_load``) and ("median", the call at the
+    median of that figure, the lower one of an even count), in layer order; one entry
+    where both are the same call."""
     out = []
     for number in sorted({c.layer for c in calls}):
         if layers is not None and number not in layers:
             continue
         mine = sorted((c for c in calls if c.layer == number),
-                      key=lambda c: max_over_mean(c.received))
+                      key=lambda c: static_load(c.counts))
         hottest, median = mine[-1], mine[(len(mine) - 1) // 2]
         out.append(("hottest", hottest))
         if median is not hottest:
@@ -135,21 +167,33 @@ def chosen_calls(calls: list, layers: list[int] | None = None) -> list[tuple[str
 
 def run_jobs(run: Path, layers: list[int] | None, seed: int) -> tuple[dict, list[dict]]:
     """(the run's cfg, its jobs: the chosen calls with the simulator's per-rank levels)."""
-    from megatron_lrmoe.tools.simulator_counts import max_over_mean, replay_calls, run_replay
+    from megatron_lrmoe.tools.simulate import Policy, call_memory_levels, policy_planner
+    from megatron_lrmoe.tools.simulator_counts import replay_calls, run_replay
 
     replay = run_replay(run)
-    if replay.policy.runs_planner:
-        raise SystemExit(f"{run}: an LRMoE run; its plans depend on the replicas its planner "
-                         "placed, which the benchmarked layer cannot take: only runs of "
-                         "Megatron's MoELayer are measured here")
     cfg = layer_cfg(replay.cost.shape, replay.trace.ep, seed)
+    policy = replay.policy
+    if policy.runs_planner:
+        # The run's replicas cannot be placed in the measured layer: the no-replica plan
+        # of the same counts at the run's gamma (static placement, no budget), priced by
+        # the same function.
+        policy = Policy("lrmoe-static", capacity_factor=policy.capacity_factor)
+        planner = policy_planner(policy, replay.trace.ep, replay.cost, 0.0)
     jobs = []
     for which, call in chosen_calls(replay_calls(replay), layers):
+        saved, peak, replicas = call.saved, call.peak, call.replicas
+        if policy.runs_planner:
+            planner.observe(call.counts)
+            plan = planner.plan(call.counts).retention
+            saved, peak = call_memory_levels(policy, replay.cost, None, plan, call.counts,
+                                             np.zeros(replay.trace.ep))
         jobs.append({"run": str(run), "layer": call.layer, "iteration": call.iteration,
-                     "which": which, "load_max_over_mean": max_over_mean(call.received),
+                     "which": which, "load_max_over_mean": static_load(call.counts),
                      "counts": call.counts.tolist(),
-                     "capacity_factor": replay.policy.moe_expert_capacity_factor,
-                     "model_saved": call.saved.tolist(), "model_peak": call.peak.tolist()})
+                     "capacity_factor": policy.moe_expert_capacity_factor,
+                     "gamma": policy.capacity_factor if policy.runs_planner else None,
+                     "run_replicas": replicas,
+                     "model_saved": saved.tolist(), "model_peak": peak.tolist()})
     return cfg, jobs
 
 
@@ -171,14 +215,18 @@ def compare(jobs: list[dict], per_rank: list[list[dict]]) -> list[dict]:
 
 
 def report_lines(rows: list[dict]) -> list[str]:
-    lines = ["| run | EP | layer | call | iteration | load max/mean | model peak MiB "
-             "(hot rank) | measured peak MiB | peak max err | model saved MiB | measured "
-             "saved MiB | saved max err | counts forced exactly |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | measured layer | EP | layer | call | iteration | load max/mean | model "
+             "peak MiB (hot rank) | measured peak MiB | peak max err | model saved MiB | "
+             "measured saved MiB | saved max err | counts forced exactly |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         hot = int(np.argmax(r["measured_peak"]))
+        measured = ("Megatron" if r.get("gamma") is None else
+                    f"LRMoE gamma={r['gamma']:g}, no replicas (the run placed "
+                    f"{r['run_replicas']})")
         lines.append(
-            f"| {Path(r['run']).name} | {len(r['model_peak'])} | {r['layer']} | {r['which']} "
+            f"| {Path(r['run']).name} | {measured} | {len(r['model_peak'])} | {r['layer']} "
+            f"| {r['which']} "
             f"| {r['iteration']} | {r['load_max_over_mean']:.3f} "
             f"| {r['model_peak'][hot] / 2**20:.3f} | {r['measured_peak'][hot] / 2**20:.3f} "
             f"| {100 * r['peak_err']:.2f}% | {r['model_saved'][hot] / 2**20:.3f} "
@@ -220,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for cfg, jobs in groups.values():
         # One layer per capacity factor, built in turn: the jobs grouped by it.
-        jobs.sort(key=lambda j: str(j["capacity_factor"]))
+        jobs.sort(key=lambda j: (str(j["gamma"]), str(j["capacity_factor"])))
         # 16 ranks start slowly on a loaded machine (each imports Megatron).
         pool = GlooPool(cfg["ep"], start_timeout=1800.0)
         try:

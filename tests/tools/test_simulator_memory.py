@@ -53,22 +53,31 @@ def test_counts_routing_refuses_counts_no_routing_has():
         counts_routing([4, 4, 1], 4, 2, 0, 0, torch.float32)   # more pairs than T k
 
 
-def test_measured_layer_receives_the_forced_counts(gloo2):
-    # Two gloo ranks, Megatron's MoELayer: each rank's routing forced to its row of a
-    # skewed [R, E]; the layer's measured saved bytes and peak beside MegatronMoEMemory's
-    # (the model with probabilities that require grad, as measure_calls passes them).
+def test_measured_layers_receive_the_forced_counts(gloo2):
+    # Two gloo ranks: each rank's routing forced to its row of a skewed [R, E], through
+    # Megatron's MoELayer and an LRMoELayer (gamma = inf, no replicas); the measured saved
+    # bytes and peak beside the models' (MegatronMoEMemory with probabilities that
+    # require grad, as measure_calls passes them; CostModel.plan_levels of the plan).
+    from megatron_lrmoe.planning.cost_model import CostModel
+    from megatron_lrmoe.planning.machine import MachineConstants
+    from megatron_lrmoe.planning.retention import default_retention_in_forward, plan_retention
     from megatron_lrmoe.tools.simulator_memory import measure_calls
 
     cfg = dict(device="cpu", dtype="fp32", ep=2, seed=7, hidden=32, ffn=16, experts=8,
                topk=2, tokens=64, kernels="auto", grouped_gemm="off")
     rng = np.random.default_rng(0)
     counts = np.stack([_random_counts(rng, cfg["tokens"], 8, 2, 1.5) for _ in range(2)])
-    results = gloo2.run(measure_calls, cfg, [{"counts": counts.tolist(),
-                                              "capacity_factor": None}], timeout=300)
+    jobs = [{"counts": counts.tolist(), "capacity_factor": None, "gamma": gamma}
+            for gamma in (None, float("inf"))]
+    results = gloo2.run(measure_calls, cfg, jobs, timeout=300)
     shape = MoEShape(cfg["hidden"], cfg["ffn"], 8, 2, True, 4, cfg["tokens"],
-                     expert_parallel_size=2)
-    saved, peak = MegatronMoEMemory(shape).rank_memory(counts)
-    for rank, (measured,) in enumerate(results):
-        assert measured["forced_exact"]
-        assert abs(saved[rank] / measured["mem_saved"] - 1) <= 0.05, (rank, measured)
-        assert abs(peak[rank] / measured["mem_peak"] - 1) <= 0.05, (rank, measured)
+                     expert_parallel_size=2, forward_retention=default_retention_in_forward())
+    cost = CostModel(shape, MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0))
+    models = [MegatronMoEMemory(shape).rank_memory(counts),
+              cost.plan_levels(plan_retention(torch.from_numpy(counts), 2, float("inf")),
+                               np.zeros(2))]
+    for rank, measured in enumerate(results):
+        for (saved, peak), m in zip(models, measured, strict=True):
+            assert m["forced_exact"]
+            assert abs(saved[rank] / m["mem_saved"] - 1) <= 0.05, (rank, saved, m)
+            assert abs(peak[rank] / m["mem_peak"] - 1) <= 0.05, (rank, peak, m)
