@@ -117,6 +117,38 @@ def popularity_routing(tokens: int, popularity: torch.Tensor, topk: int, seed: i
     return torch.softmax(logits, dim=1).to(dtype), routing_map
 
 
+def counts_routing(counts, tokens: int, topk: int, seed: int, rank: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs [T, E], routing_map [T, E] bool) whose per-expert token counts are exactly
+    ``counts`` [E] (one source rank's row of a recorded call), each token routed to at
+    most ``topk`` distinct experts (exactly ``topk`` when the counts sum to T x topk, as
+    in a dropless call; fewer after a capacity drop). probs = softmax of random logits
+    over each token's experts, 0 elsewhere.
+
+    The experts' counts are laid end to end and position j goes to token j mod T: an
+    expert's run of at most T positions meets T distinct tokens, and a token gets at most
+    ceil(sum / T) positions. The tokens are then shuffled (seeded)."""
+    import numpy as np
+
+    counts = np.asarray(counts, dtype=np.int64).reshape(-1)
+    experts = counts.size
+    total = int(counts.sum())
+    if (counts < 0).any() or (counts > tokens).any() or total > tokens * topk:
+        raise ValueError(f"counts_routing: counts must lie in [0, tokens={tokens}] and sum "
+                         f"to at most tokens x topk = {tokens * topk} (got min "
+                         f"{int(counts.min())}, max {int(counts.max())}, sum {total}); "
+                         "pass the row of one source rank of a recorded call")
+    g = torch.Generator().manual_seed(seed + 7919 * (rank + 1))
+    expert_of = torch.from_numpy(np.repeat(np.arange(experts), counts))
+    token_of = torch.randperm(tokens, generator=g)[torch.arange(total) % tokens]
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool)
+    routing_map[token_of, expert_of] = True
+    logits = torch.randn(tokens, experts, generator=g).masked_fill(~routing_map, -math.inf)
+    # A token a capacity drop left without experts has no softmax: all zeros.
+    probs = torch.softmax(logits, dim=1).nan_to_num(0.0)
+    return probs.to(dtype), routing_map
+
+
 def skewed_routing(tokens: int, experts: int, topk: int, zipf_s: float, seed: int,
                    rank: int, dtype: torch.dtype,
                    shuffle: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,14 +50,14 @@ from megatron_lrmoe.planning.megatron_baseline import (
     stage_moe_memory,
 )
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
-from megatron_lrmoe.planning.retention import default_retention_in_forward
+from megatron_lrmoe.planning.retention import RetentionPlan, default_retention_in_forward
 from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
 from megatron_lrmoe.tools.figures import save_png
 from megatron_lrmoe.tools.provenance import code_version
 
 __all__ = ["CLUSTERS", "MODELS", "POLICIES", "STEPS_TO_TARGET_FILE", "ClusterSpec",
-           "ModelSpec", "Policy", "StepsPair", "StepsToTarget", "layer_shape",
-           "load_steps_to_target", "read_steps_to_target",
+           "ModelSpec", "Policy", "StepsPair", "StepsToTarget", "call_memory_levels",
+           "layer_shape", "load_steps_to_target", "read_steps_to_target",
            "machine_constants", "node_calibration", "policy_planner", "simulate", "source_batches",
            "steps_ratios"]
 
@@ -326,6 +326,19 @@ def policy_planner(policy: Policy, ep_size: int, cost: CostModel,
 
 
 # ------------------------------------------------------------------------------ routing
+def call_memory_levels(policy: Policy, cost: CostModel, megatron: MegatronMoEMemory,
+                       plan: RetentionPlan, counts: np.ndarray, replicas: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """([R] saved bytes, [R] peak bytes) of one MoE layer's forward+backward of one
+    micro-batch on each rank, as the simulator prices it before composing a stage
+    (``stage_moe_memory``): ``CostModel.plan_levels`` of the plan for policies that run
+    the planner (``replicas`` [R] per rank, their weights excluded), else
+    ``MegatronMoEMemory.rank_memory`` of the [R, E] counts Megatron's layer moves."""
+    if policy.runs_planner:
+        return cost.plan_levels(plan, replicas)
+    return megatron.rank_memory(counts)
+
+
 def source_batches(trace: np.ndarray, ep_size: int, pairs_per_rank: int | None,
                    rng: np.random.Generator) -> Iterator[np.ndarray]:
     """[R, E] routed counts per micro-batch for R = ``ep_size`` sources, from a trace.
@@ -467,8 +480,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
                     totals["routed"] += float(per_rank.sum())
                     totals["retained"] += float(plan.retained_per_rank.numpy().sum())
                     replicas = np.asarray(planner.placement.replicas_per_rank())
-                    s_call, p_call = (cost.plan_levels(plan, replicas) if policy.runs_planner
-                                      else megatron.rank_memory(counts))
+                    s_call, p_call = call_memory_levels(policy, cost, megatron, plan, counts,
+                                                        replicas)
                     saved, peak = np.maximum(saved, s_call), np.maximum(peak, p_call)
                     replica_bytes = np.maximum(replica_bytes, replicas * shape.instance_bytes)
                     calls += 1

@@ -59,14 +59,19 @@ import numpy as np
 from megatron_lrmoe.data.routing_traces import RoutingTrace, read_routing_trace
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import MachineConstants
-from megatron_lrmoe.planning.megatron_baseline import megatron_kept_counts
+from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, megatron_kept_counts
 from megatron_lrmoe.planning.shapes import MoEShape
 from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools.provenance import code_version
-from megatron_lrmoe.tools.simulate import Policy, layer_shape, policy_planner
+from megatron_lrmoe.tools.simulate import (
+    Policy,
+    call_memory_levels,
+    layer_shape,
+    policy_planner,
+)
 from megatron_lrmoe.tools.simulator_validation import reference_flags, run_record, run_setting
 
-__all__ = ["CallCounts", "Mismatch", "compare_run", "replay_calls", "run_machine"]
+__all__ = ["CallCounts", "Mismatch", "compare_run", "replay_calls", "routing_dir", "run_machine"]
 
 # What the run's planner printed of its machine constants (step_hooks.machine_constants_line).
 _MACHINE_LINE = re.compile(r"LRMoE planner machine constants: expert GEMM ([0-9.e+]+) GFLOP/s, "
@@ -116,6 +121,11 @@ class CallCounts:
     """int32 positions the sources send in backward (0 when drawn in forward)."""
     memory: np.ndarray | None
     """[R] the planner's bytes per rank of this plan (None without a cost model)."""
+    saved: np.ndarray
+    """[R] bytes the layer saves for backward in this call, as the simulator prices them
+    (``simulate.call_memory_levels``)."""
+    peak: np.ndarray
+    """[R] the layer's peak bytes over this call's forward+backward, likewise."""
 
 
 def run_machine(run: Path) -> MachineConstants | None:
@@ -128,6 +138,13 @@ def run_machine(run: Path) -> MachineConstants | None:
     gemm, bandwidth, latency = (float(v) for v in found.groups())
     return MachineConstants(gemm_flops_per_s=gemm * 1e9, alltoall_bytes_per_s=bandwidth * 1e9,
                             alltoall_latency_s=latency * 1e-6, source=f"{stdout} (as printed)")
+
+
+def routing_dir(run: Path) -> Path:
+    """The run's routing record: ``routing/`` (the study runs) or ``trace/`` (the regime
+    runs, benchmarks/results/ep_regime)."""
+    run = Path(run)
+    return next((run / d for d in ("routing", "trace") if (run / d).is_dir()), run / "routing")
 
 
 @dataclass(frozen=True)
@@ -152,7 +169,7 @@ def run_replay(run: Path) -> RunReplay:
     from megatron_lrmoe.launcher.run_config import build_config
 
     run = Path(run)
-    trace = read_routing_trace(run / "routing")
+    trace = read_routing_trace(routing_dir(run))
     flags = [*reference_flags(run), "--mock-data"]
     saved = os.environ.get("WORLD_SIZE")
     # The launcher's checks read the world size: the recorded run's.
@@ -199,6 +216,7 @@ def replay_calls(replay: RunReplay) -> list[CallCounts]:
     ``next_step`` at each step's end."""
     trace, shape = replay.trace, replay.shape
     forward_retention = layer_shape(shape, True).forward_retention
+    megatron = MegatronMoEMemory(replay.cost.shape, grouped=shape.grouped_gemm)
     out = []
     for number in trace.layers:
         planner = policy_planner(replay.policy, trace.ep, replay.cost, replay.budget_bytes)
@@ -221,6 +239,9 @@ def replay_calls(replay: RunReplay) -> list[CallCounts]:
                     np.logical_or.at(drops, rank_of, (quotas != cells).any(0))
                     load = (plan.rank_load if plan.rank_load is not None
                             else retention.routed_per_rank.numpy())
+                    replicas = np.asarray(planner.placement.replicas_per_rank())
+                    saved, peak = call_memory_levels(replay.policy, replay.cost, megatron,
+                                                     retention, counts, replicas)
                     out.append(CallCounts(
                         iteration=iteration, layer=number,
                         ranks=[sources[row]["rank"] for row in group], counts=counts,
@@ -234,7 +255,7 @@ def replay_calls(replay: RunReplay) -> list[CallCounts]:
                         overflow=int(plan.assignment.overflow), adjusted=bool(plan.notes),
                         positions=0 if forward_retention else int(to_rank[:, drops].sum()),
                         memory=None if planner.last_memory is None
-                        else planner.last_memory.copy()))
+                        else planner.last_memory.copy(), saved=saved, peak=peak))
             planner.next_step()
     return out
 
