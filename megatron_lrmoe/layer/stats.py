@@ -189,7 +189,8 @@ def _collective_device() -> torch.device:
 def _dispatch_per_rank(layers, num_layers: int) -> dict[str, list]:
     """Every layer's dispatch counts per global rank (``LRMoELayerStats.dispatch_counts``),
     summed over the interval's calls: ``lrmoe/layer<N>/rank-sent-pairs`` and
-    ``rank-kept-sent-pairs`` [W], ``instance-rows`` and ``instance-kept-rows`` [W][L].
+    ``rank-kept-sent-pairs`` [W], ``instance-rows`` and ``instance-kept-rows`` [W][L]
+    (L: the most local instances of any layer's call, fewer zero-padded).
     What the region handed its all-to-alls, for the simulator's exact per-rank
     comparison (``megatron_lrmoe.tools.simulator_counts``). Collective."""
     counts = {layer.layer_number or 0: layer.lrmoe_stats.dispatch_counts() for layer in layers}

@@ -64,6 +64,14 @@ def test_a_perturbed_lrmoe_figure_is_reported():
     assert "lrmoe/layer1/expert-backward-rows" in keys
 
 
+def test_instance_rows_compare_across_zero_padding_only():
+    # The log pads every layer to the widest layer's instances: zero columns only.
+    assert sc._instance_rows_equal([[3, 1, 0], [2, 0, 0]], [[3, 1], [2, 0]])
+    assert not sc._instance_rows_equal([[3, 1, 1], [2, 0, 0]], [[3, 1], [2, 0]])
+    assert not sc._instance_rows_equal([[3, 2], [2, 0]], [[3, 1], [2, 0]])
+    assert not sc._instance_rows_equal([[3, 1]], [[3, 1], [2, 0]])
+
+
 def test_max_over_mean_is_the_float_of_the_integers():
     assert sc.max_over_mean([3, 1]) == 1.5
     assert sc.max_over_mean([0, 0]) == 0.0
