@@ -3,7 +3,7 @@ run's recorded routing replayed through the simulator (``simulator_counts.replay
 and chosen calls of it run through Megatron's MoELayer on gloo ranks with the routing
 forced to the call's exact [R, E] counts.
 
-    python -m megatron_lrmoe.tools.simulator_memory RUN_DIR... [--out DIR]
+    .venv/bin/python benchmarks/studies/simulator_memory.py RUN_DIR... [--out DIR]
 
 What is compared, per rank, for each layer's call with the hottest rank (the largest
 received-pairs max/mean under Megatron's expert layout, ``static_load``) and its median
@@ -43,7 +43,9 @@ import json
 import shlex
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -242,8 +244,12 @@ def report_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_lrmoe.tools.simulator_memory",
+def main(argv: list[str] | None, make_pool: Callable[[int], Any]) -> int:
+    """The command line of ``benchmarks/studies/simulator_memory.py``, which hands in
+    ``make_pool(ranks)``: a started pool of gloo ranks with ``run(task, *args,
+    timeout=)`` and ``close()`` (the test harness's ``GlooPool``, which the package's
+    tools do not import)."""
+    ap = argparse.ArgumentParser(prog="benchmarks/studies/simulator_memory.py",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR",
                     help="runs of Megatron's MoELayer with a routing record (routing/ or "
@@ -253,11 +259,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", type=Path, default=None, help="directory for report.md/.json")
     args = ap.parse_args(argv)
-    from megatron_lrmoe.testing.gloo_pool import GlooPool
-
-    # By the package's name: under ``python -m`` this module is __main__, which the
-    # spawned workers do not import as such.
-    from megatron_lrmoe.tools.simulator_memory import measure_calls as task
 
     layers = None if args.layers is None else [int(v) for v in args.layers.split(",")]
     groups: dict[str, tuple[dict, list[dict]]] = {}
@@ -269,10 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     for cfg, jobs in groups.values():
         # One layer per capacity factor, built in turn: the jobs grouped by it.
         jobs.sort(key=lambda j: (str(j["gamma"]), str(j["capacity_factor"])))
-        # 16 ranks start slowly on a loaded machine (each imports Megatron).
-        pool = GlooPool(cfg["ep"], start_timeout=1800.0)
+        pool = make_pool(cfg["ep"])
         try:
-            per_rank = pool.run(task, cfg, jobs, timeout=3600.0)
+            per_rank = pool.run(measure_calls, cfg, jobs, timeout=3600.0)
         finally:
             pool.close()
         rows += compare(jobs, per_rank)
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if args.out:
         command = " ".join(shlex.quote(a) for a in [
-            "python", "-m", "megatron_lrmoe.tools.simulator_memory",
+            "python", "benchmarks/studies/simulator_memory.py",
             *(sys.argv[1:] if argv is None else argv)])
         code = code_version()
         args.out.mkdir(parents=True, exist_ok=True)
@@ -295,7 +295,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"written to {args.out}/report.md and report.json")
     worst = max(max(r["peak_err"], r["saved_err"]) for r in rows)
     return 0 if worst <= TOLERANCE and all(r["forced_exact"] for r in rows) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
