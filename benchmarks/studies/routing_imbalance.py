@@ -9,8 +9,9 @@
 the config's ``moe-lrmoe*`` keys are left out) with the shape cut to what two CPU
 cores train in minutes (``TRACE_SHAPE``), EP=2 on 2 ranks x 1 thread, and the
 launcher's ``--record-routing``. Output: ``benchmarks/results/routing_traces/<model>/``
-(``trace/`` as written by the launcher, ``log.jsonl.gz``, ``stdout.txt``, ``command.txt``;
-the log compressed and the trace repacked once the recording is done).
+(``trace/`` as written by the launcher, ``log.jsonl.xz``, ``stdout.txt.xz``,
+``command.txt``; the log and stdout compressed and the trace repacked once the recording
+is done).
 
 ``table`` reads every trace there and writes ``benchmarks/results/routing_imbalance.md``
 (and ``routing_imbalance.png``): per MoE layer, the routed load max/mean over the EP
@@ -127,6 +128,7 @@ def record(model: str, train_iters: int, port: int, force: bool) -> Path:
     (out / "command.txt").write_text(
         shlex.join(display) + f"\n# {time.perf_counter() - start:.0f} s, {code_version()}\n")
     run_log.compress(out / "log.jsonl")
+    run_log.compress(out / "stdout.txt")
     repack(out / "trace")
     return out
 

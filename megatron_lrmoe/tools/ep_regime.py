@@ -13,8 +13,8 @@ thread (torchrun, gloo), with Megatron's own MoE layer (dropless) and the launch
 (``/proc/<pid>/smaps_rollup``: RSS, and PSS, which splits the pages the ranks share
 among them) and the machine's CPU time (``/proc/stat``) is set against the ranks' own,
 so the record says how much of the cores other processes took (this machine is shared).
-Output: ``benchmarks/results/ep_regime/ep<N>/`` (``trace/`` repacked, ``log.jsonl.gz``,
-``stdout.txt.gz``, ``run.json``: command, code, wall time, memory, contention).
+Output: ``benchmarks/results/ep_regime/ep<N>/`` (``trace/`` repacked, ``log.jsonl.xz``,
+``stdout.txt.xz``, ``run.json``: command, code, wall time, memory, contention).
 
 ``table`` reads the recordings and writes ``report.md`` and ``report.json`` beside them.
 A call is one micro-batch of one MoE layer: the N ranks' routed counts ([N, E], one row

@@ -1,7 +1,7 @@
 """Run reports: ``python -m megatron_lrmoe.tools.report RUN_DIR... [--out DIR]``.
 
 Reads the launcher's JSON-lines logs (``--log-json``; a RUN_DIR is a directory holding
-``log.jsonl`` or, once its study stored it compressed, ``log.jsonl.gz``; or the log file
+``log.jsonl`` or, once its study stored it compressed, ``log.jsonl.xz``; or the log file
 itself) and writes PNGs (matplotlib, Agg):
 
 - ``loss.png``: training loss vs step and vs cumulative MoE-layer time (every run
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_lrmoe.tools.report",
                                 description="PNG report of launcher runs (JSON-lines logs).")
     p.add_argument("runs", nargs="+", type=Path,
-                   help="run directories holding log.jsonl or log.jsonl.gz (--log-json), or "
+                   help="run directories holding log.jsonl or log.jsonl.xz (--log-json), or "
                         "the log files")
     p.add_argument("--out", type=Path, default=None,
                    help="output directory (default: RUN_DIR/report for one run, else "

@@ -131,8 +131,8 @@ class CallCounts:
 def run_machine(run: Path) -> MachineConstants | None:
     """The machine constants the run's planner used, as its stdout printed them (4
     significant figures), or None where it printed none (no cost model needed them)."""
-    stdout = Path(run) / "stdout.txt"
-    found = _MACHINE_LINE.search(stdout.read_text()) if stdout.is_file() else None
+    stdout = run_log.stored(Path(run) / "stdout.txt")
+    found = _MACHINE_LINE.search(run_log.read_text(stdout)) if stdout.is_file() else None
     if found is None:
         return None
     gemm, bandwidth, latency = (float(v) for v in found.groups())

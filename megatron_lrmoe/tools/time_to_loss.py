@@ -47,8 +47,9 @@ measures both fitted configurations; the confirmation names the faster one of ea
 baseline (``--policies symi@micro-batch_2_+_slots_10,...``) and runs only it.
 
 Runs are resumable: each finishes by writing ``runs/<policy>-s<seed>/done.json``, and
-a run with that file is never repeated; a finished run's log is then stored compressed
-(``log.jsonl.gz``, ``megatron_lrmoe.tools.run_log``) and its routing record repacked
+a run with that file is never repeated; a finished run's log and stdout are then stored
+compressed (``log.jsonl.xz``, ``stdout.txt.xz``, ``megatron_lrmoe.tools.run_log``) and its
+routing record repacked
 (``routing_traces.repack``); the report (``report.md``, ``report.json``,
 ``loss_vs_moe_time.png``, and the run report ``report/*.png`` of
 ``megatron_lrmoe.tools.report``) is rewritten after every finished run, so a study can span
@@ -194,11 +195,13 @@ def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = No
 
 
 def compact(run_dir: Path) -> None:
-    """Store a finished run small: its log compressed, its routing record repacked.
-    After ``done.json``: a run stopped while it trained keeps its plain log to resume."""
+    """Store a finished run small: its log and stdout compressed, its routing record
+    repacked. After ``done.json``: a run stopped while it trained keeps its plain files
+    to resume."""
     from megatron_lrmoe.data.routing_traces import repack
 
     run_log.compress(run_dir / "log.jsonl")
+    run_log.compress(run_dir / "stdout.txt")
     if (run_dir / "routing").is_dir():
         repack(run_dir / "routing")
 

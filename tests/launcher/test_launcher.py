@@ -8,6 +8,7 @@ real ``torchrun`` command line.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -164,6 +165,12 @@ def test_torchrun_command_line(tmp_path):
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
     assert all(r["moe-forward-s"] > 0 and r["moe-backward-s"] > 0 for r in records)
+    # Timings to the microsecond; the cumulative MoE time is the logged steps' sum.
+    timings = ("step-time-s", "moe-forward-s", "moe-backward-s")
+    assert all(round(r[key], 6) == r[key] for r in records for key in timings)
+    assert all(round(r["tokens-per-sec"], 1) == r["tokens-per-sec"] for r in records)
+    assert [r["moe-cumulative-s"] for r in records] == list(itertools.accumulate(
+        r["moe-forward-s"] + r["moe-backward-s"] for r in records))
     assert "validation-loss" in records[1]
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
 

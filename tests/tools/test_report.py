@@ -169,8 +169,8 @@ def test_a_compressed_log_reads_as_the_plain_one(tmp_path):
                                        "moe-backward-s": 0.2}) + "\n" for i in (1, 2, 3)))
     plain = report.read_run(run_dir)
     run_log.compress(log)
-    for path in (run_dir, log, run_dir / "log.jsonl.gz"):
+    for path in (run_dir, log, run_dir / "log.jsonl.xz"):
         packed = report.read_run(path)
-        assert packed.name == "run-s1" and packed.path == run_dir / "log.jsonl.gz"
+        assert packed.name == "run-s1" and packed.path == run_dir / "log.jsonl.xz"
         assert (packed.iterations, packed.loss, packed.moe_cumulative_s) == (
             plain.iterations, plain.loss, plain.moe_cumulative_s)

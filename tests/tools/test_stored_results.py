@@ -1,6 +1,6 @@
 """The repository stays light: the tracked tree (``git ls-files``, the working tree's
 bytes) is at most 20 MB, and the runs under benchmarks/results are stored compacted
-(``time_to_loss.compact``: logs gzip-compressed, routing chunks in LZMA)."""
+(``time_to_loss.compact``: logs and stdout LZMA-compressed, routing chunks in LZMA)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,10 @@ def test_tracked_tree_is_at_most_20_mb(tracked):
 
 def test_stored_runs_are_compacted(tracked):
     results = [p for p in tracked if p.startswith("benchmarks/results/")]
-    plain = [p for p in results if Path(p).name == "log.jsonl"]
-    assert not plain, f"run logs stored plain (run_log.compress them): {plain[:5]}"
+    plain = [p for p in results if Path(p).name in ("log.jsonl", "stdout.txt")]
+    assert not plain, f"run files stored plain (run_log.compress them): {plain[:5]}"
+    gzipped = [p for p in results if p.endswith(".gz")]
+    assert not gzipped, f"stored gzip-compressed, not LZMA (run_log.compress): {gzipped[:5]}"
     loose = []
     for path in (p for p in results if p.endswith(".npz")):
         with zipfile.ZipFile(ROOT / path) as packed:

@@ -174,7 +174,7 @@ def test_a_studys_report_renders_again_from_its_stored_logs(tmp_path, monkeypatc
     out = tmp_path / "study"
     for done in sorted(study.glob("runs/*/done.json")):
         (out / "runs" / done.parent.name).mkdir(parents=True)
-        for name in ("done.json", "log.jsonl.gz"):
+        for name in ("done.json", "log.jsonl.xz"):
             shutil.copy(done.parent / name, out / "runs" / done.parent.name)
     monkeypatch.chdir(ROOT)           # the command names the unconstrained study from here
     monkeypatch.setattr(ttl.os, "cpu_count", lambda: cores)
@@ -232,7 +232,7 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     for run in ("megatron-dropless-s1", "lrmoe-uniform-g0.75-s1"):
         assert (out / "runs" / run / "routing" / "header.json").is_file()
         # Finished: its log stored compressed, its routing record repacked.
-        assert (out / "runs" / run / "log.jsonl.gz").is_file()
+        assert (out / "runs" / run / "log.jsonl.xz").is_file()
         assert not (out / "runs" / run / "log.jsonl").exists()
         for chunk in (out / "runs" / run / "routing").glob("counts_*.npz"):
             with zipfile.ZipFile(chunk) as packed:
