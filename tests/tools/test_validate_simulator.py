@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools import simulator_validation as vs
 
 
@@ -88,7 +89,7 @@ def test_run_setting_resolves_a_held_runs_auto_budget_as_its_launcher_did(monkey
     flags = [*vs.reference_flags(run), "--mock-data"]   # as validate_run replays it
     assert flags[flags.index("--moe-lrmoe-memory-budget-gb") + 1] == "auto"
     logged = re.search(r"--moe-lrmoe-memory-budget-gb ([0-9.]+):",
-                       (run / "stdout.txt").read_text())
+                       run_log.read_text(run / "stdout.txt"))
     _, policy, budget_gib, ep = vs.run_setting(flags)
     assert policy.budget and ep == 2
     assert budget_gib == pytest.approx(float(logged.group(1)), abs=1e-6)
