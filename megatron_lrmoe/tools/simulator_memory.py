@@ -156,13 +156,15 @@ def _measure_lrmoe_call(cfg: dict, job: dict, x: torch.Tensor, dy: torch.Tensor,
     planner = layer.placement_planner
     for own, pooled, count in history["earlier"]:
         for counts in own:
-            planner.observe(counts)          # as the layer's forward plans a training call
+            counts = counts.astype(np.int64)   # as the counts exchange gathers them
+            planner.observe(counts)            # as the layer's forward plans a training call
             planner.plan(counts)
             layer.lrmoe_state.count_training_forward()
-        layer.finish_step((torch.from_numpy(pooled.astype(np.float64)), count))
+        layer.finish_step(None if pooled is None
+                          else (torch.from_numpy(pooled.astype(np.float64)), count))
     start = layer.step_state()
     rows = [np.asarray(c, dtype=np.int64)[rank] for c in history["step"]]
-    memory, forced, plan = [], True, None
+    memory, forced, plans = [], True, []
     for _ in range(3):
         layer.load_step_state(start)
         for micro, row in enumerate(rows):
@@ -173,9 +175,10 @@ def _measure_lrmoe_call(cfg: dict, job: dict, x: torch.Tensor, dy: torch.Tensor,
             memory.append(measure_memory(cfg, layer, x, dy, _no_sync, dist.barrier,
                                          finish_step=False))
             forced = forced and routing_map.sum(0).tolist() == row.tolist()
-            plan = plan_figures(layer.last_plan)
+            plans.append(plan_figures(layer.last_plan))
+    # Each repeat plans from the same state: one plan, or none to report (not exact).
     return {**min(memory[1:], key=lambda m: m["mem_peak"]), "forced_exact": forced,
-            "plan": plan}
+            "plan": plans[0] if all(p == plans[0] for p in plans) else None}
 
 
 def _forward_backward(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> None:
@@ -275,18 +278,22 @@ def lrmoe_history(replay, calls: list, call) -> dict[str, Any]:
     """What the measured LRMoELayer needs to plan ``call`` as the run's layer did: the
     run's options and planner settings, the micro-batches per step, per earlier step of
     the layer (own: its EP group's [R, E] counts per micro-batch; pooled: their sum over
-    the step's micro-batches and EP groups, and how many), and the counts of the call's
-    step (its EP group's micro-batches; ``micro``: the call's)."""
+    the step's micro-batches and EP groups, None with one EP group, whose own
+    observations stand as in ``step_hooks.finish_lrmoe_step``; and how many), and the
+    counts of the call's step (its EP group's micro-batches; ``micro``: the call's)."""
     mine = [c for c in calls if c.layer == call.layer and c.iteration <= call.iteration]
     steps: dict[int, list] = {}
     for c in mine:
         steps.setdefault(c.iteration, []).append(c)
+    pooling = len({c.group for c in mine}) > 1
     earlier = []
     for iteration, step in steps.items():
         if iteration == call.iteration:
             continue
-        pooled = np.sum([c.counts for c in step], axis=0, dtype=np.int64)
-        earlier.append(([np.asarray(c.counts, dtype=np.int64) for c in step
+        pooled = (np.sum([c.counts for c in step], axis=0, dtype=np.int64)
+                  if pooling else None)
+        # int32: the counts are at most tokens x top-k (the jobs travel to every rank).
+        earlier.append(([np.asarray(c.counts, dtype=np.int32) for c in step
                          if c.group == call.group], pooled, len(step)))
     return {"options": replay.lrmoe_options, "settings": replay.layer_settings,
             "microbatches": replay.shape.microbatches_per_step, "earlier": earlier,

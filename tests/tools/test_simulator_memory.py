@@ -150,3 +150,33 @@ def test_a_fresh_memory_aware_runs_calls_are_planned_and_measured_as_the_model_s
     assert [r["plan_exact"] for r in rows] == [False] + [True] * (len(rows) - 1)
     assert not sm.passed(rows)
 
+
+
+def test_lrmoe_history_pools_a_steps_counts_over_the_ep_groups():
+    # Host only: two EP groups of a layer, two steps of two micro-batches; the call is the
+    # second group's second micro-batch of step 2. Its layer folds step 1's counts of
+    # both groups (4 observations), plans step 2 from its own group's counts.
+    from types import SimpleNamespace
+
+    from megatron_lrmoe.tools.simulator_counts import CallCounts
+    from megatron_lrmoe.tools.simulator_memory import lrmoe_history
+
+    def call(iteration, micro, group, layer=1):
+        counts = np.full((2, 4), 10 * iteration + 3 * micro + group)
+        return CallCounts(iteration, layer, micro, group, [2 * group, 2 * group + 1], counts,
+                          *[None] * 5, np.zeros(2), 0, 0, False, 0, None, None, None)
+
+    calls = [call(i, m, g, n) for n in (1, 2) for i in (1, 2) for m in (0, 1) for g in (0, 1)]
+
+    replay = SimpleNamespace(lrmoe_options={"moe_lrmoe_placement": "popularity"},
+                             layer_settings="settings",
+                             shape=SimpleNamespace(microbatches_per_step=2))
+    chosen = next(c for c in calls if (c.layer, c.iteration, c.micro, c.group) == (1, 2, 1, 1))
+    history = lrmoe_history(replay, calls, chosen)
+    [(own, pooled, count)] = history["earlier"]
+    assert [o[0, 0] for o in own] == [11, 14] and count == 4
+    assert (pooled == 10 + 13 + 11 + 14).all()
+    assert [s[0, 0] for s in history["step"]] == [21, 24] and history["micro"] == 1
+    # One EP group: the layer's own observations stand (None).
+    single = [c for c in calls if c.group == 1]
+    assert lrmoe_history(replay, single, chosen)["earlier"][0][1] is None
