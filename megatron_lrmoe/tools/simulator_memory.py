@@ -295,7 +295,9 @@ def lrmoe_history(replay, calls: list, call) -> dict[str, Any]:
         # int32: the counts are at most tokens x top-k (the jobs travel to every rank).
         earlier.append(([np.asarray(c.counts, dtype=np.int32) for c in step
                          if c.group == call.group], pooled, len(step)))
-    return {"options": replay.lrmoe_options, "settings": replay.layer_settings,
+    # The settings carry the run's machine constants: its calibration file is not read.
+    options = {k: v for k, v in replay.lrmoe_options.items() if k != "moe_lrmoe_calibration"}
+    return {"options": options, "settings": replay.layer_settings,
             "microbatches": replay.shape.microbatches_per_step, "earlier": earlier,
             "step": [np.asarray(c.counts, dtype=np.int64) for c in steps[call.iteration]
                      if c.group == call.group], "micro": call.micro}
