@@ -49,21 +49,14 @@ def build_layers(cfg: dict, variants: dict[str, dict] | None = None) -> tuple:
 
     ``variants``: more LRMoE layers (name -> extra LRMoETransformerConfig fields), same
     weights, returned as a third value (a dict) when given."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
     from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(expert_model_parallel_size=cfg["ep"])
-    model_parallel_cuda_manual_seed(cfg["seed"])
+    spec = _fresh_layer_spec(cfg)
     common = layer_config_kwargs(cfg)
-    spec = get_gpt_layer_local_spec(num_experts=cfg["experts"]).submodules.mlp
     megatron = spec(config=TransformerConfig(**common))
     lrmoe = to_lrmoe_spec(spec)(config=LRMoETransformerConfig(
         **common, moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=math.inf,
@@ -90,18 +83,38 @@ def build_megatron_layer(cfg: dict, **config_fields) -> torch.nn.Module:
     """Megatron's MoELayer alone on this rank (collective: every rank of the EP group
     calls it), with extra TransformerConfig fields (``recompute_granularity`` and
     ``recompute_modules``, ``moe_expert_capacity_factor``, ...), in training mode."""
+    from megatron.core.transformer import TransformerConfig
+
+    spec = _fresh_layer_spec(cfg)
+    layer = spec(config=TransformerConfig(**layer_config_kwargs(cfg), **config_fields))
+    return layer.to(torch.device(cfg["device"])).train()
+
+
+def build_lrmoe_layer(cfg: dict, **options) -> torch.nn.Module:
+    """An LRMoELayer alone on this rank (collective, as ``build_megatron_layer``) with the
+    LRMoE config fields ``options`` (``moe_lrmoe_*``), in training mode, without a
+    planner: the caller hands it its settings (``LRMoELayer.setup_planner``)."""
+    from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.layer.spec import to_lrmoe_spec
+
+    spec = to_lrmoe_spec(_fresh_layer_spec(cfg))
+    layer = spec(config=LRMoETransformerConfig(**layer_config_kwargs(cfg),
+                                               **{**options, "moe_lrmoe": True}))
+    return layer.to(torch.device(cfg["device"])).train()
+
+
+def _fresh_layer_spec(cfg: dict):
+    """The MoE layer's spec, with the model-parallel state (re)initialised at ``cfg``'s EP
+    size and seeded by its seed."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(expert_model_parallel_size=cfg["ep"])
     model_parallel_cuda_manual_seed(cfg["seed"])
-    spec = get_gpt_layer_local_spec(num_experts=cfg["experts"]).submodules.mlp
-    layer = spec(config=TransformerConfig(**layer_config_kwargs(cfg), **config_fields))
-    return layer.to(torch.device(cfg["device"])).train()
+    return get_gpt_layer_local_spec(num_experts=cfg["experts"]).submodules.mlp
 
 
 def popularity_routing(tokens: int, popularity: torch.Tensor, topk: int, seed: int,
@@ -318,7 +331,8 @@ def _drop_previous_graph(layer: torch.nn.Module) -> None:
 
 
 def measure_memory(cfg: dict, layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor,
-                   sync: Callable[[], None], barrier: Callable[[], None]) -> dict[str, int]:
+                   sync: Callable[[], None], barrier: Callable[[], None],
+                   finish_step: bool = True) -> dict[str, int]:
     """Memory of one forward+backward of the layer on this rank, measured.
 
     saved: bytes of the tensors autograd keeps from forward to backward
@@ -332,7 +346,9 @@ def measure_memory(cfg: dict, layer: torch.nn.Module, x: torch.Tensor, dy: torch
     (2 x T x H). On CPU the all-to-alls wait until gloo has released their inputs
     (``_PromptCollectiveFrees``), so that scheduling delays on a loaded machine do not
     add a buffer to the peak; the previous call's graph a layer still references is
-    dropped first (``_drop_previous_graph``).
+    dropped first (``_drop_previous_graph``). ``finish_step``: end the layer's step after
+    the backward (``end_step``); False for a call measured inside a step of several
+    micro-batches, whose caller ends the step.
     """
     _drop_previous_graph(layer)
     params = list(layer.parameters())
@@ -378,7 +394,8 @@ def measure_memory(cfg: dict, layer: torch.nn.Module, x: torch.Tensor, dy: torch
                 out.backward(dy)
         fwd_peak, at_backward, bwd_peak = fwd.peak, fwd.net, bwd.peak
         peak = max(fwd_peak, at_backward + bwd_peak)
-    end_step(layer)
+    if finish_step:
+        end_step(layer)
     for p in params:
         p.grad = None
     return {"mem_saved": sum(saved.values()), "mem_peak": int(peak),

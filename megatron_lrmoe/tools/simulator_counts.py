@@ -60,6 +60,7 @@ from megatron_lrmoe.data.routing_traces import RoutingTrace, read_routing_trace
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, megatron_kept_counts
+from megatron_lrmoe.planning.planner import PlannerSettings
 from megatron_lrmoe.planning.shapes import MoEShape
 from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools.provenance import code_version
@@ -98,6 +99,10 @@ class CallCounts:
 
     iteration: int
     layer: int
+    micro: int
+    """The micro-batch's ordinal in its step."""
+    group: int
+    """The EP group's index in ``RoutingTrace.ep_groups(layer)``."""
     ranks: list[int]
     """[R] the global rank of each EP rank of the group (the counts' rows)."""
     counts: np.ndarray
@@ -157,6 +162,13 @@ class RunReplay:
     cost: CostModel
     trace: RoutingTrace
     settings_mismatches: list[Mismatch]
+    layer_settings: PlannerSettings | None = None
+    """The planner settings the run's LRMoE layer was built with
+    (``planner_inputs.planner_settings`` of the run's config, on ``cost``'s machine
+    constants); None for a run of Megatron's layer."""
+    lrmoe_options: dict[str, object] = dataclasses.field(default_factory=dict)
+    """The run's config's LRMoE options (``options.LRMoEOptions`` fields); empty for a
+    run of Megatron's layer."""
 
 
 def run_replay(run: Path) -> RunReplay:
@@ -167,6 +179,7 @@ def run_replay(run: Path) -> RunReplay:
     from megatron_lrmoe.integration.planner_inputs import planner_settings
     from megatron_lrmoe.launcher.arguments import parse_args
     from megatron_lrmoe.launcher.run_config import build_config
+    from megatron_lrmoe.options.lrmoe import LRMoEOptions
 
     run = Path(run)
     trace = read_routing_trace(routing_dir(run))
@@ -191,7 +204,9 @@ def run_replay(run: Path) -> RunReplay:
     cost = CostModel(layer_shape(shape, policy.runs_planner), machine)
     budget = 0.0 if budget_gib is None else budget_gib * 2**30   # 0: no budget
     mismatches = []
+    layer, options = None, {}
     if args.moe_lrmoe:
+        options = {f.name: getattr(config, f.name) for f in dataclasses.fields(LRMoEOptions)}
         layer = planner_settings(config, ep, tokens_per_rank(args), shape.microbatches_per_step,
                                  machine)
         simulated = policy_planner(policy, ep, cost, budget).settings
@@ -205,7 +220,7 @@ def run_replay(run: Path) -> RunReplay:
                     if getattr(layer.cost.shape, f.name) != getattr(cost.shape, f.name)}
             mismatches.append(Mismatch(0, "settings/cost-shape", {k: v[0] for k, v in diff.items()},
                                        {k: v[1] for k, v in diff.items()}))
-    return RunReplay(shape, policy, budget, cost, trace, mismatches)
+    return RunReplay(shape, policy, budget, cost, trace, mismatches, layer, options)
 
 
 
@@ -223,8 +238,8 @@ def replay_calls(replay: RunReplay) -> list[CallCounts]:
         groups = trace.ep_groups(number)
         sources = trace.header["sources"][str(number)]
         for iteration, step in zip(trace.iterations.tolist(), trace.layer(number), strict=True):
-            for micro in step:                                        # [S, E]
-                for group in groups:
+            for ordinal, micro in enumerate(step):                    # [S, E]
+                for index, group in enumerate(groups):
                     counts = micro[group]
                     planner.observe(counts)
                     plan = planner.plan(counts)
@@ -243,7 +258,7 @@ def replay_calls(replay: RunReplay) -> list[CallCounts]:
                     saved, peak = call_memory_levels(replay.policy, replay.cost, megatron,
                                                      retention, counts, replicas)
                     out.append(CallCounts(
-                        iteration=iteration, layer=number,
+                        iteration=iteration, layer=number, micro=ordinal, group=index,
                         ranks=[sources[row]["rank"] for row in group], counts=counts,
                         received=np.asarray(load, dtype=np.int64),
                         rows_per_instance=retention.routed_per_instance.numpy(),

@@ -11,6 +11,11 @@ from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, megatro
 from megatron_lrmoe.planning.shapes import MoEShape
 from megatron_lrmoe.tools.layer_bench import counts_routing
 
+# TINY's MoE layers (tests/launcher/test_routing_record.py) at EP 2 need 0.00121 GiB per
+# rank for balanced routing without drops: this budget leaves room for a replica on most
+# calls and lowers gamma on some.
+BUDGET_GIB = "0.00136"
+
 
 def _random_counts(rng: np.random.Generator, tokens: int, experts: int, topk: int,
                    zipf: float) -> np.ndarray:
@@ -55,11 +60,13 @@ def test_counts_routing_refuses_counts_no_routing_has():
 
 def test_measured_layers_receive_the_forced_counts(gloo2):
     # Two gloo ranks: each rank's routing forced to its row of a skewed [R, E], through
-    # Megatron's MoELayer and an LRMoELayer (gamma = inf, no replicas); the measured saved
-    # bytes and peak beside the models' (MegatronMoEMemory with probabilities that
-    # require grad, as measure_calls passes them; CostModel.plan_levels of the plan).
+    # Megatron's MoELayer and an LRMoELayer (gamma = inf, static placement, a one-call
+    # history); the measured saved bytes and peak beside the models' (MegatronMoEMemory
+    # with probabilities that require grad, as measure_calls passes them;
+    # CostModel.plan_levels of the plan).
     from megatron_lrmoe.planning.cost_model import CostModel
     from megatron_lrmoe.planning.machine import MachineConstants
+    from megatron_lrmoe.planning.planner import PlannerSettings
     from megatron_lrmoe.planning.retention import default_retention_in_forward, plan_retention
     from megatron_lrmoe.tools.simulator_memory import measure_calls
 
@@ -67,17 +74,109 @@ def test_measured_layers_receive_the_forced_counts(gloo2):
                topk=2, tokens=64, kernels="auto", grouped_gemm="off")
     rng = np.random.default_rng(0)
     counts = np.stack([_random_counts(rng, cfg["tokens"], 8, 2, 1.5) for _ in range(2)])
-    jobs = [{"counts": counts.tolist(), "capacity_factor": None, "gamma": gamma}
-            for gamma in (None, float("inf"))]
+    static = {"options": {"moe_lrmoe_bwd_capacity_factor": float("inf")},
+              "settings": PlannerSettings("static", 2, 8, capacity_factor=float("inf")),
+              "microbatches": 1, "earlier": [], "step": [counts], "micro": 0}
+    jobs = [{"counts": counts.tolist(), "capacity_factor": None},
+            {"counts": counts.tolist(), "capacity_factor": None, "lrmoe": static}]
     results = gloo2.run(measure_calls, cfg, jobs, timeout=300)
     shape = MoEShape(cfg["hidden"], cfg["ffn"], 8, 2, True, 4, cfg["tokens"],
                      expert_parallel_size=2, forward_retention=default_retention_in_forward())
     cost = CostModel(shape, MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0))
-    models = [MegatronMoEMemory(shape).rank_memory(counts),
-              cost.plan_levels(plan_retention(torch.from_numpy(counts), 2, float("inf")),
-                               np.zeros(2))]
+    plan = plan_retention(torch.from_numpy(counts), 2, float("inf"))
+    models = [MegatronMoEMemory(shape).rank_memory(counts), cost.plan_levels(plan, np.zeros(2))]
     for rank, measured in enumerate(results):
         for (saved, peak), m in zip(models, measured, strict=True):
             assert m["forced_exact"]
             assert abs(saved[rank] / m["mem_saved"] - 1) <= 0.05, (rank, saved, m)
             assert abs(peak[rank] / m["mem_peak"] - 1) <= 0.05, (rank, peak, m)
+        assert measured[1]["plan"]["replicas"] == 0
+        assert measured[1]["plan"]["kept_rows_per_instance"] == counts.sum(0).tolist()
+
+
+# -----------------------------------------------------------------------------
+# A fresh LRMoE run on 2 gloo ranks: memory-aware placement under a budget
+# -----------------------------------------------------------------------------
+
+def test_a_fresh_memory_aware_runs_calls_are_planned_and_measured_as_the_model_says(
+        gloo2, corpus, tmp_path):
+    # The oracle is the layer: an LRMoELayer with the run's options and planner settings,
+    # its planner brought to each chosen call through its own step boundary, measured on
+    # the allocator; the model is the simulator's replay of the same recorded counts.
+    import copy
+    import json
+    import shlex
+
+    from megatron_lrmoe.integration.step_hooks import machine_constants_line
+    from megatron_lrmoe.planning.machine import MachineConstants
+    from megatron_lrmoe.tools import simulator_memory as sm
+    from tests.launcher.test_routing_record import TINY
+    from tests.tools.test_simulator_counts import _train
+
+    run = tmp_path / "run"
+    run.mkdir()
+    calibration = tmp_path / "compute_bound.json"
+    machine = {"gemm_flops_per_s": 1e6, "alltoall_bytes_per_s": 1e18,
+               "alltoall_latency_s": 0.0, "source": "test: compute-bound"}
+    calibration.write_text(json.dumps(machine))
+    # A budget between the balanced need without drops and with: memory-aware replicas
+    # relieve the hot rank, and the budget lowers gamma on the hottest calls.
+    flags = [*TINY, "--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "1.0",
+             "--moe-lrmoe-placement", "memory-aware", "--moe-lrmoe-memory-budget-gb",
+             BUDGET_GIB, "--moe-lrmoe-calibration", str(calibration),
+             "--log-interval", "2", "--eval-iters", "0", "--data-path", corpus,
+             "--record-routing", str(run / "routing"), "--log-json", str(run / "log.jsonl")]
+    gloo2.run(_train, flags, timeout=300)
+    (run / "done.json").write_text(json.dumps({"command": shlex.join(
+        ["python", "-m", "megatron_lrmoe.launcher.pretrain", *flags])}))
+    # What the run printed of its planner's machine constants (the replay reads them).
+    (run / "stdout.txt").write_text(machine_constants_line(MachineConstants(**machine)) + "\n")
+
+    cfg, jobs = sm.run_jobs(run, None, 1234)
+    # Not trivial: the chosen calls hold replicas and drop, some by the budget.
+    assert any(j["replicas"] > 0 for j in jobs), jobs
+    assert any(sum(j["plan"]["kept_per_source"]) < np.sum(j["counts"]) for j in jobs)
+    assert any(j["budget_adjusted"] for j in jobs), jobs
+    per_rank = gloo2.run(sm.measure_calls, cfg, jobs, timeout=600)
+    rows = sm.compare(jobs, per_rank)
+    for row in rows:
+        assert row["forced_exact"] and row["plan_exact"], row
+        assert row["peak_err"] <= sm.TOLERANCE and row["saved_err"] <= sm.TOLERANCE, row
+    assert sm.passed(rows)
+    # A plan the layer did not make is caught: one kept pair more on one source.
+    changed = copy.deepcopy(jobs)
+    changed[0]["plan"]["kept_per_source"][1] += 1
+    rows = sm.compare(changed, per_rank)
+    assert [r["plan_exact"] for r in rows] == [False] + [True] * (len(rows) - 1)
+    assert not sm.passed(rows)
+
+
+
+def test_lrmoe_history_pools_a_steps_counts_over_the_ep_groups():
+    # Host only: two EP groups of a layer, two steps of two micro-batches; the call is the
+    # second group's second micro-batch of step 2. Its layer folds step 1's counts of
+    # both groups (4 observations), plans step 2 from its own group's counts.
+    from types import SimpleNamespace
+
+    from megatron_lrmoe.tools.simulator_counts import CallCounts
+    from megatron_lrmoe.tools.simulator_memory import lrmoe_history
+
+    def call(iteration, micro, group, layer=1):
+        counts = np.full((2, 4), 10 * iteration + 3 * micro + group)
+        return CallCounts(iteration, layer, micro, group, [2 * group, 2 * group + 1], counts,
+                          *[None] * 5, np.zeros(2), 0, 0, False, 0, None, None, None)
+
+    calls = [call(i, m, g, n) for n in (1, 2) for i in (1, 2) for m in (0, 1) for g in (0, 1)]
+
+    replay = SimpleNamespace(lrmoe_options={"moe_lrmoe_placement": "popularity"},
+                             layer_settings="settings",
+                             shape=SimpleNamespace(microbatches_per_step=2))
+    chosen = next(c for c in calls if (c.layer, c.iteration, c.micro, c.group) == (1, 2, 1, 1))
+    history = lrmoe_history(replay, calls, chosen)
+    [(own, pooled, count)] = history["earlier"]
+    assert [o[0, 0] for o in own] == [11, 14] and count == 4
+    assert (pooled == 10 + 13 + 11 + 14).all()
+    assert [s[0, 0] for s in history["step"]] == [21, 24] and history["micro"] == 1
+    # One EP group: the layer's own observations stand (None).
+    single = [c for c in calls if c.group == 1]
+    assert lrmoe_history(replay, single, chosen)["earlier"][0][1] is None
