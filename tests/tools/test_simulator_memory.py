@@ -94,6 +94,31 @@ def test_measured_layers_receive_the_forced_counts(gloo2):
         assert measured[1]["plan"]["kept_rows_per_instance"] == counts.sum(0).tolist()
 
 
+def _threads_after_builds(cfg: dict, builds: int) -> list[int]:
+    """This rank's OS threads after each of ``builds`` layers built in one task, as
+    measure_calls builds one per job (gloo's threads are not Python threads)."""
+    import os
+
+    from megatron_lrmoe.tools.layer_bench import build_lrmoe_layer, build_megatron_layer
+
+    counts = []
+    for i in range(builds):
+        layer = (build_megatron_layer(cfg) if i % 2 else
+                 build_lrmoe_layer(cfg, moe_lrmoe_bwd_capacity_factor=1.0))
+        del layer
+        counts.append(len(os.listdir("/proc/self/task")))
+    return counts
+
+
+def test_a_layer_per_job_does_not_add_process_groups(gloo2):
+    # A new model-parallel state per job left every earlier job's gloo groups running
+    # (about 60 threads a job at EP 16): the EP 16 measurement slowed to a crawl.
+    cfg = dict(device="cpu", dtype="fp32", ep=2, seed=7, hidden=32, ffn=16, experts=8,
+               topk=2, tokens=64, kernels="auto", grouped_gemm="off")
+    for counts in gloo2.run(_threads_after_builds, cfg, 4, timeout=300):
+        assert counts[1:] == counts[:1] * 3, counts
+
+
 # -----------------------------------------------------------------------------
 # A fresh LRMoE run on 2 gloo ranks: memory-aware placement under a budget
 # -----------------------------------------------------------------------------
