@@ -96,15 +96,16 @@ i64 least_level(i64 total, std::vector<i64> limits) {
 }
 
 // The cost model's per-rank constants (CostModel._layout, _held_weight_grads,
-// _grouped_terms and the shape's byte counts), computed in Python once per placement.
+// _grouped_terms, returned_gradient_bytes and the shape's byte counts), computed in Python
+// once per placement.
 struct MemoryModel {
   bool grouped = false, fr = false;
   double xc = 0, conv = 0, row = 0, sr = 0, p = 0, pss = 0, meta = 0, f_b = 0, f1_b = 0,
          hb = 0, fac = 0, ob = 0, pbb = 0, wgt_tmp = 0, ib = 0, kappa_mif = 0, kappa = 0,
-         rerun = 0, lyr = 1;
-  i64 row_i = 0, sr_i = 0, p_i = 0, f_b_i = 0, f1_b_i = 0, hb_i = 0, fac_i = 0, mif_i = 1,
+         rerun = 0, lyr = 1, replica_dw = 0, replica_dw2 = 0;
+  i64 homes = 0, row_i = 0, sr_i = 0, p_i = 0, f_b_i = 0, f1_b_i = 0, hb_i = 0, fac_i = 0, mif_i = 1,
       lyr_i = 1;
-  std::vector<double> nrep, rc, w1, w2, held_dw2, held_dw;  // [R]
+  std::vector<double> nrep, rc, w1, w2, held_dw2, held_dw, returned;  // [R]
 };
 
 double get_double(const py::dict& d, const char* key) { return d[key].cast<double>(); }
@@ -196,6 +197,10 @@ class NativePlanner {
       m.w2 = get_vector(d, "w2");
       m.held_dw2 = get_vector(d, "held_dw2");
       m.held_dw = get_vector(d, "held_dw");
+      m.returned = get_vector(d, "returned");
+      m.homes = get_int(d, "homes");
+      m.replica_dw = double(get_int(d, "replica_dw"));
+      m.replica_dw2 = double(get_int(d, "replica_dw2"));
       has_memory_ = true;
     }
   }
@@ -971,6 +976,7 @@ class NativePlanner {
         phase(base, (1 + rc) * m.row + sk, 0.0);
         phase(base + m.xc * a_s * m.row + held_dw, (1 + m.xc * b_s) * m.row + sk, 0.0);
         phase(base + a_s * m.row + m.ob + held_dw, b_s * m.row + sk, 0.0);
+        phase(base + m.ob + held_dw + m.returned[r], sk, 0.0);
         if (fr) {
           forward_levels(drop, levels);
           for (const auto& [a, b] : levels) phase(a, b, 0.0);
@@ -988,7 +994,7 @@ class NativePlanner {
           const double beta[5] = {g * m.sr + held, g * m.f1_b + held, held, m.f1_b, 0.0};
           const double cst[5] = {0.0, 0.0, 0.0, 0.0, m.wgt_tmp};
           for (int l = 0; l < 5; ++l)
-            phase(base + cst[l], 2 * m.row + std::min(alpha[l], beta[l]) + sk,
+            phase(base + cst[l] + held_dw2, 2 * m.row + std::min(alpha[l], beta[l]) + sk,
                   std::abs(alpha[l] - beta[l]));
         }
         limits[d] = lim;
@@ -1049,8 +1055,13 @@ class NativePlanner {
           const double l2 = ((g * m.sr) * nb + (g * m.f1_b + held) * before) + 0.0;
           const double l3 = ((g * m.sr + double(m.fac_i * m.f_b_i)) * nb + held * before) + 0.0;
           const double l4 = ((g * m.sr + double(3 * m.f1_b_i)) * nb + m.f1_b * before) + 0.0;
-          const double l5 = ((g * m.sr + held) * nb + 0.0 * before) + m.wgt_tmp;
-          const double bwd = std::max({l1, l2, l3, l4, l5});
+          // The dW of the rank's earlier replicas, held for the layer's hook (a
+          // replica's own dW2 also through its dW1 GEMM).
+          const i64 replica = i - a - m.homes;
+          const double own_dw2 = replica >= 0 ? m.replica_dw2 : 0.0;
+          const double l5 = ((g * m.sr + held) * nb + 0.0 * before) + m.wgt_tmp + own_dw2;
+          const double held_q = double(std::max<i64>(replica, 0)) * m.replica_dw;
+          const double bwd = held_q + std::max({l1, l2, l3, l4, l5});
           act_f = first ? fwd : std::max(act_f, fwd);
           act_b = first ? bwd : std::max(act_b, bwd);
           first = false;
@@ -1095,7 +1106,8 @@ class NativePlanner {
           base + std::max({(m.xc * retained + kept) * m.row, (1 + rc) * retained * m.row,
                            retained * m.row + experts_bwd,
                            (retained + m.xc * kept) * m.row + m.held_dw[r],
-                           kept * m.row + m.ob + m.held_dw[r]});
+                           kept * m.row + m.ob + m.held_dw[r],
+                           m.ob + m.held_dw[r] + m.returned[r]});
       const double peak = std::max(forward, backward);
       out[r] = m.nrep[r] * m.ib + m.kappa_mif * saved + (peak - m.kappa * saved + m.rerun) / m.lyr;
     }

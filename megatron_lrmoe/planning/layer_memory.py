@@ -11,12 +11,14 @@ once per layer and micro-batch, where a torch op costs ~10 us and a numpy op ~1 
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import numpy as np
 
 from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory
+from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.retention import RetentionPlan
 from megatron_lrmoe.planning.shapes import MoEShape
 
@@ -50,16 +52,44 @@ class LayerMemory:
 
     def _held_weight_grads(self, num_replicas: np.ndarray,
                            local: np.ndarray) -> tuple[np.ndarray | float, np.ndarray | float]:
-        """(dW2 stack, dW1 + dW2 stacks) [R] that grouped GEMMs hold past their GEMMs on a
-        rank with replicas: the replicas' dW are views of the stacks, handed to the layer's
-        hook at the end of the backward, so dW2 [I, H, F] lives through the dW1 GEMM and
-        both through the dX return and the token gradient (measured on the fake-CUDA
-        region, tests/layer/test_region_fake_cuda.py). (0, 0) for the per-expert loop."""
-        if not self.shape.grouped_gemm:
-            return 0.0, 0.0
+        """([R] held during the expert backward, [R] held after it) bytes of the replicas'
+        dW, which the region hands to the layer's hook only at the end of its backward.
+
+        Grouped GEMMs: the replicas' dW are views of the stacks, so dW2 [I, H, F] lives
+        through the dW1 GEMM and both stacks through the dX return and the token gradient
+        (measured on the fake-CUDA region, tests/layer/test_region_fake_cuda.py). The
+        per-expert loop (replicas after the homes): every replica's dW1 and dW2 after the
+        loop; during it, a bound of what its levels see, the dW of all replicas but the
+        last and the last one's dW2 (``_loop_activation`` counts them per instance)."""
+        s = self.shape
+        replicas = np.asarray(num_replicas, dtype=np.float64)
+        with_replicas = (replicas > 0).astype(np.float64)
+        if not s.grouped_gemm:
+            expert = s.weight_elements * s.dtype_bytes
+            dw2 = s.hidden_size * s.ffn_hidden_size * s.dtype_bytes
+            return (with_replicas * ((replicas - 1) * expert + dw2), replicas * expert)
         w1, w2, _ = self._grouped_terms(local)
-        with_replicas = (np.asarray(num_replicas) > 0).astype(np.float64)
         return with_replicas * w2, with_replicas * (w1 + w2)
+
+    def returned_gradient_bytes(self, placement: Placement) -> np.ndarray:
+        """[R] bytes each rank receives, and the sums it makes, when the step's last
+        backward sends the replicas' gradients home (``ExpertReplicas.reduce_into_home``,
+        inside the region's backward, after the token gradient exists): one expert's
+        dW1 and dW2 in the gradient dtype per replica of the rank's home experts, one more
+        per home expert with two or more replicas (their sum), and one dW1 of the sum's
+        temporary where an expert has three or more."""
+        s = self.shape
+        served = np.zeros(placement.num_ranks)
+        multi = np.zeros(placement.num_ranks)
+        many = np.zeros(placement.num_ranks)
+        for e, n in collections.Counter(e for e, _ in placement.replicas).items():
+            home = placement.home_rank(e)
+            served[home] += n
+            multi[home] += n >= 2
+            many[home] = max(many[home], float(n >= 3))
+        grad = s.grad_dtype_bytes or s.dtype_bytes
+        return grad * ((served + multi) * s.weight_elements
+                       + many * s.fc1_size * s.hidden_size)
 
     def _grouped_terms(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
         """(L W1, L W2, D'): the stacked weights of the local instances, per call, and the
@@ -92,7 +122,9 @@ class LayerMemory:
                          rank_starts: np.ndarray, drops: np.ndarray
                          ) -> tuple[np.ndarray, np.ndarray]:
         """[R] bytes of the per-expert loop's activation temporaries at their forward and
-        backward peaks, from the rows of each local instance (module docstring)."""
+        backward peaks, from the rows of each local instance (module docstring); in
+        backward with the dW of the rank's earlier replicas, which the loop holds for the
+        layer's hook (a replica's dW2 also through its dW1 GEMM)."""
         s = self.shape
         f_b = s.ffn_hidden_size * s.dtype_bytes
         n_f = np.asarray(instance_routed, dtype=np.float64)
@@ -110,8 +142,14 @@ class LayerMemory:
         before_f = np.where(prev >= first, n_f[np.maximum(prev, 0)], 0.0)
         fwd = (s.forward_activation_factor * n_f + before_f) * f_b
         gathered = np.repeat(np.asarray(drops, dtype=np.float64), sizes)
-        bwd = _max(*(alpha * n_b + beta * before + const
-                     for alpha, beta, const in self._loop_backward_levels(gathered)))
+        homes = s.num_experts // len(starts)                     # each rank's home experts
+        replica = index - first - homes                          # >= 0 on a replica
+        held = np.maximum(replica, 0) * float(s.weight_elements * s.dtype_bytes)
+        own_dw2 = (replica >= 0) * float(s.hidden_size * s.ffn_hidden_size * s.dtype_bytes)
+        levels = self._loop_backward_levels(gathered)
+        bwd = held + _max(*(alpha * n_b + beta * before + const
+                            + (own_dw2 if k == len(levels) - 1 else 0.0)
+                            for k, (alpha, beta, const) in enumerate(levels)))
         return np.maximum.reduceat(fwd, starts), np.maximum.reduceat(bwd, starts)
 
     def _forward_levels(self, routed: np.ndarray, xc: float, rc: np.ndarray,
@@ -151,7 +189,8 @@ class LayerMemory:
                     retained: np.ndarray, sent_kept: np.ndarray | None = None,
                     instance_routed: np.ndarray | None = None,
                     instance_retained: np.ndarray | None = None,
-                    rank_starts: np.ndarray | None = None) -> np.ndarray:
+                    rank_starts: np.ndarray | None = None,
+                    returned: np.ndarray | float = 0.0) -> np.ndarray:
         """[R] float64 bytes one layer holds on each rank: its replicas, the saved buffers
         of MiF micro-batches routed like this one, and 1/Lyr of the rest of its peak
         (module docstring); under recompute, kappa of the saved buffers and 1/Lyr of the
@@ -162,10 +201,12 @@ class LayerMemory:
         upper bound). ``instance_routed``, ``instance_retained`` [I] (rank-major) with
         ``rank_starts`` [R]: the rows of every instance, which set the per-expert loop's
         activation temporaries (None: bounded by the rank's totals; grouped GEMMs do
-        not need them)."""
+        not need them). ``returned`` [R]: ``returned_gradient_bytes`` of the placement
+        when the call is its step's last micro-batch (0: none is returned)."""
         s = self.shape
         saved, peak = self.rank_levels(routed, retained, num_replicas, sent_kept,
-                                       instance_routed, instance_retained, rank_starts)
+                                       instance_routed, instance_retained, rank_starts,
+                                       returned)
         kappa = s.kept_layers_fraction
         return (np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
                 + kappa * s.microbatches_in_flight * saved
@@ -175,7 +216,8 @@ class LayerMemory:
                     num_replicas: np.ndarray, sent_kept: np.ndarray | None = None,
                     instance_routed: np.ndarray | None = None,
                     instance_retained: np.ndarray | None = None,
-                    rank_starts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    rank_starts: np.ndarray | None = None,
+                    returned: np.ndarray | float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """([R] saved bytes S, [R] peak bytes) of one micro-batch of one layer, above what
         exists before the call, replicas excluded: what ``rank_memory`` composes (its
         arguments) and ``stage_moe_memory`` composes under recompute, as
@@ -210,9 +252,10 @@ class LayerMemory:
                 # min(alpha, beta) K + |alpha - beta| min(K, N).
                 min_kn = np.minimum(retained, routed)
                 act_f = s.forward_activation_factor * routed * f_b
-                act_b = _max(*(np.minimum(alpha, beta) * retained
-                               + np.abs(alpha - beta) * min_kn + const for alpha, beta, const
-                               in self._loop_backward_levels(gathered)))
+                act_b = held_dw2 + _max(*(np.minimum(alpha, beta) * retained
+                                          + np.abs(alpha - beta) * min_kn + const
+                                          for alpha, beta, const
+                                          in self._loop_backward_levels(gathered)))
             experts_bwd = retained * row + act_b
         forward = _max(*(a + b * retained for a, b
                          in self._forward_levels(routed, xc, rc, local, act_f, drops)))
@@ -222,20 +265,22 @@ class LayerMemory:
             (1 + rc) * retained * row,                  # received and reordered; dX too
             retained * row + experts_bwd,               # the expert backward
             (retained + xc * kept) * row + held_dw,     # dX sent back and received
-            kept * row + s.output_bytes + held_dw)      # dX received, token gradient
+            kept * row + s.output_bytes + held_dw,      # dX received, token gradient
+            s.output_bytes + held_dw + returned)        # replicas' gradients received home
         return saved, np.maximum(forward, backward)
 
-    def plan_memory(self, plan: RetentionPlan, num_replicas: np.ndarray) -> np.ndarray:
+    def plan_memory(self, plan: RetentionPlan, num_replicas: np.ndarray,
+                    returned: np.ndarray | float = 0.0) -> np.ndarray:
         """[R] ``rank_memory`` at a retention plan: its routed and retained loads, each
         source's kept pairs and each instance's rows."""
         routed, retained, kw = self._plan_loads(plan)
-        return self.rank_memory(num_replicas, routed, retained, **kw)
+        return self.rank_memory(num_replicas, routed, retained, returned=returned, **kw)
 
-    def plan_levels(self, plan: RetentionPlan, num_replicas: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray]:
+    def plan_levels(self, plan: RetentionPlan, num_replicas: np.ndarray,
+                    returned: np.ndarray | float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """``rank_levels`` (saved, peak) [R] at a retention plan, as ``plan_memory``."""
         routed, retained, kw = self._plan_loads(plan)
-        return self.rank_levels(routed, retained, num_replicas, **kw)
+        return self.rank_levels(routed, retained, num_replicas, returned=returned, **kw)
 
     @staticmethod
     def _plan_loads(plan: RetentionPlan) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -248,11 +293,12 @@ class LayerMemory:
                 dict(sent_kept=np.add.reduce(quotas, axis=1), instance_routed=inst_routed,
                      instance_retained=inst_retained, rank_starts=starts))
 
-    def receive_limit(self, share: float, num_replicas: np.ndarray) -> np.ndarray:
+    def receive_limit(self, share: float, num_replicas: np.ndarray,
+                      returned: np.ndarray | float = 0.0) -> np.ndarray:
         """[R] int64: the most routed pairs a rank can receive within ``share`` when
         backward drops as much as it may (nothing retained; its pairs as a source all
         kept, and one instance's activation over all its rows: upper bounds), i.e. the
-        largest N with ``rank_memory(num_replicas, N, 0) <= share``."""
+        largest N with ``rank_memory(num_replicas, N, 0, returned=returned) <= share``."""
         s = self.shape
         xc, rc, local = self._layout(num_replicas)
         row, sr, p = s.row_bytes, s.saved_bytes_per_routed_pair, s.source_pairs
@@ -274,10 +320,11 @@ class LayerMemory:
             bwd_experts = np.maximum(w2, w1 + conv + held_dw2)
         else:
             phases.append((meta, sr + row + s.forward_activation_factor * f_b))
-            bwd_experts = s.weight_gradient_temporary_bytes
+            bwd_experts = s.weight_gradient_temporary_bytes + held_dw2
         base = p * s.saved_bytes_per_source_pair + s.output_bytes + \
             p * s.backward_bytes_per_source_pair
-        phases += [(base + np.maximum(kept * row + s.output_bytes + held_dw, bwd_experts), sn)]
+        phases += [(base + _max(kept * row + s.output_bytes + held_dw, bwd_experts,
+                                s.output_bytes + held_dw + returned), sn)]
         # fixed + k MiF S + (level - k S + y') / Lyr <= share, S = N sn + P ss,
         # level = a + b N (k: kept_layers_fraction, y': rerun_output_bytes).
         mif, lyr, k = s.microbatches_in_flight, s.num_layers, s.kept_layers_fraction
@@ -290,13 +337,14 @@ class LayerMemory:
         return _to_count(np.minimum.reduce(_solve(rhs, coef), axis=0))
 
     def retained_limit(self, share: float, num_replicas: np.ndarray, routed: np.ndarray,
-                       largest_routed: np.ndarray | None = None) -> np.ndarray:
+                       largest_routed: np.ndarray | None = None,
+                       returned: np.ndarray | float = 0.0) -> np.ndarray:
         """[R] int64: the most retained pairs a rank can keep within ``share`` at its
-        routed load, i.e. the largest K with ``rank_memory(num_replicas, routed, K) <=
-        share`` (0 where not even K = 0 fits). Its pairs as a source count as all kept
-        (an upper bound: the plan is not known yet); ``largest_routed`` [R], the routed
-        rows of each rank's largest instance, tightens the per-expert loop's activation
-        bound (None: the rank's routed rows)."""
+        routed load, i.e. the largest K with ``rank_memory(num_replicas, routed, K,
+        returned=returned) <= share`` (0 where not even K = 0 fits). Its pairs as a
+        source count as all kept (an upper bound: the plan is not known yet);
+        ``largest_routed`` [R], the routed rows of each rank's largest instance, tightens
+        the per-expert loop's activation bound (None: the rank's routed rows)."""
         s = self.shape
         routed = np.asarray(routed, dtype=np.float64)
         xc, rc, local = self._layout(num_replicas)
@@ -327,7 +375,8 @@ class LayerMemory:
         common = [(base + a_s * row, (xc + b_s) * row + sk, 0.0),
                   (base, (1 + rc) * row + sk, 0.0),
                   (base + xc * a_s * row + held_dw, (1 + xc * b_s) * row + sk, 0.0),
-                  (base + a_s * row + s.output_bytes + held_dw, b_s * row + sk, 0.0)]
+                  (base + a_s * row + s.output_bytes + held_dw, b_s * row + sk, 0.0),
+                  (base + s.output_bytes + held_dw + returned, sk, 0.0)]
         limits = []
         for drop in (0.0, 1.0):            # the rank keeps every row / drops some
             # With forward retention the forward's levels depend on K; else they are
@@ -345,7 +394,8 @@ class LayerMemory:
                            (base + w1 + conv + held_dw2,
                             rows + 2 * f_b + f1_b + row + sk, 0.0)]
             else:
-                phases += [(base + const, 2 * row + min(alpha, beta) + sk, abs(alpha - beta))
+                phases += [(base + const + held_dw2, 2 * row + min(alpha, beta) + sk,
+                            abs(alpha - beta))
                            for alpha, beta, const in self._loop_backward_levels(gathered)]
             a, b, c = (_stack(values, routed.shape) for values in zip(*phases, strict=True))
             limits.append(np.minimum.reduce(

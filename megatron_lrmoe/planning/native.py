@@ -51,7 +51,7 @@ def native_planner(placement: Placement, cost: CostModel | None,
     return _NativePlanner(placement.num_ranks, placement.num_experts,
                           list(placement.instance_rank), list(placement.instance_expert),
                           list(placement.home_instance),
-                          None if cost is None else _memory_model(cost, replicas))
+                          None if cost is None else _memory_model(cost, replicas, placement))
 
 
 def native_greedy(routed: list[int], num_ranks: int, num_experts: int) -> Any:
@@ -63,10 +63,12 @@ def native_greedy(routed: list[int], num_ranks: int, num_experts: int) -> Any:
     return _kernels.GreedyReplicas([int(n) for n in routed], num_ranks, num_experts)
 
 
-def _memory_model(cost: CostModel, replicas: np.ndarray) -> dict[str, Any]:
+def _memory_model(cost: CostModel, replicas: np.ndarray,
+                  placement: Placement) -> dict[str, Any]:
     """The per-rank terms and byte counts ``CostModel.rank_memory`` reads, taken from the
-    cost model itself (its ``_layout``, ``_held_weight_grads`` and ``_grouped_terms``), so
-    that the compiled rank memory starts from the very numbers the Python one does."""
+    cost model itself (its ``_layout``, ``_held_weight_grads``, ``_grouped_terms`` and
+    ``returned_gradient_bytes``, which the planner budgets on every micro-batch), so that
+    the compiled rank memory starts from the very numbers the Python one does."""
     s = cost.shape
     xc, rc, local = cost._layout(replicas)
     held_dw2, held_dw = cost._held_weight_grads(replicas, local)
@@ -94,4 +96,8 @@ def _memory_model(cost: CostModel, replicas: np.ndarray) -> dict[str, Any]:
         "lyr": s.num_layers, "mif": s.microbatches_in_flight,
         "nrep": per_rank(replicas), "rc": per_rank(rc), "w1": per_rank(w1), "w2": per_rank(w2),
         "held_dw2": per_rank(held_dw2), "held_dw": per_rank(held_dw),
+        "returned": per_rank(cost.returned_gradient_bytes(placement)),
+        "homes": s.num_experts // num_ranks,
+        "replica_dw": s.weight_elements * s.dtype_bytes,
+        "replica_dw2": s.hidden_size * s.ffn_hidden_size * s.dtype_bytes,
     }

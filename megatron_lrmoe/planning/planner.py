@@ -50,6 +50,10 @@ class _PlacementContext:
     rank_starts: np.ndarray             # [R] first instance of each rank
     busiest: int                        # _busiest(placement)
     native: Any = None                  # the compiled planner of the placement, or None
+    # [R] bytes of the replicas' gradients each rank receives home at its step's last
+    # backward (CostModel.returned_gradient_bytes); budgeted on every micro-batch, since
+    # the plan of a call does not depend on which of the step's micro-batches it is.
+    returned: np.ndarray | float = 0.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -236,7 +240,8 @@ class LayerPlanner:
         else:
             instance_routed = np.add.reduce(cells, axis=0)                          # [I]
             limit = s.cost.retained_limit(share, ctx.replicas, routed,
-                                          np.maximum.reduceat(instance_routed, ctx.rank_starts))
+                                          np.maximum.reduceat(instance_routed, ctx.rank_starts),
+                                          returned=ctx.returned)
         # Ranks that do not fit even keeping nothing (limit 0) stay over budget whatever
         # gamma is: they do not drag every rank's C to 1.
         short = (routed > limit) & (limit > 0)
@@ -332,14 +337,15 @@ class LayerPlanner:
             if len(self._contexts) >= _CACHED_PLACEMENTS:
                 self._contexts.clear()
             replicas = np.asarray(placement.replicas_per_rank(), dtype=np.int64)
-            share = self.settings.layer_share
+            cost, share = self.settings.cost, self.settings.layer_share
+            returned = 0.0 if cost is None else cost.returned_gradient_bytes(placement)
             limit = (None if share is None
-                     else self.settings.cost.receive_limit(share, replicas))
+                     else cost.receive_limit(share, replicas, returned=returned))
             ctx = _PlacementContext(placement, replicas, limit,
                                     np.asarray(placement.rank_starts[:-1], dtype=np.int64),
                                     _busiest(placement),
-                                    native_planner(placement, self.settings.cost, replicas)
-                                    if self.native else None)
+                                    native_planner(placement, cost, replicas)
+                                    if self.native else None, returned)
             self._contexts[placement] = ctx
         return ctx
 
@@ -542,7 +548,7 @@ def _memory(cost: CostModel, ctx: _PlacementContext, routed: np.ndarray,
                             sent_kept=np.add.reduce(quotas, axis=1),
                             instance_routed=instance_routed,
                             instance_retained=instance_retained,
-                            rank_starts=ctx.rank_starts)
+                            rank_starts=ctx.rank_starts, returned=ctx.returned)
 
 
 @functools.cache

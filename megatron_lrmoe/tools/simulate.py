@@ -49,6 +49,7 @@ from megatron_lrmoe.planning.megatron_baseline import (
     megatron_kept_counts,
     stage_moe_memory,
 )
+from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import RetentionPlan, default_retention_in_forward
 from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
@@ -327,15 +328,18 @@ def policy_planner(policy: Policy, ep_size: int, cost: CostModel,
 
 # ------------------------------------------------------------------------------ routing
 def call_memory_levels(policy: Policy, cost: CostModel, megatron: MegatronMoEMemory,
-                       plan: RetentionPlan, counts: np.ndarray, replicas: np.ndarray
-                       ) -> tuple[np.ndarray, np.ndarray]:
+                       plan: RetentionPlan, counts: np.ndarray, placement: Placement,
+                       last: bool) -> tuple[np.ndarray, np.ndarray]:
     """([R] saved bytes, [R] peak bytes) of one MoE layer's forward+backward of one
     micro-batch on each rank, as the simulator prices it before composing a stage
     (``stage_moe_memory``): ``CostModel.plan_levels`` of the plan for policies that run
-    the planner (``replicas`` [R] per rank, their weights excluded), else
+    the planner (with ``placement``'s replicas, their weights excluded, and when the
+    call is its step's ``last`` micro-batch the replicas' gradients returned home), else
     ``MegatronMoEMemory.rank_memory`` of the [R, E] counts Megatron's layer moves."""
     if policy.runs_planner:
-        return cost.plan_levels(plan, replicas)
+        replicas = np.asarray(placement.replicas_per_rank())
+        returned = cost.returned_gradient_bytes(placement) if last else 0.0
+        return cost.plan_levels(plan, replicas, returned)
     return megatron.rank_memory(counts)
 
 
@@ -453,7 +457,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
             planner = policy_planner(policy, ep_size, cost, budget)
             saved = peak = replica_bytes = np.zeros(ep_size)
             for _ in range(steps):
-                for _ in range(shape.microbatches_per_step):
+                for micro in range(shape.microbatches_per_step):
                     counts = next(batches)
                     if policy.moe_expert_capacity_factor is not None:
                         counts = megatron_kept_counts(
@@ -480,8 +484,9 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
                     totals["routed"] += float(per_rank.sum())
                     totals["retained"] += float(plan.retained_per_rank.numpy().sum())
                     replicas = np.asarray(planner.placement.replicas_per_rank())
-                    s_call, p_call = call_memory_levels(policy, cost, megatron, plan, counts,
-                                                        replicas)
+                    s_call, p_call = call_memory_levels(
+                        policy, cost, megatron, plan, counts, planner.placement,
+                        micro == shape.microbatches_per_step - 1)
                     saved, peak = np.maximum(saved, s_call), np.maximum(peak, p_call)
                     replica_bytes = np.maximum(replica_bytes, replicas * shape.instance_bytes)
                     calls += 1

@@ -254,9 +254,9 @@ def replay_calls(replay: RunReplay) -> list[CallCounts]:
                     np.logical_or.at(drops, rank_of, (quotas != cells).any(0))
                     load = (plan.rank_load if plan.rank_load is not None
                             else retention.routed_per_rank.numpy())
-                    replicas = np.asarray(planner.placement.replicas_per_rank())
                     saved, peak = call_memory_levels(replay.policy, replay.cost, megatron,
-                                                     retention, counts, replicas)
+                                                     retention, counts, planner.placement,
+                                                     ordinal == len(step) - 1)
                     out.append(CallCounts(
                         iteration=iteration, layer=number, micro=ordinal, group=index,
                         ranks=[sources[row]["rank"] for row in group], counts=counts,

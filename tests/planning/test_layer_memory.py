@@ -641,17 +641,13 @@ _LRMOE_VARIANTS = {
 }
 
 
-def _measure_lrmoe_layer(cfg: dict, name: str) -> dict:
-    """On each gloo rank: the LRMoE layer of the variant (same weights as Megatron's), the
-    skewed routing forced, one measured forward+backward (``measure_memory``) and the
-    planner's ``rank_memory`` of that call's plan for every rank."""
+def _measure_skewed_call(cfg: dict, layer: torch.nn.Module) -> dict:
+    """On each gloo rank: the layer's router replaced by a skewed routing of this rank's
+    tokens (probabilities that need a gradient), and one measured forward+backward."""
     import torch.distributed as dist
 
-    from megatron_lrmoe.tools.layer_bench import build_layers, measure_memory, skewed_routing
+    from megatron_lrmoe.tools.layer_bench import measure_memory, skewed_routing
 
-    fields = {**_LRMOE_VARIANTS[name], "moe_lrmoe_memory_budget_gb": 64.0}
-    _, _, variants = build_layers(cfg, {name: fields})
-    layer = variants[name]
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(cfg["seed"] + 1000 + rank)
     x = torch.randn(cfg["tokens"], 1, cfg["hidden"], generator=gen)
@@ -660,7 +656,20 @@ def _measure_lrmoe_layer(cfg: dict, name: str) -> dict:
                                         cfg["seed"], rank, torch.float32)
     probs.requires_grad_(True)
     layer.route = lambda hidden, padding_mask=None, _r=(probs, routing_map): _r
-    memory = measure_memory(cfg, layer, x, dy, lambda: None, dist.barrier)
+    return measure_memory(cfg, layer, x, dy, lambda: None, dist.barrier)
+
+
+def _measure_lrmoe_layer(cfg: dict, name: str) -> dict:
+    """On each gloo rank: the LRMoE layer of the variant (same weights as Megatron's), the
+    skewed routing forced, one measured forward+backward (``measure_memory``) and the
+    planner's ``rank_memory`` of that call's plan for every rank."""
+
+    from megatron_lrmoe.tools.layer_bench import build_layers
+
+    fields = {**_LRMOE_VARIANTS[name], "moe_lrmoe_memory_budget_gb": 64.0}
+    _, _, variants = build_layers(cfg, {name: fields})
+    layer = variants[name]
+    memory = _measure_skewed_call(cfg, layer)
     planner = layer.placement_planner
     return {"model": planner.last_memory.tolist(),
             "recompute_moe": planner.settings.cost.shape.recompute_moe, **memory}
@@ -682,3 +691,51 @@ def test_lrmoe_layer_memory_under_recompute_matches_the_measured_layer(gloo2, na
         model = measured["model"][rank]
         # Within 1.8% when written (the router's and dispatcher's small tensors).
         assert abs(model / measured["mem_peak"] - 1) <= 0.03, (rank, model, measured)
+
+
+def _measure_replicated_layer(cfg: dict, replicas: tuple[tuple[int, int], ...]) -> dict:
+    """On each gloo rank: an LRMoE layer (no drop, a budget that never binds, one
+    micro-batch per step) whose placement is forced to ``replicas``, one measured
+    forward+backward (the step's first and last micro-batch: the replica refresh and the
+    replicas' gradients sent home both inside it), and the model's figures of the call."""
+
+    from megatron_lrmoe.planning.placement import Placement
+    from megatron_lrmoe.tools.layer_bench import build_layers
+
+    name = "replicas"
+    fields = {"moe_lrmoe_bwd_capacity_factor": 1.0, "moe_lrmoe_memory_budget_gb": 64.0}
+    _, _, variants = build_layers(cfg, {name: fields})
+    layer = variants[name]
+    planner = layer.placement_planner
+    placement = Placement(cfg["ep"], cfg["experts"], replicas)
+    planner.placement = placement
+    memory = _measure_skewed_call(cfg, layer)
+    cost = planner.settings.cost
+    plan = layer.last_plan.retention
+    hosted = np.asarray(placement.replicas_per_rank(), dtype=np.float64)
+    return {"model": planner.last_memory.tolist(),
+            "without_return": cost.plan_memory(plan, hosted).tolist(),
+            "replica_buffers": layer.replicas.memory_bytes(),
+            "instance_bytes": cost.shape.instance_bytes, "hosted": hosted.tolist(), **memory}
+
+
+def test_replicas_gradients_returned_home_and_held_are_in_the_model(gloo2):
+    # Expert weights large against the call's rows (192 KiB per expert in fp32, 64 tokens):
+    # rank 0 serves three replicas, so the step's last backward receives their gradients
+    # (576 KiB) after the token gradient exists; rank 1 hosts them, and the per-expert loop
+    # holds each replica's dW until the layer's hook. The oracle is the allocator.
+    cfg = dict(device="cpu", dtype="fp32", ep=2, seed=1234, hidden=64, ffn=256, experts=8,
+               topk=2, tokens=64, kernels="auto", grouped_gemm="off")
+    replicas = ((0, 1), (1, 1), (2, 1), (4, 0))
+    results = gloo2.run(_measure_replicated_layer, cfg, replicas, timeout=300)
+    for rank, measured in enumerate(results):
+        # The first refresh with these replicas allocates their buffers inside the span,
+        # as rank_memory counts them (hosted x instance bytes).
+        assert (measured["replica_buffers"]
+                == measured["hosted"][rank] * measured["instance_bytes"])
+        model = measured["model"][rank]
+        # Within 0.04% when written (the router's and dispatcher's small tensors).
+        assert abs(model / measured["mem_peak"] - 1) <= 0.01, (rank, model, measured)
+    # Without the gradients returned home, rank 0's model falls short of the allocator.
+    short = results[0]["without_return"][0] / results[0]["mem_peak"]
+    assert short < 0.9, short

@@ -269,11 +269,14 @@ def test_memory_and_retained_limit_equal_the_cost_model(case, scale, replicas, d
         plan = plan_retention(assignment.counts, num_ranks, 0.5, 0.0,
                               instance_rank=placement.instance_rank,
                               instance_expert=placement.instance_expert)
+        # The compiled planner budgets the replicas' gradient return on every call.
+        returned = cost.returned_gradient_bytes(placement)
         assert np.array_equal(native.memory(cells, plan.quotas.numpy(), load),
-                              cost.plan_memory(plan, rank_replicas))
+                              cost.plan_memory(plan, rank_replicas, returned))
         largest = np.maximum.reduceat(np.add.reduce(cells, axis=0), starts)
         assert np.array_equal(native.retained_limit(share, cells, load),
-                              cost.retained_limit(share, rank_replicas, load, largest))
+                              cost.retained_limit(share, rank_replicas, load, largest,
+                                                  returned=returned))
 
 
 @given(routed=st.lists(st.integers(0, 5000), min_size=1, max_size=24),
