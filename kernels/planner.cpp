@@ -103,7 +103,7 @@ struct MemoryModel {
   double xc = 0, conv = 0, row = 0, sr = 0, p = 0, pss = 0, meta = 0, f_b = 0, f1_b = 0,
          hb = 0, fac = 0, ob = 0, pbb = 0, wgt_tmp = 0, ib = 0, kappa_mif = 0, kappa = 0,
          rerun = 0, lyr = 1, replica_dw = 0, replica_dw2 = 0;
-  i64 homes = 0, row_i = 0, sr_i = 0, p_i = 0, f_b_i = 0, f1_b_i = 0, hb_i = 0, fac_i = 0, mif_i = 1,
+  i64 row_i = 0, sr_i = 0, p_i = 0, f_b_i = 0, f1_b_i = 0, hb_i = 0, fac_i = 0, mif_i = 1,
       lyr_i = 1;
   std::vector<double> nrep, rc, w1, w2, held_dw2, held_dw, returned;  // [R]
 };
@@ -198,9 +198,8 @@ class NativePlanner {
       m.held_dw2 = get_vector(d, "held_dw2");
       m.held_dw = get_vector(d, "held_dw");
       m.returned = get_vector(d, "returned");
-      m.homes = get_int(d, "homes");
-      m.replica_dw = double(get_int(d, "replica_dw"));
-      m.replica_dw2 = double(get_int(d, "replica_dw2"));
+      m.replica_dw = get_double(d, "replica_dw");
+      m.replica_dw2 = get_double(d, "replica_dw2");
       has_memory_ = true;
     }
   }
@@ -1057,9 +1056,9 @@ class NativePlanner {
           const double l4 = ((g * m.sr + double(3 * m.f1_b_i)) * nb + m.f1_b * before) + 0.0;
           // The dW of the rank's earlier replicas, held for the layer's hook (a
           // replica's own dW2 also through its dW1 GEMM).
-          const i64 replica = i - a - m.homes;
+          const i64 replica = i - a - E_ / R_;
           const double own_dw2 = replica >= 0 ? m.replica_dw2 : 0.0;
-          const double l5 = ((g * m.sr + held) * nb + 0.0 * before) + m.wgt_tmp + own_dw2;
+          const double l5 = ((g * m.sr + held) * nb + 0.0 * before) + (m.wgt_tmp + own_dw2);
           const double held_q = double(std::max<i64>(replica, 0)) * m.replica_dw;
           const double bwd = held_q + std::max({l1, l2, l3, l4, l5});
           act_f = first ? fwd : std::max(act_f, fwd);

@@ -61,13 +61,12 @@ class LayerMemory:
         per-expert loop (replicas after the homes): every replica's dW1 and dW2 after the
         loop; during it, a bound of what its levels see, the dW of all replicas but the
         last and the last one's dW2 (``_loop_activation`` counts them per instance)."""
-        s = self.shape
         replicas = np.asarray(num_replicas, dtype=np.float64)
         with_replicas = (replicas > 0).astype(np.float64)
-        if not s.grouped_gemm:
-            expert = s.weight_elements * s.dtype_bytes
-            dw2 = s.hidden_size * s.ffn_hidden_size * s.dtype_bytes
-            return (with_replicas * ((replicas - 1) * expert + dw2), replicas * expert)
+        if not self.shape.grouped_gemm:
+            dw1, dw2, _ = self._grouped_terms(1.0)                # one expert's dW1, dW2
+            return (with_replicas * ((replicas - 1) * (dw1 + dw2) + dw2),
+                    replicas * (dw1 + dw2))
         w1, w2, _ = self._grouped_terms(local)
         return with_replicas * w2, with_replicas * (w1 + w2)
 
@@ -99,15 +98,18 @@ class LayerMemory:
         w2 = s.hidden_size * s.ffn_hidden_size * s.dtype_bytes
         return local * w1, local * w2, float(s.weight_gradient_temporary_bytes - w1)
 
-    def _loop_backward_levels(self, gathered: float | np.ndarray
-                              ) -> list[tuple[float | np.ndarray, float | np.ndarray, float]]:
+    def _loop_backward_levels(self, gathered: float | np.ndarray,
+                              own_dw2: float | np.ndarray = 0.0
+                              ) -> list[tuple[float | np.ndarray, float | np.ndarray,
+                                              float | np.ndarray]]:
         """The per-expert loop's backward levels above the gradient rows and dX, as
         (alpha, beta, const): alpha n + beta n' + const bytes for an instance of n
         retained rows after one of n' (``gathered`` 1 where the rank drops rows, so x
         and z are gathered per instance, else 0). In the loop's order: gathering x, then
         z, while the previous instance's x, z, h and dz live; the activation, while the
         previous h and dz live; the activation's backward (recomputed activation, dh and
-        their gradients: 3 n F1 at its peak) with the previous dz; the dW GEMMs."""
+        their gradients: 3 n F1 at its peak) with the previous dz; the dW GEMMs (with
+        ``own_dw2``, a replica's dW2, which it holds through its dW1 GEMM)."""
         s = self.shape
         row, sr = s.row_bytes, s.saved_bytes_per_routed_pair
         f_b, f1_b = s.ffn_hidden_size * s.dtype_bytes, s.fc1_size * s.dtype_bytes
@@ -116,7 +118,7 @@ class LayerMemory:
                 (gathered * sr, gathered * f1_b + held, 0.0),
                 (gathered * sr + s.forward_activation_factor * f_b, held, 0.0),
                 (gathered * sr + 3 * f1_b, f1_b, 0.0),
-                (gathered * sr + held, 0.0, float(s.weight_gradient_temporary_bytes))]
+                (gathered * sr + held, 0.0, s.weight_gradient_temporary_bytes + own_dw2)]
 
     def _loop_activation(self, instance_routed: np.ndarray, instance_retained: np.ndarray,
                          rank_starts: np.ndarray, drops: np.ndarray
@@ -144,12 +146,10 @@ class LayerMemory:
         gathered = np.repeat(np.asarray(drops, dtype=np.float64), sizes)
         homes = s.num_experts // len(starts)                     # each rank's home experts
         replica = index - first - homes                          # >= 0 on a replica
-        held = np.maximum(replica, 0) * float(s.weight_elements * s.dtype_bytes)
-        own_dw2 = (replica >= 0) * float(s.hidden_size * s.ffn_hidden_size * s.dtype_bytes)
-        levels = self._loop_backward_levels(gathered)
-        bwd = held + _max(*(alpha * n_b + beta * before + const
-                            + (own_dw2 if k == len(levels) - 1 else 0.0)
-                            for k, (alpha, beta, const) in enumerate(levels)))
+        dw1, dw2, _ = self._grouped_terms(1.0)                   # one expert's dW1, dW2
+        held = np.maximum(replica, 0) * (dw1 + dw2)
+        bwd = held + _max(*(alpha * n_b + beta * before + const for alpha, beta, const
+                            in self._loop_backward_levels(gathered, (replica >= 0) * dw2)))
         return np.maximum.reduceat(fwd, starts), np.maximum.reduceat(bwd, starts)
 
     def _forward_levels(self, routed: np.ndarray, xc: float, rc: np.ndarray,

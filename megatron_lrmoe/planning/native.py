@@ -72,6 +72,7 @@ def _memory_model(cost: CostModel, replicas: np.ndarray,
     s = cost.shape
     xc, rc, local = cost._layout(replicas)
     held_dw2, held_dw = cost._held_weight_grads(replicas, local)
+    dw1, dw2, _ = cost._grouped_terms(1.0)                  # one expert's dW1, dW2
     num_ranks = len(replicas)
     if s.grouped_gemm:
         w1, w2, conv = cost._grouped_terms(local)
@@ -97,7 +98,5 @@ def _memory_model(cost: CostModel, replicas: np.ndarray,
         "nrep": per_rank(replicas), "rc": per_rank(rc), "w1": per_rank(w1), "w2": per_rank(w2),
         "held_dw2": per_rank(held_dw2), "held_dw": per_rank(held_dw),
         "returned": per_rank(cost.returned_gradient_bytes(placement)),
-        "homes": s.num_experts // num_ranks,
-        "replica_dw": s.weight_elements * s.dtype_bytes,
-        "replica_dw2": s.hidden_size * s.ffn_hidden_size * s.dtype_bytes,
+        "replica_dw": float(dw1 + dw2), "replica_dw2": float(dw2),
     }

@@ -663,7 +663,6 @@ def _measure_lrmoe_layer(cfg: dict, name: str) -> dict:
     """On each gloo rank: the LRMoE layer of the variant (same weights as Megatron's), the
     skewed routing forced, one measured forward+backward (``measure_memory``) and the
     planner's ``rank_memory`` of that call's plan for every rank."""
-
     from megatron_lrmoe.tools.layer_bench import build_layers
 
     fields = {**_LRMOE_VARIANTS[name], "moe_lrmoe_memory_budget_gb": 64.0}
@@ -698,7 +697,6 @@ def _measure_replicated_layer(cfg: dict, replicas: tuple[tuple[int, int], ...]) 
     micro-batch per step) whose placement is forced to ``replicas``, one measured
     forward+backward (the step's first and last micro-batch: the replica refresh and the
     replicas' gradients sent home both inside it), and the model's figures of the call."""
-
     from megatron_lrmoe.planning.placement import Placement
     from megatron_lrmoe.tools.layer_bench import build_layers
 
