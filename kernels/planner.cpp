@@ -1122,6 +1122,62 @@ class NativePlanner {
   bool has_memory_ = false;
 };
 
+using Hosts = std::vector<std::pair<i64, double>>;  // rank -> pairs, in insertion order
+
+// An expert's pairs on ``rank`` of its hosts (0 where it is not a host).
+double host_share(const Hosts& hosts, i64 rank) {
+  for (const auto& [r, value] : hosts)
+    if (r == rank) return value;
+  return 0.0;
+}
+
+bool hosts_rank(const Hosts& hosts, i64 rank) {
+  for (const auto& h : hosts)
+    if (h.first == rank) return true;
+  return false;
+}
+
+// placement_policies._spread_to_level(amount, others)
+std::vector<double> spread_to_level(double amount, const std::vector<double>& others) {
+  const size_t n = others.size();
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return others[a] < others[b]; });
+  double prefix = 0.0, level = 0.0;
+  for (size_t m = 0; m < n; ++m) {
+    prefix += others[order[m]];
+    level = (amount + prefix) / static_cast<double>(m + 1);
+    if (m + 1 == n || level <= others[order[m + 1]]) break;
+  }
+  std::vector<double> out(n);
+  for (size_t j = 0; j < n; ++j) out[j] = std::max(level - others[j], 0.0);
+  return out;
+}
+
+// placement_policies._spread_move: the expert's ``routed`` pairs water-filled over its
+// hosts and rank v; false unless that lowers u's share and lifts no rank above ``top``.
+bool spread_move(const std::vector<double>& load, const Hosts& hosts, double routed, i64 u,
+                 i64 v, double top, std::vector<i64>& ranks, std::vector<double>& others,
+                 std::vector<double>& fresh) {
+  ranks.clear();
+  others.clear();
+  for (const auto& [r, h] : hosts) {
+    ranks.push_back(r);
+    others.push_back(load[r] - h);
+  }
+  ranks.push_back(v);
+  others.push_back(load[v]);
+  fresh = spread_to_level(routed, others);
+  double new_u = 0.0;
+  for (size_t j = 0; j < ranks.size(); ++j)
+    if (ranks[j] == u) new_u = fresh[j];
+  if (new_u >= host_share(hosts, u) - 1e-9) return false;
+  for (size_t j = 0; j < ranks.size(); ++j)
+    if (ranks[j] != u && !(others[j] + fresh[j] <= top)) return false;
+  return true;
+}
+
 // placement_policies.greedy_replicas' moves (_greedy_move, _spread_to_level) on the fluid
 // load estimate, in the same float operations and tie-breaks; the pricing of the
 // prefixes stays in Python (the cost model).
@@ -1170,44 +1226,13 @@ class GreedyReplicas {
   }
 
  private:
-  using Hosts = std::vector<std::pair<i64, double>>;  // insertion order, as the dict
-
-  static double share(const Hosts& hosts, i64 r) {
-    for (const auto& [rank, value] : hosts)
-      if (rank == r) return value;
-    return -1.0;
-  }
-  static bool hosts_rank(const Hosts& hosts, i64 r) {
-    for (const auto& h : hosts)
-      if (h.first == r) return true;
-    return false;
-  }
-
-  // _spread_to_level(amount, others)
-  static std::vector<double> spread_to_level(double amount, const std::vector<double>& others) {
-    const size_t n = others.size();
-    std::vector<size_t> order(n);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return others[a] < others[b]; });
-    double prefix = 0.0, level = 0.0;
-    for (size_t m = 0; m < n; ++m) {
-      prefix += others[order[m]];
-      level = (amount + prefix) / static_cast<double>(m + 1);
-      if (m + 1 == n || level <= others[order[m + 1]]) break;
-    }
-    std::vector<double> out(n);
-    for (size_t j = 0; j < n; ++j) out[j] = std::max(level - others[j], 0.0);
-    return out;
-  }
-
   // _greedy_move
   bool move() {
     const double top_load = top();
     const i64 u = std::max_element(load_.begin(), load_.end()) - load_.begin();  // first max
     std::vector<i64> candidates = on_rank_[u];
     std::stable_sort(candidates.begin(), candidates.end(), [&](i64 a, i64 b) {
-      const double sa = share(spread_[a], u), sb = share(spread_[b], u);
+      const double sa = host_share(spread_[a], u), sb = host_share(spread_[b], u);
       return sa != sb ? sa > sb : a < b;
     });
     if (candidates.size() > 4) candidates.resize(4);
@@ -1223,22 +1248,10 @@ class GreedyReplicas {
           if (!hosts_rank(hosts, r) && (v < 0 || load_[r] < load_[v])) v = r;
       }
       std::vector<i64> ranks;
-      std::vector<double> others;
-      for (const auto& [r, h] : hosts) {
-        ranks.push_back(r);
-        others.push_back(load_[r] - h);
-      }
-      ranks.push_back(v);
-      others.push_back(load_[v]);
-      const std::vector<double> fresh = spread_to_level(static_cast<double>(routed_[e]), others);
-      double new_u = 0.0;
-      for (size_t j = 0; j < ranks.size(); ++j)
-        if (ranks[j] == u) new_u = fresh[j];
-      if (new_u >= share(hosts, u) - 1e-9) continue;
-      bool allowed = true;
-      for (size_t j = 0; j < ranks.size() && allowed; ++j)
-        allowed = ranks[j] == u || others[j] + fresh[j] <= top_load;
-      if (!allowed) continue;
+      std::vector<double> others, fresh;
+      if (!spread_move(load_, hosts, static_cast<double>(routed_[e]), u, v, top_load, ranks,
+                       others, fresh))
+        continue;
       Hosts updated;
       for (size_t j = 0; j < ranks.size(); ++j) {
         load_[ranks[j]] = others[j] + fresh[j];
@@ -1264,6 +1277,205 @@ class GreedyReplicas {
   std::pair<i64, i64> last_{-1, -1};
 };
 
+
+// placement_policies._place_popularity: the popularity placement's loop over replicas, from
+// the numpy-computed instance counts, per-instance loads and rank loads; with ``local`` the
+// locality-aware rank choice (its [R, E] table, off-rank pairs received and sent, and the
+// compute and network weights). Returns (replicas, skipped).
+py::tuple popularity_replicas(const std::vector<i64>& experts, const std::vector<i64>& extra_of,
+                              const std::vector<double>& per_instance,
+                              std::vector<double> load, i64 free_slots, i64 per_rank,
+                              i64 num_ranks, py::object local) {
+  if (experts.size() != extra_of.size() || static_cast<i64>(load.size()) != num_ranks)
+    throw py::value_error("popularity_replicas: inconsistent sizes");
+  const bool aware = !local.is_none();
+  F64Array table;
+  std::vector<double> received_off, sent_off;
+  double compute = 0.0, network = 0.0;
+  i64 num_experts = static_cast<i64>(per_instance.size());
+  if (aware) {
+    py::tuple t = local.cast<py::tuple>();
+    table = t[0].cast<F64Array>();
+    received_off = t[1].cast<std::vector<double>>();
+    sent_off = t[2].cast<std::vector<double>>();
+    compute = t[3].cast<double>();
+    network = t[4].cast<double>();
+    if (table.ndim() != 2 || table.shape(0) != num_ranks || table.shape(1) != num_experts)
+      throw py::value_error("popularity_replicas: local table must be [R, E]");
+  }
+  std::vector<std::pair<i64, i64>> replicas;
+  i64 skipped = 0;
+  {
+    const double* tab = aware ? table.data() : nullptr;
+    py::gil_scoped_release release;
+    std::vector<i64> free(num_ranks, free_slots);
+    std::vector<char> hosts(num_ranks, 0);
+    for (size_t k = 0; k < experts.size(); ++k) {
+      const i64 e = experts[k], extra = extra_of[k];
+      std::fill(hosts.begin(), hosts.end(), 0);
+      hosts[e / per_rank] = 1;
+      const double p = per_instance[e];
+      for (i64 placed = 0; placed < extra; ++placed) {
+        i64 best = -1;
+        double best_key = 0.0;
+        for (i64 r = 0; r < num_ranks; ++r) {
+          if (free[r] <= 0 || hosts[r]) continue;
+          double key;
+          if (aware) {
+            const double g = tab[r * num_experts + e];
+            key = compute * (load[r] + p) +
+                  network * std::max(sent_off[r] - g, received_off[r] + p - g);
+          } else {
+            key = load[r];
+          }
+          if (best < 0 || key < best_key) {   // the first of equal keys: lower rank
+            best = r;
+            best_key = key;
+          }
+        }
+        if (best < 0) {
+          skipped += extra - placed;
+          break;
+        }
+        if (aware) {
+          const double g = tab[best * num_experts + e];
+          received_off[best] += p - g;
+          sent_off[best] -= g;
+        }
+        replicas.push_back({e, best});
+        hosts[best] = 1;
+        free[best] -= 1;
+        load[best] += p;
+      }
+    }
+  }
+  return py::make_tuple(replicas, skipped);
+}
+
+// placement_policies.local_greedy_replicas' moves (_local_move and the state update) on
+// the [R, E] counts, in the same float operations and tie-breaks; the pricing of the
+// prefixes stays in Python (the cost model).
+class LocalGreedyReplicas {
+ public:
+  LocalGreedyReplicas(F64Array counts, i64 num_ranks, i64 num_experts)
+      : R_(num_ranks), E_(num_experts), per_rank_(num_experts / num_ranks),
+        n_(static_cast<size_t>(num_ranks * num_experts)), routed_(num_experts, 0.0),
+        row_total_(num_ranks, 0.0), load_(num_ranks, 0.0), kept_(num_ranks, 0.0),
+        spread_(num_experts), on_rank_(num_ranks), sent_(num_ranks, 0), recv_(num_ranks, 0) {
+    if (counts.ndim() != 2 || counts.shape(0) != R_ || counts.shape(1) != E_)
+      throw py::value_error("counts must be [R, E]");
+    std::copy(counts.data(), counts.data() + R_ * E_, n_.begin());
+    for (i64 e = 0; e < E_; ++e)          // Python's sum over r, from 0 (0 + x == x)
+      for (i64 r = 0; r < R_; ++r) routed_[e] += n(r, e);
+    for (i64 r = 0; r < R_; ++r)
+      for (i64 e = 0; e < E_; ++e) row_total_[r] += n(r, e);
+    for (i64 e = 0; e < E_; ++e) {
+      const i64 home = e / per_rank_;
+      spread_[e].push_back({home, routed_[e]});
+      load_[home] += routed_[e];
+      kept_[home] += n(home, e);
+      on_rank_[home].push_back(e);
+    }
+  }
+
+  double top() const { return *std::max_element(load_.begin(), load_.end()); }
+
+  double network() const {
+    double out = 0.0;
+    for (i64 r = 0; r < R_; ++r) {
+      const double v = std::max(load_[r], row_total_[r]) - kept_[r];
+      if (r == 0 || v > out) out = v;
+    }
+    return out;
+  }
+
+  // Moves until ``target`` moves exist in all or none is allowed: (the new moves, the top
+  // load after each, the network estimate after each, the busiest sender or receiver
+  // after each, exhausted).
+  py::tuple advance(i64 target) {
+    std::vector<std::pair<i64, i64>> moves;
+    std::vector<double> tops, nets;
+    std::vector<i64> syncs;
+    bool exhausted = false;
+    {
+      py::gil_scoped_release release;
+      while (count_ < target) {
+        if (!move()) {
+          exhausted = true;
+          break;
+        }
+        const auto& [e, v] = last_;
+        busiest_ = std::max({busiest_, sent_[e / per_rank_], recv_[v]});
+        moves.push_back(last_);
+        tops.push_back(*std::max_element(load_.begin(), load_.end()));
+        nets.push_back(network());
+        syncs.push_back(busiest_);
+        ++count_;
+      }
+    }
+    return py::make_tuple(moves, tops, nets, syncs, exhausted);
+  }
+
+ private:
+  double n(i64 r, i64 e) const { return n_[static_cast<size_t>(r * E_ + e)]; }
+
+  // _local_move, then the state update of local_greedy_replicas
+  bool move() {
+    const double top_load = *std::max_element(load_.begin(), load_.end());
+    const i64 u = std::max_element(load_.begin(), load_.end()) - load_.begin();  // first max
+    std::vector<i64> candidates = on_rank_[u];
+    std::stable_sort(candidates.begin(), candidates.end(), [&](i64 a, i64 b) {
+      const double sa = host_share(spread_[a], u), sb = host_share(spread_[b], u);
+      return sa != sb ? sa > sb : a < b;
+    });
+    if (candidates.size() > 4) candidates.resize(4);
+    for (i64 e : candidates) {
+      const Hosts& hosts = spread_[e];
+      if (static_cast<i64>(hosts.size()) >= R_) continue;
+      i64 nearest = -1, least = -1;
+      for (i64 r = 0; r < R_; ++r) {
+        if (hosts_rank(hosts, r)) continue;
+        // min over (-n[r][e], load[r], r) and over (load[r], r): the first of equals
+        if (nearest < 0 || -n(r, e) < -n(nearest, e) ||
+            (-n(r, e) == -n(nearest, e) && load_[r] < load_[nearest]))
+          nearest = r;
+        if (least < 0 || load_[r] < load_[least]) least = r;
+      }
+      const i64 choices[2] = {nearest, least};
+      const int tries = nearest == least ? 1 : 2;
+      for (int c = 0; c < tries; ++c) {
+        const i64 v = choices[c];
+        std::vector<i64> ranks;
+        std::vector<double> others, fresh;
+        if (!spread_move(load_, hosts, routed_[e], u, v, top_load, ranks, others, fresh))
+          continue;
+        Hosts updated;
+        for (size_t j = 0; j < ranks.size(); ++j) {
+          const i64 r = ranks[j];
+          const double x = fresh[j], old = host_share(hosts, r);
+          load_[r] += x - old;
+          kept_[r] += std::min(n(r, e), x) - std::min(n(r, e), old);
+          updated.push_back({r, x});
+        }
+        spread_[e] = std::move(updated);
+        on_rank_[v].push_back(e);
+        sent_[e / per_rank_] += 1;
+        recv_[v] += 1;
+        last_ = {e, v};
+        return true;
+      }
+    }
+    return false;
+  }
+
+  i64 R_, E_, per_rank_;
+  std::vector<double> n_, routed_, row_total_, load_, kept_;
+  std::vector<Hosts> spread_;
+  std::vector<std::vector<i64>> on_rank_;
+  std::vector<i64> sent_, recv_;
+  i64 busiest_ = 0, count_ = 0;
+  std::pair<i64, i64> last_{-1, -1};
+};
 }  // namespace
 
 void register_planner(py::module_& m) {
@@ -1296,6 +1508,21 @@ void register_planner(py::module_& m) {
       .def("advance", &GreedyReplicas::advance,
            "(moves, top after each, busiest after each, exhausted) up to target moves",
            py::arg("target"));
+  py::class_<LocalGreedyReplicas>(
+      m, "LocalGreedyReplicas",
+      "placement_policies.local_greedy_replicas' moves (kernels/planner.cpp)")
+      .def(py::init<F64Array, i64, i64>(), py::arg("counts"), py::arg("num_ranks"),
+           py::arg("num_experts"))
+      .def("top", &LocalGreedyReplicas::top, "the current maximum load")
+      .def("network", &LocalGreedyReplicas::network,
+           "the busiest link's off-rank pairs of the current state")
+      .def("advance", &LocalGreedyReplicas::advance,
+           "(moves, top after each, network after each, busiest after each, exhausted)",
+           py::arg("target"));
+  m.def("popularity_replicas", &popularity_replicas,
+        "placement_policies._place_popularity: (replicas, skipped)", py::arg("experts"),
+        py::arg("extra_of"), py::arg("per_instance"), py::arg("load"), py::arg("free_slots"),
+        py::arg("per_rank"), py::arg("num_ranks"), py::arg("local"));
 }
 
 }  // namespace lrmoe

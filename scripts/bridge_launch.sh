@@ -19,8 +19,11 @@
 #                    on every node); under srun MASTER_ADDR is the allocation's first node
 #   PYTHON           Python with megatron_lrmoe and megatron.bridge importable (default python)
 # Arguments after the script name are Hydra-style overrides of the recipe, applied last
-# (model.moe_lrmoe_bwd_capacity_factor=0.75 train.train_iters=1000 ...); --dry-run prints
-# the command instead of running it, --config-file FILE merges a YAML before them.
+# (model.moe_lrmoe_bwd_capacity_factor=0.75 train.train_iters=1000 ...); --config-file FILE
+# merges a YAML before them. --dry-run runs the launcher's own --dry-run here with PYTHON
+# (the final config built and checked, printed on stderr; needs megatron.bridge and the
+# models' Hub config.json, from the Hub or its cache), then prints the command instead of
+# running it.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -71,11 +74,16 @@ ENV_VARS=(CUDA_DEVICE_MAX_CONNECTIONS=1 "PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONP
 
 echo "# $MODEL_NAME on Megatron-Bridge ($RECIPE): LRMOE=$LRMOE ADAPT=$ADAPT" \
      "nodes=$NNODES x $GPUS_PER_NODE GPUs, launcher=$LAUNCHER" >&2
+cd "$REPO"
 if [ "$DRY_RUN" = 1 ]; then
+  # The launcher's own --dry-run, one process here: the recipe, enable_lrmoe, the YAML and
+  # the overrides built and checked, not just a command printed. Its output goes to stderr,
+  # so stdout stays the command alone; a refused launch exits with its status (set -e).
+  env "${ENV_VARS[@]}" "$PYTHON" -m megatron_lrmoe.bridge "${LAUNCHER_FLAGS[@]}" \
+      "${RUN_OVERRIDES[@]}" "${USER_ARGS[@]}" --dry-run >&2
   printf '%q ' env "${ENV_VARS[@]}" "${CMD[@]}"
   echo
   exit 0
 fi
 mkdir -p "$CHECKPOINT_DIR" "$LOG_DIR"
-cd "$REPO"
 exec env "${ENV_VARS[@]}" "${CMD[@]}"

@@ -9,6 +9,8 @@ Run on every rank (``torchrun --nproc-per-node 8 -m megatron_lrmoe.bridge ...``)
                            (printed, one line each) instead of refusing them
     --no-lrmoe             the same (adapted) recipe with Megatron's MoE layer: a baseline
     --dry-run              build and check the final config, print it, do not train
+                           (without Transformer Engine, its kernels' switches are checked
+                           off: TE_KERNEL_SWITCHES)
     KEY=VALUE ...          Hydra-style overrides, through Bridge's own
                            process_config_with_overrides (model.moe_lrmoe_bwd_capacity_factor=0.75)
 
@@ -24,13 +26,21 @@ from __future__ import annotations
 import argparse
 import copy
 import difflib
+import importlib.util
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from megatron_lrmoe.integration.runtime.compat import stub_bridge_imports_of_absent_modules
 from megatron_lrmoe.options.lrmoe import OPTIONS
 
-__all__ = ["build_config", "build_parser", "main", "recipe_function"]
+# Every function here imports megatron.bridge, which imports modules that cannot be
+# installed everywhere (Transformer Engine: runtime/compat.py); stubbed for Bridge's own
+# importers, before the first Bridge import, only where the module is absent.
+stub_bridge_imports_of_absent_modules()
+
+__all__ = ["TE_KERNEL_SWITCHES", "build_config", "build_parser", "check_final_values", "main",
+           "recipe_function"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,9 +67,6 @@ class LaunchError(ValueError):
 
 def recipe_function(name: str) -> Callable[[], Any]:
     """The recipe function ``name`` of ``megatron.bridge.recipes``."""
-    from megatron_lrmoe.integration.runtime.compat import stub_bridge_imports_of_absent_modules
-
-    stub_bridge_imports_of_absent_modules()
     from megatron.bridge import recipes
 
     function = getattr(recipes, name, None)
@@ -90,6 +97,30 @@ def build_config(args: argparse.Namespace,
     if bad:
         raise LaunchError(f"{bad[0]}: an override is KEY=VALUE (model.moe_lrmoe_min_retention=0.1)")
     return process_config_with_overrides(cfg, args.config_file, args.overrides)
+
+
+#: Switches of Transformer Engine kernels that Megatron-Core's config check refuses where
+#: TE is not installed (TransformerConfig.__post_init__ in 0.19.2: "apply_rope_fusion is
+#: not available", "fused permutation is not available"). That says where the check runs,
+#: not what the config is: a dry run there checks them off, and says so.
+TE_KERNEL_SWITCHES: tuple[str, ...] = ("apply_rope_fusion", "moe_permute_fusion")
+
+
+def check_final_values(model: Any) -> list[str]:
+    """Run Bridge's and LRMoE's checks of the final values (``finalize()``, what Bridge
+    runs when training starts) on a copy of ``model``; raises what they raise. Where
+    Transformer Engine is absent, those of ``TE_KERNEL_SWITCHES`` that are on are checked
+    as False; returns one line naming each (none where TE is installed)."""
+    checked = copy.deepcopy(model)
+    notes: list[str] = []
+    if importlib.util.find_spec("transformer_engine") is None:
+        for name in TE_KERNEL_SWITCHES:
+            if getattr(checked, name, False):
+                setattr(checked, name, False)
+                notes.append(f"dry run: model.{name}={getattr(model, name)} checked as False "
+                             "(a Transformer Engine kernel; TE is not installed here)")
+    checked.finalize()
+    return notes
 
 
 def _describe(cfg: Any, recipe: str) -> str:
@@ -123,8 +154,8 @@ def main(argv: list[str] | None = None,
     try:
         cfg = build_config(args, customize)
         if args.dry_run:
-            # The checks of the final values (Bridge runs them when training starts).
-            copy.deepcopy(cfg.model).finalize()
+            for line in check_final_values(cfg.model):
+                print(line)
             print(_describe(cfg, args.recipe))
             return 0
     except Exception as exc:  # noqa: BLE001 - a config error is one line, whatever raised it

@@ -49,6 +49,7 @@ from megatron_lrmoe.layer.moe_layer import LRMoELayer
 from megatron_lrmoe.layer.stats import lrmoe_layers
 from megatron_lrmoe.layer.step_state import STEP_STATE_FLAG, MicrobatchesPerStep
 from megatron_lrmoe.planning.machine import MachineConstants
+from megatron_lrmoe.planning.planner import PRICED_MICROBATCHES
 
 __all__ = ["STEP_STATE_FLAG", "chain_to_rerun_state_machine", "checkpoint_content_metadata",
            "finish_lrmoe_step", "format_lrmoe_line", "lrmoe_layers", "lrmoe_step_memory",
@@ -152,36 +153,50 @@ def lrmoe_step_memory(model_chunks: Iterable[torch.nn.Module]) -> list[float]:
     return out
 
 
-def _pooled_observations(layers: list[LRMoELayer]) -> list[tuple[torch.Tensor | None, int] | None]:
-    """Each layer's (counts sum, micro-batches) summed over its expert-data-parallel group;
-    None where the group is a single rank (the layer's own observations stand)."""
+def _pooled_observations(layers: list[LRMoELayer]
+                         ) -> list[tuple[torch.Tensor | None, int, list[torch.Tensor]] | None]:
+    """Each layer's (counts sum, micro-batches, kept micro-batches' counts) pooled over its
+    expert-data-parallel group: the sums summed, the k-th kept micro-batch's counts
+    averaged over the ranks that kept a k-th; None where the group is a single rank (the
+    layer's own observations stand)."""
     groups: dict[int, list[int]] = {}
     for i, layer in enumerate(layers):
         group = layer.expert_data_parallel_group
         if group is not None and dist.get_world_size(group) > 1:
             groups.setdefault(id(group), []).append(i)
-    out: list[tuple[torch.Tensor | None, int] | None] = [None] * len(layers)
+    out: list[tuple[torch.Tensor | None, int, list[torch.Tensor]] | None] = [None] * len(layers)
     for members in groups.values():
         rows = []
         for i in members:
             planner = layers[i].placement_planner
-            counts, micro = planner.observations()
+            counts, micro, kept = planner.observations()
             shape = (planner.settings.num_ranks, planner.settings.num_experts)
-            counts = torch.zeros(shape, dtype=torch.float64) if counts is None else counts
-            rows.append(torch.cat([torch.tensor([float(micro)], dtype=torch.float64),
-                                   counts.reshape(-1)]))
+            zero = torch.zeros(shape, dtype=torch.float64)
+            counts = zero if counts is None else counts
+            # [micro, kept, counts, PRICED_MICROBATCHES kept matrices (zeros past kept)]
+            slots = [*kept, *[zero] * (PRICED_MICROBATCHES - len(kept))]
+            rows.append(torch.cat([torch.tensor([float(micro), float(len(kept))],
+                                                dtype=torch.float64), counts.reshape(-1),
+                                   *(c.reshape(-1) for c in slots)]))
         flat = torch.cat(rows).to(_device())
         # Integer-valued float64 sums: exact, hence bitwise identical on every rank.
         dist.all_reduce(flat, group=layers[members[0]].expert_data_parallel_group)
         flat = flat.cpu()
+        group_size = dist.get_world_size(layers[members[0]].expert_data_parallel_group)
         offset = 0
         for i, row in zip(members, rows, strict=True):
             chunk = flat[offset:offset + row.numel()]
             offset += row.numel()
             planner = layers[i].placement_planner
-            micro = int(chunk[0])
-            counts = chunk[1:].reshape(planner.settings.num_ranks, planner.settings.num_experts)
-            out[i] = (counts.clone() if micro else None, micro)
+            shape = (planner.settings.num_ranks, planner.settings.num_experts)
+            micro, kept_sum = int(chunk[0]), int(chunk[1])
+            matrices = chunk[2:].reshape(1 + PRICED_MICROBATCHES, *shape)
+            # Every rank of the group runs the same micro-batches, so each kept the same
+            # number: the sum is group size x that, and each slot's mean is exact enough
+            # (the planner rounds priced counts to integers).
+            kept_each = kept_sum // group_size
+            kept = [matrices[1 + k] / group_size for k in range(kept_each)]
+            out[i] = (matrices[0].clone() if micro else None, micro, kept)
     return out
 
 

@@ -126,7 +126,8 @@ class LRMoELayer(MoELayer):
         return self.lrmoe_state.planner_state_origin
 
     # -------------------------------------------------------------- step boundary
-    def finish_step(self, observations: tuple[torch.Tensor | None, int] | None = None) -> None:
+    def finish_step(self, observations: tuple[torch.Tensor | None, int, list[torch.Tensor]]
+                    | None = None) -> None:
         """End of one training step (the optimizer step, taken or skipped): fold the step's
         observed counts into the planner (``observations``: the pooled (sum, micro-batches)
         of all replicas of this layer, else this rank's own), choose the next placement,

@@ -155,7 +155,8 @@ class LayerStepState:
         return True
 
     # -------------------------------------------------------------- step boundary
-    def finish_step(self, observations: tuple[torch.Tensor | None, int] | None,
+    def finish_step(self, observations: tuple[torch.Tensor | None, int,
+                                              list[torch.Tensor]] | None,
                     replica_grads_pending: bool, layer_number: int | None) -> None:
         """See ``LRMoELayer.finish_step``."""
         if self.backwards_in_step or replica_grads_pending:

@@ -1,6 +1,7 @@
 """Megatron-Core's own MoELayer as a baseline: its bytes per rank phase by phase
-(``MegatronMoEMemory``), a pipeline stage's MoE memory (``stage_moe_memory``) and the rows
-its forward capacity factor keeps (``megatron_kept_counts``).
+(``MegatronMoEMemory``), a pipeline stage's MoE memory (``stage_moe_memory``; step by step
+over a run, ``steps_moe_memory``) and the rows its forward capacity factor keeps
+(``megatron_kept_counts``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import numpy as np
 
 from megatron_lrmoe.planning.shapes import MoEShape
 
-__all__ = ["MegatronMoEMemory", "megatron_kept_counts", "stage_moe_memory"]
+__all__ = ["MegatronMoEMemory", "megatron_kept_counts", "stage_moe_memory",
+           "steps_moe_memory"]
 
 _INDEX_BYTES = 8            # int64 permutation indices of Megatron's dispatcher
 
@@ -274,6 +276,28 @@ def stage_moe_memory(saved: np.ndarray, peak: np.ndarray, replica_bytes: np.ndar
     kept = np.add.reduce(mif * saved[n:], axis=0)
     transient = np.concatenate([peak[:n], peak[n:] - saved[n:]])
     return replicas + kept + np.add.reduce(transient, axis=0) / layers
+
+
+def steps_moe_memory(saved: np.ndarray, peak: np.ndarray, replica_bytes: np.ndarray,
+                     output_bytes: float, microbatches_in_flight: int = 1,
+                     recompute_moe: bool = False, full_recompute_layers: int = 0
+                     ) -> np.ndarray:
+    """[N, R] bytes of a stage's MoE layers at each of N steps: ``stage_moe_memory`` of
+    each step's own levels. ``saved``, ``peak``, ``replica_bytes`` [N, Lyr, R]: per step,
+    each layer's S and peak (the most over the step's micro-batches) and the replicas it
+    hosted in that step. A run must fit every step, so its need is the maximum of this
+    over the steps; levels and replicas are never taken from different steps (a warm-up
+    step's hot rank, before any replica, beside a later step's replicas is no step's
+    memory)."""
+    saved = np.asarray(saved, dtype=np.float64)
+    peak = np.asarray(peak, dtype=np.float64)
+    replica_bytes = np.asarray(replica_bytes, dtype=np.float64)
+    if not saved.shape == peak.shape == replica_bytes.shape or saved.ndim != 3:
+        raise ValueError(f"steps_moe_memory: expected three [N, Lyr, R] arrays, got "
+                         f"{saved.shape}, {peak.shape}, {replica_bytes.shape}")
+    return np.stack([stage_moe_memory(s, p, r, output_bytes, microbatches_in_flight,
+                                      recompute_moe, full_recompute_layers)
+                     for s, p, r in zip(saved, peak, replica_bytes, strict=True)])
 
 
 def megatron_kept_counts(counts: np.ndarray, tokens: int, topk: int,

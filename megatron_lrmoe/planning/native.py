@@ -22,7 +22,8 @@ import numpy as np
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.placement import Placement
 
-__all__ = ["native_available", "native_greedy", "native_planner"]
+__all__ = ["native_available", "native_greedy", "native_local_greedy", "native_planner",
+           "native_popularity"]
 
 try:
     import torch  # noqa: F401  (the extension links torch's libraries: load them first)
@@ -31,13 +32,15 @@ try:
 except ImportError:  # not built: the Python planner runs
     _kernels = None
 _NativePlanner = getattr(_kernels, "NativePlanner", None)
-if not hasattr(_NativePlanner, "rank_loads"):   # an extension built from older sources
+if not (hasattr(_NativePlanner, "rank_loads")       # an extension built from older sources
+        and hasattr(_kernels, "LocalGreedyReplicas")):
     _NativePlanner = None
 
 
 def native_available() -> bool:
     """Whether the extension in this checkout has the compiled planner (as these sources
-    define it: one built before ``rank_loads`` counts as absent)."""
+    define it: one built before ``rank_loads`` or ``LocalGreedyReplicas`` counts as
+    absent)."""
     return _NativePlanner is not None
 
 
@@ -61,6 +64,31 @@ def native_greedy(routed: list[int], num_ranks: int, num_experts: int) -> Any:
         raise RuntimeError("megatron_lrmoe._kernels has no GreedyReplicas: rebuild the "
                            "extension (pip install --no-build-isolation -e .)")
     return _kernels.GreedyReplicas([int(n) for n in routed], num_ranks, num_experts)
+
+
+def native_local_greedy(counts: np.ndarray, num_ranks: int, num_experts: int) -> Any:
+    """The compiled moves of ``placement_policies.local_greedy_replicas`` on the [R, E]
+    float64 ``counts`` (``LocalGreedyReplicas.advance(target)``)."""
+    if _NativePlanner is None:
+        raise RuntimeError("megatron_lrmoe._kernels has no LocalGreedyReplicas: rebuild the "
+                           "extension (pip install --no-build-isolation -e .)")
+    return _kernels.LocalGreedyReplicas(np.ascontiguousarray(counts, dtype=np.float64),
+                                        num_ranks, num_experts)
+
+
+def native_popularity(experts: list[int], extra_of: list[int], per_instance: list[float],
+                      rank_load: list[float], free_slots: int, per_rank: int, num_ranks: int,
+                      local: tuple | None) -> tuple[list[tuple[int, int]], int]:
+    """``placement_policies._place_popularity`` compiled: (replicas, skipped)."""
+    if _NativePlanner is None:
+        raise RuntimeError("megatron_lrmoe._kernels has no popularity_replicas: rebuild the "
+                           "extension (pip install --no-build-isolation -e .)")
+    if local is not None:
+        local = (np.ascontiguousarray(local[0], dtype=np.float64), *local[1:])
+    replicas, skipped = _kernels.popularity_replicas(experts, extra_of, per_instance,
+                                                     rank_load, free_slots, per_rank,
+                                                     num_ranks, local)
+    return [tuple(p) for p in replicas], int(skipped)
 
 
 def _memory_model(cost: CostModel, replicas: np.ndarray,

@@ -1,27 +1,87 @@
 """Placement policies: which replicas a layer hosts next step.
 
 ``popularity`` is the SYMI-style baseline (instances in proportion to popularity,
-within a fixed number of slots per rank); ``memory-aware`` is LRMoE's greedy search on
-a fluid load estimate, judged by the cost model under the memory budget. Both are pure
-functions of the smoothed loads; ``planner.LayerPlanner`` calls them at a step boundary.
+within a fixed number of slots per rank); ``memory-aware`` is LRMoE's choice among
+candidate placements (the greedy searches and popularity placements here), judged by
+the cost model under the memory budget. All are pure functions of the smoothed loads;
+``planner.LayerPlanner`` calls them at the first read of a step's placement.
+
+Locality: the instance assignment sends a source's pairs to an instance on its own rank
+first (``instance_assignment``), and those pairs cross no link. The ``local_*`` variants
+see the [R, E] counts, not only the per-expert totals: a replica placed on a rank that
+routes to its expert takes that rank's pairs off the network (docs/design.md,
+"Placement").
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_lrmoe.planning.native import native_greedy
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.native import (
+    native_available,
+    native_greedy,
+    native_local_greedy,
+    native_popularity,
+)
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.plan_types import MicroBatchPlan, PlannerSettings
 from megatron_lrmoe.planning.retention import UNLIMITED_CAPACITY
 
-__all__ = ["greedy_replicas", "popularity_placement"]
+__all__ = ["PairSeconds", "dhondt_order", "greedy_replicas", "local_greedy_replicas",
+           "pair_seconds", "popularity_placement", "popularity_replicas"]
+
+
+@dataclass(frozen=True)
+class PairSeconds:
+    """The cost model linearised at the balanced load, per pair and call (forward +
+    backward): ``compute`` seconds a rank spends on one more routed row, ``network``
+    seconds one more pair on the busiest link costs. The locality-aware rank choices
+    weigh a rank's load against its off-rank traffic with them."""
+
+    compute: float
+    network: float
+
+
+def pair_seconds(cost: CostModel) -> PairSeconds:
+    """``PairSeconds`` of ``cost``: finite differences of ``CostModel.load_time`` around
+    P = ``shape.source_pairs`` rows (the balanced load)."""
+    p = float(max(cost.shape.source_pairs, 1))
+    base = cost.load_time(p, p, 0.0, 0.0)
+    return PairSeconds(compute=max((cost.load_time(2 * p, 2 * p, 0.0, 0.0) - base) / p, 0.0),
+                       network=max((cost.load_time(p, p, p, p) - base) / p, 0.0))
 
 
 def popularity_placement(popularity: np.ndarray, num_ranks: int, num_experts: int,
-                          slots: int) -> tuple[Placement, tuple[str, ...]]:
+                          slots: int, counts: np.ndarray | None = None,
+                          weights: PairSeconds | None = None, native: bool = False,
+                          order: np.ndarray | None = None
+                          ) -> tuple[Placement, tuple[str, ...]]:
+    """``popularity_replicas`` as a ``Placement``."""
+    replicas, notes = popularity_replicas(popularity, num_ranks, num_experts, slots, counts,
+                                          weights, native, order)
+    return Placement(num_ranks, num_experts, replicas), notes
+
+
+def dhondt_order(popularity: np.ndarray, num_ranks: int) -> np.ndarray:
+    """The D'Hondt quotients P_e / c of every expert and instance count c = 2..R, by
+    decreasing value (ties: lower expert, then lower c), as flat indices e * (R - 1) +
+    c - 2: what ``popularity_replicas`` takes its extra instances from, in order. The
+    same for every slot count, so a caller trying several computes it once."""
+    pop = np.maximum(np.asarray(popularity, dtype=np.float64), 0.0)
+    quotients = (pop[:, None] / np.arange(2, num_ranks + 1)[None, :]).ravel()   # [E * (R-1)]
+    return np.argsort(-quotients, kind="stable")
+
+
+def popularity_replicas(popularity: np.ndarray, num_ranks: int, num_experts: int,
+                        slots: int, counts: np.ndarray | None = None,
+                        weights: PairSeconds | None = None, native: bool = False,
+                        order: np.ndarray | None = None
+                        ) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
     """SYMI-style: R * slots instances, shared in proportion to popularity.
 
     Instances per expert c_e by the divisor (D'Hondt) method with c_e >= 1 (the home)
@@ -34,38 +94,93 @@ def popularity_placement(popularity: np.ndarray, num_ranks: int, num_experts: in
     on the rank not yet hosting that expert with a free slot and the least expected
     load (sum of P_e / c_e over its instances; ties: lower rank). An instance that finds
     no such rank is skipped (noted).
+
+    ``counts`` [R, E] with ``weights``: the locality-aware rank choice (LRMoE's
+    candidate; without them, SYMI-style's own, which sees the totals only). Each
+    instance of e is expected to take p_e = P_e / c_e pairs, min(n[r, e], p_e) of them
+    from its own rank r (the assignment sends local pairs first). A replica then goes to
+    the eligible rank whose own expected time after it is the least:
+    ``weights.compute`` x its load + ``weights.network`` x the larger of its off-rank
+    pairs sent and received (ties: lower rank).
     """
     per_rank = num_experts // num_ranks
     extra = num_ranks * slots - num_experts
     pop = np.maximum(np.asarray(popularity, dtype=np.float64), 0.0)
     if extra <= 0 or num_ranks == 1 or pop.sum() <= 0:
-        return Placement.static(num_ranks, num_experts), ()
+        return (), ()
     quotients = (pop[:, None] / np.arange(2, num_ranks + 1)[None, :]).ravel()   # [E * (R-1)]
-    order = np.argsort(-quotients, kind="stable")[:extra]
+    order = (dhondt_order(pop, num_ranks) if order is None else order)[:extra]
     order = order[quotients[order] > 0]
     instances = 1 + np.bincount(order // (num_ranks - 1), minlength=num_experts)
     per_instance = pop / instances
     rank_load = per_instance.reshape(num_ranks, per_rank).sum(1)
-    free = np.full(num_ranks, slots - per_rank)
-    hosts = np.zeros((num_experts, num_ranks), dtype=bool)
-    hosts[np.arange(num_experts), np.arange(num_experts) // per_rank] = True
-    replicas, skipped = [], 0
-    for e in sorted(np.nonzero(instances > 1)[0].tolist(),
-                    key=lambda e: (-instances[e], -pop[e], e)):
-        for _ in range(int(instances[e]) - 1):
-            eligible = (free > 0) & ~hosts[e]
-            if not eligible.any():
-                skipped += int(instances[e]) - 1 - sum(1 for p in replicas if p[0] == e)
-                break
-            r = int(np.argmin(np.where(eligible, rank_load, np.inf)))
-            replicas.append((e, r))
-            hosts[e, r] = True
-            free[r] -= 1
-            rank_load[r] += per_instance[e]
-    notes = (f"popularity: {len(replicas)} replicas in {slots} slots per rank",)
+    experts = sorted(np.nonzero(instances > 1)[0].tolist(),
+                     key=lambda e: (-instances[e], -pop[e], e))
+    local = received_off = sent_off = None
+    if counts is not None:
+        if weights is None:
+            raise ValueError("popularity_placement: counts without weights")
+        n = np.maximum(np.asarray(counts, dtype=np.float64), 0.0)            # [R, E]
+        # local[r, e]: pairs of rank r an instance of e on r is expected to keep
+        local = np.minimum(n, per_instance[None, :])
+        home = np.arange(num_experts) // per_rank
+        kept = np.bincount(home, weights=local[home, np.arange(num_experts)],
+                           minlength=num_ranks)
+        received_off = rank_load - kept
+        sent_off = n.sum(1) - kept
+    extra_of = [int(instances[e]) - 1 for e in experts]
+    args = (experts, extra_of, per_instance.tolist(), rank_load.tolist(), slots - per_rank,
+            per_rank, num_ranks)
+    local_args = (None if local is None else
+                  (local, received_off.tolist(), sent_off.tolist(), weights.compute,
+                   weights.network))
+    if native and native_available():
+        replicas, skipped = native_popularity(*args, local_args)
+    else:
+        replicas, skipped = _place_popularity(*args, local_args)
+    kind = "popularity" if local is None else "popularity (locality-aware)"
+    notes = (f"{kind}: {len(replicas)} replicas in {slots} slots per rank",)
     if skipped:
-        notes += (f"popularity: {skipped} replica(s) found no free rank",)
-    return Placement(num_ranks, num_experts, tuple(replicas)), notes
+        notes += (f"{kind}: {skipped} replica(s) found no free rank",)
+    return tuple(replicas), notes
+
+
+def _place_popularity(experts: list[int], extra_of: list[int], per_instance: list[float],
+                      rank_load: list[float], free_slots: int, per_rank: int, num_ranks: int,
+                      local: tuple | None) -> tuple[list[tuple[int, int]], int]:
+    """``popularity_placement``'s placement loop (its doc): (replicas, skipped). Plain
+    float operations in numpy's order, so the compiled loop repeats them to the bit."""
+    load = list(rank_load)
+    free = [free_slots] * num_ranks
+    replicas: list[tuple[int, int]] = []
+    skipped = 0
+    if local is not None:
+        table, received_off, sent_off, compute, network = local
+        received_off, sent_off = list(received_off), list(sent_off)
+    for e, extra in zip(experts, extra_of, strict=True):
+        hosts = {e // per_rank}
+        p = per_instance[e]
+        for placed in range(extra):
+            eligible = [r for r in range(num_ranks) if free[r] > 0 and r not in hosts]
+            if not eligible:
+                skipped += extra - placed
+                break
+            if local is None:
+                r = min(eligible, key=lambda r: (load[r], r))
+            else:
+                gain = table[:, e].tolist()
+                own = [compute * (load[r] + p)
+                       + network * max(sent_off[r] - gain[r], received_off[r] + p - gain[r])
+                       if r in eligible else math.inf for r in range(num_ranks)]
+                r = min(eligible, key=lambda r: (own[r], r))
+                g = gain[r]
+                received_off[r] += p - g
+                sent_off[r] -= g
+            replicas.append((e, r))
+            hosts.add(r)
+            free[r] -= 1
+            load[r] += p
+    return replicas, skipped
 
 
 def greedy_replicas(routed: list[int], base: MicroBatchPlan,
@@ -170,6 +285,175 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     return added[:best_len]
 
 
+def local_greedy_replicas(counts: np.ndarray, base: MicroBatchPlan,
+                          settings: PlannerSettings, native: bool = False,
+                          sync_cost: dict[int, float] | None = None) -> list[tuple[int, int]]:
+    """``greedy_replicas``' search on the [R, E] ``counts``, seeing locality.
+
+    The same fluid state and moves (relieve the most loaded rank u with a replica of one
+    of its four largest experts, water-filled, allowed if u's load drops and no rank
+    rises above the old maximum), with two differences:
+
+    - the replica's rank: first the rank outside the expert's hosts that routes the
+      most pairs to it (ties: less loaded, then lower rank), else, if that move is not
+      allowed, the least loaded one as ``greedy_replicas`` takes;
+    - the estimate's all-to-all: the busiest link's off-rank pairs of the fluid state,
+      max over ranks of max(sent, received) minus the pairs it keeps (an instance on
+      rank r of expert e with x pairs keeps min(n[r, e], x) of them off the network),
+      where ``greedy_replicas`` assumes (R - 1) / R of the top load.
+
+    The prefix kept is the one with the lowest estimate, as there. The budget is not read
+    (``greedy_replicas``). ``native``: the moves by the compiled planner
+    (``LocalGreedyReplicas``: the same moves, to the bit), where the extension has it.
+    """
+    cost = settings.cost
+    num_ranks, num_experts = settings.num_ranks, settings.num_experts
+    per_rank = num_experts // num_ranks
+    cap_count = int(base.retention.capacity[0])
+    retained_cap = math.inf if cap_count == UNLIMITED_CAPACITY else float(cap_count)
+    if sync_cost is None:
+        sync_cost = {}
+    n_array = np.maximum(np.asarray(counts, dtype=np.float64), 0.0)        # [R, E]
+    max_moves = num_ranks * (num_experts - per_rank)
+
+    def est_times(tops: list[float], nets: list[float], busiest: list[int]) -> np.ndarray:
+        top = np.asarray(tops, dtype=np.float64)
+        net = np.asarray(nets, dtype=np.float64)
+        ret = np.minimum(top, retained_cap)
+        # the retained pairs cross the links in the routed pairs' proportions
+        net_ret = np.where(top > 0, net * (ret / np.where(top > 0, top, 1.0)), 0.0)
+        for b in set(busiest) - sync_cost.keys():
+            sync_cost[b] = cost.replica_cost_per_microbatch(b)
+        sync = np.array([sync_cost[b] for b in busiest])
+        return cost.load_times(top, ret, net, net_ret) + sync
+
+    if native and native_available():
+        return _advance_priced(native_local_greedy(n_array, num_ranks, num_experts),
+                               est_times, num_ranks, max_moves)
+    n = n_array.tolist()
+    routed = [sum(n[r][e] for r in range(num_ranks)) for e in range(num_experts)]
+    row_total = [sum(row) for row in n]
+    load = [0.0] * num_ranks
+    kept = [0.0] * num_ranks                   # pairs each rank keeps off the network
+    spread: list[dict[int, float]] = []        # expert -> {hosting rank: its pairs}
+    on_rank: list[list[int]] = [[] for _ in range(num_ranks)]
+    for e, total in enumerate(routed):
+        home = e // per_rank
+        spread.append({home: total})
+        load[home] += total
+        kept[home] += n[home][e]
+        on_rank[home].append(e)
+
+    def network() -> float:
+        return max(max(a, b) - k for a, b, k in zip(load, row_total, kept, strict=True))
+
+    sent, received = [0] * num_ranks, [0] * num_ranks
+    busiest = 0
+    added: list[tuple[int, int]] = []
+    tops: list[float] = []
+    nets: list[float] = []
+    syncs: list[int] = []
+    best_time, best_len = float(est_times([max(load)], [network()], [0])[0]), 0
+    priced = 0
+    exhausted = False
+    # Moves in batches priced together; the search stops once R moves in a row fail to
+    # beat the best prefix (as greedy_replicas).
+    while True:
+        while (not exhausted and len(added) < max_moves
+               and len(added) - best_len <= num_ranks):
+            move = _local_move(load, spread, on_rank, routed, n, num_ranks)
+            if move is None:
+                exhausted = True
+                break
+            e, v, new = move
+            for r, x in new.items():
+                old = spread[e].get(r, 0.0)
+                load[r] += x - old
+                kept[r] += min(n[r][e], x) - min(n[r][e], old)
+            spread[e] = new
+            on_rank[v].append(e)
+            sent[e // per_rank] += 1
+            received[v] += 1
+            busiest = max(busiest, sent[e // per_rank], received[v])
+            added.append((e, v))
+            tops.append(max(load))
+            nets.append(network())
+            syncs.append(busiest)
+        if priced < len(added):
+            times = est_times(tops[priced:], nets[priced:], syncs[priced:])
+            for k, t in enumerate(times.tolist(), start=priced + 1):
+                if t < best_time * (1 - 1e-12):
+                    best_time, best_len = t, k
+                if k - best_len > num_ranks:
+                    return added[:best_len]
+            priced = len(added)
+        if exhausted or len(added) >= max_moves:
+            break
+    return added[:best_len]
+
+
+def _advance_priced(compiled, est_times: Callable, num_ranks: int,
+                    max_moves: int) -> list[tuple[int, int]]:
+    """``local_greedy_replicas``' search with the compiled moves (``LocalGreedyReplicas``):
+    the same batches, the same prices, the same prefix."""
+    added: list[tuple[int, int]] = []
+    best_time = float(est_times([compiled.top()], [compiled.network()], [0])[0])
+    best_len, exhausted = 0, False
+    while not exhausted and len(added) < max_moves:
+        target = min(max_moves, best_len + num_ranks + 1)
+        if len(added) >= target:
+            break
+        moves, tops, nets, syncs, exhausted = compiled.advance(target)
+        if not moves:
+            break
+        times = est_times(tops, nets, syncs)
+        for k, t in enumerate(times.tolist(), start=len(added) + 1):
+            if t < best_time * (1 - 1e-12):
+                best_time, best_len = t, k
+            if k - best_len > num_ranks:
+                return (added + moves)[:best_len]
+        added += moves
+    return added[:best_len]
+
+
+def _local_move(load: list[float], spread: list[dict[int, float]], on_rank: list[list[int]],
+                routed: list[float], n: list[list[float]], num_ranks: int
+                ) -> tuple[int, int, dict[int, float]] | None:
+    """One move of ``local_greedy_replicas`` (its doc): (expert, new rank, the expert's
+    new pairs per hosting rank), or None when no allowed move exists. The state is not
+    changed here."""
+    top = max(load)
+    u = load.index(top)
+    for e in sorted(on_rank[u], key=lambda e: (-spread[e][u], e))[:4]:
+        hosts = spread[e]
+        if len(hosts) >= num_ranks:
+            continue
+        outside = [r for r in range(num_ranks) if r not in hosts]
+        nearest = min(outside, key=lambda r: (-n[r][e], load[r], r))
+        least = min(outside, key=lambda r: (load[r], r))
+        for v in (nearest,) if nearest == least else (nearest, least):
+            move = _spread_move(load, hosts, float(routed[e]), u, v, top)
+            if move is not None:
+                return e, v, move[2]
+    return None
+
+
+def _spread_move(load: list[float], hosts: dict[int, float], routed: float, u: int, v: int,
+                 top: float) -> tuple[list[int], list[float], dict[int, float]] | None:
+    """An expert's ``routed`` pairs, now on ``hosts``, water-filled over them and rank
+    ``v``: (the ranks, their loads without the expert, its new pairs per rank) if that
+    lowers the top rank ``u``'s share and lifts no rank above ``top``, else None."""
+    ranks = [*hosts, v]
+    others = [load[r] - h for r, h in hosts.items()]
+    others.append(load[v])
+    new = dict(zip(ranks, _spread_to_level(routed, others), strict=True))
+    if new[u] >= hosts[u] - 1e-9:
+        return None
+    if all(r == u or o + new[r] <= top for r, o in zip(ranks, others, strict=True)):
+        return ranks, others, new
+    return None
+
+
 def _greedy_move(load: list[float], spread: list[dict[int, float]], on_rank: list[list[int]],
                  routed: list[int], num_ranks: int, added: list[tuple[int, int]],
                  per_rank: int, sync_sent: list[int], sync_recv: list[int]) -> bool:
@@ -190,15 +474,9 @@ def _greedy_move(load: list[float], spread: list[dict[int, float]], on_rank: lis
             least = min(range(num_ranks), key=load.__getitem__)
         v = least if least not in hosts else min(
             (r for r in range(num_ranks) if r not in hosts), key=load.__getitem__)
-        ranks = [*hosts, v]
-        others = [load[r] - h for r, h in hosts.items()]
-        others.append(load[v])
-        new = dict(zip(ranks, _spread_to_level(float(routed[e]), others), strict=True))
-        if new[u] >= hosts[u] - 1e-9:
-            continue
-        if all(r == u or o + new[r] <= top
-               for r, o in zip(ranks, others, strict=True)):
-            move = (e, v, ranks, others, new)
+        spread_move = _spread_move(load, hosts, float(routed[e]), u, v, top)
+        if spread_move is not None:
+            move = (e, v, *spread_move)
             break
     if move is None:
         return False

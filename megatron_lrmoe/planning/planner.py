@@ -27,7 +27,14 @@ from megatron_lrmoe.planning.instance_assignment import (
 )
 from megatron_lrmoe.planning.native import native_available, native_planner
 from megatron_lrmoe.planning.placement import Placement
-from megatron_lrmoe.planning.placement_policies import greedy_replicas, popularity_placement
+from megatron_lrmoe.planning.placement_policies import (
+    dhondt_order,
+    greedy_replicas,
+    local_greedy_replicas,
+    pair_seconds,
+    popularity_placement,
+    popularity_replicas,
+)
 from megatron_lrmoe.planning.plan_types import MicroBatchPlan, PlannerSettings
 from megatron_lrmoe.planning.retention import (
     RetentionPlan,
@@ -36,8 +43,9 @@ from megatron_lrmoe.planning.retention import (
     factor_for_capacity,
     plan_retention,
 )
+from megatron_lrmoe.planning.shapes import InstanceRows
 
-__all__ = ["LayerPlanner", "MicroBatchPlan", "PlannerSettings"]
+__all__ = ["PRICED_MICROBATCHES", "LayerPlanner", "MicroBatchPlan", "PlannerSettings"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,9 +71,9 @@ class _Unbudgeted:
     ctx: _PlacementContext
     load: np.ndarray                    # [R] routed pairs per rank
     peak: float                         # the largest CostModel.rank_memory over ranks
-    priced: Any                         # [6, R] CostModel.rank_loads when compiled, else
-                                        # the [R, R] routed and kept matrices
     plan: Callable[[], MicroBatchPlan]  # the MicroBatchPlan, built when called
+    cells: np.ndarray                   # [R, I] the assignment's counts
+    quotas: np.ndarray                  # [R, I] the retained pairs
 
 
 class LayerPlanner:
@@ -96,6 +104,10 @@ class LayerPlanner:
         self.smoothed_counts: torch.Tensor | None = None
         self._observed_sum: np.ndarray | None = None    # [R, E] float64 (numpy: no tensor op)
         self._observed = 0
+        # The first PRICED_MICROBATCHES micro-batches' [R, E] counts of this step, and of
+        # the step the next placement is chosen from: candidates are priced on them.
+        self._step_counts: list[np.ndarray] = []
+        self._priced_counts: list[np.ndarray] = []
         self._capacity_tensors: dict[int, torch.Tensor] = {}
         self._last_arrays: tuple[MicroBatchPlan, np.ndarray, np.ndarray] | None = None
         self._contexts: dict[Placement, _PlacementContext] = {}
@@ -141,28 +153,41 @@ class LayerPlanner:
         n = check_assignment_counts(counts, self.placement).astype(np.float64)
         self._observed_sum = n if self._observed_sum is None else self._observed_sum + n
         self._observed += 1
+        if len(self._step_counts) < PRICED_MICROBATCHES:
+            self._step_counts.append(n)
 
-    def observations(self) -> tuple[torch.Tensor | None, int]:
-        """This step's observations so far: (sum of the [R, E] counts, micro-batches)."""
+    def observations(self) -> tuple[torch.Tensor | None, int, list[torch.Tensor]]:
+        """This step's observations so far: (sum of the [R, E] counts, micro-batches, the
+        first ``PRICED_MICROBATCHES`` micro-batches' [R, E] counts)."""
         total = self._observed_sum
-        return (None if total is None else torch.from_numpy(total)), self._observed
+        return ((None if total is None else torch.from_numpy(total)), self._observed,
+                [torch.from_numpy(n) for n in self._step_counts])
 
-    def replace_observations(self, counts_sum: torch.Tensor | None, microbatches: int) -> None:
-        """Make (``counts_sum``, ``microbatches``) this step's observations.
+    def replace_observations(self, counts_sum: torch.Tensor | None, microbatches: int,
+                             microbatch_counts: list[torch.Tensor] | None = None) -> None:
+        """Make (``counts_sum``, ``microbatches``, ``microbatch_counts``) this step's
+        observations (``microbatch_counts`` None: the planner's own stay).
 
         For callers that pool the observations of several planners of the same layer
         (its expert-data-parallel replicas) before ``next_step``, so that all of them
         fold the same counts and stay identical.
         """
-        if counts_sum is not None and tuple(counts_sum.shape) != (self.settings.num_ranks,
-                                                                  self.settings.num_experts):
-            raise ValueError(f"observations of shape {tuple(counts_sum.shape)}, this planner "
-                             f"has (R, E) = {(self.settings.num_ranks, self.settings.num_experts)}")
+        shape = (self.settings.num_ranks, self.settings.num_experts)
+        for value in [counts_sum, *(microbatch_counts or [])]:
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(f"observations of shape {tuple(value.shape)}, this planner "
+                                 f"has (R, E) = {shape}")
         if (counts_sum is None) != (microbatches == 0):
             raise ValueError("observations: counts without micro-batches or the reverse")
+        if microbatch_counts is not None and len(microbatch_counts) > PRICED_MICROBATCHES:
+            raise ValueError(f"observations: {len(microbatch_counts)} micro-batches' counts, "
+                             f"the planner keeps at most {PRICED_MICROBATCHES}")
         self._observed_sum = (None if counts_sum is None
                               else counts_sum.detach().to("cpu", torch.float64).numpy().copy())
         self._observed = int(microbatches)
+        if microbatch_counts is not None:
+            self._step_counts = [c.detach().to("cpu", torch.float64).numpy().copy()
+                                 for c in microbatch_counts]
 
     def plan(self, counts: torch.Tensor | np.ndarray) -> MicroBatchPlan:
         """Instance assignment and quotas of one micro-batch under the current placement.
@@ -369,6 +394,7 @@ class LayerPlanner:
         self.smoothed_counts = (mean if self.smoothed_counts is None
                                 else a * self.smoothed_counts + (1.0 - a) * mean)
         self._observed_sum, self._observed = None, 0
+        self._priced_counts, self._step_counts = self._step_counts, []
         self.step += 1
         if self.settings.policy == "static":
             self._placement_notes = ()
@@ -380,63 +406,184 @@ class LayerPlanner:
         if self.settings.policy == "popularity":
             return popularity_placement(
                 self.smoothed_counts.sum(0).numpy(), self.settings.num_ranks,
-                self.settings.num_experts, self.settings.popularity_slots())
+                self.settings.num_experts, self.settings.popularity_slots(),
+                native=self.native)
         return self._memory_aware_placement()
 
     def _memory_aware_placement(self) -> tuple[Placement, tuple[str, ...]]:
-        """The best prefix of a budget-independent greedy run that the budget admits.
+        """The fastest admissible candidate placement (docs/design.md, "Placement").
 
-        ``greedy_replicas`` proposes replicas in order on a fluid load estimate of the
-        smoothed counts, without looking at the budget. Its prefixes of all, 3/4, 1/2
-        and 1/4 of the replicas are then planned exactly, like ``plan`` does but with
-        neither receive limits nor a lowered gamma (``_unbudgeted``), so each
-        prefix's estimated time and peak memory do not depend on the budget either. A
-        prefix qualifies if its time (replica transfers amortised over the step's
-        micro-batches included) is lower than static's and its memory excess over the
-        layer share no larger than static's; the qualifying prefix with the lowest time
-        is kept (ties: fewer replicas), else static.
+        Candidates, from the smoothed counts:
 
-        Only the qualification reads the budget, and a larger budget admits every prefix
-        a smaller one did (peak <= max(share, static's peak) only loosens), so more
-        memory never ends on a worse estimate: the search is monotone in the budget.
+        - ``greedy``: all, 3/4, 1/2 and 1/4 of ``greedy_replicas``' replicas (the
+          per-expert totals);
+        - ``local greedy``: all and 1/2 of ``local_greedy_replicas``' (the [R, E]
+          counts: locality in its estimate and in its choice of rank);
+        - ``popularity``: SYMI-style's popularity placement at the most slots that fit,
+          found by bisection on [E/R, E] from the slots the ``popularity`` policy takes
+          at this budget (each probe a candidate too; fitting on the smoothed counts and
+          on every kept micro-batch's, as SYMI-style must fit every step), and the
+          locality-aware popularity placement at those most slots.
+
+        Stage 1 plans each exactly on the smoothed counts, like ``plan`` does but with
+        neither receive limits nor a lowered gamma (``_unbudgeted``), and prices it as
+        the simulator judges a call (``_judged_time``: GEMMs instance by instance, plus
+        the replicas' refresh and reduction amortised over the step). A candidate
+        qualifies if it is faster than static, its peak memory fits the layer share (at
+        gamma = inf: no larger than max(share, static's peak)) and the budget's receive
+        limits do not bind on its routing. Stage 2 prices static, the ``FINALISTS``
+        fastest qualifying candidates and SYMI-style's (at the ``popularity`` policy's
+        slots and at the most that fit) again on the
+        first ``PRICED_MICROBATCHES`` micro-batches' counts of the step the loads come
+        from (each must fit on each of them too), and the lowest mean time wins (ties:
+        fewer replicas).
+
+        Only the qualification and the bisection's start read the budget.
         """
         s = self.settings
         counts = torch.round(self.smoothed_counts).to(torch.int64).numpy()   # checked below
+        share = s.layer_share
         static = self._context(self._placement(()))
         base = self._unbudgeted(counts, static)
-        share = s.layer_share
         # At gamma = inf replicas may not add to an excess static already has; at a
         # finite gamma a candidate must fit outright, or the budget would lower gamma
         # for it and it would buy its time with drops.
         allowed = max(share, base.peak) if math.isinf(s.capacity_factor) else share
-        replicas = greedy_replicas(counts.sum(0).tolist(), base.plan(), s, native=self.native,
+        judged: dict[Placement, tuple[str, float, bool]] = {}   # name, time, qualifies
+
+        priced = [np.rint(c).astype(np.int64) for c in self._priced_counts]
+
+        def judge(name: str, replicas: tuple[tuple[int, int], ...], every: bool = False
+                  ) -> bool:
+            """Stage 1 of the placement of ``replicas`` (recorded once); whether it fits,
+            on the smoothed counts, and with ``every`` on each kept micro-batch's too."""
+            placement = self._placement(tuple(replicas))
+            if placement not in judged:
+                ctx = self._context(placement)
+                planned = self._unbudgeted(counts, ctx)
+                fits = self._fits([planned] + ([self._unbudgeted(c, ctx) for c in priced]
+                                               if every else []), ctx, allowed)
+                judged[placement] = (name, self._judged_time([planned]), fits)
+            return judged[placement][2]
+
+        base_time = self._judged_time([base])
+        judged[static.placement] = ("static", base_time, True)
+        plan = base.plan()
+        replicas = greedy_replicas(counts.sum(0).tolist(), plan, s, native=self.native,
                                    sync_cost=self._replica_costs)
         n = len(replicas)
-        sizes = sorted({n, 3 * n // 4, n // 2, n // 4} - {0})
-        planned = [self._unbudgeted(counts, self._context(self._placement(tuple(replicas[:size]))))
-                   for size in sizes]
-        # Every estimate priced in one cost-model call: static's first.
-        base_time, *times = self._times([base, *planned])
-        best: tuple[float, int] | None = None       # (estimated time, index in planned)
-        for k, (candidate, time) in enumerate(zip(planned, times, strict=True)):
-            # The receive limits at this budget must not bind on the candidate's
-            # assignment (they only grow with the budget), so the layer's limit-aware
-            # assignment finds the one judged here, and the judgement stays monotone.
-            limit = candidate.ctx.receive_limit
-            fits_limit = limit is None or bool((candidate.load <= limit).all())
-            # Replicas must pay: the time they save per micro-batch must exceed what
-            # their refresh and gradient reduction cost, amortised over the step's
-            # micro-batches (in ``time``); an equal estimate keeps static.
-            if (time < base_time and candidate.peak <= allowed and fits_limit
-                    and (best is None or time < best[0])):
-                best = (time, k)
-        if best is None:
-            return static.placement, (f"memory-aware: no replica pays off within the budget "
-                                      f"(static {base_time * 1e3:.3f} ms, greedy proposed {n})",)
-        time, k = best
-        return planned[k].ctx.placement, (
-            f"memory-aware: {sizes[k]} replicas, estimated layer time {time * 1e3:.3f} ms vs "
-            f"static {base_time * 1e3:.3f} ms",)
+        for size in sorted({n, 3 * n // 4, n // 2, n // 4} - {0}):
+            judge(f"greedy {size}", tuple(replicas[:size]))
+        local = local_greedy_replicas(counts, plan, s, native=self.native,
+                                      sync_cost=self._replica_costs)
+        n = len(local)
+        for size in sorted({n, n // 2} - {0}):
+            judge(f"local greedy {size}", tuple(local[:size]))
+        order = dhondt_order(counts.sum(0), s.num_ranks)
+        slots, symi = self._most_popularity_slots(counts, order, judge)
+        if slots > s.num_experts // s.num_ranks:
+            judge(f"popularity {slots} slots, locality-aware", popularity_replicas(
+                counts.sum(0), s.num_ranks, s.num_experts, slots, counts,
+                pair_seconds(s.cost), native=self.native, order=order)[0])
+
+        # Stage 2: the finalists on the step's own micro-batches.
+        qualified = sorted((time, len(placement.replicas), k, placement)
+                           for k, (placement, (_, time, ok)) in enumerate(judged.items())
+                           if ok and time < base_time)
+        finalists = [static.placement] + [p for *_, p in qualified[:FINALISTS]]
+        for placement in symi:        # SYMI-style's at its own slots and at the most
+            if placement not in finalists and judged[placement][2]:
+                finalists.append(placement)
+        priced = priced or [counts]
+        best: tuple[float, int, Placement] | None = None
+        for placement in finalists:
+            ctx = self._context(placement)
+            planned = [self._unbudgeted(c, ctx) for c in priced]
+            time = self._judged_time(planned)
+            if not (placement is static.placement or self._fits(planned, ctx, allowed)):
+                continue
+            # Times equal but for rounding (1e-12) are ties: fewer replicas win.
+            if (best is None or time < best[0] * (1 - 1e-12)
+                    or (time <= best[0] * (1 + 1e-12)
+                        and len(placement.replicas) < best[1])):
+                best = (time, len(placement.replicas), placement)
+        time, _, placement = best
+        if placement is static.placement:
+            return placement, (f"memory-aware: no candidate pays off within the budget "
+                               f"(static {time * 1e3:.3f} ms, {len(judged)} candidates)",)
+        return placement, (
+            f"memory-aware: {judged[placement][0]} ({len(placement.replicas)} replicas), "
+            f"estimated layer time {time * 1e3:.3f} ms vs static "
+            f"{self._judged_time([self._unbudgeted(c, static) for c in priced]) * 1e3:.3f} ms"
+            f" ({len(judged)} candidates)",)
+
+    def _most_popularity_slots(self, counts: np.ndarray, order: np.ndarray,
+                               judge: Callable[..., bool]
+                               ) -> tuple[int, list[Placement]]:
+        """(the most slots per rank at which SYMI-style's popularity placement of
+        ``counts`` fits, judged by ``judge``; the placements at the ``popularity``
+        policy's slots and at the most, where above E/R; ``order``: ``dhondt_order`` of
+        the counts): a bisection
+        on [E/R, E] that starts from the ``popularity`` policy's own slots at this budget
+        and gallops up from there while they fit. Fitting is taken as monotone in the
+        slots (replicas add memory, balance takes buffers away); where it is not, the
+        bisection returns a fitting count, not always the most."""
+        s = self.settings
+        per_rank = s.num_experts // s.num_ranks
+        popularity = counts.sum(0)
+        placements: dict[int, tuple[tuple[int, int], ...]] = {}
+
+        def fits(slots: int) -> bool:
+            placements[slots] = popularity_replicas(popularity, s.num_ranks, s.num_experts,
+                                                    slots, native=self.native,
+                                                    order=order)[0]
+            return judge(f"popularity {slots} slots", placements[slots], every=True)
+
+        low, high = per_rank, s.num_experts + 1        # low fits (static); high does not
+        start = min(max(s.popularity_slots(), per_rank + 1), s.num_experts)
+        if start > per_rank and fits(start):
+            low, step = start, 1
+            while low + step < high and fits(low + step):
+                low, step = low + step, 2 * step
+            high = min(high, low + step)
+        elif start > per_rank:
+            high = start
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        own = [self._placement(placements[k]) for k in dict.fromkeys((start, low))
+               if k in placements]
+        return low, own
+
+    def _fits(self, planned: list[_Unbudgeted], ctx: _PlacementContext,
+              allowed: float) -> bool:
+        """Whether every plan of ``planned`` fits: its peak at most ``allowed`` and its
+        routing within the budget's receive limits."""
+        limit = ctx.receive_limit
+        return all(u.peak <= allowed and (limit is None or bool((u.load <= limit).all()))
+                   for u in planned)
+
+    def _judged_time(self, planned: list[_Unbudgeted]) -> float:
+        """Mean seconds per micro-batch of ``planned`` (one placement's plans of the priced
+        matrices) as the simulator prices a call: ``CostModel.layer_time`` of each plan's
+        [R, R] routed and retained matrices with its GEMMs instance by instance, plus the
+        replicas' refresh and reduction amortised over the step's micro-batches."""
+        cost = self.settings.cost
+        ctx = planned[0].ctx
+        instance_rank = np.asarray(ctx.placement.instance_rank, dtype=np.int64)
+        total = 0.0
+        for u in planned:
+            routed = np.add.reduceat(u.cells, ctx.rank_starts, axis=1)
+            retained = np.add.reduceat(u.quotas, ctx.rank_starts, axis=1)
+            fwd, bwd = cost.layer_time(routed, retained, 0.0, InstanceRows(
+                instance_rank, np.add.reduce(u.cells, axis=0),
+                np.add.reduce(u.quotas, axis=0)))
+            total += fwd + bwd
+        sync = self._replica_costs.get(ctx.busiest)
+        if sync is None:        # a pure function of the busiest count: priced once
+            sync = self._replica_costs[ctx.busiest] = cost.replica_cost_per_microbatch(
+                ctx.busiest)
+        return total / len(planned) + sync
 
     def _unbudgeted(self, counts: np.ndarray, ctx: _PlacementContext) -> _Unbudgeted:
         """The plan of ``ctx``'s placement on ``counts`` without the budget's influence:
@@ -447,37 +594,9 @@ class LayerPlanner:
         gamma = float(s.capacity_factor)
         make_retention, quotas = self._retention(assignment, cells, gamma, ctx, routed)
         peak = float(np.maximum.reduce(self._memory(ctx, routed, cells, quotas)))
-        if ctx.native is not None:       # what the compiled path prices: rank loads
-            priced = ctx.native.rank_loads(cells, quotas)
-        else:
-            starts = ctx.rank_starts
-            priced = (np.add.reduceat(cells, starts, axis=1),
-                      np.add.reduceat(quotas, starts, axis=1))
-        return _Unbudgeted(ctx, routed, peak, priced, lambda: MicroBatchPlan(
+        return _Unbudgeted(ctx, routed, peak, lambda: MicroBatchPlan(
             assignment=assignment, retention=make_retention(), capacity_factor_used=gamma,
-            rank_load=routed))
-
-    def _times(self, planned: list[_Unbudgeted]) -> list[float]:
-        """The estimated time of each unbudgeted plan: forward + backward
-        (``CostModel.layer_time``) + the amortised replica refresh. The compiled planner
-        prices all of them in one ``CostModel.layer_times`` call, the Python one plan by
-        plan (the reference)."""
-        cost = self.settings.cost
-        sync = []
-        for p in planned:
-            cached = self._replica_costs.get(p.ctx.busiest)
-            if cached is None:      # a pure function of the busiest count: priced once
-                cached = self._replica_costs[p.ctx.busiest] = (
-                    cost.replica_cost_per_microbatch(p.ctx.busiest))
-            sync.append(cached)
-        if self.native:
-            fwd, bwd = cost.layer_times(np.stack([p.priced for p in planned]))
-            return [f + b + c for f, b, c in zip(fwd, bwd, sync, strict=True)]
-        times = []
-        for p, cached in zip(planned, sync, strict=True):
-            fwd, bwd = cost.layer_time(*p.priced)
-            times.append(fwd + bwd + cached)
-        return times
+            rank_load=routed), cells, quotas)
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -486,7 +605,7 @@ class LayerPlanner:
         (checkpoints and Megatron's re-run snapshots are rare next to layer calls)."""
         s = self.settings
         return {
-            "version": 1,
+            "version": 2,
             "num_ranks": s.num_ranks,
             "num_experts": s.num_experts,
             "step": self.step,
@@ -496,12 +615,20 @@ class LayerPlanner:
             "observed_sum": (None if self._observed_sum is None
                              else torch.from_numpy(self._observed_sum.copy())),
             "observed": self._observed,
+            # version 2: the counts the next choice prices, and this step's so far
+            "priced_counts": [torch.from_numpy(n.copy()) for n in self._priced_counts],
+            "step_counts": [torch.from_numpy(n.copy()) for n in self._step_counts],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict``. A state of another EP size or expert count is refused
-        (its per-rank loads do not apply); the caller may then start fresh."""
+        (its per-rank loads do not apply); the caller may then start fresh. A version 1
+        state (before the per-micro-batch counts) loads with none: its next choice
+        prices on the smoothed counts."""
         s = self.settings
+        if state.get("version", 1) not in (1, 2):
+            raise ValueError(f"planner state version {state.get('version')!r}, this code "
+                             f"reads 1 and 2")
         shape = (state.get("num_ranks"), state.get("num_experts"))
         if shape != (s.num_ranks, s.num_experts):
             raise ValueError(f"planner state is for (R, E) = {shape}, this planner has "
@@ -518,12 +645,27 @@ class LayerPlanner:
         self._observed_sum = (None if observed_sum is None
                               else observed_sum.detach().to("cpu", torch.float64).numpy().copy())
         self._observed = int(state["observed"])
+        lists = [state.get(name, []) for name in ("priced_counts", "step_counts")]
+        for value in lists[0] + lists[1]:
+            if tuple(value.shape) != (s.num_ranks, s.num_experts):
+                raise ValueError(f"planner state micro-batch counts of shape "
+                                 f"{tuple(value.shape)}")
+        self._priced_counts, self._step_counts = (
+            [v.detach().to("cpu", torch.float64).numpy().copy() for v in values]
+            for values in lists)
 
 
 _INT64_MAX = np.iinfo(np.int64).max
-# Placements (and their contexts) kept per planner: a step plans static and up to four
-# candidates, so this keeps several steps' worth.
-_CACHED_PLACEMENTS = 32
+PRICED_MICROBATCHES = 4
+FINALISTS = 3
+"""Qualifying candidates, fastest on the smoothed counts, that the placement choice
+prices again on each kept micro-batch's counts (beside static and SYMI-style's)."""
+"""Micro-batches of a step whose counts the placement choice prices its candidates on
+(the step's first ones): the mean hides the per-call peaks a placement must absorb, and
+every one more costs a plan per candidate in host time."""
+# Placements (and their contexts) kept per planner: a step plans static and up to about
+# a dozen candidates, so this keeps a few steps' worth.
+_CACHED_PLACEMENTS = 64
 
 
 def _busiest(placement: Placement) -> int:

@@ -10,8 +10,11 @@ module lists every such configuration and predicts, per rank:
   MoE layers under the configuration's recompute and micro-batch, plus the MoE peak of
   the hottest rank from the simulator's replay of a recorded routing trace through the
   same planner and cost model (``simulate``: Megatron's layer priced by
-  ``MegatronMoEMemory``, LRMoE's by ``CostModel``, both composed by ``stage_moe_memory``);
-* its time: the simulated MoE time per step (a recomputed layer's forward counted twice)
+  ``MegatronMoEMemory``, LRMoE's by ``CostModel``, both composed by ``stage_moe_memory``
+  step by step: the most over every step, the warm-up included, of that step's levels
+  with that step's replicas, so SYMI-style's fitted slots are those every step holds);
+* its time: the simulated MoE time per step over the steps after the warm-up
+  (``simulate.WARMUP_STEPS``; a recomputed layer's forward counted twice)
   and the time outside the MoE layers (``OutsideTime``: measured once on a reference run,
   or counted in FLOPs where none can be measured, ``tools/projections.py``; a recomputed
   layer's share of its forward counted again).
@@ -215,14 +218,16 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
             vocab_size: int | None = None) -> Prediction:
     """The candidate's per-rank memory and step time at ``device_gib`` (module doc).
 
-    ``cluster``: the simulator's ``CLUSTERS`` entry whose figures price the MoE layers
-    (``calibration``, which may be None, overrides them). ``overrides``: parsed launcher
-    arguments set after parsing, for settings of a GPU run the launcher's parser has no
-    flag for (e.g. ``accumulate_allreduce_grads_in_fp32``: False for bf16 gradients, which
-    the memory account reads). ``planner_s``: the planner's host time per call (None:
-    measured here, as ``simulate`` does). ``vocab_size``: the run's tokenizer vocabulary
-    where the launcher's tokenizers (byte-level, SentencePiece from a file) cannot give it
-    (a Hugging Face tokenizer's), padded as the model pads it; None: the tokenizer's."""
+    ``steps``: the steps the MoE time is the mean of, replayed after the warm-up
+    (``simulate``'s window). ``cluster``: the simulator's ``CLUSTERS`` entry whose figures
+    price the MoE layers (``calibration``, which may be None, overrides them).
+    ``overrides``: parsed launcher arguments set after parsing, for settings of a GPU run
+    the launcher's parser has no flag for (e.g. ``accumulate_allreduce_grads_in_fp32``:
+    False for bf16 gradients, which the memory account reads). ``planner_s``: the
+    planner's host time per call (None: measured here, as ``simulate`` does).
+    ``vocab_size``: the run's tokenizer vocabulary where the launcher's tokenizers
+    (byte-level, SentencePiece from a file) cannot give it (a Hugging Face tokenizer's),
+    padded as the model pads it; None: the tokenizer's."""
     from megatron_lrmoe.config.flags import ConfigError
     from megatron_lrmoe.integration.planner_inputs import device_memory_bytes, memory_account
     from megatron_lrmoe.launcher import builders

@@ -27,6 +27,11 @@ of the memory account) this module predicts, with ``tools/fitting.py``:
 * the largest micro-batch that fits (``fitting.largest_micro_batch``),
   with the fitting choice's recompute, micro-batches per step unchanged.
 
+Every policy alike: the device less ``RESERVE_GIB`` (the CUDA context and NCCL's buffers,
+which the memory account omits; ``--reserve-gib``); the MoE time the mean over
+``WINDOW_STEPS`` simulated steps after the warm-up (``simulate.WARMUP_STEPS``), the MoE
+memory the most over every step, each with its own replicas (``simulate``).
+
 The time outside the MoE layers cannot be measured here: ``outside_flops`` counts it
 (attention projections, causal attention core, dense layers, shared experts, LM head;
 forward and backward = 3 x forward) and ``fitting.OutsideTime.from_flops`` prices it at
@@ -66,6 +71,7 @@ from megatron_lrmoe.tools.simulate import (
     MODELS,
     ROOT,
     STEPS_TO_TARGET_FILE,
+    WARMUP_STEPS,
     StepsPair,
     StepsToTarget,
     load_traces,
@@ -73,10 +79,11 @@ from megatron_lrmoe.tools.simulate import (
 )
 from megatron_lrmoe.tools.steps_to_target import Range, paired_range, ratio_range
 
-__all__ = ["DISPATCHER_CAVEAT", "GOAL", "GOAL_PRESET", "POLICIES", "PRESETS", "Preset",
-           "base_flags", "config_flags", "goal_check", "outside_flops", "outside_time",
-           "parse_steps_by_ep", "pipeline_factor", "project", "report_markdown",
-           "steps_for_ep", "to_target"]
+__all__ = ["DISPATCHER_CAVEAT", "GOAL", "GOAL_PRESET", "POLICIES", "PRESETS", "RESERVE_GIB",
+           "WINDOW_STEPS", "WINDOW_TOLERANCE", "Preset", "base_flags", "config_flags",
+           "goal_check", "outside_flops", "outside_time", "parse_steps_by_ep",
+           "pipeline_factor", "project", "report_markdown", "steps_for_ep", "to_target",
+           "window_check"]
 
 DISPATCHER_CAVEAT = (
     "All policies simulated with the all-to-all dispatcher and without the recipe's flex "
@@ -128,6 +135,19 @@ class Preset:
 # H100 SXM 80 GB: CUDA reports 81,559 MiB (79.6 GiB); A100 SXM 40 GB: 40,960 MiB (40 GiB).
 H100_GIB = 81559 / 1024
 A100_40_GIB = 40.0
+
+# What a GPU holds besides the memory account (planning/memory_account.py names what it
+# omits), the same for every policy and preset:
+# - the CUDA context: about 400 MB with lazy module loading (CUDA >= 11.7, PyTorch's
+#   default): a PyTorch maintainer in pytorch/pytorch#109888 (about 300 MB in #107667);
+# - NCCL's buffers: 688 MB per communicator that ran a collective among NVLink-connected
+#   GPUs (measured on 4 x A100 in NVIDIA/nccl#964; NCCL's memory grows with its channels
+#   and connections, NVIDIA/nccl#986), for four communicators: the TP, PP, DP and EP
+#   groups a Megatron MoE rank runs collectives over, at most;
+# - the caching allocator's slack: no public figure found; only the rounding up below.
+# (0.4 GB + 4 x 0.688 GB) = 2.94 GiB, rounded up.
+RESERVE_GIB = 3.0
+"""GiB per device held back from every preset's device (``--reserve-gib``'s default)."""
 _TRACES = ROOT / "benchmarks" / "results" / "routing_traces"
 # The Hugging Face configs' vocab_size (configs/qwen3_30b_a3b.yaml: 1187 x 128 = 151936;
 # configs/glm45_air.yaml: 151552 = 1184 x 128); the launcher's tokenizers cannot give them.
@@ -329,6 +349,17 @@ def pipeline_factor(pipeline: int, microbatches: int) -> float:
 
 
 # ------------------------------------------------------------------------- projections
+WINDOW_STEPS = 16
+"""Steps each configuration's MoE time is the mean of (the simulator's counted steps,
+after its warm-up): doubling it moves no policy's MoE time or memory by
+``WINDOW_TOLERANCE`` or more at the presets checked (``window_check``, run by
+benchmarks/studies/simulator_window.py; the figures in docs/simulate.md). 8 steps did
+not hold at qwen3-30b-a3b-8xh100, whose 16 micro-batches a step take 12.5 steps to pass
+once through its trace."""
+WINDOW_TOLERANCE = 0.01
+"""The most a window's doubling may move a policy's MoE time or memory (relative)."""
+
+
 @dataclass
 class Projection:
     """One policy at one preset."""
@@ -360,20 +391,22 @@ def _bisect(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
     return lo
 
 
-def project(preset: Preset, traces: list[np.ndarray], steps: int = 2,
+def project(preset: Preset, traces: list[np.ndarray], steps: int | None = None,
             efficiency: float = 0.45, ratios: dict[str, float] | None = None,
             policies: tuple[str, ...] = tuple(POLICIES), largest_limit: int = 8,
-            reserve_gib: float = 0.0, planner_s: float | None = None,
+            reserve_gib: float = RESERVE_GIB, planner_s: float | None = None,
             log: Callable[[str], None] = lambda _: None) -> tuple[dict, list[Projection]]:
     """Every policy of ``policies`` at ``preset`` (module doc): (the preset's context:
     outside time, micro-batches, the device size used; the projections).
     ``largest_limit``: micro-batch sizes tried for the largest that fits (0: skipped).
-    ``reserve_gib``: held back from the device for what the memory account omits (CUDA
-    context, allocator reserve, communication buffers); 0 by default. ``planner_s``: the
-    planner's host time per call (None: measured here per call)."""
+    ``steps``: the simulator's counted steps after its warm-up (``WINDOW_STEPS`` when
+    None). ``reserve_gib``: held back from the device for what the memory account omits
+    (``RESERVE_GIB``: CUDA context, NCCL buffers). ``planner_s``: the planner's host
+    time per call (None: measured here per call)."""
     from megatron_lrmoe.launcher import builders
 
     ratios = ratios or {}
+    steps = WINDOW_STEPS if steps is None else steps
     base = base_flags(preset)
     args = _parse(preset, base)
     cluster = CLUSTERS[preset.cluster]
@@ -457,6 +490,52 @@ def project(preset: Preset, traces: list[np.ndarray], steps: int = 2,
                "stage_layers": stage_layers, "efficiency": efficiency, "vocab": vocab,
                "device_gib": device_gib, "reserve_gib": reserve_gib}
     return context, out
+
+
+def window_check(preset: Preset, traces: list[np.ndarray], steps: int,
+                 policies: tuple[str, ...] = tuple(POLICIES), reserve_gib: float = RESERVE_GIB,
+                 planner_s: float | None = 1e-4,
+                 log: Callable[[str], None] = lambda _: None) -> list[dict]:
+    """Whether ``steps`` is a long enough window at ``preset``: each policy's recipe
+    configuration predicted over ``steps`` counted steps and over twice as many, with
+    its MoE seconds per step and MoE GiB per rank at both and their relative change
+    (``time_change``, ``memory_change``; ``within`` when both are below
+    ``WINDOW_TOLERANCE``). ``planner_s`` is fixed (default 0.1 ms per call): a measured
+    host time would move with the machine, not with the window."""
+    from megatron_lrmoe.launcher import builders
+
+    base = base_flags(preset)
+    args = _parse(preset, base)
+    vocab = builders.padded_vocab_size(
+        preset.vocab_size or builders.build_tokenizer_from_args(args).vocab_size, args)
+    # Only the MoE time and memory are compared: the outside time is project()'s default.
+    outside = outside_time(args, vocab, CLUSTERS[preset.cluster].peak_flops, 0.45)
+    rows = []
+    for name in policies:
+        _, flags, _ = POLICIES[name]
+        candidate = F.Candidate(name, "recipe", (*flags, *preset.recipe))
+        found = []
+        for n in (steps, 2 * steps):
+            started = time.perf_counter()
+            os.environ["WORLD_SIZE"] = str(preset.gpus)
+            found.append(F.predict(base, candidate, preset.device_gib - reserve_gib, traces,
+                                   None, outside, steps=n, cluster=preset.cluster,
+                                   overrides=dict(preset.overrides), planner_s=planner_s,
+                                   vocab_size=preset.vocab_size))
+            log(f"  {preset.name} {name} {n} steps: MoE {found[-1].moe_s:.4f} s/step, "
+                f"{found[-1].account.moe / GIB:.3f} GiB ({time.perf_counter() - started:.1f} s)")
+        one, two = found
+        if one.error or two.error:
+            rows.append({"policy": name, "steps": steps, "error": one.error or two.error})
+            continue
+        time_change = two.moe_s / one.moe_s - 1
+        memory_change = two.account.moe / one.account.moe - 1
+        rows.append({"policy": name, "steps": steps, "moe_s": one.moe_s,
+                     "moe_s_doubled": two.moe_s, "time_change": time_change,
+                     "moe_gib": one.account.moe / GIB, "moe_gib_doubled": two.account.moe / GIB,
+                     "memory_change": memory_change,
+                     "within": max(abs(time_change), abs(memory_change)) < WINDOW_TOLERANCE})
+    return rows
 
 
 # ------------------------------------------------------------------ steps to target
@@ -611,8 +690,9 @@ def goal_markdown(check: dict) -> str:
 
 
 # ------------------------------------------------------------------------------ report
-def _gib(p: F.Prediction | None) -> str:
-    return "-" if p is None or p.error else f"{p.need / GIB:.1f}"
+def _gib(p: F.Prediction | None, reserve_gib: float) -> str:
+    """The need per rank and the reserve beside it, which the device must hold both of."""
+    return "-" if p is None or p.error else f"{p.need / GIB:.1f} + {reserve_gib:g}"
 
 
 def report_markdown(preset: Preset, context: dict, rows: list[Projection],
@@ -621,6 +701,7 @@ def report_markdown(preset: Preset, context: dict, rows: list[Projection],
     """The preset's table; ``steps``: the steps-to-target file its ratios came from (the
     spread over its seeds in every to-target column), measured at EP ``steps_ep``."""
     ranges = to_target(rows, steps)
+    reserve = context["reserve_gib"]
 
     def rel(policy: str, key: str) -> str:
         r = ranges.get(policy, {}).get(key)
@@ -629,7 +710,8 @@ def report_markdown(preset: Preset, context: dict, rows: list[Projection],
     lines = [
         f"## {preset.name}: {preset.gpus} x {CLUSTERS[preset.cluster].gpu.split(' x ')[-1]}, "
         f"{preset.device_gib:.1f} GiB per device"
-        + (f", {context['reserve_gib']:g} GiB held back" if context["reserve_gib"] else ""),
+        + (f", {reserve:g} GiB held back (CUDA context, NCCL buffers: RESERVE_GIB)"
+           if reserve else ""),
         "",
         f"**{DISPATCHER_CAVEAT}**", "",
         f"- command: `{command}`", f"- code: {code}",
@@ -649,15 +731,15 @@ def report_markdown(preset: Preset, context: dict, rows: list[Projection],
                f"{_parse(preset, base_flags(preset)).expert_model_parallel_size})"
                if steps_ep is not None else "")
             + "; runs: " + ", ".join(f"{k} {v}" for k, v in steps.study_policy.items())]),
-        "", "| policy | recipe config fits (need GiB) | recipe step s | fitting choice | "
-        "need GiB | MoE s/step | step s | steps ratio | to target vs dropless | "
-        "vs SYMI-style | MoE to target vs dropless | MoE vs SYMI-style | "
+        "", "| policy | recipe config fits (need + reserve GiB) | recipe step s | "
+        "fitting choice | need + reserve GiB | MoE s/step | step s | steps ratio | "
+        "to target vs dropless | vs SYMI-style | MoE to target vs dropless | MoE vs SYMI-style | "
         "largest micro-batch (choice's recompute) |", "|" + "---|" * 13]
     for r in rows:
         rec = r.recipe
         fits = ("cannot start (auto below the floor)" if "below the floor" in rec.error
                 else "cannot start: " + rec.error.splitlines()[0][:60] if rec.error
-                else ("yes" if rec.fits else "no") + f" ({rec.need / GIB:.1f})")
+                else ("yes" if rec.fits else "no") + f" ({_gib(rec, reserve)})")
         largest = ("-" if r.largest is None else
                    (str(r.largest[0]) if r.largest[1] is not None else "none fits"))
         recipe_step = "-" if math.isnan(r.recipe_step_s) else f"{r.recipe_step_s:.2f}"
@@ -667,11 +749,15 @@ def report_markdown(preset: Preset, context: dict, rows: list[Projection],
             continue
         lines.append(
             f"| {r.label} | {fits} | {recipe_step} | {r.choice.candidate.fitted} | "
-            f"{_gib(r.choice)} | {r.choice.moe_s:.2f} | {r.choice_step_s:.2f} | "
+            f"{_gib(r.choice, reserve)} | {r.choice.moe_s:.2f} | {r.choice_step_s:.2f} | "
             f"{rel(r.policy, 'steps_ratio')} | {rel(r.policy, 'step_vs_dropless')} | "
             f"{rel(r.policy, 'step_vs_symi')} | {rel(r.policy, 'moe_vs_dropless')} | "
             f"{rel(r.policy, 'moe_vs_symi')} | {largest} |")
-    lines += ["", "MoE s/step: the stage's MoE layers' busy time (no bubble); step s: MoE + "
+    lines += ["", "Need + reserve: the predicted need per rank (the memory account, its MoE "
+              "part the most over every simulated step, the warm-up included) and the "
+              "reserve held back for what it omits; a configuration fits when their sum "
+              "is at most the device. MoE s/step: the stage's MoE layers' busy time (no "
+              "bubble), the mean over the steps after the warm-up; step s: MoE + "
               "outside, times the 1F1B factor. Steps ratio: steps to target over the same "
               "seed's dropless run's (time-to-loss study, an assumption at this scale; LRMoE "
               "without replicas takes the memory-aware run's), median [min, max] over the "
@@ -707,17 +793,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="a routing trace directory (default: the preset's under "
                          "benchmarks/results/routing_traces/)")
     ap.add_argument("--layers", type=int, default=2, help="trace layers replayed")
-    ap.add_argument("--steps", type=int, default=4,
-                    help="optimizer steps replayed per layer (replicas are placed from the "
-                         "second step on: the first step runs without)")
+    ap.add_argument("--steps", type=int, default=WINDOW_STEPS,
+                    help="optimizer steps per layer the MoE time is the mean of, replayed "
+                         "after the simulator's warm-up step (Megatron's placement, before "
+                         "any measured load), which counts in the memory only")
     ap.add_argument("--skip-fraction", type=float, default=0.5)
     ap.add_argument("--efficiency", type=float, default=0.45,
                     help="achieved over peak FLOP/s outside the MoE layers (assumption)")
     ap.add_argument("--largest-limit", type=int, default=8,
                     help="micro-batch sizes tried for the largest that fits (0: skip)")
-    ap.add_argument("--reserve-gib", type=float, default=0.0,
-                    help="GiB per device held back for what the memory account omits (CUDA "
-                         "context, allocator reserve, communication buffers)")
+    ap.add_argument("--reserve-gib", type=float, default=RESERVE_GIB,
+                    help="GiB per device held back for what the memory account omits: the "
+                         "CUDA context and NCCL's buffers (default: RESERVE_GIB, its "
+                         "sources in docs/simulate.md)")
     ap.add_argument("--planner-ms", type=float, default=None,
                     help="the planner's host time per call (ms); default: measured here per "
                          "call (this CPU for the cluster's hosts)")
@@ -763,8 +851,9 @@ def main(argv: list[str] | None = None) -> int:
                                 log=lambda line: print(line, file=sys.stderr, flush=True))
         elapsed = time.perf_counter() - started
         text = report_markdown(preset, context, rows, command, code, steps, steps_ep) + (
-            f"\nRouting: {source}; {a.layers} layer(s) x {a.steps} step(s) replayed per "
-            f"configuration. Projected in {elapsed:.0f} s.\n")
+            f"\nRouting: {source}; {a.layers} layer(s) x {a.steps} step(s) per "
+            f"configuration after {WARMUP_STEPS} warm-up step(s). Projected in "
+            f"{elapsed:.0f} s.\n")
         print(text)
         ranges = to_target(rows, steps)
         if a.out:

@@ -15,8 +15,9 @@ loops over steps and adds up.
 Out, per policy: the critical-path MoE forward and backward time of one layer and
 micro-batch (each phase paced by its slowest rank) and its parts (expert GEMM, memory-
 bound row work, all-to-all bytes, router, fixed per-call cost, the planner's host time),
-the replica refresh per step, the MoE
-memory per rank against the budget, the MoE time per optimizer step and, with
+the replica refresh per step (means over the counted steps, after ``WARMUP_STEPS``), the
+MoE memory per rank against the budget (the most over every step, the warm-up included,
+of that step's own levels and replicas), the MoE time per optimizer step and, with
 steps-to-target ratios measured by the time-to-loss study (an assumption, stated in the
 report; the measured steps are read from ``--steps-to-target``, by default
 ``STEPS_TO_TARGET_FILE`` under benchmarks/results/), the projected cumulative MoE time to
@@ -47,7 +48,7 @@ from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.megatron_baseline import (
     MegatronMoEMemory,
     megatron_kept_counts,
-    stage_moe_memory,
+    steps_moe_memory,
 )
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
@@ -56,14 +57,20 @@ from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
 from megatron_lrmoe.tools.figures import save_png
 from megatron_lrmoe.tools.provenance import code_version
 
-__all__ = ["CLUSTERS", "MODELS", "POLICIES", "STEPS_TO_TARGET_FILE", "ClusterSpec",
-           "ModelSpec", "Policy", "StepsPair", "StepsToTarget", "call_memory_levels",
+__all__ = ["CLUSTERS", "MODELS", "POLICIES", "STEPS_TO_TARGET_FILE", "WARMUP_STEPS",
+           "ClusterSpec", "ModelSpec", "Policy", "StepsPair", "StepsToTarget",
+           "call_memory_levels",
            "layer_shape", "load_steps_to_target", "read_steps_to_target",
            "machine_constants", "node_calibration", "policy_planner", "simulate", "source_batches",
            "steps_ratios"]
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
+WARMUP_STEPS = 1
+"""Steps replayed before the counted window: the planner's step 0 runs Megatron's static
+placement with no smoothed counts; ``LayerPlanner.next_step`` folds step 0's loads, so
+step 1 is the first whose placement is chosen from measured loads. Every policy alike:
+the warm-up is left out of the times, never out of the memory."""
 
 
 # ----------------------------------------------------------------------------- clusters
@@ -404,16 +411,21 @@ class PolicyResult:
     step_moe_s: float
     """MoE time of one optimizer step, all layers (critical path)."""
     memory_gib: float
-    """Peak MoE memory per rank, all layers of the stage (the cost model's)."""
+    """Peak MoE memory per rank, all layers of the stage (the cost model's): the most
+    over every replayed step, the warm-up included, of that step's own levels and
+    replicas (``steps_moe_memory``)."""
     budget_gib: float
     load_max_over_mean: float
     retained_fraction: float
     replicas: float
     """Mean replicas per layer."""
+    memory_step: int = 0
+    """The replayed step (0: the first warm-up step) whose memory is ``memory_gib``."""
 
 
 def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[np.ndarray],
              policies: tuple[Policy, ...] = POLICIES, steps: int = 8,
+             warmup_steps: int = WARMUP_STEPS,
              budget_instances: float = 2.0, budget_gib: float | None = None,
              calibration: dict | None = None, pipeline: int = 1,
              seed: int = 0, shape: MoEShape | None = None,
@@ -426,6 +438,13 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
     time-to-loss study's setting), the need of the shape the budgeted policies are planned with
     (``layer_shape(shape, True)``). Layers beyond the simulated ones are assumed to
     behave like their mean.
+
+    The window: ``warmup_steps`` steps are replayed first (``WARMUP_STEPS``: the steps
+    before the first placement chosen from measured loads), then ``steps`` counted ones.
+    Times, loads, retention and replicas are means over the counted steps only; the
+    memory is the most over all of them, the warm-up included, each step's own saved
+    bytes and peak with that step's replicas (``steps_moe_memory``): a plan must fit
+    every step.
     ``shape`` replaces ``model.shape(ep_size, pipeline)`` (a measured run's own shape);
     ``resample=False`` replays the recorded counts as they are (they must already hold
     the shape's pairs per rank), as the validation against measured runs does.
@@ -435,6 +454,9 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
     on this machine's CPU.
     """
     shape = shape or model.shape(ep_size, pipeline)
+    if steps < 1 or warmup_steps < 0:
+        raise ValueError(f"simulate: steps {steps} must be >= 1 and warmup_steps "
+                         f"{warmup_steps} >= 0")
     if shape.num_experts % ep_size:
         raise ValueError(f"--ep {ep_size}: {shape.num_experts} experts are not a multiple")
     machine = machine_constants(cluster, ep_size, calibration)
@@ -447,7 +469,10 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
         megatron = MegatronMoEMemory(cost.shape, grouped=shape.grouped_gemm)
         totals = {"fwd": 0.0, "bwd": 0.0, "refresh": 0.0, "routed": 0.0,
                   "retained": 0.0, "load": 0.0, "replicas": 0.0}
-        layer_levels: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        # [steps replayed][layer] -> (saved, peak, replica bytes), each [R]: the most
+        # over the step's micro-batches, composed per step below.
+        replayed = warmup_steps + steps
+        step_levels = np.zeros((3, replayed, len(traces), ep_size))
         parts: dict[str, float] = {}
         calls = 0
         for layer, trace in enumerate(traces):
@@ -455,8 +480,9 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
             batches = source_batches(trace, ep_size, shape.source_pairs if resample else None,
                                      rng)
             planner = policy_planner(policy, ep_size, cost, budget)
-            saved = peak = replica_bytes = np.zeros(ep_size)
-            for _ in range(steps):
+            for t in range(replayed):
+                counted = t >= warmup_steps
+                levels = step_levels[:, t, layer]
                 for micro in range(shape.microbatches_per_step):
                     counts = next(batches)
                     if policy.moe_expert_capacity_factor is not None:
@@ -470,6 +496,15 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
                     planner.native_layout(mb_plan, 0)   # the call layout, as the layer
                     plan = mb_plan.retention
                     host = time.perf_counter() - started if planner_s is None else planner_s
+                    replicas = np.asarray(planner.placement.replicas_per_rank())
+                    s_call, p_call = call_memory_levels(
+                        policy, cost, megatron, plan, counts, planner.placement,
+                        micro == shape.microbatches_per_step - 1)
+                    np.maximum(levels[0], s_call, out=levels[0])
+                    np.maximum(levels[1], p_call, out=levels[1])
+                    np.maximum(levels[2], replicas * shape.instance_bytes, out=levels[2])
+                    if not counted:     # warm-up: its memory only
+                        continue
                     routed = plan.routed_matrix.numpy()
                     retained = plan.retained_matrix.numpy()
                     p = cost.layer_time_parts(routed, retained,
@@ -483,19 +518,13 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
                     totals["load"] += float(per_rank.max() / max(per_rank.mean(), 1e-12))
                     totals["routed"] += float(per_rank.sum())
                     totals["retained"] += float(plan.retained_per_rank.numpy().sum())
-                    replicas = np.asarray(planner.placement.replicas_per_rank())
-                    s_call, p_call = call_memory_levels(
-                        policy, cost, megatron, plan, counts, planner.placement,
-                        micro == shape.microbatches_per_step - 1)
-                    saved, peak = np.maximum(saved, s_call), np.maximum(peak, p_call)
-                    replica_bytes = np.maximum(replica_bytes, replicas * shape.instance_bytes)
                     calls += 1
-                placement = planner.placement
-                totals["refresh"] += cost.replica_sync_time(
-                    placement.replicas, ep_size, placement.experts_per_rank)
-                totals["replicas"] += len(placement.replicas)
+                if counted:
+                    placement = planner.placement
+                    totals["refresh"] += cost.replica_sync_time(
+                        placement.replicas, ep_size, placement.experts_per_rank)
+                    totals["replicas"] += len(placement.replicas)
                 planner.next_step()
-            layer_levels.append((saved, peak, replica_bytes))
         n_layers = len(traces)
         per_call = {k: v / calls for k, v in parts.items()}
         fwd, bwd = totals["fwd"] / calls, totals["bwd"] / calls
@@ -503,19 +532,18 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
         # Recompute reruns forwards in backward: every layer's (moe) or the block's (full).
         step = (shape.num_layers * (shape.microbatches_per_step * (fwd + bwd) + refresh)
                 + shape.rerun_layers * shape.microbatches_per_step * fwd)
-        # The stage's layers beyond the simulated ones repeat them in turn.
-        stage = [layer_levels[i % n_layers] for i in range(shape.num_layers)]
-        memory = stage_moe_memory(
-            np.stack([lv[0] for lv in stage]), np.stack([lv[1] for lv in stage]),
-            np.stack([lv[2] for lv in stage]), shape.output_bytes,
-            shape.microbatches_in_flight, shape.recompute_moe, shape.full_recompute_layers)
+        # The stage's layers beyond the simulated ones repeat them in turn, step by step.
+        stage = step_levels[:, :, [i % n_layers for i in range(shape.num_layers)]]
+        by_step = steps_moe_memory(*stage, shape.output_bytes, shape.microbatches_in_flight,
+                                   shape.recompute_moe, shape.full_recompute_layers)
+        peak_step = int(np.argmax(by_step.max(axis=1)))
         results.append(PolicyResult(
             policy=policy.name, label=policy.label or policy.name, ep_size=ep_size,
             forward_s=fwd, backward_s=bwd, parts=per_call, refresh_s_per_step=refresh,
-            step_moe_s=step, memory_gib=float(memory.max()) / GIB,
+            step_moe_s=step, memory_gib=float(by_step[peak_step].max()) / GIB,
             budget_gib=budget / GIB, load_max_over_mean=totals["load"] / calls,
             retained_fraction=totals["retained"] / max(totals["routed"], 1.0),
-            replicas=totals["replicas"] / (n_layers * steps)))
+            replicas=totals["replicas"] / (n_layers * steps), memory_step=peak_step))
     return results
 
 
@@ -725,7 +753,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zipf", type=float, default=0.8, help="synthetic routing skew")
     ap.add_argument("--drift", type=float, default=0.02, help="synthetic popularity drift")
     ap.add_argument("--layers", type=int, default=4, help="layers simulated (of the trace)")
-    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per layer")
+    ap.add_argument("--steps", type=int, default=6,
+                    help="optimizer steps per layer counted in the times, after the warm-up")
+    ap.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS,
+                    help="steps replayed first and left out of the times (not of the "
+                         "memory): the steps before the first placement from measured "
+                         "loads")
     ap.add_argument("--pipeline", type=int, default=1, help="PP size (micro-batches in flight)")
     ap.add_argument("--global-batch-size", type=int, default=None,
                     help="sequences per optimizer step, replacing the model config's (sets "
@@ -788,6 +821,7 @@ def main(argv: list[str] | None = None) -> int:
         source = (f"synthetic Zipf({args.zipf:g}) routing over a random expert order per "
                   f"layer, log-popularity drift {args.drift:g} per call")
     by_ep = {ep: simulate(model, cluster, ep, traces, steps=args.steps,
+                          warmup_steps=args.warmup_steps,
                           budget_instances=args.budget_instances, budget_gib=args.budget_gib,
                           calibration=calibration, pipeline=args.pipeline, seed=args.seed,
                           planner_s=None if args.planner_ms is None else args.planner_ms / 1e3)
@@ -806,7 +840,9 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"{stem}.md").write_text("\n".join([
             f"# Simulated MoE time: {args.model} on {cluster.gpu} nodes", "",
             f"- command: `{command}`", f"- code: {code_version(('megatron_lrmoe', 'configs'))}",
-            f"- routing: {source}; {args.layers} layer(s) x {args.steps} step(s) per policy",
+            f"- routing: {source}; {args.layers} layer(s) x {args.steps} step(s) per policy "
+            f"after {args.warmup_steps} warm-up step(s) (left out of the times; the memory "
+            "is the most over every step, each with its own replicas)",
             f"- model: {asdict(model)}",
             f"- cluster: {asdict(cluster)} (efficiencies and latencies are assumptions)",
             "- machine constants per EP size: " + "; ".join(

@@ -14,7 +14,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.util
+import json
 import math
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -303,36 +310,155 @@ def test_launcher_dry_run_prints_the_final_config(bridge, capsys):
     from megatron_lrmoe.bridge.cli import main
 
     assert main(["--recipe", QWEN_16, "--adapt", "--dry-run",
-                 "model.moe_lrmoe_bwd_capacity_factor=0.75", "train.train_iters=7",
-                 "model.apply_rope_fusion=false"]) == 0   # a TE kernel; no TE here
+                 "model.moe_lrmoe_bwd_capacity_factor=0.75", "train.train_iters=7"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "enable_lrmoe: model.cuda_graph_impl: transformer_engine -> none" in out
     assert "model.moe_lrmoe: True" in out
     assert "model.moe_lrmoe_bwd_capacity_factor: 0.75" in out
     assert "model.moe_token_dispatcher_type: alltoall" in out
     assert "train.train_iters: 7" in out
+    # The recipe's RoPE fusion (qwen3_moe.py sets it) is a TE kernel, checked off without TE.
+    assert (ROPE_NOTE in out) == TE_ABSENT
+
+
+ROPE_NOTE = ("dry run: model.apply_rope_fusion=True checked as False (a Transformer Engine "
+             "kernel; TE is not installed here)")
+TE_ABSENT = importlib.util.find_spec("transformer_engine") is None
+
+
+def test_dry_run_checks_te_kernel_switches_off_only_where_te_is_absent(recipe, monkeypatch):
+    """Without TE the switch is checked off on a copy (the config keeps it). With TE it is
+    checked as set: claimed here, that meets Megatron-Core's own refusal of the missing
+    kernel, so the dry run's leniency is tied to TE's absence alone."""
+    from megatron_lrmoe.bridge.cli import check_final_values
+    from megatron_lrmoe.integration.bridge import enable_lrmoe
+
+    cfg = recipe(QWEN_16)
+    enable_lrmoe(cfg, adapt=True)
+    assert cfg.model.apply_rope_fusion is True
+    assert check_final_values(cfg.model) == ([ROPE_NOTE] if TE_ABSENT else [])
+    assert cfg.model.apply_rope_fusion is True
+    if not TE_ABSENT:
+        return
+    real_find_spec = importlib.util.find_spec
+    te_spec = real_find_spec("json")                   # any spec: "TE is installed"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: te_spec
+                        if name == "transformer_engine" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
+        check_final_values(cfg.model)
 
 
 # -----------------------------------------------------------------------------
-# The launch scripts: --dry-run prints a command whose launcher arguments build and pass
+# The launcher as users run it: a fresh process, without Transformer Engine, offline
+# -----------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+HF_CONFIG = {QWEN_16: "Qwen--Qwen3-30B-A3B", GLM_AIR: "zai-org--GLM-4.5-Air",
+             QWEN_8: "Qwen--Qwen3-30B-A3B"}
+
+
+def _user_env(**extra: str) -> dict[str, str]:
+    """A bare environment plus the offline Hub cache conftest filled (HF_HUB_CACHE)."""
+    from megatron_lrmoe.testing.hf_cache import offline_hf_environment
+
+    return {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "OMP_NUM_THREADS": "1",
+            **offline_hf_environment(os.environ["HF_HUB_CACHE"]), **extra}
+
+
+def _architecture_lines(recipe: str) -> list[str]:
+    """What the printed config must carry of the model's Hub config.json (the fixture)."""
+    hf = json.loads((REPO / "tests" / "fixtures" / "hf_configs" / HF_CONFIG[recipe]
+                     / "config.json").read_text())
+    experts = hf.get("num_experts", hf.get("n_routed_experts"))
+    return [f"model.num_layers: {hf['num_hidden_layers']}",
+            f"model.hidden_size: {hf['hidden_size']}", f"model.num_moe_experts: {experts}",
+            f"model.moe_router_topk: {hf['num_experts_per_tok']}"]
+
+
+AS_USERS_RUN_IT = [QWEN_16, GLM_AIR]        # the launcher's dry run, in a fresh process each
+USER_SCRIPT = "qwen3_30b_a3b_bridge_lrmoe.sh"   # the script's dry run, with the real launcher
+
+
+@pytest.fixture(scope="module")
+def dry_runs():
+    """The fresh-process dry runs, started together: each is about 10 s of CPU, nearly all
+    of it ``import megatron.bridge``, so they overlap on the cores while the tests wait."""
+    env = _user_env()
+    overrides = ["model.moe_lrmoe_bwd_capacity_factor=0.75", "model.moe_lrmoe_metric=prob",
+                 "train.train_iters=7"]
+    commands = {name: [sys.executable, "-m", "megatron_lrmoe.bridge", "--recipe", name,
+                       "--adapt", "--dry-run", *overrides] for name in AS_USERS_RUN_IT}
+    commands[USER_SCRIPT] = ["bash", str(REPO / "scripts" / USER_SCRIPT), "--dry-run",
+                             "model.moe_lrmoe_bwd_capacity_factor=0.5"]
+    started = {key: subprocess.Popen(command, cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE,
+                                     env={**env, "PYTHON": sys.executable})
+               for key, command in commands.items()}
+
+    def finished(key: str) -> subprocess.CompletedProcess[str]:
+        out, err = started[key].communicate(timeout=300)
+        return subprocess.CompletedProcess(commands[key], started[key].returncode, out, err)
+
+    yield finished
+    for process in started.values():                # those of deselected tests
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+@pytest.mark.parametrize("name", AS_USERS_RUN_IT)
+def test_launcher_dry_run_as_users_run_it(dry_runs, name):
+    """``python -m megatron_lrmoe.bridge --recipe R --adapt --dry-run`` in a fresh process
+    without Transformer Engine: exit status 0, the adaptations the recipe's source calls
+    for (EXPECTED), the architecture of the Hub config, and the override values."""
+    done = dry_runs(name)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout.splitlines()
+    assert not [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert [line for line in out if line.startswith("enable_lrmoe: ")] == [
+        f"enable_lrmoe: {path}: {old} -> {new}" for path, (old, new) in EXPECTED[name].items()]
+    assert (ROPE_NOTE in out) == (TE_ABSENT and name == QWEN_16)   # GLM's leaves it off
+    assert f"recipe: {name} (LRMoEGPTModelProvider)" in out
+    for line in [*_architecture_lines(name), "model.moe_lrmoe: True",
+                 "model.moe_lrmoe_bwd_capacity_factor: 0.75", "model.moe_lrmoe_metric: prob",
+                 "model.moe_token_dispatcher_type: alltoall", "train.train_iters: 7"]:
+        assert line in out
+
+
+# -----------------------------------------------------------------------------
+# The launch scripts: --dry-run runs the launcher's own --dry-run (the recipe and the
+# overrides built and checked here, its output on stderr), then prints the command
 # -----------------------------------------------------------------------------
 
 SCRIPTS = {"qwen3_30b_a3b_bridge_lrmoe.sh": (QWEN_8, "1"),
            "qwen3_30b_a3b_16gpu_bridge_lrmoe.sh": (QWEN_16, "2"),
            "glm45_air_bridge_lrmoe.sh": (GLM_AIR, "4")}
 
+# A Python that records the launcher arguments the script's check runs with, and exits
+# with FAKE_STATUS (what a refused launch returns): the script's side, without the
+# launcher's 10 s of imports; the arguments then run through the real launcher in-process.
+FAKE_PYTHON = """#!/bin/sh
+[ "$1" = -m ] && [ "$2" = megatron_lrmoe.bridge ] || exit 99
+shift 2
+printf '%s\n' "$@" > "$RECORD"
+[ "${FAKE_STATUS:-0}" = 0 ] || echo "error: refused" >&2
+exit "${FAKE_STATUS:-0}"
+"""
+
+
+def _fake_python(tmp_path: Path) -> dict[str, str]:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    return {"PYTHON": str(fake), "RECORD": str(tmp_path / "argv")}
+
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
-def test_launch_script_dry_run(bridge, capsys, script):
-    import shlex
-    import subprocess
-    from pathlib import Path
-
+def test_launch_script_dry_run(bridge, capsys, tmp_path, script):
     from megatron_lrmoe.bridge.cli import main
 
-    repo = Path(__file__).resolve().parents[2]
-    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
-    done = subprocess.run(["bash", str(repo / "scripts" / script), "--dry-run",
+    env = _user_env(**_fake_python(tmp_path))
+    done = subprocess.run(["bash", str(REPO / "scripts" / script), "--dry-run",
                            "model.moe_lrmoe_bwd_capacity_factor=0.5"],
                           capture_output=True, text=True, env=env, timeout=60, check=True)
     command = shlex.split(done.stdout)
@@ -340,22 +466,45 @@ def test_launch_script_dry_run(bridge, capsys, script):
     assert command[command.index("--nnodes") + 1] == nodes
     args = command[command.index("megatron_lrmoe.bridge") + 1:]
     assert args[:3] == ["--recipe", recipe, "--adapt"]
-    # The rest of the command is what the launcher runs with; here without TE's kernels.
-    assert main([*args, "--dry-run", "model.apply_rope_fusion=false"]) == 0
+    checked = Path(env["RECORD"]).read_text().splitlines()
+    assert checked == [*args, "--dry-run"]          # the check is the launch, dry
+    assert main(checked) == 0                       # and passes the launcher's checks
     out = capsys.readouterr().out
     assert "model.moe_lrmoe_bwd_capacity_factor: 0.5" in out and "model.moe_lrmoe: True" in out
-    assert f"checkpoint.save: {repo}/runs/" in out
-    lrmoe_off = subprocess.run(["bash", str(repo / "scripts" / script), "--dry-run"],
+    assert f"checkpoint.save: {REPO}/runs/" in out
+    lrmoe_off = subprocess.run(["bash", str(REPO / "scripts" / script), "--dry-run"],
                                capture_output=True, text=True, env={**env, "LRMOE": "0"},
                                timeout=60, check=True)
     assert " --no-lrmoe " in lrmoe_off.stdout
+    assert "--no-lrmoe" in Path(env["RECORD"]).read_text().splitlines()
+
+
+def test_launch_script_dry_run_stops_where_the_launchers_check_fails(tmp_path):
+    env = _user_env(**_fake_python(tmp_path), FAKE_STATUS="2")
+    done = subprocess.run(["bash", str(REPO / "scripts" / "glm45_air_bridge_lrmoe.sh"),
+                           "--dry-run"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 2
+    assert done.stdout == ""                        # no command for a launch that fails
+    assert done.stderr.endswith("error: refused\n")
+
+
+def test_launch_script_dry_run_as_users_run_it(dry_runs):
+    """The real launcher behind a script's dry run, in its own process, offline: stdout is
+    the command, stderr the launcher's checked config."""
+    done = dry_runs(USER_SCRIPT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    command = shlex.split(done.stdout)
+    recipe = SCRIPTS[USER_SCRIPT][0]
+    assert command[command.index("megatron_lrmoe.bridge") + 1:][:2] == ["--recipe", recipe]
+    checked = done.stderr.splitlines()
+    for line in [f"recipe: {recipe} (LRMoEGPTModelProvider)", *_architecture_lines(recipe),
+                 "model.moe_lrmoe_bwd_capacity_factor: 0.5",
+                 f"checkpoint.save: {REPO}/runs/qwen3_30b_a3b-bridge/checkpoints"]:
+        assert line in checked
 
 
 def test_launch_script_refuses_a_stray_argument():
-    import subprocess
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "scripts" / "glm45_air_bridge_lrmoe.sh"
+    script = REPO / "scripts" / "glm45_air_bridge_lrmoe.sh"
     done = subprocess.run(["bash", str(script), "--train-iters", "5"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2

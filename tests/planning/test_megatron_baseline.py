@@ -359,3 +359,53 @@ def test_stage_memory_under_full_recompute_by_hand():
     # Replicas add whatever the layers do.
     assert stage_moe_memory(saved, peak, np.full((3, 1), 2.0), full_recompute_layers=3,
                             **kw)[0] == 61
+
+
+# ---------------------------------------------------------------------------------------
+# A run's MoE memory step by step (steps_moe_memory): each step's levels with that step's
+# replicas, never maxima joined from different steps
+# ---------------------------------------------------------------------------------------
+
+
+def test_steps_memory_is_each_steps_own_levels_and_replicas():
+    from megatron_lrmoe.planning.megatron_baseline import steps_moe_memory
+
+    # [N=2 steps, 1 layer, R=2]: step 0 (the warm-up) has a hot rank 0 and no replica;
+    # step 1 is level, with replicas on both ranks.
+    saved = np.array([[[10.0, 2.0]], [[3.0, 3.0]]])
+    peak = np.array([[[14.0, 3.0]], [[5.0, 5.0]]])
+    replicas = np.array([[[0.0, 0.0]], [[8.0, 8.0]]])
+    got = steps_moe_memory(saved, peak, replicas, output_bytes=1.0)
+    # One layer, nothing recomputed: a rank holds its replicas and the layer's peak.
+    np.testing.assert_allclose(got, [[14.0, 3.0], [13.0, 13.0]])
+    assert got.max() == 14.0
+    # The maxima of each quantity over the steps join step 0's hot rank with step 1's
+    # replicas: 22, which no step holds.
+    joined = stage_moe_memory(saved.max(0), peak.max(0), replicas.max(0), 1.0)
+    assert joined.max() == 22.0
+
+
+@pytest.mark.parametrize("recompute", [{}, {"full_recompute_layers": 2},
+                                       {"recompute_moe": True}])
+def test_steps_memory_by_brute_force(recompute):
+    from megatron_lrmoe.planning.megatron_baseline import steps_moe_memory
+
+    rng = np.random.default_rng(3)
+    steps, layers, ranks, mif, y = 4, 3, 5, 2, 7.0
+    saved = rng.uniform(0, 50, (steps, layers, ranks))
+    peak = saved + rng.uniform(0, 80, (steps, layers, ranks))
+    replicas = rng.integers(0, 4, (steps, layers, ranks)) * 9.0
+    got = steps_moe_memory(saved, peak, replicas, y, mif, **recompute)
+    n = recompute.get("full_recompute_layers", 0)
+    for t in range(steps):
+        for r in range(ranks):
+            # Per step and rank, from the recompute rules of stage_moe_memory's doc.
+            if recompute.get("recompute_moe"):
+                want = sum(replicas[t, :, r]) + sum(peak[t, :, r] + y) / layers
+            else:
+                want = (sum(replicas[t, :, r]) + sum(mif * saved[t, n:, r])
+                        + (sum(peak[t, :n, r]) + sum(peak[t, n:, r] - saved[t, n:, r]))
+                        / layers)
+            assert got[t, r] == pytest.approx(want)
+    with pytest.raises(ValueError, match=r"\[N, Lyr, R\]"):
+        steps_moe_memory(saved[0], peak[0], replicas[0], y)

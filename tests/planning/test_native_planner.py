@@ -27,7 +27,12 @@ from megatron_lrmoe.planning.instance_assignment import assign_instances
 from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.native import native_available, native_planner
 from megatron_lrmoe.planning.placement import Placement
-from megatron_lrmoe.planning.placement_policies import greedy_replicas
+from megatron_lrmoe.planning.placement_policies import (
+    PairSeconds,
+    greedy_replicas,
+    local_greedy_replicas,
+    popularity_placement,
+)
 from megatron_lrmoe.planning.plan_types import budget_floor
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import (
@@ -299,6 +304,57 @@ def test_greedy_replicas_equals_python(routed, num_ranks, per_step, gamma, data)
     base = LayerPlanner(settings_, native=False).plan(counts)
     assert (greedy_replicas(routed, base, settings_, native=True)
             == greedy_replicas(routed, base, settings_, native=False))
+
+
+@given(num_ranks=st.sampled_from([2, 3, 4, 8, 16]), per_rank=st.integers(1, 4),
+       per_step=st.integers(1, 16), gamma=st.sampled_from([0.5, 1.0, math.inf]),
+       zipf=st.floats(0.0, 2.0), locality=st.floats(0.0, 2.0), seed=st.integers(0, 10**6))
+@SETTINGS
+def test_local_greedy_replicas_equals_python(num_ranks, per_rank, per_step, gamma, zipf,
+                                             locality, seed):
+    """The compiled locality-aware moves give the replicas the Python search gives."""
+    num_experts = num_ranks * per_rank
+    counts = _local_counts(num_ranks, num_experts, seed, zipf, locality)
+    shape = MoEShape(hidden_size=64, ffn_hidden_size=32, num_experts=num_experts, topk=1,
+                     gated=True, dtype_bytes=2, tokens_per_rank=max(int(counts.sum(1).max()), 1),
+                     microbatches_per_step=per_step)
+    settings_ = PlannerSettings("static", num_ranks, num_experts, capacity_factor=gamma,
+                                cost=CostModel(shape, MACHINE))
+    base = LayerPlanner(settings_, native=False).plan(torch.from_numpy(counts))
+    assert (local_greedy_replicas(counts, base, settings_, native=True)
+            == local_greedy_replicas(counts, base, settings_, native=False))
+
+
+@given(num_ranks=st.sampled_from([1, 2, 3, 4, 8, 16]), per_rank=st.integers(1, 4),
+       extra=st.integers(0, 40), zipf=st.floats(0.0, 2.0), locality=st.floats(0.0, 2.0),
+       seed=st.integers(0, 10**6), aware=st.booleans(),
+       weights=st.tuples(st.floats(0.0, 1e-3), st.floats(0.0, 1e-3)))
+@SETTINGS
+def test_popularity_placement_equals_python(num_ranks, per_rank, extra, zipf, locality, seed,
+                                            aware, weights):
+    """The compiled placement loop places the replicas the Python loop places, SYMI-style's
+    and the locality-aware one alike."""
+    num_experts = num_ranks * per_rank
+    counts = _local_counts(num_ranks, num_experts, seed, zipf, locality)
+    slots = min(per_rank + extra, num_experts)
+    local = (counts, PairSeconds(*weights)) if aware else (None, None)
+    assert (popularity_placement(counts.sum(0), num_ranks, num_experts, slots, *local,
+                                 native=True)
+            == popularity_placement(counts.sum(0), num_ranks, num_experts, slots, *local,
+                                    native=False))
+
+
+def _local_counts(num_ranks: int, num_experts: int, seed: int, zipf: float,
+                  locality: float) -> np.ndarray:
+    """[R, E] int64 counts: Zipf popularity, each rank's own preferences spread by
+    ``locality``, with ties (equal counts) on purpose: a small number of pairs."""
+    rng = np.random.default_rng(seed)
+    base = np.arange(1, num_experts + 1, dtype=np.float64) ** -zipf
+    p = base[rng.permutation(num_experts)] * np.exp(
+        locality * rng.standard_normal((num_ranks, num_experts)))
+    p /= p.sum(1, keepdims=True)
+    pairs = int(rng.choice([8, 64, 1000]))
+    return np.stack([rng.multinomial(pairs, row) for row in p]).astype(np.int64)
 
 
 def test_planner_reads_host_arrays_like_tensors():

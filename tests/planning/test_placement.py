@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import pickle
+from pathlib import Path
 
 import networkx as nx
 import numpy as np
@@ -35,7 +36,8 @@ from megatron_lrmoe.planning.placement_policies import greedy_replicas, populari
 from megatron_lrmoe.planning.plan_types import budget_floor
 from megatron_lrmoe.planning.planner import LayerPlanner, MicroBatchPlan, PlannerSettings
 from megatron_lrmoe.planning.retention import plan_retention
-from megatron_lrmoe.planning.shapes import MoEShape
+from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
+from megatron_lrmoe.tools.simulate import load_traces, source_batches
 
 # ---------------------------------------------------------------------------
 # Placement
@@ -489,10 +491,12 @@ def _excess(planner: LayerPlanner, plan) -> float:
 
 
 def _estimated_time(cost: CostModel, plan, placement: Placement) -> float:
-    """The cost model's estimate: forward + backward + amortised replica refresh."""
+    """The cost model's estimate as the simulator judges a call: forward + backward, GEMMs
+    instance by instance, + amortised replica refresh."""
     retention = plan.retention
     fwd, bwd = cost.layer_time(retention.routed_matrix.numpy(),
-                               retention.retained_matrix.numpy())
+                               retention.retained_matrix.numpy(), 0.0,
+                               InstanceRows.of_plan(retention))
     sync = cost.replica_sync_time(placement.replicas, placement.num_ranks,
                                   placement.experts_per_rank)
     return fwd + bwd + sync / cost.shape.microbatches_per_step
@@ -582,11 +586,13 @@ def test_memory_aware_is_monotone_in_the_budget(seed, zipf, ranks, gamma, slacks
     runs = _budgets_estimates(counts, gamma, sorted(slacks), forward_retention)
     for (gamma_a, time_a), (gamma_b, time_b) in itertools.pairwise(runs):
         if gamma_b == gamma_a:
-            # The placement is chosen on budget-free estimates (monotone by construction);
-            # the plan then routes under the budget's capacities, and routings with equal
-            # per-rank loads but other cross-rank traffic differ in the estimate by ~1e-4
-            # (benchmarks/bench_budget_monotonicity.py found one: +0.03%).
-            assert time_b <= time_a * (1 + 1e-3)
+            # Every candidate but the popularity placements is budget-free, and a larger
+            # budget admits all a smaller one did; the popularity slots are bisected on the
+            # budget, so a larger budget may settle on other slot counts, a replica or two
+            # per rank apart (a scan of 150 random cases: at most +0.70%). The plan then
+            # routes under the budget's capacities, and routings with equal per-rank loads
+            # but other cross-rank traffic differ in the estimate by ~1e-4.
+            assert time_b <= time_a * (1 + 0.02)
 
 
 def test_memory_aware_keeps_the_best_qualifying_prefix():
@@ -695,7 +701,11 @@ def test_memory_aware_adds_replicas_only_when_they_pay(seed, zipf, ranks, gamma,
 
     free = FreeTransfers(cheap.shape, cheap.machine)
     unpriced = _planner("memory-aware", counts, **{**common, "cost": free})
-    assert amortised.placement == unpriced.placement
+    # Equal up to ties: candidates the free transfers price alike (to rounding) may differ
+    # in which rank sends the most replicas, and the amortised cost then tells them apart.
+    times = [_estimated_time(free, planner.plan(counts), planner.placement)
+             for planner in (amortised, unpriced)]
+    assert times[0] == pytest.approx(times[1], rel=1e-9)
 
 
 def test_memory_aware_replica_pays_at_enough_microbatches():
@@ -790,6 +800,68 @@ def test_state_dict_resume_is_exact():
                        ref.plan(batches[0]).retention.quotas)
     with pytest.raises(ValueError, match=r"\(R, E\)"):
         LayerPlanner(PlannerSettings("static", 2, 8)).load_state_dict(state)
+
+
+def _run_steps(planner: LayerPlanner, steps: list[list[torch.Tensor]]) -> list[tuple]:
+    """Each step's placement and every micro-batch's quotas, planned as the layer plans."""
+    out = []
+    for micro in steps:
+        quotas = []
+        for counts in micro:
+            planner.observe(counts)
+            quotas.append(planner.plan(counts).retention.quotas.clone())
+        out.append((planner.placement.replicas, quotas))
+        planner.next_step()
+    return out
+
+
+def test_state_dict_resume_from_a_version_1_state():
+    # A checkpoint written before the planner kept per-micro-batch counts (version 1, at a
+    # step boundary, as checkpoints are) loads, and the run resumes bitwise: at a boundary
+    # the next placement is already chosen (state_dict chooses a due one first) and this
+    # step's kept counts are still empty, so version 1 lost nothing.
+    cost = _cost(8)
+    s = PlannerSettings("memory-aware", 4, 8, budget_bytes=cost.balanced_dropless_need() * 3,
+                        cost=cost, load_smoothing=0.5)
+    steps = [[_skewed_counts(4, 8, 128, seed=10 * step + m) for m in range(3)]
+             for step in range(6)]
+    ref = LayerPlanner(s)
+    _run_steps(ref, steps[:3])
+    state = ref.state_dict()
+    assert state["version"] == 2 and len(state["priced_counts"]) == 3
+    old = {k: v for k, v in state.items() if k not in ("priced_counts", "step_counts")}
+    resumed = LayerPlanner(s)
+    resumed.load_state_dict(pickle.loads(pickle.dumps(old | {"version": 1})))
+    for a, b in zip(_run_steps(ref, steps[3:]), _run_steps(resumed, steps[3:]), strict=True):
+        assert a[0] == b[0]
+        assert all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+    assert torch.equal(resumed.smoothed_counts, ref.smoothed_counts)
+    with pytest.raises(ValueError, match="version 3"):
+        LayerPlanner(s).load_state_dict(state | {"version": 3})
+
+
+def _plans_with_threads(threads: int) -> list[tuple]:
+    """A gloo pool task: this rank plans a run at ``threads`` torch threads."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads + dist.get_rank())
+    micro = [_step_counts(16, 128, 1024 * 8, 4, seed, 1.0, 1.0) for seed in range(5)]
+    cost = _dominance_cost(16, 128, 4)
+    planner = LayerPlanner(PlannerSettings("memory-aware", 16, 128, capacity_factor=1.0,
+                                           budget_bytes=cost.balanced_dropless_need() * 1.5,
+                                           cost=cost))
+    out = _run_steps(planner, [[torch.from_numpy(c) for c in m] for m in micro])
+    return [(torch.get_num_threads(), replicas, [q.numpy().tobytes() for q in quotas])
+            for replicas, quotas in out]
+
+
+def test_same_plans_on_ranks_with_different_thread_counts(gloo2):
+    # The choice reads only the gathered counts and the settings: no timing, no thread
+    # count, nothing measured on the rank. Two ranks at 1 and 2 torch threads agree.
+    first, second = gloo2.run(_plans_with_threads, 1)
+    assert first[0][0] == 1 and second[0][0] == 2
+    assert len({replicas for _, replicas, _ in first}) > 1     # the placement moved
+    assert [(r, q) for _, r, q in first] == [(r, q) for _, r, q in second]
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -911,3 +983,136 @@ def test_placement_is_chosen_at_its_first_read_after_the_step():
     eager.observe(batches[0])
     eager.next_step()
     assert state["replicas"] == [list(p) for p in eager.placement.replicas]
+
+
+# ---------------------------------------------------------------------------
+# Dominance: LRMoE's choice is never judged slower than SYMI-style's at the same budget
+# ---------------------------------------------------------------------------
+
+TRACES = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "routing_traces"
+
+# An H100-like node's rates (bf16 dense GEMMs, HBM, an inter-node link per GPU): the
+# property does not depend on them, but the all-to-all's share of the time does.
+H100_LIKE = MachineConstants(gemm_flops_per_s=6e14, alltoall_bytes_per_s=4.5e10,
+                             alltoall_latency_s=2e-5, memory_bytes_per_s=2.5e12,
+                             source="H100-like rates for the dominance property")
+
+
+def _dominance_cost(num_ranks: int, num_experts: int, per_step: int) -> CostModel:
+    shape = MoEShape(hidden_size=2048, ffn_hidden_size=768, num_experts=num_experts, topk=8,
+                     gated=True, dtype_bytes=2, tokens_per_rank=1024, num_layers=4,
+                     microbatches_in_flight=1, microbatches_per_step=per_step,
+                     expert_parallel_size=num_ranks)
+    return CostModel(shape, H100_LIKE)
+
+
+def _step_counts(num_ranks: int, num_experts: int, pairs: int, steps: int, seed: int,
+                 zipf: float, locality: float) -> list[np.ndarray]:
+    """[R, E] counts of ``steps`` micro-batches: Zipf(``zipf``) popularity over a random
+    expert order, each source rank's own preferences spread by ``locality`` (a
+    log-normal factor per rank and expert, as data-parallel shards route differently)."""
+    rng = np.random.default_rng(seed)
+    base = np.arange(1, num_experts + 1, dtype=np.float64) ** -zipf
+    base = base[rng.permutation(num_experts)]
+    taste = np.exp(locality * rng.standard_normal((num_ranks, num_experts)))
+    p = base * taste
+    p /= p.sum(1, keepdims=True)
+    return [np.stack([rng.multinomial(pairs, row) for row in p]) for _ in range(steps)]
+
+
+def _judged_step(cost: CostModel, planner: LayerPlanner, micro: list[np.ndarray]) -> float:
+    """The simulator's per-step MoE time of one layer (tools/simulate.py): every
+    micro-batch's plan as the layer runs it (budget applied), priced instance by
+    instance, plus the step's replica refresh and gradient return."""
+    total = 0.0
+    for counts in micro:
+        plan = planner.plan(torch.from_numpy(counts)).retention
+        fwd, bwd = cost.layer_time(plan.routed_matrix.numpy(), plan.retained_matrix.numpy(),
+                                   0.0, InstanceRows.of_plan(plan))
+        total += fwd + bwd
+    p = planner.placement
+    return total + cost.replica_sync_time(p.replicas, p.num_ranks, p.experts_per_rank)
+
+
+def _after_one_step(settings_: PlannerSettings, micro: list[np.ndarray]) -> LayerPlanner:
+    planner = LayerPlanner(settings_)
+    for counts in micro:
+        planner.observe(torch.from_numpy(counts))
+    planner.next_step()
+    return planner
+
+
+def _symi_fitted(cost: CostModel, budget: float, micro: list[np.ndarray]) -> LayerPlanner:
+    """SYMI-style at its fitted slots, by brute force: of every slot count its budget
+    allows, the most whose plans fit the layer share on every micro-batch with nothing
+    routed past a receive limit (its users shrink the slots until the run fits)."""
+    num_ranks, num_experts = micro[0].shape
+    best = None
+    for slots in range(num_experts // num_ranks, num_experts + 1):
+        settings_ = PlannerSettings("popularity", num_ranks, num_experts,
+                                    capacity_factor=math.inf, slots_per_rank=slots,
+                                    budget_bytes=budget, cost=cost)
+        if settings_.popularity_slots() < slots:       # the budget's own cap
+            break
+        planner = _after_one_step(settings_, micro)
+        fits = True
+        for counts in micro:
+            plan = planner.plan(torch.from_numpy(counts))
+            fits &= (not plan.assignment.overflow
+                     and bool((planner.last_memory <= settings_.layer_share).all()))
+        if fits or best is None:
+            best = _after_one_step(settings_, micro)
+    return best
+
+
+def _assert_not_slower_than_symi_style(micro: list[np.ndarray], slack: float) -> None:
+    """At gamma = inf (nothing dropped in backward) and the same budget and counts,
+    LRMoE's placement, chosen from ``micro`` (one step's micro-batches), is judged on
+    them as the simulator judges a step, against SYMI-style's at its fitted slots:
+    never slower (equal up to rounding is a tie)."""
+    num_ranks, num_experts = micro[0].shape
+    cost = _dominance_cost(num_ranks, num_experts, len(micro))
+    budget = cost.balanced_dropless_need() * slack
+    lrmoe = _after_one_step(PlannerSettings("memory-aware", num_ranks, num_experts,
+                                            capacity_factor=math.inf, budget_bytes=budget,
+                                            cost=cost), micro)
+    symi = _symi_fitted(cost, budget, micro)
+    ours, theirs = _judged_step(cost, lrmoe, micro), _judged_step(cost, symi, micro)
+    assert ours <= theirs * (1 + 1e-9), (ours / theirs, lrmoe.placement_notes,
+                                         symi.placement_notes)
+
+
+def _random_case(case: int) -> tuple[int, int, float, float, float]:
+    rng = np.random.default_rng([case, 46])
+    return (int(rng.choice([4, 8, 16, 32, 64])), int(rng.integers(10**6)),
+            float(rng.uniform(0.0, 1.6)), float(rng.uniform(0.0, 2.0)),
+            float(rng.uniform(1.1, 4.0)))
+
+
+# Random cases (fixed seeds) and three found by a sweep of 80 where the two tie: LRMoE
+# keeps static, or proposes SYMI-style's own placement.
+@pytest.mark.parametrize("num_ranks, seed, zipf, locality, slack",
+                         [_random_case(case) for case in range(16)]
+                         + [(4, 215183, 1.52, 1.06, 1.48), (16, 163486, 0.88, 0.26, 1.09),
+                            (8, 866286, 1.4, 0.06, 1.68)])
+def test_memory_aware_never_judged_slower_than_symi_style(num_ranks, seed, zipf, locality,
+                                                          slack):
+    micro = _step_counts(num_ranks, 128, 1024 * 8, 4, seed, zipf, locality)
+    if slack * _dominance_cost(num_ranks, 128, 4).balanced_dropless_need() < budget_floor(
+            _dominance_cost(num_ranks, 128, 4)):
+        pytest.skip("budget below the floor")
+    _assert_not_slower_than_symi_style(micro, slack)
+
+
+@pytest.mark.parametrize("trace", ["qwen3", "glm45"])
+@pytest.mark.parametrize("num_ranks, slack", [(8, 1.3), (16, 1.6), (32, 2.0)])
+def test_memory_aware_never_judged_slower_than_symi_style_on_recorded_traces(
+        trace, num_ranks, slack):
+    # The recorded Qwen3-like and GLM-like routers (benchmarks/results/routing_traces/),
+    # their source rows grouped into EP-size calls as the simulator groups them, resampled
+    # to 8,192 pairs per rank; a step of 4 micro-batches from the second half of training.
+    traces, _ = load_traces(TRACES / trace / "trace", 128, 2, 0.5)
+    for layer, recorded in enumerate(traces):
+        batches = source_batches(recorded, num_ranks, 1024 * 8,
+                                 np.random.default_rng([num_ranks, layer]))
+        _assert_not_slower_than_symi_style([next(batches) for _ in range(4)], slack)

@@ -105,8 +105,9 @@ def _skewed_traces(layers: int = 2, calls: int = 16, seed: int = 0) -> list[np.n
 def test_a_small_projection_end_to_end():
     traces = _skewed_traces()
     ratios = {"dropless": 1.0, "capacity-drop": 1.2, "symi": 1.0, "lrmoe-ma": 0.9}
+    # A CPU-sized model: a GPU's reserve (RESERVE_GIB) would swamp it.
     context, free = P.project(_tiny_preset(8.0), traces, steps=1, ratios=ratios,
-                              largest_limit=2, planner_s=1e-4)
+                              largest_limit=2, planner_s=1e-4, reserve_gib=0.0)
     assert context["microbatches_per_step"] == 2 and context["pipeline_factor"] == 1.0
     assert [r.policy for r in free] == list(P.POLICIES)
     for r in free:     # a roomy device: every policy fits as it is
@@ -121,7 +122,7 @@ def test_a_small_projection_end_to_end():
     device = (dropless.need / GIB) * 0.995
     _, tight = P.project(_tiny_preset(device), traces, steps=1, ratios=ratios,
                          policies=("megatron-dropless", "lrmoe-uniform-g1.0"),
-                         largest_limit=0, planner_s=1e-4)
+                         largest_limit=0, planner_s=1e-4, reserve_gib=0.0)
     d, lrmoe = tight
     assert d.choice is not None and d.choice.candidate.fitted != "none"
     assert d.choice.need <= device * GIB
@@ -140,6 +141,16 @@ def test_reserve_lowers_the_device():
                            policies=("megatron-dropless",), largest_limit=0, reserve_gib=1.5,
                            planner_s=1e-4)
     assert context["device_gib"] == pytest.approx(6.5)
+    # By default the stated reserve, every preset and policy alike, shown beside each need.
+    context, rows = P.project(_tiny_preset(8.0), traces, steps=1,
+                              policies=("megatron-dropless",), largest_limit=0,
+                              planner_s=1e-4)
+    assert context["device_gib"] == pytest.approx(8.0 - P.RESERVE_GIB)
+    assert rows[0].choice.need <= (8.0 - P.RESERVE_GIB) * GIB
+    text = P.report_markdown(_tiny_preset(8.0), context, rows, "cmd", "code")
+    need = f"{rows[0].choice.need / GIB:.1f} + {P.RESERVE_GIB:g}"
+    assert f"| yes ({need}) |" in text and f"| {need} |" in text
+    assert f"{P.RESERVE_GIB:g} GiB held back" in text
 
 
 def test_a_given_vocabulary_enters_the_account_and_the_auto_budget():
@@ -163,3 +174,29 @@ def test_a_given_vocabulary_enters_the_account_and_the_auto_budget():
                               steps=1, planner_s=1e-4, vocab_size=v) for v in (None, 50000))
     assert large.account.weights > small.account.weights
     assert large.account.outside_moe > small.account.outside_moe
+
+
+def test_window_check_compares_a_window_with_its_double():
+    """A window is long enough where doubling it moves nothing: steady routing moves
+    nothing, a hot step after the window does (Megatron's static layer: a step's time is
+    its routing's)."""
+    level = np.zeros((12, 1, 8), dtype=np.int64)
+    level[0::2, 0, 0] = 100       # source 0 -> expert 0 (rank 0)
+    level[1::2, 0, 4] = 100       # source 1 -> expert 4 (rank 1)
+    hot = level.copy()
+    hot[8:] = 0
+    hot[8:, 0, 0] = 100           # the third step (rows 8-11): both sources to rank 0
+    rows = {}
+    for name, trace in (("level", level), ("hot", hot)):
+        [rows[name]] = P.window_check(_tiny_preset(8.0), [trace, trace], 1,
+                                      policies=("megatron-dropless",), reserve_gib=0.0)
+    steady, moved = rows["level"], rows["hot"]
+    assert steady["time_change"] == pytest.approx(0.0, abs=1e-12) and steady["within"]
+    # Window 1: the level step after the warm-up; doubled: it and the hot step.
+    assert moved["moe_s"] == pytest.approx(steady["moe_s"])
+    assert moved["time_change"] == pytest.approx(moved["moe_s_doubled"] / moved["moe_s"] - 1)
+    # At this size the fixed costs outweigh the rows, so the time moves a little; the
+    # memory (the most over every step) takes the hot rank once it is replayed.
+    assert moved["time_change"] > 0
+    assert moved["memory_change"] > P.WINDOW_TOLERANCE and not moved["within"]
+    assert moved["moe_gib_doubled"] > 1.5 * steady["moe_gib_doubled"]

@@ -453,3 +453,95 @@ def test_steps_to_target_file_scales_the_projection(tmp_path, capsys):
     vs_dropless, to_target = float(row[10]), float(row[11])
     assert to_target == pytest.approx(2 * vs_dropless, abs=2e-3)
     assert "capacity-drop 2.000" in md
+
+
+# ----------------------------------------------------------------------------- window
+_TINY = ModelSpec("tiny", num_layers=1, hidden_size=64, ffn_hidden_size=32, num_experts=16,
+                  topk=2, gated=True, seq_length=32, micro_batch_size=1, global_batch_size=8)
+
+
+def _routed_to(experts_by_source: list[int], calls: int, pairs: int = 64) -> np.ndarray:
+    """[calls, R, 16]: source s sends all its ``pairs`` pairs (_TINY: 32 tokens x top-2)
+    to expert ``experts_by_source[s]`` in every call (exact: nothing to resample)."""
+    trace = np.zeros((calls, len(experts_by_source), 16), dtype=np.int64)
+    for s, e in enumerate(experts_by_source):
+        trace[:, s, e] = pairs
+    return trace
+
+
+def test_warmup_steps_are_left_out_of_the_times():
+    """Megatron's layer (static, no budget): a step's time depends on its routing only,
+    so the window's time is that of its own steps, whatever ran before."""
+    # Qwen3-sized experts, so that a hot step costs visibly more than the fixed costs.
+    model = dataclasses.replace(_TINY, hidden_size=2048, ffn_hidden_size=768,
+                                seq_length=1024)
+    ep, shape = 4, model.shape(4, 1)
+    assert shape.microbatches_per_step == 2 and shape.source_pairs == 2048
+    hot = _routed_to([0, 0, 0, 0], 2, 2048)     # every pair to rank 0: one step's calls
+    level = _routed_to([0, 4, 8, 12], 2, 2048)  # every source to its own rank's expert
+    dropless = (Policy("dropless", runs_planner=False),)
+
+    def run(trace: np.ndarray, **window) -> object:
+        return simulate(model, H100, ep, [trace], policies=dropless, shape=shape,
+                        resample=False, planner_s=0.0, **window)[0]
+
+    windowed = run(np.concatenate([hot, level]), steps=1, warmup_steps=1)
+    alone = run(level, steps=1, warmup_steps=0)
+    both = run(np.concatenate([hot, level]), steps=2, warmup_steps=0)
+    hot_alone = run(hot, steps=1, warmup_steps=0)
+    assert windowed.step_moe_s == pytest.approx(alone.step_moe_s)
+    assert windowed.forward_s == pytest.approx(alone.forward_s)
+    assert windowed.load_max_over_mean == pytest.approx(1.0)
+    # Counted, the hot step would have raised the mean: the window is what matters.
+    assert both.step_moe_s == pytest.approx((alone.step_moe_s + hot_alone.step_moe_s) / 2)
+    assert hot_alone.step_moe_s > 1.5 * alone.step_moe_s, (hot_alone, alone)
+    # The warm-up's memory is counted: its hot rank is the run's peak.
+    assert windowed.memory_gib == pytest.approx(hot_alone.memory_gib)
+    assert windowed.memory_step == 0 and windowed.memory_gib > alone.memory_gib
+    with pytest.raises(ValueError, match="steps 0 must be >= 1"):
+        run(level, steps=0)
+
+
+def test_memory_is_the_most_over_steps_of_each_steps_levels_and_replicas():
+    """SYMI-style on one hot expert: the warm-up step (Megatron's placement) loads rank 0
+    alone, the next steps place replicas everywhere. The memory is the most over the
+    steps of each step's own levels plus its replicas, brute force from the per-call
+    levels; the maxima taken over different steps would give more than any step holds."""
+    from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory
+    from megatron_lrmoe.tools.simulate import call_memory_levels, policy_planner
+
+    model = dataclasses.replace(_TINY, seq_length=128)      # 256 pairs per source
+    ep, shape = 4, model.shape(4, 1)
+    # Two hot experts on ranks 0 and 1: each of those ranks then hosts a replica of the
+    # other's (and ranks 2, 3 of both).
+    trace = _routed_to([0, 0, 4, 4], 2, 256)
+    symi = Policy("symi", placement="popularity", budget=True, slots_per_rank=6)
+    [result] = simulate(model, H100, ep, [trace], policies=(symi,), steps=2, warmup_steps=1,
+                        budget_gib=1.0, shape=shape, resample=False, planner_s=0.0)
+    cost = CostModel(layer_shape(shape, True), machine_constants(H100, ep))
+    planner = policy_planner(symi, ep, cost, 1.0 * 2**30)
+    megatron = MegatronMoEMemory(cost.shape, grouped=True)
+    by_step, peaks, replica_bytes = [], [], []
+    for _ in range(3):
+        levels = []
+        for micro in range(2):
+            counts = trace[micro]
+            planner.observe(counts)
+            plan = planner.plan(counts).retention
+            levels.append(call_memory_levels(symi, cost, megatron, plan, counts,
+                                             planner.placement, micro == 1)[1])
+        replicas = np.asarray(planner.placement.replicas_per_rank()) * shape.instance_bytes
+        peak = np.max(levels, axis=0)
+        # One layer, nothing recomputed: a rank holds its replicas and the layer's peak.
+        by_step.append(float((replicas + peak).max()))
+        peaks.append(peak)
+        replica_bytes.append(replicas)
+        planner.next_step()
+    assert replica_bytes[0].sum() == 0 and (replica_bytes[1] > 0).all(), replica_bytes
+    assert result.memory_gib * 2**30 == pytest.approx(max(by_step))
+    assert result.memory_step == int(np.argmax(by_step))
+    joined = float((np.max(peaks, axis=0) + np.max(replica_bytes, axis=0)).max())
+    # Here the warm-up's hot rank binds (the issue's case), and the joined maxima add
+    # the later steps' replicas to it.
+    assert result.memory_step == 0
+    assert joined > max(by_step) * 1.05
