@@ -97,10 +97,14 @@ class LayerTime:
         return np.stack([routed.sum(axis=0), retained.sum(axis=0), routed.sum(axis=1),
                          retained.sum(axis=1), np.diagonal(routed), np.diagonal(retained)])
 
-    def layer_times(self, loads: np.ndarray) -> tuple[list[float], list[float]]:
+    def layer_times(self, loads: np.ndarray,
+                    gemm: tuple[np.ndarray, np.ndarray] | None = None
+                    ) -> tuple[list[float], list[float]]:
         """``layer_time`` of K plans at once from their [K, 6, R] ``rank_loads`` (R >= 1,
-        counts below 2**53), each to the bit: (forward_s, backward_s) lists of K; GEMMs
-        spread evenly, no planner time. A planner that judges several candidate
+        counts below 2**53), each to the bit: (forward_s, backward_s) lists of K; no
+        planner time. GEMMs spread evenly, or ``gemm``: ([K, R] forward, [K, R] backward)
+        seconds of each rank's GEMMs instance by instance (``instance_gemm_times``), which
+        gives ``layer_time`` with ``instances``. A planner that judges several candidate
         placements prices them in one call."""
         loads = np.asarray(loads, dtype=np.float64)
         if loads.ndim != 3 or loads.shape[1] != 6 or loads.shape[2] < 1:
@@ -110,6 +114,8 @@ class LayerTime:
         num_ranks = loads.shape[2]
         f_gemm, f_mem, b_gemm, b_mem = self._rank_times(routed, retained, sent, kept,
                                                         num_ranks)
+        if gemm is not None:
+            f_gemm, b_gemm = (np.asarray(g, dtype=np.float64) for g in gemm)
         rows = np.arange(len(loads))
         f, b = np.argmax(f_gemm + f_mem, axis=1), np.argmax(b_gemm + b_mem, axis=1)
         # _alltoall_pairs: the most pairs a rank sends to or receives from other ranks
@@ -171,8 +177,8 @@ class LayerTime:
         local = self._local_instances(num_ranks)
         return local * self.machine.instance_gemm_seconds(rows / local, flops, forward)
 
-    def _instance_gemm_times(self, instances: InstanceRows, num_ranks: int
-                             ) -> tuple[np.ndarray, np.ndarray]:
+    def instance_gemm_times(self, instances: InstanceRows, num_ranks: int
+                            ) -> tuple[np.ndarray, np.ndarray]:
         """([R] forward, [R] backward) seconds of the expert GEMMs, instance by instance:
         a rank's is the sum over its instances of one instance's time at that instance's
         rows (0 for an instance without rows: ``MachineConstants.instance_gemm_seconds``)."""
@@ -195,7 +201,7 @@ class LayerTime:
         unmeasured)."""
         s, m = self.shape, self.machine
         if instances is not None:
-            f_gemm, b_gemm = self._instance_gemm_times(instances, len(routed))
+            f_gemm, b_gemm = self.instance_gemm_times(instances, len(routed))
         else:
             f_gemm = self._gemm_time(routed, True, num_ranks)
             b_gemm = self._gemm_time(retained, False, num_ranks)

@@ -56,12 +56,23 @@ class _PlacementContext:
     replicas: np.ndarray                # [R] int64 replicas each rank hosts
     receive_limit: np.ndarray | None    # [R] int64 most pairs each rank receives (None: no budget)
     rank_starts: np.ndarray             # [R] first instance of each rank
+    instance_rank: np.ndarray           # [I] int64 the rank hosting each instance
     busiest: int                        # _busiest(placement)
     native: Any = None                  # the compiled planner of the placement, or None
     # [R] bytes of the replicas' gradients each rank receives home at its step's last
     # backward (CostModel.returned_gradient_bytes); budgeted on every micro-batch, since
     # the plan of a call does not depend on which of the step's micro-batches it is.
     returned: np.ndarray | float = 0.0
+
+
+@dataclass(frozen=True, eq=False)
+class _Candidate:
+    """A placement the memory-aware choice judges (``_memory_aware_placement``)."""
+
+    name: str
+    planned: _Unbudgeted                  # on the smoothed counts
+    kept: list[_Unbudgeted] | None        # on each kept micro-batch's counts, where planned
+    fits: bool                            # within the budget on every plan above
 
 
 @dataclass(frozen=True, eq=False)
@@ -368,6 +379,7 @@ class LayerPlanner:
                      else cost.receive_limit(share, replicas, returned=returned))
             ctx = _PlacementContext(placement, replicas, limit,
                                     np.asarray(placement.rank_starts[:-1], dtype=np.int64),
+                                    np.asarray(placement.instance_rank, dtype=np.int64),
                                     _busiest(placement),
                                     native_planner(placement, cost, replicas)
                                     if self.native else None, returned)
@@ -449,25 +461,23 @@ class LayerPlanner:
         # finite gamma a candidate must fit outright, or the budget would lower gamma
         # for it and it would buy its time with drops.
         allowed = max(share, base.peak) if math.isinf(s.capacity_factor) else share
-        judged: dict[Placement, tuple[str, float, bool]] = {}   # name, time, qualifies
-
+        judged: dict[Placement, _Candidate] = {}
         priced = [np.rint(c).astype(np.int64) for c in self._priced_counts]
 
         def judge(name: str, replicas: tuple[tuple[int, int], ...], every: bool = False
                   ) -> bool:
-            """Stage 1 of the placement of ``replicas`` (recorded once); whether it fits,
-            on the smoothed counts, and with ``every`` on each kept micro-batch's too."""
+            """Plans the placement of ``replicas`` (once) on the smoothed counts, and with
+            ``every`` on each kept micro-batch's too; whether it fits on all of them."""
             placement = self._placement(tuple(replicas))
             if placement not in judged:
                 ctx = self._context(placement)
                 planned = self._unbudgeted(counts, ctx)
-                fits = self._fits([planned] + ([self._unbudgeted(c, ctx) for c in priced]
-                                               if every else []), ctx, allowed)
-                judged[placement] = (name, self._judged_time([planned]), fits)
-            return judged[placement][2]
+                kept = [self._unbudgeted(c, ctx) for c in priced] if every else None
+                judged[placement] = _Candidate(
+                    name, planned, kept, self._fits([planned, *(kept or [])], ctx, allowed))
+            return judged[placement].fits
 
-        base_time = self._judged_time([base])
-        judged[static.placement] = ("static", base_time, True)
+        judged[static.placement] = _Candidate("static", base, None, True)
         plan = base.plan()
         replicas = greedy_replicas(counts.sum(0).tolist(), plan, s, native=self.native,
                                    sync_cost=self._replica_costs)
@@ -486,21 +496,29 @@ class LayerPlanner:
                 counts.sum(0), s.num_ranks, s.num_experts, slots, counts,
                 pair_seconds(s.cost), native=self.native, order=order)[0])
 
-        # Stage 2: the finalists on the step's own micro-batches.
+        # Stage 1: every candidate priced on the smoothed counts, in one batch.
+        times = self._judged_times([[c.planned] for c in judged.values()])
+        base_time = times[0]
         qualified = sorted((time, len(placement.replicas), k, placement)
-                           for k, (placement, (_, time, ok)) in enumerate(judged.items())
-                           if ok and time < base_time)
+                           for k, ((placement, c), time) in enumerate(zip(
+                               judged.items(), times, strict=True))
+                           if c.fits and time < base_time)
+        # Stage 2: the finalists on the step's own micro-batches.
         finalists = [static.placement] + [p for *_, p in qualified[:FINALISTS]]
         for placement in symi:        # SYMI-style's at its own slots and at the most
-            if placement not in finalists and judged[placement][2]:
+            if placement not in finalists and judged[placement].fits:
                 finalists.append(placement)
         priced = priced or [counts]
-        best: tuple[float, int, Placement] | None = None
+        plans = []
         for placement in finalists:
-            ctx = self._context(placement)
-            planned = [self._unbudgeted(c, ctx) for c in priced]
-            time = self._judged_time(planned)
-            if not (placement is static.placement or self._fits(planned, ctx, allowed)):
+            kept = judged[placement].kept
+            plans.append(kept if kept is not None and len(kept) == len(priced) else
+                         [self._unbudgeted(c, self._context(placement)) for c in priced])
+        best: tuple[float, int, Placement] | None = None
+        for placement, planned, time in zip(finalists, plans, self._judged_times(plans),
+                                            strict=True):
+            if not (placement is static.placement
+                    or self._fits(planned, planned[0].ctx, allowed)):
                 continue
             # Times equal but for rounding (1e-12) are ties: fewer replicas win.
             if (best is None or time < best[0] * (1 - 1e-12)
@@ -508,13 +526,13 @@ class LayerPlanner:
                         and len(placement.replicas) < best[1])):
                 best = (time, len(placement.replicas), placement)
         time, _, placement = best
+        static_time = self._judged_times(plans[:1])[0]
         if placement is static.placement:
             return placement, (f"memory-aware: no candidate pays off within the budget "
                                f"(static {time * 1e3:.3f} ms, {len(judged)} candidates)",)
         return placement, (
-            f"memory-aware: {judged[placement][0]} ({len(placement.replicas)} replicas), "
-            f"estimated layer time {time * 1e3:.3f} ms vs static "
-            f"{self._judged_time([self._unbudgeted(c, static) for c in priced]) * 1e3:.3f} ms"
+            f"memory-aware: {judged[placement].name} ({len(placement.replicas)} replicas), "
+            f"estimated layer time {time * 1e3:.3f} ms vs static {static_time * 1e3:.3f} ms"
             f" ({len(judged)} candidates)",)
 
     def _most_popularity_slots(self, counts: np.ndarray, order: np.ndarray,
@@ -563,27 +581,45 @@ class LayerPlanner:
         return all(u.peak <= allowed and (limit is None or bool((u.load <= limit).all()))
                    for u in planned)
 
-    def _judged_time(self, planned: list[_Unbudgeted]) -> float:
-        """Mean seconds per micro-batch of ``planned`` (one placement's plans of the priced
-        matrices) as the simulator prices a call: ``CostModel.layer_time`` of each plan's
-        [R, R] routed and retained matrices with its GEMMs instance by instance, plus the
-        replicas' refresh and reduction amortised over the step's micro-batches."""
+    def _judged_times(self, groups: list[list[_Unbudgeted]]) -> list[float]:
+        """For each group (one placement's plans of the priced matrices): the mean seconds
+        per micro-batch as the simulator prices a call, ``CostModel.layer_time`` of each
+        plan's [R, R] routed and retained matrices with its GEMMs instance by instance
+        (``layer_times`` of their rank loads with ``instance_gemm_times``: the same
+        numbers, all plans in one call), plus the replicas' refresh and reduction
+        amortised over the step's micro-batches."""
         cost = self.settings.cost
-        ctx = planned[0].ctx
-        instance_rank = np.asarray(ctx.placement.instance_rank, dtype=np.int64)
-        total = 0.0
-        for u in planned:
-            routed = np.add.reduceat(u.cells, ctx.rank_starts, axis=1)
-            retained = np.add.reduceat(u.quotas, ctx.rank_starts, axis=1)
-            fwd, bwd = cost.layer_time(routed, retained, 0.0, InstanceRows(
-                instance_rank, np.add.reduce(u.cells, axis=0),
-                np.add.reduce(u.quotas, axis=0)))
-            total += fwd + bwd
-        sync = self._replica_costs.get(ctx.busiest)
-        if sync is None:        # a pure function of the busiest count: priced once
-            sync = self._replica_costs[ctx.busiest] = cost.replica_cost_per_microbatch(
-                ctx.busiest)
-        return total / len(planned) + sync
+        num_ranks = self.settings.num_ranks
+        plans = [u for group in groups for u in group]
+        loads, ranks, routed, retained = [], [], [], []
+        for k, u in enumerate(plans):
+            ctx = u.ctx
+            if ctx.native is not None:
+                loads.append(ctx.native.rank_loads(u.cells, u.quotas))
+            else:
+                loads.append(cost.rank_loads(np.add.reduceat(u.cells, ctx.rank_starts, axis=1),
+                                             np.add.reduceat(u.quotas, ctx.rank_starts,
+                                                             axis=1)))
+            ranks.append(ctx.instance_rank + k * num_ranks)
+            routed.append(np.add.reduce(u.cells, axis=0))
+            retained.append(np.add.reduce(u.quotas, axis=0))
+        gemm = cost.instance_gemm_times(InstanceRows(
+            np.concatenate(ranks), np.concatenate(routed), np.concatenate(retained)),
+            len(plans) * num_ranks)
+        fwd, bwd = cost.layer_times(np.stack(loads), tuple(
+            g.reshape(len(plans), num_ranks) for g in gemm))
+        out, start = [], 0
+        for group in groups:
+            ctx = group[0].ctx
+            sync = self._replica_costs.get(ctx.busiest)
+            if sync is None:        # a pure function of the busiest count: priced once
+                sync = self._replica_costs[ctx.busiest] = cost.replica_cost_per_microbatch(
+                    ctx.busiest)
+            total = sum(f + b for f, b in zip(fwd[start:start + len(group)],
+                                              bwd[start:start + len(group)], strict=True))
+            out.append(total / len(group) + sync)
+            start += len(group)
+        return out
 
     def _unbudgeted(self, counts: np.ndarray, ctx: _PlacementContext) -> _Unbudgeted:
         """The plan of ``ctx``'s placement on ``counts`` without the budget's influence:

@@ -28,19 +28,23 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megatron_lrmoe.planning.memory_account import GIB, MemoryAccount
 from megatron_lrmoe.tools import run_log
 
+if TYPE_CHECKING:
+    from megatron_lrmoe.planning.shapes import MoEShape
+
 __all__ = ["Candidate", "MemoryAccount", "OutsideTime", "Prediction", "best_fitting",
            "binding_conditions", "binding_interval", "budget_slots", "candidates", "device_sizes",
            "distinct", "feasibility_table", "fits_only_by", "full_recompute",
            "largest_micro_batch", "means_of", "policy_predictions", "predict",
-           "reference_run", "replace"]
+           "reference_run", "replace", "step_parts"]
 
 NONE = "none"
 ROUTING_FOLDERS = ("routing", "trace")
@@ -117,6 +121,13 @@ class Prediction:
     """``moe_s`` plus the time outside the MoE layers."""
     error: str = ""
     """Why the configuration cannot start at all (e.g. ``auto`` below the floor)."""
+    parts_s: dict[str, float] = field(default_factory=dict)
+    """``moe_s`` by part (``step_parts``): ``forward_*`` and ``backward_*`` as
+    ``CostModel.layer_time_parts`` names them, and ``refresh``; they sum to ``moe_s``."""
+    replicas: float = math.nan
+    """Mean replicas per simulated layer over the counted steps."""
+    retained: float = math.nan
+    """Fraction of the routed pairs the backward kept (1.0: nothing dropped)."""
 
     @property
     def need(self) -> float:
@@ -263,7 +274,24 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     moe_s = result.step_moe_s
     # Block recompute counts layers of a stage; uniform (all layers) every one.
     step_s = moe_s + outside.step_seconds(_full_recompute_layers(args), _stage_layers(args))
-    return Prediction(candidate, account, moe_s, step_s)
+    return Prediction(candidate, account, moe_s, step_s,
+                      parts_s=step_parts(result.parts, result.refresh_s_per_step, shape),
+                      replicas=result.replicas, retained=result.retained_fraction)
+
+
+def step_parts(parts: dict[str, float], refresh_s: float, shape: MoEShape
+               ) -> dict[str, float]:
+    """Seconds per optimizer step of each part of the simulator's MoE time:
+    ``parts`` (``PolicyResult.parts``, per layer and micro-batch) over the stage's
+    layers and micro-batches, a forward part once more for each layer whose forward is
+    rerun in backward (``shape.rerun_layers``), and ``refresh`` (``refresh_s``, per layer
+    and step) over the layers: the terms of ``simulate``'s ``step_moe_s``, split."""
+    calls = shape.num_layers * shape.microbatches_per_step
+    rerun = shape.rerun_layers * shape.microbatches_per_step
+    out = {k: v * (calls + (rerun if k.startswith("forward_") else 0))
+           for k, v in parts.items()}
+    out["refresh"] = shape.num_layers * refresh_s
+    return out
 
 
 def reference_run(run: Path) -> tuple[list[np.ndarray], OutsideTime]:

@@ -8,9 +8,10 @@ A preset (``PRESETS``) is a published Megatron-Bridge recipe's parallel layout a
 launcher's flags (TP, PP, EP, ETP, sequence parallelism, micro-batch, global batch,
 recompute, bf16, distributed optimizer) with its GPU count (``WORLD_SIZE``) and device
 size; every number's source is named beside it. For each policy (``POLICIES``: Megatron
-dropless, Megatron capacity drop 1.0, SYMI-style, LRMoE's default uniform gamma 1.0 with
-and without memory-aware replicas; the budgeted ones at ``auto``: the device less the rest
-of the memory account) this module predicts, with ``tools/fitting.py``:
+dropless, Megatron capacity drop 1.0, SYMI-style, LRMoE uniform gamma 1.0 without replicas,
+and LRMoE uniform with memory-aware placement at each gamma of ``GAMMAS``; the budgeted
+ones at ``auto``: the device less the rest of the memory account) this module predicts,
+with ``tools/fitting.py``:
 
 * the recipe's own configuration (its recompute): whether it fits, its need per rank;
 * the fitting choice: the best-predicted fitting configuration of Megatron's means
@@ -25,7 +26,15 @@ of the memory account) this module predicts, with ``tools/fitting.py``:
   seeds (``to_target``); one file for every preset, or one per EP size
   (``steps_for_ep``); at ``GOAL_PRESET`` the goal check (``goal_check``);
 * the largest micro-batch that fits (``fitting.largest_micro_batch``),
-  with the fitting choice's recompute, micro-batches per step unchanged.
+  with the fitting choice's recompute, micro-batches per step unchanged;
+* per step at the fitting choice: the MoE time by part (``part_columns``: all-to-all and
+  GEMM of each phase, the replica refresh, the rest), replicas per layer, the retained
+  fraction, and the MoE time over the fitted SYMI-style's and dropless's (``per_step``);
+  at ``GOAL_PRESET`` the per-step goal of issue 46 (``step_goal_check``). A policy
+  without a measured steps ratio (the gammas other than ``MEASURED_GAMMA``) has per-step
+  figures only;
+* beside them, an earlier run's figures where its JSON is given (``--previous``,
+  default ``PREVIOUS_DIR``: the projections before issue 46).
 
 Every policy alike: the device less ``RESERVE_GIB`` (the CUDA context and NCCL's buffers,
 which the memory account omits; ``--reserve-gib``); the MoE time the mean over
@@ -79,11 +88,13 @@ from megatron_lrmoe.tools.simulate import (
 )
 from megatron_lrmoe.tools.steps_to_target import Range, paired_range, ratio_range
 
-__all__ = ["DISPATCHER_CAVEAT", "GOAL", "GOAL_PRESET", "POLICIES", "PRESETS", "RESERVE_GIB",
-           "WINDOW_STEPS", "WINDOW_TOLERANCE", "Preset", "base_flags", "config_flags",
-           "goal_check", "outside_flops", "outside_time", "parse_steps_by_ep",
-           "pipeline_factor", "project", "report_markdown", "steps_for_ep", "to_target",
-           "window_check"]
+__all__ = ["DISPATCHER_CAVEAT", "GAMMAS", "GOAL", "GOAL_PRESET", "NO_STEPS_RATIO",
+           "PART_COLUMNS", "POLICIES", "PRESETS", "PREVIOUS_DIR", "RESERVE_GIB", "STEP_GOAL",
+           "STEP_GOAL_POLICY", "WINDOW_STEPS", "WINDOW_TOLERANCE", "Preset", "base_flags",
+           "config_flags", "goal_check", "lrmoe_flags", "ma_policy", "outside_flops",
+           "outside_time", "parse_steps_by_ep", "part_columns", "per_step", "pipeline_factor",
+           "previous_rows", "project", "read_previous", "report_markdown", "step_goal_check",
+           "steps_for_ep", "to_target", "window_check"]
 
 DISPATCHER_CAVEAT = (
     "All policies simulated with the all-to-all dispatcher and without the recipe's flex "
@@ -251,11 +262,32 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                "MTP (1 layer, on the last stage) is not modelled.")),
 )}
 
-# Policy name -> (label, flags, the steps-to-target ratio it is projected with).
-LRMOE_FLAGS = ("--moe-lrmoe", "--moe-lrmoe-selection", "uniform", "--moe-lrmoe-metric",
-               "grad_act", "--moe-lrmoe-bwd-capacity-factor", "1.0",
-               "--moe-lrmoe-min-retention", "0.0", "--moe-lrmoe-memory-budget-gb", "auto")
-POLICIES: dict[str, tuple[str, tuple[str, ...], str]] = {
+# Policy name -> (label, flags, the steps-to-target ratio it is projected with; None: no
+# measured run of that policy, so it has per-step figures only).
+def lrmoe_flags(gamma: str) -> tuple[str, ...]:
+    """LRMoE's uniform rule at backward capacity factor ``gamma`` under the ``auto``
+    budget, without memory-aware placement."""
+    return ("--moe-lrmoe", "--moe-lrmoe-selection", "uniform", "--moe-lrmoe-metric",
+            "grad_act", "--moe-lrmoe-bwd-capacity-factor", gamma,
+            "--moe-lrmoe-min-retention", "0.0", "--moe-lrmoe-memory-budget-gb", "auto")
+
+
+LRMOE_FLAGS = lrmoe_flags("1.0")
+GAMMAS = ("inf", "1.0", "0.75", "0.5", "0.4")
+"""The backward capacity factors LRMoE memory-aware is projected at (issue 46): inf
+(placement alone, no drop), the default 1.0, and the deeper drops whose cost in steps
+no study has measured yet."""
+MEASURED_GAMMA = "1.0"
+"""The only gamma with a measured steps-to-target ratio (the EP studies' LRMoE run)."""
+NO_STEPS_RATIO = "no measured steps ratio"
+
+
+def ma_policy(gamma: str) -> str:
+    """The policy name of LRMoE memory-aware at ``gamma`` (``GAMMAS``)."""
+    return f"lrmoe-uniform-g{gamma}-ma"
+
+
+POLICIES: dict[str, tuple[str, tuple[str, ...], str | None]] = {
     "megatron-dropless": ("Megatron dropless", (), "dropless"),
     "megatron-capacity-1.0": ("Megatron capacity drop, cf 1.0",
                               ("--moe-expert-capacity-factor", "1.0"), "capacity-drop"),
@@ -263,11 +295,12 @@ POLICIES: dict[str, tuple[str, tuple[str, ...], str]] = {
                             "--moe-lrmoe-bwd-capacity-factor", "inf",
                             "--moe-lrmoe-memory-budget-gb", "auto"), "symi"),
     # No measured pair of uniform gamma 1.0 without replicas: the memory-aware run's ratio
-    # (same rule and gamma) stands for it.
+    # (same rule and gamma) stands for it. Kept beside the memory-aware rows: what the
+    # replicas buy at the same drop.
     "lrmoe-uniform-g1.0": ("LRMoE uniform, gamma 1.0", LRMOE_FLAGS, "lrmoe-ma"),
-    "lrmoe-uniform-g1.0-ma": ("LRMoE uniform, gamma 1.0, memory-aware replicas",
-                              (*LRMOE_FLAGS, "--moe-lrmoe-placement", "memory-aware"),
-                              "lrmoe-ma"),
+    **{ma_policy(g): (f"LRMoE memory-aware, gamma {g}",
+                      (*lrmoe_flags(g), "--moe-lrmoe-placement", "memory-aware"),
+                      "lrmoe-ma" if g == MEASURED_GAMMA else None) for g in GAMMAS},
 }
 
 
@@ -477,7 +510,8 @@ def project(preset: Preset, traces: list[np.ndarray], steps: int | None = None,
             policy=name, label=label, recipe=recipe, choice=choice,
             choice_step_s=bubble(choice) if choice else math.nan,
             recipe_step_s=bubble(recipe) if not recipe.error else math.nan,
-            largest=largest, ratio=ratios.get(ratio_key, math.nan),
+            largest=largest,
+            ratio=ratios.get(ratio_key, math.nan) if ratio_key else math.nan,
             tried=list(cache.values()))
 
     out = [one(name) for name in policies]
@@ -539,7 +573,8 @@ def window_check(preset: Preset, traces: list[np.ndarray], steps: int,
 
 
 # ------------------------------------------------------------------ steps to target
-STEPS_KEYS = tuple(dict.fromkeys(key for _, _, key in POLICIES.values() if key != "dropless"))
+STEPS_KEYS = tuple(dict.fromkeys(key for _, _, key in POLICIES.values()
+                                 if key and key != "dropless"))
 """The steps-to-target file's policies the projections read."""
 BY_EP_FLAG = "--steps-to-target-by-ep"
 
@@ -605,11 +640,14 @@ def to_target(rows: list[Projection], steps: StepsToTarget | None) -> dict[str, 
     choice of dropless and of SYMI-style, in step seconds and in MoE-layer seconds,
     each the per-step time ratio x the steps ratio's median and [min, max] over seeds
     (``steps_vs``). Without a file (``steps`` None) each row's ``ratio`` stands alone
-    (no spread)."""
+    (no spread). A policy without a measured steps ratio (``POLICIES``' third field
+    None) has no entry."""
     by_policy = {r.policy: r for r in rows if r.choice is not None}
     out: dict[str, dict] = {}
     for r in by_policy.values():
         key = POLICIES[r.policy][2]
+        if key is None:     # no measured steps: no figure to target (``per_step`` only)
+            continue
         entry: dict = {"steps_ratio": Range(r.ratio, r.ratio, r.ratio)}
         if steps is not None and key != "dropless":
             entry["steps_ratio"] = ratio_range(steps.pairs[key])
@@ -689,6 +727,143 @@ def goal_markdown(check: dict) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------- per step (issue 46)
+BASELINES = (("megatron-dropless", "dropless"), ("symi", "symi"))
+"""The fitted baselines every ratio is taken against: (policy, short name)."""
+STEP_GOAL = 0.75
+STEP_GOAL_POLICY = ma_policy("0.5")
+"""At ``GOAL_PRESET``: LRMoE memory-aware at gamma 0.5 at most ``STEP_GOAL`` x the fitted
+SYMI-style's MoE seconds per step, within the device (issue 46). Per step only: no study
+has measured the steps such a drop costs."""
+
+
+def per_step(rows: list[Projection]) -> dict[str, dict[str, float]]:
+    """Per policy with a fitting choice: its MoE seconds per step over the fitting
+    choice's of dropless and of SYMI-style (``moe_vs_dropless``, ``moe_vs_symi``; absent
+    where that baseline fits nothing). No steps ratio enters."""
+    by_policy = {r.policy: r for r in rows if r.choice is not None}
+    return {r.policy: {f"moe_vs_{name}": r.choice.moe_s / by_policy[base].choice.moe_s
+                       for base, name in BASELINES if base in by_policy}
+            for r in by_policy.values()}
+
+
+PART_COLUMNS = ("all-to-all fwd", "all-to-all bwd", "GEMM fwd", "GEMM bwd", "refresh",
+                "other")
+"""The report's split of a prediction's MoE seconds per step (``part_columns``)."""
+
+
+def part_columns(p: F.Prediction) -> dict[str, float]:
+    """``p.parts_s`` grouped as ``PART_COLUMNS``: the all-to-all (bytes of the busiest
+    link) and the expert GEMMs of each phase, the replica refresh (with the replicas'
+    gradient reduction), and the rest (memory-bound row work, router, fixed cost per
+    call, the planner's host time); they sum to ``p.moe_s``."""
+    parts = dict(p.parts_s)
+    out = {"all-to-all fwd": parts.pop("forward_alltoall", 0.0),
+           "all-to-all bwd": parts.pop("backward_alltoall", 0.0),
+           "GEMM fwd": parts.pop("forward_gemm", 0.0),
+           "GEMM bwd": parts.pop("backward_gemm", 0.0),
+           "refresh": parts.pop("refresh", 0.0)}
+    out["other"] = sum(parts.values())
+    return out
+
+
+def step_goal_check(rows: list[Projection], goal: float = STEP_GOAL) -> dict:
+    """Whether ``STEP_GOAL_POLICY``'s fitting choice takes at most ``goal`` x the fitted
+    SYMI-style's MoE seconds per step: "met" or "not met" with the ratio; "not met" where
+    LRMoE fits nothing, "not assessed" where SYMI-style fits nothing."""
+    found = {r.policy: r for r in rows}
+    out: dict = {"goal": goal, "policy": STEP_GOAL_POLICY}
+    lrmoe, symi = found.get(STEP_GOAL_POLICY), found.get("symi")
+    if lrmoe is None or lrmoe.choice is None:
+        why = "not projected" if lrmoe is None else "fits nothing"
+        return out | {"verdict": f"not met (LRMoE {STEP_GOAL_POLICY} {why})"}
+    if symi is None or symi.choice is None:
+        why = "not projected" if symi is None else "fits nothing"
+        return out | {"verdict": f"not assessed (SYMI-style {why})"}
+    ratio = lrmoe.choice.moe_s / symi.choice.moe_s
+    return out | {"ratio": ratio, "moe_s": lrmoe.choice.moe_s,
+                  "symi_moe_s": symi.choice.moe_s,
+                  "fitted": lrmoe.choice.candidate.fitted,
+                  "symi_fitted": symi.choice.candidate.fitted,
+                  "need_gib": lrmoe.choice.need / GIB,
+                  "verdict": "met" if ratio <= goal else "not met"}
+
+
+def step_goal_markdown(check: dict, reserve_gib: float) -> str:
+    head = (f"**Goal, per step** (issue 46: LRMoE memory-aware at gamma 0.5 at most "
+            f"{check['goal']:.2f} x the fitted SYMI-style's MoE seconds per step, within "
+            f"the device): **{check['verdict']}**")
+    if "ratio" not in check:
+        return head + "."
+    return head + (
+        f": {check['ratio']:.3f} x ({check['moe_s']:.2f} s against {check['symi_moe_s']:.2f}"
+        f" s, SYMI-style at {check['symi_fitted']}; LRMoE at {check['fitted']}, needing "
+        f"{check['need_gib']:.1f} + {reserve_gib:g} GiB). Per step only: the steps such a "
+        "drop costs are not measured.")
+
+
+PREVIOUS_DIR = ROOT / "benchmarks" / "results" / "projections" / "previous"
+"""The stored projections before issue 46 (the old planner and window, no reserve), read
+for the "before" table (``--previous``)."""
+
+
+def read_previous(directory: Path | None, preset: str) -> dict | None:
+    """The earlier ``projections_<preset>.json`` under ``directory`` (None when absent)."""
+    path = None if directory is None else Path(directory) / f"projections_{preset}.json"
+    return json.loads(path.read_text()) if path is not None and path.exists() else None
+
+
+def previous_rows(previous: dict, rows: list[Projection]) -> list[dict]:
+    """Per policy of ``rows`` that ``previous`` projected too (same name, same flags):
+    its fitting choice, need (GiB) and MoE seconds per step then and now."""
+    before = {p["policy"]: p for p in previous.get("policies", [])}
+    out = []
+    for r in rows:
+        old = before.get(r.policy)
+        if old is None:
+            continue
+        then = old.get("choice")
+        out.append({"policy": r.policy, "label": r.label,
+                    "before_fitted": then["fitted"] if then else None,
+                    "before_need_gib": then["need_gib"] if then else None,
+                    "before_moe_s": then["moe_s"] if then else None,
+                    "now_fitted": r.choice.candidate.fitted if r.choice else None,
+                    "now_need_gib": r.choice.need / GIB if r.choice else None,
+                    "now_moe_s": r.choice.moe_s if r.choice else None,
+                    "now_replicas": r.choice.replicas if r.choice else None})
+    return out
+
+
+def previous_markdown(previous: dict, rows: list[Projection], reserve_gib: float,
+                      source: str) -> str:
+    """The "before" table: ``previous_rows`` beside each other, with the earlier run's
+    code, command and reserve."""
+    old_reserve = previous.get("context", {}).get("reserve_gib", 0.0)
+    lines = [f"Before (`{source}`: {previous.get('code', '?')}, "
+             f"`{previous.get('command', '?')}`; reserve {old_reserve:g} GiB, the warm-up "
+             "step inside its time window, memory as the most saved bytes over all calls "
+             "plus the most replica bytes, the planner before issue 46; its replicas per "
+             "layer were not stored) and now, each at its fitting choice:", "",
+             "| policy | before: fitting choice | need GiB | MoE s/step | now: fitting choice "
+             "| need + reserve GiB | MoE s/step | replicas per layer | MoE now / before |",
+             "|" + "---|" * 9]
+
+    def cell(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for e in previous_rows(previous, rows):
+        change = ("-" if e["before_moe_s"] is None or e["now_moe_s"] is None
+                  else f"{e['now_moe_s'] / e['before_moe_s']:.3f}")
+        need_now = ("-" if e["now_need_gib"] is None
+                    else f"{e['now_need_gib']:.1f} + {reserve_gib:g}")
+        lines.append(
+            f"| {e['label']} | {e['before_fitted'] or 'nothing fits'} | "
+            f"{cell(e['before_need_gib'], '.1f')} | {cell(e['before_moe_s'], '.2f')} | "
+            f"{e['now_fitted'] or 'nothing fits'} | {need_now} | "
+            f"{cell(e['now_moe_s'], '.2f')} | {cell(e['now_replicas'], '.1f')} | {change} |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------ report
 def _gib(p: F.Prediction | None, reserve_gib: float) -> str:
     """The need per rank and the reserve beside it, which the device must hold both of."""
@@ -697,13 +872,18 @@ def _gib(p: F.Prediction | None, reserve_gib: float) -> str:
 
 def report_markdown(preset: Preset, context: dict, rows: list[Projection],
                     command: str, code: str, steps: StepsToTarget | None = None,
-                    steps_ep: int | None = None) -> str:
-    """The preset's table; ``steps``: the steps-to-target file its ratios came from (the
-    spread over its seeds in every to-target column), measured at EP ``steps_ep``."""
+                    steps_ep: int | None = None, previous: dict | None = None,
+                    previous_source: str = "") -> str:
+    """The preset's tables; ``steps``: the steps-to-target file its ratios came from (the
+    spread over its seeds in every to-target column), measured at EP ``steps_ep``;
+    ``previous``: an earlier run's JSON (``read_previous``, from ``previous_source``),
+    shown beside this one."""
     ranges = to_target(rows, steps)
     reserve = context["reserve_gib"]
 
     def rel(policy: str, key: str) -> str:
+        if POLICIES[policy][2] is None:
+            return NO_STEPS_RATIO
         r = ranges.get(policy, {}).get(key)
         return "-" if r is None else r.text()
 
@@ -766,8 +946,45 @@ def report_markdown(preset: Preset, context: dict, rows: list[Projection],
               "share its dropless run), median [min, max]; where the file's two policies "
               "do not name the same seeds, the cross range (lowest over highest to highest "
               "over lowest).", ""]
+    lines += [parts_markdown(rows, reserve), ""]
     if preset.name == GOAL_PRESET:
-        lines += [goal_markdown(goal_check(rows, steps)), ""]
+        lines += [step_goal_markdown(step_goal_check(rows), reserve), "",
+                  goal_markdown(goal_check(rows, steps)), ""]
+    if previous is not None:
+        lines += [previous_markdown(previous, rows, reserve, previous_source), ""]
+    return "\n".join(lines)
+
+
+def parts_markdown(rows: list[Projection], reserve_gib: float) -> str:
+    """Per policy at its fitting choice: the MoE seconds per step and their parts
+    (``part_columns``), replicas per layer, retained fraction, need + reserve and the
+    per-step ratios to the fitted SYMI-style and dropless (``per_step``)."""
+    ratios = per_step(rows)
+    lines = ["Per step at the fitting choice, by part (seconds per optimizer step, the "
+             "stage's MoE layers; the mean over the steps after the warm-up):", "",
+             "| policy | fitting choice | MoE s/step | " + " | ".join(PART_COLUMNS)
+             + " | replicas per layer | retained | need + reserve GiB | MoE per step vs "
+             "SYMI-style | vs dropless |", "|" + "---|" * (len(PART_COLUMNS) + 8)]
+    for r in rows:
+        if r.choice is None:
+            lines.append(f"| {r.label} | nothing fits |" + " - |" * (len(PART_COLUMNS) + 6))
+            continue
+        c, q = r.choice, ratios[r.policy]
+        parts = part_columns(c)
+        lines.append(
+            f"| {r.label} | {c.candidate.fitted} | {c.moe_s:.2f} | "
+            + " | ".join(f"{parts[k]:.2f}" for k in PART_COLUMNS)
+            + f" | {c.replicas:.1f} | {c.retained:.3f} | {_gib(c, reserve_gib)} | "
+            + " | ".join(f"{q[f'moe_vs_{name}']:.3f}" if f"moe_vs_{name}" in q else "-"
+                         for name in ("symi", "dropless")) + " |")
+    lines += ["", "Parts: the all-to-all (the busiest link's bytes) and the expert GEMMs of "
+              "the forward (a recomputed layer's forward counted twice) and of the "
+              "backward, the replica refresh with the replicas' gradient reduction, and "
+              "the rest (memory-bound row work, router, fixed cost per call, the planner's "
+              "host time); they sum to MoE s/step. Replicas and retained (the fraction of "
+              "routed pairs the backward keeps): means over the counted steps and the "
+              "simulated layers. Per-step ratios: this MoE s/step over the fitted "
+              "baseline's, no steps ratio."]
     return "\n".join(lines)
 
 
@@ -781,7 +998,9 @@ def _prediction_json(p: F.Prediction | None) -> dict | None:
     return {"fitted": p.candidate.fitted, "flags": list(p.candidate.flags), "fits": p.fits,
             "need_gib": p.need / GIB, "account_gib": {k: v / GIB for k, v in asdict(
                 p.account).items() if isinstance(v, float)},
-            "moe_s": p.moe_s, "step_s_no_bubble": p.step_s, "error": p.error}
+            "moe_s": p.moe_s, "step_s_no_bubble": p.step_s, "error": p.error,
+            "moe_parts_s": part_columns(p) if p.parts_s else {}, "parts_s": p.parts_s,
+            "replicas_per_layer": p.replicas, "retained": p.retained}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -820,7 +1039,12 @@ def main(argv: list[str] | None = None) -> int:
                                   "error (e.g. 8=ep8.json 16=ep16.json)")
     ap.add_argument("--out", type=Path, default=None,
                     help="directory for projections_<preset>.md and .json")
+    ap.add_argument("--previous", type=Path, default=PREVIOUS_DIR,
+                    help="an earlier run's output directory, shown beside this one per "
+                         "preset where it holds that preset's JSON (default: "
+                         f"{PREVIOUS_DIR.relative_to(ROOT)}; 'none': no such table)")
     a = ap.parse_args(argv)
+    previous_dir = None if str(a.previous) == "none" else a.previous
     names = list(PRESETS) if "all" in a.preset else a.preset
     try:
         by_ep = (parse_steps_by_ep(a.steps_to_target_by_ep) if a.steps_to_target_by_ep
@@ -850,7 +1074,11 @@ def main(argv: list[str] | None = None) -> int:
                                 planner_s=None if a.planner_ms is None else a.planner_ms / 1e3,
                                 log=lambda line: print(line, file=sys.stderr, flush=True))
         elapsed = time.perf_counter() - started
-        text = report_markdown(preset, context, rows, command, code, steps, steps_ep) + (
+        previous = read_previous(previous_dir, name)
+        shown = str(previous_dir.resolve().relative_to(ROOT) if previous_dir is not None
+                    and previous_dir.resolve().is_relative_to(ROOT) else previous_dir)
+        text = report_markdown(preset, context, rows, command, code, steps, steps_ep,
+                               previous, shown) + (
             f"\nRouting: {source}; {a.layers} layer(s) x {a.steps} step(s) per "
             f"configuration after {WARMUP_STEPS} warm-up step(s). Projected in "
             f"{elapsed:.0f} s.\n")
@@ -866,7 +1094,13 @@ def main(argv: list[str] | None = None) -> int:
                 "steps_to_target": {"file": str(steps.path), "ep": steps_ep,
                                     "study_policy": steps.study_policy},
                 "to_target": {policy: _range_json(entry) for policy, entry in ranges.items()},
-                **({"goal": goal_check(rows, steps)} if name == GOAL_PRESET else {}),
+                "per_step": per_step(rows),
+                **({"goal": goal_check(rows, steps), "step_goal": step_goal_check(rows)}
+                   if name == GOAL_PRESET else {}),
+                "previous": None if previous is None else {
+                    "dir": shown, "code": previous.get("code"),
+                    "command": previous.get("command"),
+                    "rows": previous_rows(previous, rows)},
                 "policies": [{
                     "policy": r.policy, "label": r.label, "steps_ratio": r.ratio,
                     "recipe": _prediction_json(r.recipe), "recipe_step_s": r.recipe_step_s,

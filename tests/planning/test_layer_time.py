@@ -125,7 +125,7 @@ def test_gemms_instance_by_instance_by_hand():
         k: v for k, v in even.items() if "gemm" not in k}
     # Rank 0 instance by instance: 6 rows (10/3 us) and an empty one, against 2 t(3)
     # = 14/3 us spread evenly; backward t(5) = 4 us against 2 t(2.5) = 14/3 us.
-    fwd, bwd = cost._instance_gemm_times(instances, 2)
+    fwd, bwd = cost.instance_gemm_times(instances, 2)
     assert fwd == pytest.approx(np.array([10 / 3, 5 / 3 + 9 / 2]) * 1e-6, rel=1e-12)
     assert bwd == pytest.approx(np.array([4, 16 / 3]) * 1e-6, rel=1e-12)
     # Read off a plan: its instances' hosts and column sums.
@@ -387,6 +387,21 @@ def test_layer_times_equal_layer_time_bit_for_bit(machine, num_ranks):
         assert (fwd[k], bwd[k]) == cost.layer_time(routed[k], retained[k])
     with pytest.raises(ValueError, match=r"\[K, 6, R\]"):
         cost.layer_times(loads[0])
+    # GEMMs instance by instance: every plan's instances in one instance_gemm_times call
+    # (ranks offset by plan) give layer_time with its instances, to the bit.
+    instances = []
+    for _ in range(len(routed)):
+        rank = np.sort(gen.integers(0, num_ranks, 3 * num_ranks))
+        rows = gen.integers(0, 60, len(rank))
+        instances.append(InstanceRows(rank, rows,
+                                      np.minimum(rows, gen.integers(0, 60, len(rank)))))
+    gemm = cost.instance_gemm_times(InstanceRows(
+        np.concatenate([i.rank + k * num_ranks for k, i in enumerate(instances)]),
+        np.concatenate([i.routed for i in instances]),
+        np.concatenate([i.retained for i in instances])), len(routed) * num_ranks)
+    fwd, bwd = cost.layer_times(loads, tuple(g.reshape(len(routed), num_ranks) for g in gemm))
+    for k in range(len(routed)):
+        assert (fwd[k], bwd[k]) == cost.layer_time(routed[k], retained[k], 0.0, instances[k])
 
 
 MATRIX_ROUTED = [[5, 2, 1], [0, 4, 6], [3, 0, 7]]     # source rank x destination rank
