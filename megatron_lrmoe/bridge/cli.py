@@ -35,8 +35,9 @@ from megatron_lrmoe.integration.runtime.compat import stub_bridge_imports_of_abs
 from megatron_lrmoe.options.lrmoe import OPTIONS
 
 # Every function here imports megatron.bridge, which imports modules that cannot be
-# installed everywhere (Transformer Engine: runtime/compat.py); stubbed for Bridge's own
-# importers, before the first Bridge import, only where the module is absent.
+# installed everywhere (Transformer Engine: megatron_lrmoe/integration/runtime/compat.py);
+# stubbed for Bridge's own importers, before the first Bridge import, only where the
+# module is absent.
 stub_bridge_imports_of_absent_modules()
 
 __all__ = ["TE_KERNEL_SWITCHES", "build_config", "build_parser", "check_final_values", "main",

@@ -30,11 +30,11 @@ with ``tools/fitting.py``:
 * per step at the fitting choice: the MoE time by part (``part_columns``: all-to-all and
   GEMM of each phase, the replica refresh, the rest), replicas per layer, the retained
   fraction, and the MoE time over the fitted SYMI-style's and dropless's (``per_step``);
-  at ``GOAL_PRESET`` the per-step goal of issue 46 (``step_goal_check``). A policy
+  at ``GOAL_PRESET`` the per-step goal (``step_goal_check``). A policy
   without a measured steps ratio (the gammas other than ``MEASURED_GAMMA``) has per-step
   figures only;
 * beside them, an earlier run's figures where its JSON is given (``--previous``,
-  default ``PREVIOUS_DIR``: the projections before issue 46).
+  default ``PREVIOUS_DIR``: the projections before the joint planner).
 
 Every policy alike: the device less ``RESERVE_GIB`` (the CUDA context and NCCL's buffers,
 which the memory account omits; ``--reserve-gib``); the MoE time the mean over
@@ -274,7 +274,7 @@ def lrmoe_flags(gamma: str) -> tuple[str, ...]:
 
 LRMOE_FLAGS = lrmoe_flags("1.0")
 GAMMAS = ("inf", "1.0", "0.75", "0.5", "0.4")
-"""The backward capacity factors LRMoE memory-aware is projected at (issue 46): inf
+"""The backward capacity factors LRMoE memory-aware is projected at: inf
 (placement alone, no drop), the default 1.0, and the deeper drops whose cost in steps
 no study has measured yet."""
 MEASURED_GAMMA = "1.0"
@@ -727,13 +727,13 @@ def goal_markdown(check: dict) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------- per step (issue 46)
+# --------------------------------------------------------------------------- per step
 BASELINES = (("megatron-dropless", "dropless"), ("symi", "symi"))
 """The fitted baselines every ratio is taken against: (policy, short name)."""
 STEP_GOAL = 0.75
 STEP_GOAL_POLICY = ma_policy("0.5")
 """At ``GOAL_PRESET``: LRMoE memory-aware at gamma 0.5 at most ``STEP_GOAL`` x the fitted
-SYMI-style's MoE seconds per step, within the device (issue 46). Per step only: no study
+SYMI-style's MoE seconds per step, within the device. Per step only: no study
 has measured the steps such a drop costs."""
 
 
@@ -790,7 +790,7 @@ def step_goal_check(rows: list[Projection], goal: float = STEP_GOAL) -> dict:
 
 
 def step_goal_markdown(check: dict, reserve_gib: float) -> str:
-    head = (f"**Goal, per step** (issue 46: LRMoE memory-aware at gamma 0.5 at most "
+    head = (f"**Goal, per step** (LRMoE memory-aware at gamma 0.5 at most "
             f"{check['goal']:.2f} x the fitted SYMI-style's MoE seconds per step, within "
             f"the device): **{check['verdict']}**")
     if "ratio" not in check:
@@ -803,7 +803,8 @@ def step_goal_markdown(check: dict, reserve_gib: float) -> str:
 
 
 PREVIOUS_DIR = ROOT / "benchmarks" / "results" / "projections" / "previous"
-"""The stored projections before issue 46 (the old planner and window, no reserve), read
+"""The stored projections before the joint placement-and-retention planner (commit
+5411dfd; the old planner and window, no reserve), read
 for the "before" table (``--previous``)."""
 
 
@@ -842,7 +843,7 @@ def previous_markdown(previous: dict, rows: list[Projection], reserve_gib: float
     lines = [f"Before (`{source}`: {previous.get('code', '?')}, "
              f"`{previous.get('command', '?')}`; reserve {old_reserve:g} GiB, the warm-up "
              "step inside its time window, memory as the most saved bytes over all calls "
-             "plus the most replica bytes, the planner before issue 46; its replicas per "
+             "plus the most replica bytes, the greedy-prefix planner; its replicas per "
              "layer were not stored) and now, each at its fitting choice:", "",
              "| policy | before: fitting choice | need GiB | MoE s/step | now: fitting choice "
              "| need + reserve GiB | MoE s/step | replicas per layer | MoE now / before |",

@@ -3,6 +3,7 @@ presets parse as the launcher parses them, and one small projection end to end."
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -115,7 +116,9 @@ def test_a_small_projection_end_to_end():
         assert r.recipe.fits and r.recipe.candidate.fitted == "recipe"
         assert r.choice_step_s == pytest.approx(r.choice.step_s)
         assert r.largest is not None and r.largest[0] == 2
-    assert free[-1].ratio == 0.9 and free[1].ratio == 1.2
+    by = {r.policy: r for r in free}
+    assert by[P.ma_policy("1.0")].ratio == 0.9 and free[1].ratio == 1.2
+    _check_gamma_rows(context, free)
 
     # A device just below the dropless need: dropless gives something up to fit.
     dropless = free[0].choice
@@ -200,3 +203,110 @@ def test_window_check_compares_a_window_with_its_double():
     assert moved["time_change"] > 0
     assert moved["memory_change"] > P.WINDOW_TOLERANCE and not moved["within"]
     assert moved["moe_gib_doubled"] > 1.5 * steady["moe_gib_doubled"]
+
+
+def _check_gamma_rows(context: dict, rows: list[P.Projection]) -> None:
+    """The memory-aware rows: one per gamma, named by it; their parts add up to the simulator's
+    MoE time; the per-step ratios are the quotients of the rows' own times; a gamma
+    without a measured steps ratio says so and has no figure to target."""
+    by = {r.policy: r for r in rows}
+    labels = {r.label for r in rows}
+    for g in ("inf", "1.0", "0.75", "0.5", "0.4"):
+        assert f"LRMoE memory-aware, gamma {g}" in labels
+        r = by[f"lrmoe-uniform-g{g}-ma"]
+        # The backward keeps at most C = ceil(gamma x total / R) pairs per rank
+        # (retention.capacity_for_factor): the retained fraction at most gamma plus the
+        # rounding (R / total pairs of a call); gamma inf keeps every pair.
+        if g == "inf":
+            assert r.choice.retained == 1.0
+        else:
+            assert r.choice.retained <= float(g) + 1e-2
+    assert by["lrmoe-uniform-g0.4-ma"].choice.retained < 1.0    # the skewed trace drops
+    dropless, symi = by["megatron-dropless"].choice, by["symi"].choice
+    ratios = P.per_step(rows)
+    for r in rows:
+        for p in (r.recipe, r.choice):      # the recipe runs `moe` recompute: forwards twice
+            assert sum(p.parts_s.values()) == pytest.approx(p.moe_s, rel=1e-12)
+            parts = P.part_columns(p)
+            assert list(parts) == list(P.PART_COLUMNS)
+            assert sum(parts.values()) == pytest.approx(p.moe_s, rel=1e-12)
+            assert parts["all-to-all fwd"] > 0 and parts["GEMM bwd"] > 0
+        assert r.recipe.moe_s > r.choice.moe_s     # the rerun forward costs time
+        assert ratios[r.policy]["moe_vs_symi"] == r.choice.moe_s / symi.moe_s
+        assert ratios[r.policy]["moe_vs_dropless"] == r.choice.moe_s / dropless.moe_s
+        replicas = r.choice.replicas
+        assert replicas == 0 if r.policy in ("megatron-dropless", "lrmoe-uniform-g1.0") \
+            else replicas >= 0
+    targets = P.to_target(rows, None)
+    assert P.ma_policy("1.0") in targets and P.ma_policy("0.5") not in targets
+    text = P.report_markdown(_tiny_preset(8.0), context, rows, "cmd", "code")
+    main, by_part = text.split("by part")
+    table = {line.split(" | ")[0][2:]: line for line in main.splitlines()
+             if line.startswith("| ")}
+    assert table["LRMoE memory-aware, gamma 0.5"].count(P.NO_STEPS_RATIO) == 5
+    assert P.NO_STEPS_RATIO not in table["LRMoE memory-aware, gamma 1.0"]
+    # The parts table: one row per policy after the main table's, its ratios printed.
+    part_rows = [line for line in by_part.splitlines()
+                 if line.startswith("| LRMoE memory-aware, gamma 0.4")]
+    g04 = by[P.ma_policy("0.4")].choice
+    assert len(part_rows) == 1 and part_rows[0].endswith(
+        f"| {g04.moe_s / symi.moe_s:.3f} | {g04.moe_s / dropless.moe_s:.3f} |")
+
+
+def test_the_per_step_goal_by_hand():
+    def row(policy: str, moe_s: float | None) -> P.Projection:
+        choice = None if moe_s is None else replace(
+            F.Prediction(F.Candidate(policy, "none"), F.MemoryAccount(1.0, 0, 0, 0, 0, None),
+                         moe_s, moe_s + 1.0))
+        return P.Projection(policy, policy, choice, choice, math.nan, math.nan, None,
+                            math.nan)
+
+    rows = [row("megatron-dropless", 50.0), row("symi", 40.0), row(P.STEP_GOAL_POLICY, 30.0)]
+    check = P.step_goal_check(rows)
+    assert check["verdict"] == "met" and check["ratio"] == 0.75    # at the goal: met
+    rows[2] = row(P.STEP_GOAL_POLICY, 30.5)
+    check = P.step_goal_check(rows)
+    assert check["verdict"] == "not met" and check["ratio"] == pytest.approx(30.5 / 40)
+    assert "**not met**: 0.762 x (30.50 s against 40.00 s" in P.step_goal_markdown(check, 3.0)
+    assert P.per_step(rows)[P.STEP_GOAL_POLICY] == {"moe_vs_dropless": 30.5 / 50,
+                                                   "moe_vs_symi": 30.5 / 40}
+    rows[1] = row("symi", None)
+    assert P.step_goal_check(rows)["verdict"] == "not assessed (SYMI-style fits nothing)"
+    assert "moe_vs_symi" not in P.per_step(rows)[P.STEP_GOAL_POLICY]
+    rows[2] = row(P.STEP_GOAL_POLICY, None)
+    assert P.step_goal_check(rows)["verdict"].startswith("not met (LRMoE")
+
+
+def test_the_previous_run_beside_this_one(tmp_path):
+    rows = [P.Projection(name, P.POLICIES[name][0], None, F.Prediction(
+        F.Candidate(name, "recipe"), F.MemoryAccount(2 * GIB, 0, 0, 0, 0, None), moe_s,
+        moe_s + 1.0, replicas=replicas), math.nan, math.nan, None, math.nan)
+        for name, moe_s, replicas in (("symi", 30.0, 144.0), (P.ma_policy("1.0"), 24.0, 40.0),
+                                      (P.ma_policy("0.5"), 20.0, 42.0))]
+    old = {"code": "commit abc1234", "command": "python -m ... --steps 6",
+           "context": {"reserve_gib": 0.0},
+           "policies": [{"policy": "symi", "choice": {"fitted": "slots 17", "need_gib": 78.7,
+                                                      "moe_s": 33.18}},
+                        {"policy": P.ma_policy("1.0"), "choice": None},
+                        {"policy": "megatron-dropless", "choice": None}]}
+    (tmp_path / "projections_x.json").write_text(json.dumps(old))
+    previous = P.read_previous(tmp_path, "x")
+    assert P.read_previous(tmp_path, "y") is None and P.read_previous(None, "x") is None
+    got = P.previous_rows(previous, rows)
+    # Only the policies both runs projected, in this run's order; gamma 0.5 is new.
+    assert [e["policy"] for e in got] == ["symi", P.ma_policy("1.0")]
+    assert got[0]["before_moe_s"] == 33.18 and got[0]["now_moe_s"] == 30.0
+    assert got[1]["before_fitted"] is None and got[1]["now_need_gib"] == 2.0
+    text = P.previous_markdown(previous, rows, 3.0, "old/dir")
+    assert "`old/dir`: commit abc1234" in text and "reserve 0 GiB" in text
+    assert f"| SYMI-style | slots 17 | 78.7 | 33.18 | recipe | 2.0 + 3 | 30.00 | 144.0 | " \
+        f"{30.0 / 33.18:.3f} |" in text
+    assert "| nothing fits | - | - | recipe | 2.0 + 3 | 24.00 | 40.0 | - |" in text
+
+
+def test_the_stored_previous_run_is_the_one_before_issue_46():
+    # The "before" table reads these copies; they must name the run they came from.
+    for name in P.PRESETS:
+        previous = P.read_previous(P.PREVIOUS_DIR, name)
+        assert previous is not None and previous["preset"] == name
+        assert previous["code"] == "commit a6559e2"

@@ -42,7 +42,8 @@ def _file(tmp_path, name="steps.json", seeds=True, ep=None, lrmoe_policy="lrmoe-
 
 def _row(policy: str, moe_s: float | None, step_s: float = 10.0) -> P.Projection:
     choice = None if moe_s is None else SimpleNamespace(
-        moe_s=moe_s, need=2**30, error="", candidate=SimpleNamespace(fitted="none"))
+        moe_s=moe_s, need=2**30, error="", candidate=SimpleNamespace(fitted="none"),
+        parts_s={"forward_alltoall": moe_s}, replicas=0.0, retained=1.0)
     recipe = SimpleNamespace(error="", fits=True, need=2**30)
     return P.Projection(policy=policy, label=policy, recipe=recipe, choice=choice,
                         choice_step_s=step_s if choice else math.nan,
@@ -202,6 +203,8 @@ def test_the_report_carries_the_ranges_and_the_goal(tmp_path):
     assert ("| 0.880 [0.800, 0.990] |" in row and "| 0.400 [0.400, 0.550] |" in row
             and "| 0.352 [0.320, 0.396] |" in row)
     assert "measured at EP 16; this preset's EP 16" in text and "**met**" in text
+    # The per-step goal names its own policy (gamma 0.5), not projected here.
+    assert f"**not met (LRMoE {P.STEP_GOAL_POLICY} not projected)**" in text
     other = P.report_markdown(P.PRESETS["qwen3-30b-a3b-8xh100"], context, _rows(2.0),
                               "cmd", "code", steps, 8)
     assert "**Goal**" not in other
