@@ -1108,7 +1108,7 @@ def main(argv: list[str] | None = None) -> int:
                     "choice": _prediction_json(r.choice), "choice_step_s": r.choice_step_s,
                     "largest_micro_batch": None if r.largest is None else r.largest[0],
                     "tried": [_prediction_json(p) for p in r.tried]} for r in rows]},
-                indent=1, default=str))
+                indent=None, separators=(",", ":"), default=str))
     return 0
 
 

@@ -44,6 +44,13 @@ def policies(budget_gb: float | str) -> dict[str, list[str]]:
     out["lrmoe-uniform-g0.75-m0.25"] = flags
     out["lrmoe-uniform-g0.75-m0.25-ma"] = flags + ["--moe-lrmoe-placement", "memory-aware",
                                                    *budget]
+    # The planner's range (benchmarks/results/planner_ep16_cpu/): no drop unless memory
+    # needs it (gamma inf), and a deep drop (0.5); memory-aware only.
+    for gamma in ("inf", "0.5"):
+        out[f"lrmoe-uniform-g{gamma}-ma"] = [
+            "--moe-lrmoe", "--moe-lrmoe-selection", "uniform",
+            "--moe-lrmoe-bwd-capacity-factor", gamma, "--moe-lrmoe-placement", "memory-aware",
+            *budget]
     return out
 
 

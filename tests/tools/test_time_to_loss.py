@@ -196,6 +196,12 @@ def test_every_policy_has_the_flags_it_names():
         assert flags[flags.index("--moe-lrmoe-selection") + 1] == selection
         assert flags[flags.index("--moe-lrmoe-placement") + 1] == "memory-aware"
         assert flags[flags.index("--moe-lrmoe-memory-budget-gb") + 1] == "0.5"
+    for gamma in ("inf", "1.0", "0.75", "0.5"):     # the planner's range, memory-aware
+        flags = table[f"lrmoe-uniform-g{gamma}-ma"]
+        assert flags[flags.index("--moe-lrmoe-bwd-capacity-factor") + 1] == gamma
+        assert flags[flags.index("--moe-lrmoe-selection") + 1] == "uniform"
+        assert flags[flags.index("--moe-lrmoe-placement") + 1] == "memory-aware"
+        assert flags[flags.index("--moe-lrmoe-memory-budget-gb") + 1] == "0.5"
 
 
 def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch, capsys):
