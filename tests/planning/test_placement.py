@@ -844,15 +844,19 @@ def _plans_with_threads(threads: int) -> list[tuple]:
     """A gloo pool task: this rank plans a run at ``threads`` torch threads."""
     import torch.distributed as dist
 
+    before = torch.get_num_threads()
     torch.set_num_threads(threads + dist.get_rank())
-    micro = [_step_counts(16, 128, 1024 * 8, 4, seed, 1.0, 1.0) for seed in range(5)]
-    cost = _dominance_cost(16, 128, 4)
-    planner = LayerPlanner(PlannerSettings("memory-aware", 16, 128, capacity_factor=1.0,
-                                           budget_bytes=cost.balanced_dropless_need() * 1.5,
-                                           cost=cost))
-    out = _run_steps(planner, [[torch.from_numpy(c) for c in m] for m in micro])
-    return [(torch.get_num_threads(), replicas, [q.numpy().tobytes() for q in quotas])
-            for replicas, quotas in out]
+    try:       # the pool's workers outlive the task: their thread count is given back
+        micro = [_step_counts(16, 128, 1024 * 8, 4, seed, 1.0, 1.0) for seed in range(5)]
+        cost = _dominance_cost(16, 128, 4)
+        planner = LayerPlanner(PlannerSettings(
+            "memory-aware", 16, 128, capacity_factor=1.0,
+            budget_bytes=cost.balanced_dropless_need() * 1.5, cost=cost))
+        out = _run_steps(planner, [[torch.from_numpy(c) for c in m] for m in micro])
+        return [(torch.get_num_threads(), replicas, [q.numpy().tobytes() for q in quotas])
+                for replicas, quotas in out]
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_same_plans_on_ranks_with_different_thread_counts(gloo2):
