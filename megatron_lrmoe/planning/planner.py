@@ -515,8 +515,8 @@ class LayerPlanner:
             plans.append(kept if kept is not None and len(kept) == len(priced) else
                          [self._unbudgeted(c, self._context(placement)) for c in priced])
         best: tuple[float, int, Placement] | None = None
-        for placement, planned, time in zip(finalists, plans, self._judged_times(plans),
-                                            strict=True):
+        finalist_times = self._judged_times(plans)        # static's first
+        for placement, planned, time in zip(finalists, plans, finalist_times, strict=True):
             if not (placement is static.placement
                     or self._fits(planned, planned[0].ctx, allowed)):
                 continue
@@ -526,7 +526,7 @@ class LayerPlanner:
                         and len(placement.replicas) < best[1])):
                 best = (time, len(placement.replicas), placement)
         time, _, placement = best
-        static_time = self._judged_times(plans[:1])[0]
+        static_time = finalist_times[0]
         if placement is static.placement:
             return placement, (f"memory-aware: no candidate pays off within the budget "
                                f"(static {time * 1e3:.3f} ms, {len(judged)} candidates)",)
