@@ -276,9 +276,14 @@ def _profile_one(cfg, layer, gamma, x, dy, sync, barrier) -> dict[str, str]:
     if hasattr(layer, "finish_step"):
         layer.finish_step()
     sort = "self_device_time_total" if cfg["device"] == "cuda" else "self_cpu_time_total"
+    # By input shape, ops of one name split by what they move: e.g. the compaction of
+    # x and z to the retained rows ([routed, H] and [routed, F1] read at [retained]).
+    by_shape = cfg["profile_by_shape"]
     return {
-        "forward": prof_f.key_averages().table(sort_by=sort, row_limit=18),
-        "backward": prof_b.key_averages().table(sort_by=sort, row_limit=25),
+        "forward": prof_f.key_averages(group_by_input_shape=by_shape).table(
+            sort_by=sort, row_limit=30 if by_shape else 18),
+        "backward": prof_b.key_averages(group_by_input_shape=by_shape).table(
+            sort_by=sort, row_limit=40 if by_shape else 25),
     }
 
 
@@ -796,6 +801,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=_capacities, default=None,
                    help="also profile one forward/backward of Megatron and of LRMoE at these "
                         "capacities (torch.profiler, rank 0), appended to the output")
+    p.add_argument("--profile-by-shape", action="store_true",
+                   help="--profile's tables grouped by input shape as well as op name")
     p.add_argument("--system-malloc", action="store_true",
                    help="CPU: leave glibc malloc at its defaults (big buffers are mmapped "
                         "and page-faulted in again every step)")

@@ -11,7 +11,6 @@ once per layer and micro-batch, where a torch op costs ~10 us and a numpy op ~1 
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import numpy as np
@@ -78,14 +77,15 @@ class LayerMemory:
         per home expert with two or more replicas (their sum), and one dW1 of the sum's
         temporary where an expert has three or more."""
         s = self.shape
-        served = np.zeros(placement.num_ranks)
-        multi = np.zeros(placement.num_ranks)
-        many = np.zeros(placement.num_ranks)
-        for e, n in collections.Counter(e for e, _ in placement.replicas).items():
-            home = placement.home_rank(e)
-            served[home] += n
-            multi[home] += n >= 2
-            many[home] = max(many[home], float(n >= 3))
+        num_ranks = placement.num_ranks
+        per_expert = np.bincount(np.array([e for e, _ in placement.replicas], dtype=np.int64),
+                                 minlength=placement.num_experts)                 # [E]
+        home = np.arange(placement.num_experts) // placement.experts_per_rank
+        # counts of small integers, exact in float64 whichever order they add in
+        served = np.bincount(home, weights=per_expert, minlength=num_ranks)
+        multi = np.bincount(home, weights=per_expert >= 2, minlength=num_ranks)
+        many = (np.bincount(home, weights=per_expert >= 3, minlength=num_ranks) > 0
+                ).astype(np.float64)
         grad = s.grad_dtype_bytes or s.dtype_bytes
         return grad * ((served + multi) * s.weight_elements
                        + many * s.fc1_size * s.hidden_size)

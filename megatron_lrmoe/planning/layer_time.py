@@ -216,9 +216,15 @@ class LayerTime:
         act_f, act_b = (_ACT_PASSES_GATED if s.gated else _ACT_PASSES_PLAIN)
         if s.megatron_layer:
             act_b -= _ACT_RECOMPUTE_PASSES_GATED if s.gated else _ACT_RECOMPUTE_PASSES_PLAIN
-        gathered = np.where(retained < routed, 2.0 * (h + f1), 0.0)   # x, z per instance
-        f_elems = routed * (reorder * h + act_f * f) + sent * 3 * h + t * h
-        b_elems = (retained * (reorder * h + act_b * f) + retained * gathered
+        # Where a rank drops, x and z of its retained rows are gathered (read and
+        # written): in forward when the retained set is drawn there (compacted before
+        # they are saved, layer/region.py), else in backward before the expert GEMMs.
+        gathered = retained * np.where(retained < routed, 2.0 * (h + f1), 0.0)
+        forward_gather = gathered if s.forward_retention else 0.0
+        backward_gather = 0.0 if s.forward_retention else gathered
+        f_elems = (routed * (reorder * h + act_f * f) + forward_gather + sent * 3 * h
+                   + t * h)
+        b_elems = (retained * (reorder * h + act_b * f) + backward_gather
                    + sent * 2 * h + kept * 4 * h + t * h)
         per_byte = s.dtype_bytes / m.memory_bytes_per_s
         return f_gemm, f_elems * per_byte, b_gemm, b_elems * per_byte

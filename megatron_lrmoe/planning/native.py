@@ -15,6 +15,7 @@ small array ops (~1 us each); here it is one pass over a few thousand integers.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -45,16 +46,19 @@ def native_available() -> bool:
 
 
 def native_planner(placement: Placement, cost: CostModel | None,
-                   replicas: np.ndarray) -> Any:
+                   replicas: np.ndarray, returned: np.ndarray | None = None) -> Any:
     """The compiled planner of ``placement`` (with ``cost``'s rank memory when given;
-    ``replicas`` [R]: the replicas each rank hosts)."""
+    ``replicas`` [R]: the replicas each rank hosts; ``returned`` [R]: the placement's
+    ``cost.returned_gradient_bytes``, computed here when not given)."""
     if _NativePlanner is None:
         raise RuntimeError("megatron_lrmoe._kernels has no NativePlanner: rebuild the "
                            "extension (pip install --no-build-isolation -e .)")
+    if cost is not None and returned is None:
+        returned = cost.returned_gradient_bytes(placement)
     return _NativePlanner(placement.num_ranks, placement.num_experts,
                           list(placement.instance_rank), list(placement.instance_expert),
                           list(placement.home_instance),
-                          None if cost is None else _memory_model(cost, replicas, placement))
+                          None if cost is None else _memory_model(cost, replicas, returned))
 
 
 def native_greedy(routed: list[int], num_ranks: int, num_experts: int) -> Any:
@@ -92,26 +96,38 @@ def native_popularity(experts: list[int], extra_of: list[int], per_instance: lis
 
 
 def _memory_model(cost: CostModel, replicas: np.ndarray,
-                  placement: Placement) -> dict[str, Any]:
+                  returned: np.ndarray) -> dict[str, Any]:
     """The per-rank terms and byte counts ``CostModel.rank_memory`` reads, taken from the
-    cost model itself (its ``_layout``, ``_held_weight_grads``, ``_grouped_terms`` and
-    ``returned_gradient_bytes``, which the planner budgets on every micro-batch), so that
-    the compiled rank memory starts from the very numbers the Python one does."""
+    cost model itself (its ``_layout``, ``_held_weight_grads`` and ``_grouped_terms``, and
+    the placement's ``returned`` gradient bytes, which the planner budgets on every
+    micro-batch), so that the compiled rank memory starts from the very numbers the
+    Python one does. The per-rank terms depend on a rank's replica count only, so they
+    are read from a table of each count (``_rank_terms``: the same elementwise
+    arithmetic, the same bits)."""
+    constants, table = _rank_terms(cost)
+    rows = table[:, np.asarray(replicas, dtype=np.int64)]
+    return {**constants, "nrep": rows[0], "rc": rows[1], "w1": rows[2], "w2": rows[3],
+            "held_dw2": rows[4], "held_dw": rows[5],
+            "returned": np.array(returned, dtype=np.float64)}
+
+
+@functools.lru_cache(maxsize=16)
+def _rank_terms(cost: CostModel) -> tuple[dict[str, Any], np.ndarray]:
+    """(the placement-free entries of ``_memory_model``; [6, E - E/R + 1] float64 table
+    of nrep, rc, w1, w2, held_dw2 and held_dw at each replica count a rank can host)."""
     s = cost.shape
-    xc, rc, local = cost._layout(replicas)
-    held_dw2, held_dw = cost._held_weight_grads(replicas, local)
+    counts = np.arange(s.num_experts + 1, dtype=np.float64)
+    xc, rc, local = cost._layout(counts)
+    held_dw2, held_dw = cost._held_weight_grads(counts, local)
     dw1, dw2, _ = cost._grouped_terms(1.0)                  # one expert's dW1, dW2
-    num_ranks = len(replicas)
     if s.grouped_gemm:
         w1, w2, conv = cost._grouped_terms(local)
     else:
-        w1, w2, conv = np.zeros(num_ranks), np.zeros(num_ranks), 0.0
+        w1, w2, conv = np.zeros(len(counts)), np.zeros(len(counts)), 0.0
     p = s.source_pairs
-
-    def per_rank(value) -> np.ndarray:
-        return np.broadcast_to(np.asarray(value, dtype=np.float64), (num_ranks,)).copy()
-
-    return {
+    table = np.stack([np.broadcast_to(np.asarray(v, dtype=np.float64), counts.shape)
+                      for v in (counts, rc, w1, w2, held_dw2, held_dw)])
+    constants = {
         "grouped": s.grouped_gemm, "forward_retention": s.forward_retention,
         "xc": float(xc), "conv": float(conv), "row": s.row_bytes,
         "sr": s.saved_bytes_per_routed_pair, "p": p, "pss": p * s.saved_bytes_per_source_pair,
@@ -123,8 +139,6 @@ def _memory_model(cost: CostModel, replicas: np.ndarray,
         "kappa_mif": s.kept_layers_fraction * s.microbatches_in_flight,
         "kappa": float(s.kept_layers_fraction), "rerun": s.rerun_output_bytes,
         "lyr": s.num_layers, "mif": s.microbatches_in_flight,
-        "nrep": per_rank(replicas), "rc": per_rank(rc), "w1": per_rank(w1), "w2": per_rank(w2),
-        "held_dw2": per_rank(held_dw2), "held_dw": per_rank(held_dw),
-        "returned": per_rank(cost.returned_gradient_bytes(placement)),
         "replica_dw": float(dw1 + dw2), "replica_dw2": float(dw2),
     }
+    return constants, table

@@ -40,6 +40,9 @@ class Placement:
     """[I] rank hosting instance i."""
     home_instance: tuple[int, ...] = field(init=False, repr=False, compare=False)
     """[E] instance id of expert e's home."""
+    rank_starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """[R + 1] first instance id of each rank, then the number of instances: rank ``r``
+    hosts instances ``rank_starts[r]`` up to ``rank_starts[r + 1]``."""
 
     def __post_init__(self) -> None:
         num_ranks, num_experts = self.num_ranks, self.num_experts
@@ -50,33 +53,38 @@ class Placement:
             raise ValueError(f"Placement.num_experts={num_experts} must be a multiple of "
                              f"num_ranks={num_ranks}")
         per_rank = num_experts // num_ranks
-        replicas = sorted(((int(e), int(r)) for e, r in self.replicas), key=lambda p: (p[1], p[0]))
-        for (e, r), previous in zip(replicas, [None, *replicas], strict=False):
+        # Plain loops over ints: the memory-aware choice builds a dozen placements per
+        # layer and step, so this stays lean (no per-item key functions or generators).
+        replicas = sorted((int(r), int(e)) for e, r in self.replicas)
+        seen = set()
+        hosted: list[list[int]] = [[] for _ in range(num_ranks)]
+        for r, e in replicas:
             if not (0 <= e < num_experts and 0 <= r < num_ranks):
                 raise ValueError(f"Placement.replicas: ({e}, {r}) out of range "
                                  f"(E={num_experts}, R={num_ranks})")
             if r == e // per_rank:
                 raise ValueError(f"Placement.replicas: ({e}, {r}) is expert {e}'s home rank")
-            if (e, r) == previous:
+            if (r, e) in seen:
                 raise ValueError(f"Placement.replicas: ({e}, {r}) appears twice")
-        object.__setattr__(self, "replicas", tuple(replicas))
+            seen.add((r, e))
+            hosted[r].append(e)
+        object.__setattr__(self, "replicas", tuple((e, r) for r, e in replicas))
 
         instance_expert: list[int] = []
         instance_rank: list[int] = []
-        home = [0] * num_experts
-        hosted = [[] for _ in range(num_ranks)]
-        for e, r in replicas:
-            hosted[r].append(e)
+        home: list[int] = []
+        starts = [0]
         for r in range(num_ranks):
-            for e in range(r * per_rank, (r + 1) * per_rank):
-                home[e] = len(instance_expert)
-                instance_expert.append(e)
-                instance_rank.append(r)
+            first = len(instance_expert)
+            home.extend(range(first, first + per_rank))
+            starts.append(first + per_rank + len(hosted[r]))
+            instance_expert.extend(range(r * per_rank, (r + 1) * per_rank))
             instance_expert.extend(hosted[r])
-            instance_rank.extend([r] * len(hosted[r]))
+            instance_rank.extend([r] * (per_rank + len(hosted[r])))
         object.__setattr__(self, "instance_expert", tuple(instance_expert))
         object.__setattr__(self, "instance_rank", tuple(instance_rank))
         object.__setattr__(self, "home_instance", tuple(home))
+        object.__setattr__(self, "rank_starts", tuple(starts))
 
     @classmethod
     def static(cls, num_ranks: int, num_experts: int) -> Placement:
@@ -96,17 +104,6 @@ class Placement:
     def home_rank(self, expert: int) -> int:
         """Rank owning expert's weights and optimizer state (Megatron's layout)."""
         return expert // self.experts_per_rank
-
-    @cached_property
-    def rank_starts(self) -> tuple[int, ...]:
-        """[R + 1] first instance id of each rank, then the number of instances: rank
-        ``r`` hosts instances ``rank_starts[r]`` up to ``rank_starts[r + 1]``."""
-        counts = [0] * (self.num_ranks + 1)
-        for r in self.instance_rank:
-            counts[r + 1] += 1
-        for r in range(self.num_ranks):
-            counts[r + 1] += counts[r]
-        return tuple(counts)
 
     def rank_instances(self, rank: int) -> range:
         """Instance ids on ``rank`` (contiguous: homes first, then replicas by expert)."""
@@ -131,10 +128,8 @@ class Placement:
 
     def replicas_per_rank(self) -> tuple[int, ...]:
         """[R] replica instances each rank hosts (what costs it replica memory)."""
-        out = [0] * self.num_ranks
-        for _, r in self.replicas:
-            out[r] += 1
-        return tuple(out)
+        per_rank, starts = self.experts_per_rank, self.rank_starts
+        return tuple(starts[r + 1] - starts[r] - per_rank for r in range(self.num_ranks))
 
     def describe(self) -> str:
         """One line for logs."""

@@ -6,6 +6,7 @@ Shared by ``planner.LayerPlanner`` and the placement policies it calls
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,6 +122,11 @@ class PlannerSettings:
         """Instance slots per rank for ``popularity``: the explicit value, the budget's
         (E/R plus the replicas that fit in the layer share after the balanced dropless
         execution buffers), or the smaller of the two; at least E/R, at most E."""
+        return self._popularity_slots
+
+    @functools.cached_property
+    def _popularity_slots(self) -> int:
+        # Computed once: the memory-aware choice reads it every step (frozen settings).
         per_rank = self.num_experts // self.num_ranks
         slots = self.slots_per_rank
         share = self.layer_share

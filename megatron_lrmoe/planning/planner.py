@@ -28,6 +28,7 @@ from megatron_lrmoe.planning.instance_assignment import (
 from megatron_lrmoe.planning.native import native_available, native_planner
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.placement_policies import (
+    PairSeconds,
     dhondt_order,
     greedy_replicas,
     local_greedy_replicas,
@@ -124,6 +125,8 @@ class LayerPlanner:
         self._contexts: dict[Placement, _PlacementContext] = {}
         self._placements: dict[tuple[tuple[int, int], ...], Placement] = {}
         self._replica_costs: dict[int, float] = {}
+        self._receive_limits: dict[tuple[int, float], int] = {}   # _receive_limit's
+        self._pair_seconds_value: PairSeconds | None = None
         self.last_memory: np.ndarray | None = None
         """[R] bytes the latest ``plan`` holds on each rank (``CostModel.rank_memory``),
         computed whenever the settings carry a cost model (a budget, or a run held to its
@@ -373,18 +376,43 @@ class LayerPlanner:
             if len(self._contexts) >= _CACHED_PLACEMENTS:
                 self._contexts.clear()
             replicas = np.asarray(placement.replicas_per_rank(), dtype=np.int64)
-            cost, share = self.settings.cost, self.settings.layer_share
+            cost = self.settings.cost
             returned = 0.0 if cost is None else cost.returned_gradient_bytes(placement)
-            limit = (None if share is None
-                     else cost.receive_limit(share, replicas, returned=returned))
-            ctx = _PlacementContext(placement, replicas, limit,
+            ctx = _PlacementContext(placement, replicas, self._receive_limit(replicas, returned),
                                     np.asarray(placement.rank_starts[:-1], dtype=np.int64),
                                     np.asarray(placement.instance_rank, dtype=np.int64),
                                     _busiest(placement),
-                                    native_planner(placement, cost, replicas)
+                                    native_planner(placement, cost, replicas, returned)
                                     if self.native else None, returned)
             self._contexts[placement] = ctx
         return ctx
+
+    def _pair_seconds(self) -> PairSeconds:
+        """``pair_seconds`` of the settings' cost model (a constant of the planner)."""
+        if self._pair_seconds_value is None:
+            self._pair_seconds_value = pair_seconds(self.settings.cost)
+        return self._pair_seconds_value
+
+    def _receive_limit(self, replicas: np.ndarray, returned: np.ndarray | float
+                       ) -> np.ndarray | None:
+        """``CostModel.receive_limit`` of the layer share (None without a budget). Each
+        rank's limit depends on its replica count and returned bytes only (elementwise
+        arithmetic), so it is kept per such pair: candidates repeat them."""
+        share = self.settings.layer_share
+        if share is None:
+            return None
+        keys = list(zip(replicas.tolist(), np.broadcast_to(
+            returned, replicas.shape).tolist(), strict=True))
+        memo = self._receive_limits
+        if len(memo) > 4096:
+            memo.clear()
+        new = list(dict.fromkeys(k for k in keys if k not in memo))
+        if new:
+            limits = self.settings.cost.receive_limit(
+                share, np.array([n for n, _ in new], dtype=np.int64),
+                returned=np.array([b for _, b in new], dtype=np.float64))
+            memo.update(zip(new, limits.tolist(), strict=True))
+        return np.array([memo[k] for k in keys], dtype=np.int64)
 
     # -------------------------------------------------------------- per step
     def next_step(self) -> None:
@@ -442,7 +470,7 @@ class LayerPlanner:
         the simulator judges a call (``_judged_time``: GEMMs instance by instance, plus
         the replicas' refresh and reduction amortised over the step). A candidate
         qualifies if it is faster than static, its peak memory fits the layer share (at
-        gamma = inf: no larger than max(share, static's peak)) and the budget's receive
+        every gamma: nothing gives way at inf) and the budget's receive
         limits do not bind on its routing. Stage 2 prices static, the ``FINALISTS``
         fastest qualifying candidates and SYMI-style's (at the ``popularity`` policy's
         slots and at the most that fit) again on the
@@ -453,16 +481,19 @@ class LayerPlanner:
         Only the qualification and the bisection's start read the budget.
         """
         s = self.settings
-        counts = torch.round(self.smoothed_counts).to(torch.int64).numpy()   # checked below
         share = s.layer_share
         static = self._context(self._placement(()))
+        counts = check_assignment_counts(
+            torch.round(self.smoothed_counts).to(torch.int64).numpy(), static.placement)
         base = self._unbudgeted(counts, static)
-        # At gamma = inf replicas may not add to an excess static already has; at a
-        # finite gamma a candidate must fit outright, or the budget would lower gamma
-        # for it and it would buy its time with drops.
-        allowed = max(share, base.peak) if math.isinf(s.capacity_factor) else share
+        # A candidate must fit the share outright: at a finite gamma the budget would
+        # otherwise lower gamma for it (buying its time with drops); at gamma = inf
+        # nothing can give way when the next step's routing is hotter than the counts
+        # it was judged on, so replicas only take memory static leaves free.
+        allowed = share
         judged: dict[Placement, _Candidate] = {}
-        priced = [np.rint(c).astype(np.int64) for c in self._priced_counts]
+        priced = [check_assignment_counts(np.rint(c).astype(np.int64), static.placement)
+                  for c in self._priced_counts]
 
         def judge(name: str, replicas: tuple[tuple[int, int], ...], every: bool = False
                   ) -> bool:
@@ -494,7 +525,7 @@ class LayerPlanner:
         if slots > s.num_experts // s.num_ranks:
             judge(f"popularity {slots} slots, locality-aware", popularity_replicas(
                 counts.sum(0), s.num_ranks, s.num_experts, slots, counts,
-                pair_seconds(s.cost), native=self.native, order=order)[0])
+                self._pair_seconds(), native=self.native, order=order)[0])
 
         # Stage 1: every candidate priced on the smoothed counts, in one batch.
         times = self._judged_times([[c.planned] for c in judged.values()])
@@ -622,11 +653,11 @@ class LayerPlanner:
         return out
 
     def _unbudgeted(self, counts: np.ndarray, ctx: _PlacementContext) -> _Unbudgeted:
-        """The plan of ``ctx``'s placement on ``counts`` without the budget's influence:
-        instance assignment without receive limits, gamma as set (``_Unbudgeted``)."""
+        """The plan of ``ctx``'s placement on ``counts`` (checked: ``check_assignment_counts``)
+        without the budget's influence: instance assignment without receive limits, gamma
+        as set (``_Unbudgeted``)."""
         s = self.settings
-        n = check_assignment_counts(counts, ctx.placement)
-        assignment, cells, routed = self._assign(n, ctx, None)
+        assignment, cells, routed = self._assign(counts, ctx, None)   # checked by the caller
         gamma = float(s.capacity_factor)
         make_retention, quotas = self._retention(assignment, cells, gamma, ctx, routed)
         peak = float(np.maximum.reduce(self._memory(ctx, routed, cells, quotas)))

@@ -55,18 +55,21 @@ def _arg(case: Case) -> str:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    """Every case's record, from one subprocess per EP size (each its own fake group)."""
+    """Every case's record, from one subprocess per EP size (each its own fake group),
+    started together (one thread each: they share the machine's cores)."""
     out: dict[str, dict] = {}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for ep, rank in RANKS.items():
-        started = time.perf_counter()
-        run = subprocess.run(
-            [sys.executable, "-m", "megatron_lrmoe.testing.cuda_harness", str(rank),
-             *(_arg(c) for c in CASES if c.ep == ep)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        assert run.returncode == 0, run.stderr[-6000:]
-        records = json.loads(run.stdout)
-        print(f"EP {ep}: {len(records)} cases in {time.perf_counter() - started:.1f} s")
+    started = time.perf_counter()
+    runs = {ep: subprocess.Popen(
+        [sys.executable, "-m", "megatron_lrmoe.testing.cuda_harness", str(rank),
+         *(_arg(c) for c in CASES if c.ep == ep)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for ep, rank in RANKS.items()}
+    for ep, run in runs.items():
+        stdout, stderr = run.communicate(timeout=TIMEOUT_S)
+        assert run.returncode == 0, stderr[-6000:]
+        records = json.loads(stdout)
+        print(f"EP {ep}: {len(records)} cases within {time.perf_counter() - started:.1f} s")
         out.update({r["case"]: r for r in records})
     return out
 

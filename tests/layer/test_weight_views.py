@@ -297,13 +297,15 @@ WRAPS = ("module", "ddp", "distopt", "separate")
 def copies() -> dict[str, dict]:
     out = {}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for wrap in WRAPS:
-        run = subprocess.run(
-            [sys.executable, "-m", "megatron_lrmoe.testing.cuda_harness", "weights", "3", wrap,
-             "8:inf:uniform:0"], cwd=ROOT, env=env, capture_output=True, text=True,
-            timeout=300)
-        assert run.returncode == 0, run.stderr[-6000:]
-        (out[wrap],) = json.loads(run.stdout)
+    # One process per wrap (each its own fake group), started together: one thread each.
+    runs = {wrap: subprocess.Popen(
+        [sys.executable, "-m", "megatron_lrmoe.testing.cuda_harness", "weights", "3", wrap,
+         "8:inf:uniform:0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for wrap in WRAPS}
+    for wrap, run in runs.items():
+        stdout, stderr = run.communicate(timeout=300)
+        assert run.returncode == 0, stderr[-6000:]
+        (out[wrap],) = json.loads(stdout)
     return out
 
 

@@ -87,6 +87,20 @@ def test_layer_time_parts_by_hand():
     assert bwd == pytest.approx(sum(v for k, v in p.items() if k.startswith("backward_")))
 
 
+def test_gather_is_priced_in_the_phase_where_it_runs():
+    # Retention drawn in forward compacts x and z of the retained rows there (16 K
+    # elements where the rank drops), not in backward: rank 1 forward 400 + 16 x 7 = 512
+    # elements, backward 660 - 16 x 7 = 548 (test_layer_time_parts_by_hand); rank 1 stays
+    # the slowest in both phases (rank 0: 4.67 + 0.74 and 4.67 + 0.89 us).
+    shape = dataclasses.replace(SHAPE, forward_retention=True)
+    p = CostModel(shape, MACHINE).layer_time_parts(ROUTED, RETAINED)
+    assert p["forward_memory"] == pytest.approx(512 * 2 / 1e9, rel=1e-12)
+    assert p["backward_memory"] == pytest.approx(548 * 2 / 1e9, rel=1e-12)
+    # A rank that keeps every row gathers nothing, in either phase.
+    kept_all = CostModel(shape, MACHINE).layer_time_parts(ROUTED, ROUTED)
+    assert kept_all["forward_memory"] == pytest.approx(400 * 2 / 1e9, rel=1e-12)
+
+
 def test_load_time_by_hand():
     # The busiest rank receives 10 and keeps 7; every source sends P = 12, keeps 7.
     got = CostModel(SHAPE, MACHINE).load_time(10, 7, 3, 2, num_ranks=2)
