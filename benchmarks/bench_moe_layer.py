@@ -266,11 +266,12 @@ def _profile_one(cfg, layer, gamma, x, dy, sync, barrier) -> dict[str, str]:
         p.grad = None
     x_in = x.detach().clone().requires_grad_(True)
     barrier()
-    with profile(activities=activities) as prof_f:
+    by_shape = cfg["profile_by_shape"]
+    with profile(activities=activities, record_shapes=by_shape) as prof_f:
         out, _ = layer(x_in)
         sync()
     barrier()
-    with profile(activities=activities) as prof_b:
+    with profile(activities=activities, record_shapes=by_shape) as prof_b:
         out.backward(dy)
         sync()
     if hasattr(layer, "finish_step"):
@@ -278,7 +279,6 @@ def _profile_one(cfg, layer, gamma, x, dy, sync, barrier) -> dict[str, str]:
     sort = "self_device_time_total" if cfg["device"] == "cuda" else "self_cpu_time_total"
     # By input shape, ops of one name split by what they move: e.g. the compaction of
     # x and z to the retained rows ([routed, H] and [routed, F1] read at [retained]).
-    by_shape = cfg["profile_by_shape"]
     return {
         "forward": prof_f.key_averages(group_by_input_shape=by_shape).table(
             sort_by=sort, row_limit=30 if by_shape else 18),
