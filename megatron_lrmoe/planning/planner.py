@@ -470,7 +470,7 @@ class LayerPlanner:
         the simulator judges a call (``_judged_time``: GEMMs instance by instance, plus
         the replicas' refresh and reduction amortised over the step). A candidate
         qualifies if it is faster than static, its peak memory fits the layer share (at
-        every gamma: nothing gives way at inf) and the budget's receive
+        gamma = inf: no larger than max(share, static's peak)) and the budget's receive
         limits do not bind on its routing. Stage 2 prices static, the ``FINALISTS``
         fastest qualifying candidates and SYMI-style's (at the ``popularity`` policy's
         slots and at the most that fit) again on the
@@ -486,11 +486,13 @@ class LayerPlanner:
         counts = check_assignment_counts(
             torch.round(self.smoothed_counts).to(torch.int64).numpy(), static.placement)
         base = self._unbudgeted(counts, static)
-        # A candidate must fit the share outright: at a finite gamma the budget would
-        # otherwise lower gamma for it (buying its time with drops); at gamma = inf
-        # nothing can give way when the next step's routing is hotter than the counts
-        # it was judged on, so replicas only take memory static leaves free.
-        allowed = share
+        # At a finite gamma a candidate must fit the share outright, or the budget would
+        # lower gamma for it and it would buy its time with drops. At gamma = inf nothing
+        # is dropped and the hot rank's rows set the peak: a candidate may not add to an
+        # excess static already has, but one that lowers it by balancing is admitted (held
+        # to the share alone, the EP 16 CPU run at gamma = inf, whose routing swings to
+        # 5 x the mean load, kept fewer replicas and stopped sooner over its device).
+        allowed = max(share, base.peak) if math.isinf(s.capacity_factor) else share
         judged: dict[Placement, _Candidate] = {}
         priced = [check_assignment_counts(np.rint(c).astype(np.int64), static.placement)
                   for c in self._priced_counts]
