@@ -291,9 +291,10 @@ class _CpuAllocations:
 
 
 class _PromptCollectiveFrees:
-    """While active, each blocking ``all_to_all_single`` returns only once the process
-    group has dropped its reference to the input (an untimed wait; allocations and their
-    order are the code's own).
+    """While active, each blocking ``all_to_all_single``, and the ``wait()`` of each
+    asynchronous one (the replicas' refresh), returns only once the process group has
+    dropped its reference to the input (an untimed wait; allocations and their order are
+    the code's own).
 
     gloo runs a collective on a worker thread, which releases the work, and with it the
     input tensor, only after the caller has been woken; on a loaded machine that can be
@@ -312,16 +313,41 @@ class _PromptCollectiveFrees:
             before = input._use_count()
             work = original(output, input, *args, **kwargs)
             if not kwargs.get("async_op", False):
-                deadline = time.perf_counter() + 2.0
-                while input._use_count() > before and time.perf_counter() < deadline:
-                    time.sleep(1e-4)
-            return work
+                _released(input, before)
+                return work
+            return _PromptWork(work, input, before)
 
         dist.all_to_all_single = all_to_all_single
         return self
 
     def __exit__(self, *exc):
         self._dist.all_to_all_single = self._original
+
+
+def _released(input: torch.Tensor, before: int) -> None:
+    """Wait (at most 2 s) until ``input``'s use count is back to ``before``."""
+    deadline = time.perf_counter() + 2.0
+    while input._use_count() > before and time.perf_counter() < deadline:
+        time.sleep(1e-4)
+
+
+class _PromptWork:
+    """An asynchronous collective's work whose ``wait()`` also waits for the release of
+    its input (``_PromptCollectiveFrees``), then lets go of it; everything else is the
+    work's own."""
+
+    def __init__(self, work, input: torch.Tensor, before: int) -> None:
+        self._work, self._input, self._before = work, input, before
+
+    def wait(self, *args, **kwargs):
+        done = self._work.wait(*args, **kwargs)
+        if self._input is not None:
+            _released(self._input, self._before)
+            self._input = None
+        return done
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
 
 
 def _drop_previous_graph(layer: torch.nn.Module) -> None:
