@@ -17,7 +17,10 @@
 #                       -DWITH_CUDA using the host compiler; 0 skips it
 #        CUDA_CHECK_JOBS compiles run at once (default: the CPUs this process may use)
 #        CUDA_CHECK_CACHE folder remembering compiles that passed (default:
-#                       build/check_cuda_sources); set it empty to compile everything
+#                       ${XDG_CACHE_HOME:-~/.cache}/megatron-lrmoe/check_cuda_sources, shared
+#                       by the machine's checkouts, like ccache: a key names every input
+#                       of a compile, so a hit is that very compile passing before); set
+#                       it empty to compile everything
 # A compile that passed is not repeated while its inputs are unchanged: the cache key
 # hashes the source, every header beside it and in kernels/, this script, the exact
 # flags and include paths, `nvcc --version`, the host compiler's version and torch's
@@ -85,7 +88,7 @@ NVCC_VERSION="$("$NVCC" --version)"
 echo "check_cuda_sources: $(tail -n 1 <<<"$NVCC_VERSION")"
 # nproc alone would honour OMP_NUM_THREADS=1 (set by the test runner): one job.
 JOBS="${CUDA_CHECK_JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2)}"
-CACHE="${CUDA_CHECK_CACHE-$ROOT/build/check_cuda_sources}"
+CACHE="${CUDA_CHECK_CACHE-${XDG_CACHE_HOME:-$HOME/.cache}/megatron-lrmoe/check_cuda_sources}"
 if [[ -n "$CACHE" ]]; then
   mkdir -p "$CACHE"
   find "$CACHE" -name '*.ok' -mtime +30 -delete 2>/dev/null || true   # unused for a month
@@ -94,7 +97,7 @@ CXX="${CXX:-c++}"
 # What every key shares: this script, the tools and torch.
 COMMON_KEY="$({
   cat "$SELF"
-  printf '%s\n' "$NVCC" "$NVCC_VERSION" "$TORCH_VERSION" "${TORCH_INCLUDES[@]}" "$CXX"
+  printf '%s\n' "$NVCC" "$NVCC_VERSION" "$TORCH_VERSION" "${TORCH_INCLUDES[@]//"$ROOT"/ROOT}" "$CXX"
   "$CXX" --version 2>&1 || true
   gcc --version 2>&1 || true
 } | sha256sum | cut -d' ' -f1)"
@@ -107,7 +110,9 @@ cache_key() {
   headers=("$dir"/*.cuh "$dir"/*.h "$dir"/*.hpp kernels/*.cuh kernels/*.h)
   {
     echo "$COMMON_KEY"
-    printf '%s\n' "${@//"$TMP"/TMP}"   # the scratch folder differs every run
+    # the scratch folder differs every run, the checkout's folder from clone to clone
+    local args=("${@//"$TMP"/TMP}")
+    printf '%s\n' "${args[@]//"$ROOT"/ROOT}"
     sha256sum "$src" "${headers[@]}" | sort -k2 -u | cut -d' ' -f1
   } | sha256sum | cut -d' ' -f1
 }

@@ -381,8 +381,9 @@ def _run_check(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc is not installed")
 def test_cuda_sources_compile_with_nvcc():
-    # Passes are cached under build/ by a hash of every input (sources, headers, flags,
-    # nvcc, torch): an unchanged tree does not recompile; a fresh checkout does.
+    # Passes are cached in the user's cache folder by a hash of every input (sources,
+    # headers, flags, nvcc, torch): a compile is not repeated while its inputs are
+    # unchanged, in this checkout or another on the machine; a change compiles again.
     proc = _run_check()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for cu in sorted((ROOT / "kernels").glob("*.cu")):
