@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_lrmoe.tools import fitting, run_log
 from megatron_lrmoe.tools import largest_micro_batch as lmb
-from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools import time_to_loss as ttl
 from megatron_lrmoe.tools import time_to_loss_policies as ttp
+from megatron_lrmoe.tools.simulator_validation import reference_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -319,29 +320,32 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     with pytest.raises(SystemExit, match=f"--policies {pinned}: not a configuration"):
         ttl.main(tiny)
 
-    # The largest micro-batch held to a device, measured, on the
-    # reference run above: at 64 GiB micro-batches 1 and 2 train; on a device between
-    # their logged peaks, 1 trains and 2 stops out of memory, which is the measurement.
+    # The largest micro-batch held to a device, measured, on the reference run above: on
+    # a device between the model's needs at micro-batches 1 and 2 (the prediction the
+    # tool reports, from the reference run's routing), 1 trains and 2 stops out of memory,
+    # which is the measurement; what it logged agrees with the model's side of the device.
     def peak(run: Path) -> float:
         rows = run_log.read_records(run / "log.jsonl")
         return max(r["memory-predicted-peak-gib"] for r in rows if "memory-predicted-peak-gib" in r)
 
     reference = out / "runs" / "megatron-dropless-s1"
+    traces, outside = fitting.reference_run(reference)
+    calibration = json.loads((ROOT / ttl.CALIBRATION).read_text())
+    flags = ttl.on_device(ttp.policies("auto")["megatron-dropless"])
+    one, two = (fitting.largest_micro_batch(
+        [*reference_flags(reference), "--mock-data"], "megatron-dropless", flags, 64.0, traces,
+        calibration, outside, limit=m)[1].need / 2**30 for m in (1, 2))
+    assert one < two
+    device = (one + two) / 2
     common = ["--run", str(reference), "--policies", "megatron-dropless", "--steps", "2",
               "--limit", "2", "--data-path", str(Path(corpus)), "--data-cache-path",
               str(tmp_path / "cache"), "--port", "29549"]
-    roomy = tmp_path / "largest_roomy"
-    assert lmb.main(["--device-gib", "64", "--out-dir", str(roomy), *common]) == 0
-    row = json.loads((roomy / "report.json").read_text())["rows"][0]
-    assert (row["measured"], row["predicted"], row["stopped"]) == (2, 2, None)
-    assert row["measured_ms_per_1k_tokens"] > 0
-    one, two = (peak(roomy / "runs" / f"megatron-dropless-mb{m}") for m in (1, 2))
-    assert one < two
     tight = tmp_path / "largest_tight"
-    assert lmb.main(["--device-gib", f"{(one + two) / 2:.6f}", "--out-dir", str(tight),
-                     *common]) == 0
+    assert lmb.main(["--device-gib", f"{device:.6f}", "--out-dir", str(tight), *common]) == 0
     row = json.loads((tight / "report.json").read_text())["rows"][0]
     assert row["measured"] == 1 and row["stopped"].startswith("2: out of memory at step")
+    assert row["predicted"] == 1 and row["measured_ms_per_1k_tokens"] > 0
+    assert peak(tight / "runs" / "megatron-dropless-mb1") < device
     table = (tight / "report.md").read_text()
     assert "| megatron-dropless |" in table
     # the table shows the stop's need and device; the whole message is in report.json
