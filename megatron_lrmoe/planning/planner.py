@@ -127,6 +127,11 @@ class LayerPlanner:
         self._replica_costs: dict[int, float] = {}
         self._receive_limits: dict[tuple[int, float], int] = {}   # _receive_limit's
         self._pair_seconds_value: PairSeconds | None = None
+        floor = decimal_fraction(settings.min_retention)
+        # (numerator, denominator) of the minimum retention as the compiled planner takes
+        # it; None where they do not fit its int64 (the Python retention then plans).
+        self._floor = ((floor.numerator, floor.denominator)
+                       if max(floor.numerator, floor.denominator) <= _INT64_MAX else None)
         self.last_memory: np.ndarray | None = None
         """[R] bytes the latest ``plan`` holds on each rank (``CostModel.rank_memory``),
         computed whenever the settings carry a cost model (a budget, or a run held to its
@@ -505,9 +510,16 @@ class LayerPlanner:
             if placement not in judged:
                 ctx = self._context(placement)
                 planned = self._unbudgeted(counts, ctx)
-                kept = [self._unbudgeted(c, ctx) for c in priced] if every else None
-                judged[placement] = _Candidate(
-                    name, planned, kept, self._fits([planned, *(kept or [])], ctx, allowed))
+                fits = self._fits([planned], ctx, allowed)
+                kept = None
+                if every and fits:       # a candidate that does not fit needs no more plans
+                    kept = []
+                    for c in priced:
+                        kept.append(self._unbudgeted(c, ctx))
+                        if not self._fits(kept[-1:], ctx, allowed):
+                            fits, kept = False, None
+                            break
+                judged[placement] = _Candidate(name, planned, kept, fits)
             return judged[placement].fits
 
         judged[static.placement] = _Candidate("static", base, None, True)
@@ -659,8 +671,23 @@ class LayerPlanner:
         without the budget's influence: instance assignment without receive limits, gamma
         as set (``_Unbudgeted``)."""
         s = self.settings
-        assignment, cells, routed = self._assign(counts, ctx, None)   # checked by the caller
         gamma = float(s.capacity_factor)
+        native = ctx.native
+        if native is not None and s.cost is not None and self._floor is not None:
+            # The compiled planner's arrays alone: the plan's objects are built only when
+            # it is asked for (most candidates are only priced).
+            cells, routed = native.assign(counts, None)
+            cap = capacity_for_factor(gamma, int(np.add.reduce(routed)), s.num_ranks)
+            quotas, _ = native.retain(cells, cap, *self._floor)
+            peak = float(np.maximum.reduce(native.memory(cells, quotas, routed)))
+
+            def plan() -> MicroBatchPlan:
+                assignment, _, _ = self._assign(counts, ctx, None)
+                make_retention, _ = self._retention(assignment, cells, gamma, ctx, routed)
+                return MicroBatchPlan(assignment=assignment, retention=make_retention(),
+                                      capacity_factor_used=gamma, rank_load=routed)
+            return _Unbudgeted(ctx, routed, peak, plan, cells, quotas)
+        assignment, cells, routed = self._assign(counts, ctx, None)   # checked by the caller
         make_retention, quotas = self._retention(assignment, cells, gamma, ctx, routed)
         peak = float(np.maximum.reduce(self._memory(ctx, routed, cells, quotas)))
         return _Unbudgeted(ctx, routed, peak, lambda: MicroBatchPlan(
