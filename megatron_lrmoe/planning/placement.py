@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
+
 __all__ = ["Placement"]
 
 
@@ -53,38 +55,46 @@ class Placement:
             raise ValueError(f"Placement.num_experts={num_experts} must be a multiple of "
                              f"num_ranks={num_ranks}")
         per_rank = num_experts // num_ranks
-        # Plain loops over ints: the memory-aware choice builds a dozen placements per
-        # layer and step, so this stays lean (no per-item key functions or generators).
-        replicas = sorted((int(r), int(e)) for e, r in self.replicas)
-        seen = set()
-        hosted: list[list[int]] = [[] for _ in range(num_ranks)]
-        for r, e in replicas:
+        # Array work: the memory-aware choice builds a dozen placements per layer and
+        # step, some with hundreds of replicas at EP 64.
+        pairs = np.asarray(self.replicas, dtype=np.int64)
+        if pairs.size == 0:
+            pairs = pairs.reshape(0, 2)
+        elif pairs.ndim != 2 or pairs.shape[1] != 2:
+            raise ValueError(f"Placement.replicas must be (expert, rank) pairs, got an array "
+                             f"of shape {pairs.shape}")
+        order = np.lexsort((pairs[:, 0], pairs[:, 1]))          # by rank, then expert
+        expert, rank = pairs[order, 0], pairs[order, 1]
+        bad = ((expert < 0) | (expert >= num_experts) | (rank < 0) | (rank >= num_ranks)
+               | (rank == expert // per_rank))
+        bad[1:] |= (expert[1:] == expert[:-1]) & (rank[1:] == rank[:-1])
+        if bad.any():
+            k = int(np.argmax(bad))
+            e, r = int(expert[k]), int(rank[k])
             if not (0 <= e < num_experts and 0 <= r < num_ranks):
                 raise ValueError(f"Placement.replicas: ({e}, {r}) out of range "
                                  f"(E={num_experts}, R={num_ranks})")
             if r == e // per_rank:
                 raise ValueError(f"Placement.replicas: ({e}, {r}) is expert {e}'s home rank")
-            if (r, e) in seen:
-                raise ValueError(f"Placement.replicas: ({e}, {r}) appears twice")
-            seen.add((r, e))
-            hosted[r].append(e)
-        object.__setattr__(self, "replicas", tuple((e, r) for r, e in replicas))
+            raise ValueError(f"Placement.replicas: ({e}, {r}) appears twice")
+        object.__setattr__(self, "replicas", tuple(zip(expert.tolist(), rank.tolist(),
+                                                        strict=True)))
 
-        instance_expert: list[int] = []
-        instance_rank: list[int] = []
-        home: list[int] = []
-        starts = [0]
-        for r in range(num_ranks):
-            first = len(instance_expert)
-            home.extend(range(first, first + per_rank))
-            starts.append(first + per_rank + len(hosted[r]))
-            instance_expert.extend(range(r * per_rank, (r + 1) * per_rank))
-            instance_expert.extend(hosted[r])
-            instance_rank.extend([r] * (per_rank + len(hosted[r])))
-        object.__setattr__(self, "instance_expert", tuple(instance_expert))
-        object.__setattr__(self, "instance_rank", tuple(instance_rank))
-        object.__setattr__(self, "home_instance", tuple(home))
-        object.__setattr__(self, "rank_starts", tuple(starts))
+        # Rank-major instances: rank r's homes, then the replicas it hosts by expert.
+        hosted = np.bincount(rank, minlength=num_ranks)                   # [R]
+        starts = np.zeros(num_ranks + 1, dtype=np.int64)
+        np.cumsum(per_rank + hosted, out=starts[1:])
+        home = (starts[:-1, None] + np.arange(per_rank)).ravel()          # [E]
+        first_hosted = np.cumsum(hosted) - hosted                           # [R]
+        hosted_at = starts[rank] + per_rank + np.arange(len(rank)) - first_hosted[rank]
+        instance_expert = np.empty(int(starts[-1]), dtype=np.int64)
+        instance_expert[home] = np.arange(num_experts)
+        instance_expert[hosted_at] = expert
+        object.__setattr__(self, "instance_expert", tuple(instance_expert.tolist()))
+        object.__setattr__(self, "instance_rank", tuple(
+            np.repeat(np.arange(num_ranks), per_rank + hosted).tolist()))
+        object.__setattr__(self, "home_instance", tuple(home.tolist()))
+        object.__setattr__(self, "rank_starts", tuple(starts.tolist()))
 
     @classmethod
     def static(cls, num_ranks: int, num_experts: int) -> Placement:
