@@ -95,6 +95,7 @@ def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
         microbatches_per_step=max(1, int(microbatches_per_step)),
         grad_dtype_bytes=4 if dtype in (torch.bfloat16, torch.float16) else None,
         expert_parallel_size=ep,
+        expert_bias=bool(config.add_bias_linear),
         # The region's GEMMs run grouped on request and, by default, on CUDA (where a
         # failed probe falls back to the loop, which holds less: the model errs safe).
         grouped_gemm=bool(config.moe_grouped_gemm) or torch.cuda.is_available(),

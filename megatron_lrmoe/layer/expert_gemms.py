@@ -4,9 +4,12 @@ Notation (docs/design.md, "Notation"), on one rank: L local instances, rows grou
 instance (rows[l] each, exp-major), N = sum of rows; H hidden, F1 = rows of W1 (2F when
 gated), F expert FFN size. w1[l] [F1, H], w2[l] [H, F] (Megatron's linear layouts).
 
-Forward:  z = x W1^T [N, F1], h = act(z) [N, F], o = h W2^T [N, H], a = ||h|| per row.
+Forward:  z = x W1^T + b1 [N, F1], h = act(z) [N, F], o = h W2^T + b2 [N, H], a = ||h||
+per row (b1 [F1], b2 [H]: each instance's biases, Megatron's ``add_bias_linear``; none
+without it).
 Backward over the retained rows (K of them): h = act(z) again, dh = g W2, dz from the
-activation's gradient, dW2 = g^T h, dW1 = dz^T x, dX = dz W1.
+activation's gradient, dW2 = g^T h, dW1 = dz^T x, dX = dz W1; with biases db2 = the sum
+of g's rows, db1 = the sum of dz's rows, per instance.
 
 Two implementations, numerically equivalent (not bitwise):
 - ``grouped``: ``torch.nn.functional.grouped_mm`` over variable-size groups (int32
@@ -18,6 +21,12 @@ Two implementations, numerically equivalent (not bitwise):
   (``strided_weights_work``) checks grouped_mm reads such views as it reads a stack.
 - the loop: per-instance matmuls writing into slices of preallocated outputs (no
   concatenation copies), the CPU default.
+
+Biases: the loop folds each instance's into its GEMM (``addmm``); the grouped path adds
+them in place to each instance's rows (``add_bias_rows``: slices of host-known size,
+one small kernel per instance, no temporary), since torch's grouped_mm takes one bias
+for all groups, and sums the bias gradients per instance with one grouped GEMM against a
+column of ones (``_grouped_row_sums``).
 
 Which one runs: ``use_grouped_mm``, by the rule ``grouped_mm_rule`` (a pure function of
 device type, dtype and compute capability), then a start-up probe. grouped_mm needs
@@ -53,12 +62,13 @@ from torch._subclasses.fake_tensor import is_fake
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["GradSink", "GroupedMMRule", "WeightStack", "experts_backward", "experts_forward",
-           "grouped_mm_rule", "grouped_mm_works", "stacked_view", "strided_weights_work",
-           "use_grouped_mm", "weight_stack"]
+__all__ = ["GradSink", "GroupedMMRule", "WeightStack", "add_bias_rows", "experts_backward",
+           "experts_forward", "grouped_mm_rule", "grouped_mm_works", "stacked_view",
+           "strided_weights_work", "use_grouped_mm", "weight_stack"]
 
-# (projection 1 or 2, local instance, dW) -> whether it was taken (accumulated already)
-GradSink = Callable[[int, int, torch.Tensor], bool]
+# (parameter "w1", "w2", "b1" or "b2", local instance, its gradient) -> whether it was
+# taken (accumulated already)
+GradSink = Callable[[str, int, torch.Tensor], bool]
 
 _GROUPED_MM: Callable | None = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
     torch, "_grouped_mm", None)
@@ -346,24 +356,46 @@ def weight_stack(w1: Sequence[torch.Tensor],
 # -----------------------------------------------------------------------------
 
 
+def add_bias_rows(out: torch.Tensor, rows: Sequence[int],
+                  bias: Sequence[torch.Tensor]) -> None:
+    """out[rows of instance l] += bias[l], in place, for rows grouped by instance.
+
+    The group sizes are the plan's host integers, so each add is a slice of known size
+    (no device read); no [N, ...] temporary of gathered bias rows, which a one-kernel
+    gather would need. One small elementwise kernel per non-empty group."""
+    start = 0
+    for count, b in zip(rows, bias, strict=True):
+        if count:
+            out[start:start + count].add_(b)
+        start += count
+
+
 def experts_forward(x: torch.Tensor, rows: Sequence[int], offs: torch.Tensor | None,
                     w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor],
                     activation: Callable[[torch.Tensor], torch.Tensor], need_norm: bool,
-                    grouped: bool, stack: WeightStack | None = None
+                    grouped: bool, stack: WeightStack | None = None,
+                    b1: Sequence[torch.Tensor] = (), b2: Sequence[torch.Tensor] = ()
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(z [N, F1], o [N, H], a [N] fp32 or None) for rows grouped by instance.
 
     ``offs``: int32 cumulative rows on x's device (grouped only). ``stack``: the weights
-    as grouped_mm reads them (grouped only; None: stacked here, a copy).
+    as grouped_mm reads them (grouped only; None: stacked here, a copy). ``b1`` [F1] and
+    ``b2`` [H] per instance: the biases (empty: none), in z and o, as Megatron's expert
+    MLP adds them before the activation and to the output it scales by p.
     """
     if grouped and x.shape[0] > 0:
         w1s = torch.stack(tuple(w1)) if stack is None else stack.w1     # [L, F1, H]
         z = _GROUPED_MM(x, w1s.transpose(1, 2), offs=offs)
         del w1s
+        if b1:
+            add_bias_rows(z, rows, b1)
         h = activation(z)
         w2s = torch.stack(tuple(w2)) if stack is None else stack.w2     # [L, H, F]
         o = _GROUPED_MM(h, w2s.transpose(1, 2), offs=offs)
         a = torch.linalg.vector_norm(h, dim=1, dtype=torch.float32) if need_norm else None
+        del h
+        if b2:
+            add_bias_rows(o, rows, b2)
         return z, o, a
     n, f1 = x.shape[0], w1[0].shape[0]
     z = x.new_empty((n, f1))
@@ -374,9 +406,15 @@ def experts_forward(x: torch.Tensor, rows: Sequence[int], offs: torch.Tensor | N
         if count == 0:
             continue
         part = slice(start, start + count)
-        torch.matmul(x[part], w1[e].t(), out=z[part])
+        if b1:
+            torch.addmm(b1[e], x[part], w1[e].t(), out=z[part])
+        else:
+            torch.matmul(x[part], w1[e].t(), out=z[part])
         h = activation(z[part])
-        torch.matmul(h, w2[e].t(), out=o[part])
+        if b2:
+            torch.addmm(b2[e], h, w2[e].t(), out=o[part])
+        else:
+            torch.matmul(h, w2[e].t(), out=o[part])
         if a is not None:
             torch.linalg.vector_norm(h, dim=1, dtype=torch.float32, out=a[part])
         start += count
@@ -388,16 +426,25 @@ def experts_forward(x: torch.Tensor, rows: Sequence[int], offs: torch.Tensor | N
 # -----------------------------------------------------------------------------
 
 
-def _offer_one(sink: GradSink | None, projection: int, e: int,
+def _offer_one(sink: GradSink | None, name: str, e: int,
                grad: torch.Tensor) -> torch.Tensor | None:
-    return None if sink is not None and sink(projection, e, grad) else grad
+    return None if sink is not None and sink(name, e, grad) else grad
 
 
-def _offer(sink: GradSink | None, projection: int,
+def _offer(sink: GradSink | None, name: str,
            stacked: torch.Tensor) -> list[torch.Tensor | None]:
-    """Per-instance views of a grouped dW [L, ...], each offered to the sink (the stacked
-    tensor is freed once every view was taken)."""
-    return [_offer_one(sink, projection, e, grad) for e, grad in enumerate(stacked.unbind(0))]
+    """Per-instance views of a grouped gradient [L, ...], each offered to the sink (the
+    stacked tensor is freed once every view was taken)."""
+    return [_offer_one(sink, name, e, grad) for e, grad in enumerate(stacked.unbind(0))]
+
+
+def _grouped_row_sums(rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[L, C]: each group's sum of ``rows`` [K, C] (groups by ``offs``), as one grouped
+    GEMM against a column of ones: one call whatever L is, the GEMM's fixed reduction
+    order (run-to-run identical) and accumulation, no device read. The ones block is 16
+    bytes wide, the grouped kernel's alignment; its first column is the sum."""
+    ones = rows.new_ones((rows.shape[0], max(1, 16 // rows.element_size())))
+    return _GROUPED_MM(rows.t(), ones, offs=offs)[..., 0]
 
 
 def experts_backward(x: torch.Tensor, z: torch.Tensor, g: torch.Tensor, rows: Sequence[int],
@@ -405,17 +452,22 @@ def experts_backward(x: torch.Tensor, z: torch.Tensor, g: torch.Tensor, rows: Se
                      w2: Sequence[torch.Tensor],
                      activation: Callable[[torch.Tensor], torch.Tensor], grouped: bool,
                      weight_grads: bool = True, sink: GradSink | None = None,
-                     index: torch.Tensor | None = None, stack: WeightStack | None = None
+                     index: torch.Tensor | None = None, stack: WeightStack | None = None,
+                     biases: bool = False
                      ) -> tuple[torch.Tensor, list[torch.Tensor | None] | None,
+                                list[torch.Tensor | None] | None,
+                                list[torch.Tensor | None] | None,
                                 list[torch.Tensor | None] | None]:
-    """dX [K, H], dW1[l] [F1, H], dW2[l] [H, F] over the retained rows only.
+    """(dX [K, H], dW1, dW2, db1, db2) over the retained rows only: per local instance
+    dW1[l] [F1, H], dW2[l] [H, F], and with ``biases`` db1[l] [F1] (the sum of dz's rows)
+    and db2[l] [H] (the sum of g's rows); None for what is not computed.
 
     g: [K, H] rows grouped by instance (rows[l] each), contiguous (grouped_mm needs it,
     and the loop's matmuls read it row-major); x [., H] and z [., F1] the saved forward
-    rows, of which ``index`` [K] names the retained ones (None: x and z are those rows),
-    gathered per instance by the loop, all at once by the grouped path. ``weight_grads``
-    False (frozen experts) skips the dW GEMMs and returns None for them.
-    ``sink(projection, l, dW)`` may take each dW as soon as it exists (True: taken, its
+    rows (z with the fc1 bias in it), of which ``index`` [K] names the retained ones
+    (None: x and z are those rows), gathered per instance by the loop, all at once by the
+    grouped path. ``weight_grads`` False (frozen experts) skips the dW and db GEMMs.
+    ``sink(name, l, grad)`` may take each gradient as soon as it exists (True: taken, its
     entry becomes None), so that every expert's dW need not be held at once.
     ``stack``: as ``experts_forward``'s.
     """
@@ -434,14 +486,16 @@ def experts_backward(x: torch.Tensor, z: torch.Tensor, g: torch.Tensor, rows: Se
         dx = _GROUPED_MM(dz, w1s, offs=offs)                            # [K, H]
         del w1s
         if not weight_grads:
-            return dx, None, None
-        dw2 = _offer(sink, 2, _GROUPED_MM(g.t(), h.detach(), offs=offs))      # [L, H, F]
-        dw1 = _offer(sink, 1, _GROUPED_MM(dz.t(), x, offs=offs))              # [L, F1, H]
-        return dx, dw1, dw2
+            return dx, None, None, None, None
+        db2 = _offer(sink, "b2", _grouped_row_sums(g, offs)) if biases else None   # [L, H]
+        dw2 = _offer(sink, "w2", _GROUPED_MM(g.t(), h.detach(), offs=offs))      # [L, H, F]
+        db1 = _offer(sink, "b1", _grouped_row_sums(dz, offs)) if biases else None  # [L, F1]
+        dw1 = _offer(sink, "w1", _GROUPED_MM(dz.t(), x, offs=offs))              # [L, F1, H]
+        return dx, dw1, dw2, db1, db2
     # The loop: one instance at a time, so the recomputed activation, dh and dz exist
     # for one instance's rows only (as in Megatron's SequentialMLP backward).
     dx = g.new_empty((g.shape[0], w1[0].shape[1]))
-    dw1, dw2 = [], []
+    dw1, dw2, db1, db2 = [], [], [], []
     start = 0
     for e, count in enumerate(rows):
         part = slice(start, start + count)
@@ -453,7 +507,13 @@ def experts_backward(x: torch.Tensor, z: torch.Tensor, g: torch.Tensor, rows: Se
             h_e = activation(z_e)                                       # [n, F]
         (dz_e,) = torch.autograd.grad(h_e, z_e, g[part] @ w2[e])          # [n, F1]
         if weight_grads:
-            dw2.append(_offer_one(sink, 2, e, g[part].t() @ h_e.detach()))
-            dw1.append(_offer_one(sink, 1, e, dz_e.t() @ x_e))
+            if biases:
+                db2.append(_offer_one(sink, "b2", e, g[part].sum(0)))
+            dw2.append(_offer_one(sink, "w2", e, g[part].t() @ h_e.detach()))
+            if biases:
+                db1.append(_offer_one(sink, "b1", e, dz_e.sum(0)))
+            dw1.append(_offer_one(sink, "w1", e, dz_e.t() @ x_e))
         torch.matmul(dz_e, w1[e], out=dx[part])
-    return (dx, dw1, dw2) if weight_grads else (dx, None, None)
+    if not weight_grads:
+        return dx, None, None, None, None
+    return dx, dw1, dw2, (db1 if biases else None), (db2 if biases else None)

@@ -125,15 +125,20 @@ class LRMoESequentialMLP(SequentialMLP):
         The region never calls the linears, so hooks registered on them (Megatron DDP's
         wait for the overlapped parameter all-gather) are run here, once per forward.
         """
-        w1, w2 = [], []
+        w1, w2, b1, b2 = [], [], [], []
         for expert in self.local_experts:
-            for linear, weights in ((expert.linear_fc1, w1), (expert.linear_fc2, w2)):
+            for linear, weights, biases in ((expert.linear_fc1, w1, b1),
+                                            (expert.linear_fc2, w2, b2)):
                 for hook in forward_pre_hooks(linear):
                     hook(linear, ())
                 weights.append(linear.weight)
+                # Megatron's expert MLP builds its linears with skip_bias_add and adds the
+                # bias itself (fc2's scaled by p): the region adds it in its place.
+                if self.config.add_bias_linear:
+                    biases.append(linear.bias)
         w1, w2 = tuple(w1), tuple(w2)
         return ExpertWeights(
             w1=w1, w2=w2, activation=self._activation,
             gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
-            stack=self._stack_of(w1, w2),
+            stack=self._stack_of(w1, w2), b1=tuple(b1), b2=tuple(b2),
         )

@@ -278,7 +278,7 @@ class LRMoELayer(MoELayer):
         """The home experts followed by this step's replicas, once their refresh is done."""
         self.replicas.finish_refresh()     # the region needs the replica weights now
         if self.replicas.experts:
-            experts = experts.with_replicas(self.replicas.w1, self.replicas.w2)
+            experts = experts.with_replicas(*self.replicas.params)
         return experts
 
     def _pairs_in_send_order(self, routing_map: torch.Tensor, probs: torch.Tensor,
@@ -349,8 +349,7 @@ class LRMoELayer(MoELayer):
         rank; ``replicas.finish_refresh`` waits for it."""
         state = self.lrmoe_state
         if state.needs_refresh:
-            self.replicas.start_refresh(self.placement_planner.placement, experts.w1,
-                                        experts.w2)
+            self.replicas.start_refresh(self.placement_planner.placement, experts.params)
             state.needs_refresh = False
 
     def _log_notes(self, notes: tuple[str, ...]) -> None:
@@ -366,19 +365,20 @@ class LRMoELayer(MoELayer):
                              "lrmoe/budget-adjusted-calls, not logged)", self.layer_number, note)
 
     # ----------------------------------------------------------------- backward
-    def _after_backward(self, dw1: list[torch.Tensor], dw2: list[torch.Tensor]
-                        ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """Region backward hook: accumulate replica gradients; in the step's last
-        backward (the ``microbatches_per_step``-th) send them home and return the homes'
-        additions (None for a home expert without replicas), so that they are in the home
+    def _after_backward(self, grads: tuple[list[torch.Tensor], ...]
+                        ) -> tuple[list[torch.Tensor | None], ...]:
+        """Region backward hook: accumulate the replicas' gradients (by kind: dW1s, dW2s,
+        then db1s, db2s with expert biases); in the step's last backward (the
+        ``microbatches_per_step``-th) send them home and return the homes' additions by
+        kind (None for a home expert without replicas), so that they are in the home
         gradients before Megatron's DDP hooks of this backward launch the (possibly
         overlapped) expert gradient reduction."""
-        self.replicas.accumulate(dw1, dw2)
+        self.replicas.accumulate(grads)
         placement = self.replicas.placement
         if placement is None or not placement.replicas:
-            return [], []        # nothing to reduce: no count of backwards is needed
+            return ()            # nothing to reduce: no count of backwards is needed
         if not self.lrmoe_state.count_backward(self.layer_number):
-            return [], []
+            return ()
         return self.replicas.reduce_into_home(self.num_local_experts)
 
 

@@ -62,8 +62,8 @@ from megatron_lrmoe.planning.retention import (
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["ExpertWeights", "KeptPairs", "KeptPairsLog", "RegionContext", "RegionStats",
-           "local_instances", "lrmoe_region", "record_kept_pairs"]
+__all__ = ["PARAM_KINDS", "ExpertWeights", "KeptPairs", "KeptPairsLog", "RegionContext",
+           "RegionStats", "local_instances", "lrmoe_region", "record_kept_pairs"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,8 @@ class ExpertWeights:
     home experts (Megatron's parameters, the region's autograd inputs) first, then
     the replicas this rank hosts (plain tensors; their gradients go to
     ``RegionContext.on_replica_grads``). w1[l]: [F1, H] (F1 = 2F when gated),
-    w2[l]: [H, F]; activation maps the fc1 output [N, F1] to h [N, F].
+    w2[l]: [H, F]; activation maps the fc1 output [N, F1] to h [N, F]. b1[l]: [F1],
+    b2[l]: [H], the biases (Megatron's ``add_bias_linear``; empty: none).
     """
 
     w1: tuple[torch.Tensor, ...]
@@ -88,16 +89,35 @@ class ExpertWeights:
     (``expert_gemms.weight_stack``); a str: why there is none (the grouped GEMMs then
     stack the weights per call, a copy); None: not derived (the region derives it)."""
 
+    b1: tuple[torch.Tensor, ...] = ()
+    b2: tuple[torch.Tensor, ...] = ()
+
     @property
     def homes(self) -> int:
         return len(self.w1) if self.num_home is None else self.num_home
 
-    def with_replicas(self, w1: tuple[torch.Tensor, ...],
-                      w2: tuple[torch.Tensor, ...]) -> ExpertWeights:
-        """These home experts followed by replica weights ``w1``, ``w2``."""
+    @property
+    def biased(self) -> bool:
+        return bool(self.b1)
+
+    @property
+    def params(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """Every instance's parameters by kind, in ``PARAM_KINDS`` order: (w1, w2), then
+        (b1, b2) when biased. The region's autograd inputs are their home entries."""
+        return (self.w1, self.w2, self.b1, self.b2) if self.biased else (self.w1, self.w2)
+
+    def with_replicas(self, w1: tuple[torch.Tensor, ...], w2: tuple[torch.Tensor, ...],
+                      b1: tuple[torch.Tensor, ...] = (),
+                      b2: tuple[torch.Tensor, ...] = ()) -> ExpertWeights:
+        """These home experts followed by replica weights ``w1``, ``w2`` (and biases
+        ``b1``, ``b2``, which a biased layer's replicas must carry)."""
+        if bool(b1) != self.biased or len(b1) != len(b2):
+            raise ValueError("replicas must carry biases exactly when the home experts have them")
+        homes = self.homes
         return dataclasses.replace(
-            self, w1=self.w1[: self.homes] + tuple(w1), w2=self.w2[: self.homes] + tuple(w2),
-            num_home=self.homes,
+            self, w1=self.w1[:homes] + tuple(w1), w2=self.w2[:homes] + tuple(w2),
+            b1=self.b1[:homes] + tuple(b1), b2=self.b2[:homes] + tuple(b2),
+            num_home=homes,
             stack="this rank hosts replicas this step: the home weights and the replicas' "
                   "live in separate buffers, and one grouped call reads one [L, ...] tensor")
 
@@ -220,8 +240,9 @@ class RegionContext:
     """Debug view (``record_kept_pairs``): where this call's backward records its kept pairs."""
     stats: RegionStats = field(default_factory=RegionStats)
     on_replica_grads: ReplicaGradHook | None = None
-    """Called in backward with the replicas' (dW1, dW2); returns additions to the home
-    experts' gradients (empty lists: none this micro-batch). Required with replicas."""
+    """Called in backward with the replicas' gradients by kind (dW1s, dW2s[, db1s, db2s]:
+    ``ExpertWeights.params``' order); returns additions to the home experts' gradients,
+    by kind likewise (an empty tuple: none this micro-batch). Required with replicas."""
     layout: CallLayout | None = None
     """This call's host layout on ``rank`` when the caller planned it already (the
     compiled planner's); None: computed from ``plan`` in forward."""
@@ -240,9 +261,14 @@ class RegionContext:
         return self.needs_metric and self.metric == "grad_act"
 
 
-# (replica dW1s, replica dW2s) -> (home dW1 additions, home dW2 additions)
-ReplicaGradHook = Callable[[list[torch.Tensor], list[torch.Tensor]],
-                           tuple[list[torch.Tensor], list[torch.Tensor]]]
+#: The kinds of an expert's parameters, in the order ``ExpertWeights.params`` lists them
+#: (the biases only when the layer has them).
+PARAM_KINDS = ("w1", "w2", "b1", "b2")
+
+# (replica gradients by kind) -> (home additions by kind, None for an expert without
+# replicas; () for none at all)
+ReplicaGradHook = Callable[[tuple[list[torch.Tensor], ...]],
+                           tuple[list[torch.Tensor | None], ...]]
 
 
 def local_instances(plan: RetentionPlan, rank: int) -> range:
@@ -294,7 +320,8 @@ def _pair_metric(name: str, dy: torch.Tensor | None, pair_token: torch.Tensor, p
 
 class _LRMoERegion(torch.autograd.Function):
     """Inputs: tokens x [T, H], pair_token [P] (int64), pair_prob [P] (differentiable:
-    the router gradient), ctx_obj, experts, then w1[0..homes), w2[0..homes).
+    the router gradient), ctx_obj, experts, then w1[0..homes), w2[0..homes) and, when
+    biased, b1[0..homes), b2[0..homes).
     Output: y [T, H] = sum over each token's pairs of p * o."""
 
     @staticmethod
@@ -394,9 +421,9 @@ def _experts_forward(experts: ExpertWeights, lay: CallLayout, grouped: bool,
     """The expert GEMMs on every received row: (z [Pr, F1], [o_exp [Pr, H], a_exp [Pr] or
     None]); the list goes to ``_combine``, which empties it, so that nothing else holds
     the exp-major output once it is reordered."""
-    w1, w2, rows_fwd = _in_gemm_order(rev, experts.w1, experts.w2, lay.rows_fwd)
+    (w1, w2, *biases), rows_fwd = _in_gemm_order(rev, experts.params, lay.rows_fwd)
     z, o_exp, a_exp = experts_forward(x_exp, rows_fwd, offs, w1, w2, experts.activation,
-                                      need_norm, grouped, stack)
+                                      need_norm, grouped, stack, *biases)
     return z, [o_exp, a_exp]
 
 
@@ -490,12 +517,12 @@ def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tens
 @dataclass
 class _ExpertGrads:
     """The experts' backward: dX rows [Kr, H] exp-major (taken, then freed, by the
-    dispatch backward) and dW1, dW2 per local instance (None where already accumulated,
-    see ``_accumulate_now``)."""
+    dispatch backward) and, by kind (``ExpertWeights.params``' order), each local
+    instance's gradient (None where already accumulated, see ``_accumulate_now``); no
+    kinds when no weight gradient was computed."""
 
     dx_rows: torch.Tensor | None
-    dw1: list[torch.Tensor | None]
-    dw2: list[torch.Tensor | None]
+    grads: tuple[list[torch.Tensor | None], ...]
 
 
 def _experts_backward(experts: ExpertWeights, lay: CallLayout, tables, grouped: bool,
@@ -511,23 +538,23 @@ def _experts_backward(experts: ExpertWeights, lay: CallLayout, tables, grouped: 
         _count_stacked(experts, stats)
     homes = experts.homes
     fuse = experts.gradient_accumulation_fusion
+    by_kind = dict(zip(PARAM_KINDS, experts.params, strict=False))
 
     last = len(experts.w1) - 1
 
-    def sink(projection: int, e: int, grad: torch.Tensor) -> bool:
-        # Home experts' dW go where they end up as soon as each exists (replicas'
-        # go to the replica hook, ``_home_weight_grads``).
+    def sink(kind: str, e: int, grad: torch.Tensor) -> bool:
+        # Home experts' dW and db go where they end up as soon as each exists
+        # (replicas' go to the replica hook, ``_home_weight_grads``).
         e = last - e if rev else e
-        weights = experts.w1 if projection == 1 else experts.w2
-        return e < homes and _accumulate_now(weights[e], grad, fuse)
+        return e < homes and _accumulate_now(by_kind[kind][e], grad, fuse)
 
-    w1, w2, rows_bwd = _in_gemm_order(rev, experts.w1, experts.w2, lay.rows_bwd)
-    dx_rows, dw1, dw2 = experts_backward(x_exp, z, g_exp, rows_bwd, offs, w1, w2,
-                                         experts.activation, grouped, weight_grads, sink,
-                                         rows, stack)
-    if rev and dw1 is not None:
-        dw1, dw2 = dw1[::-1], dw2[::-1]
-    return _ExpertGrads(dx_rows, dw1, dw2)
+    (w1, w2, *_), rows_bwd = _in_gemm_order(rev, experts.params, lay.rows_bwd)
+    dx_rows, *grads = experts_backward(x_exp, z, g_exp, rows_bwd, offs, w1, w2,
+                                       experts.activation, grouped, weight_grads, sink,
+                                       rows, stack, biases=experts.biased)
+    grads = tuple(g if not rev else g[::-1] for g in grads[:len(experts.params)]
+                  if g is not None)
+    return _ExpertGrads(dx_rows, grads)
 
 
 _unstacked_logged: set[str] = set()
@@ -565,11 +592,13 @@ def _reversed_rows(index: torch.Tensor, total: int) -> torch.Tensor:
     return (total - 1) - index.flip(0)
 
 
-def _in_gemm_order(rev: bool, w1: tuple, w2: tuple, rows: list[int]) -> tuple:
-    return (w1[::-1], w2[::-1], rows[::-1]) if rev else (w1, w2, rows)
+def _in_gemm_order(rev: bool, params: tuple[tuple, ...], rows: list[int]) -> tuple:
+    """(params by kind, rows per instance), each listed in GEMM order."""
+    return (tuple(p[::-1] for p in params), rows[::-1]) if rev else (params, rows)
 
 
 def _count_stacked(experts: ExpertWeights, stats: RegionStats) -> None:
+    # Weights only: the biases are never stacked (added per instance).
     stats.weight_bytes_copied += sum(w.numel() * w.element_size()
                                      for w in (*experts.w1, *experts.w2))
 
@@ -600,23 +629,26 @@ def _dispatch_backward(rc: RegionContext, lay: CallLayout, back: torch.Tensor | 
 
 def _home_weight_grads(rc: RegionContext, experts: ExpertWeights, expert_grads: _ExpertGrads,
                        weight_grads: bool) -> tuple[torch.Tensor | None, ...]:
-    """What autograd receives for the home W1s, then W2s: with replicas, the replica
-    hook's additions (``RegionContext.on_replica_grads``) joined in; none when no
-    weight gradient was computed."""
+    """What autograd receives for the home parameters, kind by kind (W1s, W2s, then b1s,
+    b2s when biased): with replicas, the replica hook's additions
+    (``RegionContext.on_replica_grads``) joined in; none when no weight gradient was
+    computed."""
     homes = experts.homes
+    params = experts.params
     if not weight_grads:
-        return (None,) * (2 * homes)
-    dw1, dw2 = expert_grads.dw1, expert_grads.dw2
-    extra1, extra2 = [], []
+        return (None,) * (len(params) * homes)
+    grads = expert_grads.grads
+    extra: tuple = ()
     if rc.on_replica_grads is not None:
-        extra1, extra2 = rc.on_replica_grads(dw1[homes:], dw2[homes:])
+        extra = tuple(rc.on_replica_grads(tuple(g[homes:] for g in grads)))
     elif homes < len(experts.w1):
         raise RuntimeError("replicas need RegionContext.on_replica_grads")
-    extra = (*extra1, *extra2) or (None,) * (2 * homes)
-    weights = (*experts.w1[:homes], *experts.w2[:homes])
+    extra = tuple(e for kind in extra for e in kind) or (None,) * (len(params) * homes)
+    home_params = tuple(w for kind in params for w in kind[:homes])
+    home_grads = tuple(d for kind in grads for d in kind[:homes])
     fuse = experts.gradient_accumulation_fusion
     return tuple(_weight_grad(w, d, fuse, e)
-                 for w, d, e in zip(weights, (*dw1[:homes], *dw2[:homes]), extra, strict=True))
+                 for w, d, e in zip(home_params, home_grads, extra, strict=True))
 
 
 def _select(rc: RegionContext, lay: CallLayout, tables,
@@ -768,4 +800,4 @@ def lrmoe_region(
     """
     homes = experts.homes
     return _LRMoERegion.apply(x, pair_token, pair_prob, rc, experts,
-                              *experts.w1[:homes], *experts.w2[:homes])
+                              *(w for kind in experts.params for w in kind[:homes]))

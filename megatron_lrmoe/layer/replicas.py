@@ -2,9 +2,9 @@
 
 Design: docs/design.md, "Placement".
 
-A replica is a copy of a home expert's weights on another EP rank. It holds no
-optimizer state and is not a parameter: the home instance owns both. Two
-transfers keep replicas consistent with Megatron's training loop unchanged:
+A replica is a copy of a home expert's weights (and biases, where the layer has them) on
+another EP rank. It holds no optimizer state and is not a parameter: the home instance
+owns both. Two transfers keep replicas consistent with Megatron's training loop unchanged:
 
 * ``refresh``: at the layer's first forward of a step the home weights are
   current (the optimizer stepped, and under the distributed optimizer with
@@ -24,9 +24,9 @@ Both are collectives over the EP group: every rank calls them at the same point,
 also ranks without replicas (they send and receive nothing).
 
 Flat buffer layout, for a transfer between home rank h and holder r: the
-replicas hosted on r of experts homed on h, by expert ascending, each as W1 then
-W2 flattened. Placement's rank-major instance order puts a rank's replicas by
-expert ascending too, so both sides walk their lists in the same order.
+replicas hosted on r of experts homed on h, by expert ascending, each as W1 then W2
+(then b1, b2 with expert biases) flattened. Placement's rank-major instance order puts a
+rank's replicas by expert ascending too, so both sides walk their lists in the same order.
 """
 
 from __future__ import annotations
@@ -43,12 +43,13 @@ __all__ = ["ExpertReplicas"]
 class ExpertReplicas:
     """The replicas this rank hosts for one layer, with their gradient buffers.
 
-    Buffers: one flat receive buffer of the hosted replicas' weights (``w1``/``w2`` are
-    views into it) and one flat gradient buffer in the accumulation dtype (``grad1``/
-    ``grad2`` are views; it is what ``reduce_into_home`` sends, without a copy). Both are
-    kept across steps while the hosted replicas stay the same (the weights are
-    received into them again at each refresh: the homes changed with the optimizer
-    step), and reallocated only when the hosted set changes.
+    Buffers: one flat receive buffer of the hosted replicas' parameters (``params``:
+    views into it, by kind; ``w1``/``w2`` the weights') and one flat
+    gradient buffer in the accumulation dtype (``grads`` holds views, by kind; it is what
+    ``reduce_into_home`` sends, without a copy). Both are kept across steps while the
+    hosted replicas stay the same (the parameters are received into them again at each
+    refresh: the homes changed with the optimizer step), and reallocated only when the
+    hosted set changes.
     """
 
     def __init__(self, rank: int, group: dist.ProcessGroup | None) -> None:
@@ -56,18 +57,31 @@ class ExpertReplicas:
         self.group = group
         self.placement: Placement | None = None
         self.experts: tuple[int, ...] = ()            # expert of each hosted replica
-        self.w1: tuple[torch.Tensor, ...] = ()
-        self.w2: tuple[torch.Tensor, ...] = ()
-        self.grad1: tuple[torch.Tensor, ...] = ()     # accumulated dW1 of each replica
-        self.grad2: tuple[torch.Tensor, ...] = ()
+        self.params: tuple[tuple[torch.Tensor, ...], ...] = ()
+        """Each hosted replica's parameters by kind (W1s, W2s[, b1s, b2s]: the home
+        parameters' order given to ``start_refresh``); empty without replicas."""
+        self.grads: tuple[tuple[torch.Tensor, ...], ...] = ()
+        """Each hosted replica's accumulated gradients, by kind likewise."""
         self.has_grads = False
         self.allocations = 0
         """Times the buffers were (re)allocated: a refresh with the same hosted replicas
         reuses them."""
         self._key: tuple | None = None                # what the buffers were sized for
+        self._shapes: tuple[torch.Size, ...] = ()     # one per kind
         self._weights_flat: torch.Tensor | None = None
         self._grads_flat: torch.Tensor | None = None
         self._pending = None                          # (work, send buffer) of a refresh
+
+    def _kind(self, index: int) -> tuple[torch.Tensor, ...]:
+        return self.params[index] if len(self.params) > index else ()
+
+    @property
+    def w1(self) -> tuple[torch.Tensor, ...]:
+        return self._kind(0)
+
+    @property
+    def w2(self) -> tuple[torch.Tensor, ...]:
+        return self._kind(1)
 
     # ------------------------------------------------------------------ layout
     def _hosted(self, placement: Placement) -> list[int]:
@@ -77,61 +91,74 @@ class ExpertReplicas:
         """(holder rank, expert) of the replicas of this rank's home experts, by holder."""
         return sorted((r, e) for e, r in placement.replicas if e in home_experts)
 
+    def _per_expert(self) -> int:
+        return sum(shape.numel() for shape in self._shapes)
+
+    def _split(self, row: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One expert's flat row as its parameters (views), kind by kind."""
+        parts = row.split([shape.numel() for shape in self._shapes])
+        return tuple(part.view(shape) for part, shape in zip(parts, self._shapes, strict=True))
+
+    def _by_kind(self, flat: torch.Tensor, count: int) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """A flat buffer of ``count`` experts as views by kind (``params``' layout)."""
+        rows = [self._split(row) for row in flat.view(count, self._per_expert())]
+        return tuple(zip(*rows, strict=True)) if rows else ()
+
     # ----------------------------------------------------------------- refresh
-    def refresh(self, placement: Placement, home_w1: tuple[torch.Tensor, ...],
-                home_w2: tuple[torch.Tensor, ...]) -> None:
-        """Make this rank's replicas (for ``placement``) bitwise copies of the home weights.
+    def refresh(self, placement: Placement,
+                home: tuple[tuple[torch.Tensor, ...], ...]) -> None:
+        """Make this rank's replicas (for ``placement``) bitwise copies of the home
+        parameters ``home`` (by kind: W1s, W2s[, b1s, b2s]).
 
         Collective over the EP group: ``start_refresh`` then ``finish_refresh``."""
-        self.start_refresh(placement, home_w1, home_w2)
+        self.start_refresh(placement, home)
         self.finish_refresh()
 
-    def start_refresh(self, placement: Placement, home_w1: tuple[torch.Tensor, ...],
-                      home_w2: tuple[torch.Tensor, ...]) -> None:
+    def start_refresh(self, placement: Placement,
+                      home: tuple[tuple[torch.Tensor, ...], ...]) -> None:
         """Start the refresh's all-to-all (asynchronous); ``finish_refresh`` waits for it,
-        and the replica weights (``w1``, ``w2``) are valid only after that.
+        and the replica parameters (``params``) are valid only after that.
 
-        Collective over the EP group (every rank starts it at the same point; none when
-        ``placement`` has no replicas, which every rank knows alike). Gradient buffers
-        must be empty (the previous step's were reduced in its last backward). The home
-        weights must not change before ``finish_refresh``.
+        ``home``: this rank's home experts' parameters by kind (W1s, W2s, then b1s, b2s
+        for a layer with expert biases), each one tensor per home expert. Collective over
+        the EP group (every rank starts it at the same point; none when ``placement`` has
+        no replicas, which every rank knows alike). Gradient buffers must be empty (the
+        previous step's were reduced in its last backward). The home parameters must not
+        change before ``finish_refresh``.
+
+        Flat layout per expert: its parameters kind by kind, each flattened (W1, W2, b1,
+        b2), in one row of the transfer and of the gradient buffer.
         """
         self.finish_refresh()
         if self.has_grads:
             raise RuntimeError("replica gradients of the previous step were never reduced "
                                "into the home experts (missing last-micro-batch backward)")
-        local = len(home_w1)
+        local = len(home[0])
         home_experts = range(self.rank * local, (self.rank + 1) * local)
         hosted = self._hosted(placement)
         self.placement = placement
-        shape1, shape2 = home_w1[0].shape, home_w2[0].shape
-        self._shape1, self._shape2 = shape1, shape2
-        self._grad_dtype = _accumulation_dtype(home_w1[0].dtype)
-        self._device = home_w1[0].device
-        self.w1 = self.w2 = ()
+        reference = home[0][0]
+        self._shapes = tuple(kind[0].shape for kind in home)
+        self._grad_dtype = _accumulation_dtype(reference.dtype)
+        self._device = reference.device
+        self.params = ()
         if not placement.replicas:
             self.experts = ()
-            self.grad1 = self.grad2 = ()
+            self.grads = ()
             self._key = self._weights_flat = self._grads_flat = None
             return
-        size1 = shape1.numel()
-        per_expert = size1 + shape2.numel()
-        reference = home_w1[0]
-        key = (tuple(hosted), tuple(shape1), tuple(shape2), reference.dtype, self._device)
+        per_expert = self._per_expert()
+        key = (tuple(hosted), self._shapes, reference.dtype, self._device)
         if key != self._key:
             self._key, self.experts = key, tuple(hosted)
             self._weights_flat = reference.new_empty(len(hosted) * per_expert)
             self._grads_flat = torch.zeros(len(hosted) * per_expert, dtype=self._grad_dtype,
                                            device=self._device)
-            self.grad1 = tuple(self._grads_flat[i * per_expert:i * per_expert + size1]
-                               .view(shape1) for i in range(len(hosted)))
-            self.grad2 = tuple(self._grads_flat[i * per_expert + size1:(i + 1) * per_expert]
-                               .view(shape2) for i in range(len(hosted)))
+            self.grads = self._by_kind(self._grads_flat, len(hosted))
             self.allocations += 1
         served = self._served(placement, home_experts)
-        send_parts = [part for _, e in served for part in (
-            home_w1[e - home_experts.start].detach().reshape(-1),
-            home_w2[e - home_experts.start].detach().reshape(-1))]
+        send_parts = [kind[e - home_experts.start].detach().reshape(-1)
+                      for _, e in served for kind in home]
         send = _counts_by_rank([r for r, _ in served], placement.num_ranks, per_expert)
         recv = _counts_by_rank([e // local for e in hosted], placement.num_ranks, per_expert)
         flat = torch.cat(send_parts) if send_parts else reference.new_empty(0)
@@ -141,7 +168,7 @@ class ExpertReplicas:
 
     def finish_refresh(self) -> None:
         """Wait for the refresh ``start_refresh`` began (no-op when none is pending); the
-        replica weights are then bitwise the home weights."""
+        replica parameters are then bitwise the home parameters."""
         if self._pending is None:
             return
         work, _ = self._pending
@@ -149,37 +176,32 @@ class ExpertReplicas:
         if work is not None:
             work.wait()
         if not self.experts:
-            self.w1 = self.w2 = ()
+            self.params = ()
             return
-        size1 = self._shape1.numel()
-        per_expert = size1 + self._shape2.numel()
-        rows = self._weights_flat.view(len(self.experts), per_expert)
-        self.w1 = tuple(row[:size1].view(self._shape1) for row in rows)
-        self.w2 = tuple(row[size1:].view(self._shape2) for row in rows)
+        self.params = self._by_kind(self._weights_flat, len(self.experts))
 
     # --------------------------------------------------------------- gradients
-    def accumulate(self, dw1: list[torch.Tensor], dw2: list[torch.Tensor]) -> None:
-        """Add one micro-batch's replica weight gradients to the buffers."""
-        for buf, grad in zip((*self.grad1, *self.grad2), (*dw1, *dw2), strict=True):
+    def accumulate(self, grads: tuple[list[torch.Tensor], ...]) -> None:
+        """Add one micro-batch's replica gradients (by kind, as ``params``) to the
+        buffers."""
+        buffers = [buf for kind in self.grads for buf in kind]
+        for buf, grad in zip(buffers, [g for kind in grads for g in kind], strict=True):
             buf.add_(grad.to(buf.dtype))
         self.has_grads = self.has_grads or bool(self.experts)
 
-    def reduce_into_home(self, num_local: int
-                         ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    def reduce_into_home(self, num_local: int) -> tuple[list[torch.Tensor | None], ...]:
         """Send the accumulated replica gradients home; return this rank's home additions.
 
-        Collective over the EP group. Returns (dW1, dW2) lists over this rank's
-        ``num_local`` home experts: the summed gradients of the expert's replicas in the
-        accumulation dtype, None for an expert without replicas (empty lists when the
-        placement has none); the buffers are emptied.
+        Collective over the EP group. Returns, by kind (as ``params``), lists over this
+        rank's ``num_local`` home experts: the summed gradients of the expert's replicas
+        in the accumulation dtype, None for an expert without replicas (an empty tuple
+        when the placement has none); the buffers are emptied.
         """
         placement = self.placement
         if placement is None or not placement.replicas:
-            return [], []
+            return ()
         home_experts = range(self.rank * num_local, (self.rank + 1) * num_local)
-        shape1, shape2 = self._shape1, self._shape2
-        size1 = shape1.numel()
-        per_expert = size1 + shape2.numel()
+        per_expert = self._per_expert()
         send = _counts_by_rank([e // num_local for e in self.experts], placement.num_ranks,
                                per_expert)
         served = self._served(placement, home_experts)
@@ -188,20 +210,18 @@ class ExpertReplicas:
         if flat is None:
             flat = torch.zeros(0, dtype=self._grad_dtype, device=self._device)
         got = all_to_all_rows(flat, send, recv, self.group).view(len(served), per_expert)
-        add1: list[torch.Tensor | None] = [None] * num_local
-        add2: list[torch.Tensor | None] = [None] * num_local
+        adds: list[list[torch.Tensor | None]] = [[None] * num_local for _ in self._shapes]
         for (_, e), row in zip(served, got, strict=True):
             i = e - home_experts.start
-            d1, d2 = row[:size1].view(shape1), row[size1:].view(shape2)
-            add1[i] = d1 if add1[i] is None else add1[i] + d1
-            add2[i] = d2 if add2[i] is None else add2[i] + d2
+            for add, part in zip(adds, self._split(row), strict=True):
+                add[i] = part if add[i] is None else add[i] + part
         if self._grads_flat is not None:
             self._grads_flat.zero_()
         self.has_grads = False
-        return add1, add2
+        return tuple(adds)
 
     def memory_bytes(self) -> int:
-        """Bytes held by this rank's replicas: weights plus gradient buffers."""
+        """Bytes held by this rank's replicas: parameters plus gradient buffers."""
         return sum(t.numel() * t.element_size()
                    for t in (self._weights_flat, self._grads_flat) if t is not None)
 

@@ -18,7 +18,7 @@ means (the "meaning" of docs/design.md, "Flags"), and its metadata what the flag
 
 Errors name the flag (``flag_of``: one mapping from config field to flag), e.g.
 ``--moe-lrmoe-bwd-capacity-factor: must be > 0 or inf, got -1``. What combines an
-option with other settings (the all-to-all dispatcher, no expert biases, ...) is
+option with other settings (the all-to-all dispatcher, no forward capacity, ...) is
 checked in one function, ``check_combination``; what it accepts and refuses of
 Megatron's own options is the table ``MEGATRON_OPTIONS`` (options/megatron.py).
 
@@ -253,7 +253,7 @@ class LRMoEOptions:
         False, check=check_switch,
         help="use the LRMoE MoE layer: exact forward, metric-driven backward drop with "
              "compaction (off: Megatron's own classes, untouched)")
-    """Use the LRMoE layer (needs the all-to-all dispatcher and ``--disable-bias-linear``)."""
+    """Use the LRMoE layer (needs the all-to-all dispatcher)."""
 
     moe_lrmoe_bwd_capacity_factor: float = flag_field(
         1.0, check=check_capacity_factor,

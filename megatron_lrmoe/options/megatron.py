@@ -240,9 +240,12 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
         refuse=lambda v: v != "alltoall",
         problem="--moe-lrmoe needs --moe-token-dispatcher-type alltoall (its backward region "
                 "is an all-to-all dispatcher), got {value!r}", fix="alltoall"),
-    _refused("add_bias_linear",
-             "--moe-lrmoe needs --disable-bias-linear (expert biases are not supported)",
-             flag="--disable-bias-linear", fix=False, adaptable=False),
+    _implemented(
+        "add_bias_linear",
+        "expert biases (gpt-oss): the region adds each instance's fc1 and fc2 bias in "
+        "forward (fc2's inside the output p scales, as Megatron's experts do) and returns "
+        "their gradients over the retained pairs, reweighted as the weights' are; replicas "
+        "carry them", flag="--disable-bias-linear"),
     _refused("moe_expert_capacity_factor",
              "--moe-lrmoe keeps the forward exact: drop --moe-expert-capacity-factor (a "
              "forward capacity drops pairs in forward)", refuse=_given, adaptable=False),
@@ -349,7 +352,9 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
              "keep one parameter per expert (SequentialMLP's layout and checkpoint keys); drop "
              "the flag"),
     _refused("moe_single_grouped_bias",
-             "a grouped expert bias: --moe-lrmoe supports no expert biases; drop the flag"),
+             "stores TEGroupedMLP's expert biases as one grouped parameter; the --moe-lrmoe "
+             "experts keep one bias per expert (SequentialMLP's layout and checkpoint keys); "
+             "drop the flag"),
     _refused("moe_mlp_glu_interleave_size",
              "block-interleaved GLU is TEGroupedMLP's fc1 layout; the --moe-lrmoe experts read "
              "fc1 as [gate; linear] halves (SequentialMLP's), so it would be ignored and an "

@@ -73,7 +73,8 @@ class LayerMemory:
         """[R] bytes each rank receives, and the sums it makes, when the step's last
         backward sends the replicas' gradients home (``ExpertReplicas.reduce_into_home``,
         inside the region's backward, after the token gradient exists): one expert's
-        dW1 and dW2 in the gradient dtype per replica of the rank's home experts, one more
+        dW1 and dW2 (and db1, db2 with expert biases) in the gradient dtype per replica
+        of the rank's home experts, one more
         per home expert with two or more replicas (their sum), and one dW1 of the sum's
         temporary where an expert has three or more."""
         s = self.shape
@@ -87,7 +88,7 @@ class LayerMemory:
         many = (np.bincount(home, weights=per_expert >= 3, minlength=num_ranks) > 0
                 ).astype(np.float64)
         grad = s.grad_dtype_bytes or s.dtype_bytes
-        return grad * ((served + multi) * s.weight_elements
+        return grad * ((served + multi) * s.parameter_elements
                        + many * s.fc1_size * s.hidden_size)
 
     def _grouped_terms(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:

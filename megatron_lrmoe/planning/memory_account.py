@@ -174,7 +174,9 @@ def parameter_counts(shape: RunShape, first_stage: bool, last_stage: bool
     Per layer: input norm, QKV [H, (a + 2 g) d / t] (+bias), projection [(a d) / t, H]
     (+bias H), QK norms (2 d), pre-MLP norm; a dense layer's MLP [H, F1 / t] + [F / t, H]
     (+biases F1 / t, H); an MoE layer's router [E, H], its E / EP local experts
-    ((F1 + F) H / ETP each) and shared experts ((S1 + S) H / t). First stage: word
+    ((F1 + F) H / ETP each, +biases F1 + H: Megatron allows them at ETP 1 only) and
+    shared experts ((S1 + S) H / t; Megatron refuses biases there); with biases also the
+    router's [E]. First stage: word
     embeddings V H / t (+ positions P H); last stage: final norm, output layer V H / t
     (untied, or tied with PP > 1: the last stage holds its own copy).
     """
@@ -199,8 +201,9 @@ def parameter_counts(shape: RunShape, first_stage: bool, last_stage: bool
         fe = shape.moe_ffn_hidden_size or f
         fe1 = 2 * fe if shape.gated else fe
         local = shape.num_experts / shape.expert_parallel
-        expert = moe_layers * local * (fe1 + fe) * h / shape.expert_tensor_parallel
-        dense += moe_layers * shape.num_experts * h      # router
+        expert = moe_layers * local * ((fe1 + fe) * h / shape.expert_tensor_parallel
+                                       + ((fe1 + h) if shape.linear_bias else 0))
+        dense += moe_layers * shape.num_experts * (h + (1 if shape.linear_bias else 0))
         if shape.shared_expert_size:
             s = shape.shared_expert_size
             dense += moe_layers * ((2 * s if shape.gated else s) + s) * h / t

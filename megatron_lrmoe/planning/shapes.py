@@ -65,6 +65,10 @@ class MoEShape:
     pays Megatron's own fixed cost (``MachineConstants.megatron_forward_fixed_s``). Time
     only: the memory of Megatron's layer is ``MegatronMoEMemory``'s."""
 
+    expert_bias: bool = False
+    """Each expert has biases b1 [F1] and b2 [H] (Megatron's ``add_bias_linear``): a
+    replica carries them and their gradient buffer, and sends their gradients home."""
+
     forward_retention: bool = False
     """The retained set is drawn in forward (rules that do not read the backward
     gradient: ``retention.retention_in_forward``). x_exp and z are then saved for the
@@ -84,7 +88,7 @@ class MoEShape:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("gated", "grouped_gemm", "megatron_layer",
+            if f.name in ("gated", "grouped_gemm", "megatron_layer", "expert_bias",
                           "forward_retention", "recompute_moe"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MoEShape.{f.name} must be a bool, got {value!r}")
@@ -119,10 +123,20 @@ class MoEShape:
         return (self.fc1_size + self.ffn_hidden_size) * self.hidden_size
 
     @property
+    def bias_elements(self) -> int:
+        """Elements of one expert's biases, b1 [F1] + b2 [H] (0 without)."""
+        return self.fc1_size + self.hidden_size if self.expert_bias else 0
+
+    @property
+    def parameter_elements(self) -> int:
+        """Elements of one expert's parameters: weights and biases."""
+        return self.weight_elements + self.bias_elements
+
+    @property
     def instance_bytes(self) -> int:
-        """Bytes of one replica: weights plus a same-shape gradient buffer."""
+        """Bytes of one replica: parameters plus a same-shape gradient buffer."""
         grad = self.grad_dtype_bytes or self.dtype_bytes
-        return self.weight_elements * (self.dtype_bytes + grad)
+        return self.parameter_elements * (self.dtype_bytes + grad)
 
     @property
     def source_pairs(self) -> int:

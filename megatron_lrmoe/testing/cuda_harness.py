@@ -480,11 +480,13 @@ class Case:
     gamma: float
     selection: str
     replicas: bool
+    bias: bool = False
+    """The experts have biases (Megatron's ``add_bias_linear``): b1 [F1] and b2 [H] each."""
 
     @property
     def name(self) -> str:
         return (f"ep{self.ep}-gamma{self.gamma:g}-{self.selection}-"
-                f"{'replicas' if self.replicas else 'static'}")
+                f"{'replicas' if self.replicas else 'static'}{'-bias' if self.bias else ''}")
 
 
 @dataclass
@@ -562,7 +564,12 @@ def _dims(t: torch.Tensor | None) -> list | None:
 def run_case(case: Case, rank: int, model: str = "qwen3-30b-a3b") -> CaseResult:
     """The region of ``model``'s shape as rank ``rank`` of a fake EP group of ``case.ep``:
     counts exchange (trace hook), plan, forward, then backward through the node."""
-    from megatron_lrmoe.layer.region import ExpertWeights, RegionContext, lrmoe_region
+    from megatron_lrmoe.layer.region import (
+        PARAM_KINDS,
+        ExpertWeights,
+        RegionContext,
+        lrmoe_region,
+    )
     from megatron_lrmoe.testing.host_reads import HostReadDetector
     from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
 
@@ -581,26 +588,32 @@ def run_case(case: Case, rank: int, model: str = "qwen3-30b-a3b") -> CaseResult:
         homes = sum(1 for i in local if placement.instance_expert[i] // (e // case.ep) == rank)
         w1 = tuple(torch.empty(f1, h, **bf16, requires_grad=j < homes) for j in range(len(local)))
         w2 = tuple(torch.empty(h, f, **bf16, requires_grad=j < homes) for j in range(len(local)))
-        # The home weights' gradient buffers exist before the call, as Megatron's are.
-        buffers = [torch.zeros_like(w) for w in (*w1[:homes], *w2[:homes])]
-        for w, g in zip((*w1[:homes], *w2[:homes]), buffers, strict=True):
+        b1 = tuple(torch.empty(f1, **bf16, requires_grad=j < homes)
+                   for j in range(len(local) if case.bias else 0))
+        b2 = tuple(torch.empty(h, **bf16, requires_grad=j < homes)
+                   for j in range(len(local) if case.bias else 0))
+        home_params = (*w1[:homes], *w2[:homes], *b1[:homes], *b2[:homes])
+        # The home parameters' gradient buffers exist before the call, as Megatron's are.
+        buffers = [torch.zeros_like(w) for w in home_params]
+        for w, g in zip(home_params, buffers, strict=True):
             w.grad = g
-        experts = ExpertWeights(w1[:homes], w2[:homes], _swiglu)
+        experts = ExpertWeights(w1[:homes], w2[:homes], _swiglu, b1=b1[:homes],
+                                b2=b2[:homes])
         if len(local) > homes:
-            experts = experts.with_replicas(w1[homes:], w2[homes:])
+            experts = experts.with_replicas(w1[homes:], w2[homes:], b1[homes:], b2[homes:])
         x = torch.empty(t, h, **bf16, requires_grad=True)
         routing_map = torch.empty(t, e, device="cuda", dtype=torch.bool)
         probs = torch.empty(t, e, device="cuda", dtype=torch.float32, requires_grad=True)
         dy = torch.empty(t, h, **bf16)
         exchange = TraceCountsExchange(counts, rank)
         replica_grads: list[list] = []
-        pre_existing = (x, *w1, *w2, *buffers)
+        pre_existing = (x, *w1, *w2, *b1, *b2, *buffers)
         keep = {p.untyped_storage()._cdata for p in pre_existing}
         saved: dict[int, int] = {}
 
-        def on_replica_grads(dw1, dw2):
-            replica_grads.extend([_dims(g) for g in (*dw1, *dw2)])
-            return [], []
+        def on_replica_grads(grads):
+            replica_grads.extend([_dims(g) for kind in grads for g in kind])
+            return ()
 
         def pack(saved_tensor: torch.Tensor) -> torch.Tensor:
             storage = saved_tensor.untyped_storage()
@@ -610,7 +623,7 @@ def run_case(case: Case, rank: int, model: str = "qwen3-30b-a3b") -> CaseResult:
 
         mem = device_memory()
         with HostReadDetector() as detector:
-            detector.taint(x, routing_map, probs, dy, *w1, *w2)
+            detector.taint(x, routing_map, probs, dy, *w1, *w2, *b1, *b2)
             gathered = exchange.gather_counts(routing_map)
             planner.observe(gathered)
             plan = planner.plan(gathered).retention
@@ -645,7 +658,8 @@ def run_case(case: Case, rank: int, model: str = "qwen3-30b-a3b") -> CaseResult:
                 device.phase = mem.phase = ""
             memory = memory_record(mem, base, at_backward, sum(saved.values()))
         names = ["dx", "dpair_token", "dpair_prob", "drc", "dexperts"] + [
-            f"dw1[{j}]" for j in range(homes)] + [f"dw2[{j}]" for j in range(homes)]
+            f"d{kind}[{j}]" for kind in PARAM_KINDS[:len(experts.params)]
+            for j in range(homes)]
         outputs = {"y": _dims(y), **{n: _dims(g) for n, g in zip(names, grads, strict=True)}}
         return CaseResult(
             case=case.name, rank=rank, hidden=h, ffn=f, tokens=t, counts=counts.tolist(),
@@ -1240,9 +1254,9 @@ def run_case_on_device(case: Case, rank: int, device: str | torch.device = "cuda
     dy = draw(t, h)
     replica_grads: list[torch.Tensor] = []
 
-    def on_replica_grads(dw1, dw2):
-        replica_grads[:] = [*dw1, *dw2]
-        return [], []
+    def on_replica_grads(grads):
+        replica_grads[:] = [g for kind in grads for g in kind]
+        return ()
 
     def call(recorder=None, errors=None, detector=None):
         x = x0.detach().clone().requires_grad_(True)
@@ -1406,14 +1420,16 @@ def compare_values(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
 
 
 def _parse_case(spec: str) -> Case:
-    ep, gamma, selection, replicas = spec.split(":")
+    """``EP:GAMMA:SELECTION:REPLICAS[:BIAS]`` (flags 0 or 1) as a ``Case``."""
+    ep, gamma, selection, replicas, *bias = spec.split(":")
     return Case(int(ep), math.inf if gamma == "inf" else float(gamma), selection,
-                replicas == "1")
+                replicas == "1", bias == ["1"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m megatron_lrmoe.testing.cuda_harness [layer] RANK EP:GAMMA:SELECTION:REPLICAS
-    ...``: one JSON list of case results (``layer``: of the whole layer) on stdout."""
+    """``python -m megatron_lrmoe.testing.cuda_harness [layer] RANK
+    EP:GAMMA:SELECTION:REPLICAS[:BIAS] ...``: one JSON list of case results (``layer``: of
+    the whole layer) on stdout."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "weights":       # ``... weights RANK WRAP CASE ...``
         json.dump([run_weight_copy_case(_parse_case(c), int(argv[1]), argv[2])
@@ -1422,11 +1438,7 @@ def main(argv: list[str] | None = None) -> int:
     layer = bool(argv) and argv[0] == "layer"     # ``... layer RANK CASE ...``: the layer
     argv = argv[1:] if layer else argv
     rank = int(argv[0])
-    cases = []
-    for spec in argv[1:]:
-        ep, gamma, selection, replicas = spec.split(":")
-        cases.append(Case(int(ep), math.inf if gamma == "inf" else float(gamma), selection,
-                          replicas == "1"))
+    cases = [_parse_case(spec) for spec in argv[1:]]
     json.dump([asdict(run_layer_case(c, rank)) for c in cases] if layer
               else run_cases(cases, rank), sys.stdout)
     return 0

@@ -37,8 +37,9 @@ def layer_config_kwargs(cfg: dict) -> dict:
         num_moe_experts=cfg["experts"], moe_router_topk=cfg["topk"],
         moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
         moe_router_load_balancing_type="none", expert_model_parallel_size=cfg["ep"],
-        add_bias_linear=False, bias_activation_fusion=False, gated_linear_unit=True,
-        activation_func=F.silu, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        add_bias_linear=bool(cfg.get("bias", False)), bias_activation_fusion=False,
+        gated_linear_unit=True, activation_func=F.silu, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
     )
 

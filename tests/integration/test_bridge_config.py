@@ -121,7 +121,6 @@ def test_adapt_leaves_no_refusal_of_the_container(recipe):
 
 
 @pytest.mark.parametrize("path, value, needs", [
-    ("model.add_bias_linear", True, False),
     ("model.context_parallel_size", 2, 1),
     ("model.expert_tensor_parallel_size", 2, 1),
     ("model.moe_expert_capacity_factor", 1.25, None),

@@ -213,8 +213,6 @@ LRMOE_OK = ["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall", "--disable
 LRMOE_INVALID = [
     (["--moe-lrmoe"], "--moe-token-dispatcher-type: --moe-lrmoe needs "
                       "--moe-token-dispatcher-type alltoall"),
-    (["--moe-lrmoe", "--moe-token-dispatcher-type", "alltoall"],
-     "--disable-bias-linear: --moe-lrmoe needs --disable-bias-linear"),
     (LRMOE_OK + ["--moe-expert-capacity-factor", "1.0"],
      "--moe-expert-capacity-factor: --moe-lrmoe keeps the forward exact"),
     (LRMOE_OK + ["--moe-lrmoe-placement", "memory-aware"],
@@ -361,7 +359,6 @@ LRMOE_CONFIG = dict(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_
 @pytest.mark.parametrize("field,value,message", [
     ("moe_token_dispatcher_type", "allgather", "--moe-token-dispatcher-type: "),
     ("moe_expert_capacity_factor", 1.0, "--moe-expert-capacity-factor: "),
-    ("add_bias_linear", True, "--disable-bias-linear: "),
     ("num_moe_experts", None, "--num-experts: --moe-lrmoe needs an MoE model"),
     ("moe_lrmoe_placement", "memory-aware", "--moe-lrmoe-memory-budget-gb: "),
 ])
@@ -560,7 +557,6 @@ def test_megatron_lm_combination_checks_name_the_flag():
     check = megatron_lm.check_megatron_lm_args
     for overrides, message in [
         (dict(moe_token_dispatcher_type="allgather"), "--moe-token-dispatcher-type: "),
-        (dict(add_bias_linear=True), "--disable-bias-linear: "),
         (dict(tensor_model_parallel_size=2), "--expert-tensor-parallel-size: --moe-lrmoe needs "
                                              "--expert-tensor-parallel-size 1"),
         (dict(num_experts=None), "--num-experts: --moe-lrmoe needs an MoE model"),

@@ -18,9 +18,11 @@ HIDDEN, FFN, EXPERTS = 16, 24, 8
 def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
            swiglu: bool = True, shared: int | None = None, min_retention: float = 0.0,
            hybrid_fraction: float = 0.5, metric: str = "grad_act",
-           router: dict | None = None):
+           router: dict | None = None, fields: dict | None = None):
     """Megatron's MoELayer and an LRMoELayer with the same weights, on this rank.
-    ``router``: config fields of a router variant (ROUTERS), set in both."""
+    ``router``: config fields of a router variant (ROUTERS), set in both; ``fields``:
+    other config fields set in both (expert biases, tests/layer/test_expert_biases.py:
+    drawn nonzero, Megatron's are zeros at start)."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -43,9 +45,11 @@ def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
         expert_model_parallel_size=ep, add_bias_linear=False, bias_activation_fusion=False,
         gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
         moe_shared_expert_intermediate_size=shared,
-    ), **(router or {}))
+    ), **(router or {}), **(fields or {}))
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS).submodules.mlp
     megatron = spec(config=TransformerConfig(**common))
+    if common["add_bias_linear"]:
+        _draw_expert_biases(megatron)
     lrmoe_config = LRMoETransformerConfig(
         **common, moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=gamma,
         moe_lrmoe_selection=selection, moe_lrmoe_min_retention=min_retention,
@@ -54,6 +58,17 @@ def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
     lrmoe.load_state_dict(megatron.state_dict())  # same keys: interchangeable experts
     setup_lrmoe_layers([lrmoe], None, 1)          # the run's planner settings, handed over
     return megatron, lrmoe
+
+
+def _draw_expert_biases(layer) -> None:
+    """Nonzero expert biases, per rank (its experts are its own)."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(2000 + dist.get_rank())
+    with torch.no_grad():
+        for expert in layer.experts.local_experts:
+            for linear in (expert.linear_fc1, expert.linear_fc2):
+                linear.bias.copy_(0.5 * torch.randn(linear.bias.shape, generator=g))
 
 
 def _inputs(tokens: int):
@@ -93,8 +108,11 @@ ROUTERS = {
 
 
 def _compare_with_megatron(ep: int, gamma: float, tokens: int, swiglu: bool, shared,
-                           router: dict | None = None):
-    megatron, lrmoe = _build(ep, gamma, swiglu=swiglu, shared=shared, router=router)
+                           router: dict | None = None, fields: dict | None = None,
+                           grouped: bool | None = None):
+    megatron, lrmoe = _build(ep, gamma, swiglu=swiglu, shared=shared, router=router,
+                             fields=fields)
+    lrmoe.grouped_gemm = grouped
     x, dy = _inputs(tokens)
     out_m, dx_m, grads_m = _run(megatron, x, dy)
     out_l, dx_l, grads_l = _run(lrmoe, x, dy)
@@ -189,12 +207,14 @@ def test_forward_exact_with_drops(gloo2):
 # -----------------------------------------------------------------------------
 
 
-def _gather_expert_weights(lrmoe):
-    """All experts' (w1, w2), stacked [E, ...], from every EP rank."""
+def _gather_expert_weights(lrmoe, kind: str = "weight"):
+    """All experts' (w1, w2), stacked [E, ...], from every EP rank (``kind`` "bias": their
+    biases b1, b2)."""
     import torch.distributed as dist
 
-    w1 = torch.stack([e.linear_fc1.weight.detach() for e in lrmoe.experts.local_experts])
-    w2 = torch.stack([e.linear_fc2.weight.detach() for e in lrmoe.experts.local_experts])
+    experts = lrmoe.experts.local_experts
+    w1 = torch.stack([getattr(e.linear_fc1, kind).detach() for e in experts])
+    w2 = torch.stack([getattr(e.linear_fc2, kind).detach() for e in experts])
     group = lrmoe.ep_group
     size = dist.get_world_size(group)
     if size == 1:
@@ -208,7 +228,7 @@ def _gather_expert_weights(lrmoe):
 
 def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret: float,
                                   grouped: bool | None = None, metric_name: str = "grad_act",
-                                  router: dict | None = None):
+                                  router: dict | None = None, fields: dict | None = None):
     import torch.distributed as dist
 
     from megatron_lrmoe.layer.step_state import _mix_seed
@@ -218,16 +238,21 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
     # hybrid at a non-default fraction: the layer must pass its config's value on.
     megatron, lrmoe = _build(ep, gamma, selection=selection, aux=0.0, min_retention=min_ret,
                              hybrid_fraction=0.3 if selection == "hybrid" else 0.5,
-                             metric=metric_name, router=router)
+                             metric=metric_name, router=router, fields=fields)
     router_ref = megatron.router  # same weights, separate parameters
     lrmoe.grouped_gemm = grouped
     x, dy = _inputs(14)
     out_l, dx_l, grads_l = _run(lrmoe, x, dy)
 
     # Reference, on this rank's tokens, with every expert available.
-    w1_all, w2_all = _gather_expert_weights(lrmoe)
-    w1_all.requires_grad_(True)
-    w2_all.requires_grad_(True)
+    params = dict(zip(("linear_fc1.weight", "linear_fc2.weight"), _gather_expert_weights(lrmoe),
+                      strict=True))
+    if lrmoe.config.add_bias_linear:
+        params.update(zip(("linear_fc1.bias", "linear_fc2.bias"),
+                          _gather_expert_weights(lrmoe, "bias"), strict=True))
+    for p_all in params.values():
+        p_all.requires_grad_(True)
+    w1_all, w2_all = params["linear_fc1.weight"], params["linear_fc2.weight"]
     x_ref = x.clone().requires_grad_(True)
     flat = x_ref.reshape(-1, HIDDEN)
     probs, routing_map = router_ref(x_ref)
@@ -235,10 +260,16 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
     p = probs[pair_token, pair_expert]
     rows = flat[pair_token]
     z = torch.einsum("ph,pfh->pf", rows, w1_all[pair_expert])
+    if "linear_fc1.bias" in params:
+        z = z + params["linear_fc1.bias"][pair_expert]
     h = lrmoe.experts._activation(z)
     o = torch.einsum("pf,phf->ph", h, w2_all[pair_expert])
+    if "linear_fc2.bias" in params:
+        o = o + params["linear_fc2.bias"][pair_expert]
     g = p.detach().unsqueeze(1) * dy.reshape(-1, HIDDEN)[pair_token]
     metric = torch.linalg.vector_norm(g, dim=1) * torch.linalg.vector_norm(h.detach(), dim=1)
+    if metric_name == "grad":
+        metric = torch.linalg.vector_norm(g, dim=1)
     if metric_name == "prob":
         metric = p.detach().float()
 
@@ -260,10 +291,10 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
     y = torch.zeros_like(flat).index_add(0, pair_token, p.unsqueeze(1) * o_eff)
     (y * dy.reshape(-1, HIDDEN)).sum().backward()
 
-    dw1, dw2 = w1_all.grad.clone(), w2_all.grad.clone()
+    expert_grads = {name: p_all.grad.clone() for name, p_all in params.items()}
     if ep > 1:
-        dist.all_reduce(dw1, group=lrmoe.ep_group)
-        dist.all_reduce(dw2, group=lrmoe.ep_group)
+        for grad in expert_grads.values():
+            dist.all_reduce(grad, group=lrmoe.ep_group)
     local = lrmoe.experts.num_local_experts
     ok = {"forward": torch.allclose(out_l.reshape(-1, HIDDEN), y.detach(), rtol=RTOL, atol=ATOL),
           "dx": torch.allclose(dx_l, x_ref.grad, rtol=RTOL, atol=ATOL)}
@@ -272,8 +303,8 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
             ok[name] = torch.allclose(grad, dict(router_ref.named_parameters())[
                 name.removeprefix("router.")].grad, rtol=RTOL, atol=ATOL)
         else:
-            index = int(name.split(".")[2])
-            ref = (dw1 if "linear_fc1" in name else dw2)[rank * local + index]
+            _, _, index, linear, kind = name.split(".")   # experts.local_experts.<i>....
+            ref = expert_grads[f"{linear}.{kind}"][rank * local + int(index)]
             ok[name] = torch.allclose(grad, ref, rtol=RTOL, atol=ATOL)
     ok["dropped"] = kept.numel() < p.shape[0]
     return ok

@@ -43,6 +43,9 @@ RANKS = {8: 3, 64: 37}
 CASES = [Case(ep, gamma, selection, replicas)
          for ep in RANKS for gamma in (math.inf, 1.0, 0.75)
          for selection in ("uniform", "topk") for replicas in (False, True)]
+# Expert biases (Megatron's add_bias_linear): their adds and gradient sums on the device,
+# with replicas carrying them.
+CASES.append(Case(8, 0.75, "uniform", True, bias=True))
 TIMEOUT_S = 240
 MEMORY_TOLERANCE = 0.05
 MIB = 1 << 20
@@ -50,7 +53,7 @@ MIB = 1 << 20
 
 def _arg(case: Case) -> str:
     gamma = "inf" if math.isinf(case.gamma) else f"{case.gamma:g}"
-    return f"{case.ep}:{gamma}:{case.selection}:{int(case.replicas)}"
+    return f"{case.ep}:{gamma}:{case.selection}:{int(case.replicas)}:{int(case.bias)}"
 
 
 @pytest.fixture(scope="module")
@@ -110,12 +113,16 @@ def test_region_at_size_on_fake_cuda(results, case):
     assert out["y"] == [[t, h], "bfloat16", "cuda"]
     assert out["dx"] == [[t, h], "bfloat16", "cuda"]
     assert out["dpair_prob"] == [[pairs], "float32", "cuda"]
+    kinds = {"w1": [2 * f, h], "w2": [h, f]}
+    if case.bias:
+        kinds.update(b1=[2 * f], b2=[h])
     for j in range(homes):
-        assert out[f"dw1[{j}]"] == [[2 * f, h], "bfloat16", "cuda"]
-        assert out[f"dw2[{j}]"] == [[h, f], "bfloat16", "cuda"]
+        for kind, dims in kinds.items():
+            assert out[f"d{kind}[{j}]"] == [dims, "bfloat16", "cuda"], (kind, j)
+    assert (f"db1[{homes - 1}]" in out) is case.bias
     replicas = len(local) - homes
-    assert record["replica_grads"] == ([[[2 * f, h], "bfloat16", "cuda"]] * replicas
-                                       + [[[h, f], "bfloat16", "cuda"]] * replicas)
+    assert record["replica_grads"] == [[dims, "bfloat16", "cuda"] for dims in kinds.values()
+                                       for _ in range(replicas)]
 
     # Every tensor the region makes is on the device, in the dtype the design says: rows,
     # weights and their gradients in bf16; fp32 only for per-row or per-pair values (a,
@@ -149,7 +156,9 @@ def test_region_at_size_on_fake_cuda(results, case):
     assert np.array_equal(np.flatnonzero(rows.rank == rank), local)
     routed, retained = rows.routed[local].tolist(), rows.retained[local].tolist()
     gemms = record["gemms"]
-    assert [g["phase"] for g in gemms] == ["forward"] * 2 + ["backward"] * 4
+    # Backward: dH, dX, dW2, dW1, and with biases the two bias gradients' row sums.
+    backward = 6 if case.bias else 4
+    assert [g["phase"] for g in gemms] == ["forward"] * 2 + ["backward"] * backward
     for g in gemms:
         want = routed if g["phase"] == "forward" else retained
         assert g["offs_dtype"] == "int32"
@@ -216,7 +225,7 @@ def _predicted_memory(case: Case, plan, rank: int, forward_retention: bool) -> t
     weights and gradient buffers (they exist before the call) taken out of the peak."""
     shape = MoEShape(2048, 768, 128, 8, gated=True, dtype_bytes=2, tokens_per_rank=4096,
                      expert_parallel_size=case.ep, grouped_gemm=True,
-                     forward_retention=forward_retention)
+                     forward_retention=forward_retention, expert_bias=case.bias)
     # Memory needs no machine constants; these only satisfy the constructor.
     cost = CostModel(shape, MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0))
     local = np.bincount(np.asarray(plan.instance_rank), minlength=plan.num_ranks)

@@ -58,9 +58,9 @@ def _micro_batches(layer, xs, dys, after_backward=None):
     return outs, dxs, grads
 
 
-def _replicas_equal_static(ep: int, microbatches: int):
-    megatron, static = _build(ep, math.inf)
-    _, replicated = _build(ep, math.inf)
+def _replicas_equal_static(ep: int, microbatches: int, fields: dict | None = None):
+    megatron, static = _build(ep, math.inf, fields=fields)
+    _, replicated = _build(ep, math.inf, fields=fields)
     replicated.load_state_dict(static.state_dict())
     placement = _pin(replicated, _replica_layout(ep))
     replicated.microbatches_per_step = microbatches   # driven by hand: told explicitly
@@ -119,9 +119,9 @@ def _replicas_track_home_weights(ep: int, steps: int):
     reduce = layer.replicas.reduce_into_home
 
     def recording_reduce(num_local):
-        add1, add2 = reduce(num_local)
-        additions.append(([a is not None for a in add1], [a is not None for a in add2]))
-        return add1, add2
+        adds = reduce(num_local)            # by kind: dW1s, dW2s
+        additions.append(tuple([a is not None for a in add] for add in adds))
+        return adds
 
     layer.replicas.reduce_into_home = recording_reduce
     for step in range(steps):

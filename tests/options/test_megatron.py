@@ -55,7 +55,7 @@ LRMOE_CONFIG = dict(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_
                     moe_router_topk=2, moe_token_dispatcher_type="alltoall",
                     add_bias_linear=False, moe_lrmoe=True)
 # Megatron's defaults LRMoE refuses by design: what --moe-lrmoe requires instead.
-REQUIRED = {"moe_token_dispatcher_type": "alltoall", "add_bias_linear": False}
+REQUIRED = {"moe_token_dispatcher_type": "alltoall"}
 
 
 def _shipped() -> dict[str, tuple[list[str], str]]:
@@ -220,7 +220,7 @@ def test_every_megatron_offload_module_is_classified():
 
 # A value each refusing row refuses (what a user would set), chosen here, not by the table.
 REFUSED_EXAMPLES: dict[str, Any] = {
-    "moe_token_dispatcher_type": "allgather", "add_bias_linear": True,
+    "moe_token_dispatcher_type": "allgather",
     "moe_expert_capacity_factor": 1.0, "expert_tensor_parallel_size": 2,
     "moe_apply_probs_on_input": True, "overlap_moe_expert_parallel_comm": True,
     "delay_wgrad_compute": True, "moe_shared_expert_overlap": True, "cuda_graph_impl": "local",

@@ -717,13 +717,16 @@ def _measure_replicated_layer(cfg: dict, replicas: tuple[tuple[int, int], ...]) 
             "instance_bytes": cost.shape.instance_bytes, "hosted": hosted.tolist(), **memory}
 
 
-def test_replicas_gradients_returned_home_and_held_are_in_the_model(gloo2):
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "expert-bias"])
+def test_replicas_gradients_returned_home_and_held_are_in_the_model(gloo2, bias):
     # Expert weights large against the call's rows (192 KiB per expert in fp32, 64 tokens):
     # rank 0 serves three replicas, so the step's last backward receives their gradients
     # (576 KiB) after the token gradient exists; rank 1 hosts them, and the per-expert loop
-    # holds each replica's dW until the layer's hook. The oracle is the allocator.
+    # holds each replica's dW until the layer's hook. The oracle is the allocator. With
+    # expert biases (Megatron's add_bias_linear) each replica also carries b1, b2 and
+    # their gradient buffer, and sends their gradients home.
     cfg = dict(device="cpu", dtype="fp32", ep=2, seed=1234, hidden=64, ffn=256, experts=8,
-               topk=2, tokens=64, kernels="auto", grouped_gemm="off")
+               topk=2, tokens=64, kernels="auto", grouped_gemm="off", bias=bias)
     replicas = ((0, 1), (1, 1), (2, 1), (4, 0))
     results = gloo2.run(_measure_replicated_layer, cfg, replicas, timeout=300)
     for rank, measured in enumerate(results):

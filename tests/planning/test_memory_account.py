@@ -111,6 +111,20 @@ def test_optimizer_state_and_its_sharding():
     assert fp16_grads.gradients == params * 2
 
 
+def test_expert_biases_are_counted():
+    """Megatron's add_bias_linear on an MoE model: every local expert's b1 [F1] and b2 [H]
+    (2 x (8 + 8) per layer here), the router's bias [E], and the attention's (QKV
+    [(a + 2 g) d] = 24, projection [H] = 8) per layer."""
+    plain = memory_account(MOE, 0.0)
+    biased = memory_account(dataclasses.replace(MOE, linear_bias=True), 0.0)
+    expert, dense = 2 * 2 * (8 + 8), 2 * (4 + 24 + 8)
+    assert biased.weights - plain.weights == (expert + dense) * 2
+    # Expert parameters shard over expert-DP under the distributed optimizer, dense over DP.
+    sharded = [memory_account(dataclasses.replace(shape, distributed_optimizer=True), 0.0)
+               for shape in (MOE, dataclasses.replace(MOE, linear_bias=True))]
+    assert sharded[1].optimizer - sharded[0].optimizer == 12 * (dense / 4 + expert / 2)
+
+
 def test_moe_layers_activations_leave_the_moe_part_out():
     account = memory_account(dataclasses.replace(MOE, hidden_dropout=False,
                                                  attention_dropout=False), 0.0)
