@@ -1208,7 +1208,12 @@ def run_case_on_device(case: Case, rank: int, device: str | torch.device = "cuda
     Inputs are drawn in fp32 from ``seed`` and rounded to bf16 first, so that a run in
     another dtype (the CPU fp32 reference) sees the same values. ``reps`` > 0: then
     forward and backward timed (CUDA events), median of ``reps`` after ``warmup``."""
-    from megatron_lrmoe.layer.region import ExpertWeights, RegionContext, lrmoe_region
+    from megatron_lrmoe.layer.region import (
+        PARAM_KINDS,
+        ExpertWeights,
+        RegionContext,
+        lrmoe_region,
+    )
     from megatron_lrmoe.testing.host_reads import HostReadDetector
     from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
 
@@ -1235,11 +1240,16 @@ def run_case_on_device(case: Case, rank: int, device: str | torch.device = "cuda
 
     w1 = tuple(draw(f1, h, scale=h ** -0.5).requires_grad_(j < homes) for j in range(len(local)))
     w2 = tuple(draw(h, f, scale=f ** -0.5).requires_grad_(j < homes) for j in range(len(local)))
-    for w in (*w1[:homes], *w2[:homes]):
+    biased = len(local) if case.bias else 0
+    b1 = tuple(draw(f1, scale=0.5).requires_grad_(j < homes) for j in range(biased))
+    b2 = tuple(draw(h, scale=0.5).requires_grad_(j < homes) for j in range(biased))
+    home_params = (*w1[:homes], *w2[:homes], *b1[:homes], *b2[:homes])
+    for w in home_params:
         w.grad = torch.zeros_like(w)          # Megatron's gradient buffers exist before
-    experts = ExpertWeights(w1[:homes], w2[:homes], _swiglu)
+    experts = ExpertWeights(w1[:homes], w2[:homes], _swiglu, b1=b1[:homes], b2=b2[:homes])
     if len(local) > homes:
-        experts = experts.with_replicas(w1[homes:], w2[homes:])
+        experts = experts.with_replicas(w1[homes:], w2[homes:], b1[homes:], b2[homes:])
+    kinds = PARAM_KINDS[:len(experts.params)]
     x0 = draw(t, h)
     # Each instance's rows: distinct tokens where it has at most T rows, sorted
     # (instance-major, then token, as the layer sends them).
@@ -1287,7 +1297,7 @@ def run_case_on_device(case: Case, rank: int, device: str | torch.device = "cuda
     # A warm-up call outside the records (the grouped GEMM's start-up probe, first-call
     # set-up), then the gradient buffers zeroed for the checked call.
     call()
-    for w in (*w1[:homes], *w2[:homes]):
+    for w in home_params:
         w.grad.zero_()
     recorder, errors = _DeviceRecorder(), {}
     cuda = device.type == "cuda"
@@ -1296,22 +1306,22 @@ def run_case_on_device(case: Case, rank: int, device: str | torch.device = "cuda
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     with HostReadDetector() as detector:
-        detector.taint(x0, prob0, dy, *w1, *w2)
+        detector.taint(x0, prob0, dy, *w1, *w2, *b1, *b2)
         rc, x, pair_prob, y, reads_fwd = call(recorder, errors, detector)
         reads_bwd = list(detector.reads)
     if cuda:
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base
-    names = [f"dw1[{j}]" for j in range(homes)] + [f"dw2[{j}]" for j in range(homes)]
+    names = [f"d{kind}[{j}]" for kind in kinds for j in range(homes)]
     values: dict[str, torch.Tensor] = {}
     if y is not None:
         values = {"y": y.detach(), "dx": x.grad, "dpair_prob": pair_prob.grad}
-        values.update(zip(names, [w.grad.clone() for w in (*w1[:homes], *w2[:homes])],
-                          strict=True))
+        values.update(zip(names, [w.grad.clone() for w in home_params], strict=True))
         r = len(local) - homes
         held = list(replica_grads)         # the timed calls below replace the hook's list
-        values.update({f"replica dw1[{j}]": g for j, g in enumerate(held[:r])})
-        values.update({f"replica dw2[{j}]": g for j, g in enumerate(held[r:])})
+        for k, kind in enumerate(kinds):    # the hook's list is kind-major
+            values.update({f"replica d{kind}[{j}]": g
+                           for j, g in enumerate(held[k * r:(k + 1) * r])})
     seconds: dict[str, float] = {}
     if reps > 0 and y is not None:
         timer, times = _timer(device), {"forward": [], "backward": []}
@@ -1335,7 +1345,8 @@ def run_case_on_device(case: Case, rank: int, device: str | torch.device = "cuda
         "case": case.name, "rank": rank, "device": device.type,
         "dtype": str(dtype).removeprefix("torch."), "hidden": h, "ffn": f, "tokens": t,
         "pairs": pairs, "local_instances": len(local), "home_instances": homes,
-        "grouped_gemm": rc.stats.grouped_gemm, "forward_retention": rc.forward_retention,
+        "bias": case.bias, "grouped_gemm": rc.stats.grouped_gemm,
+        "forward_retention": rc.forward_retention,
         "routed": routed, "retained": view.quotas[0].tolist(),
         "sync_errors": errors, "forward_reads": [_read(r) for r in reads_fwd],
         "backward_reads": [_read(r) for r in reads_bwd],
@@ -1367,12 +1378,14 @@ def check_device_record(record: dict, plan) -> list[str]:
     need(out.get("dx") == [[t, h], dt, dev], f"dx {out.get('dx')}")
     need(out.get("dpair_prob") == [[record["pairs"]], "float32", dev],
          f"dpair_prob {out.get('dpair_prob')}")
-    for j in range(record["home_instances"]):
-        need(out.get(f"dw1[{j}]") == [[2 * f, h], dt, dev], f"dw1[{j}] {out.get(f'dw1[{j}]')}")
-        need(out.get(f"dw2[{j}]") == [[h, f], dt, dev], f"dw2[{j}] {out.get(f'dw2[{j}]')}")
-    for j in range(record["local_instances"] - record["home_instances"]):
-        need(out.get(f"replica dw1[{j}]") == [[2 * f, h], dt, dev], f"replica dw1[{j}]")
-        need(out.get(f"replica dw2[{j}]") == [[h, f], dt, dev], f"replica dw2[{j}]")
+    kinds = {"w1": [2 * f, h], "w2": [h, f]}
+    if record["bias"]:
+        kinds.update(b1=[2 * f], b2=[h])
+    replicas = record["local_instances"] - record["home_instances"]
+    for kind, dims in kinds.items():
+        for name in ([f"d{kind}[{j}]" for j in range(record["home_instances"])]
+                     + [f"replica d{kind}[{j}]" for j in range(replicas)]):
+            need(out.get(name) == [dims, dt, dev], f"{name} {out.get(name)}")
     made = [m for m in record["made"] if m["phase"] in ("forward", "backward")]
     need({m["phase"] for m in made} == {"forward", "backward"}, "no ops recorded")
     off = [m for m in made if m["device"] != dev]
@@ -1396,7 +1409,9 @@ def check_device_record(record: dict, plan) -> list[str]:
     need(record["retained"] == retained, "rank view's retained rows differ from the plan's")
     if record["grouped_gemm"]:
         gemms = record["gemms"]
-        need([g["phase"] for g in gemms] == ["forward"] * 2 + ["backward"] * 4,
+        # Backward: dH, dX, dW2, dW1 and, with biases, their gradients' row sums.
+        backward = 6 if record["bias"] else 4
+        need([g["phase"] for g in gemms] == ["forward"] * 2 + ["backward"] * backward,
              f"grouped GEMM phases {[g['phase'] for g in gemms]}")
         for g in gemms:
             want = routed if g["phase"] == "forward" else retained

@@ -4,7 +4,8 @@
         [--check-tokens 512] [--reps 10] [--device cuda]       # (scripts/gpu_check.sh runs it)
 
 The cases of tests/layer/test_region_fake_cuda.py (gamma inf, 1.0,
-0.75; uniform and topk; static and with replicas), the same plan from the qwen3 routing
+0.75; uniform and topk; static and with replicas; and its case with expert biases,
+``--biased``), the same plan from the qwen3 routing
 trace's counts, run on real tensors by ``megatron_lrmoe.testing.cuda_harness
 .run_case_on_device``: rank r's share of the EP plan as a 1-rank region (one process
 cannot be rank r of a real group of 8; why, in that module). What it checks:
@@ -20,7 +21,7 @@ cannot be rank r of a real group of 8; why, in that module). What it checks:
   kernel speed (CUDA events, median of ``--reps``); the allocator's real peak.
 
 Numerics tolerance (bf16): relative Frobenius error ||got - ref|| / ||ref|| <= 2e-2 per
-tensor (y, dx, the router gradient, every dW). bf16 keeps 8 significant bits (unit
+tensor (y, dx, the router gradient, every dW and db). bf16 keeps 8 significant bits (unit
 roundoff 2^-9 ~ 2e-3); the GEMMs accumulate in fp32 and each stored intermediate (z,
 h, o, the gradients) is rounded once, so a handful of roundings along the chain stay
 well below 1%; 2e-2 leaves margin without hiding a wrong row (which errs by O(1)). fp32
@@ -67,6 +68,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gammas", default="inf,1.0,0.75")
     p.add_argument("--selections", default="uniform,topk")
     p.add_argument("--replicas", default="0,1", help="0: static, 1: with replicas")
+    p.add_argument("--biased", default="0.75:uniform:1",
+                   help="cases with expert biases, GAMMA:SELECTION:REPLICAS[,...] "
+                        "('' for none)")
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     p.add_argument("--kernels", default="auto", help="the region's kernel backend")
     p.add_argument("--hidden", type=int, default=None, help="override the model's hidden")
@@ -78,9 +82,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _cases(args: argparse.Namespace) -> list[Case]:
-    return [Case(args.ep, math.inf if g == "inf" else float(g), s, r == "1")
-            for g in args.gammas.split(",") for s in args.selections.split(",")
-            for r in args.replicas.split(",")]
+    plain = [Case(args.ep, math.inf if g == "inf" else float(g), s, r == "1")
+             for g in args.gammas.split(",") for s in args.selections.split(",")
+             for r in args.replicas.split(",")]
+    biased = [Case(args.ep, math.inf if g == "inf" else float(g), s, r == "1", bias=True)
+              for g, s, r in (spec.split(":") for spec in args.biased.split(",") if spec)]
+    return plain + biased
 
 
 def _numerics(case: Case, args, rank: int, device: str, at_scale) -> tuple[bool, str]:

@@ -285,11 +285,13 @@ def test_region_at_scale_check_cpu_path_at_a_tiny_size():
          "--warmup", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = [line for line in run.stdout.splitlines() if line.startswith("ep8-")]
-    assert len(lines) == 12 and all(" ok " in line for line in lines), run.stdout
+    assert len(lines) == 13 and all(" ok " in line for line in lines), run.stdout
+    assert sum("-bias " in line for line in lines) == 1, run.stdout
     assert "0 failing case(s)" in run.stdout
 
 
-@pytest.mark.parametrize("case", [Case(8, 0.75, "uniform", True), Case(64, 1.0, "topk", False)],
+@pytest.mark.parametrize("case", [Case(8, 0.75, "uniform", True), Case(64, 1.0, "topk", False),
+                                  Case(8, 0.75, "uniform", True, bias=True)],
                          ids=lambda c: c.name)
 def test_real_device_mode_on_cpu_matches_the_plan(case):
     """``run_case_on_device`` (the device script's runner) on CPU tensors: rank r's share
