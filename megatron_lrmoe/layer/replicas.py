@@ -101,7 +101,7 @@ class ExpertReplicas:
 
     def _by_kind(self, flat: torch.Tensor, count: int) -> tuple[tuple[torch.Tensor, ...], ...]:
         """A flat buffer of ``count`` experts as views by kind (``params``' layout)."""
-        rows = [self._split(row) for row in flat.view(count, self._per_expert())]
+        rows = [self._split(row) for row in flat.split(self._per_expert())[:count]]
         return tuple(zip(*rows, strict=True)) if rows else ()
 
     # ----------------------------------------------------------------- refresh
