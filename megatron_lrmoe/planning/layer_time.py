@@ -299,12 +299,12 @@ class LayerTime:
         return self._replica_transfer_time(busiest) / self.shape.microbatches_per_step
 
     def _replica_transfer_time(self, busiest: int) -> float:
-        """Seconds per step of the refresh (weights, home -> holder, weight dtype) and
+        """Seconds per step of the refresh (parameters, home -> holder, weight dtype) and
         the gradient reduction (holder -> home, gradient dtype) when the busiest rank
         sends or receives ``busiest`` replicas in each."""
         s = self.shape
-        refresh = busiest * s.weight_elements * s.dtype_bytes
-        reduction = busiest * s.weight_elements * (s.grad_dtype_bytes or s.dtype_bytes)
+        refresh = busiest * s.parameter_elements * s.dtype_bytes
+        reduction = busiest * s.parameter_elements * (s.grad_dtype_bytes or s.dtype_bytes)
         return float(self._transfer_time(refresh) + self._transfer_time(reduction)
                      + 2 * self.machine.alltoall_latency_s)
 
