@@ -7,6 +7,14 @@ allocates and frees; tests/planning/test_layer_memory.py checks them against an 
 ledger of those allocations and against the allocator, and benchmarks/bench_moe_layer.py
 against a measured EP=2 forward+backward. numpy on [R] arrays: the planner calls these
 once per layer and micro-batch, where a torch op costs ~10 us and a numpy op ~1 us.
+
+Expert biases (``MoEShape.expert_bias``) save nothing more (z holds fc1's bias; the adds
+are in place); a replica's b1, b2 and their gradient buffer are in ``instance_bytes``,
+their gradients sent home in ``returned_gradient_bytes``. Left out: the bias gradients'
+temporaries in the expert backward, (F1 + H) elements per instance (with grouped GEMMs
+16 bytes each, and a 16-byte row of ones per retained row), under 1% of one [K, H] row
+buffer at H >= 2048 (tests/planning/test_layer_memory.py holds a biased layer with
+replicas to the allocator).
 """
 
 from __future__ import annotations
