@@ -12,6 +12,7 @@ its Hub ``config.json`` from the shipped offline cache (tests/fixtures/hf_config
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -33,10 +34,12 @@ def _enable(cfg) -> None:
     after = (cfg.model.add_bias_linear, cfg.model.softmax_type, cfg.model.window_size,
              cfg.model.activation_func_clamp_value, cfg.model.glu_linear_offset)
     assert before == after == (True, "learnable", (127, 0), 7.0, 1.0), (before, after)
-    # Megatron's quick_gelu is wrapped in torch.compile, which a CPU test would pay for in
-    # compile time; its uncompiled function computes the same.
+    # Megatron's quick_gelu is wrapped in torch.compile (on CPU deferred to its first call,
+    # integration/runtime/cpu.py), which a CPU test would pay for in compile time; its
+    # uncompiled function computes the same.
     act = cfg.model.activation_func
-    cfg.model.activation_func = getattr(act, "_torchdynamo_orig_callable", act)
+    cfg.model.activation_func = (getattr(act, "_torchdynamo_orig_callable", None)
+                                 or inspect.unwrap(act))
 
 
 def _callbacks():
