@@ -19,7 +19,8 @@ ranks with LRMoE at gamma = inf and with Megatron's MoE layer (the same adapted 
 then every step's loss. Mamba layers cannot run here: Megatron's MambaMixer runs the GPU
 kernels of mamba_ssm and causal_conv1d and refuses to be built without mamba_ssm, which is
 not installed on this CPU machine. So the shrunk pattern holds attention and MoE layers
-only (``*E*E``, in the local flavour of testing/local_hybrid.py).
+only (``*E*E``, in the local flavour of testing/local_hybrid.py), with one MTP layer
+(``*E``, as Nemotron-3.5 Lightning adds).
 """
 
 from __future__ import annotations
@@ -219,6 +220,9 @@ def test_moe_layers_of_a_stage_follow_the_pattern():
 # -----------------------------------------------------------------------------
 
 STEPS = ["train.train_iters=4", "scheduler.lr_decay_iters=4", "scheduler.lr_warmup_iters=1"]
+# One MTP layer of attention and MoE, as Nemotron-3.5 Lightning's recipe adds to Nano's:
+# Megatron builds it from the hybrid stack's submodules, so its MoE layer is LRMoE's too.
+MTP = ["model.mtp_num_layers=1", "model.mtp_hybrid_override_pattern=*E"]
 
 
 def _recorder(out: dict):
@@ -245,16 +249,16 @@ def _recorder(out: dict):
 
 
 def train(lrmoe: bool) -> dict:
-    """A pool task: the shrunk Nemotron-3 Nano recipe, adapted, trained by Bridge's
-    ``pretrain`` at EP 2, LRMoE at gamma = inf under a fixed memory budget (or, without
-    ``lrmoe``, Megatron's MoE layer); the losses, first gradients and MoE layers."""
+    """A pool task: the shrunk Nemotron-3 Nano recipe with one MTP layer, adapted, trained
+    by Bridge's ``pretrain`` at EP 2, LRMoE at gamma = inf under a fixed memory budget (or,
+    without ``lrmoe``, Megatron's MoE layer); the losses, first gradients and MoE layers."""
     from megatron_lrmoe.integration.bridge import LRMoECallback
     from megatron_lrmoe.integration.runtime.cpu import enable_bridge_cpu_runtime
 
     enable_bridge_cpu_runtime()
     setting = (["model.moe_lrmoe_bwd_capacity_factor=inf", "model.moe_lrmoe_memory_budget_gb=4"]
                if lrmoe else ["model.moe_lrmoe=false"])
-    cfg = harness.build_recipe(NANO, [*harness.EP2, *STEPS, *setting], convert=_enable)
+    cfg = harness.build_recipe(NANO, [*harness.EP2, *STEPS, *MTP, *setting], convert=_enable)
     out: dict = {"losses": []}
     harness.run_pretrain(cfg, [LRMoECallback(), _recorder(out)])
     return out
@@ -266,10 +270,13 @@ def test_shrunk_nano_with_lrmoe_at_inf_equals_megatron(gloo2):
     for rank in range(2):
         a, b = ours[rank], theirs[rank]
         names = [name for name, _ in a["moe"]]
-        assert names == ["module.decoder.layers.1.mlp", "module.decoder.layers.3.mlp"]
+        assert names == ["module.decoder.layers.1.mlp", "module.decoder.layers.3.mlp",
+                         "module.mtp.layers.0.mtp_model_layer.layers.1.mlp"]
         assert {cls for _, cls in a["moe"]} == {"LRMoELayer"}
         assert b["moe"] == [(name, "MoELayer") for name in names]
-        assert a["priced_layers"] == [len(names)] * len(names)
+        # Every layer's planner prices the decoder's MoE layers (MTP's are not counted in
+        # the budget, as for GPT models).
+        assert a["priced_layers"] == [2] * len(names)
         assert len(a["losses"]) == 4 and all(math.isfinite(x) for x in a["losses"])
         torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]),
                                    rtol=RTOL, atol=ATOL)
