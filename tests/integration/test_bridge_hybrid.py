@@ -196,6 +196,24 @@ def test_auto_budget_is_refused_and_a_fixed_one_prices_the_patterns_moe_layers(r
         model.finalize()
 
 
+def test_a_hybrid_provider_subclass_keeps_its_class_and_the_hybrid_checks(bridge):
+    from megatron.bridge.models.mamba.mamba_provider import MambaModelProvider
+
+    from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.integration.bridge import (
+        LRMoEHybridModelProvider,
+        lrmoe_provider_class,
+    )
+    from megatron_lrmoe.options.lrmoe import LRMoEConfigError
+
+    cls = lrmoe_provider_class(MambaModelProvider)       # Bridge's deprecated Mamba provider
+    assert issubclass(cls, MambaModelProvider) and issubclass(cls, LRMoETransformerConfig)
+    assert cls is not LRMoEHybridModelProvider and lrmoe_provider_class(cls) is cls
+    model = cls(num_moe_experts=4, moe_lrmoe=True, moe_lrmoe_memory_budget_gb="auto")
+    with pytest.raises(LRMoEConfigError, match="auto is not supported for hybrid"):
+        model.check_lrmoe()
+
+
 def _hybrid(pattern: str, pp: int = 1, **recompute) -> SimpleNamespace:
     fields = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
                   recompute_modules=None)
@@ -219,7 +237,9 @@ def test_moe_layers_of_a_stage_follow_the_pattern():
 # Training: LRMoE at gamma = inf against Megatron's MoE layer
 # -----------------------------------------------------------------------------
 
-STEPS = ["train.train_iters=4", "scheduler.lr_decay_iters=4", "scheduler.lr_warmup_iters=1"]
+# Four steps; LRMoE's statistics are reduced and written at steps 2 and 4.
+STEPS = ["train.train_iters=4", "scheduler.lr_decay_iters=4", "scheduler.lr_warmup_iters=1",
+         "logger.log_interval=2"]
 # One MTP layer of attention and MoE, as Nemotron-3.5 Lightning's recipe adds to Nano's:
 # Megatron builds it from the hybrid stack's submodules, so its MoE layer is LRMoE's too.
 MTP = ["model.mtp_num_layers=1", "model.mtp_hybrid_override_pattern=*E"]
