@@ -1,17 +1,17 @@
-"""LRMoE in Bridge's hybrid (Mamba) recipes: Nemotron-3 Nano's two pretraining recipes.
+"""LRMoE in Bridge's hybrid (Mamba) recipes: Nemotron-3 Nano's pretraining and SFT recipes.
 
-Without training: ``enable_lrmoe(adapt=True)`` accepts both (the 8 x H100 recipe writes its
-provider out; the GB200 one builds it from the model's Hub config through AutoBridge, the
-fixture tests/fixtures/hf_configs/nvidia--NVIDIA-Nemotron-3-Nano-30B-A3B-BF16), changes only
-what the option table marks adaptable (the oracle of what each recipe sets is its source in
-Bridge 0.6.2, megatron/bridge/recipes/nemotronh/h100/nemotron_3_nano.py and
+Without training: ``enable_lrmoe(adapt=True)`` accepts them (the 8 x H100 pretraining recipe
+writes its provider out; the GB200 and SFT ones build it from the model's Hub config through
+AutoBridge, the fixture tests/fixtures/hf_configs/nvidia--NVIDIA-Nemotron-3-Nano-30B-A3B-BF16),
+changes only what the option table marks adaptable (the oracle of what each recipe sets is
+its source in Bridge 0.6.2, megatron/bridge/recipes/nemotronh/h100/nemotron_3_nano.py and
 megatron/bridge/recipes/nemotronh/gb200/nemotron_3_nano.py), and every other field, the
-architecture included, stays the recipe's. Both recipes build the same architecture, which
-holds the fixture to the 8 x H100 recipe's literal one. The provider's ``provide`` hands
-Megatron's HybridModel the default (TE) hybrid stack spec with LRMoE in its MoE layer only:
-Mamba, attention, MLP and MTP entries are Megatron's, unchanged. An ``auto`` memory budget
-is refused naming the field (the memory account does not cover Mamba layers); a fixed
-budget prices the pattern's MoE layers.
+architecture included, stays the recipe's. Both pretraining recipes build the same
+architecture, which holds the fixture to the 8 x H100 recipe's literal one. The provider's
+``provide`` hands Megatron's HybridModel the default (TE) hybrid stack spec with LRMoE in
+its MoE layer only: Mamba, attention, MLP and MTP entries are Megatron's, unchanged. An
+``auto`` memory budget is refused naming the field (the memory account does not cover
+Mamba layers); a fixed budget prices the pattern's MoE layers.
 
 Training: the 8 x H100 recipe shrunk, trained by Bridge's ``pretrain`` at EP 2 on two gloo
 ranks with LRMoE at gamma = inf and with Megatron's MoE layer (the same adapted recipe,
@@ -40,10 +40,13 @@ from tests.layer.test_lrmoe_layer import ATOL, RTOL
 
 NANO = harness.NEMOTRON_3_NANO                   # the 8 x H100 recipe: its provider written out
 NANO_GB200 = "nemotron_3_nano_gb200_pretrain_config"   # from the Hub config, via AutoBridge
+NANO_SFT = "nemotron_3_nano_sft_config"                 # full fine-tuning, from the Hub config
 
 # What each recipe sets that LRMoE cannot run, on a machine without CUDA, and what it needs:
-# the HybridEP flex dispatcher, permute fusion and TE's per-layer CUDA graphs (both recipes
-# capture attention and Mamba layers, the GB200 one the MoE router and preprocess too).
+# the HybridEP flex dispatcher, permute fusion and TE's per-layer CUDA graphs (the
+# pretraining recipes capture attention and Mamba layers, the GB200 one the MoE router and
+# preprocess too; the SFT recipe asks for DeepEP, whose backend name is Megatron's default,
+# and sets HybridEP's SM count).
 _ADAPTED = {"model.moe_token_dispatcher_type": ("flex", "alltoall"),
             "model.cuda_graph_impl": ("transformer_engine", "none"),
             "model.moe_permute_fusion": (True, False),
@@ -53,6 +56,8 @@ EXPECTED = {
     NANO: {**_ADAPTED, "model.cuda_graph_modules": (["attn", "mamba"], "full")},
     NANO_GB200: {**_ADAPTED, "model.cuda_graph_modules": (
         ["attn", "mamba", "moe_router", "moe_preprocess"], "full")},
+    NANO_SFT: {k: _ADAPTED[k] for k in ("model.moe_token_dispatcher_type",
+                                        "model.moe_permute_fusion", "model.moe_hybridep_num_sms")},
 }
 
 
