@@ -53,9 +53,10 @@ def moe_layers_per_stage(num_layers: int, moe_layer_freq, pipeline_size: int) ->
 
 
 def hybrid_stages(config) -> list[str] | None:
-    """The layer symbols of each pipeline stage of a hybrid (Mamba) model's main decoder,
-    as Megatron's HybridModel cuts them (``|`` separates stages; a pattern without one is
-    cut evenly; MTP layers after ``/`` are not the decoder's); None for other models."""
+    """The layer symbols of each pipeline stage of a hybrid (Mamba) model's main decoder
+    (``|`` separates stages, as in Megatron's HybridModel; a pattern without one is cut
+    evenly here, whatever uneven first or last stage Megatron is given; MTP layers, after
+    ``/``, are not the decoder's); None for other models."""
     pattern = (getattr(config, "hybrid_layer_pattern", None)
                or getattr(config, "hybrid_override_pattern", None))
     if not pattern:
@@ -377,7 +378,8 @@ def resolve_memory_budget(account: MemoryAccount, config, args,
                           microbatches_per_step: int = 1) -> float:
     """``--moe-lrmoe-memory-budget-gb auto`` in GiB: the device's size less everything but
     the MoE part of ``account``. Raises ValueError naming both flags without a device
-    size (CPU without --device-memory-gb) or when it leaves less than ``budget_floor``."""
+    size (CPU without --device-memory-gb) or when it leaves less than ``budget_floor``,
+    and naming the flag for a hybrid (Mamba) model, which the account does not cover."""
     if hybrid_stages(config) is not None or getattr(config, "is_hybrid_model", False):
         raise ValueError("--moe-lrmoe-memory-budget-gb auto is not supported for hybrid "
                          "(Mamba) models: the memory account covers Transformer layers only, "
