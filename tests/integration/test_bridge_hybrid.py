@@ -16,7 +16,8 @@ Mamba layers); a fixed budget prices the pattern's MoE layers.
 Training: the 8 x H100 recipe shrunk, trained by Bridge's ``pretrain`` at EP 2 on two gloo
 ranks with LRMoE at gamma = inf and with Megatron's MoE layer (the same adapted recipe,
 ``model.moe_lrmoe=false``): the first step's loss (the forward) and every gradient equal,
-then every step's loss. Mamba layers cannot run here: Megatron's MambaMixer runs the GPU
+then every step's loss; the LRMoE run (popularity placement, a fixed budget) saved at step 2
+and resumed: bitwise its losses, parameters and step state. Mamba layers cannot run here: Megatron's MambaMixer runs the GPU
 kernels of mamba_ssm and causal_conv1d and refuses to be built without mamba_ssm, which is
 not installed on this CPU machine. So the shrunk pattern holds attention and MoE layers
 only (``*E*E``, in the local flavour of testing/local_hybrid.py), with one MTP layer
@@ -35,7 +36,8 @@ import torch
 
 from megatron_lrmoe.testing import bridge as harness
 from tests.integration.test_bridge_config import _built, _fields
-from tests.integration.test_bridge_training import _enable
+from tests.integration.test_bridge_training import _enable, _equal
+from tests.integration.test_bridge_training import _recorder as training_recorder
 from tests.layer.test_lrmoe_layer import ATOL, RTOL
 
 NANO = harness.NEMOTRON_3_NANO                   # the 8 x H100 recipe: its provider written out
@@ -250,22 +252,20 @@ STEPS = ["train.train_iters=4", "scheduler.lr_decay_iters=4", "scheduler.lr_warm
 MTP = ["model.mtp_num_layers=1", "model.mtp_hybrid_override_pattern=*E"]
 
 
-def _recorder(out: dict):
+def _grads_and_prices(out: dict):
+    """A callback recording the first step's gradients (as DDP reduced them) and the MoE
+    layers each LRMoE planner prices (test_bridge_training's recorder keeps the rest)."""
     from megatron.bridge.training.callbacks import Callback
-    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_lrmoe.integration.step_hooks import lrmoe_layers
 
     class Record(Callback):
         def on_train_step_end(self, context):
-            out["losses"].append(float(context.loss_dict["lm loss"]))
-            if len(out["losses"]) == 1:     # the first step's gradients, as DDP reduced them
+            if "grads" not in out:
                 out["grads"] = {name: p.main_grad.detach().clone()
                                 for name, p in context.model[0].named_parameters()}
 
         def on_train_end(self, context):
-            out["moe"] = [(name, type(m).__name__) for name, m in
-                          context.model[0].named_modules() if isinstance(m, MoELayer)]
             costs = [layer.lrmoe_state.planner.settings.cost
                      for layer in lrmoe_layers(context.model)]
             out["priced_layers"] = [c.shape.num_layers for c in costs if c is not None]
@@ -273,25 +273,30 @@ def _recorder(out: dict):
     return Record()
 
 
-def train(lrmoe: bool) -> dict:
+def train(lrmoe: bool, overrides: list[str]) -> dict:
     """A pool task: the shrunk Nemotron-3 Nano recipe with one MTP layer, adapted, trained
-    by Bridge's ``pretrain`` at EP 2, LRMoE at gamma = inf under a fixed memory budget (or,
-    without ``lrmoe``, Megatron's MoE layer); the losses, first gradients and MoE layers."""
+    by Bridge's ``pretrain`` at EP 2, LRMoE at gamma = inf with popularity placement under a
+    fixed memory budget (or, without ``lrmoe``, Megatron's MoE layer): the losses, first
+    gradients, MoE layers, final parameters and LRMoE step state."""
     from megatron_lrmoe.integration.bridge import LRMoECallback
     from megatron_lrmoe.integration.runtime.cpu import enable_bridge_cpu_runtime
 
     enable_bridge_cpu_runtime()
-    setting = (["model.moe_lrmoe_bwd_capacity_factor=inf", "model.moe_lrmoe_memory_budget_gb=4"]
-               if lrmoe else ["model.moe_lrmoe=false"])
-    cfg = harness.build_recipe(NANO, [*harness.EP2, *STEPS, *MTP, *setting], convert=_enable)
+    setting = (["model.moe_lrmoe_bwd_capacity_factor=inf", "model.moe_lrmoe_placement=popularity",
+                "model.moe_lrmoe_memory_budget_gb=4"] if lrmoe else ["model.moe_lrmoe=false"])
+    cfg = harness.build_recipe(NANO, [*harness.EP2, *STEPS, *MTP, *setting, *overrides],
+                               convert=_enable)
     out: dict = {"losses": []}
-    harness.run_pretrain(cfg, [LRMoECallback(), _recorder(out)])
+    harness.run_pretrain(cfg, [LRMoECallback(), training_recorder(out), _grads_and_prices(out)])
     return out
 
 
-def test_shrunk_nano_with_lrmoe_at_inf_equals_megatron(gloo2):
-    ours = gloo2.run(train, True, timeout=600)
-    theirs = gloo2.run(train, False, timeout=600)
+def test_shrunk_nano_with_lrmoe_at_inf_equals_megatron_and_resumes_bitwise(gloo2, tmp_path):
+    ours = gloo2.run(train, True, harness.checkpoint_overrides(save=str(tmp_path), interval=2),
+                     timeout=600)
+    theirs = gloo2.run(train, False, [], timeout=600)
+    resumed = gloo2.run(train, True, [*harness.checkpoint_overrides(load=str(tmp_path)),
+                                      "checkpoint.ckpt_step=2"], timeout=600)
     for rank in range(2):
         a, b = ours[rank], theirs[rank]
         names = [name for name, _ in a["moe"]]
@@ -309,3 +314,8 @@ def test_shrunk_nano_with_lrmoe_at_inf_equals_megatron(gloo2):
         for name, grad in a["grads"].items():
             torch.testing.assert_close(grad, b["grads"][name], rtol=RTOL, atol=ATOL,
                                        msg=lambda m, n=name: f"{n}: {m}")
+        # Saved at step 2 and resumed: bitwise the rest of the uninterrupted run.
+        c = resumed[rank]
+        assert c["origin"] == "checkpoint" and c["losses"] == a["losses"][2:]
+        assert _equal(c["params"], a["params"]) and _equal(c["state"], a["state"])
+        assert a["state"][0]["planner"]["smoothed_counts"] is not None
