@@ -17,11 +17,13 @@ Training: the 8 x H100 recipe shrunk, trained by Bridge's ``pretrain`` at EP 2 o
 ranks with LRMoE at gamma = inf and with Megatron's MoE layer (the same adapted recipe,
 ``model.moe_lrmoe=false``): the first step's loss (the forward) and every gradient equal,
 then every step's loss; the LRMoE run (popularity placement, a fixed budget) saved at step 2
-and resumed: bitwise its losses, parameters and step state. Mamba layers cannot run here: Megatron's MambaMixer runs the GPU
-kernels of mamba_ssm and causal_conv1d and refuses to be built without mamba_ssm, which is
-not installed on this CPU machine. So the shrunk pattern holds attention and MoE layers
-only (``*E*E``, in the local flavour of testing/local_hybrid.py), with one MTP layer
-(``*E``, as Nemotron-3.5 Lightning adds).
+and resumed: bitwise its losses, parameters and step state.
+
+Mamba layers cannot run here: Megatron's MambaMixer runs the GPU kernels of mamba_ssm and
+causal_conv1d and refuses to be built without mamba_ssm, which is not installed on this CPU
+machine. So the shrunk pattern holds attention and MoE layers only (``*E*E``, in the local
+flavour of testing/local_hybrid.py), with one MTP layer (``*E``, as Nemotron-3.5 Lightning
+adds).
 """
 
 from __future__ import annotations
