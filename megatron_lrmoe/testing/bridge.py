@@ -67,7 +67,7 @@ GLM_SHAPE: list[str] = [
     "model.moe_shared_expert_intermediate_size=32", "model.mtp_num_layers=1",
 ]
 #: Nemotron-3 Nano: its shared expert, attention then MoE layers in its pattern's order,
-#: without its Mamba layers (their kernels are CUDA-only: ``testing/local_hybrid.py``).
+#: without its Mamba layers (their kernels are GPU-only: ``testing/local_hybrid.py``).
 NEMOTRON_3_NANO_SHAPE: list[str] = [
     "model.hybrid_layer_pattern=*E*E", "model.num_layers=4",
     "model.moe_shared_expert_intermediate_size=32",
