@@ -2,7 +2,7 @@
 
 The order of use::
 
-    cfg = qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config()      # any Bridge GPT recipe
+    cfg = qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config()      # a Bridge GPT or hybrid recipe
     changes = enable_lrmoe(cfg, adapt=True, moe_lrmoe_bwd_capacity_factor=0.75)
     cfg = process_config_with_overrides(cfg, yaml, ["model.moe_lrmoe_min_retention=0.1"])
     pretrain(cfg, gpt_step, callbacks=[LRMoECallback()])
@@ -26,7 +26,8 @@ At run time:
 * the provider's ``provide`` puts whatever ``transformer_layer_spec`` is set then (a
   ModuleSpec, a block spec, or a function of the config, TE or local) through
   ``to_lrmoe_spec``; Bridge's MTP block spec is made from that layer spec, so MTP layers
-  are converted too;
+  are converted too. A hybrid (Mamba) provider's ``hybrid_stack_spec`` goes the same way:
+  its ``moe_layer`` builds every MoE layer of the pattern, MTP layers' included;
 * its ``provide_distributed_model`` runs ``lrmoe_pre_wrap_hook`` first of the pre-wrap
   hooks (Bridge's hook mechanism), before any checkpoint load: it refuses a model with an
   unconverted MoE layer and builds the LRMoE planners (``step_hooks.setup_lrmoe_layers``);
@@ -60,6 +61,10 @@ from megatron_lrmoe.integration.runtime.compat import stub_bridge_imports_of_abs
 stub_bridge_imports_of_absent_modules()
 
 from megatron.bridge.models.gpt_provider import GPTModelProvider  # noqa: E402
+from megatron.bridge.models.hybrid.hybrid_provider import (  # noqa: E402
+    HybridModelProvider,
+    get_default_hybrid_stack_spec,
+)
 from megatron.bridge.training.callbacks import Callback, CallbackContext  # noqa: E402
 from megatron.core.transformer import ModuleSpec  # noqa: E402
 from megatron.core.transformer.heterogeneous.heterogeneous_config import (  # noqa: E402
@@ -72,6 +77,7 @@ from megatron.core.transformer.transformer_config import (  # noqa: E402
 
 from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig  # noqa: E402
 from megatron_lrmoe.options.lrmoe import (  # noqa: E402
+    AUTO,
     OPTIONS,
     RECOMPUTE_MODULES,
     LRMoEConfigError,
@@ -84,7 +90,8 @@ from megatron_lrmoe.options.megatron import (  # noqa: E402
 )
 
 __all__ = ["BridgeConfigError", "Change", "LRMoECallback", "LRMoEGPTModelProvider",
-           "enable_lrmoe", "lrmoe_pre_wrap_hook", "lrmoe_provider_class", "refused_settings"]
+           "LRMoEHybridModelProvider", "enable_lrmoe", "lrmoe_pre_wrap_hook",
+           "lrmoe_provider_class", "refused_settings"]
 
 
 class BridgeConfigError(LRMoEConfigError):
@@ -136,6 +143,12 @@ class _LRMoEProvider:
     ``lrmoe_provider_class`` makes; the provider's and LRMoETransformerConfig's fields
     come from the other bases)."""
 
+    # The provider field ``provide`` converts (not a dataclass field: no annotation).
+    _lrmoe_spec_field = "transformer_layer_spec"
+
+    def _lrmoe_spec(self, spec: Any) -> Any:
+        return lrmoe_layer_spec(spec)
+
     def finalize(self) -> None:
         """Bridge's deferred ``__post_init__`` with LRMoE's checks before and after it
         (as ``LRMoETransformerConfig.__post_init__`` runs them around Megatron's)."""
@@ -152,12 +165,13 @@ class _LRMoEProvider:
         (restored after: the field keeps what the recipe or an override set)."""
         if not self.moe_lrmoe:
             return super().provide(pre_process, post_process, vp_stage)
-        spec = self.transformer_layer_spec
-        self.transformer_layer_spec = lrmoe_layer_spec(spec)
+        field = self._lrmoe_spec_field
+        spec = getattr(self, field)
+        setattr(self, field, self._lrmoe_spec(spec))
         try:
             return super().provide(pre_process, post_process, vp_stage)
         finally:
-            self.transformer_layer_spec = spec
+            setattr(self, field, spec)
 
     def provide_distributed_model(self, *args: Any, **kwargs: Any):
         """Bridge's, with ``lrmoe_pre_wrap_hook`` first of the pre-wrap hooks; refuses the
@@ -182,19 +196,53 @@ class LRMoEGPTModelProvider(_LRMoEProvider, GPTModelProvider, LRMoETransformerCo
     fields); ``finalize()`` runs LRMoE's checks, ``provide`` builds LRMoE layers."""
 
 
-_PROVIDER_CLASSES: dict[type, type] = {GPTModelProvider: LRMoEGPTModelProvider}
+_HYBRID_AUTO_BUDGET = (
+    "auto is not supported for hybrid (Mamba) models: LRMoE's memory account covers "
+    "Transformer layers only, not the Mamba layers' weights, states and activations; give "
+    "the MoE layers' budget in GiB")
+
+
+class _LRMoEHybridProvider(_LRMoEProvider):
+    """The LRMoE provider of a Bridge hybrid (Mamba) provider: ``provide`` converts the
+    hybrid stack spec, whose ``moe_layer`` builds the pattern's MoE layers (``E``), those
+    of its MTP layers too; Mamba, attention and dense MLP layers stay Megatron's."""
+
+    _lrmoe_spec_field = "hybrid_stack_spec"
+
+    def _lrmoe_spec(self, spec: Any) -> Any:
+        # None is Bridge's default stack spec, chosen from the config when provide() runs.
+        return lrmoe_layer_spec(get_default_hybrid_stack_spec if spec is None else spec)
+
+    def check_lrmoe(self, view: Any = None) -> None:
+        """LRMoE's checks; ``auto`` budgets refused by a hybrid model's own reason."""
+        if self.moe_lrmoe_memory_budget_gb == AUTO:
+            raise LRMoEConfigError("moe_lrmoe_memory_budget_gb", _HYBRID_AUTO_BUDGET)
+        super().check_lrmoe(view)
+
+
+@dataclasses.dataclass
+class LRMoEHybridModelProvider(_LRMoEHybridProvider, HybridModelProvider,
+                               LRMoETransformerConfig):
+    """Bridge's ``HybridModelProvider`` (Mamba-hybrid models, Nemotron-3) with the LRMoE
+    options; its MoE layers are LRMoE's."""
+
+
+_PROVIDER_CLASSES: dict[type, type] = {GPTModelProvider: LRMoEGPTModelProvider,
+                                       HybridModelProvider: LRMoEHybridModelProvider}
 
 
 def lrmoe_provider_class(cls: type) -> type:
     """The LRMoE provider class of Bridge provider class ``cls``: ``LRMoEGPTModelProvider``
-    for ``GPTModelProvider``, a dataclass made once per class for its subclasses (the
-    recipe's own class stays a base, so its fields, defaults and methods apply).
-    Refuses, by name, the providers LRMoE does not support."""
+    for ``GPTModelProvider``, ``LRMoEHybridModelProvider`` for ``HybridModelProvider``, a
+    dataclass made once per class for their subclasses (the recipe's own class stays a
+    base, so its fields, defaults and methods apply). Refuses, by name, the providers
+    LRMoE does not support."""
     if issubclass(cls, _LRMoEProvider):
         return cls
-    if not issubclass(cls, GPTModelProvider):
-        raise BridgeConfigError("model", f"{cls.__name__} is not a GPTModelProvider; LRMoE "
-                                         "converts Bridge's GPT providers only")
+    if not issubclass(cls, GPTModelProvider | HybridModelProvider):
+        raise BridgeConfigError("model", f"{cls.__name__} is not a GPTModelProvider or "
+                                         "HybridModelProvider; LRMoE converts Bridge's GPT and "
+                                         "hybrid (Mamba) providers only")
     unsupported = {MLATransformerConfig: "multi-latent attention (MLA)",
                    HeterogeneousTransformerConfig: "heterogeneous layers"}
     for base, what in unsupported.items():
@@ -203,8 +251,9 @@ def lrmoe_provider_class(cls: type) -> type:
                 "model", f"{cls.__name__} uses {what}, which LRMoE does not support yet "
                          f"(its config class, {base.__name__}, has no LRMoE fields)")
     if cls not in _PROVIDER_CLASSES:
+        lrmoe = _LRMoEHybridProvider if issubclass(cls, HybridModelProvider) else _LRMoEProvider
         made = dataclasses.dataclass(type(f"LRMoE{cls.__name__}",
-                                          (_LRMoEProvider, cls, LRMoETransformerConfig),
+                                          (lrmoe, cls, LRMoETransformerConfig),
                                           {"__module__": __name__}))
         globals()[made.__name__] = made       # importable by its name in this process
         _PROVIDER_CLASSES[cls] = made
@@ -213,16 +262,25 @@ def lrmoe_provider_class(cls: type) -> type:
 
 class _LRMoESpecFunction:
     """A layer-spec function of the config (Bridge's ``default_layer_spec``, a partial of
-    ``get_gpt_decoder_block_spec``, ...) whose result goes through ``to_lrmoe_spec``."""
+    ``get_gpt_decoder_block_spec``, a hybrid stack spec function ...) whose result goes
+    through ``to_lrmoe_spec``."""
 
     def __init__(self, inner: Callable[..., Any]) -> None:
         self.inner = inner
-        self.takes_vp_stage = "vp_stage" in inspect.signature(inner).parameters
+        parameters = inspect.signature(inner).parameters
+        # Bridge calls a hybrid stack spec function without the config when it takes none.
+        self.takes_config = len(parameters) > 0
+        self.takes_vp_stage = "vp_stage" in parameters
 
     def __call__(self, config: Any, vp_stage: int | None = None) -> Any:
         from megatron_lrmoe.layer.spec import to_lrmoe_spec
 
-        spec = self.inner(config, vp_stage=vp_stage) if self.takes_vp_stage else self.inner(config)
+        if not self.takes_config:
+            spec = self.inner()
+        elif self.takes_vp_stage:
+            spec = self.inner(config, vp_stage=vp_stage)
+        else:
+            spec = self.inner(config)
         return to_lrmoe_spec(spec)
 
 

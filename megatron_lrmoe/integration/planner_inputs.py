@@ -36,9 +36,9 @@ from megatron_lrmoe.planning.shapes import MoEShape
 
 __all__ = ["GIB", "agreed_machine_constants", "allocator_check", "check_memory_budget",
            "device_memory_bytes", "fitting_micro_batch_size", "machine_constants",
-           "memory_account", "moe_layers_per_stage", "moe_shape", "needs_cost_model",
-           "planner_settings", "recomputed_moe_layers", "resolve_memory_budget",
-           "run_shape"]
+           "hybrid_stages", "memory_account", "moe_layers_per_stage", "moe_shape",
+           "needs_cost_model", "planner_settings", "recomputed_moe_layers",
+           "resolve_memory_budget", "run_shape", "stage_moe_layers"]
 
 GIB = 2**30
 
@@ -52,6 +52,38 @@ def moe_layers_per_stage(num_layers: int, moe_layer_freq, pipeline_size: int) ->
     return max(1, -(-moe // max(1, pipeline_size)))
 
 
+def hybrid_stages(config) -> list[str] | None:
+    """The layer symbols of each pipeline stage of a hybrid (Mamba) model's main decoder
+    (``|`` separates stages, as in Megatron's HybridModel; a pattern without one is cut
+    evenly here, whatever uneven first or last stage Megatron is given; MTP layers, after
+    ``/``, are not the decoder's); None for other models."""
+    pattern = (getattr(config, "hybrid_layer_pattern", None)
+               or getattr(config, "hybrid_override_pattern", None))
+    if not pattern:
+        return None
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
+
+    main = parse_hybrid_pattern(pattern).main_pattern or ""
+    stages = main.split(Symbols.PIPE)
+    pp = config.pipeline_model_parallel_size or 1
+    if len(stages) == 1 and pp > 1:
+        size = -(-len(main) // pp)
+        stages = [main[i:i + size] for i in range(0, len(main), size)]
+    return stages
+
+
+def stage_moe_layers(config) -> int:
+    """MoE layers one pipeline stage of ``config``'s model holds (the most of any stage):
+    the MoE layers (``E``) of a hybrid model's pattern, else by ``moe_layer_freq``."""
+    stages = hybrid_stages(config)
+    if stages is None:
+        return moe_layers_per_stage(config.num_layers, config.moe_layer_freq,
+                                    config.pipeline_model_parallel_size or 1)
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+
+    return max(1, max(stage.count(Symbols.MOE) for stage in stages))
+
+
 def recomputed_moe_layers(config) -> tuple[bool, int]:
     """(``moe`` recompute, MoE layers rerun by full recompute) of the stage with the most
     MoE layers, from Megatron's recompute settings: ``--recompute-granularity selective
@@ -63,9 +95,15 @@ def recomputed_moe_layers(config) -> tuple[bool, int]:
     if config.recompute_granularity != "full":
         return False, 0
     pp = config.pipeline_model_parallel_size or 1
-    layers = moe_layers_per_stage(config.num_layers, config.moe_layer_freq, pp)
+    layers = stage_moe_layers(config)
     if config.recompute_method != "block":
         return False, layers
+    stages = hybrid_stages(config)
+    if stages is not None:
+        from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+
+        first_layers = stages[0][:config.recompute_num_layers or 0]
+        return False, min(layers, first_layers.count(Symbols.MOE))
     first = range(min(config.recompute_num_layers or 0, config.num_layers // pp))
     freq = config.moe_layer_freq
     moe = (sum(1 for i in first if i % freq == 0) if isinstance(freq, int)
@@ -89,7 +127,7 @@ def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
         gated=bool(config.gated_linear_unit),
         dtype_bytes=torch.empty(0, dtype=dtype).element_size(),
         tokens_per_rank=max(1, int(tokens_per_rank)),
-        num_layers=moe_layers_per_stage(config.num_layers, config.moe_layer_freq, pp),
+        num_layers=stage_moe_layers(config),
         # 1F1B keeps up to PP micro-batches' activations alive on the first stage.
         microbatches_in_flight=pp,
         microbatches_per_step=max(1, int(microbatches_per_step)),
@@ -341,7 +379,13 @@ def resolve_memory_budget(account: MemoryAccount, config, args,
                           microbatches_per_step: int = 1) -> float:
     """``--moe-lrmoe-memory-budget-gb auto`` in GiB: the device's size less everything but
     the MoE part of ``account``. Raises ValueError naming both flags without a device
-    size (CPU without --device-memory-gb) or when it leaves less than ``budget_floor``."""
+    size (CPU without --device-memory-gb) or when it leaves less than ``budget_floor``,
+    and naming the flag for a hybrid (Mamba) model, which the account does not cover."""
+    if hybrid_stages(config) is not None or getattr(config, "is_hybrid_model", False):
+        raise ValueError("--moe-lrmoe-memory-budget-gb auto is not supported for hybrid "
+                         "(Mamba) models: the memory account covers Transformer layers only, "
+                         "not the Mamba layers' weights, states and activations; give the "
+                         "budget in GiB")
     if account.device is None:
         raise ValueError(f"--moe-lrmoe-memory-budget-gb auto needs the device's size: give "
                          f"{DEVICE_MEMORY_FLAG} (on CUDA it defaults to the device's memory)")

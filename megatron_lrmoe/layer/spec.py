@@ -1,11 +1,13 @@
-"""The one spec converter: Megatron GPT specs in, the same specs with LRMoE classes out.
+"""The one spec converter: Megatron specs in, the same specs with LRMoE classes out.
 
 Takes any layer spec (the builder of a TransformerLayer), decoder-block spec
 (``TransformerBlockSubmodules``, e.g. with ``--moe-layer-freq`` mixing dense and MoE
-layers) or a list of them, in the local or Transformer Engine flavour, and returns a
-copy in which every MoE position holds ``LRMoELayer`` with ``LRMoESequentialMLP``
-experts. Dense MLPs, attention, norms and shared experts stay Megatron's. Every entry
-point (the launcher's ``--moe-lrmoe``, the Megatron-LM wrapper, the patch) uses it.
+layers), hybrid (Mamba) stack spec (``HybridStackSubmodules``, whose ``moe_layer`` builds
+the pattern's MoE layers) or a list of them, in the local or Transformer Engine flavour,
+and returns a copy in which every MoE position holds ``LRMoELayer`` with
+``LRMoESequentialMLP`` experts. Dense MLPs, attention, Mamba layers, norms and shared
+experts stay Megatron's. Every entry point (the launcher's ``--moe-lrmoe``, the
+Megatron-LM wrapper, the patch, the Bridge providers) uses it.
 
 Megatron-Core 0.19 builds the MoE position as ``functools.partial(MoELayer,
 submodules=MoESubmodules(...))``, its experts as a partial too; the converter keeps the
@@ -58,5 +60,6 @@ def _convert(node: Builder) -> Builder:
 
 
 def to_lrmoe_spec(spec: Any) -> Any:
-    """Copy of a Megatron GPT layer/block spec with the LRMoE classes in its MoE positions."""
+    """Copy of a Megatron layer, block or hybrid stack spec with the LRMoE classes in its
+    MoE positions."""
     return map_module_specs(spec, _convert)

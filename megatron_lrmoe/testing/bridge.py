@@ -43,6 +43,7 @@ QWEN3_30B_A3B_8GPU = "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config"
 QWEN3_30B_A3B_16GPU = "qwen3_30b_a3b_pretrain_config"   # Bridge's alias of the 16 x H100 one
 QWEN3_30B_A3B_SFT_8GPU = "qwen3_30b_a3b_sft_8gpu_h100_bf16_config"
 GLM45_AIR = "glm45_air_106b_pretrain_config"
+NEMOTRON_3_NANO = "nemotron_3_nano_pretrain_config"   # Bridge's alias of the 8 x H100 one
 
 #: Width of a CPU test model (every recipe; the depth is the recipe's shape, ``SHAPES``),
 #: one micro-batch per step per rank.
@@ -65,12 +66,20 @@ GLM_SHAPE: list[str] = [
     "model.num_layers=3", "model.moe_layer_freq=[0,1,1]",
     "model.moe_shared_expert_intermediate_size=32", "model.mtp_num_layers=1",
 ]
-SHAPES: dict[str, list[str]] = {"glm45": GLM_SHAPE, "": ["model.num_layers=2"]}
+#: Nemotron-3 Nano: its shared expert, attention then MoE layers in its pattern's order,
+#: without its Mamba layers (their kernels are GPU-only: ``testing/local_hybrid.py``).
+NEMOTRON_3_NANO_SHAPE: list[str] = [
+    "model.hybrid_layer_pattern=*E*E", "model.num_layers=4",
+    "model.moe_shared_expert_intermediate_size=32",
+]
+SHAPES: dict[str, list[str]] = {"glm45": GLM_SHAPE, "nemotron_3_nano": NEMOTRON_3_NANO_SHAPE,
+                                "": ["model.num_layers=2"]}
 
 #: What a CPU run of a bf16 GPU recipe needs: fp32, no fused kernels (TE, apex), gloo, the
 #: all-to-all dispatcher (DeepEP and HybridEP, the flex backends, are CUDA-only), no
 #: recompute (a memory choice), no distributed optimizer (its checkpoint needs TE's fused
-#: Adam state), no parallelism but EP, data workers in the rank's process.
+#: Adam state), no parallelism but EP, data workers in the rank's process, Megatron's RNG
+#: tracker (not TE's).
 CPU_OVERRIDES: list[str] = [
     "model.tensor_model_parallel_size=1", "model.pipeline_model_parallel_size=1",
     "model.context_parallel_size=1", "model.sequence_parallel=false",
@@ -85,7 +94,7 @@ CPU_OVERRIDES: list[str] = [
     "model.persist_layer_norm=false", "model.moe_grouped_gemm=false",
     "model.moe_permute_fusion=false", "model.moe_token_dispatcher_type=alltoall",
     "model.moe_flex_dispatcher_backend=null", "dist.distributed_backend=gloo",
-    "train.manual_gc=false",
+    "train.manual_gc=false", "model.use_te_rng_tracker=false", "rng.te_rng_tracker=false",
 ]
 
 #: A shrunk recipe on two ranks at expert parallelism 2 (on CPU: gloo and fp32).
@@ -189,12 +198,18 @@ def use_local_spec(cfg: Any) -> None:
     Transformer Engine cannot be installed there). A recipe's block-spec builder
     (``functools.partial`` of megatron-core's ``get_gpt_decoder_block_spec``, GLM) gets
     ``use_transformer_engine=False``; Bridge's default TE layer spec becomes its
-    ``local_layer_spec``."""
+    ``local_layer_spec``; a hybrid (Mamba) recipe's default stack spec becomes
+    ``local_hybrid_stack_spec`` (testing/local_hybrid.py)."""
     from megatron.bridge.models.gpt_provider import default_layer_spec, local_layer_spec
+    from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
     from megatron.core.transformer.enums import AttnBackend
 
-    spec = cfg.model.transformer_layer_spec
-    if isinstance(spec, functools.partial) and "use_transformer_engine" in spec.keywords:
+    spec = getattr(cfg.model, "transformer_layer_spec", None)
+    if isinstance(cfg.model, HybridModelProvider) and cfg.model.hybrid_stack_spec is None:
+        from megatron_lrmoe.testing.local_hybrid import local_hybrid_stack_spec
+
+        cfg.model.hybrid_stack_spec = local_hybrid_stack_spec
+    elif isinstance(spec, functools.partial) and "use_transformer_engine" in spec.keywords:
         cfg.model.transformer_layer_spec = functools.partial(
             spec.func, *spec.args, **{**spec.keywords, "use_transformer_engine": False})
     elif spec is default_layer_spec:
