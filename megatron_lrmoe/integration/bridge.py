@@ -75,7 +75,10 @@ from megatron.core.transformer.transformer_config import (  # noqa: E402
     TransformerConfig as MCoreConfig,
 )
 
-from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig  # noqa: E402
+from megatron_lrmoe.config.transformer_config import (  # noqa: E402
+    LRMoEMLATransformerConfig,
+    LRMoETransformerConfig,
+)
 from megatron_lrmoe.options.lrmoe import (  # noqa: E402
     AUTO,
     OPTIONS,
@@ -243,8 +246,7 @@ def lrmoe_provider_class(cls: type) -> type:
         raise BridgeConfigError("model", f"{cls.__name__} is not a GPTModelProvider or "
                                          "HybridModelProvider; LRMoE converts Bridge's GPT and "
                                          "hybrid (Mamba) providers only")
-    unsupported = {MLATransformerConfig: "multi-latent attention (MLA)",
-                   HeterogeneousTransformerConfig: "heterogeneous layers"}
+    unsupported = {HeterogeneousTransformerConfig: "heterogeneous layers"}
     for base, what in unsupported.items():
         if issubclass(cls, base):
             raise BridgeConfigError(
@@ -252,8 +254,12 @@ def lrmoe_provider_class(cls: type) -> type:
                          f"(its config class, {base.__name__}, has no LRMoE fields)")
     if cls not in _PROVIDER_CLASSES:
         lrmoe = _LRMoEHybridProvider if issubclass(cls, HybridModelProvider) else _LRMoEProvider
+        # An MLA provider (DeepSeek, Kimi, Moonlight: Bridge's MLAModelProvider) keeps
+        # Megatron's MLA config class among its bases, so the LRMoE fields come with it.
+        config_cls = (LRMoEMLATransformerConfig if issubclass(cls, MLATransformerConfig)
+                      else LRMoETransformerConfig)
         made = dataclasses.dataclass(type(f"LRMoE{cls.__name__}",
-                                          (lrmoe, cls, LRMoETransformerConfig),
+                                          (lrmoe, cls, config_cls),
                                           {"__module__": __name__}))
         globals()[made.__name__] = made       # importable by its name in this process
         _PROVIDER_CLASSES[cls] = made

@@ -18,13 +18,14 @@ model is built by the builder class that config names (``GPTModelConfig.builder`
   ``--moe-lrmoe`` absent it *is* ``model_cfg`` (same config, same builder, same model).
   With it, the same GPT settings (``gpt_config_from_args``) around an
   ``LRMoETransformerConfig`` (``core_transformer_config_from_args(args,
-  LRMoETransformerConfig)``), in an ``LRMoEGPTModelConfig``: a ``GPTModelConfig`` with
-  no new fields whose builder, ``LRMoEGPTModelBuilder``, is ``GPTModelBuilder`` with
-  every spec it hands to ``GPTModel`` (layer or decoder-block spec, ``--spec``, the MTP
-  block) put through ``to_lrmoe_spec``. Megatron-LM keeps choosing the spec flavour (TE
-  or local, ``--moe-layer-freq``, shared experts, experimental attention variants) and
-  the plugin only swaps the MoE positions; a model with an unconverted MoE layer is
-  refused.
+  LRMoETransformerConfig)``; with ``--multi-latent-attention`` the MLATransformerConfig it
+  builds, made an ``LRMoEMLATransformerConfig``), in an ``LRMoEGPTModelConfig``: a
+  ``GPTModelConfig`` with no new fields whose builder, ``LRMoEGPTModelBuilder``, is
+  ``GPTModelBuilder`` with every spec it hands to ``GPTModel`` (layer or decoder-block
+  spec, ``--spec``, the MTP block) put through ``to_lrmoe_spec``. Megatron-LM keeps
+  choosing the spec flavour (TE or local, ``--moe-layer-freq``, shared experts, MLA,
+  experimental attention variants) and the plugin only swaps the MoE positions; a model
+  with an unconverted MoE layer is refused.
 
 ``lrmoe_builder(gpt_builder)`` does the same for the older model-provider path that
 core_v0.19.0's ``pretrain(..., model_provider=...)`` still accepts (``gpt_builders.py``,
@@ -84,7 +85,7 @@ from megatron_lrmoe.config.flags import (
     tokens_per_rank,
     validate_lrmoe_flags,
 )
-from megatron_lrmoe.options.lrmoe import LRMoEConfigError
+from megatron_lrmoe.options.lrmoe import OPTIONS, LRMoEConfigError
 from megatron_lrmoe.options.megatron_support import (
     MEGATRON_LM_TAG,
     line,
@@ -194,9 +195,6 @@ def _refuse_bypassing_paths(args: argparse.Namespace) -> None:
             "configs/qwen3_30b_a3b.yaml turns into flags with "
             "`python -m megatron_lrmoe.integration.megatron_lm flags FILE.yaml`)")
     refused = {
-        "multi_latent_attention": "--multi-latent-attention: Megatron-LM then builds an "
-                                  "MLATransformerConfig, which has no --moe-lrmoe* fields; "
-                                  "drop one of the two",
         "heterogeneous_layers_config_path": "--heterogeneous-layers-config-path: Megatron-LM "
                                             "then builds a HeterogeneousTransformerConfig, "
                                             "which has no --moe-lrmoe* fields; drop one of "
@@ -211,11 +209,17 @@ def _refuse_bypassing_paths(args: argparse.Namespace) -> None:
 
 def lrmoe_config_from_args(args: argparse.Namespace) -> Any:
     """``LRMoETransformerConfig`` from Megatron-LM's args, the way Megatron-LM builds
-    its TransformerConfig. LRMoE's refusals come back as ``ConfigError`` naming the
-    flag; Megatron's own errors pass through unchanged."""
+    its TransformerConfig; with ``--multi-latent-attention`` an ``LRMoEMLATransformerConfig``
+    (Megatron-LM then builds its own MLATransformerConfig whatever class it is asked for:
+    that config with the LRMoE options added). LRMoE's refusals come back as
+    ``ConfigError`` naming the flag; Megatron's own errors pass through unchanged."""
+    from megatron.core.transformer import MLATransformerConfig
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+    from megatron_lrmoe.config.transformer_config import (
+        LRMoEMLATransformerConfig,
+        LRMoETransformerConfig,
+    )
     from megatron_lrmoe.integration.planner_inputs import AUTO_STAND_IN_GIB
 
     auto = _auto_budget(args)
@@ -231,6 +235,10 @@ def lrmoe_config_from_args(args: argparse.Namespace) -> Any:
         source.moe_lrmoe_memory_budget_gb = AUTO_STAND_IN_GIB
     try:
         config = core_transformer_config_from_args(source, LRMoETransformerConfig)
+        if isinstance(config, MLATransformerConfig) and not isinstance(
+                config, LRMoETransformerConfig):
+            config = LRMoEMLATransformerConfig.from_mla_config(config, **{
+                o.field: getattr(source, o.field) for o in OPTIONS if hasattr(source, o.field)})
     except LRMoEConfigError as exc:
         raise ConfigError(str(exc)) from exc
     if not isinstance(config, LRMoETransformerConfig):
@@ -327,7 +335,7 @@ def _print_memory_account(args: argparse.Namespace, config) -> None:
         return
     from megatron.training.utils import print_rank_0
 
-    from megatron_lrmoe.integration.planner_inputs import AUTO_BUDGET_SOURCE, GIB
+    from megatron_lrmoe.integration.planner_inputs import AUTO_BUDGET_SOURCE, GIB, account_gap
     from megatron_lrmoe.planning.memory_account import account_line
 
     account = _memory_account(args, config)
@@ -337,6 +345,9 @@ def _print_memory_account(args: argparse.Namespace, config) -> None:
     line = account_line(account, budget_bytes, source)
     if _vocab_size(args) is None:
         line += " (vocabulary not known yet: embeddings and logits not counted)"
+    gap = account_gap(config)
+    if gap is not None:
+        line += f" ({gap})"
     print_rank_0(" [LRMoE] " + line)
     _ACCOUNT.update(account=account, budget_bytes=budget_bytes)
 

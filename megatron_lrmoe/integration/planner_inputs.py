@@ -34,10 +34,10 @@ from megatron_lrmoe.planning.planner import PlannerSettings
 from megatron_lrmoe.planning.retention import retention_in_forward
 from megatron_lrmoe.planning.shapes import MoEShape
 
-__all__ = ["GIB", "agreed_machine_constants", "allocator_check", "check_memory_budget",
-           "device_memory_bytes", "fitting_micro_batch_size", "machine_constants",
-           "hybrid_stages", "memory_account", "moe_layers_per_stage", "moe_shape",
-           "needs_cost_model", "planner_settings", "recomputed_moe_layers",
+__all__ = ["GIB", "account_gap", "agreed_machine_constants", "allocator_check",
+           "check_memory_budget", "device_memory_bytes", "fitting_micro_batch_size",
+           "hybrid_stages", "machine_constants", "memory_account", "moe_layers_per_stage",
+           "moe_shape", "needs_cost_model", "planner_settings", "recomputed_moe_layers",
            "resolve_memory_budget", "run_shape", "stage_moe_layers"]
 
 GIB = 2**30
@@ -375,17 +375,34 @@ def memory_account(config, args, vocab_size: int, microbatches_per_step: int = 1
     return account_of(run_shape(config, args, vocab_size), moe_peak(cost), device_bytes)
 
 
+def account_gap(config) -> str | None:
+    """What of ``config``'s model the memory account does not cover, in words, or None.
+    The account (planning/memory_account.py) counts standard attention: multi-latent
+    attention's projections, latent norms and head dims differ in weights and
+    activations. A budget in GiB needs no account and works for these models."""
+    if getattr(config, "multi_latent_attention", False):
+        return ("the memory account counts standard attention's weights and activations, "
+                "not those of multi-latent attention (--multi-latent-attention)")
+    return None
+
+
 def resolve_memory_budget(account: MemoryAccount, config, args,
                           microbatches_per_step: int = 1) -> float:
     """``--moe-lrmoe-memory-budget-gb auto`` in GiB: the device's size less everything but
     the MoE part of ``account``. Raises ValueError naming both flags without a device
     size (CPU without --device-memory-gb) or when it leaves less than ``budget_floor``,
-    and naming the flag for a hybrid (Mamba) model, which the account does not cover."""
+    and naming the flag for a model the account does not cover (a hybrid (Mamba) model,
+    ``account_gap``)."""
     if hybrid_stages(config) is not None or getattr(config, "is_hybrid_model", False):
         raise ValueError("--moe-lrmoe-memory-budget-gb auto is not supported for hybrid "
                          "(Mamba) models: the memory account covers Transformer layers only, "
                          "not the Mamba layers' weights, states and activations; give the "
                          "budget in GiB")
+    gap = account_gap(config)
+    if gap is not None:
+        raise ValueError(f"--moe-lrmoe-memory-budget-gb auto: {gap}, so it cannot size the "
+                         "MoE budget; give the budget in GiB "
+                         "(--moe-lrmoe-memory-budget-gb N)")
     if account.device is None:
         raise ValueError(f"--moe-lrmoe-memory-budget-gb auto needs the device's size: give "
                          f"{DEVICE_MEMORY_FLAG} (on CUDA it defaults to the device's memory)")

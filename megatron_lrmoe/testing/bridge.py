@@ -44,6 +44,7 @@ QWEN3_30B_A3B_16GPU = "qwen3_30b_a3b_pretrain_config"   # Bridge's alias of the 
 QWEN3_30B_A3B_SFT_8GPU = "qwen3_30b_a3b_sft_8gpu_h100_bf16_config"
 GLM45_AIR = "glm45_air_106b_pretrain_config"
 NEMOTRON_3_NANO = "nemotron_3_nano_pretrain_config"   # Bridge's alias of the 8 x H100 one
+DEEPSEEK_V3 = "deepseek_v3_pretrain_config"    # Bridge's alias of the 1024 x H100 one
 
 #: Width of a CPU test model (every recipe; the depth is the recipe's shape, ``SHAPES``),
 #: one micro-batch per step per rank.
@@ -61,7 +62,10 @@ SMALL: list[str] = [
 ]
 
 #: Depth and shape of a shrunk recipe, by recipe-name prefix: GLM-4.5 keeps its dense first
-#: layer, a shared expert and one MTP layer; the others (Qwen3-MoE: every layer MoE) two layers.
+#: layer, a shared expert and one MTP layer; DeepSeek-V3 too (its recipe's one MTP layer
+#: kept), with its multi-latent attention's ranks and head dims shrunk and its router's
+#: expert groups fitted to 4 experts (2 groups of 2, tokens routed within 1); the others
+#: (Qwen3-MoE: every layer MoE) two layers.
 GLM_SHAPE: list[str] = [
     "model.num_layers=3", "model.moe_layer_freq=[0,1,1]",
     "model.moe_shared_expert_intermediate_size=32", "model.mtp_num_layers=1",
@@ -72,21 +76,32 @@ NEMOTRON_3_NANO_SHAPE: list[str] = [
     "model.hybrid_layer_pattern=*E*E", "model.num_layers=4",
     "model.moe_shared_expert_intermediate_size=32",
 ]
+DEEPSEEK_V3_SHAPE: list[str] = [
+    "model.num_layers=3", "model.moe_layer_freq=[0,1,1]",
+    "model.moe_shared_expert_intermediate_size=32", "model.q_lora_rank=32",
+    "model.kv_lora_rank=16", "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8",
+    "model.v_head_dim=16", "model.moe_router_num_groups=2", "model.moe_router_group_topk=1",
+]
 SHAPES: dict[str, list[str]] = {"glm45": GLM_SHAPE, "nemotron_3_nano": NEMOTRON_3_NANO_SHAPE,
+                                "deepseek_v3": DEEPSEEK_V3_SHAPE,
                                 "": ["model.num_layers=2"]}
 
 #: What a CPU run of a bf16 GPU recipe needs: fp32, no fused kernels (TE, apex), gloo, the
 #: all-to-all dispatcher (DeepEP and HybridEP, the flex backends, are CUDA-only), no
 #: recompute (a memory choice), no distributed optimizer (its checkpoint needs TE's fused
-#: Adam state), no parallelism but EP, data workers in the rank's process, Megatron's RNG
-#: tracker (not TE's).
+#: Adam state) and so no precision-aware optimizer (TE's FusedAdam, DeepSeek-V3's recipe;
+#: fp32 moments and main grads), no parallelism but EP, data workers in the rank's process,
+#: Megatron's RNG tracker (not TE's).
 CPU_OVERRIDES: list[str] = [
     "model.tensor_model_parallel_size=1", "model.pipeline_model_parallel_size=1",
+    "model.pipeline_model_parallel_layout=null",
     "model.context_parallel_size=1", "model.sequence_parallel=false",
     "model.pipeline_dtype=null", "mixed_precision=null", "model.bf16=false",
     "optimizer.bf16=false", "model.params_dtype=fp32", "ddp.overlap_grad_reduce=false",
     "ddp.overlap_param_gather=false", "ddp.use_distributed_optimizer=false",
-    "optimizer.use_distributed_optimizer=false", "dataset.num_workers=0",
+    "optimizer.use_distributed_optimizer=false", "optimizer.use_precision_aware_optimizer=false",
+    "optimizer.main_grads_dtype=fp32", "optimizer.exp_avg_dtype=fp32",
+    "optimizer.exp_avg_sq_dtype=fp32", "dataset.num_workers=0",
     "model.recompute_granularity=null", "model.recompute_method=null",
     "model.recompute_num_layers=null", "model.cross_entropy_loss_fusion=false",
     "model.gradient_accumulation_fusion=false", "model.masked_softmax_fusion=false",
@@ -196,13 +211,17 @@ def recipe_function(name: str) -> Callable[[], Any]:
 def use_local_spec(cfg: Any) -> None:
     """The recipe's layer spec in its local (non-TE) flavour, local attention (CPU only:
     Transformer Engine cannot be installed there). A recipe's block-spec builder
-    (``functools.partial`` of megatron-core's ``get_gpt_decoder_block_spec``, GLM) gets
-    ``use_transformer_engine=False``; Bridge's default TE layer spec becomes its
-    ``local_layer_spec``; a hybrid (Mamba) recipe's default stack spec becomes
-    ``local_hybrid_stack_spec`` (testing/local_hybrid.py)."""
+    (``functools.partial`` of megatron-core's ``get_gpt_decoder_block_spec``, GLM,
+    DeepSeek) gets ``use_transformer_engine=False``; Bridge's default TE layer spec becomes
+    its ``local_layer_spec``; a hybrid (Mamba) recipe's default stack spec becomes
+    ``local_hybrid_stack_spec`` (testing/local_hybrid.py). With multi-latent attention, the
+    MLA core attention is ``testing.local_mla``'s (megatron-core's local one cannot be built
+    for MLA)."""
     from megatron.bridge.models.gpt_provider import default_layer_spec, local_layer_spec
     from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
     from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_lrmoe.testing.local_mla import with_local_mla_attention
 
     spec = getattr(cfg.model, "transformer_layer_spec", None)
     if isinstance(cfg.model, HybridModelProvider) and cfg.model.hybrid_stack_spec is None:
@@ -216,6 +235,10 @@ def use_local_spec(cfg: Any) -> None:
         cfg.model.transformer_layer_spec = local_layer_spec
     else:
         raise ValueError(f"no local flavour known for the recipe's layer spec {spec!r}")
+    if getattr(cfg.model, "multi_latent_attention", False):
+        # megatron-core's local MLA spec needs a core attention taking MLA's head dims.
+        cfg.model.transformer_layer_spec = with_local_mla_attention(
+            cfg.model.transformer_layer_spec)
     cfg.model.attention_backend = AttnBackend.local
     cfg.model.transformer_impl = "local"
 

@@ -28,6 +28,7 @@ import pytest
 QWEN_8 = "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config"
 QWEN_16 = "qwen3_30b_a3b_pretrain_config"        # Bridge's alias of the 16 x H100 recipe
 GLM_AIR = "glm45_air_106b_pretrain_config"
+DEEPSEEK_V3 = "deepseek_v3_pretrain_config"     # multi-latent attention (an MLA provider)
 
 # What each recipe sets that LRMoE cannot run, on a machine without CUDA (where Bridge's
 # apply_flex_dispatcher_backend turns DeepEP on for the 8-GPU recipe), and what it needs.
@@ -44,6 +45,10 @@ EXPECTED = {
     GLM_AIR: {"model.moe_shared_expert_overlap": (True, False),
               "model.moe_permute_fusion": (True, False),
               "model.moe_hybridep_num_sms": (16, None)},
+    DEEPSEEK_V3: {"model.moe_token_dispatcher_type": ("flex", "alltoall"),
+                  "model.moe_permute_fusion": (True, False),
+                  "model.moe_flex_dispatcher_backend": ("hybridep", None),
+                  "model.moe_hybridep_num_sms": (16, None)},
 }
 
 
@@ -151,14 +156,46 @@ def test_peft_recipes_are_refused(bridge):
 
 
 def test_unsupported_providers_are_refused_by_name(bridge):
-    from megatron.bridge.models.mla_provider import MLAModelProvider
+    from megatron.bridge.models.llama_nemotron.llama_nemotron_provider import (
+        LlamaNemotronHeterogeneousProvider,
+    )
 
     from megatron_lrmoe.integration.bridge import BridgeConfigError, lrmoe_provider_class
 
-    with pytest.raises(BridgeConfigError, match="MLAModelProvider uses multi-latent attention"):
-        lrmoe_provider_class(MLAModelProvider)
+    with pytest.raises(BridgeConfigError, match="LlamaNemotronHeterogeneousProvider uses "
+                                                "heterogeneous layers"):
+        lrmoe_provider_class(LlamaNemotronHeterogeneousProvider)
     with pytest.raises(BridgeConfigError, match="int is not a GPTModelProvider"):
         lrmoe_provider_class(int)
+
+
+def test_an_mla_provider_gets_the_lrmoe_mla_config(bridge):
+    """Bridge's MLAModelProvider (DeepSeek, Kimi, Moonlight) keeps Megatron's MLA config
+    class: its LRMoE provider is also an LRMoEMLATransformerConfig, MLA's fields and
+    defaults kept, and Bridge's finalize runs MLA's post-init with LRMoE's checks."""
+    from megatron.bridge.models.mla_provider import MLAModelProvider
+    from megatron.core.transformer import MLATransformerConfig
+
+    from megatron_lrmoe.config.transformer_config import LRMoEMLATransformerConfig
+    from megatron_lrmoe.integration.bridge import BridgeConfigError, lrmoe_provider_class
+
+    cls = lrmoe_provider_class(MLAModelProvider)
+    assert cls.__name__ == "LRMoEMLAModelProvider"
+    assert issubclass(cls, MLAModelProvider) and issubclass(cls, LRMoEMLATransformerConfig)
+    theirs = {f.name: f.default for f in dataclasses.fields(MLAModelProvider)}
+    ours = {f.name: f.default for f in dataclasses.fields(cls)}
+    assert {k: ours[k] for k in theirs} == theirs
+    small = dict(num_layers=1, hidden_size=32, num_attention_heads=4, num_moe_experts=4,
+                 moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+                 add_bias_linear=False, q_lora_rank=16, kv_lora_rank=8)
+    provider = cls(**small, moe_lrmoe=True)
+    provider.finalize()
+    assert isinstance(provider, MLATransformerConfig) and provider.moe_lrmoe
+    # MLA's own post-init check runs (it is MLATransformerConfig's, not TransformerConfig's).
+    with pytest.raises(NotImplementedError, match="Output gate is not supported for MLA"):
+        cls(**small, moe_lrmoe=True, attention_output_gate=True).finalize()
+    with pytest.raises(BridgeConfigError, match="model.moe_lrmoe_bwd_capacity_factor"):
+        cls(**small, moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=0.0).finalize()
 
 
 def test_a_provider_subclass_keeps_its_class_and_fields(bridge):

@@ -323,6 +323,27 @@ LRMOE_ARGS = ["--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "0.8",
               "--moe-lrmoe-selection", "sample"]
 
 
+# A DeepSeek-V3-style model, shrunk: multi-latent attention (Megatron-LM has no GQA with it),
+# a dense first layer, shared experts, a sigmoid router with expert bias over expert groups.
+DEEPSEEK_ARGS = shlex.split(
+    "--micro-batch-size 1 --disable-bias-linear --untie-embeddings-and-output-weights "
+    "--position-embedding-type rope --no-rope-fusion --normalization RMSNorm --swiglu "
+    "--num-layers 4 --hidden-size 1024 --ffn-hidden-size 2048 --num-attention-heads 16 "
+    "--multi-latent-attention --q-lora-rank 384 --kv-lora-rank 128 --qk-head-dim 64 "
+    "--qk-pos-emb-head-dim 32 --v-head-dim 64 --qk-layernorm --moe-layer-freq [0,1,1,1] "
+    "--num-experts 16 --moe-ffn-hidden-size 256 --moe-shared-expert-intermediate-size 256 "
+    "--moe-router-topk 4 --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+    "--moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 "
+    "--moe-router-dtype fp32 --moe-router-load-balancing-type seq_aux_loss "
+    "--moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type alltoall --seq-length 256 "
+    "--max-position-embeddings 4096 --rotary-base 10000 --no-bias-swiglu-fusion "
+    "--no-masked-softmax-fusion --norm-epsilon 1e-6 --attention-dropout 0.0 "
+    "--hidden-dropout 0.0 --vocab-size 129280 --make-vocab-size-divisible-by 1280 "
+    "--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm "
+    "--tokenizer-type NullTokenizer --train-iters 10 --lr 1e-4 --bf16"
+)
+
+
 def _probe(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
@@ -414,8 +435,6 @@ def test_megatron_lm_auto_budget_is_resolved_once_on_the_one_config():
     (["--moe-lrmoe-min-retention", "1.5"], "--moe-lrmoe-min-retention: must be in [0, 1]"),
     (["--moe-token-dispatcher-type", "allgather"], "needs --moe-token-dispatcher-type alltoall"),
     (["--yaml-cfg", "x.yaml"], "--yaml-cfg builds a plain TransformerConfig"),
-    (["--multi-latent-attention"], "--multi-latent-attention: Megatron-LM then builds an "
-                                   "MLATransformerConfig"),
     (["--tensor-model-parallel-size", "2"], "--expert-tensor-parallel-size 1"),
     # Megatron-LM-only dests, checked against the option table at parse time: a deprecated
     # spelling (0.19 turns --cuda-graph-scope into --cuda-graph-modules) and upcycling.
@@ -447,6 +466,30 @@ def test_builders_make_qwen3_with_lrmoe_layers_on_the_meta_device(path):
     assert baseline["experts"] == ["SequentialMLP"]
     assert baseline["devices"] == ["meta"]
     assert baseline["params"] == built["params"], "same parameters with and without LRMoE"
+
+
+@needs_megatron_lm
+def test_multi_latent_attention_builds_an_lrmoe_mla_model():
+    """--multi-latent-attention: Megatron-LM builds its MLATransformerConfig, the plugin
+    makes it an LRMoEMLATransformerConfig (one config, the flags' values), and the model has
+    LRMoE layers in the MoE positions and Megatron's parameters; auto is refused by name."""
+    parsed = _probe_result(_probe("parse", "--", *DEEPSEEK_ARGS, *LRMOE_ARGS))
+    assert parsed["transformer_config"] == "LRMoEMLATransformerConfig"
+    assert parsed["builder"] == "LRMoEGPTModelBuilder"
+    assert parsed["fields"]["moe_lrmoe_bwd_capacity_factor"] == 0.8
+    assert parsed["fields"]["moe_lrmoe_selection"] == "sample"
+    assert parsed["fields"]["num_moe_experts"] == 16
+    built = _build("config", [*DEEPSEEK_ARGS, *LRMOE_ARGS])
+    assert built["moe_layers"] == ["LRMoELayer"] * 3 and built["devices"] == ["meta"]
+    baseline = _build("config", DEEPSEEK_ARGS)
+    assert baseline["moe_layers"] == ["MoELayer"] * 3
+    assert baseline["params"] == built["params"]
+    out = _probe("parse", "--", *DEEPSEEK_ARGS, *LRMOE_ARGS, "--moe-lrmoe-memory-budget-gb",
+                 "auto", "--device-memory-gb", "1000")
+    assert out.returncode != 0
+    assert ("--moe-lrmoe-memory-budget-gb auto: the memory account counts standard "
+            "attention's weights and activations, not those of multi-latent attention "
+            "(--multi-latent-attention)") in out.stderr, out.stderr[-2000:]
 
 
 @needs_megatron_lm

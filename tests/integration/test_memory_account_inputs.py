@@ -9,10 +9,14 @@ import types
 import pytest
 import torch
 
-from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
+from megatron_lrmoe.config.transformer_config import (
+    LRMoEMLATransformerConfig,
+    LRMoETransformerConfig,
+)
 from megatron_lrmoe.integration.planner_inputs import (
     GIB,
     allocator_check,
+    check_memory_budget,
     device_memory_bytes,
     memory_account,
     moe_shape,
@@ -117,6 +121,24 @@ def test_auto_needs_a_device_size():
     account = memory_account(config, _args(), 128, device_bytes=None)
     with pytest.raises(ValueError, match="give --device-memory-gb"):
         resolve_memory_budget(account, config, _args())
+
+
+def test_auto_is_refused_for_mla_and_a_budget_in_gib_works():
+    """The account counts standard attention: for multi-latent attention ``auto`` is
+    refused naming the flags, and a budget in GiB passes the start-up check."""
+    mla = dict(q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8,
+               v_head_dim=16)
+    config = LRMoEMLATransformerConfig(**CONFIG, **mla)
+    account = memory_account(config, _args(), 128, device_bytes=GIB)
+    with pytest.raises(ValueError) as err:
+        resolve_memory_budget(account, config, _args())
+    text = str(err.value)
+    assert text.startswith("--moe-lrmoe-memory-budget-gb auto: the memory account counts "
+                           "standard attention's")
+    assert "--multi-latent-attention" in text and "give the budget in GiB" in text
+    fixed = LRMoEMLATransformerConfig(**CONFIG, **mla, moe_lrmoe_memory_budget_gb=1.0)
+    assert check_memory_budget(fixed, 2, 64, 1, "cpu", 2).startswith(
+        "--moe-lrmoe-memory-budget-gb 1: at balanced routing")
 
 
 def test_device_size_from_the_flag_or_cuda():
