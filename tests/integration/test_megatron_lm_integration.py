@@ -469,21 +469,23 @@ def test_builders_make_qwen3_with_lrmoe_layers_on_the_meta_device(path):
 
 
 @needs_megatron_lm
-def test_multi_latent_attention_builds_an_lrmoe_mla_model():
+def test_multi_latent_attention_gives_an_lrmoe_mla_config():
     """--multi-latent-attention: Megatron-LM builds its MLATransformerConfig, the plugin
-    makes it an LRMoEMLATransformerConfig (one config, the flags' values), and the model has
-    LRMoE layers in the MoE positions and Megatron's parameters; auto is refused by name."""
+    makes it an LRMoEMLATransformerConfig (one config, the flags' values); auto is refused
+    by name. The model itself cannot be built here with or without --moe-lrmoe:
+    megatron-core 0.19's local MLA spec passes k_channels to the local DotProductAttention,
+    which does not take it (megatron_lrmoe/testing/local_mla.py), and Transformer Engine is
+    absent; tests/config/test_mla.py builds the same spec with a core attention that does."""
     parsed = _probe_result(_probe("parse", "--", *DEEPSEEK_ARGS, *LRMOE_ARGS))
     assert parsed["transformer_config"] == "LRMoEMLATransformerConfig"
-    assert parsed["builder"] == "LRMoEGPTModelBuilder"
+    assert parsed["builder"] == "LRMoEGPTModelBuilder" and parsed["configs_built"] == 1
     assert parsed["fields"]["moe_lrmoe_bwd_capacity_factor"] == 0.8
     assert parsed["fields"]["moe_lrmoe_selection"] == "sample"
     assert parsed["fields"]["num_moe_experts"] == 16
-    built = _build("config", [*DEEPSEEK_ARGS, *LRMOE_ARGS])
-    assert built["moe_layers"] == ["LRMoELayer"] * 3 and built["devices"] == ["meta"]
-    baseline = _build("config", DEEPSEEK_ARGS)
-    assert baseline["moe_layers"] == ["MoELayer"] * 3
-    assert baseline["params"] == built["params"]
+    megatrons = "DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'"
+    for argv in ([*DEEPSEEK_ARGS, *LRMOE_ARGS], DEEPSEEK_ARGS):
+        out = _probe("build", "config", "--", *argv)
+        assert out.returncode != 0 and megatrons in out.stderr, out.stderr[-2000:]
     out = _probe("parse", "--", *DEEPSEEK_ARGS, *LRMOE_ARGS, "--moe-lrmoe-memory-budget-gb",
                  "auto", "--device-memory-gb", "1000")
     assert out.returncode != 0
