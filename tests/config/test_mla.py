@@ -26,8 +26,11 @@ MLA = dict(
     moe_shared_expert_intermediate_size=16, moe_token_dispatcher_type="alltoall",
     moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
     moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
-    moe_router_pre_softmax=True, moe_router_load_balancing_type="seq_aux_loss",
-    moe_aux_loss_coeff=1e-3, moe_router_dtype="fp32",
+    moe_router_pre_softmax=True, moe_router_dtype="fp32",
+    # Balanced by the expert bias alone: an auxiliary loss would size Megatron's process-wide
+    # MoE metrics tracker to this model's 3 layers for the pool's later models (the layer
+    # tests hold the sequence auxiliary loss to Megatron's).
+    moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
     add_bias_linear=False, bias_activation_fusion=False, gated_linear_unit=True,
     normalization="RMSNorm", qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
     q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8,
