@@ -126,12 +126,6 @@ class LayerPlanner:
         self._placements: dict[tuple[tuple[int, int], ...], Placement] = {}
         self._replica_costs: dict[int, float] = {}
         self._receive_limits: dict[tuple[int, float], int] = {}   # _receive_limit's
-        self._pair_seconds_value: PairSeconds | None = None
-        floor = decimal_fraction(settings.min_retention)
-        # (numerator, denominator) of the minimum retention as the compiled planner takes
-        # it; None where they do not fit its int64 (the Python retention then plans).
-        self._floor = ((floor.numerator, floor.denominator)
-                       if max(floor.numerator, floor.denominator) <= _INT64_MAX else None)
         self.last_memory: np.ndarray | None = None
         """[R] bytes the latest ``plan`` holds on each rank (``CostModel.rank_memory``),
         computed whenever the settings carry a cost model (a budget, or a run held to its
@@ -392,11 +386,10 @@ class LayerPlanner:
             self._contexts[placement] = ctx
         return ctx
 
+    @functools.cached_property
     def _pair_seconds(self) -> PairSeconds:
         """``pair_seconds`` of the settings' cost model (a constant of the planner)."""
-        if self._pair_seconds_value is None:
-            self._pair_seconds_value = pair_seconds(self.settings.cost)
-        return self._pair_seconds_value
+        return pair_seconds(self.settings.cost)
 
     def _receive_limit(self, replicas: np.ndarray, returned: np.ndarray | float
                        ) -> np.ndarray | None:
@@ -539,7 +532,7 @@ class LayerPlanner:
         if slots > s.num_experts // s.num_ranks:
             judge(f"popularity {slots} slots, locality-aware", popularity_replicas(
                 counts.sum(0), s.num_ranks, s.num_experts, slots, counts,
-                self._pair_seconds(), native=self.native, order=order)[0])
+                self._pair_seconds, native=self.native, order=order)[0])
 
         # Stage 1: every candidate priced on the smoothed counts, in one batch.
         times = self._judged_times([[c.planned] for c in judged.values()])
@@ -672,21 +665,6 @@ class LayerPlanner:
         as set (``_Unbudgeted``)."""
         s = self.settings
         gamma = float(s.capacity_factor)
-        native = ctx.native
-        if native is not None and s.cost is not None and self._floor is not None:
-            # The compiled planner's arrays alone: the plan's objects are built only when
-            # it is asked for (most candidates are only priced).
-            cells, routed = native.assign(counts, None)
-            cap = capacity_for_factor(gamma, int(np.add.reduce(routed)), s.num_ranks)
-            quotas, _ = native.retain(cells, cap, *self._floor)
-            peak = float(np.maximum.reduce(native.memory(cells, quotas, routed)))
-
-            def plan() -> MicroBatchPlan:
-                assignment, _, _ = self._assign(counts, ctx, None)
-                make_retention, _ = self._retention(assignment, cells, gamma, ctx, routed)
-                return MicroBatchPlan(assignment=assignment, retention=make_retention(),
-                                      capacity_factor_used=gamma, rank_load=routed)
-            return _Unbudgeted(ctx, routed, peak, plan, cells, quotas)
         assignment, cells, routed = self._assign(counts, ctx, None)   # checked by the caller
         make_retention, quotas = self._retention(assignment, cells, gamma, ctx, routed)
         peak = float(np.maximum.reduce(self._memory(ctx, routed, cells, quotas)))
