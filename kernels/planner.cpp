@@ -1,5 +1,6 @@
-// The compiled per-call planner: instance assignment with receive limits, uniform retention
-// quotas, the cost model's rank memory, and the region's per-call host layout.
+// The compiled planner: per call, instance assignment with receive limits, uniform retention
+// quotas, the cost model's rank memory and the region's host layout; per step, the
+// memory-aware placement choice's searches and its judge of candidates.
 //
 // Each function computes exactly what its Python counterpart does (the Python code is
 // the specification and the oracle of the property tests):
@@ -10,10 +11,17 @@
 //                                                      per-instance rows (planner._memory)
 //   call_layout       layer/region_layout.py           CallLayout, and the layer's
 //                                                      instance-order chunk tables
+//   LayerPricer       planning/layer_time.py           layer_times with instance GEMMs,
+//                                                      load_times, replica cost
+//   PlacementJudge    planning/planner.py              the memory-aware choice's judge
+//                                                      of a candidate (_evaluate)
+//   greedy searches   planning/placement_policies.py   greedy_replicas,
+//                                                      local_greedy_replicas,
+//                                                      popularity_replicas
 // The float arithmetic repeats numpy's operation by operation, in the same order and
 // without FMA contraction (setup.py passes -ffp-contract=off), so the doubles are equal
-// bit for bit; the one reduction whose order matters (a float row sum in _balance)
-// repeats numpy's pairwise summation.
+// bit for bit; the reductions whose order matters repeat numpy's pairwise summation (row
+// sums) and Python's compensated sum() (python_sum).
 //
 // Plain host code on numpy arrays: no tensor op is dispatched, so a call costs
 // microseconds, not a dispatch per step.
@@ -28,6 +36,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -115,13 +124,52 @@ std::vector<double> get_vector(const py::dict& d, const char* key) {
   return std::vector<double>(a.data(), a.data() + a.size());
 }
 
+// The placement-free entries of a MemoryModel (native._rank_terms' constants); the
+// per-rank vectors are the caller's.
+MemoryModel memory_from_dict(const py::dict& d) {
+  MemoryModel m;
+  m.grouped = d["grouped"].cast<bool>();
+  m.fr = d["forward_retention"].cast<bool>();
+  m.xc = get_double(d, "xc");
+  m.conv = get_double(d, "conv");
+  m.row_i = get_int(d, "row");
+  m.sr_i = get_int(d, "sr");
+  m.p_i = get_int(d, "p");
+  m.f_b_i = get_int(d, "f_b");
+  m.f1_b_i = get_int(d, "f1_b");
+  m.hb_i = get_int(d, "hb");
+  m.fac_i = get_int(d, "fac");
+  m.row = double(m.row_i);
+  m.sr = double(m.sr_i);
+  m.p = double(m.p_i);
+  m.f_b = double(m.f_b_i);
+  m.f1_b = double(m.f1_b_i);
+  m.hb = double(m.hb_i);
+  m.fac = double(m.fac_i);
+  m.pss = double(get_int(d, "pss"));
+  m.meta = double(get_int(d, "meta"));
+  m.ob = double(get_int(d, "ob"));
+  m.pbb = double(get_int(d, "pbb"));
+  m.wgt_tmp = double(get_int(d, "wgt_tmp"));
+  m.ib = double(get_int(d, "ib"));
+  m.kappa_mif = get_double(d, "kappa_mif");
+  m.kappa = get_double(d, "kappa");
+  m.rerun = double(get_int(d, "rerun"));
+  m.lyr_i = get_int(d, "lyr");
+  m.lyr = double(m.lyr_i);
+  m.mif_i = get_int(d, "mif");
+  m.replica_dw = get_double(d, "replica_dw");
+  m.replica_dw2 = get_double(d, "replica_dw2");
+  return m;
+}
+
 // The placement's index structure (instance_assignment._AssignmentLayout and the
 // retention layout), the per-instance rank, and the memory model when there is one.
 class NativePlanner {
  public:
   NativePlanner(i64 num_ranks, i64 num_experts, std::vector<i64> instance_rank,
                 std::vector<i64> instance_expert, std::vector<i64> home_instance,
-                py::object memory)
+                std::optional<MemoryModel> memory)
       : R_(num_ranks), E_(num_experts), I_(static_cast<i64>(instance_rank.size())),
         instance_rank_(std::move(instance_rank)), instance_expert_(std::move(instance_expert)),
         home_instance_(std::move(home_instance)) {
@@ -158,50 +206,24 @@ class NativePlanner {
       if (!incidence_[r].empty()) involved_.push_back(r);
     width_ = 1;
     for (const auto& v : ranks_of_) width_ = std::max<i64>(width_, static_cast<i64>(v.size()));
-    if (!memory.is_none()) {
-      const py::dict d = memory.cast<py::dict>();
-      MemoryModel& m = memory_;
-      m.grouped = d["grouped"].cast<bool>();
-      m.fr = d["forward_retention"].cast<bool>();
-      m.xc = get_double(d, "xc");
-      m.conv = get_double(d, "conv");
-      m.row_i = get_int(d, "row");
-      m.sr_i = get_int(d, "sr");
-      m.p_i = get_int(d, "p");
-      m.f_b_i = get_int(d, "f_b");
-      m.f1_b_i = get_int(d, "f1_b");
-      m.hb_i = get_int(d, "hb");
-      m.fac_i = get_int(d, "fac");
-      m.row = double(m.row_i);
-      m.sr = double(m.sr_i);
-      m.p = double(m.p_i);
-      m.f_b = double(m.f_b_i);
-      m.f1_b = double(m.f1_b_i);
-      m.hb = double(m.hb_i);
-      m.fac = double(m.fac_i);
-      m.pss = double(get_int(d, "pss"));
-      m.meta = double(get_int(d, "meta"));
-      m.ob = double(get_int(d, "ob"));
-      m.pbb = double(get_int(d, "pbb"));
-      m.wgt_tmp = double(get_int(d, "wgt_tmp"));
-      m.ib = double(get_int(d, "ib"));
-      m.kappa_mif = get_double(d, "kappa_mif");
-      m.kappa = get_double(d, "kappa");
-      m.rerun = double(get_int(d, "rerun"));
-      m.lyr_i = get_int(d, "lyr");
-      m.lyr = double(m.lyr_i);
-      m.mif_i = get_int(d, "mif");
-      m.nrep = get_vector(d, "nrep");
-      m.rc = get_vector(d, "rc");
-      m.w1 = get_vector(d, "w1");
-      m.w2 = get_vector(d, "w2");
-      m.held_dw2 = get_vector(d, "held_dw2");
-      m.held_dw = get_vector(d, "held_dw");
-      m.returned = get_vector(d, "returned");
-      m.replica_dw = get_double(d, "replica_dw");
-      m.replica_dw2 = get_double(d, "replica_dw2");
+    if (memory) {
+      memory_ = std::move(*memory);
       has_memory_ = true;
     }
+  }
+
+  // The memory model of native._memory_model's dict (None: no cost model).
+  static std::optional<MemoryModel> memory_of(const py::object& memory) {
+    if (memory.is_none()) return std::nullopt;
+    const py::dict d = memory.cast<py::dict>();
+    MemoryModel m = memory_from_dict(d);
+    using Field = std::vector<double> MemoryModel::*;
+    for (const auto& [key, field] : std::initializer_list<std::pair<const char*, Field>>{
+             {"nrep", &MemoryModel::nrep}, {"rc", &MemoryModel::rc}, {"w1", &MemoryModel::w1},
+             {"w2", &MemoryModel::w2}, {"held_dw2", &MemoryModel::held_dw2},
+             {"held_dw", &MemoryModel::held_dw}, {"returned", &MemoryModel::returned}})
+      m.*field = get_vector(d, key);
+    return m;
   }
 
   // (assignment [R, I], load [R]) of counts [R, E] with receive limits [R] or None.
@@ -265,28 +287,39 @@ class NativePlanner {
     I64Array out({i64{6}, R_});
     {
       py::gil_scoped_release release;
-      const i64* c = cells.data();
-      const i64* q = quotas.data();
-      i64* o = out.mutable_data();
-      std::fill(o, o + 6 * R_, i64{0});
-      for (i64 s = 0; s < R_; ++s)
-        for (i64 r = 0; r < R_; ++r) {
-          i64 a = 0, b = 0;
-          for (i64 i = rank_starts_[r]; i < rank_starts_[r + 1]; ++i) {
-            a += c[s * I_ + i];
-            b += q[s * I_ + i];
-          }
-          o[r] += a;
-          o[R_ + r] += b;
-          o[2 * R_ + s] += a;
-          o[3 * R_ + s] += b;
-          if (r == s) {
-            o[4 * R_ + r] = a;
-            o[5 * R_ + r] = b;
-          }
-        }
+      rank_loads_into(cells.data(), quotas.data(), out.mutable_data());
     }
     return out;
+  }
+
+  void rank_loads_into(const i64* c, const i64* q, i64* o) const {
+    std::fill(o, o + 6 * R_, i64{0});
+    for (i64 s = 0; s < R_; ++s)
+      for (i64 r = 0; r < R_; ++r) {
+        i64 a = 0, b = 0;
+        for (i64 i = rank_starts_[r]; i < rank_starts_[r + 1]; ++i) {
+          a += c[s * I_ + i];
+          b += q[s * I_ + i];
+        }
+        o[r] += a;
+        o[R_ + r] += b;
+        o[2 * R_ + s] += a;
+        o[3 * R_ + s] += b;
+        if (r == s) {
+          o[4 * R_ + r] = a;
+          o[5 * R_ + r] = b;
+        }
+      }
+  }
+
+  // LayerPlanner._unbudgeted's plan of counts [R, E] into the caller's buffers: the
+  // assignment without receive limits, the retention at capacity ``cap`` and min
+  // retention p / q, and the rank memory (needs the memory model).
+  void plan_into(const i64* counts, i64 cap, i64 p, i64 q, i64* cells, i64* quotas,
+                 i64* load, i64* level, double* memory) const {
+    assign_into(counts, nullptr, cells, load);
+    retain_into(cells, cap, p, q, quotas, level);
+    memory_into(cells, quotas, load, memory);
   }
 
   // The region's per-call host layout on rank s (layer/region_layout.CallLayout) and
@@ -1122,6 +1155,394 @@ class NativePlanner {
   bool has_memory_ = false;
 };
 
+// ------------------------------------------------------------------- the judge
+// Python's sum() of floats (CPython >= 3.12: Neumaier's compensated summation, the start
+// 0 added first), so that a compiled price equals the Python one to the bit.
+double python_sum(std::initializer_list<double> values) {
+  auto it = values.begin();
+  double f = 0.0 + *it;
+  double c = 0.0;
+  for (++it; it != values.end(); ++it) {
+    const double x = *it;
+    const double t = f + x;
+    if (std::fabs(f) >= std::fabs(x))
+      c += (f - t) + x;
+    else
+      c += (x - t) + f;
+    f = t;
+  }
+  if (c != 0.0 && std::isfinite(c)) f += c;
+  return f;
+}
+
+// MachineConstants' rate tables (planning/machine.py interpolated_time, with numpy's
+// interp inside the table), at one point: ``ts`` the table's times xs * flops / rates.
+double interpolated_time(double x, const std::vector<double>& xs, const std::vector<double>& ts,
+                         const std::vector<double>& rates, double flops) {
+  const size_t n = xs.size();
+  if (x < xs[0]) {
+    if (n == 1) return x * flops / rates[0];
+    const double slope = (ts[1] - ts[0]) / (xs[1] - xs[0]);
+    return std::max(ts[0] + (x - xs[0]) * slope, 0.0);
+  }
+  if (x > xs[n - 1]) return ts[n - 1] + (x - xs[n - 1]) * flops / rates[n - 1];
+  if (x == xs[n - 1]) return ts[n - 1];
+  const size_t j = static_cast<size_t>(std::upper_bound(xs.begin(), xs.end(), x) - xs.begin()) - 1;
+  if (xs[j] == x) return ts[j];
+  const double slope = (ts[j + 1] - ts[j]) / (xs[j + 1] - xs[j]);
+  return slope * (x - xs[j]) + ts[j];
+}
+
+// A rate table and its times at ``flops`` per unit (interpolated_time's ``ts``).
+struct RateTable {
+  std::vector<double> xs, rates, ts;
+  double flops = 1.0;
+  RateTable() = default;
+  RateTable(std::vector<double> x, std::vector<double> r, double f)
+      : xs(std::move(x)), rates(std::move(r)), flops(f) {
+    if (xs.size() != rates.size()) throw py::value_error("a rate table needs one rate per point");
+    for (size_t i = 0; i < xs.size(); ++i) ts.push_back(xs[i] * flops / rates[i]);
+  }
+  bool empty() const { return xs.empty(); }
+  double operator()(double x) const { return interpolated_time(x, xs, ts, rates, flops); }
+};
+
+// CostModel's time of one layer call (planning/layer_time.py: layer_times with the GEMMs
+// instance by instance, instance_gemm_times; load_times; replica_cost_per_microbatch),
+// from the constants native._pricer_terms takes from the cost model at one EP size.
+class LayerPricer {
+ public:
+  explicit LayerPricer(const py::dict& d) {
+    using Field = double LayerPricer::*;
+    for (const auto& [key, field] : std::initializer_list<std::pair<const char*, Field>>{
+             {"gemm_flops_per_s", &LayerPricer::gemm_flops_per_s_},
+             {"forward_flops", &LayerPricer::forward_flops_},
+             {"backward_flops", &LayerPricer::backward_flops_},
+             {"routed_f", &LayerPricer::routed_f_}, {"retained_b", &LayerPricer::retained_b_},
+             {"gather", &LayerPricer::gather_}, {"h", &LayerPricer::h_},
+             {"th", &LayerPricer::th_}, {"per_byte", &LayerPricer::per_byte_},
+             {"alltoall_bytes_per_s", &LayerPricer::a2a_bytes_per_s_},
+             {"latency", &LayerPricer::latency_}, {"f_router", &LayerPricer::f_router_},
+             {"b_router", &LayerPricer::b_router_}, {"router_sum", &LayerPricer::router_sum_},
+             {"f_fixed", &LayerPricer::f_fixed_}, {"b_fixed", &LayerPricer::b_fixed_},
+             {"local", &LayerPricer::local_}, {"source_pairs", &LayerPricer::source_pairs_},
+             {"refresh_bytes", &LayerPricer::refresh_bytes_},
+             {"reduction_bytes", &LayerPricer::reduction_bytes_},
+             {"microbatches_per_step", &LayerPricer::microbatches_per_step_}})
+      this->*field = get_double(d, key);
+    auto vec = [&](const char* key) { return d[key].cast<std::vector<double>>(); };
+    gemm_forward_ = RateTable(vec("gemm_rows"), vec("gemm_forward"), forward_flops_);
+    gemm_backward_ = RateTable(vec("gemm_rows"), vec("gemm_backward"), backward_flops_);
+    a2a_ = RateTable(vec("alltoall_sizes"), vec("alltoall_rates"), 1.0);
+    forward_messages_ = vec("forward_messages");
+    backward_messages_ = vec("backward_messages");
+    memory_ = d["memory"].cast<bool>();
+    forward_retention_ = d["forward_retention"].cast<bool>();
+  }
+
+  // MachineConstants.instance_gemm_seconds
+  double gemm_seconds(double rows, bool forward) const {
+    if (gemm_forward_.empty())
+      return rows * (forward ? forward_flops_ : backward_flops_) / gemm_flops_per_s_;
+    if (!(rows > 0)) return 0.0;
+    return forward ? gemm_forward_(rows) : gemm_backward_(rows);
+  }
+
+  // LayerTime._transfer_time
+  double transfer(double bytes) const {
+    return a2a_.empty() ? bytes / a2a_bytes_per_s_ : a2a_(bytes);
+  }
+
+  // LayerTime._alltoall_time of the busiest link's ``pairs``: 0 + each message's, in order
+  double alltoall(double pairs, bool forward) const {
+    double total = 0.0;
+    for (double size : forward ? forward_messages_ : backward_messages_)
+      total = total + transfer(pairs * size);
+    return total;
+  }
+
+  // LayerTime._rank_times' memory seconds (forward, backward) of one rank
+  std::pair<double, double> memory_times(double routed, double retained, double sent,
+                                         double kept) const {
+    if (!memory_) return {0.0, 0.0};
+    const double gathered = retained * (retained < routed ? gather_ : 0.0);
+    const double fg = forward_retention_ ? gathered : 0.0;
+    const double bg = forward_retention_ ? 0.0 : gathered;
+    return {(routed * routed_f_ + fg + sent * 3 * h_ + th_) * per_byte_,
+            (retained * retained_b_ + bg + sent * 2 * h_ + kept * 4 * h_ + th_) * per_byte_};
+  }
+
+  // LayerTime.load_times at one estimate
+  double load_time(double max_routed, double max_retained, double a2a_routed,
+                   double a2a_retained) const {
+    const double f_gemm = local_ * gemm_seconds(max_routed / local_, true);
+    const double b_gemm = local_ * gemm_seconds(max_retained / local_, false);
+    const auto [f_mem, b_mem] = memory_times(max_routed, max_retained, source_pairs_,
+                                             std::min(source_pairs_, max_retained));
+    return f_gemm + f_mem + b_gemm + b_mem + router_sum_ + alltoall(a2a_routed, true) +
+           alltoall(a2a_retained, false) + f_fixed_ + b_fixed_;
+  }
+
+  // LayerTime.replica_cost_per_microbatch
+  double replica_cost(i64 busiest) const {
+    if (busiest <= 0) return 0.0;
+    const double b = double(busiest);
+    const double step = transfer(b * refresh_bytes_) + transfer(b * reduction_bytes_) +
+                        2 * latency_;
+    return step / microbatches_per_step_;
+  }
+
+  // (forward s, backward s) of a plan: ``loads`` [6, R] (CostModel.rank_loads), and each
+  // rank's instances' routed and retained rows.
+  std::pair<double, double> layer_time(const i64* loads, i64 R, const std::vector<i64>& starts,
+                                       const std::vector<i64>& inst_routed,
+                                       const std::vector<i64>& inst_retained) const {
+    double f_best = 0, b_best = 0, f_gemm_at = 0, f_mem_at = 0, b_gemm_at = 0, b_mem_at = 0;
+    double f_a2a = -std::numeric_limits<double>::infinity(), b_a2a = f_a2a;
+    double f_net = f_a2a, b_net = f_a2a;
+    for (i64 r = 0; r < R; ++r) {
+      const double routed = double(loads[r]), retained = double(loads[R + r]);
+      const double sent = double(loads[2 * R + r]), kept = double(loads[3 * R + r]);
+      const double own_routed = double(loads[4 * R + r]);
+      const double own_retained = double(loads[5 * R + r]);
+      double f_gemm = 0.0, b_gemm = 0.0;  // np.bincount: 0 then each instance in order
+      for (i64 i = starts[r]; i < starts[r + 1]; ++i) {
+        f_gemm += gemm_seconds(double(inst_routed[i]), true);
+        b_gemm += gemm_seconds(double(inst_retained[i]), false);
+      }
+      const auto [f_mem, b_mem] = memory_times(routed, retained, sent, kept);
+      if (r == 0 || f_gemm + f_mem > f_best) {  // np.argmax: the first maximum
+        f_best = f_gemm + f_mem;
+        f_gemm_at = f_gemm;
+        f_mem_at = f_mem;
+      }
+      if (r == 0 || b_gemm + b_mem > b_best) {
+        b_best = b_gemm + b_mem;
+        b_gemm_at = b_gemm;
+        b_mem_at = b_mem;
+      }
+      f_a2a = std::max(f_a2a, sent - own_routed);
+      f_net = std::max(f_net, routed - own_routed);
+      b_a2a = std::max(b_a2a, kept - own_retained);
+      b_net = std::max(b_net, retained - own_retained);
+    }
+    const double fa = alltoall(std::max(f_a2a, f_net), true);
+    const double ba = alltoall(std::max(b_a2a, b_net), false);
+    return {python_sum({f_gemm_at, f_mem_at, fa, f_router_, f_fixed_, 0.0}),
+            python_sum({b_gemm_at, b_mem_at, ba, b_router_, b_fixed_})};
+  }
+
+ private:
+  double gemm_flops_per_s_ = 1, forward_flops_ = 0, backward_flops_ = 0;
+  RateTable gemm_forward_, gemm_backward_, a2a_;
+  bool memory_ = false, forward_retention_ = false;
+  double routed_f_ = 0, retained_b_ = 0, gather_ = 0, h_ = 0, th_ = 0, per_byte_ = 0;
+  double a2a_bytes_per_s_ = 1, latency_ = 0;
+  std::vector<double> forward_messages_, backward_messages_;
+  double f_router_ = 0, b_router_ = 0, router_sum_ = 0, f_fixed_ = 0, b_fixed_ = 0;
+  double local_ = 1, source_pairs_ = 0, refresh_bytes_ = 0, reduction_bytes_ = 0;
+  double microbatches_per_step_ = 1;
+};
+
+// CostModel.receive_limit of rank r (``m``'s per-rank terms: its replicas and returned
+// bytes) within ``share``: the most routed pairs it can receive when backward keeps none.
+i64 receive_limit(const MemoryModel& m, i64 r, double share) {
+  const double sn = m.fr ? 0.0 : m.sr;
+  const double rc = m.rc[r], held_dw = m.held_dw[r], held_dw2 = m.held_dw2[r];
+  const double kept = m.xc * m.p;
+  std::vector<std::pair<double, double>> phases = {
+      {m.meta + m.xc * m.p * m.row, m.xc * m.row},
+      {m.meta, (1 + rc) * m.row},
+      {m.meta, rc * (sn + 2 * m.row)},
+      {m.meta + m.xc * m.p * m.row, m.xc * (sn + m.row)}};
+  if (m.fr) phases.push_back({m.meta, double(m.sr_i + m.row_i)});
+  double bwd_experts;
+  if (m.grouped) {
+    phases.push_back({m.meta + m.w1[r], m.sr});
+    phases.push_back({m.meta, double(m.sr_i + m.fac_i * m.f_b_i)});
+    phases.push_back({m.meta + m.w2[r], double(m.sr_i + m.f_b_i + m.row_i)});
+    bwd_experts = std::max(m.w2[r], m.w1[r] + m.conv + held_dw2);
+  } else {
+    phases.push_back({m.meta, double(m.sr_i + m.row_i + m.fac_i * m.f_b_i)});
+    bwd_experts = m.wgt_tmp + held_dw2;
+  }
+  const double base = m.pss + m.ob + m.pbb;
+  phases.push_back({base + std::max(std::max(kept * m.row + m.ob + held_dw, bwd_experts),
+                                    m.ob + held_dw + m.returned[r]),
+                    sn});
+  const double fixed = m.nrep[r] * m.ib;
+  double best = std::numeric_limits<double>::infinity();
+  for (const auto& [a, b] : phases) {
+    const double coef = m.kappa_mif * sn + (b - m.kappa * sn) / m.lyr;
+    const double rhs =
+        share - fixed - m.kappa_mif * m.pss - (a - m.kappa * m.pss + m.rerun) / m.lyr;
+    double x;
+    if (coef > 0)
+      x = rhs / coef;
+    else
+      x = rhs >= 0 ? std::numeric_limits<double>::infinity()
+                   : -std::numeric_limits<double>::infinity();
+    best = std::min(best, x);
+  }
+  return static_cast<i64>(std::floor(std::min(std::max(best, 0.0), 4611686018427387904.0)));
+}
+
+// LayerPlanner._memory_aware_placement's judging of one candidate placement, in one
+// pass: the placement of its replicas (Placement), its context (replicas per rank,
+// returned gradient bytes, receive limits, the busiest replica sender or receiver),
+// and on each count matrix the plan without the budget's influence
+// (LayerPlanner._unbudgeted: assignment without receive limits, retention at the
+// matrix's capacity), its peak memory, whether it fits (LayerPlanner._fits) and its
+// price (LayerPlanner._judged_times' per-plan forward and backward seconds).
+class PlacementJudge {
+ public:
+  PlacementJudge(i64 num_ranks, i64 num_experts, const py::dict& memory,
+                 const F64Array& rank_terms, double grad_bytes, double parameter_elements,
+                 double fc1_hidden, py::object share, const py::dict& pricer)
+      : R_(num_ranks), E_(num_experts), memory_(memory_from_dict(memory)),
+        grad_bytes_(grad_bytes), parameter_elements_(parameter_elements),
+        fc1_hidden_(fc1_hidden), pricer_(pricer) {
+    if (R_ < 1 || E_ < 1 || E_ % R_)
+      throw py::value_error("PlacementJudge: num_experts must be a positive multiple of num_ranks");
+    if (rank_terms.ndim() != 2 || rank_terms.shape(0) != 6 || rank_terms.shape(1) < E_ + 1)
+      throw py::value_error("PlacementJudge: rank_terms must be [6, E + 1]");
+    const double* t = rank_terms.data();
+    const i64 width = rank_terms.shape(1);
+    terms_.assign(6, {});
+    for (i64 k = 0; k < 6; ++k) terms_[k].assign(t + k * width, t + (k + 1) * width);
+    has_share_ = !share.is_none();
+    share_ = has_share_ ? share.cast<double>() : 0.0;
+  }
+
+  // (key, fits, [peak per plan], [(forward s, backward s) per plan], busiest) of the placement
+  // of ``replicas`` [n, 2] (expert, rank) on each [R, E] matrix of ``counts`` (checked
+  // by the caller) at ``caps`` (each matrix's backward capacity) and min retention p / q.
+  // With ``stop``, no plan follows one that does not fit.
+  py::tuple evaluate(const I64Array& replicas, const py::list& counts,
+                     const std::vector<i64>& caps, i64 p, i64 q, double allowed,
+                     bool stop) const {
+    if (replicas.size() && (replicas.ndim() != 2 || replicas.shape(1) != 2))
+      throw py::value_error("replicas must be [n, 2] (expert, rank) pairs");
+    if (static_cast<i64>(caps.size()) != static_cast<i64>(py::len(counts)))
+      throw py::value_error("caps must have one capacity per count matrix");
+    std::vector<I64Array> matrices;
+    for (const auto& c : counts) {
+      I64Array a = c.cast<I64Array>();
+      if (a.ndim() != 2 || a.shape(0) != R_ || a.shape(1) != E_)
+        throw py::value_error("counts must be [R, E] matrices");
+      matrices.push_back(std::move(a));
+    }
+    const i64 n = replicas.size() ? replicas.shape(0) : 0;
+    std::vector<std::pair<i64, i64>> pairs(n);  // (rank, expert): Placement's order
+    const i64 per_rank = E_ / R_;
+    for (i64 k = 0; k < n; ++k) {
+      const i64 e = replicas.data()[2 * k], r = replicas.data()[2 * k + 1];
+      if (e < 0 || e >= E_ || r < 0 || r >= R_ || r == e / per_rank)
+        throw py::value_error("replica (" + std::to_string(e) + ", " + std::to_string(r) +
+                              ") is out of range or on its expert's home rank");
+      pairs[k] = {r, e};
+    }
+    std::vector<char> fits_each;
+    std::vector<double> peaks;
+    std::vector<std::pair<double, double>> times;
+    i64 busiest = 0;
+    std::sort(pairs.begin(), pairs.end());
+    for (i64 k = 1; k < n; ++k)
+      if (pairs[k] == pairs[k - 1])
+        throw py::value_error("replica (" + std::to_string(pairs[k].second) + ", " +
+                              std::to_string(pairs[k].first) + ") appears twice");
+    {
+      py::gil_scoped_release release;
+      // Rank-major instances: a rank's homes, then the replicas it hosts by expert.
+      std::vector<i64> hosted(R_, 0), sent(R_, 0), per_expert(E_, 0);
+      for (const auto& [r, e] : pairs) {
+        hosted[r] += 1;
+        sent[e / per_rank] += 1;
+        per_expert[e] += 1;
+      }
+      std::vector<i64> instance_rank, instance_expert, home_instance(E_);
+      for (i64 r = 0, k = 0; r < R_; ++r) {
+        for (i64 l = 0; l < per_rank; ++l) {
+          home_instance[r * per_rank + l] = static_cast<i64>(instance_rank.size());
+          instance_rank.push_back(r);
+          instance_expert.push_back(r * per_rank + l);
+        }
+        for (; k < n && pairs[k].first == r; ++k) {
+          instance_rank.push_back(r);
+          instance_expert.push_back(pairs[k].second);
+        }
+      }
+      for (i64 r = 0; r < R_; ++r) busiest = std::max({busiest, sent[r], hosted[r]});
+      // The context: per-rank memory terms at each rank's replica count, the returned
+      // gradient bytes (CostModel.returned_gradient_bytes), the receive limits.
+      MemoryModel m = memory_;
+      for (auto* v : {&m.nrep, &m.rc, &m.w1, &m.w2, &m.held_dw2, &m.held_dw}) v->resize(R_);
+      m.returned.assign(R_, 0.0);
+      std::vector<double> served(R_, 0.0), multi(R_, 0.0), many(R_, 0.0);
+      for (i64 e = 0; e < E_; ++e) {
+        const i64 home = e / per_rank;
+        served[home] += double(per_expert[e]);
+        multi[home] += per_expert[e] >= 2 ? 1.0 : 0.0;
+        if (per_expert[e] >= 3) many[home] = 1.0;
+      }
+      std::vector<i64> limit(R_, kInf);
+      for (i64 r = 0; r < R_; ++r) {
+        const i64 c = hosted[r];
+        m.nrep[r] = terms_[0][c];
+        m.rc[r] = terms_[1][c];
+        m.w1[r] = terms_[2][c];
+        m.w2[r] = terms_[3][c];
+        m.held_dw2[r] = terms_[4][c];
+        m.held_dw[r] = terms_[5][c];
+        m.returned[r] =
+            grad_bytes_ * ((served[r] + multi[r]) * parameter_elements_ + many[r] * fc1_hidden_);
+        if (has_share_) limit[r] = receive_limit(m, r, share_);
+      }
+      const NativePlanner planner(R_, E_, std::move(instance_rank), std::move(instance_expert),
+                                  std::move(home_instance), std::move(m));
+      const i64 I = planner.num_instances();
+      const auto& starts = planner.rank_starts();
+      std::vector<i64> cells(R_ * I), quotas(R_ * I), load(R_), level(R_), loads(6 * R_);
+      std::vector<i64> inst_routed(I), inst_retained(I);
+      std::vector<double> memory(R_);
+      for (size_t k = 0; k < matrices.size(); ++k) {
+        planner.plan_into(matrices[k].data(), caps[k], p, q, cells.data(), quotas.data(),
+                          load.data(), level.data(), memory.data());
+        const double peak = *std::max_element(memory.begin(), memory.end());
+        bool fits = peak <= allowed;
+        for (i64 r = 0; r < R_ && fits; ++r) fits = load[r] <= limit[r];
+        planner.rank_loads_into(cells.data(), quotas.data(), loads.data());
+        std::fill(inst_routed.begin(), inst_routed.end(), 0);
+        std::fill(inst_retained.begin(), inst_retained.end(), 0);
+        for (i64 s = 0; s < R_; ++s)
+          for (i64 i = 0; i < I; ++i) {
+            inst_routed[i] += cells[s * I + i];
+            inst_retained[i] += quotas[s * I + i];
+          }
+        fits_each.push_back(fits);
+        peaks.push_back(peak);
+        times.push_back(pricer_.layer_time(loads.data(), R_, starts, inst_routed, inst_retained));
+        if (stop && !fits) break;
+      }
+    }
+    bool fits = fits_each.size() == matrices.size();
+    for (char f : fits_each) fits = fits && f;
+    // The key: the sorted pairs' bytes, equal for equal placements (as Placement is).
+    const py::bytes key(reinterpret_cast<const char*>(pairs.data()),
+                        pairs.size() * sizeof(pairs[0]));
+    return py::make_tuple(key, fits, peaks, times, busiest);
+  }
+
+ private:
+  i64 R_, E_;
+  MemoryModel memory_;
+  std::vector<std::vector<double>> terms_;  // nrep, rc, w1, w2, held_dw2, held_dw by count
+  double grad_bytes_, parameter_elements_, fc1_hidden_;
+  bool has_share_ = false;
+  double share_ = 0.0;
+  LayerPricer pricer_;
+};
+
 using Hosts = std::vector<std::pair<i64, double>>;  // rank -> pairs, in insertion order
 
 // An expert's pairs on ``rank`` of its hosts (0 where it is not a host).
@@ -1178,9 +1599,24 @@ bool spread_move(const std::vector<double>& load, const Hosts& hosts, double rou
   return true;
 }
 
+// The greedy searches' choice of prefix: the fastest so far (times equal but for rounding,
+// 1e-12, keep the shorter), and the stop once R moves in a row fail to beat it.
+struct BestPrefix {
+  double time;
+  i64 len = 0;
+  // Offers prefix k's time; true when the search stops there.
+  bool offer(double t, size_t k, i64 num_ranks) {
+    if (t < time * (1 - 1e-12)) {
+      time = t;
+      len = static_cast<i64>(k);
+    }
+    return static_cast<i64>(k) - len > num_ranks;
+  }
+};
+
 // placement_policies.greedy_replicas' moves (_greedy_move, _spread_to_level) on the fluid
-// load estimate, in the same float operations and tie-breaks; the pricing of the
-// prefixes stays in Python (the cost model).
+// load estimate, in the same float operations and tie-breaks, and its search priced by a
+// LayerPricer (best_prefix).
 class GreedyReplicas {
  public:
   GreedyReplicas(std::vector<i64> routed, i64 num_ranks, i64 num_experts)
@@ -1206,26 +1642,62 @@ class GreedyReplicas {
     std::vector<std::pair<i64, i64>> moves;
     std::vector<double> tops;
     std::vector<i64> syncs;
-    bool exhausted = false;
+    bool exhausted;
     {
       py::gil_scoped_release release;
-      while (count_ < target) {
-        if (!move()) {
-          exhausted = true;
-          break;
-        }
-        const auto& [e, v] = last_;
-        busiest_ = std::max({busiest_, sent_[e / per_rank_], recv_[v]});
-        moves.push_back(last_);
-        tops.push_back(top());
-        syncs.push_back(busiest_);
-        ++count_;
-      }
+      exhausted = advance_into(target, moves, tops, syncs);
     }
     return py::make_tuple(moves, tops, syncs, exhausted);
   }
 
+  // greedy_replicas' search on these moves: each prefix priced by ``pricer`` at the top
+  // load, retained load capped at ``retained_cap``, all-to-all pairs (R - 1) / R of them,
+  // plus the replicas' cost; the moves of the best prefix.
+  std::vector<std::pair<i64, i64>> best_prefix(const LayerPricer& pricer, double retained_cap,
+                                               i64 max_moves) {
+    py::gil_scoped_release release;
+    const double off_rank = double(R_ - 1) / double(R_);
+    auto estimate = [&](double top, i64 busiest) {
+      const double ret = std::min(top, retained_cap);
+      return pricer.load_time(top, ret, top * off_rank, ret * off_rank) +
+             pricer.replica_cost(busiest);
+    };
+    std::vector<std::pair<i64, i64>> added;
+    std::vector<double> tops;
+    std::vector<i64> syncs;
+    BestPrefix best{estimate(top(), 0)};
+    size_t priced = 0;
+    bool exhausted = false;
+    while (true) {
+      const i64 target = std::min(max_moves, best.len + R_ + 1);
+      if (!exhausted && count_ < target) exhausted = advance_into(target, added, tops, syncs);
+      for (; priced < added.size(); ++priced) {
+        if (best.offer(estimate(tops[priced], syncs[priced]), priced + 1, R_)) {
+          added.resize(best.len);
+          return added;
+        }
+      }
+      if (exhausted || static_cast<i64>(added.size()) >= max_moves) break;
+    }
+    added.resize(best.len);
+    return added;
+  }
+
  private:
+  bool advance_into(i64 target, std::vector<std::pair<i64, i64>>& moves,
+                    std::vector<double>& tops, std::vector<i64>& syncs) {
+    while (count_ < target) {
+      if (!move()) return true;
+      const auto& [e, v] = last_;
+      busiest_ = std::max({busiest_, sent_[e / per_rank_], recv_[v]});
+      moves.push_back(last_);
+      tops.push_back(top());
+      syncs.push_back(busiest_);
+      ++count_;
+    }
+    return false;
+  }
+
   // _greedy_move
   bool move() {
     const double top_load = top();
@@ -1278,67 +1750,120 @@ class GreedyReplicas {
 };
 
 
-// placement_policies._place_popularity: the popularity placement's loop over replicas, from
-// the numpy-computed instance counts, per-instance loads and rank loads; with ``local`` the
-// locality-aware rank choice (its [R, E] table, off-rank pairs received and sent, and the
-// compute and network weights). Returns (replicas, skipped).
-py::tuple popularity_replicas(const std::vector<i64>& experts, const std::vector<i64>& extra_of,
-                              const std::vector<double>& per_instance,
-                              std::vector<double> load, i64 free_slots, i64 per_rank,
-                              i64 num_ranks, py::object local) {
-  if (experts.size() != extra_of.size() || static_cast<i64>(load.size()) != num_ranks)
-    throw py::value_error("popularity_replicas: inconsistent sizes");
-  const bool aware = !local.is_none();
+// placement_policies.popularity_replicas: SYMI-style's popularity placement at ``slots``
+// instance slots per rank, from the experts' popularity [E] (and with ``counts`` [R, E],
+// the locality-aware rank choice, ``compute`` and ``network`` seconds per pair). The
+// D'Hondt order (dhondt_order) is drawn from a heap as far as the slots need; the
+// instances, their loads and the placement loop (_place_popularity) repeat numpy's and
+// Python's float operations in their order. (replicas, skipped).
+py::tuple popularity_replicas(const F64Array& popularity, i64 num_ranks, i64 num_experts,
+                              i64 slots, py::object counts, double compute, double network) {
+  const i64 R = num_ranks, E = num_experts;
+  if (R < 1 || E < 1 || E % R || popularity.ndim() != 1 || popularity.shape(0) != E)
+    throw py::value_error("popularity_replicas: popularity must be [E], E a multiple of R");
+  const bool aware = !counts.is_none();
   F64Array table;
-  std::vector<double> received_off, sent_off;
-  double compute = 0.0, network = 0.0;
-  i64 num_experts = static_cast<i64>(per_instance.size());
   if (aware) {
-    py::tuple t = local.cast<py::tuple>();
-    table = t[0].cast<F64Array>();
-    received_off = t[1].cast<std::vector<double>>();
-    sent_off = t[2].cast<std::vector<double>>();
-    compute = t[3].cast<double>();
-    network = t[4].cast<double>();
-    if (table.ndim() != 2 || table.shape(0) != num_ranks || table.shape(1) != num_experts)
-      throw py::value_error("popularity_replicas: local table must be [R, E]");
+    table = counts.cast<F64Array>();
+    if (table.ndim() != 2 || table.shape(0) != R || table.shape(1) != E)
+      throw py::value_error("popularity_replicas: counts must be [R, E]");
+  }
+  const i64 per_rank = E / R, extra = R * slots - E;
+  std::vector<double> pop(E);
+  bool positive = false;
+  for (i64 e = 0; e < E; ++e) {
+    pop[e] = std::max(popularity.data()[e], 0.0);
+    positive = positive || pop[e] > 0;
   }
   std::vector<std::pair<i64, i64>> replicas;
   i64 skipped = 0;
+  if (extra <= 0 || R == 1 || !positive) return py::make_tuple(replicas, skipped);
+  const double* n_in = aware ? table.data() : nullptr;
   {
-    const double* tab = aware ? table.data() : nullptr;
     py::gil_scoped_release release;
-    std::vector<i64> free(num_ranks, free_slots);
-    std::vector<char> hosts(num_ranks, 0);
-    for (size_t k = 0; k < experts.size(); ++k) {
-      const i64 e = experts[k], extra = extra_of[k];
+    // D'Hondt: the quotients P_e / c, c = 2..R, by decreasing value, ties by lower expert
+    // (then lower c, which a heap holding one c per expert gives): the first ``extra``.
+    struct Quotient {
+      double q;
+      i64 e, c;
+    };
+    auto lower = [](const Quotient& a, const Quotient& b) {
+      return a.q < b.q || (a.q == b.q && a.e > b.e);
+    };
+    std::vector<Quotient> heap;
+    for (i64 e = 0; e < E; ++e) heap.push_back({pop[e] / 2.0, e, 2});
+    std::make_heap(heap.begin(), heap.end(), lower);
+    std::vector<i64> instances(E, 1);
+    for (i64 k = 0; k < extra && !heap.empty(); ++k) {
+      std::pop_heap(heap.begin(), heap.end(), lower);
+      const Quotient top = heap.back();
+      heap.pop_back();
+      if (top.q > 0) instances[top.e] += 1;
+      if (top.c < R) {
+        heap.push_back({pop[top.e] / double(top.c + 1), top.e, top.c + 1});
+        std::push_heap(heap.begin(), heap.end(), lower);
+      }
+    }
+    std::vector<double> per_instance(E), load(R);
+    for (i64 e = 0; e < E; ++e) per_instance[e] = pop[e] / double(instances[e]);
+    for (i64 r = 0; r < R; ++r) load[r] = pairwise_sum(per_instance.data() + r * per_rank, per_rank);
+    std::vector<i64> experts;
+    for (i64 e = 0; e < E; ++e)
+      if (instances[e] > 1) experts.push_back(e);
+    std::sort(experts.begin(), experts.end(), [&](i64 a, i64 b) {
+      if (instances[a] != instances[b]) return instances[a] > instances[b];
+      if (pop[a] != pop[b]) return pop[a] > pop[b];
+      return a < b;
+    });
+    // Locality: each instance of e expects p_e = P_e / c_e pairs, min(n[r, e], p_e) of
+    // them from its own rank r.
+    std::vector<double> local, received_off, sent_off;
+    if (aware) {
+      std::vector<double> n(R * E);
+      for (i64 i = 0; i < R * E; ++i) n[i] = std::max(n_in[i], 0.0);
+      local.resize(R * E);
+      for (i64 r = 0; r < R; ++r)
+        for (i64 e = 0; e < E; ++e) local[r * E + e] = std::min(n[r * E + e], per_instance[e]);
+      std::vector<double> kept(R, 0.0);
+      for (i64 e = 0; e < E; ++e) kept[e / per_rank] += local[(e / per_rank) * E + e];
+      for (i64 r = 0; r < R; ++r) {
+        received_off.push_back(load[r] - kept[r]);
+        sent_off.push_back(pairwise_sum(n.data() + r * E, E) - kept[r]);
+      }
+    }
+    // _place_popularity: hottest expert first, each replica on the eligible rank with the
+    // least expected load (or own expected time, locality-aware); ties: lower rank.
+    std::vector<i64> free(R, slots - per_rank);
+    std::vector<char> hosts(R, 0);
+    for (const i64 e : experts) {
+      const i64 want = instances[e] - 1;
       std::fill(hosts.begin(), hosts.end(), 0);
       hosts[e / per_rank] = 1;
       const double p = per_instance[e];
-      for (i64 placed = 0; placed < extra; ++placed) {
+      for (i64 placed = 0; placed < want; ++placed) {
         i64 best = -1;
         double best_key = 0.0;
-        for (i64 r = 0; r < num_ranks; ++r) {
+        for (i64 r = 0; r < R; ++r) {
           if (free[r] <= 0 || hosts[r]) continue;
           double key;
           if (aware) {
-            const double g = tab[r * num_experts + e];
+            const double g = local[r * E + e];
             key = compute * (load[r] + p) +
                   network * std::max(sent_off[r] - g, received_off[r] + p - g);
           } else {
             key = load[r];
           }
-          if (best < 0 || key < best_key) {   // the first of equal keys: lower rank
+          if (best < 0 || key < best_key) {  // the first of equal keys: lower rank
             best = r;
             best_key = key;
           }
         }
         if (best < 0) {
-          skipped += extra - placed;
+          skipped += want - placed;
           break;
         }
         if (aware) {
-          const double g = tab[best * num_experts + e];
+          const double g = local[best * E + e];
           received_off[best] += p - g;
           sent_off[best] -= g;
         }
@@ -1353,8 +1878,8 @@ py::tuple popularity_replicas(const std::vector<i64>& experts, const std::vector
 }
 
 // placement_policies.local_greedy_replicas' moves (_local_move and the state update) on
-// the [R, E] counts, in the same float operations and tie-breaks; the pricing of the
-// prefixes stays in Python (the cost model).
+// the [R, E] counts, in the same float operations and tie-breaks, and its search priced
+// by a LayerPricer (best_prefix).
 class LocalGreedyReplicas {
  public:
   LocalGreedyReplicas(F64Array counts, i64 num_ranks, i64 num_experts)
@@ -1396,28 +1921,67 @@ class LocalGreedyReplicas {
     std::vector<std::pair<i64, i64>> moves;
     std::vector<double> tops, nets;
     std::vector<i64> syncs;
-    bool exhausted = false;
+    bool exhausted;
     {
       py::gil_scoped_release release;
-      while (count_ < target) {
-        if (!move()) {
-          exhausted = true;
-          break;
-        }
-        const auto& [e, v] = last_;
-        busiest_ = std::max({busiest_, sent_[e / per_rank_], recv_[v]});
-        moves.push_back(last_);
-        tops.push_back(*std::max_element(load_.begin(), load_.end()));
-        nets.push_back(network());
-        syncs.push_back(busiest_);
-        ++count_;
-      }
+      exhausted = advance_into(target, moves, tops, nets, syncs);
     }
     return py::make_tuple(moves, tops, nets, syncs, exhausted);
   }
 
+  // local_greedy_replicas' search on these moves (placement_policies._advance_priced):
+  // each prefix priced by ``pricer`` at the top load, retained load capped at
+  // ``retained_cap``, the busiest link's off-rank pairs, plus the replicas' cost; the
+  // moves of the best prefix.
+  std::vector<std::pair<i64, i64>> best_prefix(const LayerPricer& pricer, double retained_cap,
+                                               i64 max_moves) {
+    py::gil_scoped_release release;
+    auto estimate = [&](double top, double net, i64 busiest) {
+      const double ret = std::min(top, retained_cap);
+      // the retained pairs cross the links in the routed pairs' proportions
+      const double net_ret = top > 0 ? net * (ret / top) : 0.0;
+      return pricer.load_time(top, ret, net, net_ret) + pricer.replica_cost(busiest);
+    };
+    std::vector<std::pair<i64, i64>> added;
+    std::vector<double> tops, nets;
+    std::vector<i64> syncs;
+    BestPrefix best{estimate(top(), network(), 0)};
+    bool exhausted = false;
+    while (!exhausted && static_cast<i64>(added.size()) < max_moves) {
+      const i64 target = std::min(max_moves, best.len + R_ + 1);
+      if (static_cast<i64>(added.size()) >= target) break;
+      const size_t before = added.size();
+      exhausted = advance_into(target, added, tops, nets, syncs);
+      if (added.size() == before) break;
+      for (size_t j = before; j < added.size(); ++j) {
+        if (best.offer(estimate(tops[j], nets[j], syncs[j]), j + 1, R_)) {
+          added.resize(best.len);
+          return added;
+        }
+      }
+    }
+    added.resize(best.len);
+    return added;
+  }
+
  private:
   double n(i64 r, i64 e) const { return n_[static_cast<size_t>(r * E_ + e)]; }
+
+  bool advance_into(i64 target, std::vector<std::pair<i64, i64>>& moves,
+                    std::vector<double>& tops, std::vector<double>& nets,
+                    std::vector<i64>& syncs) {
+    while (count_ < target) {
+      if (!move()) return true;
+      const auto& [e, v] = last_;
+      busiest_ = std::max({busiest_, sent_[e / per_rank_], recv_[v]});
+      moves.push_back(last_);
+      tops.push_back(*std::max_element(load_.begin(), load_.end()));
+      nets.push_back(network());
+      syncs.push_back(busiest_);
+      ++count_;
+    }
+    return false;
+  }
 
   // _local_move, then the state update of local_greedy_replicas
   bool move() {
@@ -1481,8 +2045,13 @@ class LocalGreedyReplicas {
 void register_planner(py::module_& m) {
   py::class_<NativePlanner>(m, "NativePlanner",
                             "The per-call planner of one placement (kernels/planner.cpp)")
-      .def(py::init<i64, i64, std::vector<i64>, std::vector<i64>, std::vector<i64>,
-                    py::object>(),
+      .def(py::init([](i64 num_ranks, i64 num_experts, std::vector<i64> instance_rank,
+                       std::vector<i64> instance_expert, std::vector<i64> home_instance,
+                       const py::object& memory) {
+             return NativePlanner(num_ranks, num_experts, std::move(instance_rank),
+                                  std::move(instance_expert), std::move(home_instance),
+                                  NativePlanner::memory_of(memory));
+           }),
            py::arg("num_ranks"), py::arg("num_experts"), py::arg("instance_rank"),
            py::arg("instance_expert"), py::arg("home_instance"), py::arg("memory"))
       .def("assign", &NativePlanner::assign, "(assignment [R, I], load [R])",
@@ -1507,7 +2076,10 @@ void register_planner(py::module_& m) {
       .def("top", &GreedyReplicas::top, "the current maximum load")
       .def("advance", &GreedyReplicas::advance,
            "(moves, top after each, busiest after each, exhausted) up to target moves",
-           py::arg("target"));
+           py::arg("target"))
+      .def("best_prefix", &GreedyReplicas::best_prefix,
+           "greedy_replicas' search priced by a LayerPricer: the best prefix's moves",
+           py::arg("pricer"), py::arg("retained_cap"), py::arg("max_moves"));
   py::class_<LocalGreedyReplicas>(
       m, "LocalGreedyReplicas",
       "placement_policies.local_greedy_replicas' moves (kernels/planner.cpp)")
@@ -1518,11 +2090,33 @@ void register_planner(py::module_& m) {
            "the busiest link's off-rank pairs of the current state")
       .def("advance", &LocalGreedyReplicas::advance,
            "(moves, top after each, network after each, busiest after each, exhausted)",
-           py::arg("target"));
+           py::arg("target"))
+      .def("best_prefix", &LocalGreedyReplicas::best_prefix,
+           "local_greedy_replicas' search priced by a LayerPricer: the best prefix's moves",
+           py::arg("pricer"), py::arg("retained_cap"), py::arg("max_moves"));
+  py::class_<LayerPricer>(m, "LayerPricer",
+                          "CostModel's layer time at one EP size (kernels/planner.cpp)")
+      .def(py::init<const py::dict&>(), py::arg("terms"))
+      .def("load_time", &LayerPricer::load_time, "LayerTime.load_times at one estimate",
+           py::arg("max_routed"), py::arg("max_retained"), py::arg("alltoall_routed"),
+           py::arg("alltoall_retained"))
+      .def("replica_cost", &LayerPricer::replica_cost,
+           "LayerTime.replica_cost_per_microbatch", py::arg("busiest"));
+  py::class_<PlacementJudge>(m, "PlacementJudge",
+                             "LayerPlanner's judging of candidate placements (kernels/planner.cpp)")
+      .def(py::init<i64, i64, const py::dict&, const F64Array&, double, double, double,
+                    py::object, const py::dict&>(),
+           py::arg("num_ranks"), py::arg("num_experts"), py::arg("memory"),
+           py::arg("rank_terms"), py::arg("grad_bytes"), py::arg("parameter_elements"),
+           py::arg("fc1_hidden"), py::arg("share"), py::arg("pricer"))
+      .def("evaluate", &PlacementJudge::evaluate,
+           "(key, fits, [peak per plan], [(forward s, backward s) per plan], busiest)",
+           py::arg("replicas"), py::arg("counts"), py::arg("caps"), py::arg("floor_num"),
+           py::arg("floor_den"), py::arg("allowed"), py::arg("stop"));
   m.def("popularity_replicas", &popularity_replicas,
-        "placement_policies._place_popularity: (replicas, skipped)", py::arg("experts"),
-        py::arg("extra_of"), py::arg("per_instance"), py::arg("load"), py::arg("free_slots"),
-        py::arg("per_rank"), py::arg("num_ranks"), py::arg("local"));
+        "placement_policies.popularity_replicas: (replicas, skipped)", py::arg("popularity"),
+        py::arg("num_ranks"), py::arg("num_experts"), py::arg("slots"), py::arg("counts"),
+        py::arg("compute"), py::arg("network"));
 }
 
 }  // namespace lrmoe

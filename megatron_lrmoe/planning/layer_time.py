@@ -208,7 +208,26 @@ class LayerTime:
         if m.memory_bytes_per_s <= 0:
             zero = np.zeros_like(routed)
             return f_gemm, zero, b_gemm, zero
-        h, f, f1, t = s.hidden_size, s.ffn_hidden_size, s.fc1_size, s.tokens_per_rank
+        h, t = s.hidden_size, s.tokens_per_rank
+        routed_passes, retained_passes, gather = self._row_passes(num_ranks)
+        # Where a rank drops, x and z of its retained rows are gathered (read and
+        # written): in forward when the retained set is drawn there (compacted before
+        # they are saved, layer/region.py), else in backward before the expert GEMMs.
+        gathered = retained * np.where(retained < routed, gather, 0.0)
+        forward_gather = gathered if s.forward_retention else 0.0
+        backward_gather = 0.0 if s.forward_retention else gathered
+        f_elems = routed * routed_passes + forward_gather + sent * 3 * h + t * h
+        b_elems = (retained * retained_passes + backward_gather
+                   + sent * 2 * h + kept * 4 * h + t * h)
+        per_byte = s.dtype_bytes / m.memory_bytes_per_s
+        return f_gemm, f_elems * per_byte, b_gemm, b_elems * per_byte
+
+    def _row_passes(self, num_ranks: int | None) -> tuple[float, float, float]:
+        """(elements per routed row in forward, per retained row in backward, per gathered
+        row) of ``_rank_times``' memory passes: the reorders, the activation's passes
+        over F, and x and z gathered (read and written) where a rank drops."""
+        s = self.shape
+        h, f, f1 = s.hidden_size, s.ffn_hidden_size, s.fc1_size
         ranks = num_ranks or s.expert_parallel_size or 2
         # Reorders between source-major and expert-major rows: only across ranks, and
         # only where a rank hosts more than one instance.
@@ -216,18 +235,7 @@ class LayerTime:
         act_f, act_b = (_ACT_PASSES_GATED if s.gated else _ACT_PASSES_PLAIN)
         if s.megatron_layer:
             act_b -= _ACT_RECOMPUTE_PASSES_GATED if s.gated else _ACT_RECOMPUTE_PASSES_PLAIN
-        # Where a rank drops, x and z of its retained rows are gathered (read and
-        # written): in forward when the retained set is drawn there (compacted before
-        # they are saved, layer/region.py), else in backward before the expert GEMMs.
-        gathered = retained * np.where(retained < routed, 2.0 * (h + f1), 0.0)
-        forward_gather = gathered if s.forward_retention else 0.0
-        backward_gather = 0.0 if s.forward_retention else gathered
-        f_elems = (routed * (reorder * h + act_f * f) + forward_gather + sent * 3 * h
-                   + t * h)
-        b_elems = (retained * (reorder * h + act_b * f) + backward_gather
-                   + sent * 2 * h + kept * 4 * h + t * h)
-        per_byte = s.dtype_bytes / m.memory_bytes_per_s
-        return f_gemm, f_elems * per_byte, b_gemm, b_elems * per_byte
+        return reorder * h + act_f * f, reorder * h + act_b * f, 2.0 * (h + f1)
 
     def _router_times(self) -> tuple[float, float]:
         """(forward s, backward s) of the router over T tokens: the gate GEMM (2HE FLOP

@@ -23,8 +23,8 @@ import numpy as np
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.placement import Placement
 
-__all__ = ["native_available", "native_greedy", "native_local_greedy", "native_planner",
-           "native_popularity"]
+__all__ = ["native_available", "native_greedy", "native_judge", "native_local_greedy",
+           "native_planner", "native_popularity", "native_pricer"]
 
 try:
     import torch  # noqa: F401  (the extension links torch's libraries: load them first)
@@ -34,14 +34,14 @@ except ImportError:  # not built: the Python planner runs
     _kernels = None
 _NativePlanner = getattr(_kernels, "NativePlanner", None)
 if not (hasattr(_NativePlanner, "rank_loads")       # an extension built from older sources
-        and hasattr(_kernels, "LocalGreedyReplicas")):
+        and hasattr(_kernels, "LocalGreedyReplicas") and hasattr(_kernels, "PlacementJudge")):
     _NativePlanner = None
 
 
 def native_available() -> bool:
     """Whether the extension in this checkout has the compiled planner (as these sources
-    define it: one built before ``rank_loads`` or ``LocalGreedyReplicas`` counts as
-    absent)."""
+    define it: one built before ``rank_loads``, ``LocalGreedyReplicas`` or
+    ``PlacementJudge`` counts as absent)."""
     return _NativePlanner is not None
 
 
@@ -59,6 +59,36 @@ def native_planner(placement: Placement, cost: CostModel | None,
                           list(placement.instance_rank), list(placement.instance_expert),
                           list(placement.home_instance),
                           None if cost is None else _memory_model(cost, replicas, returned))
+
+
+def native_judge(cost: CostModel, num_ranks: int, num_experts: int,
+                 share: float | None) -> Any:
+    """The compiled judge of candidate placements (``PlacementJudge.evaluate``: what
+    ``LayerPlanner`` computes per candidate with ``_context``, ``_unbudgeted``, ``_fits``
+    and ``_plan_times``, to the bit) for ``cost`` at EP ``num_ranks`` and the layer's
+    ``share`` of the budget (None: no receive limits)."""
+    if _NativePlanner is None:
+        raise RuntimeError("megatron_lrmoe._kernels has no PlacementJudge: rebuild the "
+                           "extension (pip install --no-build-isolation -e .)")
+    constants, table = _rank_terms(cost)
+    s = cost.shape
+    return _kernels.PlacementJudge(num_ranks, num_experts, constants, table,
+                                   float(s.grad_dtype_bytes or s.dtype_bytes),
+                                   float(s.parameter_elements),
+                                   float(s.fc1_size * s.hidden_size),
+                                   None if share is None else float(share),
+                                   _pricer_terms(cost, num_ranks))
+
+
+@functools.lru_cache(maxsize=16)
+def native_pricer(cost: CostModel, num_ranks: int | None = None) -> Any:
+    """The compiled time model of ``cost`` at EP ``num_ranks`` (None: the shape's):
+    ``LayerPricer.load_time`` and ``replica_cost`` are ``CostModel.load_times`` and
+    ``replica_cost_per_microbatch``, to the bit."""
+    if _NativePlanner is None:
+        raise RuntimeError("megatron_lrmoe._kernels has no LayerPricer: rebuild the "
+                           "extension (pip install --no-build-isolation -e .)")
+    return _kernels.LayerPricer(_pricer_terms(cost, num_ranks))
 
 
 def native_greedy(routed: list[int], num_ranks: int, num_experts: int) -> Any:
@@ -80,19 +110,20 @@ def native_local_greedy(counts: np.ndarray, num_ranks: int, num_experts: int) ->
                                         num_ranks, num_experts)
 
 
-def native_popularity(experts: list[int], extra_of: list[int], per_instance: list[float],
-                      rank_load: list[float], free_slots: int, per_rank: int, num_ranks: int,
-                      local: tuple | None) -> tuple[list[tuple[int, int]], int]:
-    """``placement_policies._place_popularity`` compiled: (replicas, skipped)."""
+def native_popularity(popularity: np.ndarray, num_ranks: int, num_experts: int, slots: int,
+                      counts: np.ndarray | None, compute: float, network: float
+                      ) -> tuple[list[tuple[int, int]], int]:
+    """``placement_policies.popularity_replicas`` compiled, from the D'Hondt order to the
+    placement loop: (replicas, skipped)."""
     if _NativePlanner is None:
         raise RuntimeError("megatron_lrmoe._kernels has no popularity_replicas: rebuild the "
                            "extension (pip install --no-build-isolation -e .)")
-    if local is not None:
-        local = (np.ascontiguousarray(local[0], dtype=np.float64), *local[1:])
-    replicas, skipped = _kernels.popularity_replicas(experts, extra_of, per_instance,
-                                                     rank_load, free_slots, per_rank,
-                                                     num_ranks, local)
-    return [tuple(p) for p in replicas], int(skipped)
+    if counts is not None:
+        counts = np.ascontiguousarray(counts, dtype=np.float64)
+    replicas, skipped = _kernels.popularity_replicas(
+        np.ascontiguousarray(popularity, dtype=np.float64), num_ranks, num_experts, slots,
+        counts, compute, network)
+    return replicas, int(skipped)
 
 
 def _memory_model(cost: CostModel, replicas: np.ndarray,
@@ -142,3 +173,45 @@ def _rank_terms(cost: CostModel) -> tuple[dict[str, Any], np.ndarray]:
         "replica_dw": float(dw1 + dw2), "replica_dw2": float(dw2),
     }
     return constants, table
+
+
+@functools.lru_cache(maxsize=16)
+def _pricer_terms(cost: CostModel, num_ranks: int | None) -> dict[str, Any]:
+    """What ``CostModel.layer_times`` with ``instance_gemm_times``, ``load_times`` and
+    ``replica_cost_per_microbatch`` read at EP ``num_ranks`` (None: the shape's), taken
+    from the cost model itself (its machine's rate tables, its ``_row_passes``,
+    ``_router_times``, ``_fixed_times`` and ``_local_instances``), so that the compiled
+    price starts from the very numbers the Python one does."""
+    s, m = cost.shape, cost.machine
+    routed_passes, retained_passes, gather = cost._row_passes(num_ranks)
+    f_router, b_router = cost._router_times()
+    f_fixed, b_fixed = cost._fixed_times()
+    memory = m.memory_bytes_per_s > 0
+    grad_bytes = s.grad_dtype_bytes or s.dtype_bytes
+    return {
+        "local": float(cost._local_instances(num_ranks)),
+        "source_pairs": float(s.source_pairs),
+        "router_sum": float(sum(cost._router_times())),
+        "latency": float(m.alltoall_latency_s),
+        "refresh_bytes": float(s.parameter_elements * s.dtype_bytes),
+        "reduction_bytes": float(s.parameter_elements * grad_bytes),
+        "microbatches_per_step": float(s.microbatches_per_step),
+        "gemm_rows": [float(x) for x in m.gemm_rows],
+        "gemm_forward": [float(x) for x in m.gemm_forward_flops_per_s],
+        "gemm_backward": [float(x) for x in m.gemm_backward_flops_per_s],
+        "gemm_flops_per_s": float(m.gemm_flops_per_s),
+        "forward_flops": float(s.forward_flops_per_pair),
+        "backward_flops": float(s.backward_flops_per_pair),
+        "memory": memory, "forward_retention": bool(s.forward_retention),
+        "routed_f": float(routed_passes), "retained_b": float(retained_passes),
+        "gather": float(gather), "h": float(s.hidden_size),
+        "th": float(s.tokens_per_rank * s.hidden_size),
+        "per_byte": s.dtype_bytes / m.memory_bytes_per_s if memory else 0.0,
+        "alltoall_sizes": [float(x) for x in m.alltoall_sizes],
+        "alltoall_rates": [float(x) for x in m.alltoall_size_bytes_per_s],
+        "alltoall_bytes_per_s": float(m.alltoall_bytes_per_s),
+        "forward_messages": [float(x) for x in s.forward_alltoall_messages],
+        "backward_messages": [float(x) for x in s.backward_alltoall_messages],
+        "f_router": float(f_router), "b_router": float(b_router),
+        "f_fixed": float(f_fixed), "b_fixed": float(b_fixed),
+    }

@@ -16,7 +16,6 @@ routes to its expert takes that rank's pairs off the network (docs/design.md,
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,9 +26,10 @@ from megatron_lrmoe.planning.native import (
     native_greedy,
     native_local_greedy,
     native_popularity,
+    native_pricer,
 )
 from megatron_lrmoe.planning.placement import Placement
-from megatron_lrmoe.planning.plan_types import MicroBatchPlan, PlannerSettings
+from megatron_lrmoe.planning.plan_types import PlannerSettings
 from megatron_lrmoe.planning.retention import UNLIMITED_CAPACITY
 
 __all__ = ["PairSeconds", "dhondt_order", "greedy_replicas", "local_greedy_replicas",
@@ -103,11 +103,34 @@ def popularity_replicas(popularity: np.ndarray, num_ranks: int, num_experts: int
     ``weights.compute`` x its load + ``weights.network`` x the larger of its off-rank
     pairs sent and received (ties: lower rank).
     """
+    if counts is not None and weights is None:
+        raise ValueError("popularity_placement: counts without weights")
+    kind = "popularity" if counts is None else "popularity (locality-aware)"
+    if native and native_available():
+        replicas, skipped = native_popularity(
+            popularity, num_ranks, num_experts, slots, counts,
+            *((0.0, 0.0) if weights is None else (weights.compute, weights.network)))
+    else:
+        replicas, skipped = _popularity_replicas(popularity, num_ranks, num_experts, slots,
+                                                 counts, weights, order)
+    if not replicas and not skipped:
+        return (), ()
+    notes = (f"{kind}: {len(replicas)} replicas in {slots} slots per rank",)
+    if skipped:
+        notes += (f"{kind}: {skipped} replica(s) found no free rank",)
+    return tuple(replicas), notes
+
+
+def _popularity_replicas(popularity: np.ndarray, num_ranks: int, num_experts: int,
+                         slots: int, counts: np.ndarray | None, weights: PairSeconds | None,
+                         order: np.ndarray | None) -> tuple[list[tuple[int, int]], int]:
+    """``popularity_replicas`` in Python (the reference of the compiled one): (replicas,
+    skipped)."""
     per_rank = num_experts // num_ranks
     extra = num_ranks * slots - num_experts
     pop = np.maximum(np.asarray(popularity, dtype=np.float64), 0.0)
     if extra <= 0 or num_ranks == 1 or pop.sum() <= 0:
-        return (), ()
+        return [], 0
     quotients = (pop[:, None] / np.arange(2, num_ranks + 1)[None, :]).ravel()   # [E * (R-1)]
     order = (dhondt_order(pop, num_ranks) if order is None else order)[:extra]
     order = order[quotients[order] > 0]
@@ -118,8 +141,6 @@ def popularity_replicas(popularity: np.ndarray, num_ranks: int, num_experts: int
                      key=lambda e: (-instances[e], -pop[e], e))
     local = received_off = sent_off = None
     if counts is not None:
-        if weights is None:
-            raise ValueError("popularity_placement: counts without weights")
         n = np.maximum(np.asarray(counts, dtype=np.float64), 0.0)            # [R, E]
         # local[r, e]: pairs of rank r an instance of e on r is expected to keep
         local = np.minimum(n, per_instance[None, :])
@@ -134,15 +155,7 @@ def popularity_replicas(popularity: np.ndarray, num_ranks: int, num_experts: int
     local_args = (None if local is None else
                   (local, received_off.tolist(), sent_off.tolist(), weights.compute,
                    weights.network))
-    if native and native_available():
-        replicas, skipped = native_popularity(*args, local_args)
-    else:
-        replicas, skipped = _place_popularity(*args, local_args)
-    kind = "popularity" if local is None else "popularity (locality-aware)"
-    notes = (f"{kind}: {len(replicas)} replicas in {slots} slots per rank",)
-    if skipped:
-        notes += (f"{kind}: {skipped} replica(s) found no free rank",)
-    return tuple(replicas), notes
+    return _place_popularity(*args, local_args)
 
 
 def _place_popularity(experts: list[int], extra_of: list[int], per_instance: list[float],
@@ -183,7 +196,7 @@ def _place_popularity(experts: list[int], extra_of: list[int], per_instance: lis
     return replicas, skipped
 
 
-def greedy_replicas(routed: list[int], base: MicroBatchPlan,
+def greedy_replicas(routed: list[int], capacity: int,
                      settings: PlannerSettings, native: bool = False,
                      sync_cost: dict[int, float] | None = None) -> list[tuple[int, int]]:
     """Replicas in the order a greedy search adds them, on a fluid load estimate.
@@ -194,7 +207,7 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     loaded rank not hosting it; the expert's pairs are then water-filled over its
     ranks with the other loads fixed. A move is allowed if u's load drops and no rank
     rises above the old maximum. The estimated time (``CostModel.load_time`` at the
-    maximum load, retained load capped at the base plan's backward capacity, all-to-all
+    maximum load, retained load capped at the backward ``capacity``, all-to-all
     pairs estimated as (R - 1) / R of the load; plus ``CostModel.
     replica_cost_per_microbatch``, the refresh and gradient reduction of the replicas
     amortised over the step's micro-batches) decides which prefix of moves to keep: the
@@ -204,19 +217,24 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
 
     The budget is not read: the caller admits a prefix or not by its memory, so that a
     larger budget admits every prefix a smaller one did (``LayerPlanner``'s memory-aware
-    search is monotone in the budget); ``base`` must therefore be planned without the
-    budget's influence too.
+    search is monotone in the budget); ``capacity`` is therefore the configured gamma's
+    (``retention.capacity_for_factor`` of the routed pairs, ``UNLIMITED_CAPACITY`` at
+    gamma = inf), not a lowered one.
 
-    ``native``: the moves by the compiled planner (``planning/native.py``: the same
-    moves, to the bit); else in Python (the reference). ``sync_cost``: a cache of
-    ``CostModel.replica_cost_per_microbatch`` by busiest count for ``settings.cost``
-    (filled here), which a caller keeps across steps.
+    ``native``: the search compiled, moves and prices (``GreedyReplicas.best_prefix``,
+    ``planning/native.py``: the same prefix, to the bit); else in Python (the
+    reference). ``sync_cost``: a cache of ``CostModel.replica_cost_per_microbatch`` by
+    busiest count for ``settings.cost`` (filled by the Python search), which a caller
+    keeps across steps.
     """
     cost = settings.cost
     num_ranks, num_experts = settings.num_ranks, settings.num_experts
     per_rank = num_experts // num_ranks
-    cap_count = int(base.retention.capacity[0])
-    retained_cap = math.inf if cap_count == UNLIMITED_CAPACITY else float(cap_count)
+    retained_cap = math.inf if capacity == UNLIMITED_CAPACITY else float(capacity)
+    max_moves = num_ranks * (num_experts - per_rank)
+    if native:                          # the search below, compiled
+        return native_greedy(routed, num_ranks, num_experts).best_prefix(
+            native_pricer(cost), retained_cap, max_moves)
     off_rank = (num_ranks - 1) / num_ranks
 
     if sync_cost is None:                 # replica_cost_per_microbatch by busiest
@@ -245,24 +263,15 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     added: list[tuple[int, int]] = []
     tops: list[float] = []           # after each move: the maximum load ...
     syncs: list[int] = []            # ... and the busiest replica sender or receiver
-    compiled = native_greedy(routed, num_ranks, num_experts) if native else None
     best_time, best_len = float(est_times([max(load)], [0])[0]), 0
     priced = 0                       # moves whose time is known
-    max_moves = num_ranks * (num_experts - per_rank)
     # The search stops once num_ranks moves in a row fail to beat the best prefix. Moves
     # do not depend on the times, so they are made in batches (on the best prefix known
     # so far), priced together, and the batch is cut where a move-by-move search would
     # have stopped: the same prefix, with one cost-model call per batch.
     exhausted = False                # no allowed move is left
     while True:
-        if compiled is not None:        # the loop below, in one call
-            target = min(max_moves, best_len + num_ranks + 1)
-            if not exhausted and len(added) < target:
-                moves, new_tops, new_syncs, exhausted = compiled.advance(target)
-                added += moves
-                tops += new_tops
-                syncs += new_syncs
-        while (compiled is None and not exhausted and len(added) < max_moves
+        while (not exhausted and len(added) < max_moves
                and len(added) - best_len <= num_ranks):
             if not _greedy_move(load, spread, on_rank, routed, num_ranks, added, per_rank,
                                 sync_sent, sync_recv):
@@ -285,7 +294,7 @@ def greedy_replicas(routed: list[int], base: MicroBatchPlan,
     return added[:best_len]
 
 
-def local_greedy_replicas(counts: np.ndarray, base: MicroBatchPlan,
+def local_greedy_replicas(counts: np.ndarray, capacity: int,
                           settings: PlannerSettings, native: bool = False,
                           sync_cost: dict[int, float] | None = None) -> list[tuple[int, int]]:
     """``greedy_replicas``' search on the [R, E] ``counts``, seeing locality.
@@ -303,14 +312,14 @@ def local_greedy_replicas(counts: np.ndarray, base: MicroBatchPlan,
       where ``greedy_replicas`` assumes (R - 1) / R of the top load.
 
     The prefix kept is the one with the lowest estimate, as there. The budget is not read
-    (``greedy_replicas``). ``native``: the moves by the compiled planner
-    (``LocalGreedyReplicas``: the same moves, to the bit), where the extension has it.
+    (``greedy_replicas``). ``native``: the search compiled, moves and prices
+    (``LocalGreedyReplicas.best_prefix``: the same prefix, to the bit), where the
+    extension has it.
     """
     cost = settings.cost
     num_ranks, num_experts = settings.num_ranks, settings.num_experts
     per_rank = num_experts // num_ranks
-    cap_count = int(base.retention.capacity[0])
-    retained_cap = math.inf if cap_count == UNLIMITED_CAPACITY else float(cap_count)
+    retained_cap = math.inf if capacity == UNLIMITED_CAPACITY else float(capacity)
     if sync_cost is None:
         sync_cost = {}
     n_array = np.maximum(np.asarray(counts, dtype=np.float64), 0.0)        # [R, E]
@@ -327,9 +336,9 @@ def local_greedy_replicas(counts: np.ndarray, base: MicroBatchPlan,
         sync = np.array([sync_cost[b] for b in busiest])
         return cost.load_times(top, ret, net, net_ret) + sync
 
-    if native and native_available():
-        return _advance_priced(native_local_greedy(n_array, num_ranks, num_experts),
-                               est_times, num_ranks, max_moves)
+    if native and native_available():   # the search below, compiled
+        return native_local_greedy(n_array, num_ranks, num_experts).best_prefix(
+            native_pricer(cost), retained_cap, max_moves)
     n = n_array.tolist()
     routed = [sum(n[r][e] for r in range(num_ranks)) for e in range(num_experts)]
     row_total = [sum(row) for row in n]
@@ -389,30 +398,6 @@ def local_greedy_replicas(counts: np.ndarray, base: MicroBatchPlan,
             priced = len(added)
         if exhausted or len(added) >= max_moves:
             break
-    return added[:best_len]
-
-
-def _advance_priced(compiled, est_times: Callable, num_ranks: int,
-                    max_moves: int) -> list[tuple[int, int]]:
-    """``local_greedy_replicas``' search with the compiled moves (``LocalGreedyReplicas``):
-    the same batches, the same prices, the same prefix."""
-    added: list[tuple[int, int]] = []
-    best_time = float(est_times([compiled.top()], [compiled.network()], [0])[0])
-    best_len, exhausted = 0, False
-    while not exhausted and len(added) < max_moves:
-        target = min(max_moves, best_len + num_ranks + 1)
-        if len(added) >= target:
-            break
-        moves, tops, nets, syncs, exhausted = compiled.advance(target)
-        if not moves:
-            break
-        times = est_times(tops, nets, syncs)
-        for k, t in enumerate(times.tolist(), start=len(added) + 1):
-            if t < best_time * (1 - 1e-12):
-                best_time, best_len = t, k
-            if k - best_len > num_ranks:
-                return (added + moves)[:best_len]
-        added += moves
     return added[:best_len]
 
 

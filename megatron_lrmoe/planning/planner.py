@@ -25,7 +25,7 @@ from megatron_lrmoe.planning.instance_assignment import (
     assign_checked,
     check_assignment_counts,
 )
-from megatron_lrmoe.planning.native import native_available, native_planner
+from megatron_lrmoe.planning.native import native_available, native_judge, native_planner
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.placement_policies import (
     PairSeconds,
@@ -67,13 +67,17 @@ class _PlacementContext:
 
 
 @dataclass(frozen=True, eq=False)
-class _Candidate:
+class _Judged:
     """A placement the memory-aware choice judges (``_memory_aware_placement``)."""
 
     name: str
-    planned: _Unbudgeted                  # on the smoothed counts
-    kept: list[_Unbudgeted] | None        # on each kept micro-batch's counts, where planned
-    fits: bool                            # within the budget on every plan above
+    replicas: tuple[tuple[int, int], ...]
+    fits: bool                        # within the budget on every plan made
+    # (forward s, backward s) of each plan made: on the smoothed counts, then, where
+    # ``kept``, on each kept micro-batch's
+    times: list[tuple[float, float]]
+    busiest: int                      # _busiest of the placement
+    kept: bool                        # planned (and fitting) on every kept micro-batch
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,7 +87,6 @@ class _Unbudgeted:
     ctx: _PlacementContext
     load: np.ndarray                    # [R] routed pairs per rank
     peak: float                         # the largest CostModel.rank_memory over ranks
-    plan: Callable[[], MicroBatchPlan]  # the MicroBatchPlan, built when called
     cells: np.ndarray                   # [R, I] the assignment's counts
     quotas: np.ndarray                  # [R, I] the retained pairs
 
@@ -126,6 +129,7 @@ class LayerPlanner:
         self._placements: dict[tuple[tuple[int, int], ...], Placement] = {}
         self._replica_costs: dict[int, float] = {}
         self._receive_limits: dict[tuple[int, float], int] = {}   # _receive_limit's
+        self._native_judge: Any = None                # _evaluator's compiled judge
         self.last_memory: np.ndarray | None = None
         """[R] bytes the latest ``plan`` holds on each rank (``CostModel.rank_memory``),
         computed whenever the settings carry a cost model (a budget, or a run held to its
@@ -480,106 +484,103 @@ class LayerPlanner:
         """
         s = self.settings
         share = s.layer_share
-        static = self._context(self._placement(()))
+        static = self._placement(())
         counts = check_assignment_counts(
-            torch.round(self.smoothed_counts).to(torch.int64).numpy(), static.placement)
-        base = self._unbudgeted(counts, static)
+            torch.round(self.smoothed_counts).to(torch.int64).numpy(), static)
+        priced = [check_assignment_counts(np.rint(c).astype(np.int64), static)
+                  for c in self._priced_counts]
+        capacity = self._capacity(counts)
+        caps = [self._capacity(c) for c in priced]
+        evaluate = self._evaluator()
+        static_key, _, peaks, times, _ = evaluate((), [counts], [capacity], math.inf, False)
         # At a finite gamma a candidate must fit the share outright, or the budget would
         # lower gamma for it and it would buy its time with drops. At gamma = inf nothing
         # is dropped and the hot rank's rows set the peak: a candidate may not add to an
         # excess static already has, but one that lowers it by balancing is admitted (held
         # to the share alone, the EP 16 CPU run at gamma = inf, whose routing swings to
         # 5 x the mean load, kept fewer replicas and stopped sooner over its device).
-        allowed = max(share, base.peak) if math.isinf(s.capacity_factor) else share
-        judged: dict[Placement, _Candidate] = {}
-        priced = [check_assignment_counts(np.rint(c).astype(np.int64), static.placement)
-                  for c in self._priced_counts]
+        allowed = max(share, peaks[0]) if math.isinf(s.capacity_factor) else share
+        judged = {static_key: _Judged("static", (), True, times, 0, False)}
 
-        def judge(name: str, replicas: tuple[tuple[int, int], ...], every: bool = False
-                  ) -> bool:
-            """Plans the placement of ``replicas`` (once) on the smoothed counts, and with
-            ``every`` on each kept micro-batch's too; whether it fits on all of them."""
-            placement = self._placement(tuple(replicas))
-            if placement not in judged:
-                ctx = self._context(placement)
-                planned = self._unbudgeted(counts, ctx)
-                fits = self._fits([planned], ctx, allowed)
-                kept = None
-                if every and fits:       # a candidate that does not fit needs no more plans
-                    kept = []
-                    for c in priced:
-                        kept.append(self._unbudgeted(c, ctx))
-                        if not self._fits(kept[-1:], ctx, allowed):
-                            fits, kept = False, None
-                            break
-                judged[placement] = _Candidate(name, planned, kept, fits)
-            return judged[placement].fits
+        def judge(name: str, replicas: tuple[tuple[int, int], ...] | list[tuple[int, int]],
+                  every: bool = False) -> tuple[bool, Any]:
+            """(whether the placement of ``replicas`` fits, its key in ``judged``): planned
+            on the smoothed counts, and with ``every`` on each kept micro-batch's too
+            until one does not fit. A placement judged before keeps its first judgement."""
+            matrices, limits = ([counts, *priced], [capacity, *caps]) if every else (
+                [counts], [capacity])
+            key, fits, _, times, busiest = evaluate(replicas, matrices, limits, allowed, True)
+            if key not in judged:
+                judged[key] = _Judged(name, tuple(replicas), fits, times, busiest,
+                                      every and fits)
+            return judged[key].fits, key
 
-        judged[static.placement] = _Candidate("static", base, None, True)
-        plan = base.plan()
-        replicas = greedy_replicas(counts.sum(0).tolist(), plan, s, native=self.native,
+        replicas = greedy_replicas(counts.sum(0).tolist(), capacity, s, native=self.native,
                                    sync_cost=self._replica_costs)
         n = len(replicas)
         for size in sorted({n, 3 * n // 4, n // 2, n // 4} - {0}):
-            judge(f"greedy {size}", tuple(replicas[:size]))
-        local = local_greedy_replicas(counts, plan, s, native=self.native,
+            judge(f"greedy {size}", replicas[:size])
+        local = local_greedy_replicas(counts, capacity, s, native=self.native,
                                       sync_cost=self._replica_costs)
         n = len(local)
         for size in sorted({n, n // 2} - {0}):
-            judge(f"local greedy {size}", tuple(local[:size]))
-        order = dhondt_order(counts.sum(0), s.num_ranks)
+            judge(f"local greedy {size}", local[:size])
+        # The D'Hondt order of the popularity, shared by the Python placements (the
+        # compiled ones draw it themselves, as far as they need).
+        order = None if self.native else dhondt_order(counts.sum(0), s.num_ranks)
         slots, symi = self._most_popularity_slots(counts, order, judge)
         if slots > s.num_experts // s.num_ranks:
             judge(f"popularity {slots} slots, locality-aware", popularity_replicas(
                 counts.sum(0), s.num_ranks, s.num_experts, slots, counts,
                 self._pair_seconds, native=self.native, order=order)[0])
 
-        # Stage 1: every candidate priced on the smoothed counts, in one batch.
-        times = self._judged_times([[c.planned] for c in judged.values()])
+        # Stage 1: every candidate priced on the smoothed counts.
+        times = [self._group_time(j.times[:1], j.busiest) for j in judged.values()]
         base_time = times[0]
-        qualified = sorted((time, len(placement.replicas), k, placement)
-                           for k, ((placement, c), time) in enumerate(zip(
+        qualified = sorted((time, len(j.replicas), k, key)
+                           for k, ((key, j), time) in enumerate(zip(
                                judged.items(), times, strict=True))
-                           if c.fits and time < base_time)
+                           if j.fits and time < base_time)
         # Stage 2: the finalists on the step's own micro-batches.
-        finalists = [static.placement] + [p for *_, p in qualified[:FINALISTS]]
-        for placement in symi:        # SYMI-style's at its own slots and at the most
-            if placement not in finalists and judged[placement].fits:
-                finalists.append(placement)
-        priced = priced or [counts]
-        plans = []
-        for placement in finalists:
-            kept = judged[placement].kept
-            plans.append(kept if kept is not None and len(kept) == len(priced) else
-                         [self._unbudgeted(c, self._context(placement)) for c in priced])
-        best: tuple[float, int, Placement] | None = None
-        finalist_times = self._judged_times(plans)        # static's first
-        for placement, planned, time in zip(finalists, plans, finalist_times, strict=True):
-            if not (placement is static.placement
-                    or self._fits(planned, planned[0].ctx, allowed)):
+        finalists = [static_key] + [key for *_, key in qualified[:FINALISTS]]
+        for key in symi:              # SYMI-style's at its own slots and at the most
+            if key not in finalists and judged[key].fits:
+                finalists.append(key)
+        matrices, limits = (priced, caps) if priced else ([counts], [capacity])
+        best: tuple[float, int, Any] | None = None
+        static_time = None
+        for key in finalists:
+            j = judged[key]
+            if j.kept and priced:
+                fits, times = True, j.times[1:]
+            else:
+                _, fits, _, times, _ = evaluate(j.replicas, matrices, limits, allowed, False)
+            time = self._group_time(times, j.busiest)
+            if key == static_key:
+                static_time = time
+            elif not fits:
                 continue
             # Times equal but for rounding (1e-12) are ties: fewer replicas win.
             if (best is None or time < best[0] * (1 - 1e-12)
-                    or (time <= best[0] * (1 + 1e-12)
-                        and len(placement.replicas) < best[1])):
-                best = (time, len(placement.replicas), placement)
-        time, _, placement = best
-        static_time = finalist_times[0]
-        if placement is static.placement:
-            return placement, (f"memory-aware: no candidate pays off within the budget "
-                               f"(static {time * 1e3:.3f} ms, {len(judged)} candidates)",)
+                    or (time <= best[0] * (1 + 1e-12) and len(j.replicas) < best[1])):
+                best = (time, len(j.replicas), key)
+        time, _, key = best
+        if key == static_key:
+            return static, (f"memory-aware: no candidate pays off within the budget "
+                            f"(static {time * 1e3:.3f} ms, {len(judged)} candidates)",)
+        placement = self._placement(judged[key].replicas)
         return placement, (
-            f"memory-aware: {judged[placement].name} ({len(placement.replicas)} replicas), "
+            f"memory-aware: {judged[key].name} ({len(placement.replicas)} replicas), "
             f"estimated layer time {time * 1e3:.3f} ms vs static {static_time * 1e3:.3f} ms"
             f" ({len(judged)} candidates)",)
 
-    def _most_popularity_slots(self, counts: np.ndarray, order: np.ndarray,
-                               judge: Callable[..., bool]
-                               ) -> tuple[int, list[Placement]]:
+    def _most_popularity_slots(self, counts: np.ndarray, order: np.ndarray | None,
+                               judge: Callable[..., tuple[bool, Any]]
+                               ) -> tuple[int, list[Any]]:
         """(the most slots per rank at which SYMI-style's popularity placement of
-        ``counts`` fits, judged by ``judge``; the placements at the ``popularity``
-        policy's slots and at the most, where above E/R; ``order``: ``dhondt_order`` of
-        the counts): a bisection
+        ``counts`` fits, judged by ``judge``; the keys ``judge`` gave the placements at
+        the ``popularity`` policy's slots and at the most, where above E/R; ``order``:
+        ``dhondt_order`` of the counts or None): a bisection
         on [E/R, E] that starts from the ``popularity`` policy's own slots at this budget
         and gallops up from there while they fit. Fitting is taken as monotone in the
         slots (replicas add memory, balance takes buffers away); where it is not, the
@@ -587,13 +588,13 @@ class LayerPlanner:
         s = self.settings
         per_rank = s.num_experts // s.num_ranks
         popularity = counts.sum(0)
-        placements: dict[int, tuple[tuple[int, int], ...]] = {}
+        keys: dict[int, Any] = {}
 
         def fits(slots: int) -> bool:
-            placements[slots] = popularity_replicas(popularity, s.num_ranks, s.num_experts,
-                                                    slots, native=self.native,
-                                                    order=order)[0]
-            return judge(f"popularity {slots} slots", placements[slots], every=True)
+            fit, keys[slots] = judge(f"popularity {slots} slots", popularity_replicas(
+                popularity, s.num_ranks, s.num_experts, slots, native=self.native,
+                order=order)[0], every=True)
+            return fit
 
         low, high = per_rank, s.num_experts + 1        # low fits (static); high does not
         start = min(max(s.popularity_slots(), per_rank + 1), s.num_experts)
@@ -607,9 +608,7 @@ class LayerPlanner:
         while high - low > 1:
             mid = (low + high) // 2
             low, high = (mid, high) if fits(mid) else (low, mid)
-        own = [self._placement(placements[k]) for k in dict.fromkeys((start, low))
-               if k in placements]
-        return low, own
+        return low, [keys[k] for k in dict.fromkeys((start, low)) if k in keys]
 
     def _fits(self, planned: list[_Unbudgeted], ctx: _PlacementContext,
               allowed: float) -> bool:
@@ -619,16 +618,72 @@ class LayerPlanner:
         return all(u.peak <= allowed and (limit is None or bool((u.load <= limit).all()))
                    for u in planned)
 
-    def _judged_times(self, groups: list[list[_Unbudgeted]]) -> list[float]:
-        """For each group (one placement's plans of the priced matrices): the mean seconds
-        per micro-batch as the simulator prices a call, ``CostModel.layer_time`` of each
-        plan's [R, R] routed and retained matrices with its GEMMs instance by instance
-        (``layer_times`` of their rank loads with ``instance_gemm_times``: the same
-        numbers, all plans in one call), plus the replicas' refresh and reduction
-        amortised over the step's micro-batches."""
+    def _evaluator(self) -> Callable[..., tuple[Any, bool, list[float],
+                                                 list[tuple[float, float]], int]]:
+        """The memory-aware choice's judge of one candidate: ``evaluate(replicas,
+        matrices, caps, allowed, stop)`` -> (key, fits, [peak per plan], [(forward s,
+        backward s) per plan], busiest), the placement of ``replicas`` planned on each
+        checked [R, E] matrix as ``_unbudgeted`` plans it (``caps``: each matrix's
+        ``_capacity``), whether every plan fits (``_fits`` at ``allowed``; with
+        ``stop`` no plan follows one that does not), and each plan priced
+        (``_plan_times``). The key is equal for equal placements. Compiled
+        (``native_judge``, the same numbers to the bit) where this planner plans
+        compiled; else in Python, the reference."""
+        s = self.settings
+        floor = decimal_fraction(s.min_retention)
+        if not self.native or max(floor.numerator, floor.denominator) > _INT64_MAX:
+            return self._evaluate
+        if self._native_judge is None:
+            self._native_judge = native_judge(s.cost, s.num_ranks, s.num_experts,
+                                              s.layer_share)
+        compiled = self._native_judge.evaluate
+
+        def evaluate(replicas, matrices, caps, allowed, stop):
+            pairs = np.array(replicas, dtype=np.int64).reshape(-1, 2)
+            return compiled(pairs, matrices, caps, floor.numerator, floor.denominator,
+                            allowed, stop)
+        return evaluate
+
+    def _evaluate(self, replicas: tuple[tuple[int, int], ...] | list[tuple[int, int]],
+                  matrices: list[np.ndarray], caps: list[int], allowed: float, stop: bool
+                  ) -> tuple[Placement, bool, list[float], list[tuple[float, float]], int]:
+        """``_evaluator``'s judge in Python (``caps`` unused: ``_unbudgeted`` computes
+        them)."""
+        ctx = self._context(self._placement(tuple(replicas)))
+        plans, fits = [], True
+        for n in matrices:
+            plans.append(self._unbudgeted(n, ctx))
+            if not self._fits(plans[-1:], ctx, allowed):
+                fits = False
+                if stop:
+                    break
+        return (ctx.placement, fits, [u.peak for u in plans], self._plan_times(plans),
+                ctx.busiest)
+
+    def _capacity(self, counts: np.ndarray) -> int:
+        """The backward capacity per rank of ``counts``' plans at the configured gamma
+        (``capacity_for_factor``; UNLIMITED_CAPACITY at gamma = inf)."""
+        return capacity_for_factor(float(self.settings.capacity_factor),
+                                   int(np.add.reduce(counts, axis=None)),
+                                   self.settings.num_ranks)
+
+    def _group_time(self, times: list[tuple[float, float]], busiest: int) -> float:
+        """Mean seconds per micro-batch of one placement's plans (their (forward s,
+        backward s)), plus the replicas' refresh and reduction amortised over the
+        step's micro-batches (``busiest``: the placement's ``_busiest``)."""
+        sync = self._replica_costs.get(busiest)
+        if sync is None:        # a pure function of the busiest count: priced once
+            sync = self._replica_costs[busiest] = (
+                self.settings.cost.replica_cost_per_microbatch(busiest))
+        return sum(f + b for f, b in times) / len(times) + sync
+
+    def _plan_times(self, plans: list[_Unbudgeted]) -> list[tuple[float, float]]:
+        """(forward s, backward s) of each plan as the simulator prices a call,
+        ``CostModel.layer_time`` of its [R, R] routed and retained matrices with its GEMMs
+        instance by instance (``layer_times`` of their rank loads with
+        ``instance_gemm_times``: the same numbers, all plans in one call)."""
         cost = self.settings.cost
         num_ranks = self.settings.num_ranks
-        plans = [u for group in groups for u in group]
         loads, ranks, routed, retained = [], [], [], []
         for k, u in enumerate(plans):
             ctx = u.ctx
@@ -646,31 +701,17 @@ class LayerPlanner:
             len(plans) * num_ranks)
         fwd, bwd = cost.layer_times(np.stack(loads), tuple(
             g.reshape(len(plans), num_ranks) for g in gemm))
-        out, start = [], 0
-        for group in groups:
-            ctx = group[0].ctx
-            sync = self._replica_costs.get(ctx.busiest)
-            if sync is None:        # a pure function of the busiest count: priced once
-                sync = self._replica_costs[ctx.busiest] = cost.replica_cost_per_microbatch(
-                    ctx.busiest)
-            total = sum(f + b for f, b in zip(fwd[start:start + len(group)],
-                                              bwd[start:start + len(group)], strict=True))
-            out.append(total / len(group) + sync)
-            start += len(group)
-        return out
+        return list(zip(fwd, bwd, strict=True))
 
     def _unbudgeted(self, counts: np.ndarray, ctx: _PlacementContext) -> _Unbudgeted:
         """The plan of ``ctx``'s placement on ``counts`` (checked: ``check_assignment_counts``)
         without the budget's influence: instance assignment without receive limits, gamma
         as set (``_Unbudgeted``)."""
-        s = self.settings
-        gamma = float(s.capacity_factor)
+        gamma = float(self.settings.capacity_factor)
         assignment, cells, routed = self._assign(counts, ctx, None)   # checked by the caller
-        make_retention, quotas = self._retention(assignment, cells, gamma, ctx, routed)
+        _, quotas = self._retention(assignment, cells, gamma, ctx, routed)
         peak = float(np.maximum.reduce(self._memory(ctx, routed, cells, quotas)))
-        return _Unbudgeted(ctx, routed, peak, lambda: MicroBatchPlan(
-            assignment=assignment, retention=make_retention(), capacity_factor_used=gamma,
-            rank_load=routed), cells, quotas)
+        return _Unbudgeted(ctx, routed, peak, cells, quotas)
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

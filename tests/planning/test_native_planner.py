@@ -11,6 +11,7 @@ rational references in test_placement.py and test_planner.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -23,9 +24,12 @@ from megatron_lrmoe.layer.moe_layer import _instance_order_tables
 from megatron_lrmoe.layer.region import local_instances
 from megatron_lrmoe.layer.region_layout import CallLayout
 from megatron_lrmoe.planning.cost_model import CostModel
-from megatron_lrmoe.planning.instance_assignment import assign_instances
+from megatron_lrmoe.planning.instance_assignment import (
+    assign_instances,
+    check_assignment_counts,
+)
 from megatron_lrmoe.planning.machine import MachineConstants
-from megatron_lrmoe.planning.native import native_available, native_planner
+from megatron_lrmoe.planning.native import native_available, native_planner, native_pricer
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.placement_policies import (
     PairSeconds,
@@ -45,6 +49,15 @@ from megatron_lrmoe.planning.shapes import MoEShape
 
 MACHINE = MachineConstants(gemm_flops_per_s=1e9, alltoall_bytes_per_s=1e9,
                            alltoall_latency_s=1e-6, source="test constants")
+# Rate tables, a memory rate and fixed costs: every branch of the time model's arithmetic
+# (interpolation inside, below and above a table; memory passes; the gather).
+TABLED = MachineConstants(
+    gemm_flops_per_s=1e9, alltoall_bytes_per_s=1e9, alltoall_latency_s=1e-6,
+    source="test tables", gemm_rows=(4.0, 16.0, 64.0, 256.0),
+    gemm_forward_flops_per_s=(1.1e8, 3.3e8, 7.7e8, 9.1e8),
+    gemm_backward_flops_per_s=(0.9e8, 2.9e8, 7.1e8, 8.3e8), memory_bytes_per_s=7.3e9,
+    layer_forward_fixed_s=3.1e-5, layer_backward_fixed_s=4.7e-5,
+    alltoall_sizes=(512.0, 8192.0, 131072.0), alltoall_size_bytes_per_s=(3e7, 2.1e8, 6.7e8))
 GAMMAS = [0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.5, 3.0, math.inf]
 MIN_RETENTIONS = [0.0, 0.1, 0.25, 0.5, 0.9, 1.0]
 SETTINGS = settings(max_examples=120, deadline=None,
@@ -151,7 +164,7 @@ def planner_cases(draw):
                      grouped_gemm=grouped, forward_retention=draw(st.booleans()),
                      recompute_moe=recompute == "moe",
                      full_recompute_layers=layers if recompute == "full" else 0)
-    cost = CostModel(shape, MACHINE)
+    cost = CostModel(shape, draw(st.sampled_from([MACHINE, TABLED])))
     floor = budget_floor(cost)
     roomy = (cost.balanced_dropless_need()
              + 3 * shape.instance_bytes * shape.num_layers)
@@ -246,6 +259,35 @@ def test_layer_planner_equals_python(case):
         assert torch.equal(native.smoothed_counts, python.smoothed_counts)
 
 
+@given(case=planner_cases(), data=st.data())
+@SETTINGS
+def test_placement_judge_equals_python(case, data):
+    """The memory-aware choice's judge of a candidate placement (its plans' peaks, whether
+    they fit, their prices and the busiest replica sender): compiled, the Python judge's
+    numbers to the bit (prices ``CostModel.layer_times`` with ``instance_gemm_times``);
+    and one key per placement, whatever the replicas' order."""
+    settings_, matrices = case
+    assume(settings_.budget_bytes is not None)
+    settings_ = dataclasses.replace(settings_, policy="memory-aware")
+    native, python = LayerPlanner(settings_, native=True), LayerPlanner(settings_, native=False)
+    num_ranks, num_experts = settings_.num_ranks, settings_.num_experts
+    per_rank = num_experts // num_ranks
+    candidates = [(e, r) for e in range(num_experts) for r in range(num_ranks)
+                  if r != e // per_rank]
+    replicas = data.draw(st.lists(st.sampled_from(candidates), unique=True,
+                                  max_size=len(candidates)) if candidates else st.just([]))
+    static = Placement.static(num_ranks, num_experts)
+    counts = [check_assignment_counts(m.numpy(), static) for m in matrices]
+    caps = [python._capacity(c) for c in counts]
+    share = settings_.layer_share
+    allowed = data.draw(st.sampled_from([math.inf, 0.0, share, share * 0.9]))
+    stop = data.draw(st.booleans())
+    got = native._evaluator()(replicas, counts, caps, allowed, stop)
+    want = python._evaluator()(replicas, counts, caps, allowed, stop)
+    assert got[1:] == want[1:]
+    assert native._evaluator()(replicas[::-1], counts, caps, allowed, stop)[0] == got[0]
+
+
 @given(case=planner_cases(), scale=st.floats(0.0, 2.0), replicas=st.integers(0, 6),
        data=st.data())
 @SETTINGS
@@ -284,6 +326,27 @@ def test_memory_and_retained_limit_equal_the_cost_model(case, scale, replicas, d
                                                   returned=returned))
 
 
+@given(machine=st.sampled_from([MACHINE, TABLED]), num_ranks=st.sampled_from([None, 2, 8]),
+       loads=st.lists(st.floats(0.0, 1e5), min_size=4, max_size=4),
+       busiest=st.integers(0, 40), forward_retention=st.booleans(), gated=st.booleans())
+@SETTINGS
+def test_pricer_equals_the_cost_model(machine, num_ranks, loads, busiest, forward_retention,
+                                      gated):
+    """The compiled time model the greedy searches price with: ``CostModel.load_times``
+    and ``replica_cost_per_microbatch`` to the bit."""
+    shape = MoEShape(hidden_size=64, ffn_hidden_size=32, num_experts=16, topk=2,
+                     gated=gated, dtype_bytes=2, tokens_per_rank=512,
+                     microbatches_per_step=3, expert_parallel_size=4,
+                     forward_retention=forward_retention)
+    cost = CostModel(shape, machine)
+    pricer = native_pricer(cost, num_ranks)
+    top, retained, routed_pairs, retained_pairs = loads
+    want = cost.load_times(np.array([top]), np.array([retained]), np.array([routed_pairs]),
+                           np.array([retained_pairs]), num_ranks)
+    assert pricer.load_time(top, retained, routed_pairs, retained_pairs) == float(want[0])
+    assert pricer.replica_cost(busiest) == cost.replica_cost_per_microbatch(busiest)
+
+
 @given(routed=st.lists(st.integers(0, 5000), min_size=1, max_size=24),
        num_ranks=st.sampled_from([1, 2, 3, 4, 8]), per_step=st.integers(1, 16),
        gamma=st.sampled_from([0.5, 1.0, math.inf]), data=st.data())
@@ -299,19 +362,22 @@ def test_greedy_replicas_equals_python(routed, num_ranks, per_step, gamma, data)
                      gated=True, dtype_bytes=2, tokens_per_rank=max(sum(routed), 1),
                      microbatches_per_step=per_step)
     settings_ = PlannerSettings("static", num_ranks, num_experts, capacity_factor=gamma,
-                                cost=CostModel(shape, MACHINE))
+                                cost=CostModel(shape, data.draw(st.sampled_from(
+                                    [MACHINE, TABLED]))))
     counts = torch.tensor([routed] + [[0] * num_experts] * (num_ranks - 1))
     base = LayerPlanner(settings_, native=False).plan(counts)
-    assert (greedy_replicas(routed, base, settings_, native=True)
-            == greedy_replicas(routed, base, settings_, native=False))
+    capacity = int(base.retention.capacity[0])
+    assert (greedy_replicas(routed, capacity, settings_, native=True)
+            == greedy_replicas(routed, capacity, settings_, native=False))
 
 
 @given(num_ranks=st.sampled_from([2, 3, 4, 8, 16]), per_rank=st.integers(1, 4),
        per_step=st.integers(1, 16), gamma=st.sampled_from([0.5, 1.0, math.inf]),
-       zipf=st.floats(0.0, 2.0), locality=st.floats(0.0, 2.0), seed=st.integers(0, 10**6))
+       zipf=st.floats(0.0, 2.0), locality=st.floats(0.0, 2.0), seed=st.integers(0, 10**6),
+       machine=st.sampled_from([MACHINE, TABLED]))
 @SETTINGS
 def test_local_greedy_replicas_equals_python(num_ranks, per_rank, per_step, gamma, zipf,
-                                             locality, seed):
+                                             locality, seed, machine):
     """The compiled locality-aware moves give the replicas the Python search gives."""
     num_experts = num_ranks * per_rank
     counts = _local_counts(num_ranks, num_experts, seed, zipf, locality)
@@ -319,10 +385,11 @@ def test_local_greedy_replicas_equals_python(num_ranks, per_rank, per_step, gamm
                      gated=True, dtype_bytes=2, tokens_per_rank=max(int(counts.sum(1).max()), 1),
                      microbatches_per_step=per_step)
     settings_ = PlannerSettings("static", num_ranks, num_experts, capacity_factor=gamma,
-                                cost=CostModel(shape, MACHINE))
+                                cost=CostModel(shape, machine))
     base = LayerPlanner(settings_, native=False).plan(torch.from_numpy(counts))
-    assert (local_greedy_replicas(counts, base, settings_, native=True)
-            == local_greedy_replicas(counts, base, settings_, native=False))
+    capacity = int(base.retention.capacity[0])
+    assert (local_greedy_replicas(counts, capacity, settings_, native=True)
+            == local_greedy_replicas(counts, capacity, settings_, native=False))
 
 
 @given(num_ranks=st.sampled_from([1, 2, 3, 4, 8, 16]), per_rank=st.integers(1, 4),

@@ -541,8 +541,9 @@ def test_memory_aware_fits_budget_and_beats_static(seed, slack, zipf, gamma, ran
     assert plan.capacity_factor_used >= base.capacity_factor_used
     # Deterministic: another planner (another rank) fed the same chooses the same.
     assert _planner("memory-aware", counts, **common).placement == aware.placement
-    assert (greedy_replicas(counts.sum(0).tolist(), base, aware.settings)
-            == greedy_replicas(counts.sum(0).tolist(), base, aware.settings))
+    capacity = int(base.retention.capacity[0])
+    assert (greedy_replicas(counts.sum(0).tolist(), capacity, aware.settings)
+            == greedy_replicas(counts.sum(0).tolist(), capacity, aware.settings))
 
 
 def _budgets_estimates(counts: torch.Tensor, gamma: float, slacks,
@@ -606,7 +607,8 @@ def test_memory_aware_keeps_the_best_qualifying_prefix():
                        budget_bytes=cost.balanced_dropless_need() * 1.5)
     unbudgeted = LayerPlanner(PlannerSettings("static", 4, 8, capacity_factor=math.inf,
                                               cost=cost))
-    proposal = greedy_replicas(counts.sum(0).tolist(), unbudgeted.plan(counts),
+    proposal = greedy_replicas(counts.sum(0).tolist(),
+                               int(unbudgeted.plan(counts).retention.capacity[0]),
                                planner.settings)
     n = len(proposal)
     sizes = sorted({n, 3 * n // 4, n // 2, n // 4} - {0})
@@ -688,7 +690,8 @@ def test_memory_aware_adds_replicas_only_when_they_pay(seed, zipf, ranks, gamma,
                        budget_bytes=costly.balanced_dropless_need() * slack)
     assert planner.placement == Placement.static(ranks, experts)
     base = _planner("static", counts, capacity_factor=gamma, cost=costly).plan(counts)
-    assert greedy_replicas(counts.sum(0).tolist(), base, planner.settings) == []
+    assert greedy_replicas(counts.sum(0).tolist(), int(base.retention.capacity[0]),
+                           planner.settings) == []
 
     cheap = _cost_with(experts, 10**6, MACHINE)
     common = dict(capacity_factor=gamma, cost=cheap,
