@@ -1415,14 +1415,12 @@ class PlacementJudge {
   }
 
   // (key, fits, [peak per plan], [(forward s, backward s) per plan], busiest) of the placement
-  // of ``replicas`` [n, 2] (expert, rank) on each [R, E] matrix of ``counts`` (checked
+  // of ``replicas`` ((expert, rank) pairs) on each [R, E] matrix of ``counts`` (checked
   // by the caller) at ``caps`` (each matrix's backward capacity) and min retention p / q.
   // With ``stop``, no plan follows one that does not fit.
-  py::tuple evaluate(const I64Array& replicas, const py::list& counts,
+  py::tuple evaluate(const std::vector<std::pair<i64, i64>>& replicas, const py::list& counts,
                      const std::vector<i64>& caps, i64 p, i64 q, double allowed,
                      bool stop) const {
-    if (replicas.size() && (replicas.ndim() != 2 || replicas.shape(1) != 2))
-      throw py::value_error("replicas must be [n, 2] (expert, rank) pairs");
     if (static_cast<i64>(caps.size()) != static_cast<i64>(py::len(counts)))
       throw py::value_error("caps must have one capacity per count matrix");
     std::vector<I64Array> matrices;
@@ -1432,11 +1430,11 @@ class PlacementJudge {
         throw py::value_error("counts must be [R, E] matrices");
       matrices.push_back(std::move(a));
     }
-    const i64 n = replicas.size() ? replicas.shape(0) : 0;
+    const i64 n = static_cast<i64>(replicas.size());
     std::vector<std::pair<i64, i64>> pairs(n);  // (rank, expert): Placement's order
     const i64 per_rank = E_ / R_;
     for (i64 k = 0; k < n; ++k) {
-      const i64 e = replicas.data()[2 * k], r = replicas.data()[2 * k + 1];
+      const auto [e, r] = replicas[k];
       if (e < 0 || e >= E_ || r < 0 || r >= R_ || r == e / per_rank)
         throw py::value_error("replica (" + std::to_string(e) + ", " + std::to_string(r) +
                               ") is out of range or on its expert's home rank");

@@ -639,8 +639,7 @@ class LayerPlanner:
         compiled = self._native_judge.evaluate
 
         def evaluate(replicas, matrices, caps, allowed, stop):
-            pairs = np.array(replicas, dtype=np.int64).reshape(-1, 2)
-            return compiled(pairs, matrices, caps, floor.numerator, floor.denominator,
+            return compiled(replicas, matrices, caps, floor.numerator, floor.denominator,
                             allowed, stop)
         return evaluate
 
