@@ -517,6 +517,7 @@ def lrmoe_pre_wrap_hook(model: list[Any]) -> list[Any]:
     tokens = tokens_per_rank(SimpleNamespace(
         micro_batch_size=get_micro_batch_size(), seq_length=config.seq_length,
         tensor_model_parallel_size=config.tensor_model_parallel_size,
+        context_parallel_size=config.context_parallel_size,
         sequence_parallel=config.sequence_parallel))
     machine = setup_lrmoe_layers(model, tokens, get_num_microbatches, config)
     if machine is not None:
