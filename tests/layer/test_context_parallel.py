@@ -70,8 +70,9 @@ def _drops_against_references(cp: int) -> dict:
     return {"dense": dense, "kept": kept}
 
 
-def test_drops_equal_the_references_at_ep2_cp2(gloo4):
-    for rank, result in enumerate(gloo4.run(_drops_against_references, 2)):
+@pytest.mark.parametrize("cp", [2, 4])
+def test_drops_equal_the_references_at_ep2(gloo4, cp):
+    for rank, result in enumerate(gloo4.run(_drops_against_references, cp)):
         assert result["dense"].pop("dropped") and result["kept"]["dropped"], rank
         assert all(result["dense"].values()), (rank, result["dense"])
         assert all(result["kept"].values()), (rank, result["kept"])
