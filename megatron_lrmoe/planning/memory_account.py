@@ -27,7 +27,8 @@ module implements them. Every part is an estimate of what the rank holds at its 
 The budget ``auto`` is ``device - (weights + gradients + optimizer + activations)``
 (``auto_budget_bytes``). What the account omits: the CUDA context and the caching
 allocator's fragmentation and reserve, communication buffers (NCCL, the all-to-all's
-and the distributed optimizer's gather buckets beyond the grad buffer), temporaries of
+and the distributed optimizer's gather buckets beyond the grad buffer, context
+parallelism's key/value blocks in flight), temporaries of
 the optimizer step and of gradient clipping, and the router's and the dispatcher's
 tensors outside the LRMoE region.
 """
