@@ -339,41 +339,52 @@ def test_gpu_check_runs_the_context_parallel_step_only_on_two_gpus_with_te(tmp_p
         assert "context_parallel_check.py" not in log.read_text()
 
 
-def test_context_parallel_check_compares_the_launches_logs():
-    """The GPU step's comparison, on log lines written as Bridge's training_log and the
-    LRMoE callback write them (the runs themselves need two GPUs)."""
-    sys.path.insert(0, str(ROOT / "scripts" / "dev"))
-    try:
-        import context_parallel_check as check
-    finally:
-        sys.path.remove(str(ROOT / "scripts" / "dev"))
+def _bridge_log(values: list[float], kept: float | None = None) -> str:
+    """Training log lines as Bridge 0.6.2's training_log writes them
+    (megatron/bridge/training/utils/train_utils.py), with the LRMoE callback's line after
+    each when ``kept`` (its retained fraction) is given."""
     from megatron_lrmoe.integration.step_hooks import format_lrmoe_line
 
-    def log(values: list[float], kept: float | None = None) -> str:
-        lines = []
-        for i, value in enumerate(values, 1):
-            # Bridge 0.6.2's training_log formats (megatron/bridge/training/utils/train_utils.py)
-            lines.append(f" [2026-01-01 00:00:00] iteration {i:8d}/{len(values):8d} |"
-                         f" consumed samples: {4 * i:12d} | lm loss: {value:.6E} |"
-                         " loss scale: 1.0 |")
-            if kept is not None:
-                lines.append(format_lrmoe_line(i, {
-                    "lrmoe/retained-fraction": kept, "lrmoe/dropped-contribution-fraction": 0.1,
-                    "lrmoe/backward-bytes-saved": 2.0**20, "lrmoe/load-max-over-mean": 1.2}))
-        return "\n".join(lines)
+    lines = []
+    for i, value in enumerate(values, 1):
+        lines.append(f" [2026-01-01 00:00:00] iteration {i:8d}/{len(values):8d} |"
+                     f" consumed samples: {4 * i:12d} | lm loss: {value:.6E} |"
+                     " loss scale: 1.0 |")
+        if kept is not None:
+            lines.append(format_lrmoe_line(i, {
+                "lrmoe/retained-fraction": kept, "lrmoe/dropped-contribution-fraction": 0.1,
+                "lrmoe/backward-bytes-saved": 2.0**20, "lrmoe/load-max-over-mean": 1.2}))
+    return "\n".join(lines)
 
-    steps = check.STEPS
-    base = [5.5 - 0.1 * i for i in range(steps)]
+
+def test_context_parallel_check_compares_the_launches_logs(tmp_path):
+    """The GPU step's checks (``--compare``) on logs written as Bridge and the LRMoE
+    callback write them (the runs themselves need two GPUs): agreeing launches pass; LRMoE
+    off Megatron's losses, a first loss changed by drops, or no drop fail, each named."""
+    base = [5.5 - 0.1 * i for i in range(8)]
     near = [v * (1 + 1e-3) for v in base]
-    good = {"megatron": log(base), "inf": log(near, 1.0), "drop": log(near[:1] + base[1:], 0.6)}
-    assert check.losses(good["inf"]) == {i + 1: float(f"{v:.6E}") for i, v in enumerate(near)}
-    assert check.compare(good) == []
-    far = [v * 1.1 for v in base]
-    assert check.compare({**good, "inf": log(far, 1.0)})[0].startswith("step 1: LRMoE at gamma inf")
-    assert "the forward is exact" in check.compare({**good, "drop": log(base, 0.6)})[0]
-    assert "dropped no pair" in check.compare({**good, "drop": log(near[:1] + base[1:], 1.0)})[0]
-    assert check.compare({**good, "megatron": log(base[:3])}) == [
-        f"megatron: 3 logged losses, expected {steps}"]
+    runs = {"good": {"megatron": _bridge_log(base), "inf": _bridge_log(near, 1.0),
+                     "drop": _bridge_log(near[:1] + base[1:], 0.6)},
+            "bad": {"megatron": _bridge_log(base), "inf": _bridge_log([v * 1.1 for v in base],
+                                                                      1.0),
+                    "drop": _bridge_log(base, 1.0)}}
+    out = {}
+    for name, logs in runs.items():
+        for launch, text in logs.items():
+            (tmp_path / name).mkdir(exist_ok=True)
+            (tmp_path / name / f"{launch}.log").write_text(text)
+        out[name] = subprocess.run(
+            [sys.executable, "scripts/dev/context_parallel_check.py", "--compare",
+             str(tmp_path / name)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out["good"].returncode == 0, out["good"].stdout + out["good"].stderr
+    assert "0 failure(s); losses megatron {1: 5.5," in out["good"].stdout
+    bad = out["bad"]
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    failed = [line for line in bad.stdout.splitlines() if line.startswith("FAILED: ")]
+    assert failed[0].startswith("FAILED: step 1: LRMoE at gamma inf 6.05")
+    assert len([f for f in failed if "LRMoE at gamma inf" in f]) == 8
+    assert "the forward is exact" in failed[-2] and "dropped no pair" in failed[-1]
 
 
 def test_gpu_check_only_reruns_the_named_steps_and_keeps_the_other_rows(tmp_path):

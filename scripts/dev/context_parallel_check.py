@@ -17,12 +17,15 @@ lm loss: X |`` of the last rank):
   below 1), the first loss equal to inf's to its printed digits (the forward is exact,
   drops act in backward: docs/design.md, "Exactness"), every loss finite.
 
-    python scripts/dev/context_parallel_check.py             # the three runs (2 GPUs)
-    python scripts/dev/context_parallel_check.py --dry-run   # the launcher's --dry-run of
-                                                             # each config, one process
+    python scripts/dev/context_parallel_check.py [--logs DIR]   # the three runs (2 GPUs),
+                                                     # their logs kept in DIR/<launch>.log
+    python scripts/dev/context_parallel_check.py --compare DIR  # the checks on kept logs
+    python scripts/dev/context_parallel_check.py --dry-run      # the launcher's --dry-run
+                                                     # of each config, in this process
 
-Exit status 0 when every check passes, 1 when one fails, 2 when a launch fails. The HF
-config of the recipe comes from the shipped fixtures (offline, ``testing/hf_cache.py``).
+Run with the repository on ``PYTHONPATH`` (scripts/gpu_check.sh sets it). Exit status 0
+when every check passes, 1 when one fails, 2 when a launch fails. The HF config of the
+recipe comes from the shipped fixtures (offline, ``testing/hf_cache.py``).
 """
 
 from __future__ import annotations
@@ -36,15 +39,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from megatron_lrmoe.testing.bridge import QWEN3_30B_A3B_8GPU, SMALL
+from megatron_lrmoe.testing.hf_cache import offline_hf_environment, prefilled_hf_cache
 
-from megatron_lrmoe.testing.bridge import QWEN3_30B_A3B_8GPU, SMALL  # noqa: E402
-from megatron_lrmoe.testing.hf_cache import (  # noqa: E402
-    offline_hf_environment,
-    prefilled_hf_cache,
-)
+REPO = Path(__file__).resolve().parents[2]
 
 STEPS = 8
 RTOL_FIRST = 5e-3
@@ -123,16 +121,31 @@ def _run(name: str, env: dict[str, str], nproc: int) -> str:
     return done.stdout
 
 
+def _report(logs: dict[str, str]) -> int:
+    failed = compare(logs)
+    for line in failed:
+        print(f"FAILED: {line}")
+    print(f"context_parallel_check: {len(failed)} failure(s); losses "
+          + "; ".join(f"{name} {losses(log)}" for name, log in logs.items()))
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dry-run", action="store_true",
-                        help="the launcher's --dry-run of each launch, in this process")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true",
+                      help="the launcher's --dry-run of each launch, in this process")
+    mode.add_argument("--compare", metavar="DIR", default=None,
+                      help="only the checks, on the logs DIR/<launch>.log of earlier runs")
+    parser.add_argument("--logs", metavar="DIR", default=None,
+                        help="keep each launch's output in DIR/<launch>.log")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (GPUs); CP 2 x EP 2")
     args = parser.parse_args(argv)
+    if args.compare is not None:
+        return _report({name: (Path(args.compare) / f"{name}.log").read_text()
+                        for name in LAUNCHES})
     cache = prefilled_hf_cache(tempfile.mkdtemp(prefix="lrmoe-hf-cache-"))
-    env = {**os.environ, **offline_hf_environment(cache), "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
-                                                       os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **offline_hf_environment(cache), "PYTHONUNBUFFERED": "1"}
     if args.dry_run:
         # huggingface_hub reads the variables at import: set before the launcher imports it.
         os.environ.update(offline_hf_environment(cache))
@@ -146,12 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"context_parallel_check: {exc}", file=sys.stderr)
         return 2
-    failed = compare(logs)
-    for line in failed:
-        print(f"FAILED: {line}")
-    print(f"context_parallel_check: {len(failed)} failure(s); losses "
-          + "; ".join(f"{name} {losses(log)}" for name, log in logs.items()))
-    return 1 if failed else 0
+    if args.logs is not None:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+        for name, log in logs.items():
+            (Path(args.logs) / f"{name}.log").write_text(log)
+    return _report(logs)
 
 
 if __name__ == "__main__":
