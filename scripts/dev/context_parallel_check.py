@@ -39,7 +39,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_lrmoe.testing.bridge import QWEN3_30B_A3B_8GPU, SMALL
 from megatron_lrmoe.testing.hf_cache import offline_hf_environment, prefilled_hf_cache
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,10 +46,11 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
 RTOL_FIRST = 5e-3
 RTOL_STEP = 5e-2
-#: The shrunk recipe at CP 2 x EP 2 on two ranks (DP 1: the expert grid TP x CP x DP = 2
-#: is EP 2 x expert-DP 1, so the EP group is the CP group).
+#: The shrunk recipe (after the test harness's ``SMALL`` width) at CP 2 x EP 2 on two ranks
+#: (DP 1: the expert grid TP x CP x DP = 2 is EP 2 x expert-DP 1, so the EP group is the CP
+#: group).
 OVERRIDES: list[str] = [
-    *SMALL, "model.num_layers=2", f"train.train_iters={STEPS}",
+    "model.num_layers=2", f"train.train_iters={STEPS}",
     f"scheduler.lr_decay_iters={STEPS}", "logger.log_interval=1",
     "model.tensor_model_parallel_size=1", "model.pipeline_model_parallel_size=1",
     "model.pipeline_model_parallel_layout=null", "model.sequence_parallel=false",
@@ -71,8 +71,11 @@ _RETAINED = re.compile(r"\[LRMoE\] iteration\s+\d+ \| retained ([0-9.]+)")
 
 def launcher_argv(name: str) -> list[str]:
     """The Bridge launcher's arguments of launch ``name``."""
+    # The harness imports torch: not where only logs are compared (--compare).
+    from megatron_lrmoe.testing.bridge import QWEN3_30B_A3B_8GPU, SMALL
+
     flags, lrmoe = LAUNCHES[name]
-    return ["--recipe", QWEN3_30B_A3B_8GPU, "--adapt", *flags, *OVERRIDES, *lrmoe]
+    return ["--recipe", QWEN3_30B_A3B_8GPU, "--adapt", *flags, *SMALL, *OVERRIDES, *lrmoe]
 
 
 def losses(log: str) -> dict[int, float]:
