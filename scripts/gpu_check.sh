@@ -381,7 +381,7 @@ missing() {  # the first thing STEP needs that is not here ("" when none)
                             "one rank per GPU)"; return; } ;;
       transformer_engine|megatron_bridge)
         [[ ${FACT[$need]:-absent} != absent ]] \
-          || { echo "absent: ${need//_/-} (carry its wheel: WHEELS=DIR)"; return; } ;;
+          || { echo "absent: ${need//_/-}"; return; } ;;
       numpy|setuptools)
         [[ ${FACT[$need]:-absent} != absent ]] || { echo "absent: $need"; return; } ;;
       megatron_core)
