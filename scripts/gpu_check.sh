@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for megatron-lrmoe: one CUDA GPU (written for an H200), no network, at most
-# 6 minutes from a checkout, results in OUTDIR.
+# 6 minutes from a checkout, results in OUTDIR; with two GPUs, one step more (cp).
 #
 #   bash scripts/gpu_check.sh OUTDIR                     # every step
 #   bash scripts/gpu_check.sh OUTDIR --only sanitizer    # retry steps (env runs first)
@@ -30,6 +30,11 @@
 #   sanitizer    compute-sanitizer memcheck over the kernels at edge shapes
 #   bench        benchmarks/bench_moe_layer.py, Qwen3-30B-A3B-shaped layer, bf16
 #   calibration  megatron_lrmoe.tools.calibrate: the simulator's H200 column's constants
+#   cp           scripts/dev/context_parallel_check.py: a shrunk Qwen3-30B-A3B Bridge
+#                recipe at context parallelism 2 x EP 2 on two GPUs (Transformer Engine's
+#                attention, NCCL), LRMoE at gamma inf against Megatron's layer, gamma 0.5
+#                exact in forward; needs two GPUs, TE and Megatron-Bridge, and its limit
+#                is outside the one-GPU budget (a one-GPU machine reports it absent)
 # A step whose tool or package is missing is "absent", a CUDA step without a device "no
 # device"; neither fails the run. Every step runs even when an earlier one failed.
 #
@@ -45,15 +50,19 @@ REPO=$PWD
 
 BUDGET_S=360
 KILL_AFTER_S=2                 # a step's grace between SIGTERM and SIGKILL at its limit
-STEPS=(env build kernels determinism region sync sanitizer bench calibration)
+STEPS=(env build kernels determinism region sync sanitizer bench calibration cp)
 declare -A LIMIT=([env]=15 [build]=85 [kernels]=35 [determinism]=25 [region]=50 [sync]=35
-                  [sanitizer]=35 [bench]=35 [calibration]=25)
+                  [sanitizer]=35 [bench]=35 [calibration]=25 [cp]=180)
+# Steps that need two GPUs: never run on the one-GPU machine the budget is for, so their
+# limits are not in it.
+MULTI_GPU=" cp "
 # What each step needs (checked in this order; the first missing one is reported).
 declare -A NEEDS=([env]="" [build]="torch setuptools nvcc" [kernels]="torch device kernels"
                   [determinism]="torch device kernels determinism_check"
                   [region]="torch device numpy megatron_core" [sync]="torch device megatron_core"
                   [sanitizer]="torch device kernels compute_sanitizer"
-                  [bench]="torch device megatron_core" [calibration]="torch device")
+                  [bench]="torch device megatron_core" [calibration]="torch device"
+                  [cp]="torch device devices2 megatron_core transformer_engine megatron_bridge")
 declare -A TITLE=(
   [env]="environment facts (and WHEELS installed where missing)"
   [build]="megatron_lrmoe._kernels built in place against this torch"
@@ -63,19 +72,22 @@ declare -A TITLE=(
   [sync]="no host sync in the region (sync-debug mode error), weight-stack cost"
   [sanitizer]="compute-sanitizer memcheck on the kernels at edge shapes"
   [bench]="layer benchmark (Qwen3-30B-A3B-shaped, bf16, EP 1, grouped GEMMs)"
-  [calibration]="calibration at the Qwen3-30B-A3B expert shape (bf16, 16 local experts)")
+  [calibration]="calibration at the Qwen3-30B-A3B expert shape (bf16, 16 local experts)"
+  [cp]="full model at context parallelism 2 x EP 2 (two GPUs): gamma inf vs Megatron's layer")
 
 usage() {
   sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
 }
 
-limits_sum() {
+limits_sum() {  # the one-GPU steps' limits with their kill grace
   local s=0 step
-  for step in "${STEPS[@]}"; do s=$((s + LIMIT[$step] + KILL_AFTER_S)); done
+  for step in "${STEPS[@]}"; do
+    [[ $MULTI_GPU == *" $step "* ]] || s=$((s + LIMIT[$step] + KILL_AFTER_S))
+  done
   echo "$s"
 }
 
-# The budget: each step's limit plus its kill grace, all steps together.
+# The budget: each one-GPU step's limit plus its kill grace, all together.
 if (($(limits_sum) > BUDGET_S)); then
   echo "gpu_check: the step limits sum to $(limits_sum) s with their kill grace, over the" \
        "${BUDGET_S} s budget: lower a LIMIT in $0" >&2
@@ -99,8 +111,8 @@ while (($#)); do
   case $1 in
     -h|--help) usage; exit 0 ;;
     --list)
-      echo "budget ${BUDGET_S} s; each step's limit plus ${KILL_AFTER_S} s kill grace:" \
-           "$(limits_sum) s in all"
+      echo "budget ${BUDGET_S} s; each one-GPU step's limit plus ${KILL_AFTER_S} s kill grace:" \
+           "$(limits_sum) s in all (two-GPU steps:${MULTI_GPU% }, outside it)"
       for step in "${STEPS[@]}"; do
         printf '%-12s %4d s  needs: %-40s %s\n' "$step" "${LIMIT[$step]}" \
           "${NEEDS[$step]:-nothing}" "${TITLE[$step]}"
@@ -169,8 +181,9 @@ write_summary() {
     echo
     echo "| what | found |"
     echo "| --- | --- |"
-    for what in python torch device nvidia_smi numpy pytest hypothesis megatron_core setuptools ninja \
-                nvcc compute_sanitizer kernels wheels; do
+    for what in python torch device device_count nvidia_smi numpy pytest hypothesis megatron_core \
+                transformer_engine megatron_bridge setuptools ninja nvcc compute_sanitizer \
+                kernels wheels; do
       # A fact's name never equals a step's: a retry reads the steps' rows by name.
       name=${what//_/-}
       [[ $what == kernels ]] && name="kernels (compiled)"
@@ -184,9 +197,10 @@ write_summary() {
            "${RUN[$step]:--} | ${TITLE[$step]} |"
     done
     echo
-    echo "Not measured here: expert parallelism across ranks (one GPU cannot run NCCL EP > 1);"
-    echo "Transformer Engine (no TEGroupedMLP baseline, no TE grouped linear). Files: log.txt"
-    echo "(every step's output), bench_moe_layer_cuda.md, calibration_h200_qwen3.json."
+    echo "Not measured on one GPU: expert and context parallelism across ranks (NCCL runs one"
+    echo "rank per GPU; step cp needs two GPUs and Transformer Engine); Transformer Engine"
+    echo "otherwise (no TEGroupedMLP baseline, no TE grouped linear). Files: log.txt (every"
+    echo "step's output), bench_moe_layer_cuda.md, calibration_h200_qwen3.json."
   } >"$SUMMARY.tmp" && mv -f "$SUMMARY.tmp" "$SUMMARY"
 }
 
@@ -269,7 +283,8 @@ def version(dist: str) -> str:
 print(f"python={platform.python_version()} ({sys.executable})")
 for key, dist in (("numpy", "numpy"), ("pytest", "pytest"), ("hypothesis", "hypothesis"),
                   ("megatron_core", "megatron-core"), ("setuptools", "setuptools"),
-                  ("ninja", "ninja")):
+                  ("ninja", "ninja"), ("transformer_engine", "transformer-engine"),
+                  ("megatron_bridge", "megatron-bridge")):
     print(f"{key}={version(dist)}")
 try:
     import torch
@@ -277,6 +292,7 @@ except Exception as exc:  # any import failure: the torch steps are absent
     print(f"torch=absent ({type(exc).__name__})")
     sys.exit(0)
 print(f"torch={torch.__version__} (CUDA {torch.version.cuda or 'none'})")
+print(f"device_count={torch.cuda.device_count() if torch.cuda.is_available() else 0}")
 if torch.cuda.is_available():
     cap = torch.cuda.get_device_capability(0)
     mem = torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -345,6 +361,7 @@ step_command() {  # the command of STEP, into CMD
                 --ffn 768 --experts 128 --topk 8 --dtype bf16 --tokens 4096
                 --capacities inf,0.75 --grouped-gemm on --routings skewed --warmup 1 --reps 5
                 --out "$BENCH_MD") ;;
+    cp) CMD=("$PY" scripts/dev/context_parallel_check.py) ;;
     calibration) CMD=("$PY" -m megatron_lrmoe.tools.calibrate --device cuda --dtype bf16
                       --hidden-size 2048 --ffn-hidden-size 768 --experts 128 --topk 8
                       --tokens 4096 --rows 2048 --local-experts 16
@@ -359,6 +376,12 @@ missing() {  # the first thing STEP needs that is not here ("" when none)
     case $need in
       torch) [[ ${FACT[torch]:-absent} != absent* ]] || { echo "absent: torch ($PY)"; return; } ;;
       device) [[ ${FACT[device]:-none} != none ]] || { echo "no device"; return; } ;;
+      devices2) ((${FACT[device_count]:-0} >= 2)) \
+                  || { echo "absent: a second GPU (${FACT[device_count]:-0} found; NCCL runs" \
+                            "one rank per GPU)"; return; } ;;
+      transformer_engine|megatron_bridge)
+        [[ ${FACT[$need]:-absent} != absent ]] \
+          || { echo "absent: ${need//_/-}"; return; } ;;
       numpy|setuptools)
         [[ ${FACT[$need]:-absent} != absent ]] || { echo "absent: $need"; return; } ;;
       megatron_core)
@@ -413,7 +436,8 @@ run_step() {
   fi
   left=$((BUDGET_S - (SECONDS - START_S) - KILL_AFTER_S))
   limit=${LIMIT[$step]}
-  ((limit > left)) && limit=$left
+  # A two-GPU step runs under its own limit, after the budgeted ones.
+  [[ $MULTI_GPU == *" $step "* ]] || ((limit <= left)) || limit=$left
   if ((limit < 5)); then
     set_status "$step" "skipped (budget of ${BUDGET_S} s spent)"
     FAILED=1

@@ -159,10 +159,12 @@ def test_setup_builds_against_nvccs_toolkit(tmp_path):
 
 GPU_CHECK = "scripts/gpu_check.sh"
 # The issue's order: environment, build, kernel correctness (and determinism), region at
-# scale, host syncs, memcheck, and only then the benchmark and the calibration.
+# scale, host syncs, memcheck, and only then the benchmark and the calibration; last the
+# full model at context parallelism, which needs two GPUs (outside the one-GPU budget).
 ORDER = ["env", "build", "kernels", "determinism", "region", "sync", "sanitizer", "bench",
-         "calibration"]
+         "calibration", "cp"]
 CUDA_STEPS = ORDER[2:]
+MULTI_GPU_STEPS = ["cp"]
 BUDGET_S = 360
 MAX_FILES = 8
 # What each step runs, as the fake Python sees it (its arguments).
@@ -170,7 +172,8 @@ STEP_MARKS = {"env": "env-facts", "build": "build_ext", "kernels": "gpu_kernel_c
               "--device cuda", "determinism": "determinism_check.py",
               "region": "region_at_scale_check.py", "sync": "gpu_sync_check.py",
               "sanitizer": "--edge", "bench": "bench_moe_layer.py",
-              "calibration": "megatron_lrmoe.tools.calibrate"}
+              "calibration": "megatron_lrmoe.tools.calibrate",
+              "cp": "context_parallel_check.py"}
 
 GPU_FAKE_PYTHON = """#!/bin/bash
 echo "CUDA_HOME=${CUDA_HOME:-} NOCACHE=${PYTORCH_NO_CUDA_MEMORY_CACHING:-} ARGS=$*" >> "$FAKE_LOG"
@@ -192,7 +195,8 @@ exec "$@"
 FACTS = {"python": "3.12.3 (fake)", "numpy": "2.5.2", "pytest": "absent",
          "hypothesis": "absent", "megatron_core": "0.19.2", "setuptools": "80.9.0",
          "ninja": "1.13.0", "torch": "2.11.0+cu130 (CUDA 13.0)",
-         "device": "NVIDIA H200 (compute capability 9.0, 139 GiB)", "kernels": "cuda"}
+         "device": "NVIDIA H200 (compute capability 9.0, 139 GiB)", "kernels": "cuda",
+         "device_count": "2", "transformer_engine": "2.9.0", "megatron_bridge": "0.6.2"}
 
 
 def _shellcheck() -> str | None:
@@ -248,7 +252,8 @@ def test_gpu_check_limits_sum_within_the_budget_in_the_issues_order(tmp_path):
     budget, grace = (int(w) for w in re.findall(r"(\d+) s", lines[0])[:2])
     steps = [line.split()[:2] for line in lines[1:]]
     assert budget == BUDGET_S and [name for name, _ in steps] == ORDER
-    assert sum(int(limit) + grace for _, limit in steps) <= BUDGET_S
+    assert sum(int(limit) + grace for name, limit in steps
+               if name not in MULTI_GPU_STEPS) <= BUDGET_S
     # The script refuses limits over the budget before it runs anything.
     repo = _repo_copy(tmp_path, GPU_CHECK)
     script = repo / GPU_CHECK
@@ -319,6 +324,67 @@ def test_gpu_check_marks_missing_tools_absent_and_goes_on(tmp_path):
     assert rows["sanitizer"][0] == "absent: compute-sanitizer"
     assert rows["calibration"][0] == "passed"                 # needs no megatron-core
     assert "megatron_lrmoe.tools.calibrate" in log.read_text()
+
+
+def test_gpu_check_runs_the_context_parallel_step_only_on_two_gpus_with_te(tmp_path):
+    for facts, status in ((dict(device_count="1"), "absent: a second GPU (1 found"),
+                          (dict(transformer_engine="absent"), "absent: transformer-engine"),
+                          (dict(megatron_bridge="absent"), "absent: megatron-bridge")):
+        repo, env, log = _fake_gpu(tmp_path / status.split()[-1], **facts)
+        run = _gpu_check(repo, tmp_path / "out", env=env)
+        assert run.returncode == 0, run.stdout + run.stderr
+        rows = _steps(tmp_path / "out" / "summary.md")
+        assert rows["cp"][0].startswith(status), rows["cp"]
+        assert all(rows[s][0] == "passed" for s in ORDER if s != "cp"), rows
+        assert "context_parallel_check.py" not in log.read_text()
+
+
+def _bridge_log(values: list[float], kept: float | None = None) -> str:
+    """Training log lines as Bridge 0.6.2's training_log writes them
+    (megatron/bridge/training/utils/train_utils.py), with the LRMoE callback's line after
+    each when ``kept`` (its retained fraction) is given."""
+    from megatron_lrmoe.integration.step_hooks import format_lrmoe_line
+
+    lines = []
+    for i, value in enumerate(values, 1):
+        lines.append(f" [2026-01-01 00:00:00] iteration {i:8d}/{len(values):8d} |"
+                     f" consumed samples: {4 * i:12d} | lm loss: {value:.6E} |"
+                     " loss scale: 1.0 |")
+        if kept is not None:
+            lines.append(format_lrmoe_line(i, {
+                "lrmoe/retained-fraction": kept, "lrmoe/dropped-contribution-fraction": 0.1,
+                "lrmoe/backward-bytes-saved": 2.0**20, "lrmoe/load-max-over-mean": 1.2}))
+    return "\n".join(lines)
+
+
+def test_context_parallel_check_compares_the_launches_logs(tmp_path):
+    """The GPU step's checks (``--compare``) on logs written as Bridge and the LRMoE
+    callback write them (the runs themselves need two GPUs): agreeing launches pass; LRMoE
+    off Megatron's losses, a first loss changed by drops, or no drop fail, each named."""
+    base = [5.5 - 0.1 * i for i in range(8)]
+    near = [v * (1 + 1e-3) for v in base]
+    runs = {"good": {"megatron": _bridge_log(base), "inf": _bridge_log(near, 1.0),
+                     "drop": _bridge_log(near[:1] + base[1:], 0.6)},
+            "bad": {"megatron": _bridge_log(base), "inf": _bridge_log([v * 1.1 for v in base],
+                                                                      1.0),
+                    "drop": _bridge_log(base, 1.0)}}
+    out = {}
+    for name, logs in runs.items():
+        for launch, text in logs.items():
+            (tmp_path / name).mkdir(exist_ok=True)
+            (tmp_path / name / f"{launch}.log").write_text(text)
+        out[name] = subprocess.run(
+            [sys.executable, "scripts/dev/context_parallel_check.py", "--compare",
+             str(tmp_path / name)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out["good"].returncode == 0, out["good"].stdout + out["good"].stderr
+    assert "0 failure(s); losses megatron {1: 5.5," in out["good"].stdout
+    bad = out["bad"]
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    failed = [line for line in bad.stdout.splitlines() if line.startswith("FAILED: ")]
+    assert failed[0].startswith("FAILED: step 1: LRMoE at gamma inf 6.05")
+    assert len([f for f in failed if "LRMoE at gamma inf" in f]) == 8
+    assert "the forward is exact" in failed[-2] and "dropped no pair" in failed[-1]
 
 
 def test_gpu_check_only_reruns_the_named_steps_and_keeps_the_other_rows(tmp_path):

@@ -161,8 +161,11 @@ def lrmoe_view(args: argparse.Namespace) -> SimpleNamespace:
 
 def tokens_per_rank(args: argparse.Namespace) -> int:
     """Tokens of one micro-batch on one rank, from either entry point's args: micro-batch
-    size x sequence length, divided by TP under sequence parallelism (what each LRMoE
+    size x sequence length, divided by the context-parallel size (each CP rank's MoE
+    layers route its S / CP tokens) and by TP under sequence parallelism (what each LRMoE
     layer's planner and the memory budget are sized for, and what one recorded
-    micro-batch of routing holds)."""
+    micro-batch of routing holds). The lean launcher has no context parallelism: args
+    without ``context_parallel_size`` count 1."""
     tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
-    return args.micro_batch_size * args.seq_length // tp
+    cp = getattr(args, "context_parallel_size", None) or 1
+    return args.micro_batch_size * args.seq_length // (tp * cp)

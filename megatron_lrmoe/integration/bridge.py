@@ -93,8 +93,8 @@ from megatron_lrmoe.options.megatron import (  # noqa: E402
 )
 
 __all__ = ["BridgeConfigError", "Change", "LRMoECallback", "LRMoEGPTModelProvider",
-           "LRMoEHybridModelProvider", "enable_lrmoe", "lrmoe_pre_wrap_hook",
-           "lrmoe_provider_class", "refused_settings"]
+           "LRMoEHybridModelProvider", "bridge_tokens_per_rank", "enable_lrmoe",
+           "lrmoe_pre_wrap_hook", "lrmoe_provider_class", "refused_settings"]
 
 
 class BridgeConfigError(LRMoEConfigError):
@@ -494,7 +494,6 @@ def lrmoe_pre_wrap_hook(model: list[Any]) -> list[Any]:
     the step-state flag of Bridge's checkpoints and the re-run state machine's snapshot."""
     from megatron.core.num_microbatches_calculator import get_micro_batch_size, get_num_microbatches
 
-    from megatron_lrmoe.config.flags import tokens_per_rank
     from megatron_lrmoe.integration.step_hooks import (
         chain_to_rerun_state_machine,
         lrmoe_layers,
@@ -514,11 +513,8 @@ def lrmoe_pre_wrap_hook(model: list[Any]) -> list[Any]:
     if missed:
         raise BridgeConfigError("model.transformer_layer_spec",
                                 f"these MoE layers were not converted to LRMoE: {missed[:3]}")
-    tokens = tokens_per_rank(SimpleNamespace(
-        micro_batch_size=get_micro_batch_size(), seq_length=config.seq_length,
-        tensor_model_parallel_size=config.tensor_model_parallel_size,
-        sequence_parallel=config.sequence_parallel))
-    machine = setup_lrmoe_layers(model, tokens, get_num_microbatches, config)
+    machine = setup_lrmoe_layers(model, bridge_tokens_per_rank(config, get_micro_batch_size()),
+                                 get_num_microbatches, config)
     if machine is not None:
         print_on_last_rank(machine_constants_line(machine))
     _RUN.models = [weakref.ref(m) for m in model]
@@ -530,6 +526,19 @@ def lrmoe_pre_wrap_hook(model: list[Any]) -> list[Any]:
         handle = layers[0].register_forward_pre_hook(
             lambda module, args: _require_callback(module, handle))
     return model
+
+
+def bridge_tokens_per_rank(config: Any, micro_batch_size: int) -> int:
+    """Tokens of one micro-batch on one rank of a Bridge model (its provider carries the
+    sequence length and the parallel sizes): ``flags.tokens_per_rank``, S / CP (/ TP
+    under sequence parallelism) x micro-batch."""
+    from megatron_lrmoe.config.flags import tokens_per_rank
+
+    return tokens_per_rank(SimpleNamespace(
+        micro_batch_size=micro_batch_size, seq_length=config.seq_length,
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        context_parallel_size=config.context_parallel_size,
+        sequence_parallel=config.sequence_parallel))
 
 
 def _require_callback(module: Any, handle: Any) -> None:

@@ -306,9 +306,11 @@ def device_memory_bytes(device_memory_gb: float | None) -> float | None:
 
 
 def run_shape(config, args, vocab_size: int) -> RunShape:
-    """``RunShape`` of either entry point: the model from ``config``, the rest (sequence,
-    micro-batch, data parallel, optimizer, embeddings) from ``args`` (the launcher's or
-    Megatron-LM's; the same dest names), ``vocab_size`` padded as the model is built."""
+    """``RunShape`` of either entry point: the model (and its parallel sizes, context
+    parallelism's included) from ``config``, the rest (sequence, micro-batch, data
+    parallel as Megatron-LM counts it, without CP; optimizer, embeddings) from ``args``
+    (the launcher's or Megatron-LM's; the same dest names), ``vocab_size`` padded as the
+    model is built."""
     dtype_bytes = torch.empty(0, dtype=config.params_dtype).element_size()
     pp = config.pipeline_model_parallel_size or 1
     half = dtype_bytes < 4
@@ -346,6 +348,7 @@ def run_shape(config, args, vocab_size: int) -> RunShape:
         expert_parallel=config.expert_model_parallel_size or 1,
         expert_tensor_parallel=config.expert_tensor_parallel_size or 1,
         data_parallel=max(1, int(getattr(args, "data_parallel_size", 1) or 1)),
+        context_parallel=config.context_parallel_size or 1,
         sequence_parallel=bool(config.sequence_parallel),
         param_bytes=dtype_bytes,
         grad_bytes=4 if fp32_grads else dtype_bytes,

@@ -6,8 +6,8 @@ region (docs/design.md, "Region"), so ``forward`` is the unit overridden here; t
 dispatcher is chosen by config inside ``MoELayer.__init__``, so it is swapped right
 after. The step state (planner, draw seeds, step boundaries, checkpoints) is a
 ``step_state.LayerStepState``, ``lrmoe_state``. Shapes: hidden_states [S, B, H] in and
-out (S the local sequence shard under sequence parallelism); T = S x B tokens; E experts;
-P routed pairs.
+out (S the local sequence shard: S / CP under context parallelism, over TP as well under
+sequence parallelism); T = S x B tokens; E experts; P routed pairs.
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ class LRMoELayer(MoELayer):
                            metadata: dict | None = None):
         """Megatron's, whose extra state (the step state) becomes one ShardedObject per layer
         with the layer offsets (EP-invariant key; replica_id non-zero on every rank but
-        one tensor- and data-parallel rank 0, which all hold the same state).
+        one tensor- and data-parallel (with context-parallel) rank 0, which all hold the
+        same state).
 
         The state is in the dict only when ``metadata`` carries ``STEP_STATE_FLAG``
         (docs/design.md, "Step state"): on load Megatron passes the checkpoint's own

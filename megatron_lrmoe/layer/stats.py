@@ -2,7 +2,7 @@
 
 Each LRMoELayer records what its region calls did (``LRMoELayerStats``); at a log
 interval every rank contributes its raw sums per global layer number, one
-all_reduce adds them up (pairs and bytes add over data-, tensor- and
+all_reduce adds them up (pairs and bytes add over data-, context-, tensor- and
 expert-parallel ranks, each of which routes its own tokens) and one takes the
 maximum routed-load imbalance. Host syncs happen here, off the training path: the
 counts are host numbers from the plans, and the metric sums, which live on the

@@ -270,9 +270,13 @@ MEGATRON_OPTIONS: tuple[MegatronOption, ...] = (
              "the router); drop the flag"),
     _refused("cuda_graph_impl", _NO_GRAPHS + "; use --cuda-graph-impl none",
              refuse=lambda v: v != "none"),
-    _refused("context_parallel_size",
-             "context parallelism is not supported with --moe-lrmoe yet; use "
-             "--context-parallel-size 1", refuse=lambda v: v != 1, adaptable=False),
+    _implemented(
+        "context_parallel_size",
+        "each context-parallel rank's MoE layer routes its own S / CP tokens (attention "
+        "exchanges the keys and values); the region, its counts exchange and the planner "
+        "work over the expert-parallel group, cut from TP x CP x DP, so one may mix CP "
+        "ranks, and the router's auxiliary losses reduce over TP x CP as in Megatron's "
+        "layer; the planner and the memory account count S / CP tokens per rank"),
     _refused("moe_latent_size",
              "not supported with --moe-lrmoe (the latent projections wrap Megatron's "
              "dispatcher, which the region replaces); drop the flag", refuse=_given,

@@ -13,9 +13,10 @@ module implements them. Every part is an estimate of what the rank holds at its 
   fp32 main grads when it reduces in fp32; the buffer is full size, also under the
   distributed optimizer).
 * **optimizer state**: Adam's two fp32 moments (SGD: one momentum) plus an fp32 master
-  copy of bf16/fp16 parameters; divided by the data-parallel size (dense parameters) and
-  the expert-data-parallel size (expert parameters) under the distributed optimizer.
-* **activations** outside the MoE layers: the tensors Megatron's layers save for backward
+  copy of bf16/fp16 parameters; divided by DP x CP (dense parameters) and the
+  expert-data-parallel size (expert parameters) under the distributed optimizer.
+* **activations** outside the MoE layers, of the rank's s b / CP tokens (context
+  parallelism splits every sequence): the tensors Megatron's layers save for backward
   (norm inputs, linear inputs, Q/K/V, attention scores unless flash/fused, dense MLP,
   dropout masks, embedding dropout, the output layer's logits and its fp32 softmax), per
   micro-batch, x the micro-batches in flight, under the recompute setting.
@@ -26,7 +27,8 @@ module implements them. Every part is an estimate of what the rank holds at its 
 The budget ``auto`` is ``device - (weights + gradients + optimizer + activations)``
 (``auto_budget_bytes``). What the account omits: the CUDA context and the caching
 allocator's fragmentation and reserve, communication buffers (NCCL, the all-to-all's
-and the distributed optimizer's gather buckets beyond the grad buffer), temporaries of
+and the distributed optimizer's gather buckets beyond the grad buffer, context
+parallelism's key/value blocks in flight), temporaries of
 the optimizer step and of gradient clipping, and the router's and the dispatcher's
 tensors outside the LRMoE region.
 """
@@ -88,6 +90,10 @@ class RunShape:
     expert_parallel: int = 1
     expert_tensor_parallel: int = 1
     data_parallel: int = 1
+    """DP as Megatron counts it: world / (TP x PP x CP)."""
+    context_parallel: int = 1
+    """CP: each rank holds S / CP tokens of every sequence (attention exchanges keys and
+    values); dense parameters shard their optimizer state over DP x CP."""
     sequence_parallel: bool = False
     param_bytes: int = 4
     grad_bytes: int = 4
@@ -127,14 +133,21 @@ class RunShape:
 
     @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch (s b), before any sharding."""
-        return self.seq_length * self.micro_batch_size
+        """Tokens of one micro-batch on one rank, s b / CP (the rank's sequence shard),
+        before sequence parallelism's split over TP."""
+        return self.seq_length * self.micro_batch_size // max(1, self.context_parallel)
+
+    @property
+    def dense_data_parallel(self) -> int:
+        """Ranks holding the same dense parameters: DP x CP (Megatron's DDP and distributed
+        optimizer work over the data-parallel group with context parallelism)."""
+        return max(1, self.data_parallel * self.context_parallel)
 
     @property
     def expert_data_parallel(self) -> int:
-        """Ranks holding the same expert shard: DP x TP / (EP x ETP), as Megatron groups
-        them (world / (PP x EP x ETP))."""
-        ranks = self.data_parallel * self.tensor_parallel
+        """Ranks holding the same expert shard: DP x CP x TP / (EP x ETP), as Megatron groups
+        them (world / (PP x EP x ETP): the expert grid is cut from TP x CP x DP)."""
+        ranks = self.dense_data_parallel * self.tensor_parallel
         return max(1, ranks // (self.expert_parallel * self.expert_tensor_parallel))
 
 
@@ -222,7 +235,8 @@ def parameter_counts(shape: RunShape, first_stage: bool, last_stage: bool
 def layer_activation_bytes(shape: RunShape, moe_layer: bool) -> float:
     """Bytes one transformer layer saves for backward per micro-batch, outside the MoE
     layer, without recompute (Korthikanti et al. 2022, generalised: p = activation bytes,
-    N = s b tokens, r = 1 / t with sequence parallelism, else 1):
+    N = s b / CP tokens of the rank, r = 1 / t with sequence parallelism, else 1; the
+    scores' s is the whole sequence, the keys each query meets):
 
     * attention: input norm's input N H p r; QKV input N H p r; Q N a d p / t, K and V
       2 N g d p / t; unfused scores: softmax output N s a p / t, with attention dropout
@@ -322,7 +336,7 @@ def memory_account(shape: RunShape, moe_peak_bytes: float,
     for first, last in stages:
         dense, expert = parameter_counts(shape, first, last)
         params = dense + expert
-        dp = shape.data_parallel if shape.distributed_optimizer else 1
+        dp = shape.dense_data_parallel if shape.distributed_optimizer else 1
         edp = shape.expert_data_parallel if shape.distributed_optimizer else 1
         per_param = _optimizer_bytes_per_param(shape)
         in_flight = max(1, shape.microbatches_in_flight) if first else 1

@@ -90,7 +90,8 @@ SHAPES: dict[str, list[str]] = {"glm45": GLM_SHAPE, "nemotron_3_nano": NEMOTRON_
 #: all-to-all dispatcher (DeepEP and HybridEP, the flex backends, are CUDA-only), no
 #: recompute (a memory choice), no distributed optimizer (its checkpoint needs TE's fused
 #: Adam state) and so no precision-aware optimizer (TE's FusedAdam, DeepSeek-V3's recipe;
-#: fp32 moments and main grads), no parallelism but EP, data workers in the rank's process,
+#: fp32 moments and main grads), no parallelism but EP (CP too: Megatron's local attention
+#: refuses CP > 1), data workers in the rank's process,
 #: Megatron's RNG tracker (not TE's).
 CPU_OVERRIDES: list[str] = [
     "model.tensor_model_parallel_size=1", "model.pipeline_model_parallel_size=1",

@@ -125,8 +125,33 @@ def test_adapt_leaves_no_refusal_of_the_container(recipe):
     assert refused_settings(cfg) == []
 
 
+def test_context_parallelism_is_kept(recipe):
+    """A recipe with context parallelism (Qwen3-235B-A22B's sets CP 2; its Hub config is
+    not shipped, so Qwen3-30B-A3B's recipe is given CP 2): accepted with the same changes
+    as without it, CP kept, and the final checks pass. The planners are sized for each
+    rank's S / CP tokens."""
+    from megatron_lrmoe.integration.bridge import (
+        bridge_tokens_per_rank,
+        enable_lrmoe,
+        refused_settings,
+    )
+
+    cfg = recipe(QWEN_8)
+    cfg.model.context_parallel_size = 2
+    changes = enable_lrmoe(cfg, adapt=True)
+    assert {c.path: (c.old, c.new) for c in changes} == EXPECTED[QWEN_8]
+    assert refused_settings(cfg) == []
+    assert cfg.model.context_parallel_size == 2
+    cfg.model.apply_rope_fusion = False
+    cfg.model.finalize()
+    seq = cfg.model.seq_length
+    assert (cfg.model.tensor_model_parallel_size, cfg.model.sequence_parallel) == (4, True)
+    assert bridge_tokens_per_rank(cfg.model, 2) == 2 * seq // (4 * 2)
+    cfg.model.sequence_parallel = False
+    assert bridge_tokens_per_rank(cfg.model, 2) == 2 * seq // 2
+
+
 @pytest.mark.parametrize("path, value, needs", [
-    ("model.context_parallel_size", 2, 1),
     ("model.expert_tensor_parallel_size", 2, 1),
     ("model.moe_expert_capacity_factor", 1.25, None),
     ("model.moe_apply_probs_on_input", True, False),

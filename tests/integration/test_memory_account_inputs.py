@@ -84,6 +84,22 @@ def test_run_shape_reads_config_and_args():
     assert run_shape(config, _args(use_distributed_optimizer=True), 128).distributed_optimizer
 
 
+def test_context_parallelism_counts_each_ranks_sequence_shard():
+    """CP 2 (Megatron-LM's args count DP without it): the account's tokens, the MoE part
+    and ``auto`` all follow the rank's S / CP tokens; ``auto`` is not refused."""
+    config = LRMoETransformerConfig(**CONFIG, context_parallel_size=2)
+    args = _args(context_parallel_size=2, data_parallel_size=1)
+    shape = run_shape(config, args, vocab_size=128)
+    assert (shape.context_parallel, shape.data_parallel, shape.tokens) == (2, 1, 32)
+    account = memory_account(config, args, 128, device_bytes=GIB)
+    assert account.moe == _need(config, tokens=32)[1] < _need(config)[1]
+    whole = memory_account(LRMoETransformerConfig(**CONFIG), _args(data_parallel_size=1), 128,
+                           device_bytes=GIB)
+    assert account.activations < whole.activations and account.weights == whole.weights
+    budget = resolve_memory_budget(account, config, args)
+    assert budget == pytest.approx((GIB - account.outside_moe) / GIB)
+
+
 def test_account_moe_part_is_what_the_planner_is_sized_with():
     config = LRMoETransformerConfig(**CONFIG)
     account = memory_account(config, _args(), 128, device_bytes=GIB)

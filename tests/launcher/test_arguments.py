@@ -592,8 +592,9 @@ def test_one_lrmoe_view_maps_both_entry_points(world):
 
 
 def test_tokens_per_rank_of_either_entry_point(world):
-    """One micro-batch's tokens on one rank: micro-batch x sequence, split by TP only
-    under sequence parallelism (both entry points' namespaces carry these dests)."""
+    """One micro-batch's tokens on one rank: micro-batch x sequence, split by CP, and by
+    TP only under sequence parallelism (both entry points' namespaces carry these dests;
+    the launcher's has no context_parallel_size)."""
     assert tokens_per_rank(parse_args(BASE)) == 2 * 64
     assert tokens_per_rank(parse_args(BASE + ["--tensor-model-parallel-size", "2",
                                               "--sequence-parallel"])) == 64
@@ -602,6 +603,11 @@ def test_tokens_per_rank_of_either_entry_point(world):
     assert tokens_per_rank(megatron_args) == 3 * 100 // 4
     megatron_args.sequence_parallel = False
     assert tokens_per_rank(megatron_args) == 300
+    # Context parallelism: each CP rank holds S / CP of every sequence.
+    megatron_args.context_parallel_size = 2
+    assert tokens_per_rank(megatron_args) == 150
+    megatron_args.sequence_parallel = True
+    assert tokens_per_rank(megatron_args) == 3 * 100 // (4 * 2)
 
 
 @pytest.fixture

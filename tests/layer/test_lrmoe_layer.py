@@ -18,11 +18,12 @@ HIDDEN, FFN, EXPERTS = 16, 24, 8
 def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
            swiglu: bool = True, shared: int | None = None, min_retention: float = 0.0,
            hybrid_fraction: float = 0.5, metric: str = "grad_act",
-           router: dict | None = None, fields: dict | None = None):
+           router: dict | None = None, fields: dict | None = None, cp: int = 1):
     """Megatron's MoELayer and an LRMoELayer with the same weights, on this rank.
     ``router``: config fields of a router variant (ROUTERS), set in both; ``fields``:
     other config fields set in both (expert biases, tests/layer/test_expert_biases.py:
-    drawn nonzero, Megatron's are zeros at start)."""
+    drawn nonzero, Megatron's are zeros at start); ``cp``: the context-parallel size
+    (tests/layer/test_context_parallel.py: each rank's tokens are its sequence shard)."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -35,15 +36,16 @@ def _build(ep: int, gamma: float, selection: str = "topk", aux: float = 1e-2,
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(expert_model_parallel_size=ep, context_parallel_size=cp)
     model_parallel_cuda_manual_seed(123)
     common = dict(dict(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
         moe_ffn_hidden_size=FFN, num_moe_experts=EXPERTS, moe_router_topk=2,
         moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=aux,
         moe_router_load_balancing_type="aux_loss" if aux else "none",
-        expert_model_parallel_size=ep, add_bias_linear=False, bias_activation_fusion=False,
-        gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
+        expert_model_parallel_size=ep, context_parallel_size=cp, add_bias_linear=False,
+        bias_activation_fusion=False, gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
         moe_shared_expert_intermediate_size=shared,
     ), **(router or {}), **(fields or {}))
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS).submodules.mlp
@@ -109,9 +111,9 @@ ROUTERS = {
 
 def _compare_with_megatron(ep: int, gamma: float, tokens: int, swiglu: bool, shared,
                            router: dict | None = None, fields: dict | None = None,
-                           grouped: bool | None = None):
+                           grouped: bool | None = None, cp: int = 1):
     megatron, lrmoe = _build(ep, gamma, swiglu=swiglu, shared=shared, router=router,
-                             fields=fields)
+                             fields=fields, cp=cp)
     lrmoe.grouped_gemm = grouped
     x, dy = _inputs(tokens)
     out_m, dx_m, grads_m = _run(megatron, x, dy)
@@ -228,7 +230,8 @@ def _gather_expert_weights(lrmoe, kind: str = "weight"):
 
 def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret: float,
                                   grouped: bool | None = None, metric_name: str = "grad_act",
-                                  router: dict | None = None, fields: dict | None = None):
+                                  router: dict | None = None, fields: dict | None = None,
+                                  cp: int = 1):
     import torch.distributed as dist
 
     from megatron_lrmoe.layer.step_state import _mix_seed
@@ -238,7 +241,7 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
     # hybrid at a non-default fraction: the layer must pass its config's value on.
     megatron, lrmoe = _build(ep, gamma, selection=selection, aux=0.0, min_retention=min_ret,
                              hybrid_fraction=0.3 if selection == "hybrid" else 0.5,
-                             metric=metric_name, router=router, fields=fields)
+                             metric=metric_name, router=router, fields=fields, cp=cp)
     router_ref = megatron.router  # same weights, separate parameters
     lrmoe.grouped_gemm = grouped
     x, dy = _inputs(14)
@@ -340,9 +343,9 @@ def test_prob_metric_drawn_in_forward_equals_dense_reference(gloo2, selection):
         assert all(result.values()), (rank, result)
 
 
-def _kept_pairs_against_reference(ep: int, selection: str):
+def _kept_pairs_against_reference(ep: int, selection: str, cp: int = 1):
     """The debug view's kept pairs and scales vs an independent selection on a dense
-    reference metric, and its absence when not asked for."""
+    reference metric, and its absence when not asked for (``cp``: see ``_build``)."""
     import torch.distributed as dist
 
     from megatron_lrmoe.layer.region import active_kept_pairs_log, record_kept_pairs
@@ -351,7 +354,7 @@ def _kept_pairs_against_reference(ep: int, selection: str):
     from megatron_lrmoe.planning.retention import plan_retention
 
     megatron, lrmoe = _build(ep, 0.6, selection=selection, aux=0.0, min_retention=0.1,
-                             hybrid_fraction=0.3)
+                             hybrid_fraction=0.3, cp=cp)
     x, dy = _inputs(14)
     with record_kept_pairs() as log:
         _run(lrmoe, x, dy)

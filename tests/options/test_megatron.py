@@ -224,7 +224,7 @@ REFUSED_EXAMPLES: dict[str, Any] = {
     "moe_expert_capacity_factor": 1.0, "expert_tensor_parallel_size": 2,
     "moe_apply_probs_on_input": True, "overlap_moe_expert_parallel_comm": True,
     "delay_wgrad_compute": True, "moe_shared_expert_overlap": True, "cuda_graph_impl": "local",
-    "context_parallel_size": 2, "moe_latent_size": 4, "fp8": "e4m3", "moe_router_dtype": "fp64",
+    "moe_latent_size": 4, "fp8": "e4m3", "moe_router_dtype": "fp64",
     "moe_token_drop_policy": "position", "moe_pad_expert_input_to_capacity": True,
     "moe_permute_fusion": True, "moe_router_padding_for_quantization": True,
     "moe_router_padding_for_fp8": True, "moe_pad_experts_for_cuda_graph_inference": True,

@@ -82,6 +82,20 @@ def test_flash_attention_saves_statistics_not_scores():
     assert account.activations == 2 * (LAYER - SCORES + lse) + EMBEDDING + LOGITS
 
 
+def test_context_parallelism_splits_every_sequence():
+    """CP 2: the rank holds s b / CP = 4 tokens; the unfused scores' keys are still the
+    whole sequence (s = 4). Weights and gradients do not change."""
+    account = memory_account(dataclasses.replace(DENSE, context_parallel=2), 0.0)
+    # One layer, N = 4: attention: norm input 4*8*4 = 128, QKV input 128, Q 4*2*4*4 = 128,
+    # K and V 256, scores N s a (p + 1 + p) = 4*4*2*9 = 288, projection input 128, dropout
+    # mask 32 (= 1088); MLP: norm input 128, fc1 input 128, fc1 output 4*16*4 = 256,
+    # activation output 256, dropout mask 32 (= 800).
+    layer = 1088 + 800
+    logits = 2 * 4 * 8 * 4 + 4 * 32 * (4 + 4)
+    assert account.activations == 2 * layer + 4 * 8 + logits == 5088
+    assert account.weights == account.gradients == 1472 * 4
+
+
 # MoE: two MoE layers, 4 experts of F 8 (not gated), EP 2, RMSNorm, no biases, untied
 # embeddings, bf16 with fp32 main grads.
 MOE = RunShape(num_layers=2, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
@@ -105,6 +119,11 @@ def test_optimizer_state_and_its_sharding():
     # Dense parameters over DP = 4; experts over expert-DP = DP x TP / (EP x ETP) = 2.
     assert sharded.optimizer == 12 * (MOE_DENSE / 4 + MOE_EXPERT / 2)
     assert sharded.weights == plain.weights and sharded.gradients == plain.gradients
+    # Context parallelism: dense parameters over DP x CP = 8, experts over expert-DP =
+    # DP x CP x TP / (EP x ETP) = 4 (the expert grid is cut from TP x CP x DP).
+    with_cp = memory_account(dataclasses.replace(MOE, distributed_optimizer=True,
+                                                 context_parallel=2), 0.0)
+    assert with_cp.optimizer == 12 * (MOE_DENSE / 8 + MOE_EXPERT / 4)
     sgd = memory_account(dataclasses.replace(MOE, optimizer="sgd"), 0.0)
     assert sgd.optimizer == params * (4 + 4)   # momentum + master weights
     fp16_grads = memory_account(dataclasses.replace(MOE, grad_bytes=2), 0.0)
