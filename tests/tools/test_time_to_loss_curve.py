@@ -127,6 +127,7 @@ def test_curve_stage_trains_twice_the_steps_and_keeps_its_logs_small(tmp_path, m
     assert (stage.steps, stage.total, stage.seeds) == (200, 400, (1, 2, 3))
     assert base[base.index("--train-iters") + 1] == "400"
     assert base[base.index("--log-interval") + 1] == "5"
+    assert stage.budget_replicas == 48 and ttl.STAGES["confirm"].budget_replicas == 2
     run = tmp_path / "run"
     run.mkdir()
     (run / "log.jsonl").write_text(json.dumps(
