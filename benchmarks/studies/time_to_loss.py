@@ -3,6 +3,7 @@
     bash benchmarks/studies/time_to_loss.sh                        # the screen (one seed)
     bash benchmarks/studies/time_to_loss.sh --stage confirm --policies lrmoe-uniform-g1,...
     bash benchmarks/studies/time_to_loss.sh --stage ci --out-dir /tmp/ttl   # a few minutes
+    bash benchmarks/studies/time_to_loss.sh --stage curve --config configs/ep_study.yaml --ep 8
 
 The study's driver is ``megatron_lrmoe.tools.time_to_loss`` (what is measured and how:
 its docstring; the policies: ``megatron_lrmoe.tools.time_to_loss_policies``), where the

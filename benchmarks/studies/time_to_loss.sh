@@ -4,6 +4,8 @@
 #   bash benchmarks/studies/time_to_loss.sh                   # screen: one seed, every policy
 #   bash benchmarks/studies/time_to_loss.sh --stage confirm --policies symi,lrmoe-uniform-g1.0
 #   bash benchmarks/studies/time_to_loss.sh --list            # the policies and their flags
+#   bash benchmarks/studies/time_to_loss.sh --stage curve --config configs/ep_study.yaml --ep 8
+#       # steps to target against retained fraction (docs/benchmarks.md, "Time to a fixed loss")
 #   bash benchmarks/studies/time_to_loss.sh --data-path data/manpages --out-dir ...  # 2nd corpus
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -54,7 +54,7 @@ from pathlib import Path
 
 from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools import time_to_loss as ttl
-from megatron_lrmoe.tools.time_to_loss_policies import policies, world_size
+from megatron_lrmoe.tools.time_to_loss_policies import Policies, policies, world_size
 
 __all__ = ["base_flags", "policy_flags", "run_flags", "summarize_run", "write_report"]
 
@@ -81,7 +81,8 @@ def policy_flags(name: str, base: list[str]) -> list[str]:
     policy = ttl.family(name)
     every = policies("auto")
     if policy not in every:
-        raise SystemExit(f"{name}: unknown policy {policy!r}; known: {', '.join(every)}")
+        raise SystemExit(f"{name}: unknown policy ({Policies.problem(policy)}); listed: "
+                         f"{', '.join(every)}")
     flags = ttl.on_device(every[policy])
     wanted = ttl.fitted_of(name)
     if wanted == "none":

@@ -3,6 +3,8 @@
     bash benchmarks/studies/time_to_loss.sh                        # the screen (one seed)
     bash benchmarks/studies/time_to_loss.sh --stage confirm --policies lrmoe-uniform-g1,...
     bash benchmarks/studies/time_to_loss.sh --stage ci --out-dir /tmp/ttl   # a few minutes
+    bash benchmarks/studies/time_to_loss.sh --stage curve --config configs/ep_study.yaml \
+        --ep 8 --policies lrmoe-uniform-g0.6-ma      # one point of the curve (3 seeds)
 
 (``benchmarks/studies/time_to_loss.sh`` prepares the corpora, then runs ``main`` here
 through ``benchmarks/studies/time_to_loss.py``; the policies and the study's model config:
@@ -23,6 +25,15 @@ validation loss at equal tokens (the last evaluation at or before ``--steps``) a
 the end, the retained fraction and the backward bytes saved, and the step's seconds
 outside the MoE layers ("other s / step": the same work for every run of one
 micro-batch size and recompute setting, so a machine whose speed drifts shows there).
+
+The curve (``--stage curve``, issue 48): steps to the 100% target against the measured
+retained fraction, per selection rule (``CURVE_POLICIES``: uniform and router-probability
+sampling, memory-aware, gammas ``CURVE_GAMMAS``), seeds 1-3, every run paired with its
+seed's dropless run; runs train 2 x ``--steps`` (200), so that "not reached by 2 x
+dropless's steps" is decided inside every run; their logs keep only what the reports read
+(``CURVE_LOG_KEYS``) and no routing is recorded. The report adds the curve's points and
+pairing table (``megatron_lrmoe.tools.time_to_loss_curve``). ``--stage curve-ci``: the
+same rules at the CI shape, two 5-step policies.
 
 Rounds (``--rounds K``): each seed's runs train K equal segments in turn, every run
 resumed from its checkpoint (the launcher's bitwise resume), the order reversed in every
@@ -59,6 +70,7 @@ several sessions. The exact command of every run is in its ``done.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -72,11 +84,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_lrmoe.tools import run_log
+from megatron_lrmoe.tools import run_log, time_to_loss_curve
 from megatron_lrmoe.tools.figures import save_png
 from megatron_lrmoe.tools.time_to_loss_policies import (
+    LRMOE_NAME,
     REFERENCE,
     STUDY_CONFIG,
+    Policies,
     flag_or_config,
     policies,
     study_budget_gb,
@@ -102,20 +116,63 @@ UNCONSTRAINED = "unconstrained/"
 
 @dataclass(frozen=True)
 class Stage:
-    steps: int
+    steps: int                       # the dropless run's: targets at 50/75/100% of them
     seeds: tuple[int, ...]
     shape: tuple[str, ...] = ()      # launcher flags overriding the config's shape
     eval_interval: int | None = None
+    run_factor: float = 1.5          # every run trains run_factor x steps
+    log_interval: int | None = None  # default steps / 10
+    policies: tuple[str, ...] = ()   # run without --policies (empty: every listed one)
+    record_routing: bool = True      # runs/<run>/routing, for the simulator's validation
+    log_keys: tuple[str, ...] | None = None   # a finished run's log keeps these (None: all)
+    curve: bool = False              # the report adds the curve (time_to_loss_curve)
+    budget_replicas: float = 2.0     # memory budget: balanced dropless + these instances
 
+    @property
+    def total(self) -> int:
+        """The steps every run of the stage trains."""
+        return round(self.run_factor * self.steps)
+
+
+CI_SHAPE = ("--num-layers", "1", "--hidden-size", "32", "--moe-ffn-hidden-size", "32",
+            "--ffn-hidden-size", "64", "--seq-length", "64", "--max-position-embeddings", "64",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--num-experts", "4",
+            "--lr-warmup-iters", "1", "--eval-iters", "1")
+
+# The curve's gammas. Below 1 the retained fraction is about gamma: memory-aware placement
+# levels the ranks' loads above gamma x the mean, so each keeps its capacity exactly
+# (stored, memory-aware: gamma 0.75 retained 0.748-0.749 at EP 2, 0.5 retained 0.484 at
+# EP 16; at 1.0 the ranks under the mean keep all, 0.97 at EP 8).
+CURVE_GAMMAS = {"uniform": ("0.9", "0.75", "0.6", "0.45", "0.3"),
+                "sample-prob": ("0.6", "0.45", "0.3")}
+CURVE_POLICIES = tuple(f"lrmoe-{rule}-g{gamma}-ma"
+                       for rule, gammas in CURVE_GAMMAS.items() for gamma in gammas)
+CURVE_LOG_KEYS = (
+    "iteration", "lm-loss", "validation-loss", "moe-forward-s", "moe-backward-s",
+    "step-time-s", "lrmoe/retained-fraction", "lrmoe/dropped-contribution-fraction",
+    "lrmoe/backward-bytes-saved", "lrmoe/load-max-over-mean",
+    "lrmoe/load-max-over-mean-median", "lrmoe/budget-adjusted-calls")
+"""What the reports read of a curve run's log (``analyse_run``, the curve, the run
+report); per-layer statistics and the routed loads are dropped to keep the curve small."""
+# The curve's runs train 2 x steps: the cap of "not reached" (2 x dropless's steps) lies
+# inside every run. LRMoE statistics every 5 steps: the retained fraction's median. A
+# budget that does not bind, so that the drop is what gamma asks: the EP 8 model's first
+# 30 steps (placed load max/mean up to 2.5) at gamma 0.9 lowered gamma in 512 calls with
+# room for 2 instances per layer and rank, in 24 with 16, in none with 48 (0.0496 GiB).
+_CURVE = dict(run_factor=2.0, log_interval=5, policies=CURVE_POLICIES, record_routing=False,
+              log_keys=CURVE_LOG_KEYS, curve=True, budget_replicas=48.0)
 
 STAGES = {
     "screen": Stage(steps=150, seeds=(1,)),
     "confirm": Stage(steps=150, seeds=(1, 2, 3)),
-    "ci": Stage(steps=4, seeds=(1,), shape=(
-        "--num-layers", "1", "--hidden-size", "32", "--moe-ffn-hidden-size", "32",
-        "--ffn-hidden-size", "64", "--seq-length", "64", "--max-position-embeddings", "64",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--num-experts", "4",
-        "--lr-warmup-iters", "1", "--eval-iters", "1"), eval_interval=2),
+    "ci": Stage(steps=4, seeds=(1,), shape=CI_SHAPE, eval_interval=2),
+    # The curve (issue 48): the seeds of every point, each paired with its dropless run;
+    # the EP 8 study model's stored runs reach their targets near 200 steps.
+    "curve": Stage(steps=200, seeds=(1, 2, 3), **_CURVE),
+    # The curve's rules on the CI shape: two 5-step policies and their pairing, in seconds.
+    "curve-ci": Stage(steps=5, seeds=(1,), shape=CI_SHAPE, eval_interval=5,
+                      **{**_CURVE, "log_interval": 1,
+                         "policies": ("lrmoe-uniform-g0.45-ma", "lrmoe-sample-prob-g0.45-ma")}),
 }
 
 
@@ -129,7 +186,8 @@ def run_command(run_dir: Path, flags: list[str], port: int) -> list[str]:
 
 
 def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = None,
-            total: int | None = None, until: int | None = None) -> dict | None:
+            total: int | None = None, until: int | None = None,
+            log_keys: tuple[str, ...] | None = None) -> dict | None:
     """Train one (policy, seed) unless ``done.json`` exists; return its record.
 
     With ``segment`` (steps per round, ``--rounds``): train from the run's checkpoint
@@ -138,12 +196,13 @@ def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = No
     ``total``; the log keeps the steps up to the checkpoint (a segment stopped midway
     leaves steps that its rerun logs again), the record the walls of every segment. A run
     already at ``until`` (its round's end: ahead of the others after an interrupted study)
-    waits for the next round."""
+    waits for the next round. ``log_keys``: what the finished run's log keeps
+    (``compact``)."""
     from megatron_lrmoe.launcher.checkpointing import read_tracker
 
     done = run_dir / "done.json"
     if done.exists():
-        compact(run_dir)      # a study stopped between the two steps of finishing a run
+        compact(run_dir, log_keys)   # a study stopped between the two steps of finishing
         return json.loads(done.read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = run_dir / CHECKPOINT
@@ -190,17 +249,23 @@ def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = No
     _write_atomic(done, record)    # a half-written done.json never marks a run done
     shutil.rmtree(checkpoint, ignore_errors=True)
     walls_file.unlink(missing_ok=True)
-    compact(run_dir)
+    compact(run_dir, log_keys)
     return record
 
 
-def compact(run_dir: Path) -> None:
-    """Store a finished run small: its log and stdout compressed, its routing record
-    repacked. After ``done.json``: a run stopped while it trained keeps its plain files
-    to resume."""
+def compact(run_dir: Path, log_keys: tuple[str, ...] | None = None) -> None:
+    """Store a finished run small: its log (only ``log_keys`` of each record, when given)
+    and stdout compressed, its routing record repacked. After ``done.json``: a run
+    stopped while it trained keeps its plain files to resume."""
     from megatron_lrmoe.data.routing_traces import repack
 
-    run_log.compress(run_dir / "log.jsonl")
+    log = run_dir / "log.jsonl"
+    if log_keys is not None and log.exists():
+        kept = [{k: v for k, v in r.items() if k in log_keys} for r in run_log.read_records(log)]
+        tmp = log.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, log)     # an interrupted trim leaves the whole log, never half
+    run_log.compress(log)
     run_log.compress(run_dir / "stdout.txt")
     if (run_dir / "routing").is_dir():
         repack(run_dir / "routing")
@@ -657,7 +722,7 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
         f"Runs finished: {len(logs)}; machine time of the finished runs {machine / 60:.1f} min "
         f"({world_size(base_flags)} ranks x 1 thread on {os.cpu_count()} cores, gloo). "
         "Each run: "
-        f"{round(1.5 * stage.steps)} steps; targets = the dropless run's trailing-mean "
+        f"{stage.total} steps; targets = the dropless run's trailing-mean "
         f"training loss (window {window}) at 50/75/100% of {stage.steps} steps, per seed: "
         + ", ".join(f"seed {s}: " + "/".join(f"{v:.4f}" for v in t.values())
                     for s, t in sorted(targets.items())) + ".",
@@ -700,12 +765,21 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
         "",
         per_seed_table(seeds),
     ]) + "\n"
+    curve = {}
+    if stage.curve:
+        paired = time_to_loss_curve.pairs(logs, per_run, targets, window, stage.run_factor)
+        text += "\n## The curve\n\n" + time_to_loss_curve.markdown(
+            paired, stage.run_factor) + "\n"
+        curve = {"curve": {
+            "cap_factor": stage.run_factor, "points": time_to_loss_curve.points(paired),
+            "pairs": [{"seed": seed, "policy": name, **p}
+                      for (name, seed), p in time_to_loss_curve.ordered(paired)]}}
     (out_dir / "report.md").write_text(text)
     held = {} if device is None else {
         "device_gib": device.gib, "budget_gib": device.budget_gib, "binding": device.binding,
         "failed": {f"{n}-s{s}": msg for (n, s), msg in failed.items()}}
     (out_dir / "report.json").write_text(json.dumps(
-        {**held, "rows": rows, "per_seed": seeds,
+        {**held, "rows": rows, "per_seed": seeds, **curve,
          "targets": {str(k): v for k, v in targets.items()},
          "val_targets": {str(k): v for k, v in val_targets.items()}}, indent=1))
     if device is not None:
@@ -803,15 +877,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--stage", choices=tuple(STAGES), default="screen")
     p.add_argument("--steps", type=int, default=None,
-                   help="the dropless run's steps (targets at 50/75/100%%); runs go to 1.5x")
+                   help="the dropless run's steps (targets at 50/75/100%%); runs go to "
+                        "1.5x (the curve: 2x)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the stage's)")
     p.add_argument("--policies", default=None,
-                   help="comma-separated policy names (default: all); the dropless reference "
+                   help="comma-separated policy names (default: the stage's, else every "
+                        "listed one; LRMoE policies by their flags: "
+                        + LRMOE_NAME.replace("%", "%%") + "); the dropless reference "
                         "is always included; with --device-gib, policy@fitted (a run name "
                         "of the screen) runs only that fitting configuration")
-    p.add_argument("--budget-replicas", type=float, default=2.0,
+    p.add_argument("--budget-replicas", type=float, default=None,
                    help="budget = balanced dropless need + this many expert instances per "
-                        "layer and rank")
+                        "layer and rank (default: the stage's; 2, the curve 48)")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="default benchmarks/results/time_to_loss/<stage>")
     p.add_argument("--data-path", default="data/stdlib",
@@ -853,6 +930,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "resumed from its checkpoint in turn, the order reversed every other "
                         "round: a machine whose speed drifts slows every run alike "
                         "(docs/decisions.md); 1: each run start to end")
+    p.add_argument("--no-plots", action="store_true",
+                   help="write the report's tables only, not its figures (a rerun without "
+                        "this flag draws them from the stored logs)")
     p.add_argument("--port", type=int, default=29531)
     p.add_argument("--list", action="store_true", help="print the policies and exit")
     return p.parse_args(argv)
@@ -862,11 +942,9 @@ def study_setup(args: argparse.Namespace) -> tuple[Stage, list[str]]:
     """The stage (steps, seeds) and the flags every run of the study shares."""
     stage = STAGES[args.stage]
     if args.steps:
-        stage = Stage(args.steps, stage.seeds, stage.shape, stage.eval_interval)
+        stage = dataclasses.replace(stage, steps=args.steps)
     if args.seeds:
-        stage = Stage(stage.steps, tuple(int(s) for s in args.seeds.split(",")), stage.shape,
-                      stage.eval_interval)
-    total = round(1.5 * stage.steps)
+        stage = dataclasses.replace(stage, seeds=tuple(int(s) for s in args.seeds.split(",")))
     eval_interval = stage.eval_interval or max(1, stage.steps // 4)
     study_shape = []       # the study parameters, recorded in the report with the flags
     if args.hidden_size:
@@ -882,8 +960,9 @@ def study_setup(args: argparse.Namespace) -> tuple[Stage, list[str]]:
                         str(micro_batch * world_size(shape) * args.microbatches)]
     return stage, ["--config", args.config, *stage.shape, *study_shape,
                    "--data-path", args.data_path, "--data-cache-path", args.data_cache_path,
-                   "--train-iters", str(total), "--eval-interval", str(eval_interval),
-                   "--log-interval", str(max(1, stage.steps // 10)), "--no-progress-bar"]
+                   "--train-iters", str(stage.total), "--eval-interval", str(eval_interval),
+                   "--log-interval", str(stage.log_interval or max(1, stage.steps // 10)),
+                   "--no-progress-bar"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -892,12 +971,13 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out_dir or ROOT / "benchmarks" / "results" / "time_to_loss" / (
         args.stage if args.config == STUDY_CONFIG and not args.ep
         else f"{Path(args.config).stem}_ep{world_size(base)}/{args.stage}")
-    total = round(1.5 * stage.steps)
+    total = stage.total
     if args.rounds < 1 or total % args.rounds:
         raise SystemExit(f"--rounds {args.rounds}: a run's {total} steps must split into that "
                          "many equal rounds; choose one of "
                          + ", ".join(str(k) for k in range(1, total + 1) if total % k == 0))
     device = None
+    asked = args.policies or ",".join(stage.policies)     # none: every listed policy
     # Flags are validated as the runs' (one rank per expert-parallel rank).
     os.environ["WORLD_SIZE"] = str(world_size(base))
     if args.device_gib is not None:
@@ -905,19 +985,21 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--device-gib needs --unconstrained-dir (the unconstrained study "
                              "whose dropless runs set the targets)")
         budget_gb, (table, device) = "auto", fitted_policies(
-            base, args.device_gib, args.unconstrained_dir, stage.seeds[0], args.policies,
+            base, args.device_gib, args.unconstrained_dir, stage.seeds[0], asked,
             args.calibration)
     else:
-        budget_gb = study_budget_gb(base, args.budget_replicas)
+        budget_gb = study_budget_gb(base, args.budget_replicas or stage.budget_replicas)
         table = policies(budget_gb)
-    if args.list:
-        for name, flags in table.items():
-            print(f"{name}: {shlex.join(flags)}")
+    chosen = list(table) if not asked or device else [REFERENCE] + [
+        p for p in asked.split(",") if p and p != REFERENCE]
+    if args.list:     # the listed policies, and the stage's or the asked ones
+        for name in dict.fromkeys([*table, *chosen]):
+            print(f"{name}: {shlex.join(table[name])}")
         return 0
-    chosen = list(table) if not args.policies or device else [REFERENCE] + [
-        p for p in args.policies.split(",") if p and p != REFERENCE]
     if bad := [p for p in chosen if p not in table]:
-        raise SystemExit(f"unknown policies {bad}; --list shows them")
+        raise SystemExit("--policies: " + "; ".join(
+            Policies.problem(p) or f"{p!r}: not a configuration of this study" for p in bad)
+            + " (--list shows the listed policies)")
     command = shlex.join(["bash", "benchmarks/studies/time_to_loss.sh", *(
         sys.argv[1:] if argv is None else argv)])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -927,13 +1009,14 @@ def main(argv: list[str] | None = None) -> int:
         for round_, name in schedule(chosen, args.rounds):
             run_dir = out_dir / "runs" / f"{name}-s{seed}"
             started = time.perf_counter()
-            record = [] if args.no_record_routing else [
+            record = [] if args.no_record_routing or not stage.record_routing else [
                 "--record-routing", str(run_dir / "routing")]
             ran = not (run_dir / "done.json").exists()
             held = [] if device is None else ["--device-memory-gb", f"{device.gib:g}"]
             finished = run_one(run_dir, base + ["--seed", str(seed), *table[name], *held,
                                                 *record], args.port, segment, total,
-                               until=(round_ + 1) * (segment or total))
+                               until=(round_ + 1) * (segment or total),
+                               log_keys=stage.log_keys)
             took = f"{time.perf_counter() - started:.0f} s"
             if not ran and round_:     # done before this invocation: said in round 1
                 continue
@@ -943,10 +1026,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"[time_to_loss] {run_dir.name}: done ({took})", flush=True)
             if ran:    # after every new run, so that an interrupted study has its report
-                write_report(out_dir, stage, args.stage, command, base, budget_gb, device)
+                write_report(out_dir, stage, args.stage, command, base, budget_gb, device,
+                             plots=not args.no_plots)
                 reported = True
     if not reported:     # nothing new ran: rewrite it once (with today's analysis)
-        write_report(out_dir, stage, args.stage, command, base, budget_gb, device)
+        write_report(out_dir, stage, args.stage, command, base, budget_gb, device,
+                     plots=not args.no_plots)
     print((out_dir / "report.md").read_text())
     return 0
 

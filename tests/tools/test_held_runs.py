@@ -39,8 +39,8 @@ def test_a_name_the_fitting_has_no_configuration_for_is_refused(corpus, monkeypa
     base = hr.base_flags("configs/ep_study.yaml", 16, 60, 30, 10, data_path=corpus)
     with pytest.raises(SystemExit, match="slots 200"):
         hr.policy_flags("symi@slots_200", base)
-    with pytest.raises(SystemExit, match="unknown policy"):
-        hr.policy_flags("lrmoe-uniform-g0.3-ma", base)
+    with pytest.raises(SystemExit, match="unknown policy .*selection 'unif'"):
+        hr.policy_flags("lrmoe-unif-g0.3-ma", base)
 
 
 def _step(i, fwd, bwd, peak, **lrmoe):
