@@ -26,7 +26,7 @@ the end, the retained fraction and the backward bytes saved, and the step's seco
 outside the MoE layers ("other s / step": the same work for every run of one
 micro-batch size and recompute setting, so a machine whose speed drifts shows there).
 
-The curve (``--stage curve``, issue 48): steps to the 100% target against the measured
+The curve (``--stage curve``): steps to the 100% target against the measured
 retained fraction, per selection rule (``CURVE_POLICIES``: uniform and router-probability
 sampling, memory-aware, gammas ``CURVE_GAMMAS``), seeds 1-3, every run paired with its
 seed's dropless run; runs train 2 x ``--steps`` (200), so that "not reached by 2 x
@@ -166,7 +166,7 @@ STAGES = {
     "screen": Stage(steps=150, seeds=(1,)),
     "confirm": Stage(steps=150, seeds=(1, 2, 3)),
     "ci": Stage(steps=4, seeds=(1,), shape=CI_SHAPE, eval_interval=2),
-    # The curve (issue 48): the seeds of every point, each paired with its dropless run;
+    # The curve: the seeds of every point, each paired with its dropless run;
     # the EP 8 study model's stored runs reach their targets near 200 steps.
     "curve": Stage(steps=200, seeds=(1, 2, 3), **_CURVE),
     # The curve's rules on the CI shape: two 5-step policies and their pairing, in seconds.
