@@ -469,8 +469,9 @@ class LayerPlanner:
 
         Stage 1 plans each exactly on the smoothed counts, like ``plan`` does but with
         neither receive limits nor a lowered gamma (``_unbudgeted``), and prices it as
-        the simulator judges a call (``_judged_time``: GEMMs instance by instance, plus
-        the replicas' refresh and reduction amortised over the step). A candidate
+        the simulator judges a call (``_plan_times`` and ``_group_time``: GEMMs instance
+        by instance, plus the replicas' refresh and reduction amortised over the step);
+        each candidate is judged in one call of ``_evaluator``'s judge. A candidate
         qualifies if it is faster than static, its peak memory fits the layer share (at
         gamma = inf: no larger than max(share, static's peak)) and the budget's receive
         limits do not bind on its routing. Stage 2 prices static, the ``FINALISTS``
