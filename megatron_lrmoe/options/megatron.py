@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "EXTRA_FIELDS", "MEGATRON_OPTIONS", "NO_FIX", "OFFLOAD_MODULES_AS_IS",
-    "OFFLOAD_MODULES_REFUSED", "PREFIXES", "Handling", "MegatronOption",
+    "ARCHITECTURE_FIELDS", "EXTRA_FIELDS", "MEGATRON_OPTIONS", "NO_FIX",
+    "OFFLOAD_MODULES_AS_IS", "OFFLOAD_MODULES_REFUSED", "PREFIXES", "Handling", "MegatronOption",
     "megatron_lm_argument_rows", "megatron_option",
     "refused_offload_modules",
 ]
@@ -73,6 +73,42 @@ class _NoFix:
 NO_FIX: Any = _NoFix()
 
 
+#: The ``TransformerConfig`` fields that define the model rather than how it is computed:
+#: its shape and function (attention, MLA, experts and routing, MTP, norms, activations,
+#: biases), its parallel layout and its precision. No row may mark one of them
+#: ``adaptable``: ``enable_lrmoe(cfg, adapt=True)`` changes implementation choices only
+#: (dispatcher, fusions, overlaps, CUDA graphs, offloading), so a model trained with
+#: LRMoE is the recipe's model (``MegatronOption.__post_init__`` holds it).
+ARCHITECTURE_FIELDS: frozenset[str] = frozenset({
+    # shape and attention
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+    "num_query_groups", "kv_channels", "add_qkv_bias", "attention_output_gate",
+    "qk_layernorm", "softmax_type", "window_size", "window_attn_skip_freq", "no_rope_freq",
+    "rotary_interleaved", "experimental_attention_variant", "linear_attention_freq",
+    # multi-latent attention
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+    "qk_pos_emb_head_dim", "v_head_dim",
+    # MLPs, experts and routing (their function)
+    "add_bias_linear", "gated_linear_unit", "activation_func", "activation_func_clamp_value",
+    "glu_linear_offset", "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+    "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+    "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
+    "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate", "moe_latent_size", "moe_expert_capacity_factor",
+    "moe_apply_probs_on_input",
+    # depth beyond the decoder, norms
+    "mtp_num_layers", "normalization", "layernorm_epsilon", "layernorm_zero_centered_gamma",
+    # parallel layout
+    "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout",
+    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+    "context_parallel_size", "hierarchical_context_parallel_sizes",
+    "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+    # precision
+    "params_dtype", "fp8", "fp4",
+})
+
+
 @dataclass(frozen=True)
 class MegatronOption:
     """One Megatron option under ``--moe-lrmoe``.
@@ -89,7 +125,8 @@ class MegatronOption:
     refuses unless it sets ``fix``. ``adaptable``: a Bridge recipe's value may be
     replaced by the fix (``enable_lrmoe(cfg, adapt=True)``). Only implementation choices
     are (dispatcher, fusions, overlaps, CUDA graphs, offloading): settings that change the
-    model's parameters or function, its parallel layout, or its precision are not.
+    model's parameters or function, its parallel layout, or its precision are not: a row of
+    one of ``ARCHITECTURE_FIELDS`` marked adaptable fails at import.
     """
 
     name: str
@@ -109,6 +146,9 @@ class MegatronOption:
             raise ValueError(f"{self.name}: a refused option needs its refuse predicate")
         if (self.refuse is None) != (self.problem is None):
             raise ValueError(f"{self.name}: refuse and problem go together")
+        if self.refuse is not None and self.adaptable and self.name in ARCHITECTURE_FIELDS:
+            raise ValueError(f"{self.name}: defines the model (ARCHITECTURE_FIELDS), so a "
+                             "recipe's value is refused, never adapted: adaptable=False")
 
     def fix_for(self, value: Any) -> Any:
         """What LRMoE needs instead of the refused ``value``; ``NO_FIX``: Megatron's

@@ -9,9 +9,9 @@ changed. huggingface_hub reads these variables when it is imported: set them bef
 (tests/conftest.py does, before the gloo pools start, which inherit them).
 
 Cache layout (huggingface_hub's): ``models--<org>--<name>/snapshots/<commit>/config.json``
-and ``refs/main`` holding the commit. A recipe that pins a revision (Qwen3-30B-A3B's
-``_QWEN3_30B_A3B_MODEL_REVISION``) finds its snapshot under that commit; for the others,
-``main`` points at a local commit id made from the file's own hash.
+and ``refs/main`` holding the commit. A recipe that pins a revision (Qwen3-30B-A3B's and
+Moonlight-16B-A3B's: ``PINNED_REVISIONS``) finds its snapshot under that commit; for the
+others, ``main`` points at a local commit id made from the file's own hash.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ HF_CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "hf_co
 
 #: Revisions the recipes of Megatron-Bridge 0.6.2 pin, by repository: the snapshot must
 #: carry this commit id (megatron/bridge/recipes/qwen/h100/qwen3_moe.py:
-#: _QWEN3_30B_A3B_MODEL_REVISION).
+#: _QWEN3_30B_A3B_MODEL_REVISION, moonlight/h100/moonlight_16b.py:
+#: _MOONLIGHT_16B_MODEL_REVISION).
 PINNED_REVISIONS: dict[str, str] = {
     "Qwen/Qwen3-30B-A3B": "ad44e777bcd18fa416d9da3bd8f70d33ebb85d39",
+    "moonshotai/Moonlight-16B-A3B": "476b36a473d4467f94469414bef6cee75c9c8172",
 }
 
 

@@ -29,6 +29,7 @@ QWEN_8 = "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config"
 QWEN_16 = "qwen3_30b_a3b_pretrain_config"        # Bridge's alias of the 16 x H100 recipe
 GLM_AIR = "glm45_air_106b_pretrain_config"
 DEEPSEEK_V3 = "deepseek_v3_pretrain_config"     # multi-latent attention (an MLA provider)
+QWEN3_235B = "qwen3_235b_a22b_pretrain_config"  # context parallelism 2
 
 # What each recipe sets that LRMoE cannot run, on a machine without CUDA (where Bridge's
 # apply_flex_dispatcher_backend turns DeepEP on for the 8-GPU recipe), and what it needs.
@@ -126,29 +127,26 @@ def test_adapt_leaves_no_refusal_of_the_container(recipe):
 
 
 def test_context_parallelism_is_kept(recipe):
-    """A recipe with context parallelism (Qwen3-235B-A22B's sets CP 2; its Hub config is
-    not shipped, so Qwen3-30B-A3B's recipe is given CP 2): accepted with the same changes
-    as without it, CP kept, and the final checks pass. The planners are sized for each
-    rank's S / CP tokens."""
+    """Qwen3-235B-A22B's recipe sets CP 2 (with TP 4 and sequence parallelism): accepted,
+    CP kept, and the final checks pass (its changes: the recipe table's test). The
+    planners are sized for each rank's S / CP tokens."""
     from megatron_lrmoe.integration.bridge import (
         bridge_tokens_per_rank,
         enable_lrmoe,
         refused_settings,
     )
 
-    cfg = recipe(QWEN_8)
-    cfg.model.context_parallel_size = 2
-    changes = enable_lrmoe(cfg, adapt=True)
-    assert {c.path: (c.old, c.new) for c in changes} == EXPECTED[QWEN_8]
+    cfg = recipe(QWEN3_235B)
+    enable_lrmoe(cfg, adapt=True)
     assert refused_settings(cfg) == []
-    assert cfg.model.context_parallel_size == 2
-    cfg.model.apply_rope_fusion = False
-    cfg.model.finalize()
-    seq = cfg.model.seq_length
-    assert (cfg.model.tensor_model_parallel_size, cfg.model.sequence_parallel) == (4, True)
-    assert bridge_tokens_per_rank(cfg.model, 2) == 2 * seq // (4 * 2)
-    cfg.model.sequence_parallel = False
-    assert bridge_tokens_per_rank(cfg.model, 2) == 2 * seq // 2
+    model = cfg.model
+    assert (model.context_parallel_size, model.tensor_model_parallel_size,
+            model.sequence_parallel) == (2, 4, True)
+    model.finalize()
+    seq = model.seq_length
+    assert bridge_tokens_per_rank(model, 2) == 2 * seq // (4 * 2)
+    model.sequence_parallel = False
+    assert bridge_tokens_per_rank(model, 2) == 2 * seq // 2
 
 
 @pytest.mark.parametrize("path, value, needs", [

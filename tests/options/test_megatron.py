@@ -41,6 +41,7 @@ from megatron_lrmoe.options.lrmoe import (
     flag_of,
 )
 from megatron_lrmoe.options.megatron import (
+    ARCHITECTURE_FIELDS,
     EXTRA_FIELDS,
     MEGATRON_OPTIONS,
     OFFLOAD_MODULES_AS_IS,
@@ -113,6 +114,34 @@ def test_every_row_is_a_real_megatron_option():
             assert row.name in fields, row.name
     assert {row.name for row in MEGATRON_OPTIONS
             if not row.name.startswith(PREFIXES)} == EXTRA_FIELDS
+
+
+def test_architecture_fields_are_megatron_config_fields():
+    """ARCHITECTURE_FIELDS names fields of Megatron's config (MLA's included): a typo
+    would protect nothing."""
+    from megatron.core.transformer import MLATransformerConfig
+
+    fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    assert sorted(ARCHITECTURE_FIELDS - fields) == []
+
+
+def test_no_adaptable_row_defines_the_model():
+    """``adapt`` replaces only implementation choices: every row that refuses a value of
+    an architecture, layout or precision field is marked not adaptable, and a row that
+    says otherwise is refused when the table is built."""
+    from megatron_lrmoe.options.megatron import MegatronOption
+
+    for row in MEGATRON_OPTIONS:
+        if row.refuse is not None and row.name in ARCHITECTURE_FIELDS:
+            assert not row.adaptable, row.name
+    # The option table's refused rows on these fields: they exist, so the check bites.
+    assert {"moe_latent_size", "expert_tensor_parallel_size", "moe_expert_capacity_factor",
+            "fp8"} <= {r.name for r in MEGATRON_OPTIONS
+                       if r.refuse is not None and r.name in ARCHITECTURE_FIELDS}
+    with pytest.raises(ValueError, match="hidden_size: defines the model"):
+        MegatronOption("hidden_size", Handling.REFUSED, "why", refuse=bool, problem="p")
+    MegatronOption("hidden_size", Handling.REFUSED, "why", refuse=bool, problem="p",
+                   adaptable=False)
 
 
 def _megatron_lm_checkout() -> str | None:
