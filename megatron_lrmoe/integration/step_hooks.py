@@ -246,10 +246,15 @@ def chain_to_rerun_state_machine(model_chunks: Callable[[], list[torch.nn.Module
 
 
 def machine_constants_line(machine: MachineConstants) -> str:
-    """The planner's machine constants in one log line, with their figures and source."""
+    """The planner's machine constants in one log line, with their figures and source,
+    then the three exactly (``repr``), so that a replay of the run's placement choices
+    (``tools.simulator_counts``) prices with the very numbers the run did: a choice
+    between near-equal candidates can turn on the fifth figure."""
     return (f"LRMoE planner machine constants: expert GEMM {machine.gemm_flops_per_s / 1e9:.4g} "
             f"GFLOP/s, all-to-all {machine.alltoall_bytes_per_s / 1e9:.4g} GB/s, latency "
-            f"{machine.alltoall_latency_s * 1e6:.4g} us ({machine.source})")
+            f"{machine.alltoall_latency_s * 1e6:.4g} us ({machine.source}); exact: "
+            f"{machine.gemm_flops_per_s!r} FLOP/s, {machine.alltoall_bytes_per_s!r} B/s, "
+            f"{machine.alltoall_latency_s!r} s")
 
 
 def checkpoint_content_metadata(config) -> dict[str, Any]:

@@ -74,9 +74,12 @@ from megatron_lrmoe.tools.simulator_validation import reference_flags, run_recor
 
 __all__ = ["CallCounts", "Mismatch", "compare_run", "replay_calls", "routing_dir", "run_machine"]
 
-# What the run's planner printed of its machine constants (step_hooks.machine_constants_line).
+# What the run's planner printed of its machine constants (step_hooks.machine_constants_line):
+# 4 figures, then (runs since the exact part was added) the three exactly.
 _MACHINE_LINE = re.compile(r"LRMoE planner machine constants: expert GEMM ([0-9.e+]+) GFLOP/s, "
                            r"all-to-all ([0-9.e+]+) GB/s, latency ([0-9.e+]+) us")
+_MACHINE_EXACT = re.compile(r"; exact: ([0-9.e+-]+) FLOP/s, ([0-9.e+-]+) B/s, ([0-9.e+-]+) s$",
+                            re.MULTILINE)
 # Figures of the planner settings the layer and the simulator must agree on.
 _SETTINGS = ("policy", "num_ranks", "num_experts", "capacity_factor", "min_retention",
              "slots_per_rank", "budget_bytes", "load_smoothing")
@@ -134,12 +137,20 @@ class CallCounts:
 
 
 def run_machine(run: Path) -> MachineConstants | None:
-    """The machine constants the run's planner used, as its stdout printed them (4
-    significant figures), or None where it printed none (no cost model needed them)."""
+    """The machine constants the run's planner used, as its stdout printed them: exactly
+    where the line has its exact part, else to 4 significant figures (older runs: a
+    choice between near-equal candidates may then replay differently); None where it
+    printed none (no cost model needed them)."""
     stdout = run_log.stored(Path(run) / "stdout.txt")
-    found = _MACHINE_LINE.search(run_log.read_text(stdout)) if stdout.is_file() else None
+    text = run_log.read_text(stdout) if stdout.is_file() else ""
+    found = _MACHINE_LINE.search(text)
     if found is None:
         return None
+    exact = _MACHINE_EXACT.search(text, found.end())
+    if exact is not None:
+        gemm, bandwidth, latency = (float(v) for v in exact.groups())
+        return MachineConstants(gemm_flops_per_s=gemm, alltoall_bytes_per_s=bandwidth,
+                                alltoall_latency_s=latency, source=f"{stdout} (as printed)")
     gemm, bandwidth, latency = (float(v) for v in found.groups())
     return MachineConstants(gemm_flops_per_s=gemm * 1e9, alltoall_bytes_per_s=bandwidth * 1e9,
                             alltoall_latency_s=latency * 1e-6, source=f"{stdout} (as printed)")

@@ -127,3 +127,26 @@ def _train(argv: list[str]) -> None:
     from megatron_lrmoe.launcher.pretrain import train
 
     train(parse_args(argv))
+
+
+def test_the_replay_reads_the_runs_machine_constants_exactly(tmp_path: Path):
+    # The placement choice prices candidates with these; rounded to the printed 4 figures
+    # a near tie can flip (an EP 16 run at gamma inf replayed one placement differently).
+    from megatron_lrmoe.integration.step_hooks import machine_constants_line
+    from megatron_lrmoe.planning.machine import MachineConstants
+
+    machine = MachineConstants(gemm_flops_per_s=123456789012.34567,
+                               alltoall_bytes_per_s=9876543210.987654,
+                               alltoall_latency_s=1.2345678e-05, source="measured; at start")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "stdout.txt").write_text("before\n" + machine_constants_line(machine) + "\nafter\n")
+    got = sc.run_machine(run)
+    assert (got.gemm_flops_per_s, got.alltoall_bytes_per_s, got.alltoall_latency_s) == (
+        machine.gemm_flops_per_s, machine.alltoall_bytes_per_s, machine.alltoall_latency_s)
+    # An older run's line, without the exact part: its 4 figures.
+    old = machine_constants_line(machine).split("; exact:")[0] + "\n"
+    (run / "stdout.txt").write_text(old)
+    got = sc.run_machine(run)
+    assert got.gemm_flops_per_s == pytest.approx(123.5e9, rel=1e-12)
+    assert got.alltoall_latency_s == pytest.approx(12.35e-6, rel=1e-12)
