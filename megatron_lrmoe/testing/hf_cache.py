@@ -26,7 +26,7 @@ HF_CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "hf_co
 
 #: Revisions the recipes of Megatron-Bridge 0.6.2 pin, by repository: the snapshot must
 #: carry this commit id (megatron/bridge/recipes/qwen/h100/qwen3_moe.py:
-#: _QWEN3_30B_A3B_MODEL_REVISION, moonlight/h100/moonlight_16b.py:
+#: _QWEN3_30B_A3B_MODEL_REVISION, megatron/bridge/recipes/moonlight/h100/moonlight_16b.py:
 #: _MOONLIGHT_16B_MODEL_REVISION).
 PINNED_REVISIONS: dict[str, str] = {
     "Qwen/Qwen3-30B-A3B": "ad44e777bcd18fa416d9da3bd8f70d33ebb85d39",

@@ -10,7 +10,7 @@ pre-filled cache tests/conftest.py points huggingface_hub at) and given
 
 * ``accepted``: exactly the changes the row lists, each an implementation choice; every
   architecture, layout and precision field equal to the recipe's own, every other field
-  too but the LRMoE options (issue 47 item 5); the final checks (``finalize()``, as the
+  too but the LRMoE options; the final checks (``finalize()``, as the
   launcher's dry run runs them) pass;
 * ``refused``: the error names the row's ``field=value`` settings;
 * ``needs a newer Megatron-Core``: the provider Bridge builds sets what the installed
@@ -82,7 +82,7 @@ def moe_recipe_functions(recipes: Any) -> list[str]:
     above 1, in their own source or in a recipe function of their module they call (a
     recipe alias that delegates, as Nemotron-3 Super's does). Read, not built: building
     needs each model's Hub config, shipped for the MoE ones only. In Bridge 0.6.2 every MoE
-    recipe function sets it and no dense one does (24 found, issue 47's list)."""
+    recipe function sets it and no dense one does (24 found)."""
     found = []
     for name in sorted(dir(recipes)):
         if not re.fullmatch(r"[a-z0-9_]+_pretrain_config", name):
@@ -148,7 +148,7 @@ def test_every_moe_recipe_has_a_row(bridge):
 
 
 def test_the_counts_stated_are_the_rows():
-    """The section's summary line counts the rows it heads (issue 47 asks 19 accepted)."""
+    """The section's summary line counts the rows it heads."""
     counts = {outcome: sum(row.outcome == outcome for row in ROWS.values())
               for outcome in OUTCOMES}
     stated = (f"**{counts['accepted']} accepted, {counts['refused']} refused, "
@@ -183,7 +183,7 @@ def test_recipe_outcome_is_its_row(bridge, monkeypatch, name):
 
 def _check_accepted(cfg: Any, expected: tuple[str, ...]) -> None:
     """``adapt`` makes the row's changes and no other: implementation choices only, the
-    recipe's architecture, layout and precision kept (issue 47 item 5)."""
+    recipe's architecture, layout and precision kept."""
     from megatron_lrmoe.bridge.cli import check_final_values
     from megatron_lrmoe.integration.bridge import enable_lrmoe, refused_settings
     from megatron_lrmoe.options.lrmoe import OPTIONS
