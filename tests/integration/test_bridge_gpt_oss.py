@@ -21,6 +21,7 @@ from megatron_lrmoe.testing import bridge as harness
 from tests.layer.test_lrmoe_layer import ATOL, RTOL
 
 GPT_OSS_20B = "gpt_oss_20b_pretrain_config"
+GPT_OSS_120B = "gpt_oss_120b_pretrain_config"
 
 
 def _enable(cfg) -> None:
@@ -74,3 +75,19 @@ def test_gpt_oss_recipe_trains_with_lrmoe_equal_to_megatron_at_inf(gloo2):
         biases = [p for name, p in ours.params.items() if ".local_experts." in name
                   and name.endswith(".bias")]
         assert biases and all(bool(p.abs().sum() > 0) for p in biases), rank
+
+
+def test_gpt_oss_120b_shrunk_is_the_model_trained_above(bridge):
+    """gpt-oss-120b's recipe, shrunk as the training above shrinks gpt-oss-20b's, builds the
+    same model: every field of the model provider equal but the Hub repository it names
+    (the two differ in depth and experts, which the shrinking sets), so the training above
+    trains it too."""
+    import dataclasses
+
+    def fields(recipe: str) -> dict[str, str]:
+        model = harness.build_recipe(recipe, harness.EP2, _enable).model
+        return {f.name: repr(getattr(model, f.name)) for f in dataclasses.fields(model)}
+
+    small, large = fields(GPT_OSS_20B), fields(GPT_OSS_120B)
+    differ = {name for name in small.keys() | large.keys() if small.get(name) != large.get(name)}
+    assert differ == {"hf_model_id"}, {name: (small.get(name), large.get(name)) for name in differ}
