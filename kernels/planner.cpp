@@ -66,6 +66,19 @@ i64 ceil_div128(i128 a, i128 b) {
   return static_cast<i64>(q);
 }
 
+// layer_memory._solve: the largest x with coef x <= rhs (coef >= 0): +inf / -inf when
+// coef is 0.
+double solve(double rhs, double coef) {
+  if (coef > 0) return rhs / coef;
+  return rhs >= 0 ? std::numeric_limits<double>::infinity()
+                  : -std::numeric_limits<double>::infinity();
+}
+
+// layer_memory._to_count: floor(clip(x, 0, 2^62)).
+i64 to_count(double x) {
+  return static_cast<i64>(std::floor(std::min(std::max(x, 0.0), 4611686018427387904.0)));
+}
+
 // numpy's pairwise summation of n contiguous doubles (add.reduce along a contiguous
 // axis: numpy/_core/src/umath/loops_utils.h.src, pairwise_sum).
 double pairwise_sum(const double* a, i64 n) {
@@ -934,12 +947,6 @@ class NativePlanner {
 
 
   // ----------------------------------------------------------- retained limit
-  // _solve: the largest x with coef x <= rhs (coef >= 0): +inf / -inf when coef is 0.
-  static double solve(double rhs, double coef) {
-    if (coef > 0) return rhs / coef;
-    return rhs >= 0 ? std::numeric_limits<double>::infinity()
-                    : -std::numeric_limits<double>::infinity();
-  }
   // _solve_piecewise: the largest K with b K + c min(K, bend) <= rhs.
   static double solve_piecewise(double rhs, double b, double c, double bend) {
     const double below = solve(rhs, b + c);
@@ -1039,9 +1046,7 @@ class NativePlanner {
         for (const auto& lv : levels) top_level = std::max(top_level, lv.first);
         fits = top_level <= room;
       }
-      // _to_count: floor(clip(limit, 0, 2^62))
-      const double clipped = std::min(std::max(limit, 0.0), 4611686018427387904.0);
-      out[r] = fits ? static_cast<i64>(std::floor(clipped)) : 0;
+      out[r] = fits ? to_count(limit) : 0;
     }
   }
 
@@ -1376,15 +1381,9 @@ i64 receive_limit(const MemoryModel& m, i64 r, double share) {
     const double coef = m.kappa_mif * sn + (b - m.kappa * sn) / m.lyr;
     const double rhs =
         share - fixed - m.kappa_mif * m.pss - (a - m.kappa * m.pss + m.rerun) / m.lyr;
-    double x;
-    if (coef > 0)
-      x = rhs / coef;
-    else
-      x = rhs >= 0 ? std::numeric_limits<double>::infinity()
-                   : -std::numeric_limits<double>::infinity();
-    best = std::min(best, x);
+    best = std::min(best, solve(rhs, coef));
   }
-  return static_cast<i64>(std::floor(std::min(std::max(best, 0.0), 4611686018427387904.0)));
+  return to_count(best);
 }
 
 // LayerPlanner._memory_aware_placement's judging of one candidate placement, in one
