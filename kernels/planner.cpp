@@ -122,6 +122,11 @@ i64 least_level(i64 total, std::vector<i64> limits) {
 // once per placement.
 struct MemoryModel {
   bool grouped = false, fr = false;
+  // two-stage: rho = store_num / store_den, the stored rows floor(rho q) per cell
+  // (MoEShape.store_factor; store_num 0: another rule).
+  i64 store_num = 0, store_den = 1;
+  bool two_stage() const { return store_num > 0; }
+  double rho() const { return two_stage() ? double(store_num) / double(store_den) : 1.0; }
   double xc = 0, conv = 0, row = 0, sr = 0, p = 0, pss = 0, meta = 0, f_b = 0, f1_b = 0,
          hb = 0, fac = 0, ob = 0, pbb = 0, wgt_tmp = 0, ib = 0, kappa_mif = 0, kappa = 0,
          rerun = 0, lyr = 1, replica_dw = 0, replica_dw2 = 0;
@@ -143,6 +148,8 @@ MemoryModel memory_from_dict(const py::dict& d) {
   MemoryModel m;
   m.grouped = d["grouped"].cast<bool>();
   m.fr = d["forward_retention"].cast<bool>();
+  m.store_num = get_int(d, "store_num");
+  m.store_den = get_int(d, "store_den");
   m.xc = get_double(d, "xc");
   m.conv = get_double(d, "conv");
   m.row_i = get_int(d, "row");
@@ -960,7 +967,8 @@ class NativePlanner {
     for (i64 s = 0; s < R_; ++s)
       for (i64 i = 0; i < I_; ++i) inst[i] += cells[s * I_ + i];
     const bool fr = m.fr;
-    const double sk = fr ? m.sr : 0.0;
+    const double rho = m.store_num > 0 ? double(m.store_num) / double(m.store_den) : 1.0;
+    const double sk = fr ? rho * m.sr : 0.0;
     const double extra = (m.kappa * sk) * double(m.mif_i * m.lyr_i - 1);
     const double a_s = m.xc * m.p, b_s = 1.0 - m.xc;
     for (i64 r = 0; r < R_; ++r) {
@@ -1003,7 +1011,7 @@ class NativePlanner {
       double limits[2];
       for (int d = 0; d < 2; ++d) {
         const double drop = d;
-        const double gathered = fr ? 0.0 : drop;
+        const double gathered = (m.two_stage() || !fr) ? drop : 0.0;
         double lim = inf;
         bool first = true;
         auto phase = [&](double a, double b, double c) {
@@ -1018,7 +1026,7 @@ class NativePlanner {
         phase(base + m.ob + held_dw + m.returned[r], sk, 0.0);
         if (fr) {
           forward_levels(drop, levels);
-          for (const auto& [a, b] : levels) phase(a, b, 0.0);
+          for (const auto& [a, b] : levels) phase(a, rho * b, 0.0);
         }
         if (m.grouped) {
           const double rows = m.row + gathered * m.sr;
@@ -1054,12 +1062,15 @@ class NativePlanner {
   void memory_into(const i64* cells, const i64* quotas, const i64* load, double* out) const {
     const MemoryModel& m = memory_;
     std::vector<double> n_f(I_, 0.0), n_b(I_, 0.0);
-    std::vector<i64> inst_r(I_, 0), inst_q(I_, 0), sent(R_, 0);
+    std::vector<i64> inst_r(I_, 0), inst_q(I_, 0), inst_s(I_, 0), sent(R_, 0);
     for (i64 s = 0; s < R_; ++s) {
       for (i64 i = 0; i < I_; ++i) {
-        inst_r[i] += cells[s * I_ + i];
-        inst_q[i] += quotas[s * I_ + i];
-        sent[s] += quotas[s * I_ + i];
+        const i64 n = cells[s * I_ + i], q = quotas[s * I_ + i];
+        inst_r[i] += n;
+        inst_q[i] += q;
+        sent[s] += q;
+        // retention.stored_counts: min(n, floor(rho q)), exact in integers
+        if (m.two_stage()) inst_s[i] += std::min(n, q * m.store_num / m.store_den);
       }
     }
     for (i64 i = 0; i < I_; ++i) {
@@ -1069,13 +1080,19 @@ class NativePlanner {
     i64 last = -1;  // the last instance before i with forward rows
     for (i64 r = 0; r < R_; ++r) {
       const i64 a = rank_starts_[r], b = rank_starts_[r + 1];
-      i64 retained_i = 0;
+      i64 retained_i = 0, stored_i = 0;
       for (i64 i = a; i < b; ++i) retained_i += inst_q[i];
+      for (i64 i = a; i < b; ++i) stored_i += inst_s[i];
       const double routed = static_cast<double>(load[r]);
       const double retained = static_cast<double>(retained_i);
       const double kept = static_cast<double>(sent[r]);
       const double drops = retained < routed ? 1.0 : 0.0;
-      const double gathered = m.fr ? 0.0 * drops : drops;
+      // MoEShape.stored_rows / CostModel.stored_per_rank: the rows x_exp and z are saved for
+      const double stored = m.two_stage() ? static_cast<double>(stored_i)
+                                          : (m.fr ? retained : routed);
+      const double gathered = m.two_stage() ? (retained < stored ? 1.0 : 0.0)
+                                            : (m.fr ? 0.0 * drops : drops);
+      const double fdrops = m.fr ? (stored < routed ? 1.0 : 0.0) : drops;
       double act_f = 0.0, act_b = 0.0;
       if (!m.grouped) {  // CostModel._loop_activation over the rank's instances
         const double g = gathered;
@@ -1105,7 +1122,7 @@ class NativePlanner {
         }
       }
       const double rc = m.rc[r], w1 = m.w1[r], w2 = m.w2[r];
-      const double saved = (m.fr ? retained : routed) * m.sr + m.pss;
+      const double saved = stored * m.sr + m.pss;
       double experts_bwd;
       if (m.grouped) {
         experts_bwd = gathered * retained * m.sr +
@@ -1129,14 +1146,15 @@ class NativePlanner {
                             meta + m.xc * (routed * double(m.sr_i + m.row_i) +
                                            double(m.p_i * m.row_i)) + 0.0 * retained});
       } else {
+        // compacted to the stored rows (the retained ones but for two-stage)
         forward = std::max(
             {forward,
-             drops * (meta + routed * double(m.row_i + m.f1_b_i + m.hb_i)) +
-                 drops * m.hb * retained,
-             drops * (meta + routed * double(m.row_i + m.f1_b_i)) +
-                 drops * double(m.hb_i + m.f1_b_i) * retained,
-             meta + rc * 2 * routed * m.row + rc * m.sr * retained,
-             meta + m.xc * (routed + m.p) * m.row + m.xc * m.sr * retained});
+             fdrops * (meta + routed * double(m.row_i + m.f1_b_i + m.hb_i)) +
+                 fdrops * m.hb * stored,
+             fdrops * (meta + routed * double(m.row_i + m.f1_b_i)) +
+                 fdrops * double(m.hb_i + m.f1_b_i) * stored,
+             meta + rc * 2 * routed * m.row + rc * m.sr * stored,
+             meta + m.xc * (routed + m.p) * m.row + m.xc * m.sr * stored});
       }
       const double base = saved + m.ob + m.pbb;
       const double backward =
@@ -1243,6 +1261,7 @@ class LayerPricer {
     backward_messages_ = vec("backward_messages");
     memory_ = d["memory"].cast<bool>();
     forward_retention_ = d["forward_retention"].cast<bool>();
+    store_factor_ = get_double(d, "store_factor");
   }
 
   // MachineConstants.instance_gemm_seconds
@@ -1270,9 +1289,16 @@ class LayerPricer {
   std::pair<double, double> memory_times(double routed, double retained, double sent,
                                          double kept) const {
     if (!memory_) return {0.0, 0.0};
-    const double gathered = retained * (retained < routed ? gather_ : 0.0);
-    const double fg = forward_retention_ ? gathered : 0.0;
-    const double bg = forward_retention_ ? 0.0 : gathered;
+    double fg, bg;
+    if (store_factor_ > 0) {  // two-stage: stored rows compacted, retained ones gathered
+      const double stored = std::min(routed, store_factor_ * retained);
+      fg = stored * (stored < routed ? gather_ : 0.0);
+      bg = retained * (retained < stored ? gather_ : 0.0);
+    } else {
+      const double gathered = retained * (retained < routed ? gather_ : 0.0);
+      fg = forward_retention_ ? gathered : 0.0;
+      bg = forward_retention_ ? 0.0 : gathered;
+    }
     return {(routed * routed_f_ + fg + sent * 3 * h_ + th_) * per_byte_,
             (retained * retained_b_ + bg + sent * 2 * h_ + kept * 4 * h_ + th_) * per_byte_};
   }
@@ -1341,6 +1367,7 @@ class LayerPricer {
   double gemm_flops_per_s_ = 1, forward_flops_ = 0, backward_flops_ = 0;
   RateTable gemm_forward_, gemm_backward_, a2a_;
   bool memory_ = false, forward_retention_ = false;
+  double store_factor_ = 0.0;  // two-stage's rho; 0: another rule
   double routed_f_ = 0, retained_b_ = 0, gather_ = 0, h_ = 0, th_ = 0, per_byte_ = 0;
   double a2a_bytes_per_s_ = 1, latency_ = 0;
   std::vector<double> forward_messages_, backward_messages_;

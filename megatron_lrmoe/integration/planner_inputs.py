@@ -31,7 +31,7 @@ from megatron_lrmoe.planning.memory_account import (
 from megatron_lrmoe.planning.memory_account import memory_account as account_of
 from megatron_lrmoe.planning.plan_types import budget_floor
 from megatron_lrmoe.planning.planner import PlannerSettings
-from megatron_lrmoe.planning.retention import retention_in_forward
+from megatron_lrmoe.planning.retention import TWO_STAGE, stored_in_forward
 from megatron_lrmoe.planning.shapes import MoEShape
 
 __all__ = ["GIB", "account_gap", "agreed_machine_constants", "allocator_check",
@@ -119,6 +119,10 @@ def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
     pp = config.pipeline_model_parallel_size or 1
     ep = ep_size or config.expert_model_parallel_size or 1
     recompute_moe, full_recompute_layers = recomputed_moe_layers(config)
+    # A plain Megatron config (the simulator's baselines) has no LRMoE fields: the option
+    # table's defaults then.
+    selection = getattr(config, "moe_lrmoe_selection", option("moe_lrmoe_selection").default)
+    metric = getattr(config, "moe_lrmoe_metric", option("moe_lrmoe_metric").default)
     return MoEShape(
         hidden_size=config.hidden_size,
         ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
@@ -137,11 +141,9 @@ def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
         # The region's GEMMs run grouped on request and, by default, on CUDA (where a
         # failed probe falls back to the loop, which holds less: the model errs safe).
         grouped_gemm=bool(config.moe_grouped_gemm) or torch.cuda.is_available(),
-        # A plain Megatron config (the simulator's baselines) has no LRMoE fields: the
-        # option table's defaults then.
-        forward_retention=retention_in_forward(
-            getattr(config, "moe_lrmoe_selection", option("moe_lrmoe_selection").default),
-            getattr(config, "moe_lrmoe_metric", option("moe_lrmoe_metric").default)),
+        forward_retention=stored_in_forward(selection, metric),
+        store_factor=(float(config.moe_lrmoe_store_factor) if selection == TWO_STAGE
+                      else None),
         recompute_moe=recompute_moe,
         full_recompute_layers=full_recompute_layers,
     )
@@ -261,8 +263,10 @@ def check_memory_budget(config, ep_size: int, tokens_per_rank: int,
     per_sequence = tokens_per_rank / micro_batch_size
     dropless = fitting_micro_batch_size(cost, budget * GIB, per_sequence, 1.0)
     lrmoe = fitting_micro_batch_size(cost, budget * GIB, per_sequence, retention)
-    where = ("x and z saved for retained rows only" if shape.forward_retention
-             else "retention drawn in backward: x and z saved for every routed row")
+    where = ("retention drawn in backward: x and z saved for every routed row"
+             if not shape.forward_retention
+             else "x and z saved for retained rows only" if shape.store_factor is None
+             else f"x and z saved for {shape.store_factor:g} x the retained rows")
     return (f"--moe-lrmoe-memory-budget-gb {budget:g}: at balanced routing the MoE layers fit "
             f"micro-batch size <= {dropless} dropless, <= {lrmoe} at retention "
             f"{retention:g} ({where}); this run uses {micro_batch_size}")

@@ -308,6 +308,7 @@ class LRMoELayer(MoELayer):
             metric=self.config.moe_lrmoe_metric,
             selection=self.config.moe_lrmoe_selection,
             hybrid_fraction=self.config.moe_lrmoe_hybrid_fraction,
+            store_factor=self.config.moe_lrmoe_store_factor,
             seed=state.draw_seed(self.layer_number or 0),
             kernels=self.config.moe_lrmoe_kernels,
             deterministic=deterministic_mode(self.config.deterministic_mode),

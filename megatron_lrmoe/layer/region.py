@@ -53,11 +53,13 @@ from megatron_lrmoe.ops import (
     scatter_add_rows,
     select_rows,
 )
-from megatron_lrmoe.ops.select import splitmix64_tensor
+from megatron_lrmoe.ops.select import splitmix64, splitmix64_tensor
 from megatron_lrmoe.planning.retention import (
+    TWO_STAGE,
     RetentionPlan,
     retention_in_forward,
     rule_reads_metric,
+    stored_quotas,
 )
 
 _LOG = logging.getLogger(__name__)
@@ -222,6 +224,8 @@ class RegionContext:
     selection: str = "topk"
     hybrid_fraction: float = 0.5
     """Share of each cell's quota that ``selection="hybrid"`` keeps by top metric."""
+    store_factor: float = 1.5
+    """rho: ``selection="two-stage"`` stores floor(rho q) of each cell's pairs in forward."""
     seed: int = 0
     kernels: str = "auto"
     deterministic: bool = field(default_factory=deterministic_mode)
@@ -254,6 +258,10 @@ class RegionContext:
     @property
     def forward_retention(self) -> bool:
         return retention_in_forward(self.selection, self.metric)
+
+    @property
+    def two_stage(self) -> bool:
+        return self.selection == TWO_STAGE
 
     @property
     def needs_norm(self) -> bool:
@@ -334,8 +342,16 @@ class _LRMoERegion(torch.autograd.Function):
         if len(local) != len(experts.w1):
             raise ValueError(f"rank {s} hosts {len(local)} instances but got weights for "
                              f"{len(experts.w1)}")
-        lay = rc.layout if rc.layout is not None else CallLayout(plan, s, local)
-        tables_buffer, tables = lay.device_tables(x.device)
+        stages = _TwoStageLayouts(plan, rc.store_factor, s, local) if rc.two_stage else None
+        if stages is not None:
+            # Forward: the routed pairs, the stored set as "retained"; both layouts' tables
+            # in one copy.
+            lay = stages.stored
+            (_, tables), (final_buffer, _) = CallLayout.joint_device_tables(
+                (stages.stored, stages.final), x.device)
+        else:
+            lay = rc.layout if rc.layout is not None else CallLayout(plan, s, local)
+            tables_buffer, tables = lay.device_tables(x.device)
         grouped = use_grouped_mm(rc.grouped_gemm, x, experts.w1[0], experts.w2[0])
         stack = _weight_stack(experts, rc.stats, x) if grouped else None
         # The weights lie last expert first: every exp-major row order runs reversed
@@ -348,6 +364,10 @@ class _LRMoERegion(torch.autograd.Function):
         if rc.forward_retention:
             kept, scale, keep_rows = _retain_in_forward(rc, lay, tables, pair_token,
                                                         pair_prob, x.device)
+        elif stages is not None:    # stage one: the stored set, by router probability
+            kept, scale, keep_rows = _retain_in_forward(rc, lay, tables, pair_token,
+                                                        pair_prob, x.device, rule="sample",
+                                                        metric="prob")
         z, out = _experts_forward(experts, lay, grouped, x_exp, offs, stack, rev,
                                   rc.needs_norm)
         if keep_rows is not None:
@@ -359,11 +379,14 @@ class _LRMoERegion(torch.autograd.Function):
             z = z.index_select(0, keep_rows)
         y, o, a = _combine(rc, lay, out, back, x.shape[0], pair_token, pair_prob, rev)
 
+        if stages is not None:      # backward: the stored set as "routed"
+            lay, tables_buffer = stages.final, final_buffer
         ctx.rc, ctx.experts, ctx.layout, ctx.grouped = rc, experts, lay, grouped
         ctx.save_for_backward(x_exp, z, o, pair_token, pair_prob, a, tables_buffer, kept,
                               scale)
-        rc.stats.routed_pairs = lay.num_pairs
-        rc.stats.rows_per_instance = tuple(lay.rows_fwd)
+        rc.stats.routed_pairs = pair_token.shape[0]
+        rc.stats.rows_per_instance = tuple((stages.stored if stages is not None
+                                            else lay).rows_fwd)
         rc.stats.grouped_gemm = grouped
         ctx.stack, ctx.rev = stack, rev
         return y
@@ -377,10 +400,16 @@ class _LRMoERegion(torch.autograd.Function):
         tables = lay.views(tables_buffer)
         dy = dy.contiguous()
 
-        metric, kept, scale, kept_row = _select_kept_pairs(rc, lay, tables, dy, pair_token,
-                                                       pair_prob, a, kept, scale)
+        if rc.two_stage:
+            metric, kept, scale, kept_row, stored_kept = _select_from_stored(
+                rc, lay, tables, dy, pair_token, pair_prob, a, kept, scale)
+        else:
+            metric, kept, scale, kept_row = _select_kept_pairs(rc, lay, tables, dy, pair_token,
+                                                               pair_prob, a, kept, scale)
+            stored_kept = kept
         dprob, g_exp, rows, back = _combine_backward(rc, lay, tables, dy, o, pair_token,
-                                                     pair_prob, kept, scale, kept_row, ctx.rev)
+                                                     pair_prob, kept, scale, kept_row, ctx.rev,
+                                                     stored_kept)
         # Frozen home experts and no replica: no weight gradient to compute (the dW GEMMs
         # are local, so skipping them keeps every rank's collectives in step).
         weight_grads = any(ctx.needs_input_grad[5:]) or experts.homes < len(experts.w1)
@@ -472,10 +501,70 @@ def _select_kept_pairs(rc: RegionContext, lay: CallLayout, tables, dy: torch.Ten
     return metric, kept, scale, kept_row
 
 
+@dataclass(frozen=True)
+class _TwoStageLayouts:
+    """``two-stage``'s two host layouts of one call. ``stored``: the plan with the stored
+    quotas q1 = ``stored_quotas`` as its retained set (forward: dispatch, the stage-one
+    draw and the compaction of x_exp and z to the stored rows). ``final``: the stored set
+    as the routed pairs and the plan's quotas q as the retained ones (backward: the
+    stage-two draw among the stored pairs, whose row positions are those of the
+    compacted buffers, and every backward split size, which are the plan's)."""
+
+    stored: CallLayout
+    final: CallLayout
+
+    def __init__(self, plan: RetentionPlan, store_factor: float, rank: int,
+                 local: range) -> None:
+        q1 = stored_quotas(plan.counts, plan.quotas, store_factor)
+        object.__setattr__(self, "stored",
+                           CallLayout(dataclasses.replace(plan, quotas=q1), rank, local))
+        object.__setattr__(self, "final",
+                           CallLayout(dataclasses.replace(plan, counts=q1), rank, local))
+
+
+def _stage_two_seed(seed: int) -> int:
+    """The stage-two draw's seed: another stream than stage one's (``seed``) and than
+    other calls' (whose seeds differ from ``seed`` by small integers)."""
+    return splitmix64(seed ^ 0x7F4A7C159E3779B9)
+
+
+def _select_from_stored(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tensor,
+                        pair_token: torch.Tensor, pair_prob: torch.Tensor,
+                        a: torch.Tensor | None, stored: torch.Tensor | None,
+                        stored_scale: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                   torch.Tensor | None, torch.Tensor | None]:
+    """``two-stage``'s backward draw (docs/design.md, "Selection rules"): (metric [P],
+    kept [K] as pair indices, scale [K], kept_row [P], kept [K] as indices into the stored
+    set). ``stored`` [K1] and ``stored_scale`` = 1/pi1 come from forward (None: every pair
+    stored, pi1 = 1); ``lay`` is ``_TwoStageLayouts.final``. The quota of each cell is
+    drawn by systematic sampling among its stored pairs with pi2 proportional to the
+    metric over pi1 (each stored pair's term in the stage-one estimate), and a kept pair
+    is weighted 1/(pi1 pi2): E[sum over kept] = E[sum over stored of x/pi1] = sum of x."""
+    metric = _pair_metric(rc.metric, dy, pair_token, pair_prob, a, rc.seed)
+    num_pairs = pair_token.shape[0]
+    kept2 = scale2 = None
+    if not lay.source_keeps_all:
+        values = metric if stored is None else metric.index_select(0, stored) * stored_scale
+        kept2, scale2 = _select(rc, lay, tables, values, "sample", _stage_two_seed(rc.seed))
+    if stored is None:
+        kept, scale = kept2, scale2
+    elif kept2 is None:
+        kept, scale = stored, stored_scale
+    else:
+        kept, scale = stored.index_select(0, kept2), stored_scale.index_select(0, kept2) * scale2
+    kept_row = None
+    if kept is not None:
+        kept_row = torch.full((num_pairs,), -1, dtype=torch.int64, device=dy.device)
+        kept_row.index_copy_(0, kept, torch.arange(lay.num_kept, device=dy.device))
+    return metric, kept, scale, kept_row, kept2
+
+
 def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tensor,
                       o: torch.Tensor, pair_token: torch.Tensor, pair_prob: torch.Tensor,
                       kept: torch.Tensor | None, scale: torch.Tensor | None,
-                      kept_row: torch.Tensor | None, rev: bool = False
+                      kept_row: torch.Tensor | None, rev: bool = False,
+                      stored_kept: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                  torch.Tensor | None]:
     """The weighted combine's backward and its all-to-all reversed: (dprob [P], g_exp
@@ -485,7 +574,8 @@ def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tens
     kept rows' positions in x_exp and z, or None when they are those rows in order
     (every row kept, or compacted in forward). ``back``: the reverse reorder, for the
     dispatch backward (expanded with this one; None when both are identities). ``rev``:
-    in GEMM order (reversed)."""
+    in GEMM order (reversed). ``stored_kept``: the kept pairs as indices into the pairs
+    ``lay`` counts as routed (``kept`` but for ``two-stage``, whose are the stored set's)."""
     group, device = rc.group, dy.device
     in_forward = rc.forward_retention
     dprob, g_kept = combine_rows_backward(
@@ -495,7 +585,7 @@ def _combine_backward(rc: RegionContext, lay: CallLayout, tables, dy: torch.Tens
     del g_kept
     positions = None
     if lay.positions_exchanged and not in_forward:
-        positions = _exchanged_positions(rc, lay, tables, kept, device)
+        positions = _exchanged_positions(rc, lay, tables, stored_kept, device)
     if lay.bwd_identity:
         g_exp, back = (g_recv.flip(0) if rev else g_recv), None
         if rev and positions is not None:
@@ -651,29 +741,37 @@ def _home_weight_grads(rc: RegionContext, experts: ExpertWeights, expert_grads: 
                  for w, d, e in zip(home_params, home_grads, extra, strict=True))
 
 
-def _select(rc: RegionContext, lay: CallLayout, tables,
-            metric: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kept [K], scale [K]): the rule's draw of q[s, i] pairs per cell of this source."""
+def _select(rc: RegionContext, lay: CallLayout, tables, metric: torch.Tensor | None,
+            rule: str | None = None, seed: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept [K], scale [K]): the rule's draw of q[s, i] pairs per cell of this source
+    (``rule``, ``seed``: the context's unless given)."""
+    rule = rc.selection if rule is None else rule
     kept, scale, _ = select_rows(
-        metric if rule_reads_metric(rc.selection) else None, tables.cell_offsets,
-        tables.quotas, rule=rc.selection, seed=rc.seed, backend=rc.kernels,
-        hybrid_fraction=rc.hybrid_fraction, n_kept=lay.num_kept, num_rows=lay.num_pairs)
+        metric if rule_reads_metric(rule) else None, tables.cell_offsets,
+        tables.quotas, rule=rule, seed=rc.seed if seed is None else seed,
+        backend=rc.kernels, hybrid_fraction=rc.hybrid_fraction, n_kept=lay.num_kept,
+        num_rows=lay.num_pairs)
     return kept, scale
 
 
 def _retain_in_forward(rc: RegionContext, lay: CallLayout, tables, pair_token: torch.Tensor,
-                       pair_prob: torch.Tensor, device: torch.device
+                       pair_prob: torch.Tensor, device: torch.device,
+                       rule: str | None = None, metric: str | None = None
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None,
                                   torch.Tensor | None]:
-    """The retained set drawn in forward (``retention_in_forward``): (kept, scale) of this
-    source (None: it keeps every pair), and the exp-major rows this rank's instances keep
-    (None: every row). The exp-major positions of the kept rows go to the receivers that
-    drop, in one small all-to-all (collective: every rank calls it alike)."""
+    """The retained set drawn in forward (``retention_in_forward``; or ``two-stage``'s
+    stored set, with ``rule`` and ``metric`` in place of the context's): (kept, scale) of
+    this source (None: it keeps every pair), and the exp-major rows this rank's instances
+    keep (None: every row). The exp-major positions of the kept rows go to the receivers
+    that drop, in one small all-to-all (collective: every rank calls it alike)."""
+    rule = rc.selection if rule is None else rule
+    metric = rc.metric if metric is None else metric
     kept = scale = keep_rows = None
     if not lay.source_keeps_all:
-        metric = (_pair_metric(rc.metric, None, pair_token, pair_prob, None, rc.seed)
-                  if rule_reads_metric(rc.selection) else None)
-        kept, scale = _select(rc, lay, tables, metric)
+        values = (_pair_metric(metric, None, pair_token, pair_prob, None, rc.seed)
+                  if rule_reads_metric(rule) else None)
+        kept, scale = _select(rc, lay, tables, values, rule)
     if lay.positions_exchanged:
         positions = _exchanged_positions(rc, lay, tables, kept, device)
         if not lay.receiver_keeps_all:
@@ -758,11 +856,12 @@ def _record_backward(rc: RegionContext, lay: CallLayout, metric: torch.Tensor | 
     all-to-alls (rows + int32 positions), against the dense gradient rows."""
     stats = rc.stats
     row_bytes = dy.shape[1] * dy.element_size()
+    num_pairs = pair_token.shape[0]     # P (``lay`` counts two-stage's stored set as routed)
     stats.retained_pairs = lay.num_kept
     # Positions travel in forward when the retained set is drawn there.
     positions = 0 if rc.forward_retention else 4 * sum(lay.send_pos)
     stats.backward_bytes_sent = lay.num_kept * row_bytes + positions
-    stats.backward_bytes_dense = lay.num_pairs * row_bytes
+    stats.backward_bytes_dense = num_pairs * row_bytes
     stats.expert_backward_rows = lay.received_kept
     stats.kept_rows_per_instance = tuple(lay.rows_bwd)
     if metric is not None:
@@ -775,12 +874,12 @@ def _record_backward(rc: RegionContext, lay: CallLayout, metric: torch.Tensor | 
         device = pair_token.device
         instances = torch.repeat_interleave(
             torch.arange(lay.num_instances, device=device),
-            rc.plan.counts[rc.rank].to(device), output_size=lay.num_pairs)
+            rc.plan.counts[rc.rank].to(device), output_size=num_pairs)
         expert_of = torch.tensor(rc.plan.instance_expert, device=device)
         rc.record.records.append(KeptPairs(
             layer=rc.layer, call=rc.call, rank=rc.rank, pair_token=pair_token.clone(),
             pair_expert=expert_of.index_select(0, instances),
-            kept=(torch.arange(lay.num_pairs, device=device) if kept is None else kept.clone()),
+            kept=(torch.arange(num_pairs, device=device) if kept is None else kept.clone()),
             scale=(torch.ones(lay.num_kept, device=device) if scale is None or
                    rc.selection == "topk" else scale.clone())))
 

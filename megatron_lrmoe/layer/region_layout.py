@@ -179,6 +179,15 @@ class CallLayout:
         packed = to_device(self._packed, device)
         return packed, self.views(packed)
 
+    @staticmethod
+    def joint_device_tables(layouts: tuple[CallLayout, ...], device: torch.device
+                            ) -> list[tuple[torch.Tensor, DeviceTables]]:
+        """``device_tables`` of several layouts of one call from one copy (their packed
+        tables joined on the host): each layout's device buffer and views."""
+        packed = to_device(torch.cat([lay._packed for lay in layouts]), device)
+        parts = torch.split(packed, [lay._packed.numel() for lay in layouts])
+        return [(part, lay.views(part)) for lay, part in zip(layouts, parts, strict=True)]
+
     def views(self, packed: torch.Tensor) -> DeviceTables:
         """Named views into a device copy of the packed tables (no copy, no sync)."""
         parts = torch.split(packed, self._sizes)

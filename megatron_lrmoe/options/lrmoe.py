@@ -93,6 +93,13 @@ def check_fraction(value: Any) -> str | None:
     return f"must be in [0, 1], got {_show(value)}"
 
 
+def check_store_factor(value: Any) -> str | None:
+    """rho >= 1, finite: the stored superset is at least the quota."""
+    if _real(value) and 1.0 <= value < math.inf:
+        return None
+    return f"must be a finite number >= 1 (stored pairs per retained pair), got {_show(value)}"
+
+
 def check_load_smoothing(value: Any) -> str | None:
     """An EMA weight in [0, 1): 1 would never take in new loads."""
     if _real(value) and 0.0 <= value < 1.0:
@@ -274,10 +281,12 @@ class LRMoEOptions:
     """Per-pair contribution metric."""
 
     moe_lrmoe_selection: str = flag_field(
-        "uniform", choices=("topk", "sample", "uniform", "hybrid"),
+        "uniform", choices=("topk", "sample", "uniform", "hybrid", "two-stage"),
         help="how each (source, expert) cell keeps its quota: topk, sample (1/pi-scaled), "
              "uniform (a uniform subset, n/q-scaled), hybrid (a share by top metric, the "
-             "rest uniform and scaled to stay unbiased)")
+             "rest uniform and scaled to stay unbiased), two-stage (forward stores a "
+             "probability-sampled superset of --moe-lrmoe-store-factor x the quota, "
+             "backward samples the quota from it by the metric; 1/(pi1 pi2)-scaled)")
     """How each (source, expert) cell keeps its quota."""
 
     moe_lrmoe_hybrid_fraction: float = flag_field(
@@ -285,6 +294,14 @@ class LRMoEOptions:
         help="share of each cell's quota that hybrid keeps by top metric (floor of f x q), "
              "in [0, 1]; 0 is uniform, 1 is topk")
     """f in [0, 1]: the share of each cell's quota ``hybrid`` keeps by top metric."""
+
+    moe_lrmoe_store_factor: float = flag_field(
+        1.5, check=check_store_factor,
+        help="rho >= 1: two-stage stores floor(rho x q) of each cell's pairs (at most the "
+             "cell) in forward, drawn with probability proportional to the router "
+             "probability; backward keeps q of them")
+    """rho >= 1: ``two-stage`` stores floor(rho q) of a cell's n pairs (at most n) in
+    forward; backward keeps its quota q among them."""
 
     moe_lrmoe_kernels: str = flag_field(
         "auto", choices=("auto", "cpu", "cuda", "torch"), help="compaction kernel backend")

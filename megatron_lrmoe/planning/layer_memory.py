@@ -26,7 +26,7 @@ import numpy as np
 from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory
 from megatron_lrmoe.planning.placement import Placement
-from megatron_lrmoe.planning.retention import RetentionPlan
+from megatron_lrmoe.planning.retention import RetentionPlan, stored_counts
 from megatron_lrmoe.planning.shapes import MoEShape
 
 __all__ = ["LayerMemory"]
@@ -199,7 +199,8 @@ class LayerMemory:
                     instance_routed: np.ndarray | None = None,
                     instance_retained: np.ndarray | None = None,
                     rank_starts: np.ndarray | None = None,
-                    returned: np.ndarray | float = 0.0) -> np.ndarray:
+                    returned: np.ndarray | float = 0.0,
+                    stored: np.ndarray | None = None) -> np.ndarray:
         """[R] float64 bytes one layer holds on each rank: its replicas, the saved buffers
         of MiF micro-batches routed like this one, and 1/Lyr of the rest of its peak
         (module docstring); under recompute, kappa of the saved buffers and 1/Lyr of the
@@ -211,11 +212,13 @@ class LayerMemory:
         ``rank_starts`` [R]: the rows of every instance, which set the per-expert loop's
         activation temporaries (None: bounded by the rank's totals; grouped GEMMs do
         not need them). ``returned`` [R]: ``returned_gradient_bytes`` of the placement
-        when the call is its step's last micro-batch (0: none is returned)."""
+        when the call is its step's last micro-batch (0: none is returned). ``stored`` [R]:
+        the rows whose x_exp and z are saved (None: ``MoEShape.stored_rows``, exact but for
+        two-stage, which the plan gives exactly: ``plan_memory``)."""
         s = self.shape
         saved, peak = self.rank_levels(routed, retained, num_replicas, sent_kept,
                                        instance_routed, instance_retained, rank_starts,
-                                       returned)
+                                       returned, stored)
         kappa = s.kept_layers_fraction
         return (np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
                 + kappa * s.microbatches_in_flight * saved
@@ -226,7 +229,8 @@ class LayerMemory:
                     instance_routed: np.ndarray | None = None,
                     instance_retained: np.ndarray | None = None,
                     rank_starts: np.ndarray | None = None,
-                    returned: np.ndarray | float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+                    returned: np.ndarray | float = 0.0,
+                    stored: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """([R] saved bytes S, [R] peak bytes) of one micro-batch of one layer, above what
         exists before the call, replicas excluded: what ``rank_memory`` composes (its
         arguments) and ``stage_moe_memory`` composes under recompute, as
@@ -241,10 +245,19 @@ class LayerMemory:
         f_b, f1_b = s.ffn_hidden_size * s.dtype_bytes, s.fc1_size * s.dtype_bytes
         drops = (retained < routed).astype(np.float64)
         # Rows whose x_exp and z are saved, and whether backward gathers them per instance
-        # (with forward retention they are compacted in forward instead).
+        # (with forward retention they are compacted in forward instead; two-stage does
+        # both: the stored rows in forward, the retained ones among them in backward).
         fr = s.forward_retention
-        saved = (retained if fr else routed) * sr + p * s.saved_bytes_per_source_pair
-        gathered = 0.0 * drops if fr else drops
+        stored = (s.stored_rows(routed, retained) if stored is None
+                  else np.asarray(stored, dtype=np.float64))
+        saved = stored * sr + p * s.saved_bytes_per_source_pair
+        if s.store_factor is not None:
+            gathered = (retained < stored).astype(np.float64)
+        else:
+            gathered = 0.0 * drops if fr else drops
+        # The forward compacts to the stored rows (b K of its levels at K = stored).
+        compacted, fdrops = (stored, (stored < routed).astype(np.float64)) if fr else \
+            (retained, drops)
         held_dw2, held_dw = self._held_weight_grads(num_replicas, local)
         if s.grouped_gemm:
             w1, w2, conv = self._grouped_terms(local)
@@ -266,8 +279,8 @@ class LayerMemory:
                                           for alpha, beta, const
                                           in self._loop_backward_levels(gathered)))
             experts_bwd = retained * row + act_b
-        forward = _max(*(a + b * retained for a, b
-                         in self._forward_levels(routed, xc, rc, local, act_f, drops)))
+        forward = _max(*(a + b * compacted for a, b
+                         in self._forward_levels(routed, xc, rc, local, act_f, fdrops)))
         base = saved + s.output_bytes + p * s.backward_bytes_per_source_pair
         backward = base + _max(
             (xc * retained + kept) * row,               # gradient rows sent and received
@@ -291,16 +304,29 @@ class LayerMemory:
         routed, retained, kw = self._plan_loads(plan)
         return self.rank_levels(routed, retained, num_replicas, returned=returned, **kw)
 
-    @staticmethod
-    def _plan_loads(plan: RetentionPlan) -> tuple[np.ndarray, np.ndarray, dict]:
-        """(routed [R], retained [R], the per-source and per-instance keywords) of a plan."""
+    def _plan_loads(self, plan: RetentionPlan) -> tuple[np.ndarray, np.ndarray, dict]:
+        """(routed [R], retained [R], the per-source and per-instance keywords, with the
+        stored rows exactly for two-stage) of a plan."""
         counts, quotas = plan.counts.numpy(), plan.quotas.numpy()
         starts = np.searchsorted(np.asarray(plan.instance_rank), np.arange(plan.num_ranks))
         inst_routed, inst_retained = np.add.reduce(counts, axis=0), np.add.reduce(quotas,
                                                                                     axis=0)
+        kw = dict(sent_kept=np.add.reduce(quotas, axis=1), instance_routed=inst_routed,
+                  instance_retained=inst_retained, rank_starts=starts)
+        if self.shape.store_factor is not None:
+            kw["stored"] = self.stored_per_rank(counts, quotas, starts)
         return (np.add.reduceat(inst_routed, starts), np.add.reduceat(inst_retained, starts),
-                dict(sent_kept=np.add.reduce(quotas, axis=1), instance_routed=inst_routed,
-                     instance_retained=inst_retained, rank_starts=starts))
+                kw)
+
+    def stored_per_rank(self, counts: np.ndarray, quotas: np.ndarray,
+                        rank_starts: np.ndarray) -> np.ndarray | None:
+        """[R] rows whose x_exp and z two-stage saves, exactly (``stored_counts``), from a
+        call's [R, I] cells and quotas (rank-major instances from ``rank_starts``); None
+        for the other rules (``MoEShape.stored_rows`` is exact for them)."""
+        if self.shape.store_factor is None:
+            return None
+        stored = stored_counts(counts, quotas, self.shape.store_factor)
+        return np.add.reduceat(np.add.reduce(stored, axis=0), rank_starts)
 
     def receive_limit(self, share: float, num_replicas: np.ndarray,
                       returned: np.ndarray | float = 0.0) -> np.ndarray:
@@ -363,8 +389,9 @@ class LayerMemory:
             np.asarray(largest_routed, dtype=np.float64), routed)
         fr = s.forward_retention
         # S = saved + K sk: x_exp and z of every routed row, or (forward retention) of the
-        # retained ones.
-        sk = sr if fr else 0.0
+        # retained ones, or (two-stage) of at most rho K stored ones.
+        rho = 1.0 if s.store_factor is None else float(s.store_factor)
+        sk = rho * sr if fr else 0.0
         saved = (0.0 if fr else routed * sr) + p * s.saved_bytes_per_source_pair
         fixed = np.asarray(num_replicas, dtype=np.float64) * s.instance_bytes
         mif, lyr, k = s.microbatches_in_flight, s.num_layers, s.kept_layers_fraction
@@ -388,12 +415,13 @@ class LayerMemory:
                   (base + s.output_bytes + held_dw + returned, sk, 0.0)]
         limits = []
         for drop in (0.0, 1.0):            # the rank keeps every row / drops some
-            # With forward retention the forward's levels depend on K; else they are
-            # checked once below. Backward gathers x and z per instance only without it.
-            gathered = 0.0 if fr else drop
+            # With forward retention the forward's levels depend on K (on the stored rows,
+            # at most rho K); else they are checked once below. Backward gathers x and z
+            # per instance without it, and from the stored rows with two-stage.
+            gathered = drop if (s.store_factor is not None or not fr) else 0.0
             phases = list(common)
             if fr:
-                phases += [(a, b, 0.0) for a, b in
+                phases += [(a, rho * b, 0.0) for a, b in
                            self._forward_levels(routed, xc, rc, local, act_f, drop)]
             if s.grouped_gemm:
                 w1, w2, conv = self._grouped_terms(local)
@@ -447,7 +475,7 @@ class LayerMemory:
         routed rows (of the retained ones with ``forward_retention``), and each source
         pair's o and metadata."""
         s = self.shape
-        rows = np.asarray(retained if s.forward_retention else routed, dtype=np.float64)
+        rows = s.stored_rows(routed, retained)
         return (rows * s.saved_bytes_per_routed_pair
                 + s.source_pairs * s.saved_bytes_per_source_pair)
 

@@ -212,10 +212,17 @@ class LayerTime:
         routed_passes, retained_passes, gather = self._row_passes(num_ranks)
         # Where a rank drops, x and z of its retained rows are gathered (read and
         # written): in forward when the retained set is drawn there (compacted before
-        # they are saved, layer/region.py), else in backward before the expert GEMMs.
-        gathered = retained * np.where(retained < routed, gather, 0.0)
-        forward_gather = gathered if s.forward_retention else 0.0
-        backward_gather = 0.0 if s.forward_retention else gathered
+        # they are saved, layer/region.py), else in backward before the expert GEMMs;
+        # two-stage compacts its stored rows in forward and gathers the retained ones
+        # among them in backward.
+        if s.store_factor is not None:
+            stored = s.stored_rows(routed, retained)
+            forward_gather = stored * np.where(stored < routed, gather, 0.0)
+            backward_gather = retained * np.where(retained < stored, gather, 0.0)
+        else:
+            gathered = retained * np.where(retained < routed, gather, 0.0)
+            forward_gather = gathered if s.forward_retention else 0.0
+            backward_gather = 0.0 if s.forward_retention else gathered
         f_elems = routed * routed_passes + forward_gather + sent * 3 * h + t * h
         b_elems = (retained * retained_passes + backward_gather
                    + sent * 2 * h + kept * 4 * h + t * h)

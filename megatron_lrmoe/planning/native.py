@@ -22,6 +22,7 @@ import numpy as np
 
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.placement import Placement
+from megatron_lrmoe.planning.retention import decimal_fraction
 
 __all__ = ["native_available", "native_greedy", "native_judge", "native_local_greedy",
            "native_planner", "native_popularity", "native_pricer"]
@@ -156,10 +157,15 @@ def _rank_terms(cost: CostModel) -> tuple[dict[str, Any], np.ndarray]:
     else:
         w1, w2, conv = np.zeros(len(counts)), np.zeros(len(counts)), 0.0
     p = s.source_pairs
+    rho = None if s.store_factor is None else decimal_fraction(s.store_factor)
     table = np.stack([np.broadcast_to(np.asarray(v, dtype=np.float64), counts.shape)
                       for v in (counts, rc, w1, w2, held_dw2, held_dw)])
     constants = {
         "grouped": s.grouped_gemm, "forward_retention": s.forward_retention,
+        # two-stage's rho as the exact decimal (stored rows: floor(rho q) per cell), 0/1
+        # for the other rules.
+        "store_num": rho.numerator if rho is not None else 0,
+        "store_den": rho.denominator if rho is not None else 1,
         "xc": float(xc), "conv": float(conv), "row": s.row_bytes,
         "sr": s.saved_bytes_per_routed_pair, "p": p, "pss": p * s.saved_bytes_per_source_pair,
         "meta": p * s.metadata_bytes_per_source_pair,
@@ -203,6 +209,7 @@ def _pricer_terms(cost: CostModel, num_ranks: int | None) -> dict[str, Any]:
         "forward_flops": float(s.forward_flops_per_pair),
         "backward_flops": float(s.backward_flops_per_pair),
         "memory": memory, "forward_retention": bool(s.forward_retention),
+        "store_factor": 0.0 if s.store_factor is None else float(s.store_factor),
         "routed_f": float(routed_passes), "retained_b": float(retained_passes),
         "gather": float(gather), "h": float(s.hidden_size),
         "th": float(s.tokens_per_rank * s.hidden_size),

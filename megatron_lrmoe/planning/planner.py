@@ -359,7 +359,7 @@ class LayerPlanner:
         """[R] ``CostModel.rank_memory`` of a planned micro-batch (``_memory``)."""
         if ctx.native is not None:
             return ctx.native.memory(cells, quotas, routed)
-        return _memory(self.settings.cost, ctx, routed, np.add.reduce(cells, axis=0), quotas)
+        return _memory(self.settings.cost, ctx, routed, cells, quotas)
 
     def _placement(self, replicas: tuple[tuple[int, int], ...]) -> Placement:
         """``Placement(R, E, replicas)``, the same object for the same replicas while
@@ -795,17 +795,18 @@ def _busiest(placement: Placement) -> int:
 
 
 def _memory(cost: CostModel, ctx: _PlacementContext, routed: np.ndarray,
-            instance_routed: np.ndarray, quotas: np.ndarray) -> np.ndarray:
+            cells: np.ndarray, quotas: np.ndarray) -> np.ndarray:
     """[R] ``CostModel.rank_memory`` of a planned micro-batch: its routed and retained
-    loads, each source's kept pairs and each instance's rows (numpy, as the planner's
-    other per-call arithmetic)."""
+    loads, each source's kept pairs, each instance's rows and two-stage's stored rows
+    (numpy, as the planner's other per-call arithmetic)."""
     instance_retained = np.add.reduce(quotas, axis=0)                          # [I]
     return cost.rank_memory(ctx.replicas, routed,
                             np.add.reduceat(instance_retained, ctx.rank_starts),
                             sent_kept=np.add.reduce(quotas, axis=1),
-                            instance_routed=instance_routed,
+                            instance_routed=np.add.reduce(cells, axis=0),
                             instance_retained=instance_retained,
-                            rank_starts=ctx.rank_starts, returned=ctx.returned)
+                            rank_starts=ctx.rank_starts, returned=ctx.returned,
+                            stored=cost.stored_per_rank(cells, quotas, ctx.rank_starts))
 
 
 @functools.cache

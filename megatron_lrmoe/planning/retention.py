@@ -89,7 +89,13 @@ __all__ = [
     "plan_retention",
     "retention_in_forward",
     "rule_reads_metric",
+    "stored_counts",
+    "stored_in_forward",
+    "stored_quotas",
 ]
+
+TWO_STAGE: Final[str] = "two-stage"
+"""The selection rule that stores a superset in forward and draws the quota in backward."""
 
 UNLIMITED_CAPACITY: Final[int] = torch.iinfo(torch.int64).max
 """``capacity`` of every rank when gamma = inf: nothing is dropped."""
@@ -619,8 +625,37 @@ def retention_in_forward(selection: str, metric: str) -> bool:
     backward gradient (the rule ignores the metric, or the metric is ``prob`` or
     ``random``). The draw is the one backward would make (same seed, same quotas), so
     the kept pairs do not depend on where it runs; drawn in forward, the receivers save
-    x_exp and z for the retained rows only."""
+    x_exp and z for the retained rows only. ``two-stage`` draws its final set in
+    backward (from the superset stored in forward: ``stored_in_forward``)."""
+    if selection == TWO_STAGE:
+        return False
     return not rule_reads_metric(selection) or metric in ("prob", "random")
+
+
+def stored_in_forward(selection: str, metric: str) -> bool:
+    """Whether forward draws the rows whose x_exp and z are saved (the retained set, or
+    ``two-stage``'s superset), so that the receivers compact them in forward."""
+    return selection == TWO_STAGE or retention_in_forward(selection, metric)
+
+
+def stored_quotas(counts: torch.Tensor, quotas: torch.Tensor, store_factor: float
+                  ) -> torch.Tensor:
+    """[R, I] int64 q1[s, i] = min(n[s, i], floor(rho q[s, i])): the pairs of each cell
+    that ``two-stage`` stores in forward, rho = ``store_factor`` >= 1 read as the decimal
+    its ``repr`` shows (1.5 = 3/2), computed exactly in integers. q <= q1 <= n, and
+    q1 = q where rho q < q + 1; the sum over a rank is at most rho times its quota."""
+    return torch.from_numpy(stored_counts(counts.numpy(), quotas.numpy(), store_factor))
+
+
+def stored_counts(counts: np.ndarray, quotas: np.ndarray, store_factor: float) -> np.ndarray:
+    """``stored_quotas`` on int64 numpy arrays (the planner's per-call arithmetic)."""
+    rho = _as_decimal_fraction(float(store_factor))
+    if not rho >= 1:
+        raise ValueError(f"store_factor must be >= 1, got {store_factor!r}")
+    if rho.numerator >= 2**62 // max(1, int(quotas.max(initial=0))):
+        raise ValueError(f"store_factor {store_factor!r} has too many decimals for exact "
+                         "integer arithmetic at these quotas")
+    return np.minimum(counts, quotas * rho.numerator // rho.denominator)
 
 
 def default_retention_in_forward() -> bool:

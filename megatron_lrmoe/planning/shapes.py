@@ -74,6 +74,13 @@ class MoEShape:
     gradient: ``retention.retention_in_forward``). x_exp and z are then saved for the
     retained rows only, and the source's kept index and scale live from forward on."""
 
+    store_factor: float | None = None
+    """rho of the ``two-stage`` rule (needs ``forward_retention``: its stored set is drawn
+    in forward): x_exp and z are saved for the stored rows, min(n, floor(rho q)) per cell
+    (at most rho x the retained rows and the routed ones), and backward draws the retained
+    rows among them (gathered from the stored buffers). None: the rows saved are the
+    retained ones (``forward_retention``) or every routed one."""
+
     recompute_moe: bool = False
     """Megatron reruns every MoE layer's forward in backward (``--recompute-granularity
     selective --recompute-modules moe``): no layer keeps its saved buffers between its
@@ -98,7 +105,17 @@ class MoEShape:
                     raise ValueError(f"MoEShape.full_recompute_layers must be an int >= 0, "
                                      f"got {value!r}")
                 continue
-            if value is None and f.name in ("grad_dtype_bytes", "expert_parallel_size"):
+            if value is None and f.name in ("grad_dtype_bytes", "expert_parallel_size",
+                                            "store_factor"):
+                continue
+            if f.name == "store_factor":
+                if (isinstance(value, bool) or not isinstance(value, (int, float))
+                        or not 1.0 <= value < float("inf")):
+                    raise ValueError(f"MoEShape.store_factor must be a finite number >= 1 or "
+                                     f"None, got {value!r}")
+                if not self.forward_retention:
+                    raise ValueError("MoEShape.store_factor needs forward_retention (the "
+                                     "two-stage rule draws its stored set in forward)")
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MoEShape.{f.name} must be a positive int, got {value!r}")
@@ -196,6 +213,19 @@ class MoEShape:
         gradient dX the backward returns."""
         return self.tokens_per_rank * self.row_bytes
 
+    def stored_rows(self, routed: np.ndarray, retained: np.ndarray) -> np.ndarray:
+        """[R] float64 rows whose x_exp and z are saved at ``routed`` and ``retained`` rows
+        per rank: the retained ones with ``forward_retention``, at most min(routed, rho x
+        retained) with ``store_factor`` (an upper bound of the per-cell floors), else the
+        routed ones."""
+        routed = np.asarray(routed, dtype=np.float64)
+        retained = np.asarray(retained, dtype=np.float64)
+        if not self.forward_retention:
+            return routed
+        if self.store_factor is None:
+            return retained
+        return np.minimum(routed, self.store_factor * retained)
+
     @property
     def rerun_layers(self) -> int:
         """Of the stage's ``num_layers`` MoE layers, those whose forward runs again in
@@ -224,8 +254,10 @@ class MoEShape:
     def backward_bytes_per_source_pair(self) -> int:
         """The source's per-pair bookkeeping in backward (metric, selection, slots,
         router gradient): at most 28 bytes; 16 with ``forward_retention``, whose kept
-        index and scale exist from forward on (``metadata_bytes_per_source_pair``)."""
-        return _SELECTION_BYTES_PER_PAIR - (_KEPT_BYTES if self.forward_retention else 0)
+        index and scale exist from forward on (``metadata_bytes_per_source_pair``), but
+        for ``store_factor`` (two-stage), whose backward draws again."""
+        drawn_before = self.forward_retention and self.store_factor is None
+        return _SELECTION_BYTES_PER_PAIR - (_KEPT_BYTES if drawn_before else 0)
 
     @property
     def weight_gradient_temporary_bytes(self) -> int:

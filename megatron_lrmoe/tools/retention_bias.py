@@ -26,6 +26,7 @@ class Setting:
     metric: str = "grad_act"
     hybrid_fraction: float = 0.5
     min_retention: float = 0.0
+    store_factor: float = 1.5
 
     @property
     def random(self) -> bool:
@@ -48,6 +49,8 @@ SETTINGS = (
     Setting("hybrid 0.5, 0.75", 0.75, "hybrid", hybrid_fraction=0.5),
     Setting("sample 0.75", 0.75, "sample"),
     Setting("sample 0.75, prob", 0.75, "sample", metric="prob"),
+    Setting("two-stage 0.75", 0.75, "two-stage"),
+    Setting("two-stage 0.75, rho 2", 0.75, "two-stage", store_factor=2.0),
 )
 
 
@@ -90,7 +93,8 @@ def _build(cfg: Config, s: Setting):
         add_bias_linear=False, bias_activation_fusion=False, gated_linear_unit=True,
         activation_func=F.silu, moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=s.gamma,
         moe_lrmoe_selection=s.selection, moe_lrmoe_metric=s.metric,
-        moe_lrmoe_hybrid_fraction=s.hybrid_fraction, moe_lrmoe_min_retention=s.min_retention)
+        moe_lrmoe_hybrid_fraction=s.hybrid_fraction, moe_lrmoe_min_retention=s.min_retention,
+        moe_lrmoe_store_factor=s.store_factor)
     spec = get_gpt_layer_local_spec(num_experts=cfg.experts).submodules.mlp
     layer = to_lrmoe_spec(spec)(config=config)
     setup_lrmoe_layers([layer], None, 1)

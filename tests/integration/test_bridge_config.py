@@ -239,7 +239,8 @@ def test_a_provider_subclass_keeps_its_class_and_fields(bridge):
 # One bad value per option, and one good (not the default), by field name.
 BAD = {"moe_lrmoe_bwd_capacity_factor": (-1.0, 0.75), "moe_lrmoe_min_retention": (1.5, 0.1),
        "moe_lrmoe_metric": ("nope", "grad"), "moe_lrmoe_selection": ("nope", "topk"),
-       "moe_lrmoe_hybrid_fraction": (2.0, 0.25), "moe_lrmoe_kernels": ("nope", "torch"),
+       "moe_lrmoe_hybrid_fraction": (2.0, 0.25), "moe_lrmoe_store_factor": (0.5, 2.0),
+       "moe_lrmoe_kernels": ("nope", "torch"),
        "moe_lrmoe_log_interval": (0, 5), "moe_lrmoe_placement": ("nope", "popularity"),
        "moe_lrmoe_slots_per_rank": (0, 2), "moe_lrmoe_memory_budget_gb": (-1.0, 40.0),
        "moe_lrmoe_load_smoothing": (1.0, 0.9), "moe_lrmoe_calibration": ("/no/such.json", None)}

@@ -250,6 +250,7 @@ BAD_VALUES = {
     "moe_lrmoe_metric": ["loss"],
     "moe_lrmoe_selection": ["best"],
     "moe_lrmoe_hybrid_fraction": ["1.5", "-0.5", "nan"],
+    "moe_lrmoe_store_factor": ["0.5", "inf", "nan"],
     "moe_lrmoe_kernels": ["gpu"],
     "moe_lrmoe_log_interval": ["0", "-3", "1.5"],
     "moe_lrmoe_placement": ["symi"],

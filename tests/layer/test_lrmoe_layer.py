@@ -228,6 +228,29 @@ def _gather_expert_weights(lrmoe, kind: str = "weight"):
     return torch.cat(out1), torch.cat(out2)
 
 
+def _reference_draw(selection: str, metric: torch.Tensor, prob: torch.Tensor,
+                    offsets: torch.Tensor, counts: torch.Tensor, quotas: torch.Tensor,
+                    seed: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept, scale) of one source's pairs, drawn with the reference op per the design's
+    rules; "two-stage" composed here from its two "sample" draws (docs/design.md,
+    "Selection rules"): floor(1.5 q) per cell stored by probability, then q of them by
+    the metric over pi1, weighted 1/(pi1 pi2)."""
+    from megatron_lrmoe.ops import select_rows_reference
+    from megatron_lrmoe.ops.select import splitmix64
+
+    if selection != "two-stage":
+        return select_rows_reference(metric, offsets, quotas.clone(), rule=selection,
+                                     seed=seed, hybrid_fraction=fraction)[:2]
+    stored_q = torch.minimum(counts, quotas * 3 // 2)
+    stored, pi1_inv, _ = select_rows_reference(prob, offsets, stored_q, rule="sample",
+                                               seed=seed)
+    stored_off = torch.cat([torch.zeros(1, dtype=torch.int64), stored_q.cumsum(0)])
+    kept2, pi2_inv, _ = select_rows_reference(
+        metric[stored] * pi1_inv, stored_off, quotas.clone(), rule="sample",
+        seed=splitmix64(seed ^ 0x7F4A7C159E3779B9))
+    return stored[kept2], pi1_inv[kept2] * pi2_inv
+
+
 def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret: float,
                                   grouped: bool | None = None, metric_name: str = "grad_act",
                                   router: dict | None = None, fields: dict | None = None,
@@ -235,7 +258,6 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
     import torch.distributed as dist
 
     from megatron_lrmoe.layer.step_state import _mix_seed
-    from megatron_lrmoe.ops import select_rows_reference
     from megatron_lrmoe.planning.retention import plan_retention
 
     # hybrid at a non-default fraction: the layer must pass its config's value on.
@@ -285,9 +307,9 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
     rank = dist.get_rank(lrmoe.ep_group) if ep > 1 else 0
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts[rank].cumsum(0)])
     seed = _mix_seed(lrmoe.lrmoe_state.seed_base, lrmoe.layer_number or 0, 0)
-    kept, scale, _ = select_rows_reference(
-        metric, offsets, plan.quotas[rank].clone(), rule=selection, seed=seed,
-        hybrid_fraction=lrmoe.config.moe_lrmoe_hybrid_fraction)
+    kept, scale = _reference_draw(selection, metric, p.detach().float(), offsets, counts[rank],
+                                  plan.quotas[rank], seed,
+                                  lrmoe.config.moe_lrmoe_hybrid_fraction)
     factor = torch.zeros(p.shape[0])
     factor[kept] = scale if selection != "topk" else 1.0
     o_eff = o.detach() + factor.unsqueeze(1) * (o - o.detach())
@@ -314,7 +336,7 @@ def _compare_with_dense_reference(ep: int, gamma: float, selection: str, min_ret
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
-@pytest.mark.parametrize("selection", ["topk", "sample", "uniform", "hybrid"])
+@pytest.mark.parametrize("selection", ["topk", "sample", "uniform", "hybrid", "two-stage"])
 @pytest.mark.parametrize("pool_name,ep", [("gloo1", 1), ("gloo2", 2), ("gloo4", 4)])
 def test_drops_equal_dense_reference(request, pool_name, ep, selection, grouped):
     pool = request.getfixturevalue(pool_name)
@@ -350,7 +372,6 @@ def _kept_pairs_against_reference(ep: int, selection: str, cp: int = 1):
 
     from megatron_lrmoe.layer.region import active_kept_pairs_log, record_kept_pairs
     from megatron_lrmoe.layer.step_state import _mix_seed
-    from megatron_lrmoe.ops import select_rows_reference
     from megatron_lrmoe.planning.retention import plan_retention
 
     megatron, lrmoe = _build(ep, 0.6, selection=selection, aux=0.0, min_retention=0.1,
@@ -377,10 +398,10 @@ def _kept_pairs_against_reference(ep: int, selection: str, cp: int = 1):
     rank = dist.get_rank(lrmoe.ep_group) if ep > 1 else 0
     plan = plan_retention(counts, ep, 0.6, 0.1)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts[rank].cumsum(0)])
-    kept, scale, _ = select_rows_reference(
-        metric, offsets, plan.quotas[rank].clone(), rule=selection,
-        seed=_mix_seed(lrmoe.lrmoe_state.seed_base, lrmoe.layer_number or 0, 0),
-        hybrid_fraction=0.3)
+    kept, scale = _reference_draw(
+        selection, metric, probs[pair_token, pair_expert].float(), offsets, counts[rank],
+        plan.quotas[rank], _mix_seed(lrmoe.lrmoe_state.seed_base, lrmoe.layer_number or 0, 0),
+        0.3)
     if selection == "topk":
         scale = torch.ones_like(scale)
     want = list(zip(pair_token[kept].tolist(), pair_expert[kept].tolist(), strict=True))
@@ -393,7 +414,7 @@ def _kept_pairs_against_reference(ep: int, selection: str, cp: int = 1):
             "dropped": kept.numel() < pair_token.numel()}
 
 
-@pytest.mark.parametrize("selection", ["topk", "sample", "uniform", "hybrid"])
+@pytest.mark.parametrize("selection", ["topk", "sample", "uniform", "hybrid", "two-stage"])
 def test_kept_pairs_debug_view_matches_reference(gloo2, selection):
     for rank, result in enumerate(gloo2.run(_kept_pairs_against_reference, 2, selection)):
         assert all(result.values()), (rank, result)
@@ -472,32 +493,46 @@ def test_backward_bytes_and_rows_follow_retained_pairs(gloo2, gamma):
             assert r["all_retained"] < r["all_routed"]
 
 
-def _sample_mean_gradient(draws: int):
-    """Mean expert-weight gradient of `sample` over many draws, and the dense one."""
+def _sample_mean_gradient(draws: int, selection: str = "sample"):
+    """Relative L2 errors (mean over many draws, one draw) of the expert-weight gradients
+    and of the token gradients of ``selection`` at gamma 0.5, against the dense ones."""
     _, dense = _build(1, math.inf, aux=0.0)
-    _, sampled = _build(1, 0.5, selection="sample", aux=0.0)
+    _, sampled = _build(1, 0.5, selection=selection, aux=0.0)
     x, dy = _inputs(8)
-    _, _, dense_grads = _run(dense, x, dy)
+    _, dense_dx, dense_grads = _run(dense, x, dy)
     keys = [k for k in dense_grads if k.startswith("experts")]
     total = {k: torch.zeros_like(dense_grads[k]) for k in keys}
+    total_dx = torch.zeros_like(dense_dx)
     for _ in range(draws):  # each call draws with a new seed (the layer's call counter)
         sampled.zero_grad()
-        _, _, grads = _run(sampled, x, dy)
+        _, dx, grads = _run(sampled, x, dy)
+        total_dx += dx
         for k in keys:
             total[k] += grads.get(k, torch.zeros_like(total[k]))
     mean = torch.cat([(total[k] / draws).flatten() for k in keys])
     exact = torch.cat([dense_grads[k].flatten() for k in keys])
     one = torch.cat([grads.get(k, torch.zeros_like(total[k])).flatten() for k in keys])
-    return float((mean - exact).norm() / exact.norm()), float((one - exact).norm() / exact.norm())
+
+    def error(v, ref):
+        return float((v - ref).norm() / ref.norm())
+
+    # The token gradient also carries the router's exact part (every pair's <dy, o>).
+    return (error(mean, exact), error(one, exact), error(total_dx / draws, dense_dx),
+            error(dx, dense_dx))
 
 
-def test_sample_expert_gradients_are_unbiased(gloo1):
+@pytest.mark.parametrize("selection", ["sample", "two-stage"])
+def test_sampled_gradients_are_unbiased(gloo1, selection):
     """With 400 draws the mean is within 10% (relative L2) of the dense gradient, while a
-    single draw is far off: the estimator is unbiased, its noise averages out."""
-    ((mean_error, single_error),) = gloo1.run(_sample_mean_gradient, 400, timeout=300)
+    single draw is far off: the estimator is unbiased, its noise averages out. The same
+    for the token gradients, at a quarter of the single draw's error."""
+    ((mean_error, single_error, mean_dx, single_dx),) = gloo1.run(
+        _sample_mean_gradient, 400, selection, timeout=300)
     assert single_error > 0.2, single_error
     assert mean_error < 0.1, mean_error
     assert mean_error < single_error / 4
+    assert single_dx > 0.02, single_dx
+    assert mean_dx < single_dx / 4, (mean_dx, single_dx)
 
 
 # -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_lrmoe.options.lrmoe import option
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
@@ -46,6 +47,8 @@ CASES = [Case(ep, gamma, selection, replicas)
 # Expert biases (Megatron's add_bias_linear): their adds and gradient sums on the device,
 # with replicas carrying them.
 CASES.append(Case(8, 0.75, "uniform", True, bias=True))
+# two-stage: the stored set drawn and compacted in forward, the final draw in backward.
+CASES += [Case(8, 0.75, "two-stage", False), Case(64, 0.75, "two-stage", True)]
 TIMEOUT_S = 240
 MEMORY_TOLERANCE = 0.05
 MIB = 1 << 20
@@ -221,22 +224,22 @@ def test_node_grad_frees_saved_tensors_as_the_engine_does():
 
 def _predicted_memory(case: Case, plan, rank: int, forward_retention: bool) -> tuple[float, float]:
     """(saved, peak) bytes of the region on ``rank`` by the cost model: grouped GEMMs, bf16,
-    one layer, one micro-batch in flight, the plan's rows per instance; the replicas'
-    weights and gradient buffers (they exist before the call) taken out of the peak."""
+    one layer, one micro-batch in flight, the plan's rows per instance (and two-stage's
+    stored rows at the option's default rho); the replicas' weights and gradient buffers
+    (they exist before the call) taken out of the peak."""
+    two_stage = case.selection == "two-stage"
     shape = MoEShape(2048, 768, 128, 8, gated=True, dtype_bytes=2, tokens_per_rank=4096,
                      expert_parallel_size=case.ep, grouped_gemm=True,
-                     forward_retention=forward_retention, expert_bias=case.bias)
+                     forward_retention=forward_retention or two_stage, expert_bias=case.bias,
+                     store_factor=option("moe_lrmoe_store_factor").default if two_stage
+                     else None)
     # Memory needs no machine constants; these only satisfy the constructor.
     cost = CostModel(shape, MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0))
     local = np.bincount(np.asarray(plan.instance_rank), minlength=plan.num_ranks)
     replicas = local - 128 // case.ep
     peak = cost.plan_memory(plan, replicas)[rank] - replicas[rank] * shape.instance_bytes
-    rows = InstanceRows.of_plan(plan)
-    mine = rows.rank == rank
-    kept = rows.retained[mine].sum() if forward_retention else rows.routed[mine].sum()
-    saved = (kept * shape.saved_bytes_per_routed_pair
-             + int(plan.counts[rank].sum()) * shape.saved_bytes_per_source_pair)
-    return float(saved), float(peak)
+    saved, _ = cost.plan_levels(plan, replicas)
+    return float(saved[rank]), float(peak)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

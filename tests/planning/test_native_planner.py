@@ -154,6 +154,8 @@ def planner_cases(draw):
     grouped = draw(st.booleans())
     recompute = draw(st.sampled_from(["none", "moe", "full"]))
     layers = draw(st.integers(1, 3))
+    # The rows saved: every routed one, the retained ones, or two-stage's stored ones.
+    saved = draw(st.sampled_from(["routed", "retained", 1.5, 1.3, 2.0]))
     shape = MoEShape(hidden_size=64, ffn_hidden_size=32, num_experts=num_experts,
                      topk=min(2, num_experts), gated=draw(st.booleans()), dtype_bytes=2,
                      tokens_per_rank=draw(st.sampled_from([8, 64])), num_layers=layers,
@@ -161,7 +163,8 @@ def planner_cases(draw):
                      microbatches_per_step=draw(st.integers(1, 4)),
                      expert_parallel_size=(num_ranks if grouped or draw(st.booleans())
                                            else None),
-                     grouped_gemm=grouped, forward_retention=draw(st.booleans()),
+                     grouped_gemm=grouped, forward_retention=saved != "routed",
+                     store_factor=saved if isinstance(saved, float) else None,
                      recompute_moe=recompute == "moe",
                      full_recompute_layers=layers if recompute == "full" else 0)
     cost = CostModel(shape, draw(st.sampled_from([MACHINE, TABLED])))
@@ -328,16 +331,18 @@ def test_memory_and_retained_limit_equal_the_cost_model(case, scale, replicas, d
 
 @given(machine=st.sampled_from([MACHINE, TABLED]), num_ranks=st.sampled_from([None, 2, 8]),
        loads=st.lists(st.floats(0.0, 1e5), min_size=4, max_size=4),
-       busiest=st.integers(0, 40), forward_retention=st.booleans(), gated=st.booleans())
+       busiest=st.integers(0, 40), forward_retention=st.booleans(), gated=st.booleans(),
+       store_factor=st.sampled_from([None, 1.5, 1.3]))
 @SETTINGS
 def test_pricer_equals_the_cost_model(machine, num_ranks, loads, busiest, forward_retention,
-                                      gated):
+                                      gated, store_factor):
     """The compiled time model the greedy searches price with: ``CostModel.load_times``
     and ``replica_cost_per_microbatch`` to the bit."""
     shape = MoEShape(hidden_size=64, ffn_hidden_size=32, num_experts=16, topk=2,
                      gated=gated, dtype_bytes=2, tokens_per_rank=512,
                      microbatches_per_step=3, expert_parallel_size=4,
-                     forward_retention=forward_retention)
+                     forward_retention=forward_retention or store_factor is not None,
+                     store_factor=store_factor)
     cost = CostModel(shape, machine)
     pricer = native_pricer(cost, num_ranks)
     top, retained, routed_pairs, retained_pairs = loads

@@ -88,7 +88,7 @@ def _one_step_under_detector(argv: list[str]) -> dict:
     }
 
 
-@pytest.mark.parametrize("selection", ["uniform", "topk"])
+@pytest.mark.parametrize("selection", ["uniform", "topk", "two-stage"])
 def test_training_step_reads_nothing_in_the_region_but_the_counts(gloo2, corpus, selection):
     argv = TINY + ["--data-path", corpus, "--train-iters", "1", "--lr-warmup-iters", "0",
                    "--expert-model-parallel-size",
