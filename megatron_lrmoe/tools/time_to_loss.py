@@ -144,7 +144,8 @@ CI_SHAPE = ("--num-layers", "1", "--hidden-size", "32", "--moe-ffn-hidden-size",
 # (stored, memory-aware: gamma 0.75 retained 0.748-0.749 at EP 2, 0.5 retained 0.484 at
 # EP 16; at 1.0 the ranks under the mean keep all, 0.97 at EP 8).
 CURVE_GAMMAS = {"uniform": ("0.9", "0.75", "0.6", "0.45", "0.3"),
-                "sample-prob": ("0.6", "0.45", "0.3")}
+                "sample-prob": ("0.6", "0.45", "0.3"),
+                "two-stage": ("0.6", "0.45", "0.3")}
 CURVE_POLICIES = tuple(f"lrmoe-{rule}-g{gamma}-ma"
                        for rule, gammas in CURVE_GAMMAS.items() for gamma in gammas)
 CURVE_LOG_KEYS = (

@@ -27,7 +27,10 @@ METRICS = option("moe_lrmoe_metric").choices
 LRMOE_NAME = "lrmoe-<selection>[-<metric>]-g<gamma>[-m<min retention>][-ma]"
 """How an LRMoE policy's name spells its flags (``LRMoEPolicy``), e.g.
 ``lrmoe-uniform-g0.45-ma`` or ``lrmoe-sample-prob-g0.45-ma``."""
-_LRMOE_NAME = re.compile(r"lrmoe-(?P<selection>[a-z_]+)(?:-(?P<metric>[a-z_]+))?"
+# A selection may hold a hyphen (two-stage): the option's choices are tried first, longest
+# first, then any word (refused by name in ``parse``).
+_SELECTION = "|".join(map(re.escape, sorted(SELECTIONS, key=len, reverse=True)))
+_LRMOE_NAME = re.compile(rf"lrmoe-(?P<selection>{_SELECTION}|[a-z_]+)(?:-(?P<metric>[a-z_]+))?"
                          r"-g(?P<gamma>inf|\d[\d.]*)(?:-m(?P<min_retention>\d[\d.]*))?"
                          r"(?P<memory_aware>-ma)?")
 

@@ -32,12 +32,16 @@ def test_a_policy_name_spells_its_flags():
         assert ttp.LRMoEPolicy.parse(name).name == name and name in table
     # Iteration is the listed policies only; a parsed name is found, not listed.
     assert "lrmoe-uniform-g0.3-ma" not in list(table) and "symi" in list(table)
-    assert len(ttl.CURVE_POLICIES) == 8
+    assert len(ttl.CURVE_POLICIES) == 11
+    # A selection with a hyphen in it, with and without a metric.
+    assert table["lrmoe-two-stage-g0.3-ma"][:4] == [
+        "--moe-lrmoe", "--moe-lrmoe-selection", "two-stage", "--moe-lrmoe-bwd-capacity-factor"]
+    assert ttp.LRMoEPolicy.parse("lrmoe-two-stage-prob-g0.3").metric == "prob"
 
 
 @pytest.mark.parametrize("name, problem", [
-    ("lrmoe-unif-g0.4", "selection 'unif' is not one of topk, sample, uniform, hybrid "
-                        "(--moe-lrmoe-selection)"),
+    ("lrmoe-unif-g0.4", "selection 'unif' is not one of topk, sample, uniform, hybrid, "
+                        "two-stage (--moe-lrmoe-selection)"),
     ("lrmoe-sample-foo-g0.4", "metric 'foo' is not one of"),
     ("lrmoe-uniform-g0", "--moe-lrmoe-bwd-capacity-factor: must be > 0 or inf, got 0"),
     ("lrmoe-uniform-g0.4-m1.5", "--moe-lrmoe-min-retention: must be in [0, 1], got 1.5"),
