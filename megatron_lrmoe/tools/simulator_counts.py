@@ -61,6 +61,7 @@ from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, megatron_kept_counts
 from megatron_lrmoe.planning.planner import PlannerSettings
+from megatron_lrmoe.planning.retention import TWO_STAGE, stored_in_forward
 from megatron_lrmoe.planning.shapes import MoEShape
 from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools.provenance import code_version
@@ -182,10 +183,11 @@ class RunReplay:
     run of Megatron's layer."""
 
 
-def run_replay(run: Path) -> RunReplay:
+def run_replay(run: Path, flags_after: tuple[str, ...] = ()) -> RunReplay:
     """The run's shape, policy, budget and the simulator's cost model (on the run's
     machine constants where printed), and where the simulator's planner settings differ
-    from the layer's."""
+    from the layer's. ``flags_after``: flags appended to the run's (the last of a flag
+    wins), e.g. another selection rule replayed on the run's routing."""
     from megatron_lrmoe.config.flags import tokens_per_rank
     from megatron_lrmoe.integration.planner_inputs import planner_settings
     from megatron_lrmoe.launcher.arguments import parse_args
@@ -194,7 +196,7 @@ def run_replay(run: Path) -> RunReplay:
 
     run = Path(run)
     trace = read_routing_trace(routing_dir(run))
-    flags = [*reference_flags(run), "--mock-data"]
+    flags = [*reference_flags(run), "--mock-data", *flags_after]
     saved = os.environ.get("WORLD_SIZE")
     # The launcher's checks read the world size: the recorded run's.
     os.environ["WORLD_SIZE"] = str(trace.header["parallel"]["world_size"])
@@ -212,7 +214,14 @@ def run_replay(run: Path) -> RunReplay:
                                                    alltoall_latency_s=0.0,
                                                    source="unused: memory only")
     shape = dataclasses.replace(shape, expert_parallel_size=ep)
-    cost = CostModel(layer_shape(shape, policy.runs_planner), machine)
+    modelled = layer_shape(shape, policy.runs_planner)
+    if args.moe_lrmoe:      # the rows the run's rule saves (the simulator's default: uniform)
+        modelled = dataclasses.replace(
+            modelled, forward_retention=stored_in_forward(config.moe_lrmoe_selection,
+                                                       config.moe_lrmoe_metric),
+            store_factor=(config.moe_lrmoe_store_factor
+                          if config.moe_lrmoe_selection == TWO_STAGE else None))
+    cost = CostModel(modelled, machine)
     budget = 0.0 if budget_gib is None else budget_gib * 2**30   # 0: no budget
     mismatches = []
     layer, options = None, {}

@@ -250,12 +250,14 @@ def chosen_calls(calls: list, layers: list[int] | None = None) -> list[tuple[str
     return out
 
 
-def run_jobs(run: Path, layers: list[int] | None, seed: int) -> tuple[dict, list[dict]]:
+def run_jobs(run: Path, layers: list[int] | None, seed: int,
+             flags_after: tuple[str, ...] = ()) -> tuple[dict, list[dict]]:
     """(the run's cfg, its jobs: the chosen calls with the simulator's per-rank levels
-    and, for a run of LRMoE's layer, the replay's plan and the layer's history)."""
+    and, for a run of LRMoE's layer, the replay's plan and the layer's history;
+    ``flags_after``: ``run_replay``'s)."""
     from megatron_lrmoe.tools.simulator_counts import replay_calls, run_replay
 
-    replay = run_replay(run)
+    replay = run_replay(run, flags_after)
     cfg = layer_cfg(replay.cost.shape, replay.trace.ep, seed)
     lrmoe = replay.policy.runs_planner
     calls = replay_calls(replay)
@@ -376,13 +378,17 @@ def main(argv: list[str] | None, make_pool: Callable[[int], Any]) -> int:
     ap.add_argument("--layers", default=None,
                     help="comma-separated MoE layer numbers (default: every recorded one)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--selection", default=None,
+                    help="replay LRMoE runs' routing under this --moe-lrmoe-selection (its "
+                         "planner, layer and memory model), not the run's own")
     ap.add_argument("--out", type=Path, default=None, help="directory for report.md/.json")
     args = ap.parse_args(argv)
 
     layers = None if args.layers is None else [int(v) for v in args.layers.split(",")]
     groups: dict[str, tuple[dict, list[dict]]] = {}
     for run in args.runs:
-        cfg, jobs = run_jobs(run, layers, args.seed)
+        cfg, jobs = run_jobs(run, layers, args.seed, () if args.selection is None
+                             else ("--moe-lrmoe-selection", args.selection))
         key = json.dumps(cfg, sort_keys=True)
         groups.setdefault(key, (cfg, []))[1].extend(jobs)
     rows = []
