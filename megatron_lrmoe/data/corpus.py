@@ -49,9 +49,9 @@ class CorpusFile:
 class Corpus:
     """A sorted, deduplicated list of text files under one root.
 
-    `skipped` lists relative paths that matched but were left out on purpose
-    (only the default corpus does that: a few stdlib test files are
-    deliberately not UTF-8).
+    `skipped` lists relative paths that a folder walk matched but that are not
+    UTF-8 text (`without_undecodable`: a few stdlib test files are deliberately
+    not UTF-8; a user's folder may hold a Latin-1 header or a binary).
     """
 
     root: str
@@ -163,17 +163,22 @@ def stdlib_corpus(extensions: str | Sequence[str] | None = (".py",)) -> Corpus:
     skipped and listed, instead of failing the run as a user's binary would.
     """
     root = sysconfig.get_paths()["stdlib"]
-    corpus = harvest([root], extensions, STDLIB_EXCLUDED_DIRS, STDLIB_LICENSE)
+    return without_undecodable(harvest([root], extensions, STDLIB_EXCLUDED_DIRS, STDLIB_LICENSE))
+
+
+def without_undecodable(corpus: Corpus) -> Corpus:
+    """`corpus` less the files a folder walk found that are not UTF-8 text (NUL bytes or
+    invalid UTF-8, after gzip decompression), listed in `skipped`. A file named
+    explicitly stays: `content_sha256` stops on it with the error naming it."""
     keep, skipped = [], []
     for f in corpus.files:
-        with open(f.path, "rb") as fh:
-            ok = text_problem(fh.read()) is None
+        ok = f.path not in corpus.walked or text_problem(read_document(f.path)) is None
         (keep if ok else skipped).append(f)
     return Corpus(
         root=corpus.root,
         files=tuple(keep),
-        license=STDLIB_LICENSE,
-        skipped=tuple(f.relpath for f in skipped),
+        license=corpus.license,
+        skipped=corpus.skipped + tuple(f.relpath for f in skipped),
         walked=corpus.walked,
     )
 

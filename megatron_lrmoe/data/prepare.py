@@ -55,6 +55,7 @@ from megatron_lrmoe.data.corpus import (  # noqa: E402
     parse_extensions,
     read_text,
     stdlib_corpus,
+    without_undecodable,
 )
 from megatron_lrmoe.data.tokenizers import build_tokenizer, train_sentencepiece  # noqa: E402
 
@@ -389,6 +390,11 @@ def prepare_dataset(
 
     # -- harvest and scan: every input problem surfaces here, before any writing
     corpus, source = _harvest_and_scan(inputs, extensions)
+    if corpus.skipped:
+        first = ", ".join(corpus.skipped[:5])
+        log(f"skipped {len(corpus.skipped)} file(s) found under {corpus.root} that are not "
+            f"UTF-8 text: {first}{', ...' if len(corpus.skipped) > 5 else ''} (listed in "
+            f"meta.json; name one in --input to see why)")
     _check_output_dir(prefix)
 
     # -- up to date?
@@ -469,7 +475,12 @@ def _harvest_and_scan(
 ) -> tuple[Corpus, dict]:
     """The corpus and its meta.json "source" record; raises on any unusable input."""
     default_corpus = not inputs
-    corpus = stdlib_corpus() if default_corpus else harvest(inputs, extensions)
+    corpus = stdlib_corpus() if default_corpus else without_undecodable(
+        harvest(inputs, extensions))
+    if not corpus.files and corpus.skipped:
+        raise DataPrepError(
+            f"none of the {len(corpus.skipped)} files found under {corpus.root} is UTF-8 "
+            f"text (first: {corpus.skipped[0]}); pass --extensions to choose text file types")
     if corpus.total_bytes == 0:
         raise DataPrepError(
             f"the {len(corpus.files)} input files under {corpus.root} are all empty; "

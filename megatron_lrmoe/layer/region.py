@@ -380,7 +380,8 @@ class _LRMoERegion(torch.autograd.Function):
         y, o, a = _combine(rc, lay, out, back, x.shape[0], pair_token, pair_prob, rev)
 
         if stages is not None:      # backward: the stored set as "routed"
-            lay, tables_buffer = stages.final, final_buffer
+            # Its own copy: a view would keep the stored layout's tables alive too.
+            lay, tables_buffer = stages.final, final_buffer.clone()
         ctx.rc, ctx.experts, ctx.layout, ctx.grouped = rc, experts, lay, grouped
         ctx.save_for_backward(x_exp, z, o, pair_token, pair_prob, a, tables_buffer, kept,
                               scale)

@@ -423,17 +423,26 @@ def test_error_binary_file_given_explicitly(tmp_path):
     assert str(path) in msg and "NUL" in msg and "--input" in msg
 
 
-def test_error_binary_file_found_in_folder(tmp_path):
+def test_binary_files_found_in_folders_are_skipped_and_reported(tmp_path):
+    # A folder walk skips what is not UTF-8 text (a Latin-1 header, a NUL byte), says how
+    # many and which, and records them; the same file named in --input still stops the run.
     _write(tmp_path / "in" / "good.txt", "fine")
     bad = tmp_path / "in" / "sub" / "latin1.txt"
     bad.parent.mkdir()
     bad.write_bytes("caf\u00e9".encode("latin-1"))
-    msg = _error(tmp_path, [str(tmp_path / "in")])
-    assert str(bad) in msg and "UTF-8" in msg and "--extensions" in msg
-    # Training a tokenizer reads the corpus too; the scan catches it before that.
-    msg = _error(tmp_path, [str(tmp_path / "in")], train_sentencepiece_vocab=400)
-    assert str(bad) in msg
-    assert not os.path.exists(tmp_path / "out" / "ds.model")
+    (tmp_path / "in" / "nul.txt").write_bytes(b"abc\0def")
+    lines = []
+    meta = prepare_dataset([str(tmp_path / "in")], str(tmp_path / "ok" / "ds"), log=lines.append)
+    assert meta["num_documents"] == 1
+    assert meta["source"]["skipped"] == ["nul.txt", os.path.join("sub", "latin1.txt")]
+    (report,) = [line for line in lines if line.startswith("skipped")]
+    assert "skipped 2 file(s)" in report and "latin1.txt" in report
+    msg = _error(tmp_path, [str(bad)])
+    assert str(bad) in msg and "UTF-8" in msg and "--input" in msg
+    # A walk that finds no text at all says so.
+    os.remove(tmp_path / "in" / "good.txt")
+    msg = _error(tmp_path, [str(tmp_path / "in")], force=True)
+    assert "none of the 2 files" in msg and "--extensions" in msg
 
 
 def test_error_unwritable_output(tmp_path):
