@@ -84,6 +84,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_lrmoe.config.flags import ConfigError
+from megatron_lrmoe.launcher.arguments import parse_args as parse_run_flags
 from megatron_lrmoe.tools import run_log, time_to_loss_curve
 from megatron_lrmoe.tools.figures import save_png
 from megatron_lrmoe.tools.time_to_loss_policies import (
@@ -967,6 +969,16 @@ def study_setup(args: argparse.Namespace) -> tuple[Stage, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The driver; a flag the runs' launcher refuses (a corpus not prepared, say) is one
+    ``error:`` line naming the flag and the fix, status 2, before any run starts."""
+    try:
+        return _drive(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _drive(argv: list[str] | None) -> int:
     args = parse_args(argv)
     stage, base = study_setup(args)
     out_dir = args.out_dir or ROOT / "benchmarks" / "results" / "time_to_loss" / (
@@ -979,8 +991,9 @@ def main(argv: list[str] | None = None) -> int:
                          + ", ".join(str(k) for k in range(1, total + 1) if total % k == 0))
     device = None
     asked = args.policies or ",".join(stage.policies)     # none: every listed policy
-    # Flags are validated as the runs' (one rank per expert-parallel rank).
+    # Flags are validated as the runs' (one rank per expert-parallel rank), before any run.
     os.environ["WORLD_SIZE"] = str(world_size(base))
+    parse_run_flags(base)
     if args.device_gib is not None:
         if args.unconstrained_dir is None:
             raise SystemExit("--device-gib needs --unconstrained-dir (the unconstrained study "

@@ -381,3 +381,17 @@ def test_the_runs_start_one_rank_per_expert_parallel_rank(tmp_path, monkeypatch)
     assert "1 micro-batch(es) per step on 16 ranks" in ttl.study_parameters(base16)
     with pytest.raises(SystemExit, match="--expert-model-parallel-size: .* give it .*--ep"):
         ttp.world_size(["--config", "configs/ep_study.yaml"])
+
+
+def test_a_corpus_not_prepared_is_one_error_line_before_any_run(tmp_path, capsys, monkeypatch):
+    """The driver on a --data-path that was never prepared: one ``error:`` line naming the
+    flag and the command that prepares it, status 2, nothing launched."""
+    monkeypatch.setattr(ttl, "run_one", lambda *a, **k: pytest.fail("a run was launched"))
+    missing = tmp_path / "corpus"
+    status = ttl.main(["--stage", "curve-ci", "--out-dir", str(tmp_path / "out"),
+                       "--data-path", str(missing)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert len(err) == 1 and err[0].startswith("error: --data-path "), err
+    assert f"data.prepare --output-prefix {missing}" in err[0]
+    assert not (tmp_path / "out").exists()
