@@ -335,8 +335,8 @@ def _print_memory_account(args: argparse.Namespace, config) -> None:
         return
     from megatron.training.utils import print_rank_0
 
-    from megatron_lrmoe.integration.planner_inputs import AUTO_BUDGET_SOURCE, GIB, account_gap
-    from megatron_lrmoe.planning.memory_account import account_line
+    from megatron_lrmoe.integration.planner_inputs import AUTO_BUDGET_SOURCE, account_gap
+    from megatron_lrmoe.planning.memory_account import GIB, account_line
 
     account = _memory_account(args, config)
     budget = config.moe_lrmoe_memory_budget_gb

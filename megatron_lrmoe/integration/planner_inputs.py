@@ -23,6 +23,7 @@ from megatron_lrmoe.options.lrmoe import option
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import MachineConstants, default_machine_constants
 from megatron_lrmoe.planning.memory_account import (
+    GIB,
     MemoryAccount,
     RunShape,
     auto_budget_bytes,
@@ -34,13 +35,12 @@ from megatron_lrmoe.planning.planner import PlannerSettings
 from megatron_lrmoe.planning.retention import TWO_STAGE, stored_in_forward
 from megatron_lrmoe.planning.shapes import MoEShape
 
-__all__ = ["GIB", "account_gap", "agreed_machine_constants", "allocator_check",
+__all__ = ["account_gap", "agreed_machine_constants", "allocator_check",
            "check_memory_budget", "device_memory_bytes", "fitting_micro_batch_size",
            "hybrid_stages", "machine_constants", "memory_account", "moe_layers_per_stage",
            "moe_shape", "needs_cost_model", "planner_settings", "recomputed_moe_layers",
            "resolve_memory_budget", "run_shape", "stage_moe_layers"]
 
-GIB = 2**30
 
 
 def moe_layers_per_stage(num_layers: int, moe_layer_freq, pipeline_size: int) -> int:

@@ -21,7 +21,6 @@ from megatron.core.transformer import TransformerConfig
 from megatron_lrmoe.config.flags import tokens_per_rank
 from megatron_lrmoe.data import routing_traces as rt
 from megatron_lrmoe.integration.planner_inputs import (
-    GIB,
     allocator_check,
     device_memory_bytes,
     memory_account,
@@ -33,6 +32,7 @@ from megatron_lrmoe.launcher.routing_record import RoutingRecorder
 from megatron_lrmoe.launcher.run_config import budget_source
 from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, stage_moe_memory
 from megatron_lrmoe.planning.memory_account import (
+    GIB,
     MemoryAccount,
     account_line,
     check_device,

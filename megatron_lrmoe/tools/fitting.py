@@ -319,7 +319,7 @@ def budget_slots(base_flags: list[str], policy_flags: list[str], device_gib: flo
     from megatron_lrmoe.config.flags import ConfigError
     from megatron_lrmoe.planning.cost_model import CostModel
     from megatron_lrmoe.planning.planner import PlannerSettings
-    from megatron_lrmoe.tools.simulate import CLUSTERS, layer_shape, machine_constants
+    from megatron_lrmoe.tools.simulate import CLUSTERS, cluster_machine_constants, layer_shape
     from megatron_lrmoe.tools.simulator_validation import run_setting
 
     args = _parse(base_flags)
@@ -331,7 +331,7 @@ def budget_slots(base_flags: list[str], policy_flags: list[str], device_gib: flo
             shape, _, budget_gib, ep = run_setting(
                 [*base_flags, *c.flags, "--device-memory-gb", f"{device_gib:.6g}"])
             cost = CostModel(layer_shape(shape, True),
-                             machine_constants(CLUSTERS[cluster], ep, calibration))
+                             cluster_machine_constants(CLUSTERS[cluster], ep, calibration))
             settings = PlannerSettings("popularity", ep, shape.num_experts,
                                        budget_bytes=budget_gib * GIB, cost=cost)
         except (ConfigError, ValueError):      # below the floor: cannot start at all

@@ -50,6 +50,7 @@ from megatron_lrmoe.planning.megatron_baseline import (
     megatron_kept_counts,
     steps_moe_memory,
 )
+from megatron_lrmoe.planning.memory_account import GIB
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import RetentionPlan, default_retention_in_forward
@@ -61,11 +62,10 @@ __all__ = ["CLUSTERS", "MODELS", "POLICIES", "STEPS_TO_TARGET_FILE", "WARMUP_STE
            "ClusterSpec", "ModelSpec", "Policy", "StepsPair", "StepsToTarget",
            "call_memory_levels",
            "layer_shape", "load_steps_to_target", "read_steps_to_target",
-           "machine_constants", "node_calibration", "policy_planner", "simulate", "source_batches",
-           "steps_ratios"]
+           "cluster_machine_constants", "node_calibration", "policy_planner", "simulate",
+           "source_batches", "steps_ratios"]
 
 ROOT = Path(__file__).resolve().parents[2]
-GIB = 2**30
 WARMUP_STEPS = 1
 """Steps replayed before the counted window: the planner's step 0 runs Megatron's static
 placement with no smoothed counts; ``LayerPlanner.next_step`` folds step 0's loads, so
@@ -165,7 +165,7 @@ def node_calibration(calibration: dict) -> dict:
     return kept
 
 
-def machine_constants(cluster: ClusterSpec, ep_size: int,
+def cluster_machine_constants(cluster: ClusterSpec, ep_size: int,
                       calibration: dict | None = None) -> MachineConstants:
     """The cost model's constants for one rank of an EP group of ``ep_size`` GPUs.
 
@@ -459,7 +459,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
                          f"{warmup_steps} >= 0")
     if shape.num_experts % ep_size:
         raise ValueError(f"--ep {ep_size}: {shape.num_experts} experts are not a multiple")
-    machine = machine_constants(cluster, ep_size, calibration)
+    machine = cluster_machine_constants(cluster, ep_size, calibration)
     need = CostModel(layer_shape(shape, True), machine).balanced_dropless_need()
     budget = (budget_gib * GIB if budget_gib is not None
               else need + budget_instances * shape.instance_bytes * shape.num_layers)
@@ -831,7 +831,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         stem = f"simulate_{args.model}_{args.cluster}"
-        machine = {ep: asdict(machine_constants(cluster, ep, calibration)) for ep in args.ep}
+        machine = {ep: asdict(cluster_machine_constants(cluster, ep, calibration))
+                   for ep in args.ep}
         command = " ".join(shlex.quote(a) for a in
                            ["python", "-m", "megatron_lrmoe.tools.simulate",
                             *(sys.argv[1:] if argv is None else argv)])

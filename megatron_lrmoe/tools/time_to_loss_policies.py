@@ -152,10 +152,11 @@ def policies(budget_gb: float | str) -> Policies:
 def study_budget_gb(base_flags: list[str], extra_instances: float) -> float:
     """Balanced dropless need of the configured shape plus ``extra_instances`` expert
     instances per layer and rank (GiB), from the cost model (memory only)."""
-    from megatron_lrmoe.integration.planner_inputs import GIB, machine_constants, moe_shape
+    from megatron_lrmoe.integration.planner_inputs import machine_constants, moe_shape
     from megatron_lrmoe.launcher.arguments import parse_args
     from megatron_lrmoe.launcher.run_config import transformer_config_from_args
     from megatron_lrmoe.planning.cost_model import CostModel
+    from megatron_lrmoe.planning.memory_account import GIB
 
     # Validate as the runs will be: one rank per expert-parallel rank.
     os.environ["WORLD_SIZE"] = str(world_size(base_flags))

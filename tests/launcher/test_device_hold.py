@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-GIB = 2**30
+from megatron_lrmoe.planning.memory_account import GIB
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

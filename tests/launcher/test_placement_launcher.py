@@ -171,8 +171,9 @@ def test_budget_between_floor_and_dropless_need_trains_with_gamma_lowered(
     # floor and the balanced dropless need even balanced routing does not fit at gamma 1,
     # so the run starts and every call's plan lowers gamma.
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
-    from megatron_lrmoe.integration.planner_inputs import GIB, machine_constants, moe_shape
+    from megatron_lrmoe.integration.planner_inputs import machine_constants, moe_shape
     from megatron_lrmoe.planning.cost_model import CostModel
+    from megatron_lrmoe.planning.memory_account import GIB
     from megatron_lrmoe.planning.plan_types import budget_floor
 
     config = LRMoETransformerConfig(

@@ -17,10 +17,10 @@ from megatron_lrmoe.tools.simulate import (
     STEPS_TO_TARGET_FILE,
     ModelSpec,
     Policy,
+    cluster_machine_constants,
     layer_shape,
     load_steps_to_target,
     load_traces,
-    machine_constants,
     main,
     node_calibration,
     simulate,
@@ -32,22 +32,22 @@ H100 = CLUSTERS["h100"]
 
 
 def test_machine_constants_by_hand():
-    inside = machine_constants(H100, 8)
+    inside = cluster_machine_constants(H100, 8)
     assert inside.gemm_flops_per_s == pytest.approx(989e12 * 0.6)
     # NVLink only, one direction: an all-to-all's rank sends and receives at once.
     assert inside.alltoall_bytes_per_s == pytest.approx(450e9 * 0.7)
     assert inside.alltoall_latency_s == pytest.approx(15e-6)
     # EP 16 over two nodes: 7 of a rank's 15 peers share its node, 8 do not.
-    two_nodes = machine_constants(H100, 16)
+    two_nodes = cluster_machine_constants(H100, 16)
     per_byte = max(7 / 15 / (450e9 * 0.7), 8 / 15 / (50e9 * 0.8))
     assert two_nodes.alltoall_bytes_per_s == pytest.approx(1 / per_byte)
     assert two_nodes.alltoall_latency_s == pytest.approx(30e-6)
     # A calibration file replaces cluster fields and derived constants alike.
-    tuned = machine_constants(H100, 8, {"gemm_efficiency": 0.5, "alltoall_latency_s": 1e-5})
+    tuned = cluster_machine_constants(H100, 8, {"gemm_efficiency": 0.5, "alltoall_latency_s": 1e-5})
     assert tuned.gemm_flops_per_s == pytest.approx(989e12 * 0.5)
     assert tuned.alltoall_latency_s == 1e-5
     with pytest.raises(ValueError, match="--calibration"):
-        machine_constants(H100, 8, {"gemm_rate": 1.0})
+        cluster_machine_constants(H100, 8, {"gemm_rate": 1.0})
 
 
 def test_cluster_links_are_per_direction_datasheet_figures():
@@ -62,7 +62,7 @@ def test_cluster_links_are_per_direction_datasheet_figures():
     for name, cluster in CLUSTERS.items():
         assert cluster.nvlink_bytes_per_s == pytest.approx(per_direction[name]), name
         assert cluster.network_bytes_per_s == pytest.approx(network[name]), name
-        one_node = machine_constants(cluster, cluster.gpus_per_node)
+        one_node = cluster_machine_constants(cluster, cluster.gpus_per_node)
         assert one_node.alltoall_bytes_per_s == pytest.approx(
             per_direction[name] * cluster.nvlink_efficiency), name
 
@@ -81,7 +81,8 @@ def test_node_calibration_keeps_the_clusters_links():
                          "gemm_backward_flops_per_s", "memory_bytes_per_s", "source"}
     h200 = CLUSTERS["h200"]
     for ep in (8, 16):
-        derived, calibrated = machine_constants(h200, ep), machine_constants(h200, ep, node)
+        derived = cluster_machine_constants(h200, ep)
+        calibrated = cluster_machine_constants(h200, ep, node)
         assert calibrated.alltoall_bytes_per_s == derived.alltoall_bytes_per_s
         assert calibrated.alltoall_latency_s == derived.alltoall_latency_s
         assert calibrated.layer_forward_fixed_s == derived.layer_forward_fixed_s == 200e-6
@@ -89,7 +90,7 @@ def test_node_calibration_keeps_the_clusters_links():
         assert calibrated.gemm_rows == (128, 1024)
         assert calibrated.memory_bytes_per_s == 4e12
     # The whole file would have taken the copy for the links.
-    assert machine_constants(h200, 16, one_gpu).alltoall_bytes_per_s == 4e12
+    assert cluster_machine_constants(h200, 16, one_gpu).alltoall_bytes_per_s == 4e12
     # A measured fixed cost is node-local and kept.
     measured = node_calibration({**one_gpu, "layer_forward_fixed_s": 3e-4})
     assert measured["layer_forward_fixed_s"] == 3e-4
@@ -99,7 +100,7 @@ def test_node_calibration_keeps_the_clusters_links():
                                  "megatron_backward_fixed_s": 0.0})
     assert (megatron["megatron_forward_fixed_s"], megatron["megatron_backward_fixed_s"]) == (
         2e-3, 0.0)
-    assert machine_constants(h200, 8, megatron).megatron_backward_fixed_s == 0.0
+    assert cluster_machine_constants(h200, 8, megatron).megatron_backward_fixed_s == 0.0
     unmeasured = node_calibration({**one_gpu, "megatron_forward_fixed_s": None,
                                    "megatron_backward_fixed_s": None})
     assert "megatron_forward_fixed_s" not in unmeasured
@@ -141,7 +142,7 @@ def test_simulated_times_by_hand():
     ep = 4
     results = {r.policy: r for r in simulate(model, H100, ep, [_local_trace(ep, 16, 8)],
                                              steps=2, budget_gib=1.0, planner_s=0.0)}
-    m = machine_constants(H100, ep)
+    m = cluster_machine_constants(H100, ep)
     g, mem = 989e12 * 0.6, 3.35e12 * 0.7           # GEMM FLOP/s; memory bytes/s (bf16: 2 B)
     assert m.gemm_flops_per_s == pytest.approx(g) and m.memory_bytes_per_s == pytest.approx(mem)
     weights = (2 * 32 + 32) * 64                    # W1 [2F, H] + W2 [H, F]
@@ -246,9 +247,9 @@ def test_default_budget_is_the_planned_shapes_need():
                       global_batch_size=4)
     ep = 4
     planned = layer_shape(model.shape(ep, 1), True)
-    need = CostModel(planned, machine_constants(H100, ep)).balanced_dropless_need()
+    need = CostModel(planned, cluster_machine_constants(H100, ep)).balanced_dropless_need()
     assert need > CostModel(layer_shape(model.shape(ep, 1), False),
-                            machine_constants(H100, ep)).balanced_dropless_need()
+                            cluster_machine_constants(H100, ep)).balanced_dropless_need()
     for instances in (0.0, 1.5):
         results = simulate(model, H100, ep, [_local_trace(ep, 16, 4)], steps=1,
                            budget_instances=instances, planner_s=0.0)
@@ -280,11 +281,11 @@ def test_calibration_file_overrides_the_new_constants():
            "layer_forward_fixed_s": 0.004, "layer_backward_fixed_s": 0.003,
            "gemm_rows": [16, 256], "gemm_forward_flops_per_s": [1e10, 5e10],
            "gemm_backward_flops_per_s": [1e10, 4e10], "source": "cal", "details": {"x": 1}}
-    m = machine_constants(H100, 2, cal)
+    m = cluster_machine_constants(H100, 2, cal)
     assert m.memory_bytes_per_s == 5e9 and m.layer_forward_fixed_s == 0.004
     assert m.gemm_rows == (16.0, 256.0) and "cal" in m.source
     # Without a calibration, the presets' assumptions: HBM x 0.7 and the fixed costs.
-    preset = machine_constants(CLUSTERS["a100-40"], 8)
+    preset = cluster_machine_constants(CLUSTERS["a100-40"], 8)
     assert preset.memory_bytes_per_s == pytest.approx(1.6e12 * 0.7)
     assert (preset.layer_forward_fixed_s, preset.layer_backward_fixed_s) == (200e-6, 100e-6)
     assert preset.gemm_rows == ()
@@ -521,7 +522,7 @@ def test_memory_is_the_most_over_steps_of_each_steps_levels_and_replicas():
     symi = Policy("symi", placement="popularity", budget=True, slots_per_rank=6)
     [result] = simulate(model, H100, ep, [trace], policies=(symi,), steps=2, warmup_steps=1,
                         budget_gib=1.0, shape=shape, resample=False, planner_s=0.0)
-    cost = CostModel(layer_shape(shape, True), machine_constants(H100, ep))
+    cost = CostModel(layer_shape(shape, True), cluster_machine_constants(H100, ep))
     planner = policy_planner(symi, ep, cost, 1.0 * 2**30)
     megatron = MegatronMoEMemory(cost.shape, grouped=True)
     by_step, peaks, replica_bytes = [], [], []
