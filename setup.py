@@ -13,7 +13,8 @@ Which backends get built:
   (the CPU backend only).
 - torch with CUDA (torch.version.cuda set) and a CUDA toolkit found
   (CUDA_HOME): a CUDAExtension that adds kernels/*.cu and defines WITH_CUDA.
-  Target GPUs follow TORCH_CUDA_ARCH_LIST, else the visible GPUs.
+  Target GPUs follow TORCH_CUDA_ARCH_LIST, else the visible GPUs, else 9.0
+  (Hopper; printed).
 
 Environment: MAX_JOBS limits parallel compile jobs (ninja);
 MEGATRON_LRMOE_DEBUG=1 builds with -O0 -g instead of -O3.
@@ -41,6 +42,21 @@ def read_version() -> str:
     return match.group(1)
 
 
+DEFAULT_CUDA_ARCH = "9.0"   # Hopper (H100/H200), as scripts/setup.sh builds without a GPU
+
+
+def default_cuda_arch() -> None:
+    """TORCH_CUDA_ARCH_LIST when neither it nor a visible GPU says which architectures to
+    build for: torch's build would otherwise stop (an empty list of device capabilities).
+    Printed, and overridden by setting the variable."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.is_available():
+        return
+    os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCH
+    print(f"setup.py: no GPU visible and TORCH_CUDA_ARCH_LIST unset: building the CUDA "
+          f"kernels for {DEFAULT_CUDA_ARCH} (set TORCH_CUDA_ARCH_LIST to choose)",
+          file=sys.stderr)
+
+
 def kernel_extension():
     # setuptools wants source paths relative to setup.py.
     cpp_sources = sorted(glob.glob("kernels/*.cpp"))
@@ -59,6 +75,7 @@ def kernel_extension():
 
     with_cuda = torch.version.cuda is not None and CUDA_HOME is not None
     if with_cuda:
+        default_cuda_arch()
         return CUDAExtension(
             name="megatron_lrmoe._kernels",
             sources=cpp_sources + cu_sources,
