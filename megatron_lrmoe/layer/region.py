@@ -525,7 +525,8 @@ class _TwoStageLayouts:
 
 def _stage_two_seed(seed: int) -> int:
     """The stage-two draw's seed: another stream than stage one's (``seed``) and than
-    other calls' (whose seeds differ from ``seed`` by small integers)."""
+    the next calls' (``step_state._mix_seed`` gives consecutive calls seeds that can
+    differ by small integers, so seed + 1 could be another call's stage one)."""
     return splitmix64(seed ^ 0x7F4A7C159E3779B9)
 
 
