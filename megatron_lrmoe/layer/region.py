@@ -497,9 +497,14 @@ def _select_kept_pairs(rc: RegionContext, lay: CallLayout, tables, dy: torch.Ten
     if not lay.source_keeps_all:
         if not rc.forward_retention:
             kept, scale = _select(rc, lay, tables, metric)
-        kept_row = torch.full((lay.num_pairs,), -1, dtype=torch.int64, device=dy.device)
-        kept_row.index_copy_(0, kept, torch.arange(lay.num_kept, device=dy.device))
+        kept_row = _kept_rows(kept, lay.num_pairs, lay.num_kept)
     return metric, kept, scale, kept_row
+
+
+def _kept_rows(kept: torch.Tensor, num_pairs: int, num_kept: int) -> torch.Tensor:
+    """kept_row [P]: each pair's row in the kept send buffer, -1 if dropped."""
+    kept_row = torch.full((num_pairs,), -1, dtype=torch.int64, device=kept.device)
+    return kept_row.index_copy_(0, kept, torch.arange(num_kept, device=kept.device))
 
 
 @dataclass(frozen=True)
@@ -555,10 +560,7 @@ def _select_from_stored(rc: RegionContext, lay: CallLayout, tables, dy: torch.Te
         kept, scale = stored, stored_scale
     else:
         kept, scale = stored.index_select(0, kept2), stored_scale.index_select(0, kept2) * scale2
-    kept_row = None
-    if kept is not None:
-        kept_row = torch.full((num_pairs,), -1, dtype=torch.int64, device=dy.device)
-        kept_row.index_copy_(0, kept, torch.arange(lay.num_kept, device=dy.device))
+    kept_row = None if kept is None else _kept_rows(kept, num_pairs, lay.num_kept)
     return metric, kept, scale, kept_row, kept2
 
 

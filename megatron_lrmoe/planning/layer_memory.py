@@ -255,9 +255,9 @@ class LayerMemory:
             gathered = (retained < stored).astype(np.float64)
         else:
             gathered = 0.0 * drops if fr else drops
-        # The forward compacts to the stored rows (b K of its levels at K = stored).
-        compacted, fdrops = (stored, (stored < routed).astype(np.float64)) if fr else \
-            (retained, drops)
+        # The forward compacts to the stored rows (its levels' b K at K = stored; b = 0
+        # without forward retention, whose stored rows are the routed ones).
+        fdrops = (stored < routed).astype(np.float64)
         held_dw2, held_dw = self._held_weight_grads(num_replicas, local)
         if s.grouped_gemm:
             w1, w2, conv = self._grouped_terms(local)
@@ -279,7 +279,7 @@ class LayerMemory:
                                           for alpha, beta, const
                                           in self._loop_backward_levels(gathered)))
             experts_bwd = retained * row + act_b
-        forward = _max(*(a + b * compacted for a, b
+        forward = _max(*(a + b * stored for a, b
                          in self._forward_levels(routed, xc, rc, local, act_f, fdrops)))
         base = saved + s.output_bytes + p * s.backward_bytes_per_source_pair
         backward = base + _max(
@@ -311,12 +311,10 @@ class LayerMemory:
         starts = np.searchsorted(np.asarray(plan.instance_rank), np.arange(plan.num_ranks))
         inst_routed, inst_retained = np.add.reduce(counts, axis=0), np.add.reduce(quotas,
                                                                                     axis=0)
-        kw = dict(sent_kept=np.add.reduce(quotas, axis=1), instance_routed=inst_routed,
-                  instance_retained=inst_retained, rank_starts=starts)
-        if self.shape.store_factor is not None:
-            kw["stored"] = self.stored_per_rank(counts, quotas, starts)
         return (np.add.reduceat(inst_routed, starts), np.add.reduceat(inst_retained, starts),
-                kw)
+                dict(sent_kept=np.add.reduce(quotas, axis=1), instance_routed=inst_routed,
+                     instance_retained=inst_retained, rank_starts=starts,
+                     stored=self.stored_per_rank(counts, quotas, starts)))
 
     def stored_per_rank(self, counts: np.ndarray, quotas: np.ndarray,
                         rank_starts: np.ndarray) -> np.ndarray | None:
