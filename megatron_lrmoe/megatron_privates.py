@@ -81,6 +81,10 @@ The internals, each read from the version named (``MEGATRON_CORE``: megatron-cor
   ``async_preload_tensors``): the worker process of asynchronous checkpoint saves and the
   copy it makes of the tensors to write, on the CPU runtime (integration/runtime/cpu.py,
   ``bridge_async_checkpoint_worker``).
+* ``MTPLossLoggingHelper.tracker`` of ``megatron.core.transformer.multi_token_prediction``
+  (megatron-core 0.19.2; a class-level dict, emptied by ``clear_mtp_loss_tracker``): its
+  tensors are sized by the first model's MTP depth and never reset, so the test harness
+  (testing/bridge.py) empties it before each of a worker's Bridge runs.
 * ``torch.nn.Module._forward_pre_hooks`` of an expert linear (torch 2.13; read by
   ``forward_pre_hooks``): the hooks that megatron-core 0.19.2's
   ``DistributedDataParallel`` registers there (distributed_data_parallel.py:408,
@@ -203,6 +207,9 @@ PRIVATES: tuple[MegatronPrivate, ...] = (
     MegatronPrivate(_FILESYSTEM_ASYNC, "FileSystemWriterAsync.preload_tensors", MEGATRON_CORE,
                     "replaced", "replace_async_preload_tensors",
                     params=("write_buckets", "non_blocking")),
+    MegatronPrivate("megatron.core.transformer.multi_token_prediction",
+                    "MTPLossLoggingHelper.tracker", MEGATRON_CORE, "set",
+                    "clear_mtp_loss_tracker"),
     MegatronPrivate("torch.nn", "Module._forward_pre_hooks", TORCH, "read",
                     "forward_pre_hooks", on_instance=True),
 )
@@ -435,6 +442,16 @@ def swapped_dispatcher_dtoh_stream(stream: Any) -> Iterator[None]:
         yield
     finally:
         MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = before
+
+
+def clear_mtp_loss_tracker() -> None:
+    """Empty ``MTPLossLoggingHelper.tracker`` (multi_token_prediction.py, megatron-core
+    0.19.2), a class-level dict whose tensors are sized by the MTP depth of the first model
+    that records into it and never reset: a process that trains several models (a test
+    pool's worker) clears it before each."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
 
 
 def replaced_dispatcher_dtoh(dispatcher: Any, replacement: Callable[..., Any]) -> None:

@@ -13,6 +13,7 @@ project (norm substitution, the LRMoE converter).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -70,6 +71,15 @@ def _replace_items(spec: list | tuple, walk: Callable[[Any], Any]) -> list | tup
     items = [walk(item) for item in spec]
     if all(new is old for new, old in zip(items, spec, strict=True)):
         return spec
+    if isinstance(spec, list) and type(spec) is not list:
+        # A list subclass may carry more than its items (Bridge's EXAONE-MoE and Step-3.5
+        # block specs keep their MTP layer's dense spec on theirs) and need more than them
+        # to construct: a shallow copy keeps the rest.
+        new = copy.copy(spec)
+        new[:] = items
+        return new
+    if isinstance(spec, tuple) and hasattr(spec, "_make"):      # a named tuple
+        return spec._make(items)
     return type(spec)(items)
 
 

@@ -45,6 +45,13 @@ QWEN3_30B_A3B_SFT_8GPU = "qwen3_30b_a3b_sft_8gpu_h100_bf16_config"
 GLM45_AIR = "glm45_air_106b_pretrain_config"
 NEMOTRON_3_NANO = "nemotron_3_nano_pretrain_config"   # Bridge's alias of the 8 x H100 one
 DEEPSEEK_V3 = "deepseek_v3_pretrain_config"    # Bridge's alias of the 1024 x H100 one
+GLM45_355B = "glm45_355b_pretrain_config"
+QWEN3_235B_A22B = "qwen3_235b_a22b_pretrain_config"
+DEEPSEEK_V2 = "deepseek_v2_pretrain_config"
+NEMOTRON_3_NANO_GB200 = "nemotron_3_nano_gb200_pretrain_config"
+NEMOTRON_3_5_LIGHTNING = "nemotron_3_5_lightning_pretrain_config"
+EXAONE_MOE = "exaone_moe_236b_a23b_pretrain_config"
+OLMOE_7B = "olmoe_7b_pretrain_config"
 
 #: Width of a CPU test model (every recipe; the depth is the recipe's shape, ``SHAPES``),
 #: one micro-batch per step per rank.
@@ -64,8 +71,9 @@ SMALL: list[str] = [
 #: Depth and shape of a shrunk recipe, by recipe-name prefix: GLM-4.5 keeps its dense first
 #: layer, a shared expert and one MTP layer; DeepSeek-V3 too (its recipe's one MTP layer
 #: kept), with its multi-latent attention's ranks and head dims shrunk and its router's
-#: expert groups fitted to 4 experts (2 groups of 2, tokens routed within 1); the others
-#: (Qwen3-MoE: every layer MoE) two layers.
+#: expert groups fitted to 4 experts (2 groups of 2, tokens routed within 1), and DeepSeek-V2
+#: shrunk alike (it has no MTP layer); Nemotron-3.5 Lightning as Nemotron-3 Nano (its two MTP
+#: layers kept); the others (Qwen3-MoE, OLMoE: every layer MoE) two layers.
 GLM_SHAPE: list[str] = [
     "model.num_layers=3", "model.moe_layer_freq=[0,1,1]",
     "model.moe_shared_expert_intermediate_size=32", "model.mtp_num_layers=1",
@@ -82,8 +90,18 @@ DEEPSEEK_V3_SHAPE: list[str] = [
     "model.kv_lora_rank=16", "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8",
     "model.v_head_dim=16", "model.moe_router_num_groups=2", "model.moe_router_group_topk=1",
 ]
-SHAPES: dict[str, list[str]] = {"glm45": GLM_SHAPE, "nemotron_3_nano": NEMOTRON_3_NANO_SHAPE,
+#: EXAONE-MoE: its first four layers (one dense; sliding-window attention with RoPE on three,
+#: full attention without RoPE on the fourth), a shared expert and its one (dense) MTP layer.
+EXAONE_MOE_SHAPE: list[str] = [
+    "model.num_layers=4", "model.moe_layer_freq=[0,1,1,1]", "model.no_rope_freq=[0,0,0,1]",
+    "model.window_attn_skip_freq=[1,1,1,0]", "model.moe_shared_expert_intermediate_size=32",
+    "model.mtp_num_layers=1",
+]
+SHAPES: dict[str, list[str]] = {"glm45": GLM_SHAPE, "exaone_moe": EXAONE_MOE_SHAPE,
+                                "nemotron_3_nano": NEMOTRON_3_NANO_SHAPE,
+                                "nemotron_3_5_lightning": NEMOTRON_3_NANO_SHAPE,
                                 "deepseek_v3": DEEPSEEK_V3_SHAPE,
+                                "deepseek_v2_pretrain": DEEPSEEK_V3_SHAPE,
                                 "": ["model.num_layers=2"]}
 
 #: What a CPU run of a bf16 GPU recipe needs: fp32, no fused kernels (TE, apex), gloo, the
@@ -112,6 +130,11 @@ CPU_OVERRIDES: list[str] = [
     "model.moe_flex_dispatcher_backend=null", "dist.distributed_backend=gloo",
     "train.manual_gc=false", "model.use_te_rng_tracker=false", "rng.te_rng_tracker=false",
 ]
+
+#: After ``SMALL`` (which sets 2 query groups for its 4 heads), for the models without
+#: grouped-query attention: MLA's (a key head per query head) and OLMoE's (its QK norms span
+#: all heads, so its keys must be as wide as its queries).
+GROUP_PER_HEAD: list[str] = ["model.num_query_groups=4"]
 
 #: A shrunk recipe on two ranks at expert parallelism 2 (on CPU: gloo and fp32).
 EP2: list[str] = [*SMALL, "model.expert_model_parallel_size=2",
@@ -213,13 +236,17 @@ def use_local_spec(cfg: Any) -> None:
     """The recipe's layer spec in its local (non-TE) flavour, local attention (CPU only:
     Transformer Engine cannot be installed there). A recipe's block-spec builder
     (``functools.partial`` of megatron-core's ``get_gpt_decoder_block_spec``, GLM,
-    DeepSeek) gets ``use_transformer_engine=False``; Bridge's default TE layer spec becomes
-    its ``local_layer_spec``; a hybrid (Mamba) recipe's default stack spec becomes
-    ``local_hybrid_stack_spec`` (testing/local_hybrid.py). With multi-latent attention, the
+    DeepSeek, MiniMax-M3) gets ``use_transformer_engine=False``; Bridge's default TE layer
+    spec becomes its ``local_layer_spec``, OLMoE's ``local_olmoe_layer_spec`` (EXAONE-MoE's
+    builds its local flavour itself where TE is absent); a hybrid
+    (Mamba) recipe's default stack spec becomes ``local_hybrid_stack_spec``
+    (testing/local_hybrid.py). With multi-latent attention, the
     MLA core attention is ``testing.local_mla``'s (megatron-core's local one cannot be built
     for MLA)."""
+    from megatron.bridge.models.exaone.exaone_moe import exaone_moe_provider
     from megatron.bridge.models.gpt_provider import default_layer_spec, local_layer_spec
     from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
+    from megatron.bridge.models.olmoe.olmoe_provider import olmoe_layer_spec
     from megatron.core.transformer.enums import AttnBackend
 
     from megatron_lrmoe.testing.local_mla import with_local_mla_attention
@@ -234,6 +261,11 @@ def use_local_spec(cfg: Any) -> None:
             spec.func, *spec.args, **{**spec.keywords, "use_transformer_engine": False})
     elif spec is default_layer_spec:
         cfg.model.transformer_layer_spec = local_layer_spec
+    elif spec is olmoe_layer_spec:
+        cfg.model.transformer_layer_spec = local_olmoe_layer_spec
+    elif (spec is exaone_moe_provider.ExaoneMoeModelProvider.transformer_layer_spec
+          and not exaone_moe_provider.HAVE_TE):
+        pass                            # EXAONE-MoE's builds its local flavour without TE
     else:
         raise ValueError(f"no local flavour known for the recipe's layer spec {spec!r}")
     if getattr(cfg.model, "multi_latent_attention", False):
@@ -242,6 +274,17 @@ def use_local_spec(cfg: Any) -> None:
             cfg.model.transformer_layer_spec)
     cfg.model.attention_backend = AttnBackend.local
     cfg.model.transformer_impl = "local"
+
+
+def local_olmoe_layer_spec(config: Any) -> Any:
+    """Bridge's ``olmoe_layer_spec`` on the local layer: OLMoE's self-attention (its QK norms
+    span all heads) in Bridge's ``local_layer_spec`` in place of its TE one."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron.bridge.models.olmoe.olmoe_provider import OLMoESelfAttention
+
+    spec = local_layer_spec(config)
+    spec.submodules.self_attention.module = OLMoESelfAttention
+    return spec
 
 
 def local_mtp_block_spec(config: Any, vp_stage: int | None = None) -> Any:
@@ -315,12 +358,18 @@ def run_pretrain(cfg: Any, callbacks: Sequence[Any] = (), finetune: bool = False
     from megatron.bridge.training import pretrain as bridge_pretrain
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.initialize import destroy_global_state
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    from megatron_lrmoe.megatron_privates import clear_mtp_loss_tracker
 
     pretrain = bridge_finetune.finetune if finetune else bridge_pretrain.pretrain
 
     # A pool worker runs many tasks: whatever an earlier run (or a launcher run that
-    # stopped early) left in Megatron's globals, e.g. the rerun state machine, must go.
+    # stopped early) left in Megatron's globals, e.g. the rerun state machine, must go; so
+    # must the MoE and MTP metric trackers, sized by the first model's layer counts.
     destroy_global_state()
+    destroy_moe_metrics_tracker()
+    clear_mtp_loss_tracker()
     run = BridgeRun([], [], {}, {})
     every = [*callbacks, _recorder(run)]
     if not cpu():

@@ -101,6 +101,30 @@ def test_converter_on_block_spec_with_layer_freq_and_shared_experts():
     assert _moe_positions(block) == before, "the input spec must not change"
 
 
+class _LayersWithDenseMTP(list):
+    """A list of layer specs carrying one more spec, constructed only with it: the shape of
+    Megatron-Bridge's EXAONE-MoE and Step-3.5 block specs (``_MTPDenseLayerSpecsList``)."""
+
+    def __init__(self, layers, dense_mtp):
+        super().__init__(layers)
+        self.dense_mtp = dense_mtp
+
+
+def test_converter_keeps_a_list_subclass_and_what_it_carries():
+    from megatron_lrmoe.layer.moe_layer import LRMoELayer
+    from megatron_lrmoe.layer.spec import to_lrmoe_spec
+
+    config = _config(num_layers=3, moe_layer_freq=[0, 1, 1])
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)
+    dense = block.layer_specs[0]
+    block.layer_specs = _LayersWithDenseMTP(block.layer_specs, dense)
+    converted = to_lrmoe_spec(block)
+    layers = converted.layer_specs
+    assert type(layers) is _LayersWithDenseMTP and layers.dense_mtp is dense
+    assert [m for m, _, _ in _moe_positions(converted)] == [LRMoELayer, LRMoELayer]
+    assert layers[0] is dense and layers is not block.layer_specs
+
+
 def test_converter_on_te_flavoured_layer_spec():
     """A Transformer-Engine-flavoured MoE position (TEGroupedMLP experts) converts too;
     the TE spec functions need TE, so the position is built by hand as
