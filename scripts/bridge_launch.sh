@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Shared body of the Megatron-Bridge launch scripts (scripts/*_bridge_lrmoe.sh; sourced, not
-# run): runs `python -m megatron_lrmoe.bridge` (a Bridge recipe with LRMoE, trained by
+# run): runs `python -m megatron_lrmoe.bridge_launcher` (a Bridge recipe with LRMoE, trained by
 # Bridge's own pretrain) under torchrun or srun, or prints the command.
 #
 # The calling script sets RECIPE (a recipe function of megatron.bridge.recipes),
@@ -68,7 +68,7 @@ RUN_OVERRIDES=(
 source "$REPO/scripts/lib/launch_prefix.sh"
 lrmoe_launch_prefix
 
-CMD=("${LAUNCH[@]}" -m megatron_lrmoe.bridge "${LAUNCHER_FLAGS[@]}" "${RUN_OVERRIDES[@]}"
+CMD=("${LAUNCH[@]}" -m megatron_lrmoe.bridge_launcher "${LAUNCHER_FLAGS[@]}" "${RUN_OVERRIDES[@]}"
      "${USER_ARGS[@]}")
 ENV_VARS=(CUDA_DEVICE_MAX_CONNECTIONS=1 "PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}")
 
@@ -79,7 +79,7 @@ if [ "$DRY_RUN" = 1 ]; then
   # The launcher's own --dry-run, one process here: the recipe, enable_lrmoe, the YAML and
   # the overrides built and checked, not just a command printed. Its output goes to stderr,
   # so stdout stays the command alone; a refused launch exits with its status (set -e).
-  env "${ENV_VARS[@]}" "$PYTHON" -m megatron_lrmoe.bridge "${LAUNCHER_FLAGS[@]}" \
+  env "${ENV_VARS[@]}" "$PYTHON" -m megatron_lrmoe.bridge_launcher "${LAUNCHER_FLAGS[@]}" \
       "${RUN_OVERRIDES[@]}" "${USER_ARGS[@]}" --dry-run >&2
   printf '%q ' env "${ENV_VARS[@]}" "${CMD[@]}"
   echo

@@ -244,7 +244,8 @@ def test_the_length_check_sees_a_long_module(tmp_path):
 # Bridge entry point is a launcher.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("ops", "_kernels", "options", "megatron_privates"), ("planning",), ("config",), ("layer",),
-    ("integration",), ("data",), ("launcher", "bridge"), ("tools",), ("testing",))
+    ("integration",), ("data",), ("launcher", "bridge_launcher", "bridge"), ("tools",),
+    ("testing",))
 # Upward package imports still there: (from, to) -> why. Each must go; one that is gone
 # fails the test too (remove its entry).
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}

@@ -1,2 +1,3 @@
-"""``python -m megatron_lrmoe.bridge``: a Megatron-Bridge recipe with LRMoE, trained by
-Bridge's own ``pretrain`` (``cli.py``; the integration itself: ``integration/bridge.py``)."""
+"""``python -m megatron_lrmoe.bridge``: the Bridge recipe launcher under its first name, kept
+for the scripts and users that call it (the launcher: ``megatron_lrmoe.bridge_launcher``;
+the integration itself: ``integration/bridge.py``)."""

@@ -1,7 +1,7 @@
-"""``python -m megatron_lrmoe.bridge --recipe NAME [--config-file FILE] [--adapt] [overrides]``."""
+"""``python -m megatron_lrmoe.bridge ...``: ``python -m megatron_lrmoe.bridge_launcher ...``."""
 
 import sys
 
-from megatron_lrmoe.bridge.cli import main
+from megatron_lrmoe.bridge_launcher.cli import main
 
 sys.exit(main())

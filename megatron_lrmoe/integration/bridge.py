@@ -485,7 +485,7 @@ _RUN = _Run()
 _MISSING_CALLBACK = (
     "LRMoE in Megatron-Bridge needs its step callback: pretrain(cfg, forward_step, "
     "callbacks=[megatron_lrmoe.integration.bridge.LRMoECallback()]) (python -m "
-    "megatron_lrmoe.bridge passes it)")
+    "megatron_lrmoe.bridge_launcher passes it)")
 
 
 def lrmoe_pre_wrap_hook(model: list[Any]) -> list[Any]:

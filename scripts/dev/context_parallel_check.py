@@ -5,7 +5,7 @@ Transformer Engine's attention (and NCCL wants one rank per GPU): this runs wher
 scripts/gpu_check.sh finds two GPUs and TE (its step ``cp``), not on CPU. The MoE layer
 alone is tested at EP 2 x CP 2 on CPU (tests/layer/test_context_parallel.py).
 
-Three launches of the Bridge launcher (``python -m megatron_lrmoe.bridge --adapt``, under
+Three launches of the Bridge launcher (``python -m megatron_lrmoe.bridge_launcher --adapt``, under
 torchrun, two ranks: CP 2 x EP 2, the recipe's bf16, 8 steps, mock data, the log every
 step), then their losses compared (read from Bridge's log lines ``iteration N/ M | ...
 lm loss: X |`` of the last rank):
@@ -114,7 +114,8 @@ def compare(logs: dict[str, str]) -> list[str]:
 
 def _run(name: str, env: dict[str, str], nproc: int) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", "-m", "megatron_lrmoe.bridge", *launcher_argv(name)]
+               f"--nproc-per-node={nproc}", "-m", "megatron_lrmoe.bridge_launcher",
+               *launcher_argv(name)]
     print(f"$ {' '.join(command)}", flush=True)
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     sys.stdout.write(done.stdout[-4000:])
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         # huggingface_hub reads the variables at import: set before the launcher imports it.
         os.environ.update(offline_hf_environment(cache))
-        from megatron_lrmoe.bridge.cli import main as launcher
+        from megatron_lrmoe.bridge_launcher.cli import main as launcher
 
         codes = {name: launcher([*launcher_argv(name), "--dry-run"]) for name in LAUNCHES}
         print(f"dry runs: {codes}")

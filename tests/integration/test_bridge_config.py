@@ -55,7 +55,7 @@ EXPECTED = {
 
 @functools.cache
 def _built(name: str):
-    from megatron_lrmoe.bridge.cli import recipe_function
+    from megatron_lrmoe.bridge_launcher.cli import recipe_function
 
     return recipe_function(name)()
 
@@ -170,7 +170,7 @@ def test_what_would_change_the_model_or_its_layout_is_refused_even_with_adapt(re
 
 
 def test_peft_recipes_are_refused(bridge):
-    from megatron_lrmoe.bridge.cli import recipe_function
+    from megatron_lrmoe.bridge_launcher.cli import recipe_function
     from megatron_lrmoe.integration.bridge import BridgeConfigError, enable_lrmoe
 
     cfg = recipe_function("qwen3_30b_a3b_peft_config")()
@@ -358,7 +358,7 @@ def test_fp8_from_the_mixed_precision_recipe_is_refused_at_finalize(recipe):
                                                            "override is KEY=VALUE"),
 ])
 def test_launcher_errors_are_one_line(bridge, capsys, argv, words):
-    from megatron_lrmoe.bridge.cli import main
+    from megatron_lrmoe.bridge_launcher.cli import main
 
     assert main([*argv, "--dry-run"]) == 2
     out, err = capsys.readouterr()
@@ -367,7 +367,7 @@ def test_launcher_errors_are_one_line(bridge, capsys, argv, words):
 
 
 def test_launcher_dry_run_prints_the_final_config(bridge, capsys):
-    from megatron_lrmoe.bridge.cli import main
+    from megatron_lrmoe.bridge_launcher.cli import main
 
     assert main(["--recipe", QWEN_16, "--adapt", "--dry-run",
                  "model.moe_lrmoe_bwd_capacity_factor=0.75", "train.train_iters=7"]) == 0
@@ -390,7 +390,7 @@ def test_dry_run_checks_te_kernel_switches_off_only_where_te_is_absent(recipe, m
     """Without TE the switch is checked off on a copy (the config keeps it). With TE it is
     checked as set: claimed here, that meets Megatron-Core's own refusal of the missing
     kernel, so the dry run's leniency is tied to TE's absence alone."""
-    from megatron_lrmoe.bridge.cli import check_final_values
+    from megatron_lrmoe.bridge_launcher.cli import check_final_values
     from megatron_lrmoe.integration.bridge import enable_lrmoe
 
     cfg = recipe(QWEN_16)
@@ -436,6 +436,7 @@ def _architecture_lines(recipe: str) -> list[str]:
 
 
 AS_USERS_RUN_IT = [QWEN_16, GLM_AIR]        # the launcher's dry run, in a fresh process each
+LAUNCHER_NAMES = ["megatron_lrmoe.bridge_launcher", "megatron_lrmoe.bridge"]    # one each
 USER_SCRIPT = "qwen3_30b_a3b_bridge_lrmoe.sh"   # the script's dry run, with the real launcher
 
 
@@ -446,8 +447,10 @@ def dry_runs():
     env = _user_env()
     overrides = ["model.moe_lrmoe_bwd_capacity_factor=0.75", "model.moe_lrmoe_metric=prob",
                  "train.train_iters=7"]
-    commands = {name: [sys.executable, "-m", "megatron_lrmoe.bridge", "--recipe", name,
-                       "--adapt", "--dry-run", *overrides] for name in AS_USERS_RUN_IT}
+    # GLM's under the launcher's first name, ``megatron_lrmoe.bridge``, which users still run.
+    commands = {name: [sys.executable, "-m", module, "--recipe", name, "--adapt", "--dry-run",
+                       *overrides]
+                for name, module in zip(AS_USERS_RUN_IT, LAUNCHER_NAMES, strict=True)}
     commands[USER_SCRIPT] = ["bash", str(REPO / "scripts" / USER_SCRIPT), "--dry-run",
                              "model.moe_lrmoe_bwd_capacity_factor=0.5"]
     started = {key: subprocess.Popen(command, cwd=REPO, text=True, stdout=subprocess.PIPE,
@@ -468,9 +471,10 @@ def dry_runs():
 
 @pytest.mark.parametrize("name", AS_USERS_RUN_IT)
 def test_launcher_dry_run_as_users_run_it(dry_runs, name):
-    """``python -m megatron_lrmoe.bridge --recipe R --adapt --dry-run`` in a fresh process
-    without Transformer Engine: exit status 0, the adaptations the recipe's source calls
-    for (EXPECTED), the architecture of the Hub config, and the override values."""
+    """``python -m megatron_lrmoe.bridge_launcher --recipe R --adapt --dry-run`` (or under the
+    alias ``megatron_lrmoe.bridge``) in a fresh process without Transformer Engine: exit
+    status 0, the adaptations the recipe's source calls for (EXPECTED), the architecture of
+    the Hub config, and the override values."""
     done = dry_runs(name)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout.splitlines()
@@ -498,7 +502,7 @@ SCRIPTS = {"qwen3_30b_a3b_bridge_lrmoe.sh": (QWEN_8, "1"),
 # with FAKE_STATUS (what a refused launch returns): the script's side, without the
 # launcher's 10 s of imports; the arguments then run through the real launcher in-process.
 FAKE_PYTHON = """#!/bin/sh
-[ "$1" = -m ] && [ "$2" = megatron_lrmoe.bridge ] || exit 99
+[ "$1" = -m ] && [ "$2" = megatron_lrmoe.bridge_launcher ] || exit 99
 shift 2
 printf '%s\n' "$@" > "$RECORD"
 [ "${FAKE_STATUS:-0}" = 0 ] || echo "error: refused" >&2
@@ -515,7 +519,7 @@ def _fake_python(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_launch_script_dry_run(bridge, capsys, tmp_path, script):
-    from megatron_lrmoe.bridge.cli import main
+    from megatron_lrmoe.bridge_launcher.cli import main
 
     env = _user_env(**_fake_python(tmp_path))
     done = subprocess.run(["bash", str(REPO / "scripts" / script), "--dry-run",
@@ -524,7 +528,7 @@ def test_launch_script_dry_run(bridge, capsys, tmp_path, script):
     command = shlex.split(done.stdout)
     recipe, nodes = SCRIPTS[script]
     assert command[command.index("--nnodes") + 1] == nodes
-    args = command[command.index("megatron_lrmoe.bridge") + 1:]
+    args = command[command.index("megatron_lrmoe.bridge_launcher") + 1:]
     assert args[:3] == ["--recipe", recipe, "--adapt"]
     checked = Path(env["RECORD"]).read_text().splitlines()
     assert checked == [*args, "--dry-run"]          # the check is the launch, dry
@@ -555,7 +559,7 @@ def test_launch_script_dry_run_as_users_run_it(dry_runs):
     assert done.returncode == 0, done.stderr[-2000:]
     command = shlex.split(done.stdout)
     recipe = SCRIPTS[USER_SCRIPT][0]
-    assert command[command.index("megatron_lrmoe.bridge") + 1:][:2] == ["--recipe", recipe]
+    assert command[command.index("megatron_lrmoe.bridge_launcher") + 1:][:2] == ["--recipe", recipe]
     checked = done.stderr.splitlines()
     for line in [f"recipe: {recipe} (LRMoEGPTModelProvider)", *_architecture_lines(recipe),
                  "model.moe_lrmoe_bwd_capacity_factor: 0.5",

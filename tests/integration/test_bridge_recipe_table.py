@@ -102,7 +102,7 @@ def moe_recipe_functions(recipes: Any) -> list[str]:
 
 @functools.cache
 def _built(name: str) -> Any:
-    from megatron_lrmoe.bridge.cli import recipe_function
+    from megatron_lrmoe.bridge_launcher.cli import recipe_function
 
     return recipe_function(name)()
 
@@ -186,7 +186,7 @@ def test_recipe_outcome_is_its_row(bridge, monkeypatch, name):
 def _check_accepted(cfg: Any, expected: tuple[str, ...]) -> None:
     """``adapt`` makes the row's changes and no other: implementation choices only, the
     recipe's architecture, layout and precision kept."""
-    from megatron_lrmoe.bridge.cli import check_final_values
+    from megatron_lrmoe.bridge_launcher.cli import check_final_values
     from megatron_lrmoe.integration.bridge import enable_lrmoe, refused_settings
     from megatron_lrmoe.options.lrmoe import OPTIONS
     from megatron_lrmoe.options.megatron import ARCHITECTURE_FIELDS, megatron_option

@@ -16,7 +16,7 @@ For each recipe, four runs of 20 steps on one pool:
   land in both, at the same steps with the same values.
 
 One recipe runs through the API (``enable_lrmoe``, Bridge's ``process_config_with_overrides``,
-``pretrain``) and saves/resumes through the launcher (``python -m megatron_lrmoe.bridge``'s
+``pretrain``) and saves/resumes through the launcher (``python -m megatron_lrmoe.bridge_launcher``'s
 ``main``), the other the other way round, so the launcher's runs are compared bitwise with
 the API's.
 """
@@ -128,7 +128,7 @@ def _train(recipe: str, overrides: list[str], launcher: bool, around) -> dict:
         return out
     from megatron.bridge.training import pretrain as bridge_pretrain
 
-    from megatron_lrmoe.bridge.cli import main
+    from megatron_lrmoe.bridge_launcher.cli import main
     from megatron_lrmoe.megatron_privates import swapped_bridge_mtp_block_spec
 
     real = bridge_pretrain.pretrain

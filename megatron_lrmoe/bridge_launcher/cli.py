@@ -1,6 +1,6 @@
 """The Bridge recipe launcher: a recipe, ``enable_lrmoe``, overrides, Bridge's ``pretrain``.
 
-Run on every rank (``torchrun --nproc-per-node 8 -m megatron_lrmoe.bridge ...``)::
+Run on every rank (``torchrun --nproc-per-node 8 -m megatron_lrmoe.bridge_launcher ...``)::
 
     --recipe NAME          a recipe function megatron.bridge.recipes exports, e.g.
                            qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config
@@ -46,7 +46,7 @@ __all__ = ["TE_KERNEL_SWITCHES", "build_config", "build_parser", "check_final_va
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_lrmoe.bridge",
+        prog="python -m megatron_lrmoe.bridge_launcher",
         description="Train a Megatron-Bridge recipe with LRMoE (Bridge's own pretrain).")
     parser.add_argument("--recipe", required=True,
                         help="recipe function exported by megatron.bridge.recipes")
