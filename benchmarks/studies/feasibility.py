@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         tokens = m * args.seq_length
         dp = args.data_parallel_size
-        per_step_tokens = tokens * (args.global_batch_size // (args.micro_batch_size * dp)) * dp
+        per_step_tokens = tokens * args.num_microbatches * dp
         lines.append(f"| {label} | {name} | {m} | {tokens} | "
                      f"{1e6 * p.moe_s / per_step_tokens:.2f} |")
     text = "\n".join(lines) + "\n"

@@ -63,9 +63,11 @@ def initialize_distributed(args: argparse.Namespace) -> tuple[torch.device, bool
 def setup_parallel_state(args: argparse.Namespace) -> tuple[torch.device, bool]:
     """Process group, parallel state and Megatron's micro-batch calculator; one log line."""
     device, owns_process_group = initialize_distributed(args)
-    args.num_microbatches = args.global_batch_size // (
-        args.micro_batch_size * ps.get_data_parallel_world_size()
-    )
+    if ps.get_data_parallel_world_size() != args.data_parallel_size:
+        raise RuntimeError(
+            f"the data-parallel group has {ps.get_data_parallel_world_size()} ranks, the "
+            f"flags derived {args.data_parallel_size} (fill_derived_args): "
+            f"args.num_microbatches ({args.num_microbatches}) would be wrong")
     # Megatron's own micro-batch bookkeeping, as Megatron-LM sets it up: LRMoE layers are
     # told its get_num_microbatches to find a step's last backward (replica gradients).
     num_microbatches_calculator.init_num_microbatches_calculator(

@@ -73,7 +73,7 @@ def _auto_budget(args: argparse.Namespace) -> bool:
 def _resolve_auto_budget(config: TransformerConfig, args: argparse.Namespace,
                          vocab_size: int | None) -> None:
     """The GiB the memory account leaves, into ``config`` (then checked as a given one)."""
-    microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    microbatches = args.num_microbatches
     try:
         account = memory_account(config, args, vocab_size or _vocab_size(args), microbatches,
                                  device_memory_bytes(getattr(args, "device_memory_gb", None)))

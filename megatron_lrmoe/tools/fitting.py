@@ -455,8 +455,7 @@ def largest_micro_batch(base_flags: list[str], policy: str, policy_flags: list[s
     ``predict_options``: ``predict``'s keywords (``steps``, ``cluster``, ``overrides``,
     ``planner_s``, ``vocab_size``)."""
     args = _parse(base_flags)
-    dp = _data_parallel(args)
-    microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    dp, microbatches = _data_parallel(args), args.num_microbatches
     best: tuple[int, Prediction | None] = (0, None)
     m = 1
     while m <= limit:

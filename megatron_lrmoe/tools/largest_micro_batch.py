@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = reference_flags(a.run)
     args = F._parse([*base, "--mock-data"])
-    microbatches = args.global_batch_size // (args.micro_batch_size * 2)
+    microbatches = args.num_microbatches
 
     def step_tokens(micro_batch: int) -> int:     # of both ranks, in one optimizer step
         return micro_batch * args.seq_length * microbatches * 2

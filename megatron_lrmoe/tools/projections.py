@@ -410,7 +410,7 @@ class Projection:
 
 
 def _microbatches(args: argparse.Namespace) -> int:
-    return max(1, args.global_batch_size // (args.micro_batch_size * F._data_parallel(args)))
+    return max(1, args.num_microbatches)
 
 
 def _bisect(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:

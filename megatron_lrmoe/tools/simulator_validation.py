@@ -82,8 +82,7 @@ def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
     config = build_config(args)
     # The rank's tokens (micro-batch x sequence, / TP under sequence parallelism) and the
     # micro-batches per step over the data-parallel size, as the launcher derives them.
-    shape = moe_shape(config, tokens_per_rank(args), args.global_batch_size
-                      // (args.micro_batch_size * args.data_parallel_size))
+    shape = moe_shape(config, tokens_per_rank(args), args.num_microbatches)
     if args.moe_lrmoe:
         policy = Policy("lrmoe", placement=args.moe_lrmoe_placement,
                         capacity_factor=args.moe_lrmoe_bwd_capacity_factor,

@@ -46,8 +46,15 @@ def test_valid_config_and_derived_defaults(world):
     assert args.moe_ffn_hidden_size == 256
     assert args.max_position_embeddings == 64
     assert args.global_batch_size == 4  # micro-batch x data-parallel size 2
+    assert args.num_microbatches == 1
     assert args.lr_decay_iters == 10
     assert args.transformer_impl == "local"
+    # Micro-batches per step: the global batch over micro-batch x data-parallel size, with
+    # the world given (4 ranks, TP 2: DP 2) and not read from WORLD_SIZE (2).
+    args = parse_args(BASE + ["--global-batch-size", "24", "--tensor-model-parallel-size", "2",
+                             "--sequence-parallel"],
+                      world_size=4)
+    assert (args.data_parallel_size, args.num_microbatches) == (2, 24 // (2 * 2))
 
 
 def test_yaml_config_with_command_line_override(world, tmp_path):
