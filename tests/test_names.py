@@ -22,8 +22,8 @@ def test_each_name_is_defined_once_in_the_package():
 
 
 def test_micro_batches_per_step_are_derived_in_one_place():
-    """``launcher.arguments.microbatches_per_step`` (``args.num_microbatches``) is the one
-    place the package divides the global batch into micro-batches per step; the
+    """``launcher.arguments.fill_derived_args`` (``args.num_microbatches``) is the one place
+    the package divides the global batch into micro-batches per step; the
     simulator's model presets (``tools/simulate.py``'s ``ModelSpec``), which are no flags,
     carry their own."""
     division = re.compile(r"global_batch_size\s*//\s*\(")

@@ -59,7 +59,11 @@ def fill_derived_args(args: argparse.Namespace, world_size: int) -> None:
     if args.global_batch_size is None and args.micro_batch_size is not None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is not None and args.micro_batch_size is not None:
-        args.num_microbatches = microbatches_per_step(args)
+        # Micro-batches per step on each data-parallel rank, derived here only: every tool
+        # reads args.num_microbatches (check_batch_and_schedule refuses a global batch the
+        # micro-batch x data-parallel size does not divide).
+        args.num_microbatches = args.global_batch_size // (
+            args.micro_batch_size * args.data_parallel_size)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     # Checked in validate_args; a fraction scales the warm-up with the run's length.
@@ -68,14 +72,6 @@ def fill_derived_args(args: argparse.Namespace, world_size: int) -> None:
         args.lr_warmup_iters = round(args.lr_warmup_fraction * args.lr_decay_iters)
     if args.transformer_impl is None:
         args.transformer_impl = "transformer_engine" if _te_usable() else "local"
-
-
-def microbatches_per_step(args: argparse.Namespace) -> int:
-    """Micro-batches per optimizer step on each data-parallel rank: the global batch over
-    the micro-batch times the data-parallel size (``check_batch_and_schedule`` refuses a
-    global batch it does not divide). ``fill_derived_args`` sets it as
-    ``args.num_microbatches``; every tool reads that."""
-    return args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
 
 
 def _te_usable() -> bool:

@@ -78,8 +78,6 @@ def _replace_items(spec: list | tuple, walk: Callable[[Any], Any]) -> list | tup
         new = copy.copy(spec)
         new[:] = items
         return new
-    if isinstance(spec, tuple) and hasattr(spec, "_make"):      # a named tuple
-        return spec._make(items)
     return type(spec)(items)
 
 

@@ -6,12 +6,12 @@ conversion, with Megatron's layer (``model.moe_lrmoe=false``), the same losses w
 layer tests' bars, every MoE layer LRMoE's in the one and Megatron's in the other.
 
 What a shrunk recipe keeps of its model: its layer spec (GLM-4.5's QK norm, OLMoE's
-attention, MLA with or without query compression, the hybrid stack), its router (score
-function, top-k scaling, expert bias, expert groups fitted to 4 experts), its dense first
-layer, shared expert and MTP layers where it has them. What a CPU run changes for every
-recipe (``CPU_OVERRIDES``): precision, fusions, and parallelism but EP, so Qwen3-235B-A22B
-and Nemotron-3.5 Lightning train at CP 1 (Megatron's local attention refuses CP > 1; the
-MoE layer at CP 2 is tests/layer/test_context_parallel.py's).
+attention, DeepSeek-V2's MLA, the hybrid stack, EXAONE-MoE's sliding-window layers), its
+router (score function, top-k scaling, expert bias, expert groups fitted to 4 experts), its
+dense first layer, shared expert and MTP layers where it has them. What a CPU run changes
+for every recipe (``CPU_OVERRIDES``): precision, fusions, and parallelism but EP, so
+Qwen3-235B-A22B and Nemotron-3.5 Lightning train at CP 1 (Megatron's local attention
+refuses CP > 1; the MoE layer at CP 2 is tests/layer/test_context_parallel.py's).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megatron_lrmoe.testing import bridge as harness
+from tests.integration.test_bridge_gpt_oss import _callbacks
 from tests.integration.test_bridge_training import _enable
 from tests.layer.test_lrmoe_layer import ATOL, RTOL
 
@@ -29,12 +30,6 @@ STEPS = ["train.train_iters=10", "scheduler.lr_decay_iters=10", "logger.log_inte
          "train.global_batch_size=2"]          # one micro-batch per step per rank
 #: The recipes without grouped-query attention (``harness.GROUP_PER_HEAD``).
 NO_GQA = {harness.OLMOE_7B, harness.DEEPSEEK_V2}
-
-
-def _callbacks():
-    from megatron_lrmoe.integration.bridge import LRMoECallback
-
-    return [LRMoECallback()]
 
 
 @pytest.mark.parametrize("recipe", [
