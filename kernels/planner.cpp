@@ -32,6 +32,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -261,8 +262,9 @@ class NativePlanner {
     I64Array load(R_);
     {
       py::gil_scoped_release release;
+      std::vector<i64> totals(I_);
       assign_into(counts.data(), capped ? &cap : nullptr, out.mutable_data(),
-                  load.mutable_data());
+                  load.mutable_data(), totals.data());
     }
     return {out, load};
   }
@@ -277,7 +279,11 @@ class NativePlanner {
     I64Array level(R_);
     {
       py::gil_scoped_release release;
-      retain_into(cells.data(), cap, p, q, quotas.mutable_data(), level.mutable_data());
+      const i64* c = cells.data();
+      std::vector<i64> totals(I_, 0);
+      for (i64 s = 0; s < R_; ++s)
+        for (i64 i = 0; i < I_; ++i) totals[i] += c[s * I_ + i];
+      retain_into(c, totals.data(), cap, p, q, quotas.mutable_data(), level.mutable_data());
     }
     return {quotas, level};
   }
@@ -297,7 +303,6 @@ class NativePlanner {
     return out;
   }
 
-
   // [6, R] rank loads of an assignment's counts [R, I] and its quotas [R, I]
   // (CostModel.rank_loads of its [R, R] routed and kept matrices): pairs each rank
   // receives routed and kept, sends and keeps as a source, and the two diagonals.
@@ -307,39 +312,30 @@ class NativePlanner {
     I64Array out({i64{6}, R_});
     {
       py::gil_scoped_release release;
-      rank_loads_into(cells.data(), quotas.data(), out.mutable_data());
+      PlanSums sums;
+      sums_into(cells.data(), quotas.data(), sums, out.mutable_data());
     }
     return out;
   }
 
-  void rank_loads_into(const i64* c, const i64* q, i64* o) const {
-    std::fill(o, o + 6 * R_, i64{0});
-    for (i64 s = 0; s < R_; ++s)
-      for (i64 r = 0; r < R_; ++r) {
-        i64 a = 0, b = 0;
-        for (i64 i = rank_starts_[r]; i < rank_starts_[r + 1]; ++i) {
-          a += c[s * I_ + i];
-          b += q[s * I_ + i];
-        }
-        o[r] += a;
-        o[R_ + r] += b;
-        o[2 * R_ + s] += a;
-        o[3 * R_ + s] += b;
-        if (r == s) {
-          o[4 * R_ + r] = a;
-          o[5 * R_ + r] = b;
-        }
-      }
-  }
+  // A plan's sums over its sources, from one pass over its [R, I] cells and quotas:
+  // each instance's routed, retained and (two-stage) stored rows, and each source's kept
+  // pairs.
+  struct PlanSums {
+    std::vector<i64> inst_r, inst_q, inst_s, sent;
+  };
 
   // LayerPlanner._unbudgeted's plan of counts [R, E] into the caller's buffers: the
   // assignment without receive limits, the retention at capacity ``cap`` and min
-  // retention p / q, and the rank memory (needs the memory model).
+  // retention p / q, the rank memory (needs the memory model), and for its price the
+  // [6, R] rank loads and ``sums`` (all three from one pass over the plan).
   void plan_into(const i64* counts, i64 cap, i64 p, i64 q, i64* cells, i64* quotas,
-                 i64* load, i64* level, double* memory) const {
-    assign_into(counts, nullptr, cells, load);
-    retain_into(cells, cap, p, q, quotas, level);
-    memory_into(cells, quotas, load, memory);
+                 i64* load, i64* level, double* memory, i64* loads, PlanSums& sums) const {
+    std::vector<i64> totals(I_);
+    assign_into(counts, nullptr, cells, load, totals.data());
+    retain_into(cells, totals.data(), cap, p, q, quotas, level);
+    sums_into(cells, quotas, sums, loads);
+    memory_from(sums, load, memory);
   }
 
   // The region's per-call host layout on rank s (layer/region_layout.CallLayout) and
@@ -524,12 +520,17 @@ class NativePlanner {
   }
 
   // ---------------------------------------------------------------- assignment
-  void assign_into(const i64* n, const std::vector<i64>* cap, i64* out, i64* load) const {
+  // ``totals`` [I]: each instance's routed rows (the assignment's column sums).
+  void assign_into(const i64* n, const std::vector<i64>* cap, i64* out, i64* load,
+                   i64* totals) const {
     std::vector<i64> routed(E_, 0);
-    for (i64 s = 0; s < R_; ++s)
-      for (i64 e = 0; e < E_; ++e) routed[e] += n[s * E_ + e];
+    for (i64 s = 0; s < R_; ++s) {
+      const i64* row = n + s * E_;
+      for (i64 e = 0; e < E_; ++e) routed[e] += row[e];
+    }
     if (replicated_.empty()) {  // instance i = expert i
       std::copy(n, n + R_ * E_, out);
+      std::copy(routed.begin(), routed.end(), totals);
       const i64 per = E_ / R_;
       for (i64 r = 0; r < R_; ++r) {
         i64 sum = 0;
@@ -549,13 +550,16 @@ class NativePlanner {
     for (i64 r = 0; r < R_; ++r)
       for (i64 i = rank_starts_[r]; i < rank_starts_[r + 1]; ++i) base[r] += column[i];
     const i64 K = static_cast<i64>(replicated_.size());
-    std::vector<i64> totals(K);
-    for (i64 k = 0; k < K; ++k) totals[k] = routed[replicated_[k]];
+    std::vector<i64> expert_totals(K);
+    for (i64 k = 0; k < K; ++k) expert_totals[k] = routed[replicated_[k]];
     std::vector<std::vector<i64>> x;
     std::vector<i64> ld;
-    balance(base, cap, totals, x, ld);
+    balance(base, cap, expert_totals, x, ld);
     fill_replicated(out, n, x);
     std::copy(ld.begin(), ld.end(), load);
+    std::copy(column.begin(), column.end(), totals);
+    for (i64 k = 0; k < K; ++k)
+      for (size_t j = 0; j < inst_of_[k].size(); ++j) totals[inst_of_[k][j]] = x[k][j];
   }
 
   // instance_assignment._balance: per-instance totals x[k][j] and the rank loads.
@@ -882,10 +886,10 @@ class NativePlanner {
   }
 
   // ----------------------------------------------------------------- retention
-  void retain_into(const i64* cells, i64 cap, i64 p, i64 q, i64* quotas, i64* level) const {
-    std::vector<i64> routed(I_, 0);
-    for (i64 s = 0; s < R_; ++s)
-      for (i64 i = 0; i < I_; ++i) routed[i] += cells[s * I_ + i];
+  // ``totals`` [I]: the assignment's column sums (assign_into's).
+  void retain_into(const i64* cells, const i64* totals, i64 cap, i64 p, i64 q, i64* quotas,
+                   i64* level) const {
+    const std::vector<i64> routed(totals, totals + I_);
     std::copy(cells, cells + R_ * I_, quotas);
     std::vector<i64> kept(routed);
     std::vector<i64> floors(I_, 0);
@@ -934,7 +938,8 @@ class NativePlanner {
     }
     // Split Q_i over sources: floor of Q_i n / N_i, the remainder by largest
     // remainder, ties by lower source index.
-    std::vector<i64> rem(R_), order(R_);
+    std::vector<i64> rem(R_), order;
+    order.reserve(R_);
     for (i64 i = 0; i < I_; ++i) {
       if (kept[i] >= routed[i]) continue;
       i64 sum = 0;
@@ -946,9 +951,17 @@ class NativePlanner {
       }
       const i64 leftover = kept[i] - sum;
       if (leftover <= 0) continue;
-      std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](i64 u, i64 v) { return rem[u] > rem[v]; });
-      for (i64 m = 0; m < leftover && m < R_; ++m) quotas[order[m] * I_ + i] += 1;
+      // The leftover units go to the sources first in (remainder descending, source
+      // ascending) order. sum(rem) = leftover * N_i with each rem < N_i, so every one
+      // of them has a positive remainder: select those, not sort all R.
+      order.clear();
+      for (i64 s = 0; s < R_; ++s)
+        if (rem[s] > 0) order.push_back(s);
+      auto first = [&](i64 u, i64 v) { return rem[u] > rem[v] || (rem[u] == rem[v] && u < v); };
+      if (leftover < static_cast<i64>(order.size()))
+        std::nth_element(order.begin(), order.begin() + leftover, order.end(), first);
+      for (i64 m = 0; m < leftover && m < static_cast<i64>(order.size()); ++m)
+        quotas[order[m] * I_ + i] += 1;
     }
   }
 
@@ -1059,20 +1072,62 @@ class NativePlanner {
   }
 
   // -------------------------------------------------------------------- memory
-  void memory_into(const i64* cells, const i64* quotas, const i64* load, double* out) const {
+  // ``sums`` of the plan; with ``loads`` also its [6, R] rank loads (``rank_loads``)
+  // in the same pass.
+  void sums_into(const i64* cells, const i64* quotas, PlanSums& sums, i64* loads) const {
     const MemoryModel& m = memory_;
-    std::vector<double> n_f(I_, 0.0), n_b(I_, 0.0);
-    std::vector<i64> inst_r(I_, 0), inst_q(I_, 0), inst_s(I_, 0), sent(R_, 0);
+    sums.inst_r.assign(I_, 0);
+    sums.inst_q.assign(I_, 0);
+    sums.inst_s.assign(I_, 0);
+    sums.sent.assign(R_, 0);
+    if (loads != nullptr) std::fill(loads, loads + 6 * R_, i64{0});
+    i64* inst_r = sums.inst_r.data();
+    i64* inst_q = sums.inst_q.data();
+    i64* inst_s = sums.inst_s.data();
     for (i64 s = 0; s < R_; ++s) {
-      for (i64 i = 0; i < I_; ++i) {
-        const i64 n = cells[s * I_ + i], q = quotas[s * I_ + i];
-        inst_r[i] += n;
-        inst_q[i] += q;
-        sent[s] += q;
-        // retention.stored_counts: min(n, floor(rho q)), exact in integers
-        if (m.two_stage()) inst_s[i] += std::min(n, q * m.store_num / m.store_den);
+      const i64* c = cells + s * I_;
+      const i64* q = quotas + s * I_;
+      i64 kept_s = 0;
+      for (i64 r = 0; r < R_; ++r) {
+        i64 a = 0, b = 0;
+        for (i64 i = rank_starts_[r]; i < rank_starts_[r + 1]; ++i) {
+          a += c[i];
+          b += q[i];
+          inst_r[i] += c[i];
+          inst_q[i] += q[i];
+          // retention.stored_counts: min(n, floor(rho q)), exact in integers
+          if (m.two_stage()) inst_s[i] += std::min(c[i], q[i] * m.store_num / m.store_den);
+        }
+        kept_s += b;
+        if (loads != nullptr) {
+          loads[r] += a;
+          loads[R_ + r] += b;
+          loads[2 * R_ + s] += a;
+          loads[3 * R_ + s] += b;
+          if (r == s) {
+            loads[4 * R_ + r] = a;
+            loads[5 * R_ + r] = b;
+          }
+        }
       }
+      sums.sent[s] = kept_s;
     }
+  }
+
+  void memory_into(const i64* cells, const i64* quotas, const i64* load, double* out) const {
+    PlanSums sums;
+    sums_into(cells, quotas, sums, nullptr);
+    memory_from(sums, load, out);
+  }
+
+  // CostModel.rank_memory of a plan from its ``sums`` and routed ``load`` [R].
+  void memory_from(const PlanSums& sums, const i64* load, double* out) const {
+    const MemoryModel& m = memory_;
+    const std::vector<i64>& inst_r = sums.inst_r;
+    const std::vector<i64>& inst_q = sums.inst_q;
+    const std::vector<i64>& inst_s = sums.inst_s;
+    const std::vector<i64>& sent = sums.sent;
+    std::vector<double> n_f(I_, 0.0), n_b(I_, 0.0);
     for (i64 i = 0; i < I_; ++i) {
       n_f[i] = static_cast<double>(inst_r[i]);
       n_b[i] = static_cast<double>(inst_q[i]);
@@ -1382,35 +1437,63 @@ i64 receive_limit(const MemoryModel& m, i64 r, double share) {
   const double sn = m.fr ? 0.0 : m.sr;
   const double rc = m.rc[r], held_dw = m.held_dw[r], held_dw2 = m.held_dw2[r];
   const double kept = m.xc * m.p;
-  std::vector<std::pair<double, double>> phases = {
-      {m.meta + m.xc * m.p * m.row, m.xc * m.row},
-      {m.meta, (1 + rc) * m.row},
-      {m.meta, rc * (sn + 2 * m.row)},
-      {m.meta + m.xc * m.p * m.row, m.xc * (sn + m.row)}};
-  if (m.fr) phases.push_back({m.meta, double(m.sr_i + m.row_i)});
+  // at most 9 phases (a, b): a fixed array, as this runs per rank of every candidate
+  std::array<std::pair<double, double>, 9> storage;
+  size_t count = 0;
+  auto phases_push = [&](double a, double b) { storage[count++] = {a, b}; };
+  phases_push(m.meta + m.xc * m.p * m.row, m.xc * m.row);
+  phases_push(m.meta, (1 + rc) * m.row);
+  phases_push(m.meta, rc * (sn + 2 * m.row));
+  phases_push(m.meta + m.xc * m.p * m.row, m.xc * (sn + m.row));
+  if (m.fr) phases_push(m.meta, double(m.sr_i + m.row_i));
   double bwd_experts;
   if (m.grouped) {
-    phases.push_back({m.meta + m.w1[r], m.sr});
-    phases.push_back({m.meta, double(m.sr_i + m.fac_i * m.f_b_i)});
-    phases.push_back({m.meta + m.w2[r], double(m.sr_i + m.f_b_i + m.row_i)});
+    phases_push(m.meta + m.w1[r], m.sr);
+    phases_push(m.meta, double(m.sr_i + m.fac_i * m.f_b_i));
+    phases_push(m.meta + m.w2[r], double(m.sr_i + m.f_b_i + m.row_i));
     bwd_experts = std::max(m.w2[r], m.w1[r] + m.conv + held_dw2);
   } else {
-    phases.push_back({m.meta, double(m.sr_i + m.row_i + m.fac_i * m.f_b_i)});
+    phases_push(m.meta, double(m.sr_i + m.row_i + m.fac_i * m.f_b_i));
     bwd_experts = m.wgt_tmp + held_dw2;
   }
   const double base = m.pss + m.ob + m.pbb;
-  phases.push_back({base + std::max(std::max(kept * m.row + m.ob + held_dw, bwd_experts),
-                                    m.ob + held_dw + m.returned[r]),
-                    sn});
+  phases_push(base + std::max(std::max(kept * m.row + m.ob + held_dw, bwd_experts),
+                              m.ob + held_dw + m.returned[r]),
+              sn);
   const double fixed = m.nrep[r] * m.ib;
   double best = std::numeric_limits<double>::infinity();
-  for (const auto& [a, b] : phases) {
+  for (size_t k = 0; k < count; ++k) {
+    const auto [a, b] = storage[k];
     const double coef = m.kappa_mif * sn + (b - m.kappa * sn) / m.lyr;
     const double rhs =
         share - fixed - m.kappa_mif * m.pss - (a - m.kappa * m.pss + m.rerun) / m.lyr;
     best = std::min(best, solve(rhs, coef));
   }
   return to_count(best);
+}
+
+// A sequence of (expert, rank) pairs, read through CPython's sequence protocol (the
+// judge reads one per candidate: pybind11's generic conversion of a list of tuples is
+// a noticeable part of a judgement at EP 64).
+std::vector<std::pair<i64, i64>> replica_pairs(const py::handle& seq) {
+  const py::object items = py::reinterpret_steal<py::object>(
+      PySequence_Fast(seq.ptr(), "replicas must be a sequence of (expert, rank) pairs"));
+  if (!items) throw py::error_already_set();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
+  PyObject** item = PySequence_Fast_ITEMS(items.ptr());
+  std::vector<std::pair<i64, i64>> out(static_cast<size_t>(n));
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    const py::object pair = py::reinterpret_steal<py::object>(
+        PySequence_Fast(item[k], "replicas must be a sequence of (expert, rank) pairs"));
+    if (!pair) throw py::error_already_set();
+    if (PySequence_Fast_GET_SIZE(pair.ptr()) != 2)
+      throw py::value_error("each replica must be an (expert, rank) pair");
+    PyObject** two = PySequence_Fast_ITEMS(pair.ptr());
+    const i64 e = PyLong_AsLongLong(two[0]), r = PyLong_AsLongLong(two[1]);
+    if (PyErr_Occurred()) throw py::error_already_set();
+    out[static_cast<size_t>(k)] = {e, r};
+  }
+  return out;
 }
 
 // LayerPlanner._memory_aware_placement's judging of one candidate placement, in one
@@ -1444,9 +1527,10 @@ class PlacementJudge {
   // of ``replicas`` ((expert, rank) pairs) on each [R, E] matrix of ``counts`` (checked
   // by the caller) at ``caps`` (each matrix's backward capacity) and min retention p / q.
   // With ``stop``, no plan follows one that does not fit.
-  py::tuple evaluate(const std::vector<std::pair<i64, i64>>& replicas, const py::list& counts,
+  py::tuple evaluate(const py::handle& candidate, const py::list& counts,
                      const std::vector<i64>& caps, i64 p, i64 q, double allowed,
                      bool stop) const {
+    const std::vector<std::pair<i64, i64>> replicas = replica_pairs(candidate);
     if (static_cast<i64>(caps.size()) != static_cast<i64>(py::len(counts)))
       throw py::value_error("caps must have one capacity per count matrix");
     std::vector<I64Array> matrices;
@@ -1527,25 +1611,17 @@ class PlacementJudge {
       const i64 I = planner.num_instances();
       const auto& starts = planner.rank_starts();
       std::vector<i64> cells(R_ * I), quotas(R_ * I), load(R_), level(R_), loads(6 * R_);
-      std::vector<i64> inst_routed(I), inst_retained(I);
       std::vector<double> memory(R_);
+      NativePlanner::PlanSums sums;
       for (size_t k = 0; k < matrices.size(); ++k) {
         planner.plan_into(matrices[k].data(), caps[k], p, q, cells.data(), quotas.data(),
-                          load.data(), level.data(), memory.data());
+                          load.data(), level.data(), memory.data(), loads.data(), sums);
         const double peak = *std::max_element(memory.begin(), memory.end());
         bool fits = peak <= allowed;
         for (i64 r = 0; r < R_ && fits; ++r) fits = load[r] <= limit[r];
-        planner.rank_loads_into(cells.data(), quotas.data(), loads.data());
-        std::fill(inst_routed.begin(), inst_routed.end(), 0);
-        std::fill(inst_retained.begin(), inst_retained.end(), 0);
-        for (i64 s = 0; s < R_; ++s)
-          for (i64 i = 0; i < I; ++i) {
-            inst_routed[i] += cells[s * I + i];
-            inst_retained[i] += quotas[s * I + i];
-          }
         fits_each.push_back(fits);
         peaks.push_back(peak);
-        times.push_back(pricer_.layer_time(loads.data(), R_, starts, inst_routed, inst_retained));
+        times.push_back(pricer_.layer_time(loads.data(), R_, starts, sums.inst_r, sums.inst_q));
         if (stop && !fits) break;
       }
     }
@@ -1910,7 +1986,9 @@ class LocalGreedyReplicas {
       : R_(num_ranks), E_(num_experts), per_rank_(num_experts / num_ranks),
         n_(static_cast<size_t>(num_ranks * num_experts)), routed_(num_experts, 0.0),
         row_total_(num_ranks, 0.0), load_(num_ranks, 0.0), kept_(num_ranks, 0.0),
-        spread_(num_experts), on_rank_(num_ranks), sent_(num_ranks, 0), recv_(num_ranks, 0) {
+        spread_(num_experts), share_(static_cast<size_t>(num_experts * num_ranks), 0.0),
+        hosted_(static_cast<size_t>(num_experts * num_ranks), 0), on_rank_(num_ranks),
+        sent_(num_ranks, 0), recv_(num_ranks, 0) {
     if (counts.ndim() != 2 || counts.shape(0) != R_ || counts.shape(1) != E_)
       throw py::value_error("counts must be [R, E]");
     std::copy(counts.data(), counts.data() + R_ * E_, n_.begin());
@@ -1921,6 +1999,8 @@ class LocalGreedyReplicas {
     for (i64 e = 0; e < E_; ++e) {
       const i64 home = e / per_rank_;
       spread_[e].push_back({home, routed_[e]});
+      share_[at(e, home)] = routed_[e];
+      hosted_[at(e, home)] = 1;
       load_[home] += routed_[e];
       kept_[home] += n(home, e);
       on_rank_[home].push_back(e);
@@ -1990,6 +2070,7 @@ class LocalGreedyReplicas {
 
  private:
   double n(i64 r, i64 e) const { return n_[static_cast<size_t>(r * E_ + e)]; }
+  size_t at(i64 e, i64 r) const { return static_cast<size_t>(e * R_ + r); }
 
   bool advance_into(i64 target, std::vector<std::pair<i64, i64>>& moves,
                     std::vector<double>& tops, std::vector<double>& nets,
@@ -2013,7 +2094,7 @@ class LocalGreedyReplicas {
     const i64 u = std::max_element(load_.begin(), load_.end()) - load_.begin();  // first max
     std::vector<i64> candidates = on_rank_[u];
     std::stable_sort(candidates.begin(), candidates.end(), [&](i64 a, i64 b) {
-      const double sa = host_share(spread_[a], u), sb = host_share(spread_[b], u);
+      const double sa = share_[at(a, u)], sb = share_[at(b, u)];
       return sa != sb ? sa > sb : a < b;
     });
     if (candidates.size() > 4) candidates.resize(4);
@@ -2022,7 +2103,7 @@ class LocalGreedyReplicas {
       if (static_cast<i64>(hosts.size()) >= R_) continue;
       i64 nearest = -1, least = -1;
       for (i64 r = 0; r < R_; ++r) {
-        if (hosts_rank(hosts, r)) continue;
+        if (hosted_[at(e, r)]) continue;
         // min over (-n[r][e], load[r], r) and over (load[r], r): the first of equals
         if (nearest < 0 || -n(r, e) < -n(nearest, e) ||
             (-n(r, e) == -n(nearest, e) && load_[r] < load_[nearest]))
@@ -2040,10 +2121,12 @@ class LocalGreedyReplicas {
         Hosts updated;
         for (size_t j = 0; j < ranks.size(); ++j) {
           const i64 r = ranks[j];
-          const double x = fresh[j], old = host_share(hosts, r);
+          const double x = fresh[j], old = share_[at(e, r)];
           load_[r] += x - old;
           kept_[r] += std::min(n(r, e), x) - std::min(n(r, e), old);
           updated.push_back({r, x});
+          share_[at(e, r)] = x;
+          hosted_[at(e, r)] = 1;
         }
         spread_[e] = std::move(updated);
         on_rank_[v].push_back(e);
@@ -2059,6 +2142,9 @@ class LocalGreedyReplicas {
   i64 R_, E_, per_rank_;
   std::vector<double> n_, routed_, row_total_, load_, kept_;
   std::vector<Hosts> spread_;
+  // spread_ by (expert, rank), dense: a host's pairs (0 elsewhere), whether it is a host
+  std::vector<double> share_;
+  std::vector<char> hosted_;
   std::vector<std::vector<i64>> on_rank_;
   std::vector<i64> sent_, recv_;
   i64 busiest_ = 0, count_ = 0;
