@@ -316,7 +316,7 @@ class _PromptCollectiveFrees:
             if not kwargs.get("async_op", False):
                 _released(input, before)
                 return work
-            return _PromptWork(work, input, before)
+            return _PromptWork(work, input, input._use_count() - before)
 
         dist.all_to_all_single = all_to_all_single
         return self
@@ -333,17 +333,21 @@ def _released(input: torch.Tensor, before: int) -> None:
 
 
 class _PromptWork:
-    """An asynchronous collective's work whose ``wait()`` also waits for the release of
-    its input (``_PromptCollectiveFrees``), then lets go of it; everything else is the
-    work's own."""
+    """An asynchronous collective's work whose ``wait()`` also lets go of the process
+    group's work and waits until the references it held to the input (``taken``, counted
+    when the collective started) are gone (``_PromptCollectiveFrees``); the caller's own
+    references, such as the send buffer it keeps until the wait, stay. Before the wait,
+    everything is the work's own."""
 
-    def __init__(self, work, input: torch.Tensor, before: int) -> None:
-        self._work, self._input, self._before = work, input, before
+    def __init__(self, work, input: torch.Tensor, taken: int) -> None:
+        self._work, self._input, self._taken = work, input, taken
 
     def wait(self, *args, **kwargs):
         done = self._work.wait(*args, **kwargs)
         if self._input is not None:
-            _released(self._input, self._before)
+            target = self._input._use_count() - self._taken
+            self._work = None          # the work holds the input until it is destroyed
+            _released(self._input, target)
             self._input = None
         return done
 
