@@ -1076,37 +1076,41 @@ class NativePlanner {
   // in the same pass.
   void sums_into(const i64* cells, const i64* quotas, PlanSums& sums, i64* loads) const {
     const MemoryModel& m = memory_;
-    sums.inst_r.assign(I_, 0);
-    sums.inst_q.assign(I_, 0);
-    sums.inst_s.assign(I_, 0);
-    sums.sent.assign(R_, 0);
-    if (loads != nullptr) std::fill(loads, loads + 6 * R_, i64{0});
-    i64* inst_r = sums.inst_r.data();
-    i64* inst_q = sums.inst_q.data();
-    i64* inst_s = sums.inst_s.data();
-    for (i64 s = 0; s < R_; ++s) {
-      const i64* c = cells + s * I_;
-      const i64* q = quotas + s * I_;
+    const i64 R = R_, I = I_;
+    const i64* starts = rank_starts_.data();
+    sums.inst_r.assign(I, 0);
+    sums.inst_q.assign(I, 0);
+    sums.inst_s.assign(I, 0);
+    sums.sent.assign(R, 0);
+    if (loads != nullptr) std::fill(loads, loads + 6 * R, i64{0});
+    i64* __restrict inst_r = sums.inst_r.data();
+    i64* __restrict inst_q = sums.inst_q.data();
+    i64* __restrict inst_s = sums.inst_s.data();
+    for (i64 s = 0; s < R; ++s) {
+      const i64* __restrict c = cells + s * I;
+      const i64* __restrict q = quotas + s * I;
+      for (i64 i = 0; i < I; ++i) {
+        inst_r[i] += c[i];
+        inst_q[i] += q[i];
+      }
+      if (m.two_stage())  // retention.stored_counts: min(n, floor(rho q)), exact in integers
+        for (i64 i = 0; i < I; ++i) inst_s[i] += std::min(c[i], q[i] * m.store_num / m.store_den);
       i64 kept_s = 0;
-      for (i64 r = 0; r < R_; ++r) {
+      for (i64 r = 0; r < R; ++r) {
         i64 a = 0, b = 0;
-        for (i64 i = rank_starts_[r]; i < rank_starts_[r + 1]; ++i) {
+        for (i64 i = starts[r]; i < starts[r + 1]; ++i) {
           a += c[i];
           b += q[i];
-          inst_r[i] += c[i];
-          inst_q[i] += q[i];
-          // retention.stored_counts: min(n, floor(rho q)), exact in integers
-          if (m.two_stage()) inst_s[i] += std::min(c[i], q[i] * m.store_num / m.store_den);
         }
         kept_s += b;
         if (loads != nullptr) {
           loads[r] += a;
-          loads[R_ + r] += b;
-          loads[2 * R_ + s] += a;
-          loads[3 * R_ + s] += b;
+          loads[R + r] += b;
+          loads[2 * R + s] += a;
+          loads[3 * R + s] += b;
           if (r == s) {
-            loads[4 * R_ + r] = a;
-            loads[5 * R_ + r] = b;
+            loads[4 * R + r] = a;
+            loads[5 * R + r] = b;
           }
         }
       }
