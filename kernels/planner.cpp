@@ -197,28 +197,35 @@ class NativePlanner {
     rank_starts_.assign(R_ + 1, 0);
     for (i64 r : instance_rank_) rank_starts_[r + 1] += 1;
     for (i64 r = 0; r < R_; ++r) rank_starts_[r + 1] += rank_starts_[r];
-    // instances of each expert: home first, then replicas in instance (= rank) order
-    std::vector<std::vector<i64>> instances_of(E_);
-    for (i64 e = 0; e < E_; ++e) instances_of[e].push_back(home_instance_[e]);
-    for (i64 i = 0; i < I_; ++i) {
-      const i64 e = instance_expert_[i];
-      if (i != home_instance_[e]) instances_of[e].push_back(i);
+    // instances of each expert: home first, then replicas in instance (= rank) order,
+    // flat (one allocation, not one per expert: the judge builds a planner per candidate)
+    std::vector<i64> start(E_ + 1, 0), of(I_);
+    for (i64 i = 0; i < I_; ++i) start[instance_expert_[i] + 1] += 1;
+    for (i64 e = 0; e < E_; ++e) start[e + 1] += start[e];
+    {
+      std::vector<i64> next(start.begin(), start.end() - 1);
+      for (i64 e = 0; e < E_; ++e) of[next[e]++] = home_instance_[e];
+      for (i64 i = 0; i < I_; ++i) {
+        const i64 e = instance_expert_[i];
+        if (i != home_instance_[e]) of[next[e]++] = i;
+      }
     }
+    cell_instances_ = of;
     incidence_.assign(R_, {});
+    single_.reserve(E_);
     for (i64 e = 0; e < E_; ++e) {
-      cell_instances_.insert(cell_instances_.end(), instances_of[e].begin(),
-                             instances_of[e].end());
-      if (instances_of[e].size() > 1) {
+      const i64 a = start[e], b = start[e + 1];
+      if (b - a > 1) {
         const i64 k = static_cast<i64>(replicated_.size());
         replicated_.push_back(e);
-        std::vector<i64> ranks;
-        for (size_t j = 0; j < instances_of[e].size(); ++j) {
-          const i64 r = instance_rank_[instances_of[e][j]];
-          ranks.push_back(r);
-          incidence_[r].push_back({k, static_cast<i64>(j)});
+        std::vector<i64> ranks(b - a);
+        for (i64 j = 0; j < b - a; ++j) {
+          const i64 r = instance_rank_[of[a + j]];
+          ranks[j] = r;
+          incidence_[r].push_back({k, j});
         }
         ranks_of_.push_back(std::move(ranks));
-        inst_of_.push_back(instances_of[e]);
+        inst_of_.emplace_back(of.begin() + a, of.begin() + b);
       } else {
         single_.push_back(e);
       }
@@ -523,10 +530,12 @@ class NativePlanner {
   // ``totals`` [I]: each instance's routed rows (the assignment's column sums).
   void assign_into(const i64* n, const std::vector<i64>* cap, i64* out, i64* load,
                    i64* totals) const {
-    std::vector<i64> routed(E_, 0);
-    for (i64 s = 0; s < R_; ++s) {
-      const i64* row = n + s * E_;
-      for (i64 e = 0; e < E_; ++e) routed[e] += row[e];
+    const i64 R = R_, E = E_, I = I_;
+    std::vector<i64> routed(E, 0);
+    i64* __restrict sum = routed.data();
+    for (i64 s = 0; s < R; ++s) {
+      const i64* __restrict row = n + s * E;
+      for (i64 e = 0; e < E; ++e) sum[e] += row[e];
     }
     if (replicated_.empty()) {  // instance i = expert i
       std::copy(n, n + R_ * E_, out);
@@ -539,12 +548,13 @@ class NativePlanner {
       }
       return;
     }
-    std::fill(out, out + R_ * I_, 0);
-    std::vector<i64> column(I_, 0);
-    for (i64 e : single_) {
-      const i64 i = home_instance_[e];
-      for (i64 s = 0; s < R_; ++s) out[s * I_ + i] = n[s * E_ + e];
-      column[i] = routed[e];
+    std::fill(out, out + R * I, 0);
+    std::vector<i64> column(I, 0);
+    for (i64 e : single_) column[home_instance_[e]] = routed[e];
+    for (i64 s = 0; s < R; ++s) {  // row by row: the single experts' pairs as routed
+      const i64* __restrict row = n + s * E;
+      i64* __restrict dst = out + s * I;
+      for (i64 e : single_) dst[home_instance_[e]] = row[e];
     }
     std::vector<i64> base(R_, 0);
     for (i64 r = 0; r < R_; ++r)
@@ -1089,33 +1099,31 @@ class NativePlanner {
     for (i64 s = 0; s < R; ++s) {
       const i64* __restrict c = cells + s * I;
       const i64* __restrict q = quotas + s * I;
+      i64 routed_s = 0, kept_s = 0;
       for (i64 i = 0; i < I; ++i) {
         inst_r[i] += c[i];
         inst_q[i] += q[i];
+        routed_s += c[i];
+        kept_s += q[i];
       }
       if (m.two_stage())  // retention.stored_counts: min(n, floor(rho q)), exact in integers
         for (i64 i = 0; i < I; ++i) inst_s[i] += std::min(c[i], q[i] * m.store_num / m.store_den);
-      i64 kept_s = 0;
-      for (i64 r = 0; r < R; ++r) {
-        i64 a = 0, b = 0;
-        for (i64 i = starts[r]; i < starts[r + 1]; ++i) {
-          a += c[i];
-          b += q[i];
-        }
-        kept_s += b;
-        if (loads != nullptr) {
-          loads[r] += a;
-          loads[R + r] += b;
-          loads[2 * R + s] += a;
-          loads[3 * R + s] += b;
-          if (r == s) {
-            loads[4 * R + r] = a;
-            loads[5 * R + r] = b;
-          }
+      sums.sent[s] = kept_s;
+      if (loads != nullptr) {  // as a source; and the pairs it keeps at home
+        loads[2 * R + s] = routed_s;
+        loads[3 * R + s] = kept_s;
+        for (i64 i = starts[s]; i < starts[s + 1]; ++i) {
+          loads[4 * R + s] += c[i];
+          loads[5 * R + s] += q[i];
         }
       }
-      sums.sent[s] = kept_s;
     }
+    if (loads != nullptr)  // as a receiver: its instances' rows
+      for (i64 r = 0; r < R; ++r)
+        for (i64 i = starts[r]; i < starts[r + 1]; ++i) {
+          loads[r] += inst_r[i];
+          loads[R + r] += inst_q[i];
+        }
   }
 
   void memory_into(const i64* cells, const i64* quotas, const i64* load, double* out) const {
@@ -1614,7 +1622,14 @@ class PlacementJudge {
                                   std::move(home_instance), std::move(m));
       const i64 I = planner.num_instances();
       const auto& starts = planner.rank_starts();
-      std::vector<i64> cells(R_ * I), quotas(R_ * I), load(R_), level(R_), loads(6 * R_);
+      // The plan's [R, I] buffers, kept between calls (plan_into writes every entry):
+      // allocating and zeroing them was a good part of a judgement at EP 64.
+      thread_local std::vector<i64> cells, quotas;
+      if (!matrices.empty()) {
+        cells.resize(R_ * I);
+        quotas.resize(R_ * I);
+      }
+      std::vector<i64> load(R_), level(R_), loads(6 * R_);
       std::vector<double> memory(R_);
       NativePlanner::PlanSums sums;
       for (size_t k = 0; k < matrices.size(); ++k) {
@@ -1662,10 +1677,11 @@ bool hosts_rank(const Hosts& hosts, i64 rank) {
   return false;
 }
 
-// placement_policies._spread_to_level(amount, others)
-std::vector<double> spread_to_level(double amount, const std::vector<double>& others) {
+// placement_policies._spread_to_level(amount, others), into ``out`` (``order``: scratch)
+void spread_to_level(double amount, const std::vector<double>& others,
+                     std::vector<size_t>& order, std::vector<double>& out) {
   const size_t n = others.size();
-  std::vector<size_t> order(n);
+  order.resize(n);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return others[a] < others[b]; });
@@ -1675,9 +1691,8 @@ std::vector<double> spread_to_level(double amount, const std::vector<double>& ot
     level = (amount + prefix) / static_cast<double>(m + 1);
     if (m + 1 == n || level <= others[order[m + 1]]) break;
   }
-  std::vector<double> out(n);
+  out.resize(n);
   for (size_t j = 0; j < n; ++j) out[j] = std::max(level - others[j], 0.0);
-  return out;
 }
 
 // placement_policies._spread_move: the expert's ``routed`` pairs water-filled over its
@@ -1693,7 +1708,8 @@ bool spread_move(const std::vector<double>& load, const Hosts& hosts, double rou
   }
   ranks.push_back(v);
   others.push_back(load[v]);
-  fresh = spread_to_level(routed, others);
+  thread_local std::vector<size_t> order;  // a move is tried hundreds of times per search
+  spread_to_level(routed, others, order, fresh);
   double new_u = 0.0;
   for (size_t j = 0; j < ranks.size(); ++j)
     if (ranks[j] == u) new_u = fresh[j];
@@ -1806,7 +1822,8 @@ class GreedyReplicas {
   bool move() {
     const double top_load = top();
     const i64 u = std::max_element(load_.begin(), load_.end()) - load_.begin();  // first max
-    std::vector<i64> candidates = on_rank_[u];
+    std::vector<i64>& candidates = candidates_;
+    candidates.assign(on_rank_[u].begin(), on_rank_[u].end());
     std::stable_sort(candidates.begin(), candidates.end(), [&](i64 a, i64 b) {
       const double sa = host_share(spread_[a], u), sb = host_share(spread_[b], u);
       return sa != sb ? sa > sb : a < b;
@@ -1823,17 +1840,16 @@ class GreedyReplicas {
         for (i64 r = 0; r < R_; ++r)
           if (!hosts_rank(hosts, r) && (v < 0 || load_[r] < load_[v])) v = r;
       }
-      std::vector<i64> ranks;
-      std::vector<double> others, fresh;
-      if (!spread_move(load_, hosts, static_cast<double>(routed_[e]), u, v, top_load, ranks,
-                       others, fresh))
+      if (!spread_move(load_, hosts, static_cast<double>(routed_[e]), u, v, top_load, ranks_,
+                       others_, fresh_))
         continue;
-      Hosts updated;
-      for (size_t j = 0; j < ranks.size(); ++j) {
-        load_[ranks[j]] = others[j] + fresh[j];
-        updated.push_back({ranks[j], fresh[j]});
+      // the expert's hosts, in their order, then v (spread_move's ranks)
+      Hosts& spread = spread_[e];
+      for (size_t j = 0; j < ranks_.size(); ++j) {
+        load_[ranks_[j]] = others_[j] + fresh_[j];
+        if (j < spread.size()) spread[j].second = fresh_[j];
+        else spread.push_back({ranks_[j], fresh_[j]});
       }
-      spread_[e] = std::move(updated);
       on_rank_[v].push_back(e);
       sent_[e / per_rank_] += 1;
       recv_[v] += 1;
@@ -1849,6 +1865,8 @@ class GreedyReplicas {
   std::vector<Hosts> spread_;
   std::vector<std::vector<i64>> on_rank_;
   std::vector<i64> sent_, recv_;
+  std::vector<i64> candidates_, ranks_;  // a move's scratch (spread_move's ranks)
+  std::vector<double> others_, fresh_;
   i64 busiest_ = 0, count_ = 0;
   std::pair<i64, i64> last_{-1, -1};
 };
@@ -2096,7 +2114,8 @@ class LocalGreedyReplicas {
   bool move() {
     const double top_load = *std::max_element(load_.begin(), load_.end());
     const i64 u = std::max_element(load_.begin(), load_.end()) - load_.begin();  // first max
-    std::vector<i64> candidates = on_rank_[u];
+    std::vector<i64>& candidates = candidates_;
+    candidates.assign(on_rank_[u].begin(), on_rank_[u].end());
     std::stable_sort(candidates.begin(), candidates.end(), [&](i64 a, i64 b) {
       const double sa = share_[at(a, u)], sb = share_[at(b, u)];
       return sa != sb ? sa > sb : a < b;
@@ -2118,21 +2137,20 @@ class LocalGreedyReplicas {
       const int tries = nearest == least ? 1 : 2;
       for (int c = 0; c < tries; ++c) {
         const i64 v = choices[c];
-        std::vector<i64> ranks;
-        std::vector<double> others, fresh;
-        if (!spread_move(load_, hosts, routed_[e], u, v, top_load, ranks, others, fresh))
+        if (!spread_move(load_, hosts, routed_[e], u, v, top_load, ranks_, others_, fresh_))
           continue;
-        Hosts updated;
-        for (size_t j = 0; j < ranks.size(); ++j) {
-          const i64 r = ranks[j];
-          const double x = fresh[j], old = share_[at(e, r)];
+        // the expert's hosts, in their order, then v (spread_move's ranks)
+        Hosts& spread = spread_[e];
+        for (size_t j = 0; j < ranks_.size(); ++j) {
+          const i64 r = ranks_[j];
+          const double x = fresh_[j], old = share_[at(e, r)];
           load_[r] += x - old;
           kept_[r] += std::min(n(r, e), x) - std::min(n(r, e), old);
-          updated.push_back({r, x});
+          if (j < spread.size()) spread[j].second = x;
+          else spread.push_back({r, x});
           share_[at(e, r)] = x;
           hosted_[at(e, r)] = 1;
         }
-        spread_[e] = std::move(updated);
         on_rank_[v].push_back(e);
         sent_[e / per_rank_] += 1;
         recv_[v] += 1;
@@ -2150,6 +2168,8 @@ class LocalGreedyReplicas {
   std::vector<double> share_;
   std::vector<char> hosted_;
   std::vector<std::vector<i64>> on_rank_;
+  std::vector<i64> candidates_, ranks_;  // a move's scratch (spread_move's ranks)
+  std::vector<double> others_, fresh_;
   std::vector<i64> sent_, recv_;
   i64 busiest_ = 0, count_ = 0;
   std::pair<i64, i64> last_{-1, -1};
