@@ -953,11 +953,24 @@ class NativePlanner {
     for (i64 i = 0; i < I_; ++i) {
       if (kept[i] >= routed[i]) continue;
       i64 sum = 0;
+      const i64 N = routed[i], K = kept[i];
+      // floor(n K / N) through a double division corrected to the exact integer: n K <
+      // N^2 < 2^52 keeps the double within one of it (integer division beyond)
+      const bool exact_double = N < (i64{1} << 26);
+      const double dn = static_cast<double>(N);
       for (i64 s = 0; s < R_; ++s) {
-        const i64 prod = cells[s * I_ + i] * kept[i];
-        quotas[s * I_ + i] = prod / routed[i];
-        rem[s] = prod % routed[i];
-        sum += quotas[s * I_ + i];
+        const i64 prod = cells[s * I_ + i] * K;
+        i64 quo;
+        if (exact_double) {
+          quo = static_cast<i64>(static_cast<double>(prod) / dn);
+          if (quo * N > prod) --quo;
+          else if ((quo + 1) * N <= prod) ++quo;
+        } else {
+          quo = prod / N;
+        }
+        quotas[s * I_ + i] = quo;
+        rem[s] = prod - quo * N;
+        sum += quo;
       }
       const i64 leftover = kept[i] - sum;
       if (leftover <= 0) continue;

@@ -145,6 +145,25 @@ def test_retention_equals_python(case, gamma, m):
     assert bool((expected.capacity == cap).all())
 
 
+@pytest.mark.parametrize("scale", [2**26 - 3, 2**26, 2**31 + 11])
+@pytest.mark.parametrize("gamma", [0.3, 0.77])
+def test_retention_of_large_counts_equals_python(scale, gamma):
+    # The quota split divides n K by N in doubles, corrected to the exact integer, while
+    # N < 2^26, and in integers beyond: on both sides of the bound, against Python's
+    # integer arithmetic (the hypothesis cases above stay far below it).
+    placement = Placement(2, 4, ((0, 1), (3, 0)))
+    counts = torch.tensor([[scale, 7, scale // 3, 1], [scale // 5, 3, 2, scale - 9]])
+    cells = assign_instances(counts, placement).counts
+    expected = plan_retention(cells, 2, gamma, 0.0, instance_rank=placement.instance_rank,
+                              instance_expert=placement.instance_expert)
+    native = native_planner(placement, None, np.zeros(2, np.int64))
+    cap = capacity_for_factor(gamma, int(cells.sum()), 2)
+    quotas, level = native.retain(cells.numpy(), cap, 0, 1)
+    assert np.array_equal(quotas, expected.quotas.numpy())
+    assert np.array_equal(level, expected.water_level.numpy())
+    assert int(expected.quotas.sum()) < int(cells.sum())       # it dropped: the split ran
+
+
 @st.composite
 def planner_cases(draw):
     """(settings, count matrices): a small cost model in one of its variants, a budget
