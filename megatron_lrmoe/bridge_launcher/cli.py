@@ -150,10 +150,10 @@ def main(argv: list[str] | None = None,
     """Build the launch's config and train it with Bridge's ``pretrain`` (``finetune`` for
     an SFT recipe); returns the exit status."""
     args = build_parser().parse_intermixed_args(argv)
-    from megatron_lrmoe.integration.runtime.cpu import defer_torch_compile
+    from megatron_lrmoe.integration.runtime.cpu import skip_torch_compile_of_functions
     from megatron_lrmoe.options.lrmoe import LRMoEConfigError
 
-    defer_torch_compile()             # before Bridge imports megatron.core (no CUDA only)
+    skip_torch_compile_of_functions()   # before Bridge imports megatron.core (no CUDA only)
 
     try:
         cfg = build_config(args, customize)

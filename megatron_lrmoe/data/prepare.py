@@ -34,10 +34,13 @@ if __name__ == "__main__":
     # The command line: megatron.core's known benign notices fire at import, so hide them
     # first (integration/runtime/cpu.py, quiet_known_warnings; the package imports nothing
     # of Megatron).
-    from megatron_lrmoe.integration.runtime.cpu import defer_torch_compile, quiet_known_warnings
+    from megatron_lrmoe.integration.runtime.cpu import (
+        quiet_known_warnings,
+        skip_torch_compile_of_functions,
+    )
 
     quiet_known_warnings()
-    defer_torch_compile()
+    skip_torch_compile_of_functions()
 
 import megatron.core  # noqa: E402
 import numpy  # noqa: E402

@@ -77,11 +77,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     torchrun, flags = split_argv(argv)
     world_size = world_size_of(torchrun)
     if world_size is not None:
-        from megatron_lrmoe.integration.runtime.cpu import defer_torch_compile, quiet_known_warnings
+        from megatron_lrmoe.integration.runtime.cpu import (
+            quiet_known_warnings,
+            skip_torch_compile_of_functions,
+        )
         from megatron_lrmoe.launcher.pretrain import parse_args_or_exit
 
         quiet_known_warnings()  # the check imports megatron.core; the workers say the rest
-        defer_torch_compile()
+        skip_torch_compile_of_functions()
         parse_args_or_exit(flags, world_size)
     command = [sys.executable, "-m", "torch.distributed.run", *torchrun,
                "-m", "megatron_lrmoe.launcher.pretrain", *flags]

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING
 
 from megatron_lrmoe.config.flags import ConfigError
 from megatron_lrmoe.integration.runtime.cpu import (
-    defer_torch_compile,
     enable_cpu_runtime,
     quiet_known_warnings,
+    skip_torch_compile_of_functions,
 )
 from megatron_lrmoe.launcher.arguments import parse_args
 from megatron_lrmoe.planning.memory_account import DeviceOutOfMemory
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Before anything imports megatron.core (most of its known benign warnings fire at
     # import): hide those; on CPU, say in one line what they were about.
     cpu_note = quiet_known_warnings()
-    defer_torch_compile()
+    skip_torch_compile_of_functions()
     args, config = parse_args_or_exit(argv)
     if cpu_note and int(os.environ.get("RANK", "0")) == 0:
         print(cpu_note, flush=True)

@@ -122,14 +122,16 @@ CUDA), each by its exact message *and* the module or logger that emits it, so ev
 warning is still shown. It returns the one line that replaces them. It does nothing on
 CUDA machines or when the user set ``-W``/``PYTHONWARNINGS``.
 
-Not a fix either, only a faster start: ``defer_torch_compile()`` (called by
+Not a fix either, only a faster start: ``skip_torch_compile_of_functions()`` (called by
 ``enable_cpu_runtime()`` and by the command-line tools, before megatron.core is imported)
-makes ``torch.compile`` of a function import ``torch._dynamo`` at the function's first
-call instead of at decoration. megatron-core decorates its fusions (``jit_fuser``,
-megatron/core/jit.py) and the router's top-k (router.py:918) at import, which costs
-every process that imports it about 1.5 s here; on CPU none of them is called (the
-fusions are off), so the import is all they cost. The function compiled at its first
-call is the one ``torch.compile`` would have made; modules compile as before.
+makes ``torch.compile`` of a function return the function itself on a machine without
+CUDA. megatron-core decorates its fusions (``jit_fuser``, megatron/core/jit.py) and the
+router's top-k (router.py:918) at import, which cost every process that imports them
+about 1.5 s here when torch's compiler came with the decoration; of them only the router's
+expert-bias update (``TopKRouter._apply_expert_bias``, router.py:727: integer token
+counts, a no-op without expert biases) runs on CPU, and compiling it at its first call
+cost each training process 1-2 s more. Their point is GPU kernels; on CPU they run as
+written, with the same values. Modules compile as before.
 
 The command-line tools (the launcher, its pre-flight ``megatron_lrmoe.launcher``, the
 prepare tool) call ``quiet_known_warnings()`` instead: the CPU lists on CPU as above, and
@@ -162,7 +164,7 @@ _enabled_bridge_fixes: list[str] = []
 _device_mode: TorchFunctionMode | None = None
 _warnings_quieted = False
 _device_warnings_quieted = False
-_compile_deferred = False
+_compile_skipped = False
 
 
 # ---------------------------------------------------------------------------
@@ -489,12 +491,13 @@ def quiet_known_warnings() -> str | None:
     return quiet_known_cpu_warnings()
 
 
-def defer_torch_compile() -> None:
-    """On a machine without CUDA: ``torch.compile(fn)`` of a function imports and runs
-    torch's compiler at ``fn``'s first call (module doc). Call it before megatron.core is
-    imported. No-op with CUDA, and on later calls."""
-    global _compile_deferred
-    if _compile_deferred or torch.cuda.is_available():
+def skip_torch_compile_of_functions() -> None:
+    """On a machine without CUDA: ``torch.compile(fn)`` of a function returns ``fn``
+    itself, so that torch's compiler is neither imported nor run for megatron-core's
+    fusions (module doc). Call it before megatron.core is imported. No-op with CUDA, and
+    on later calls."""
+    global _compile_skipped
+    if _compile_skipped or torch.cuda.is_available():
         return
     compile_now = torch.compile
 
@@ -503,18 +506,10 @@ def defer_torch_compile() -> None:
             return lambda fn: compile(fn, **options)
         if not callable(model) or isinstance(model, torch.nn.Module):
             return compile_now(model, **options)
-        compiled = None
-
-        @functools.wraps(model)
-        def compiled_at_first_call(*args: Any, **kwargs: Any) -> Any:
-            nonlocal compiled
-            if compiled is None:
-                compiled = compile_now(model, **options)
-            return compiled(*args, **kwargs)
-        return compiled_at_first_call
+        return model
 
     torch.compile = compile
-    _compile_deferred = True
+    _compile_skipped = True
 
 
 def _hide(known_warnings: tuple[tuple[type[Warning], str, str], ...],
@@ -651,7 +646,7 @@ def enable_cpu_runtime() -> bool:
     if _enabled_fixes:
         return True
     note = quiet_known_cpu_warnings()  # before the version check imports megatron.core
-    defer_torch_compile()
+    skip_torch_compile_of_functions()
     if note:
         logger.info(note)
     check_megatron_core_version()
