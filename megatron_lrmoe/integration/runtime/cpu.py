@@ -129,9 +129,9 @@ CUDA. megatron-core decorates its fusions (``jit_fuser``, megatron/core/jit.py) 
 router's top-k (router.py:918) at import, which cost every process that imports them
 about 1.5 s here when torch's compiler came with the decoration; of them only the router's
 expert-bias update (``TopKRouter._apply_expert_bias``, router.py:727: integer token
-counts, a no-op without expert biases) runs on CPU, and compiling it at its first call
-cost each training process 1-2 s more. Their point is GPU kernels; on CPU they run as
-written, with the same values. Modules compile as before.
+counts, a no-op without expert biases) runs on CPU, and each training process compiled
+it at its first call. Their point is GPU kernels; on CPU they run as written, with the
+same values. Modules compile as before.
 
 The command-line tools (the launcher, its pre-flight ``megatron_lrmoe.launcher``, the
 prepare tool) call ``quiet_known_warnings()`` instead: the CPU lists on CPU as above, and
