@@ -954,20 +954,16 @@ class NativePlanner {
       if (kept[i] >= routed[i]) continue;
       i64 sum = 0;
       const i64 N = routed[i], K = kept[i];
-      // floor(n K / N) through a double division corrected to the exact integer: n K <
-      // N^2 < 2^52 keeps the double within one of it (integer division beyond)
+      // floor(n K / N) by a double division where that is exact: n K < N^2 < 2^52 is
+      // exact in a double, the quotient's rounding error is below N 2^-53 < 2^-27, and a
+      // fractional part lies in [1/N, 1 - 1/N] with 1/N > 2^-26, so the truncation is
+      // the floor (an integer division beyond N = 2^26)
       const bool exact_double = N < (i64{1} << 26);
       const double dn = static_cast<double>(N);
       for (i64 s = 0; s < R_; ++s) {
         const i64 prod = cells[s * I_ + i] * K;
-        i64 quo;
-        if (exact_double) {
-          quo = static_cast<i64>(static_cast<double>(prod) / dn);
-          if (quo * N > prod) --quo;
-          else if ((quo + 1) * N <= prod) ++quo;
-        } else {
-          quo = prod / N;
-        }
+        const i64 quo = exact_double ? static_cast<i64>(static_cast<double>(prod) / dn)
+                                     : prod / N;
         quotas[s * I_ + i] = quo;
         rem[s] = prod - quo * N;
         sum += quo;
