@@ -65,7 +65,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -428,14 +428,17 @@ def project(preset: Preset, traces: list[np.ndarray], steps: int | None = None,
             efficiency: float = 0.45, ratios: dict[str, float] | None = None,
             policies: tuple[str, ...] = tuple(POLICIES), largest_limit: int = 8,
             reserve_gib: float = RESERVE_GIB, planner_s: float | None = None,
-            log: Callable[[str], None] = lambda _: None) -> tuple[dict, list[Projection]]:
+            log: Callable[[str], None] = lambda _: None,
+            table: Mapping[str, tuple[str, tuple[str, ...], str | None]] = POLICIES,
+            ) -> tuple[dict, list[Projection]]:
     """Every policy of ``policies`` at ``preset`` (module doc): (the preset's context:
     outside time, micro-batches, the device size used; the projections).
     ``largest_limit``: micro-batch sizes tried for the largest that fits (0: skipped).
     ``steps``: the simulator's counted steps after its warm-up (``WINDOW_STEPS`` when
     None). ``reserve_gib``: held back from the device for what the memory account omits
     (``RESERVE_GIB``: CUDA context, NCCL buffers). ``planner_s``: the planner's host
-    time per call (None: measured here per call)."""
+    time per call (None: measured here per call). ``table``: the policies' labels, flags
+    and steps-ratio keys (``POLICIES``'s form), for policies beyond ``POLICIES``."""
     from megatron_lrmoe.launcher import builders
 
     ratios = ratios or {}
@@ -456,7 +459,7 @@ def project(preset: Preset, traces: list[np.ndarray], steps: int | None = None,
                                           _microbatches(flags))
 
     def one(name: str) -> Projection:
-        label, flags, ratio_key = POLICIES[name]
+        label, flags, ratio_key = table[name]
         cache: dict[tuple[str, ...], F.Prediction] = {}
 
         def predict(c: F.Candidate) -> F.Prediction:

@@ -613,6 +613,45 @@ def plot(per_run: dict[tuple[str, int], dict], targets: dict[int, dict[float, fl
     plt.close(fig)
 
 
+def plot_curve(points: list[dict], cap_factor: float, path: Path) -> None:
+    """The curve (``time_to_loss_curve.points``): steps to target and validation loss at
+    equal steps relative to dropless against the measured retained fraction, one line per
+    rule, each point's median with its range over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    rules = sorted({p["rule"] for p in points if p["policy"] != REFERENCE})
+    for i, rule in enumerate(rules):
+        mine = sorted((p for p in points if p["rule"] == rule),
+                      key=lambda p: p["retained"]["median"])
+        for ax, key, scale in ((axes[0], "steps_vs_dropless", 1.0),
+                               (axes[1], "val_vs_dropless", 100.0)):
+            shown = [p for p in mine if p[key]]
+            x = [p["retained"]["median"] for p in shown]
+            median = [p[key]["median"] * scale for p in shown]
+            ax.errorbar(x, median, yerr=[[m - p[key]["min"] * scale for m, p in
+                                          zip(median, shown, strict=True)],
+                                         [p[key]["max"] * scale - m for m, p in
+                                          zip(median, shown, strict=True)]],
+                        fmt="o-", color=f"C{i}", capsize=3, label=rule)
+    axes[0].axhline(1.0, color="k", linewidth=0.8)
+    axes[0].set_ylabel(f"steps to the 100% target / dropless's (cap {cap_factor:g} x)")
+    axes[1].axhline(0.0, color="k", linewidth=0.8)
+    axes[1].set_ylabel("validation loss at equal steps vs dropless (%)")
+    for ax in axes:
+        ax.set_xlabel("retained fraction (measured, steady state)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("The curve: median and range over seeds, each run against its seed's "
+                 "dropless run", fontsize=10)
+    fig.tight_layout()
+    save_png(fig, path)
+    plt.close(fig)
+
+
 @dataclass(frozen=True)
 class Device:
     """A device-held study: the device, the MoE budget it leaves the dropless
@@ -771,7 +810,7 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
     curve = {}
     if stage.curve:
         paired = time_to_loss_curve.pairs(logs, per_run, targets, window, stage.run_factor)
-        text += "\n## The curve\n\n" + time_to_loss_curve.markdown(
+        text += "\n## The curve\n\nPlot: `curve.png`.\n\n" + time_to_loss_curve.markdown(
             paired, stage.run_factor) + "\n"
         curve = {"curve": {
             "cap_factor": stage.run_factor, "points": time_to_loss_curve.points(paired),
@@ -790,6 +829,8 @@ def write_report(out_dir: Path, stage: Stage, stage_name: str, command: str,
         (out_dir / "report.md").write_text(text)
     if plots:
         write_plots(out_dir, analysis, device and device.unconstrained_dir)
+        if curve:
+            plot_curve(curve["curve"]["points"], stage.run_factor, out_dir / "curve.png")
     return rows
 
 

@@ -16,8 +16,8 @@ Per pair (``pair``):
     when it is at most the cap, ``cap_factor`` x the dropless run's steps; a run not
     there by the cap is "not reached", reported with its loss gap at the cap (its
     smoothed loss there less the target, absolute and relative to the target);
-  * the validation loss at equal steps (the last evaluation at or before ``--steps``)
-    relative to the dropless run's;
+  * the validation loss at equal steps (the last evaluation at or before ``--steps``),
+    and relative to the dropless run's;
   * the calls whose gamma the planner lowered to fit the memory budget (0: the budget
     did not bind, and the drop is what gamma asks).
 
@@ -82,6 +82,7 @@ def pair(records: list[dict], run: dict, dropless_records: list[dict], dropless:
         # A run shorter than the cap ends before it: its gap is at its last step.
         "gap_at": None if gap is None else train[len(at_cap) - 1]["iteration"],
         "retained": 1.0 if retained is None else retained,
+        "val_at_steps": run["val_at_steps"],
         "val_vs_dropless": (run["val_at_steps"] / dropless["val_at_steps"] - 1.0
                             if run["val_at_steps"] and dropless["val_at_steps"] else None),
         "first_loss_diff": train[0]["lm-loss"] - first[0] if train and first else None,

@@ -71,7 +71,7 @@ def _records(losses, retained=None, adjusted=0.0, val=None):
     return out
 
 
-def test_each_run_pairs_with_its_seeds_dropless_run():
+def test_each_run_pairs_with_its_seeds_dropless_run(tmp_path):
     dropless = _records([9, 8, 7, 6, 5, 5, 5, 5], val={4: 6.0})
     targets = {1: ttl.targets_from(dropless, steps=4, window=1)}
     assert targets[1][1.0] == 6
@@ -96,7 +96,7 @@ def test_each_run_pairs_with_its_seeds_dropless_run():
     assert (half["dropless_steps"], half["cap"], half["steps"]) == (4, 8, 6)
     assert half["steps_vs_dropless"] == 1.5 and half["loss_gap"] is None
     assert half["retained"] == 0.5       # the median after the first interval, not 1.0
-    assert half["val_vs_dropless"] == pytest.approx(0.1)
+    assert half["val_vs_dropless"] == pytest.approx(0.1) and half["val_at_steps"] == 6.6
     assert half["first_loss_diff"] == 0.0
     deep = paired["lrmoe-uniform-g0.3-ma", 1]
     assert deep["steps"] is None and deep["steps_vs_dropless"] is None
@@ -121,6 +121,11 @@ def test_each_run_pairs_with_its_seeds_dropless_run():
     text = curve.markdown(paired, 2.0)
     assert "| 1 | lrmoe-uniform-g0.3-ma | 4 | 8 | not reached | - | +0.2500 | 0.300 |" in text
     assert "seed 1: +0.2500 (+4.17%)" in text and curve.SEEDS_RESOLVE in text
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    ttl.plot_curve(curve.points(paired), 2.0, tmp_path / "curve.png")
+    assert Image.open(tmp_path / "curve.png").size[0] > 400
 
 
 def test_curve_stage_trains_twice_the_steps_and_keeps_its_logs_small(tmp_path, monkeypatch):
