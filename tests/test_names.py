@@ -30,3 +30,17 @@ def test_micro_batches_per_step_are_derived_in_one_place():
     where = [str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py"))
              if division.search(p.read_text())]
     assert where == ["launcher/arguments.py", "tools/simulate.py"], where
+
+
+def test_no_world_size_is_written_to_steer_a_parse():
+    """The world size is an argument of every parse outside a launched rank
+    (docs/decisions.md, "Launcher"): the package writes ``WORLD_SIZE`` only where it
+    starts a rank the way torchrun does (a launched rank's default, the test harness's
+    spawned ranks), never to steer a parse in the process itself."""
+    write = re.compile(r"environ(?:\[\"WORLD_SIZE\"\]\s*=|\.setdefault\(\"WORLD_SIZE\")"
+                       r"|WORLD_SIZE=str\(")
+    roots = (PACKAGE, PACKAGE.parent / "benchmarks", PACKAGE.parent / "scripts")
+    where = sorted(str(p.relative_to(PACKAGE.parent)) for root in roots
+                   for p in root.rglob("*.py") if write.search(p.read_text()))
+    assert where == ["megatron_lrmoe/integration/runtime/local_gloo.py",
+                     "megatron_lrmoe/launcher/distributed.py"], where

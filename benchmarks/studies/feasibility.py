@@ -101,13 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--run given {len(a.run)} times: --rule d1-d2 takes one run")
     a.run = a.run[0]
     base = [*reference_flags(a.run), "--mock-data"]   # the data is not read
-    os.environ["WORLD_SIZE"] = str(a.world_size or world_size(base))
+    ranks = a.world_size or world_size(base)
     traces, outside = F.reference_run(a.run)
     calibration = json.loads(a.calibration.read_text())
-    args = F._parse(base)
+    args = F._parse(base, ranks)
 
     free = {name: F.predict(base, F.Candidate(name, F.NONE, tuple(flags)), 1024.0, traces,
-                            calibration, outside, steps=a.steps)
+                            calibration, outside, steps=a.steps, world_size=ranks)
             for name, flags in {**BASELINES, **LRMOE}.items()}
     outside_gib = free["megatron-dropless"].account.outside_moe / GIB
     d1, d2 = F.device_sizes(outside_gib, free["megatron-dropless"].account.moe / GIB,
@@ -116,11 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     for label, device in (("D1", d1), ("D2", d2)):
         for name, flags in {**BASELINES, **LRMOE}.items():
             preds = F.policy_predictions(base, name, flags, name in BASELINES, device,
-                                         traces, calibration, outside, steps=a.steps)
+                                         traces, calibration, outside, steps=a.steps,
+                                         world_size=ranks)
             rows += [(device, p) for p in preds]
             best[(label, name)] = F.best_fitting(preds)
             largest[(label, name)] = F.largest_micro_batch(base, name, flags, device, traces,
-                                                           calibration, outside, limit=32)
+                                                           calibration, outside, limit=32,
+                                                           world_size=ranks)
     command = shlex.join([sys.executable, *sys.argv]).replace(str(ROOT) + "/", "")
     lines = [
         "# Feasibility at two device sizes (predicted, nothing timed)", "",
@@ -182,14 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def binding_device(base: list[str], traces, outside, calibration: dict, steps: int
-                   ) -> dict:
-    """One run's device for ``--rule binding`` and every prediction at it (module doc)."""
+def binding_device(base: list[str], traces, outside, calibration: dict, steps: int,
+                   ranks: int) -> dict:
+    """One run's device for ``--rule binding`` and every prediction at it (module doc),
+    its flags parsed for ``ranks`` ranks."""
     def at(device: float) -> dict[str, list[F.Prediction]]:
-        slots = F.budget_slots(base, BASELINES["symi"], device, calibration)
+        slots = F.budget_slots(base, BASELINES["symi"], device, calibration, world_size=ranks)
         return {name: F.policy_predictions(base, name, flags, name in BASELINES, device,
                                            traces, calibration, outside, steps=steps,
-                                           slots_max=slots)
+                                           slots_max=slots, world_size=ranks)
                 for name, flags in {**BASELINES, **LRMOE}.items()}
 
     def held(preds: dict[str, list[F.Prediction]]) -> dict[str, bool]:
@@ -197,7 +200,7 @@ def binding_device(base: list[str], traces, outside, calibration: dict, steps: i
                                     preds["symi"])
 
     free = {name: F.predict(base, F.Candidate(name, F.NONE, tuple(flags)), 1024.0, traces,
-                            calibration, outside, steps=steps)
+                            calibration, outside, steps=steps, world_size=ranks)
             for name, flags in {**BASELINES, **LRMOE}.items()}
     device = max(free[n].need for n in LRMOE) * 1.03 / GIB    # as D2: + 3%
     tried = []
@@ -237,9 +240,8 @@ def binding(a: argparse.Namespace) -> int:
     for run in a.run:
         base = [*reference_flags(run), "--mock-data"]    # the data is not read
         ranks = a.world_size or world_size(base)
-        os.environ["WORLD_SIZE"] = str(ranks)
         traces, outside = F.reference_run(run)
-        found = binding_device(base, traces, outside, calibration, a.steps)
+        found = binding_device(base, traces, outside, calibration, a.steps, ranks)
         free, device, preds = found["free"], found["device"], found["preds"]
         mib = 2**20
         lines += [f"## {_shown(run)}: {ranks} ranks, D = {device:.4f} GiB", "",

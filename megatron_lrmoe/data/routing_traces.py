@@ -155,6 +155,11 @@ class RoutingTrace:
     def ep(self) -> int:
         return int(self.header["parallel"]["ep"])
 
+    @property
+    def world_size(self) -> int:
+        """The ranks of the recorded run."""
+        return int(self.header["parallel"]["world_size"])
+
     def layer(self, layer_number: int) -> np.ndarray:
         """[n, M, S, E] of one MoE layer (by its global layer number)."""
         return self.counts[:, self.layers.index(layer_number)]

@@ -201,15 +201,18 @@ def _stage_layers(args: argparse.Namespace) -> int:
 
 
 def _data_parallel(args: argparse.Namespace) -> int:
-    """The data-parallel size: the world over TP x PP, as the launcher derives it
-    (``WORLD_SIZE``)."""
+    """The data-parallel size: the world over TP x PP, as the launcher derives it (the
+    world size the flags were parsed with)."""
     return max(1, int(args.data_parallel_size))
 
 
-def _parse(flags: list[str]) -> argparse.Namespace:
+def _parse(flags: list[str], world_size: int) -> argparse.Namespace:
+    """The launcher's parse of ``flags`` for ``world_size`` ranks (derived values and
+    checks as the runs' would be)."""
     from megatron_lrmoe.launcher.arguments import parse_args
 
-    return parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"])
+    return parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"],
+                      world_size)
 
 
 def _full_recompute_layers(args: argparse.Namespace) -> int:
@@ -226,8 +229,9 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
             traces: list[np.ndarray], calibration: dict | None, outside: OutsideTime,
             steps: int = 20, cluster: str = "h100",
             overrides: dict | None = None, planner_s: float | None = None,
-            vocab_size: int | None = None) -> Prediction:
-    """The candidate's per-rank memory and step time at ``device_gib`` (module doc).
+            vocab_size: int | None = None, *, world_size: int) -> Prediction:
+    """The candidate's per-rank memory and step time at ``device_gib`` (module doc), the
+    flags parsed for ``world_size`` ranks.
 
     ``steps``: the steps the MoE time is the mean of, replayed after the warm-up
     (``simulate``'s window). ``cluster``: the simulator's ``CLUSTERS`` entry whose figures
@@ -247,7 +251,7 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     from megatron_lrmoe.tools.simulator_validation import run_setting
 
     flags = [*base_flags, *candidate.flags, "--device-memory-gb", f"{device_gib:.6g}"]
-    args = _parse(flags)
+    args = _parse(flags, world_size)
     for name, value in (overrides or {}).items():
         setattr(args, name, value)
     vocab = builders.padded_vocab_size(
@@ -260,7 +264,7 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     flags = [*flags]
     if "auto" in flags:   # the resolved budget, as the launcher plans with it
         flags[flags.index("auto")] = f"{config.moe_lrmoe_memory_budget_gb:.9g}"
-    shape, policy, budget_gib, ep = run_setting(flags)      # the shape has the recompute
+    shape, policy, budget_gib, ep = run_setting(flags, world_size)   # with the recompute
     policy = replace(policy, slots_per_rank=getattr(args, "moe_lrmoe_slots_per_rank", None))
     model = ModelSpec("fit", shape.num_layers, shape.hidden_size, shape.ffn_hidden_size,
                       shape.num_experts, shape.topk, shape.gated, shape.tokens_per_rank, 1,
@@ -311,7 +315,8 @@ def reference_run(run: Path) -> tuple[list[np.ndarray], OutsideTime]:
 
 
 def budget_slots(base_flags: list[str], policy_flags: list[str], device_gib: float,
-                 calibration: dict | None, cluster: str = "h100") -> int:
+                 calibration: dict | None, cluster: str = "h100", *,
+                 world_size: int) -> int:
     """The instance slots per rank SYMI-style's ``auto`` budget holds at ``device_gib``
     (``PlannerSettings.popularity_slots`` of the budget the simulator plans with), the
     most over its configurations without fewer slots (full recompute leaves more of the
@@ -322,14 +327,14 @@ def budget_slots(base_flags: list[str], policy_flags: list[str], device_gib: flo
     from megatron_lrmoe.tools.simulate import CLUSTERS, cluster_machine_constants, layer_shape
     from megatron_lrmoe.tools.simulator_validation import run_setting
 
-    args = _parse(base_flags)
+    args = _parse(base_flags, world_size)
     most = args.num_experts // args.expert_model_parallel_size
     for c in candidates("symi", policy_flags, args):
         if MICRO_BATCH in means_of(c.fitted):
             continue
         try:
             shape, _, budget_gib, ep = run_setting(
-                [*base_flags, *c.flags, "--device-memory-gb", f"{device_gib:.6g}"])
+                [*base_flags, *c.flags, "--device-memory-gb", f"{device_gib:.6g}"], world_size)
             cost = CostModel(layer_shape(shape, True),
                              cluster_machine_constants(CLUSTERS[cluster], ep, calibration))
             settings = PlannerSettings("popularity", ep, shape.num_experts,
@@ -343,17 +348,18 @@ def budget_slots(base_flags: list[str], policy_flags: list[str], device_gib: flo
 def policy_predictions(base_flags: list[str], policy: str, policy_flags: list[str],
                        baseline: bool, device_gib: float, traces: list[np.ndarray],
                        calibration: dict | None, outside: OutsideTime,
-                       slots_max: int | None = None, **predict_options) -> list[Prediction]:
+                       slots_max: int | None = None, *, world_size: int,
+                       **predict_options) -> list[Prediction]:
     """A policy's predictions at ``device_gib``: a baseline's every configuration (single
     means and pairs; SYMI-style's slots below ``slots_max``, default E: those at or
     above what its budget holds predict what it does as it is, ``budget_slots`` spares
     their cost), ``distinct``; any other policy as it is (one prediction)."""
-    args = _parse(base_flags)
+    args = _parse(base_flags, world_size)
     cands = (candidates(policy, policy_flags, args, combine=True,
                         slots_max=(slots_max or args.num_experts) if policy == "symi" else None)
              if baseline else [Candidate(policy, NONE, tuple(policy_flags))])
     return distinct([predict(base_flags, c, device_gib, traces, calibration, outside,
-                             **predict_options) for c in cands])
+                             world_size=world_size, **predict_options) for c in cands])
 
 
 def best_fitting(predictions: list[Prediction], count: int = 2) -> list[Prediction]:
@@ -447,21 +453,22 @@ def feasibility_table(rows: list[tuple[float, Prediction]]) -> str:
 
 def largest_micro_batch(base_flags: list[str], policy: str, policy_flags: list[str],
                         device_gib: float, traces: list[np.ndarray], calibration: dict,
-                        outside: OutsideTime, limit: int = 64, **predict_options
-                        ) -> tuple[int, Prediction | None]:
+                        outside: OutsideTime, limit: int = 64, *, world_size: int,
+                        **predict_options) -> tuple[int, Prediction | None]:
     """The largest micro-batch size (powers of two up to ``limit``, micro-batches per step
     unchanged) at which ``policy`` fits ``device_gib``, and its prediction (0, None when
     even 1 does not fit). The global batch grows with the micro-batch.
     ``predict_options``: ``predict``'s keywords (``steps``, ``cluster``, ``overrides``,
     ``planner_s``, ``vocab_size``)."""
-    args = _parse(base_flags)
+    args = _parse(base_flags, world_size)
     dp, microbatches = _data_parallel(args), args.num_microbatches
     best: tuple[int, Prediction | None] = (0, None)
     m = 1
     while m <= limit:
         flags = ("--micro-batch-size", str(m), "--global-batch-size", str(m * microbatches * dp))
         p = predict(base_flags, Candidate(policy, f"micro-batch {m}", (*policy_flags, *flags)),
-                    device_gib, traces, calibration, outside, **predict_options)
+                    device_gib, traces, calibration, outside, world_size=world_size,
+                    **predict_options)
         if not p.fits:
             break
         best = (m, p)

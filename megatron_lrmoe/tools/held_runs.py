@@ -74,7 +74,8 @@ def base_flags(config: str, ep: int, train_iters: int, eval_interval: int,
 
 def policy_flags(name: str, base: list[str]) -> list[str]:
     """The flags of run ``name`` (the module doc) under the budget ``auto``, without the
-    device. The flags are parsed as the runs' (``WORLD_SIZE``: the caller's)."""
+    device. The flags are parsed as the runs' (``world_size``: one rank per
+    expert-parallel rank of the base flags)."""
     from megatron_lrmoe.launcher.arguments import parse_args
     from megatron_lrmoe.tools import fitting
 
@@ -87,7 +88,7 @@ def policy_flags(name: str, base: list[str]) -> list[str]:
     wanted = ttl.fitted_of(name)
     if wanted == "none":
         return flags
-    args = parse_args(base)
+    args = parse_args(base, world_size(base))
     slots_max = args.num_experts + 1 if policy == "symi" else None
     found = {c.fitted: c for c in fitting.candidates(policy, flags, args, slots_max=slots_max,
                                                      combine=True)}
@@ -235,7 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     base = base_flags(args.config, args.ep, args.train_iters,
                       args.eval_interval or max(1, args.train_iters // 2), args.log_interval,
                       args.data_path, args.data_cache_path)
-    os.environ["WORLD_SIZE"] = str(world_size(base))    # flags validated as the runs'
     names = [p for p in args.policies.split(",") if p]
     runs = {name: run_flags(name, base, args.seed, args.device_gib,
                             args.out_dir / "runs" / f"{name}-s{args.seed}",

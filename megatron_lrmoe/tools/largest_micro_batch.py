@@ -36,7 +36,7 @@ from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools import time_to_loss as ttl
 from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.simulator_validation import reference_flags
-from megatron_lrmoe.tools.time_to_loss_policies import policies
+from megatron_lrmoe.tools.time_to_loss_policies import policies, world_size
 
 __all__ = ["main", "moe_ms_per_1k_tokens"]
 
@@ -74,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-cache-path", default="data/cache")
     ap.add_argument("--port", type=int, default=29537)
     a = ap.parse_args(argv)
-    os.environ.setdefault("WORLD_SIZE", "2")    # the flags are checked as the 2 ranks'
     os.chdir(ROOT)
     every = policies("auto")
     chosen = [p for p in a.policies.split(",") if p]
@@ -82,11 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--policies: unknown {bad}; known: {', '.join(every)}")
 
     base = reference_flags(a.run)
-    args = F._parse([*base, "--mock-data"])
+    ranks = world_size(base)            # the reference run's: one per expert-parallel rank
+    args = F._parse([*base, "--mock-data"], ranks)
     microbatches = args.num_microbatches
 
-    def step_tokens(micro_batch: int) -> int:     # of both ranks, in one optimizer step
-        return micro_batch * args.seq_length * microbatches * 2
+    def step_tokens(micro_batch: int) -> int:     # of every rank, in one optimizer step
+        return micro_batch * args.seq_length * microbatches * ranks
 
     traces, outside = F.reference_run(a.run)
     calibration = json.loads((ROOT / ttl.CALIBRATION).read_text())
@@ -99,12 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in chosen:
         flags = ttl.on_device(every[name])
         predicted, p = F.largest_micro_batch([*base, "--mock-data"], name, flags, a.device_gib,
-                                             traces, calibration, outside, limit=a.limit)
+                                             traces, calibration, outside, limit=a.limit,
+                                             world_size=ranks)
         measured, measured_ms, stopped, m = 0, None, None, 1
         while m <= a.limit:
             run_dir = a.out_dir / "runs" / f"{name}-mb{m}"
             done = ttl.run_one(run_dir, [*base, *flags, "--micro-batch-size", str(m),
-                                         "--global-batch-size", str(m * microbatches * 2),
+                                         "--global-batch-size", str(m * microbatches * ranks),
                                          *run_only], a.port)
             print(f"[largest_micro_batch] {run_dir.name}: "
                   f"{done.get('failed', 'trained')}", flush=True)

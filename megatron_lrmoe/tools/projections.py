@@ -6,7 +6,7 @@
 
 A preset (``PRESETS``) is a published Megatron-Bridge recipe's parallel layout as the
 launcher's flags (TP, PP, EP, ETP, sequence parallelism, micro-batch, global batch,
-recompute, bf16, distributed optimizer) with its GPU count (``WORLD_SIZE``) and device
+recompute, bf16, distributed optimizer) with its GPU count (the world size) and device
 size; every number's source is named beside it. For each policy (``POLICIES``: Megatron
 dropless, Megatron capacity drop 1.0, SYMI-style, LRMoE uniform gamma 1.0 without replicas,
 and LRMoE uniform with memory-aware placement at each gamma of ``GAMMAS``; the budgeted
@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -324,8 +323,7 @@ def base_flags(preset: Preset) -> list[str]:
 
 
 def _parse(preset: Preset, flags: list[str]) -> argparse.Namespace:
-    os.environ["WORLD_SIZE"] = str(preset.gpus)
-    args = F._parse(flags)
+    args = F._parse(flags, preset.gpus)
     for name, value in preset.overrides:
         setattr(args, name, value)
     return args
@@ -465,10 +463,10 @@ def project(preset: Preset, traces: list[np.ndarray], steps: int | None = None,
         def predict(c: F.Candidate) -> F.Prediction:
             if c.flags not in cache:
                 started = time.perf_counter()
-                os.environ["WORLD_SIZE"] = str(preset.gpus)
                 p = F.predict(base, c, device_gib, traces, None, outside, steps=steps,
                               cluster=preset.cluster, overrides=overrides,
-                              planner_s=planner_s, vocab_size=preset.vocab_size)
+                              planner_s=planner_s, vocab_size=preset.vocab_size,
+                              world_size=preset.gpus)
                 cache[c.flags] = p
                 log(f"  {preset.name} {name} {c.fitted}: need {p.need / GIB:.2f} GiB, "
                     f"{'fits' if p.fits else 'does not fit'}, step {p.step_s:.3f} s "
@@ -503,10 +501,10 @@ def project(preset: Preset, traces: list[np.ndarray], steps: int | None = None,
         choice = min(fitting, key=bubble) if fitting else None
         largest = None
         if largest_limit:    # under the choice's recompute (its micro-batch is replaced)
-            os.environ["WORLD_SIZE"] = str(preset.gpus)
             means = list(choice.candidate.flags if choice else flags)
             largest = F.largest_micro_batch(base, name, means, device_gib, traces,
-                                            None, outside, limit=largest_limit, steps=steps,
+                                            None, outside, limit=largest_limit,
+                                            world_size=preset.gpus, steps=steps,
                                             cluster=preset.cluster, overrides=overrides,
                                             planner_s=planner_s, vocab_size=preset.vocab_size)
         return Projection(
@@ -554,11 +552,10 @@ def window_check(preset: Preset, traces: list[np.ndarray], steps: int,
         found = []
         for n in (steps, 2 * steps):
             started = time.perf_counter()
-            os.environ["WORLD_SIZE"] = str(preset.gpus)
             found.append(F.predict(base, candidate, preset.device_gib - reserve_gib, traces,
                                    None, outside, steps=n, cluster=preset.cluster,
                                    overrides=dict(preset.overrides), planner_s=planner_s,
-                                   vocab_size=preset.vocab_size))
+                                   vocab_size=preset.vocab_size, world_size=preset.gpus))
             log(f"  {preset.name} {name} {n} steps: MoE {found[-1].moe_s:.4f} s/step, "
                 f"{found[-1].account.moe / GIB:.3f} GiB ({time.perf_counter() - started:.1f} s)")
         one, two = found

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import shlex
 import statistics
@@ -197,18 +196,11 @@ def run_replay(run: Path, flags_after: tuple[str, ...] = ()) -> RunReplay:
     run = Path(run)
     trace = read_routing_trace(routing_dir(run))
     flags = [*reference_flags(run), "--mock-data", *flags_after]
-    saved = os.environ.get("WORLD_SIZE")
     # The launcher's checks read the world size: the recorded run's.
-    os.environ["WORLD_SIZE"] = str(trace.header["parallel"]["world_size"])
-    try:
-        shape, policy, budget_gib, ep = run_setting(flags)
-        args = parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"])
-        config = build_config(args)
-    finally:
-        if saved is None:
-            os.environ.pop("WORLD_SIZE", None)
-        else:
-            os.environ["WORLD_SIZE"] = saved
+    shape, policy, budget_gib, ep = run_setting(flags, trace.world_size)
+    args = parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"],
+                      trace.world_size)
+    config = build_config(args)
     machine = run_machine(run) or MachineConstants(gemm_flops_per_s=1e12,
                                                    alltoall_bytes_per_s=1e11,
                                                    alltoall_latency_s=0.0,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shlex
 import statistics
@@ -67,16 +66,18 @@ def reference_flags(run: Path) -> list[str]:
     return out
 
 
-def run_setting(flags: list[str]) -> tuple[MoEShape, Policy, float | None, int]:
+def run_setting(flags: list[str], world_size: int
+                ) -> tuple[MoEShape, Policy, float | None, int]:
     """(``MoEShape`` of a layer, ``Policy``, budget GiB or None, EP size) of a run's
-    flags; an ``auto`` budget resolved from ``--device-memory-gb`` as the launcher does."""
+    flags on ``world_size`` ranks; an ``auto`` budget resolved from
+    ``--device-memory-gb`` as the launcher does."""
     from megatron_lrmoe.config.flags import tokens_per_rank
     from megatron_lrmoe.integration.planner_inputs import moe_shape
     from megatron_lrmoe.launcher.arguments import parse_args
     from megatron_lrmoe.launcher.run_config import build_config
 
-    os.environ.setdefault("WORLD_SIZE", "2")
-    args = parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"])
+    args = parse_args([f for f in flags if f != "--no-progress-bar"] + ["--no-progress-bar"],
+                      world_size)
     # A run held to a device (``--moe-lrmoe-memory-budget-gb auto``) planned with the
     # budget its memory account left, resolved here as the launcher resolved it.
     config = build_config(args)
@@ -125,8 +126,9 @@ def validate_run(run: Path, calibration: dict, budget_scale: float = 1.0) -> dic
     forward and backward seconds per step, the error of each and the simulated parts."""
     # The replay needs the run's shapes, not its corpus: mock data stands in for it, so a
     # checkout without the prepared data validates too.
-    shape, policy, budget_gib, ep = run_setting([*reference_flags(run), "--mock-data"])
     trace = read_routing_trace(run / "routing")
+    shape, policy, budget_gib, ep = run_setting([*reference_flags(run), "--mock-data"],
+                                                trace.world_size)
     skip = len(trace.iterations) // 10
     traces = [trace.layer(n)[skip:] for n in trace.layers]
     steps = max(1, (len(trace.iterations) - skip))

@@ -891,10 +891,12 @@ def fitted_policies(base: list[str], device_gib: float, unconstrained_dir: Path,
     for name in names:
         flags = on_device(every[name])
         # SYMI-style's slots from what its budget holds down (more predict the same).
-        slots = (fitting.budget_slots(base, flags, device_gib, constants)
+        slots = (fitting.budget_slots(base, flags, device_gib, constants,
+                                      world_size=world_size(base))
                  if name == "symi" else None)
         preds = fitting.policy_predictions(base, name, flags, name in BASELINES, device_gib,
-                                           traces, constants, outside, slots_max=slots)
+                                           traces, constants, outside, slots_max=slots,
+                                           world_size=world_size(base))
         dropless = preds[0] if name == REFERENCE else dropless
         rows += [(device_gib, p) for p in preds]
         if name in pinned:
@@ -1033,8 +1035,7 @@ def _drive(argv: list[str] | None) -> int:
     device = None
     asked = args.policies or ",".join(stage.policies)     # none: every listed policy
     # Flags are validated as the runs' (one rank per expert-parallel rank), before any run.
-    os.environ["WORLD_SIZE"] = str(world_size(base))
-    parse_run_flags(base)
+    parse_run_flags(base, world_size(base))
     if args.device_gib is not None:
         if args.unconstrained_dir is None:
             raise SystemExit("--device-gib needs --unconstrained-dir (the unconstrained study "

@@ -9,7 +9,6 @@ both read them here, so a policy means one set of flags everywhere.
 from __future__ import annotations
 
 import functools
-import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -159,8 +158,7 @@ def study_budget_gb(base_flags: list[str], extra_instances: float) -> float:
     from megatron_lrmoe.planning.memory_account import GIB
 
     # Validate as the runs will be: one rank per expert-parallel rank.
-    os.environ["WORLD_SIZE"] = str(world_size(base_flags))
-    args = parse_args(base_flags + ["--moe-lrmoe"])
+    args = parse_args(base_flags + ["--moe-lrmoe"], world_size(base_flags))
     shape = moe_shape(transformer_config_from_args(args),
                       args.micro_batch_size * args.seq_length)
     cost = CostModel(shape, machine_constants(None, "cpu"))

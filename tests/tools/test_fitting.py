@@ -3,6 +3,7 @@ give, and their predictions against the account, the simulator and hand arithmet
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -26,9 +27,15 @@ SYMI = ["--moe-lrmoe", "--moe-lrmoe-placement", "popularity",
         "--moe-lrmoe-bwd-capacity-factor", "inf", "--moe-lrmoe-memory-budget-gb", "auto"]
 
 
+# BASE runs on 2 ranks: the tools take the world size as an argument.
+predict = functools.partial(F.predict, world_size=2)
+budget_slots = functools.partial(F.budget_slots, world_size=2)
+
+
 @pytest.fixture(autouse=True)
-def _two_ranks(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
+def _no_world_size_in_the_environment(monkeypatch):
+    # Nothing reads WORLD_SIZE: a parse that did would see 1 rank and differ.
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
 
 
 def _skewed_traces(layers: int = 2, calls: int = 16, seed: int = 0) -> list[np.ndarray]:
@@ -39,7 +46,7 @@ def _skewed_traces(layers: int = 2, calls: int = 16, seed: int = 0) -> list[np.n
 
 
 def test_candidates_are_megatrons_means():
-    args = F._parse(BASE)
+    args = F._parse(BASE, 2)
     got = {c.fitted: c.flags for c in F.candidates("symi", SYMI, args, slots_max=7)}
     assert list(got) == ["none", "recompute moe", "recompute full 1", "recompute full 2",
                          "micro-batch 2", "micro-batch 1", "slots 6", "slots 5", "slots 4"]
@@ -74,8 +81,8 @@ def test_device_sizes_by_hand():
 def test_predictions_follow_the_means(policy):
     flags = [] if policy == "dropless" else SYMI
     traces, outside = _skewed_traces(), F.OutsideTime(0.5)
-    args = F._parse(BASE)
-    preds = {c.fitted: F.predict(BASE, c, 4.0, traces, CALIBRATION, outside, steps=2)
+    args = F._parse(BASE, 2)
+    preds = {c.fitted: predict(BASE, c, 4.0, traces, CALIBRATION, outside, steps=2)
              for c in F.candidates(policy, flags, args)}
     none = preds["none"]
     assert none.fits and not none.error
@@ -98,14 +105,14 @@ def test_predictions_follow_the_means(policy):
 
 def test_a_device_below_the_need_does_not_fit():
     traces, outside = _skewed_traces(), F.OutsideTime(0.5)
-    [none] = F.candidates("dropless", [], F._parse(BASE))[:1]
-    big = F.predict(BASE, none, 4.0, traces, CALIBRATION, outside, steps=2)
-    small = F.predict(BASE, none, big.need / GIB * 0.99, traces, CALIBRATION, outside, steps=2)
+    [none] = F.candidates("dropless", [], F._parse(BASE, 2))[:1]
+    big = predict(BASE, none, 4.0, traces, CALIBRATION, outside, steps=2)
+    small = predict(BASE, none, big.need / GIB * 0.99, traces, CALIBRATION, outside, steps=2)
     assert big.fits and not small.fits
     assert small.need == pytest.approx(big.need)
     # SYMI-style's ``auto`` budget below the floor: it cannot start; said, not raised.
-    [symi] = F.candidates("symi", SYMI, F._parse(BASE))[:1]
-    refused = F.predict(BASE, symi, big.account.outside_moe / GIB, traces, CALIBRATION,
+    [symi] = F.candidates("symi", SYMI, F._parse(BASE, 2))[:1]
+    refused = predict(BASE, symi, big.account.outside_moe / GIB, traces, CALIBRATION,
                         outside, steps=2)
     assert not refused.fits and "--device-memory-gb" in refused.error
     assert math.isnan(refused.step_s)
@@ -124,7 +131,7 @@ def test_best_fitting_orders_by_predicted_step_time():
 
 
 def test_combined_means_pair_a_micro_batch_with_recompute_and_slots_with_the_rest():
-    args = F._parse(BASE)
+    args = F._parse(BASE, 2)
     single = F.candidates("symi", SYMI, args, slots_max=6)
     combined = F.candidates("symi", SYMI, args, slots_max=6, combine=True)
     assert combined[:len(single)] == single
@@ -157,12 +164,12 @@ def test_means_of_each_fitted_name():
     assert F.means_of("micro-batch 2 + recompute moe") == {F.MICRO_BATCH, F.RECOMPUTE}
     assert F.means_of("recompute moe + slots 9") == {F.RECOMPUTE, F.FEWER_REPLICAS}
     # Every name the candidates give maps onto the three means.
-    for c in F.candidates("symi", SYMI, F._parse(BASE), slots_max=6, combine=True):
+    for c in F.candidates("symi", SYMI, F._parse(BASE, 2), slots_max=6, combine=True):
         assert F.means_of(c.fitted) <= {F.RECOMPUTE, F.MICRO_BATCH, F.FEWER_REPLICAS}
 
 
 def test_micro_batch_one_has_no_smaller_micro_batch():
-    args = F._parse([*BASE, "--micro-batch-size", "1"])
+    args = F._parse([*BASE, "--micro-batch-size", "1"], 2)
     names = [c.fitted for c in F.candidates("symi", SYMI, args, slots_max=6, combine=True)]
     assert names and not any(F.MICRO_BATCH in F.means_of(n) for n in names)
 
@@ -212,13 +219,13 @@ def test_budget_slots_are_what_the_simulated_budget_holds():
     with fewer slots start below it; the slots grow with the device."""
     traces, outside = _skewed_traces(), F.OutsideTime(0.5)
     per_rank = 4
-    assert F.budget_slots(BASE, SYMI, 4.0, CALIBRATION) == 8           # all experts
+    assert budget_slots(BASE, SYMI, 4.0, CALIBRATION) == 8           # all experts
     device, slots = next((d, s) for d in np.arange(0.003, 0.02, 0.0005)
-                         if per_rank < (s := F.budget_slots(BASE, SYMI, d, CALIBRATION)) < 8)
-    [none] = F.candidates("symi", SYMI, F._parse(BASE))[:1]
+                         if per_rank < (s := budget_slots(BASE, SYMI, d, CALIBRATION)) < 8)
+    [none] = F.candidates("symi", SYMI, F._parse(BASE, 2))[:1]
 
     def need(candidate):    # the planner's host time fixed: equal plans, equal figures
-        p = F.predict(BASE, candidate, device, traces, CALIBRATION, outside, steps=8,
+        p = predict(BASE, candidate, device, traces, CALIBRATION, outside, steps=8,
                       planner_s=0.0)
         return p.need, p.moe_s
 
@@ -228,5 +235,5 @@ def test_budget_slots_are_what_the_simulated_budget_holds():
 
     assert need(with_slots(slots)) == need(none)
     assert need(with_slots(8)) == need(none)
-    grid = [F.budget_slots(BASE, SYMI, d, CALIBRATION) for d in np.arange(0.002, 0.01, 0.001)]
+    grid = [budget_slots(BASE, SYMI, d, CALIBRATION) for d in np.arange(0.002, 0.01, 0.001)]
     assert grid == sorted(grid) and grid[0] == per_rank

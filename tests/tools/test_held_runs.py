@@ -23,7 +23,7 @@ def test_a_named_run_gets_the_flags_the_drivers_run_of_that_name_had(name, corpu
     # Oracle: the command the time-to-loss driver ran for the EP 16 screen's run of that
     # name (its done.json), the corpus path aside.
     monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)     # the flags' own world size
     run_dir = SCREEN / "runs" / f"{name}-s1"
     command = shlex.split(json.loads((run_dir / "done.json").read_text())["command"])
     ran = command[command.index("megatron_lrmoe.launcher.pretrain") + 1:
@@ -35,7 +35,7 @@ def test_a_named_run_gets_the_flags_the_drivers_run_of_that_name_had(name, corpu
 
 def test_a_name_the_fitting_has_no_configuration_for_is_refused(corpus, monkeypatch):
     monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     base = hr.base_flags("configs/ep_study.yaml", 16, 60, 30, 10, data_path=corpus)
     with pytest.raises(SystemExit, match="slots 200"):
         hr.policy_flags("symi@slots_200", base)

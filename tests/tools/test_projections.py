@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def _world(monkeypatch):
-    # The module sets WORLD_SIZE per preset; monkeypatch restores it afterwards.
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    # Each preset parses for its own GPU count, never WORLD_SIZE's.
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
 
 
 def test_qwen3_outside_flops_by_hand():
@@ -174,7 +174,8 @@ def test_a_given_vocabulary_enters_the_account_and_the_auto_budget():
     traces, outside = _skewed_traces(), F.OutsideTime(0.5)
     candidate = F.Candidate("lrmoe", "none", P.POLICIES["lrmoe-uniform-g1.0"][1])
     small, large = (F.predict(P.base_flags(preset), candidate, 8.0, traces, None, outside,
-                              steps=1, planner_s=1e-4, vocab_size=v) for v in (None, 50000))
+                              steps=1, planner_s=1e-4, vocab_size=v, world_size=preset.gpus)
+                    for v in (None, 50000))
     assert large.account.weights > small.account.weights
     assert large.account.outside_moe > small.account.outside_moe
 

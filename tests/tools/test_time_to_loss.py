@@ -210,7 +210,7 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     # of its runs is still a real torchrun of the launcher on 2 ranks, as in the study.
     monkeypatch.chdir(ROOT)                     # the driver names configs/ relative to it
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")       # what the driver sets for itself; undone after
+    monkeypatch.delenv("WORLD_SIZE", raising=False)     # the driver never reads it
     out = tmp_path / "study"
     argv = ["--stage", "ci", "--out-dir", str(out), "--policies", "lrmoe-uniform-g0.75",
             "--data-path", str(Path(corpus)), "--data-cache-path", str(tmp_path / "cache"),
@@ -336,7 +336,7 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
     flags = ttl.on_device(ttp.policies("auto")["megatron-dropless"])
     one, two = (fitting.largest_micro_batch(
         [*reference_flags(reference), "--mock-data"], "megatron-dropless", flags, 64.0, traces,
-        calibration, outside, limit=m)[1].need / 2**30 for m in (1, 2))
+        calibration, outside, limit=m, world_size=2)[1].need / 2**30 for m in (1, 2))
     assert one < two
     device = (one + two) / 2
     common = ["--run", str(reference), "--policies", "megatron-dropless", "--steps", "2",
@@ -357,7 +357,7 @@ def test_ci_sized_study_writes_a_well_formed_table(tmp_path, corpus, monkeypatch
 
 def test_the_runs_start_one_rank_per_expert_parallel_rank(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("WORLD_SIZE", "2")       # what main sets for itself; undone after
+    monkeypatch.delenv("WORLD_SIZE", raising=False)     # the driver never reads it
     _, base = ttl.study_setup(ttl.parse_args(["--stage", "ci"]))
     # The EP 2 study as before: its config's EP, no EP flag, the 2-rank torchrun.
     assert base[:2] == ["--config", "configs/time_to_loss.yaml"]

@@ -130,7 +130,7 @@ def test_each_run_pairs_with_its_seeds_dropless_run(tmp_path):
 
 def test_curve_stage_trains_twice_the_steps_and_keeps_its_logs_small(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("WORLD_SIZE", "8")       # what main sets for itself; undone after
+    monkeypatch.delenv("WORLD_SIZE", raising=False)     # the driver never reads it
     stage, base = ttl.study_setup(ttl.parse_args(
         ["--stage", "curve", "--config", "configs/ep_study.yaml", "--ep", "8"]))
     assert (stage.steps, stage.total, stage.seeds) == (200, 400, (1, 2, 3))
@@ -153,7 +153,7 @@ def test_curve_smoke_two_policies_pair_with_dropless(tmp_path, corpus, monkeypat
     # the cap), each a real 2-rank torchrun of the launcher; the pairing table is checked.
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")       # what the driver sets for itself; undone after
+    monkeypatch.delenv("WORLD_SIZE", raising=False)     # the driver never reads it
     out = tmp_path / "curve"
     assert ttl.main(["--stage", "curve-ci", "--out-dir", str(out), "--data-path",
                      str(Path(corpus)), "--data-cache-path", str(tmp_path / "cache"),

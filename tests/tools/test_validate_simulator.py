@@ -90,7 +90,7 @@ def test_run_setting_resolves_a_held_runs_auto_budget_as_its_launcher_did(monkey
     assert flags[flags.index("--moe-lrmoe-memory-budget-gb") + 1] == "auto"
     logged = re.search(r"--moe-lrmoe-memory-budget-gb ([0-9.]+):",
                        run_log.read_text(run / "stdout.txt"))
-    _, policy, budget_gib, ep = vs.run_setting(flags)
+    _, policy, budget_gib, ep = vs.run_setting(flags, 2)
     assert policy.budget and ep == 2
     assert budget_gib == pytest.approx(float(logged.group(1)), abs=1e-6)
 
