@@ -5,26 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 
 from megatron_lrmoe.config import flags_table
 from megatron_lrmoe.config.flags import ENTRY_POINT_OPTIONS, EntryPointOptions
-from megatron_lrmoe.config.flags_table import (
-    BEGIN,
-    DESIGN,
-    END,
-    design_table,
-    field_docs,
-)
+from megatron_lrmoe.config.flags_table import BEGIN, COMMAND, END, design_table, field_docs
 from megatron_lrmoe.options.lrmoe import OPTIONS, LRMoEOptions
+
+DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
 
 
 def test_design_flags_table_is_generated():
     table = flags_table.flags_table()
     assert design_table(DESIGN.read_text()) == table, (
         "docs/design.md's Flags table differs from the options' fields; regenerate it: "
-        "python -m megatron_lrmoe.config.flags_table --write")
+        + COMMAND)
 
 
 @pytest.mark.parametrize("cls", [LRMoEOptions, EntryPointOptions])
@@ -80,11 +77,10 @@ def test_table_rows_are_the_fields():
             assert f"`{choice}`" in meaning, (o.field, choice)
 
 
-def test_write_replaces_only_the_table(tmp_path, monkeypatch, capsys):
+def test_write_replaces_only_the_table(tmp_path, capsys):
     design = tmp_path / "design.md"
     design.write_text(f"# Doc\n\n## Flags\n\nprose\n\n{BEGIN}\n| stale |\n{END}\n\nafter\n")
-    monkeypatch.setattr(flags_table, "DESIGN", design)
-    assert flags_table.main(["--write"]) == 0
+    assert flags_table.main(["--write", str(design)]) == 0
     text = design.read_text()
     assert text == (f"# Doc\n\n## Flags\n\nprose\n\n{BEGIN}\n{flags_table.flags_table()}"
                     f"{END}\n\nafter\n")
@@ -92,6 +88,12 @@ def test_write_replaces_only_the_table(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.endswith(flags_table.flags_table())
 
 
-def test_missing_markers_are_named():
+def test_missing_markers_are_named(tmp_path, capsys):
     with pytest.raises(ValueError, match="markers"):
         design_table("## Flags\n\n| flag | default | meaning |\n")
+    plain = tmp_path / "plain.md"
+    plain.write_text("## Flags\n")
+    with pytest.raises(SystemExit):
+        flags_table.main(["--write", str(plain)])
+    assert f"--write {plain}: the markers" in capsys.readouterr().err
+    assert plain.read_text() == "## Flags\n"
