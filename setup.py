@@ -108,7 +108,6 @@ setup(
         "pyyaml",
         "tqdm",
         "tensorboard",
-        "matplotlib",
         "psutil",
         "packaging",
         "sentencepiece",
@@ -120,6 +119,8 @@ setup(
         # unrelated package): build it from NVIDIA's apex repository when
         # wanted. Nothing here requires it.
         "gpu": ["transformer-engine[pytorch]"],
+        # The figures of `python -m megatron_lrmoe.tools.report` and the simulator's PNG.
+        "report": ["matplotlib"],
     },
     ext_modules=[kernel_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -51,7 +51,7 @@ from megatron_lrmoe.data.routing_traces import (
     uniform_load_max_over_mean,
 )
 from megatron_lrmoe.tools import run_log
-from megatron_lrmoe.tools.figures import save_png
+from megatron_lrmoe.tools.figures import pyplot, save_png
 from megatron_lrmoe.tools.provenance import code_version
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -347,10 +347,7 @@ def markdown(summaries: dict[str, dict], traces: dict[str, RoutingTrace], comman
 
 
 def plot(summaries: dict[str, dict], traces: dict[str, RoutingTrace], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(len(summaries), 2, figsize=(11, 3.6 * len(summaries)),
                              squeeze=False)

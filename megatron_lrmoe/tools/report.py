@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_lrmoe.tools import run_log
-from megatron_lrmoe.tools.figures import save_png
+from megatron_lrmoe.tools.figures import FiguresUnavailable, pyplot, save_png
 
 __all__ = ["LoadSeries", "RunSeries", "build_report", "read_run", "write_report"]
 
@@ -166,17 +166,8 @@ def build_report(paths: list[str | os.PathLike]) -> list[RunSeries]:
 # -----------------------------------------------------------------------------
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _colors(count: int) -> list:
-    plt = _pyplot()
+    plt = pyplot()
     cmap = plt.get_cmap("tab10" if count <= 10 else "tab20")
     return [cmap(i % cmap.N) for i in range(count)]
 
@@ -195,7 +186,7 @@ def trailing_mean(values: list[float], window: int) -> list[float]:
 def plot_loss(runs: list[RunSeries]):
     """Two panels: loss vs step, loss vs cumulative MoE seconds. Lines with gid 'logged'
     are the logged per-step losses."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
     for run, color in zip(runs, _colors(len(runs)), strict=True):
         window = max(1, len(run.loss) // 25)
@@ -220,7 +211,7 @@ def plot_loss(runs: list[RunSeries]):
 
 def plot_moe_time(runs: list[RunSeries]):
     """Two panels: MoE forward and backward milliseconds per step."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     for run, color in zip(runs, _colors(len(runs)), strict=True):
         for ax, seconds in zip(axes, (run.moe_forward_s, run.moe_backward_s), strict=True):
@@ -243,7 +234,7 @@ def plot_lrmoe(runs: list[RunSeries]):
                   if run.retained[0]]
     if not with_stats:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, (kept, dropped) = plt.subplots(1, 2, figsize=(12, 4))
     for run, color in with_stats:
         kept.plot(*run.retained, "-o", color=color, markersize=3, linewidth=1, label=run.name)
@@ -268,7 +259,7 @@ def plot_load(runs: list[RunSeries]):
         return None
     import numpy as np
 
-    plt = _pyplot()
+    plt = pyplot()
     cols = min(2, len(with_load))
     rows = (len(with_load) + cols - 1) // cols
     per_row = 1.6 + 0.25 * max(len(r.load.layers) for r in with_load)
@@ -306,7 +297,7 @@ FIGURES = {"loss.png": plot_loss, "moe_time.png": plot_moe_time, "lrmoe.png": pl
 def write_report(runs: list[RunSeries], out_dir: str | os.PathLike) -> dict[str, Path]:
     """Draw every figure that has data into ``out_dir`` (plus ``index.md``); returns
     file name -> path of what was written."""
-    plt = _pyplot()
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
@@ -363,7 +354,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     out = args.out or default_out_dir(args.runs)
-    for path in write_report(runs, out).values():
+    try:
+        written = write_report(runs, out)
+    except FiguresUnavailable as error:
+        print(f"error: the report is figures: {error}", file=sys.stderr)
+        return 2
+    for path in written.values():
         print(path)
     return 0
 

@@ -87,7 +87,7 @@ from pathlib import Path
 from megatron_lrmoe.config.flags import ConfigError
 from megatron_lrmoe.launcher.arguments import parse_args as parse_run_flags
 from megatron_lrmoe.tools import run_log, time_to_loss_curve
-from megatron_lrmoe.tools.figures import save_png
+from megatron_lrmoe.tools.figures import pyplot, save_png
 from megatron_lrmoe.tools.time_to_loss_policies import (
     LRMOE_NAME,
     REFERENCE,
@@ -589,10 +589,7 @@ def fitted_table(rows: list[dict]) -> str:
 
 def plot(per_run: dict[tuple[str, int], dict], targets: dict[int, dict[float, float]],
          path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     seed = min(seed for _, seed in per_run)
     fig, ax = plt.subplots(figsize=(9, 6))
@@ -617,10 +614,7 @@ def plot_curve(points: list[dict], cap_factor: float, path: Path) -> None:
     """The curve (``time_to_loss_curve.points``): steps to target and validation loss at
     equal steps relative to dropless against the measured retained fraction, one line per
     rule, each point's median with its range over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     rules = sorted({p["rule"] for p in points if p["policy"] != REFERENCE})

@@ -3,9 +3,8 @@ the EP 8 study model) times the simulator's MoE seconds per step at the same pol
 recipe's scale (``projections.GOAL_PRESET``, Qwen3-30B-A3B on 16 x H100), relative to the
 fitted SYMI-style and the fitted dropless.
 
-    python -m megatron_lrmoe.tools.time_to_target_composed \\
-        --curve benchmarks/results/time_to_loss/ep_study_ep8/curve/report.json \\
-        --out benchmarks/results/time_to_loss/ep_study_ep8/curve/composed
+    python -m megatron_lrmoe.tools.time_to_target_composed --curve CURVE/report.json \\
+        --out CURVE/composed     # CURVE: the curve stage's --out-dir, its report written
 
 Per curve run (a policy at a seed, ``compose``):
   * steps: the run's steps to its seed's 100% training target over the seed's dropless
@@ -46,6 +45,7 @@ import numpy as np
 
 from megatron_lrmoe.tools import fitting as F
 from megatron_lrmoe.tools import projections as P
+from megatron_lrmoe.tools.figures import pyplot, save_png
 from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.steps_to_target import Range
 from megatron_lrmoe.tools.time_to_loss_curve import describe
@@ -272,12 +272,7 @@ def plot(result: dict, path: Path) -> None:
     """Time to target against retained fraction, one line per rule (its fit), each point's
     range over seeds shaded, vs dropless (left) and vs SYMI-style (right). LRMoE at gamma
     inf (no drop) stands with the uniform points at retention 1, outside the fit."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from megatron_lrmoe.tools.figures import save_png
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     for ax, scale, name in ((axes[0], 1.0, "dropless"),
                             (axes[1], result["dropless_over_symi"], "SYMI-style")):

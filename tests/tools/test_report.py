@@ -6,12 +6,14 @@ expected panels and axes, and every plotted series equals the one in the JSON-li
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megatron_lrmoe.tools import report, run_log
+from megatron_lrmoe.tools.figures import REPORT_EXTRA
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -140,6 +142,17 @@ def test_command_line_writes_the_pngs(runs, tmp_path, capsys):
         "index.md", "loss.png", "moe_time.png", "routed_load.png"]
     assert report.main([str(tmp_path / "missing")]) == 2
     assert "no such run directory" in capsys.readouterr().err
+
+
+def test_without_matplotlib_the_report_names_the_extra(runs, tmp_path, capsys, monkeypatch):
+    # matplotlib is the optional "report" extra: an install without it gets one error line
+    # naming the extra, status 2, and no half-written report directory.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # import matplotlib: ImportError
+    out = tmp_path / "report"
+    assert report.main([str(runs[0]), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and REPORT_EXTRA in err[0], err
+    assert not out.exists()
 
 
 def test_appended_logs_keep_the_last_history(tmp_path):
