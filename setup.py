@@ -14,7 +14,8 @@ Which backends get built:
 - torch with CUDA (torch.version.cuda set) and a CUDA toolkit found
   (CUDA_HOME): a CUDAExtension that adds kernels/*.cu and defines WITH_CUDA.
   Target GPUs follow TORCH_CUDA_ARCH_LIST, else the visible GPUs, else 9.0
-  (Hopper; printed).
+  (Hopper; printed). CUDA_HOME, where unset, is the toolkit nvcc on PATH belongs to
+  (scripts/lib/cuda_home.sh; printed).
 
 Environment: MAX_JOBS limits parallel compile jobs (ninja);
 MEGATRON_LRMOE_DEBUG=1 builds with -O0 -g instead of -O3.
@@ -23,13 +24,43 @@ MEGATRON_LRMOE_DEBUG=1 builds with -O0 -g instead of -O3.
 import glob
 import os
 import re
+import shutil
+import subprocess
 import sys
 
 import torch
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def export_cuda_home() -> None:
+    """Set CUDA_HOME, where neither it nor CUDA_PATH is set, to the toolkit nvcc on PATH
+    belongs to, by the rule scripts/setup.sh and scripts/gpu_check.sh use
+    (scripts/lib/cuda_home.sh: torch's own, the parent of nvcc's folder, is wrong where
+    nvcc on PATH is a wrapper, e.g. /usr/local/bin/nvcc, and the build then stops without
+    cuda_runtime.h). Printed."""
+    if (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+            or shutil.which("nvcc") is None or shutil.which("bash") is None):
+        return
+    lib = os.path.join(ROOT, "scripts", "lib", "cuda_home.sh")
+    found = subprocess.run(
+        ["bash", "-c", 'source "$1" && lrmoe_export_cuda_home "setup.py: " >&2 && '
+         'printf "%s" "${CUDA_HOME:-}"', "cuda_home", lib],
+        capture_output=True, text=True, check=False)
+    sys.stderr.write(found.stderr)
+    if found.returncode == 0 and found.stdout:
+        os.environ["CUDA_HOME"] = found.stdout
+
+
+export_cuda_home()
+# After export_cuda_home: torch reads CUDA_HOME when this module is imported.
+from torch.utils.cpp_extension import (  # noqa: E402
+    CUDA_HOME,
+    BuildExtension,
+    CppExtension,
+    CUDAExtension,
+)
 
 
 def read_version() -> str:

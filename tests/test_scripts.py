@@ -101,6 +101,26 @@ def test_cuda_home_given_is_kept(tmp_path):
     assert "result=/opt/mine\n" in out and "(given)" in out
 
 
+def test_setup_py_builds_against_nvccs_own_toolkit(tmp_path):
+    # `pip install .` / `pip wheel .` run setup.py directly (no scripts/setup.sh): it sets
+    # CUDA_HOME by the same rule before torch's extension module reads it.
+    top, wrap = _toolkit(tmp_path)
+    shown = ("import os, runpy, sys; sys.argv = ['setup.py', '--name']; "
+             "runpy.run_path('setup.py', run_name='__main__'); "
+             "print('result=' + os.environ.get('CUDA_HOME', ''))")
+    done = subprocess.run([sys.executable, "-c", shown], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=True,
+                          env=_env(f"{wrap}:{BASE_PATH}", TORCH_CUDA_ARCH_LIST="9.0"))
+    assert f"result={top.resolve()}\n" in done.stdout
+    assert (f"setup.py: CUDA_HOME={top.resolve()} (from `{wrap}/nvcc -v --dryrun`)"
+            in done.stderr)
+    given = subprocess.run([sys.executable, "-c", shown], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300, check=True,
+                           env=_env(f"{wrap}:{BASE_PATH}", CUDA_HOME=str(top),
+                                    TORCH_CUDA_ARCH_LIST="9.0"))
+    assert "setup.py: CUDA_HOME" not in given.stderr       # a given CUDA_HOME is kept
+
+
 def test_cuda_home_without_nvcc_stays_unset():
     if shutil.which("nvcc", path=BASE_PATH):
         pytest.skip(f"an nvcc on {BASE_PATH}")
