@@ -274,8 +274,9 @@ def lrmoe_flags(gamma: str) -> tuple[str, ...]:
 LRMOE_FLAGS = lrmoe_flags("1.0")
 GAMMAS = ("inf", "1.0", "0.75", "0.5", "0.4")
 """The backward capacity factors LRMoE memory-aware is projected at: inf
-(placement alone, no drop), the default 1.0, and the deeper drops whose cost in steps
-no study has measured yet."""
+(placement alone, no drop), the default 1.0, and deeper drops (their steps, measured by
+the deep-drop curve, are composed with per-step figures in
+``tools/time_to_target_composed.py``)."""
 MEASURED_GAMMA = "1.0"
 """The only gamma with a measured steps-to-target ratio (the EP studies' LRMoE run)."""
 NO_STEPS_RATIO = "no measured steps ratio"
