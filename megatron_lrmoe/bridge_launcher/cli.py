@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_lrmoe.integration.runtime.compat import stub_bridge_imports_of_absent_modules
-from megatron_lrmoe.options.lrmoe import OPTIONS
+from megatron_lrmoe.options.lrmoe import OPTIONS, LRMoEConfigError
 
 # Every function here imports megatron.bridge, which imports modules that cannot be
 # installed everywhere (Transformer Engine: megatron_lrmoe/integration/runtime/compat.py);
@@ -68,6 +68,7 @@ class LaunchError(ValueError):
 
 def recipe_function(name: str) -> Callable[[], Any]:
     """The recipe function ``name`` of ``megatron.bridge.recipes``."""
+    # deferred: Megatron-Bridge is optional, and --help needs none of it
     from megatron.bridge import recipes
 
     function = getattr(recipes, name, None)
@@ -84,6 +85,7 @@ def build_config(args: argparse.Namespace,
     """The final config of a launch: the recipe, ``enable_lrmoe`` (``--adapt``), then
     ``customize(cfg)`` (what a test harness swaps in, e.g. the local spec on CPU), the
     YAML and the overrides."""
+    # deferred: Megatron-Bridge is optional, and --help needs none of it
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     from megatron_lrmoe.integration.bridge import enable_lrmoe
@@ -150,8 +152,11 @@ def main(argv: list[str] | None = None,
     """Build the launch's config and train it with Bridge's ``pretrain`` (``finetune`` for
     an SFT recipe); returns the exit status."""
     args = build_parser().parse_intermixed_args(argv)
-    from megatron_lrmoe.integration.runtime.cpu import skip_torch_compile_of_functions
-    from megatron_lrmoe.options.lrmoe import LRMoEConfigError
+    # deferred: it imports torch, which --help and a bad flag do without
+    from megatron_lrmoe.integration.runtime.cpu import (
+        enable_bridge_cpu_runtime,
+        skip_torch_compile_of_functions,
+    )
 
     skip_torch_compile_of_functions()   # before Bridge imports megatron.core (no CUDA only)
 
@@ -165,14 +170,14 @@ def main(argv: list[str] | None = None,
     except Exception as exc:  # noqa: BLE001 - a config error is one line, whatever raised it
         print(f"error: {_first_line(exc)}", file=sys.stderr)
         return 2
+    # deferred: Megatron-Bridge is optional, and --help needs none of it
     from megatron.bridge.training.gpt_step import forward_step
 
     from megatron_lrmoe.integration.bridge import LRMoECallback
-    from megatron_lrmoe.integration.runtime.cpu import enable_bridge_cpu_runtime
 
     enable_bridge_cpu_runtime()       # without CUDA only (the CPU/gloo runtime)
 
-    if "_sft_" in args.recipe:
+    if "_sft_" in args.recipe:     # deferred: Bridge's, as above
         from megatron.bridge.training.finetune import finetune as run
     else:
         from megatron.bridge.training.pretrain import pretrain as run

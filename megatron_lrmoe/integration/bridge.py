@@ -66,6 +66,10 @@ from megatron.bridge.models.hybrid.hybrid_provider import (  # noqa: E402
     get_default_hybrid_stack_spec,
 )
 from megatron.bridge.training.callbacks import Callback, CallbackContext  # noqa: E402
+from megatron.core.num_microbatches_calculator import (  # noqa: E402
+    get_micro_batch_size,
+    get_num_microbatches,
+)
 from megatron.core.transformer import ModuleSpec  # noqa: E402
 from megatron.core.transformer.heterogeneous.heterogeneous_config import (  # noqa: E402
     HeterogeneousTransformerConfig,
@@ -75,10 +79,24 @@ from megatron.core.transformer.transformer_config import (  # noqa: E402
     TransformerConfig as MCoreConfig,
 )
 
+from megatron_lrmoe.config.flags import tokens_per_rank  # noqa: E402
 from megatron_lrmoe.config.transformer_config import (  # noqa: E402
     LRMoEMLATransformerConfig,
     LRMoETransformerConfig,
 )
+from megatron_lrmoe.integration.step_hooks import (  # noqa: E402
+    STEP_STATE_FLAG,
+    chain_to_rerun_state_machine,
+    finish_lrmoe_step,
+    lrmoe_layers,
+    machine_constants_line,
+    print_on_last_rank,
+    setup_lrmoe_layers,
+    unconverted_moe_layers,
+    write_lrmoe_stats,
+)
+from megatron_lrmoe.layer.spec import to_lrmoe_spec  # noqa: E402
+from megatron_lrmoe.megatron_privates import wrap_bridge_sharded_state_dict_metadata  # noqa: E402
 from megatron_lrmoe.options.lrmoe import (  # noqa: E402
     AUTO,
     OPTIONS,
@@ -279,8 +297,6 @@ class _LRMoESpecFunction:
         self.takes_vp_stage = "vp_stage" in parameters
 
     def __call__(self, config: Any, vp_stage: int | None = None) -> Any:
-        from megatron_lrmoe.layer.spec import to_lrmoe_spec
-
         if not self.takes_config:
             spec = self.inner()
         elif self.takes_vp_stage:
@@ -293,8 +309,6 @@ class _LRMoESpecFunction:
 def lrmoe_layer_spec(spec: Any) -> Any:
     """``spec`` (a ModuleSpec, block spec, or function of the config) with LRMoE layers in
     its MoE positions."""
-    from megatron_lrmoe.layer.spec import to_lrmoe_spec
-
     if isinstance(spec, ModuleSpec) or not callable(spec):
         return to_lrmoe_spec(spec)
     return spec if isinstance(spec, _LRMoESpecFunction) else _LRMoESpecFunction(spec)
@@ -492,20 +506,6 @@ def lrmoe_pre_wrap_hook(model: list[Any]) -> list[Any]:
     """Bridge pre-wrap hook of an LRMoE provider (run before DDP wrapping and any
     checkpoint load): refuses unconverted MoE layers, builds the planners, and installs
     the step-state flag of Bridge's checkpoints and the re-run state machine's snapshot."""
-    from megatron.core.num_microbatches_calculator import get_micro_batch_size, get_num_microbatches
-
-    from megatron_lrmoe.integration.step_hooks import (
-        chain_to_rerun_state_machine,
-        lrmoe_layers,
-        machine_constants_line,
-        print_on_last_rank,
-        setup_lrmoe_layers,
-        unconverted_moe_layers,
-    )
-    from megatron_lrmoe.megatron_privates import (
-        wrap_bridge_sharded_state_dict_metadata,
-    )
-
     config = model[0].config
     if not getattr(config, "moe_lrmoe", False):
         return model
@@ -532,8 +532,6 @@ def bridge_tokens_per_rank(config: Any, micro_batch_size: int) -> int:
     """Tokens of one micro-batch on one rank of a Bridge model (its provider carries the
     sequence length and the parallel sizes): ``flags.tokens_per_rank``, S / CP (/ TP
     under sequence parallelism) x micro-batch."""
-    from megatron_lrmoe.config.flags import tokens_per_rank
-
     return tokens_per_rank(SimpleNamespace(
         micro_batch_size=micro_batch_size, seq_length=config.seq_length,
         tensor_model_parallel_size=config.tensor_model_parallel_size,
@@ -555,8 +553,6 @@ def _sharded_state_dict_metadata_wrapper(original: Callable[..., Any]) -> Callab
 
     @functools.wraps(original)
     def sharded_state_dict_metadata(*args: Any, **kwargs: Any) -> dict:
-        from megatron_lrmoe.integration.step_hooks import STEP_STATE_FLAG
-
         metadata = original(*args, **kwargs)
         if _RUN.live():
             metadata[STEP_STATE_FLAG] = True
@@ -570,8 +566,6 @@ class LRMoECallback(Callback):
     ``pretrain(cfg, forward_step, callbacks=[LRMoECallback()])``."""
 
     def on_train_start(self, context: CallbackContext) -> None:
-        from megatron_lrmoe.integration.step_hooks import chain_to_rerun_state_machine
-
         cfg = context.state.cfg
         if not getattr(cfg.model, "moe_lrmoe", False):
             return
@@ -585,8 +579,6 @@ class LRMoECallback(Callback):
         _RUN.callback_started = True
 
     def on_train_step_end(self, context: CallbackContext) -> None:
-        from megatron_lrmoe.integration.step_hooks import finish_lrmoe_step, write_lrmoe_stats
-
         config = context.state.cfg.model
         if not getattr(config, "moe_lrmoe", False):
             return

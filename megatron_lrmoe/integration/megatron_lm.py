@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import inspect
 import os
 import sys
@@ -75,6 +76,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
+
+import yaml
 
 from megatron_lrmoe.config.command_line import build_parser
 from megatron_lrmoe.config.command_line.yaml_config import load_yaml_config
@@ -85,7 +88,18 @@ from megatron_lrmoe.config.flags import (
     tokens_per_rank,
     validate_lrmoe_flags,
 )
-from megatron_lrmoe.options.lrmoe import OPTIONS, LRMoEConfigError
+from megatron_lrmoe.integration.runtime.compat import (
+    fp8_off_in_checkpoint_without_output_when_te_absent,
+)
+from megatron_lrmoe.megatron_privates import (
+    GPTModelNotFound,
+    builder_model_config,
+    mark_datasets_provider_distributed,
+    swap_gpt_model_class,
+    wrap_sharded_state_dict_metadata,
+    wrap_training_log,
+)
+from megatron_lrmoe.options.lrmoe import AUTO, OPTIONS, LRMoEConfigError
 from megatron_lrmoe.options.megatron_support import (
     MEGATRON_LM_TAG,
     line,
@@ -116,8 +130,6 @@ def find_megatron_lm(path: str | None = None) -> str:
             raise ConfigError(f"MEGATRON_LM={path}: no pretrain_gpt.py there; point it at a "
                               f"Megatron-LM checkout ({MEGATRON_LM_TAG})")
     else:
-        import importlib.util
-
         spec = importlib.util.find_spec("pretrain_gpt")
         if spec is None or spec.origin is None:
             raise ConfigError("Megatron-LM not found: set MEGATRON_LM=/path/to/Megatron-LM "
@@ -213,6 +225,7 @@ def lrmoe_config_from_args(args: argparse.Namespace) -> Any:
     (Megatron-LM then builds its own MLATransformerConfig whatever class it is asked for:
     that config with the LRMoE options added). LRMoE's refusals come back as
     ``ConfigError`` naming the flag; Megatron's own errors pass through unchanged."""
+    # deferred: Megatron loads only after find_megatron_lm (module doc)
     from megatron.core.transformer import MLATransformerConfig
     from megatron.training.arguments import core_transformer_config_from_args
 
@@ -257,11 +270,12 @@ def _check_memory_budget(args: argparse.Namespace, config) -> None:
     (after ``parse_and_validate_args``, which makes Megatron's micro-batch calculator)."""
     if config.moe_lrmoe_memory_budget_gb is None:
         return
+    # deferred: torch loads only after find_megatron_lm (module doc)
     from megatron_lrmoe.integration.planner_inputs import check_memory_budget
 
     microbatches = _microbatches_per_step()
     try:
-        import torch
+        import torch  # deferred: as above
 
         fit = check_memory_budget(config, args.expert_model_parallel_size,
                                   tokens_per_rank(args), microbatches,
@@ -270,12 +284,13 @@ def _check_memory_budget(args: argparse.Namespace, config) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if fit:
-        from megatron.training.utils import print_rank_0
+        from megatron.training.utils import print_rank_0  # deferred: Megatron (module doc)
 
         print_rank_0(fit)
 
 
 def _microbatches_per_step() -> int:
+    # deferred: Megatron loads only after find_megatron_lm (module doc)
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     try:
@@ -297,6 +312,7 @@ def _memory_account(args: argparse.Namespace, config) -> Any:
     """The run's memory account (``planner_inputs.memory_account``). The micro-batches
     per step set no byte of it (only the replica refresh's time): 1 where Megatron-LM's
     calculator is not set up yet."""
+    # deferred: torch loads only after find_megatron_lm (module doc)
     from megatron_lrmoe.integration.planner_inputs import device_memory_bytes, memory_account
 
     return memory_account(config, args, _vocab_size(args) or 0, _microbatches_or_one(),
@@ -311,8 +327,6 @@ def _microbatches_or_one() -> int:
 
 
 def _auto_budget(args: argparse.Namespace) -> bool:
-    from megatron_lrmoe.options.lrmoe import AUTO
-
     return getattr(args, "moe_lrmoe_memory_budget_gb", None) == AUTO
 
 
@@ -320,6 +334,7 @@ def _resolve_auto_budget(args: argparse.Namespace, config) -> None:
     """``--moe-lrmoe-memory-budget-gb auto``: the GiB the memory account leaves, into the
     run's one ``config`` (``planner_inputs.set_auto_budget``); refused naming both flags
     below the floor or without a device size."""
+    # deferred: torch loads only after find_megatron_lm (module doc)
     from megatron_lrmoe.integration.planner_inputs import set_auto_budget
 
     try:
@@ -333,6 +348,7 @@ def _print_memory_account(args: argparse.Namespace, config) -> None:
     planner uses, once (rank 0, Megatron-LM's print_rank_0)."""
     if _ACCOUNT["account"] is not None:
         return
+    # deferred: Megatron loads only after find_megatron_lm (module doc)
     from megatron.training.utils import print_rank_0
 
     from megatron_lrmoe.integration.planner_inputs import AUTO_BUDGET_SOURCE, account_gap
@@ -364,10 +380,11 @@ def check_allocator_once() -> None:
     if _ACCOUNT["account"] is None or _ACCOUNT["steps"] >= 2:
         return
     _ACCOUNT["steps"] += 1
-    import torch
+    import torch  # deferred: torch loads only after find_megatron_lm (module doc)
 
     if _ACCOUNT["steps"] != 2 or not torch.cuda.is_available():
         return
+    # deferred: Megatron loads only after find_megatron_lm (module doc)
     from megatron.training.utils import print_rank_0
 
     from megatron_lrmoe.integration.planner_inputs import allocator_check
@@ -393,6 +410,7 @@ def lrmoe_model_config(args: argparse.Namespace, model_cfg: Any) -> Any:
     """
     if not getattr(args, "moe_lrmoe", False):
         return model_cfg
+    # deferred: Megatron loads only after find_megatron_lm (module doc)
     from megatron.training.argument_utils import gpt_config_from_args
     from megatron.training.models import GPTModelConfig
 
@@ -402,10 +420,6 @@ def lrmoe_model_config(args: argparse.Namespace, model_cfg: Any) -> Any:
             "would bypass the LRMoE spec conversion (ModelOpt is enabled when --load holds "
             "a ModelOpt checkpoint); train LRMoE from a plain Megatron checkpoint, or drop "
             "--moe-lrmoe")
-    from megatron_lrmoe.integration.runtime.compat import (
-        fp8_off_in_checkpoint_without_output_when_te_absent,
-    )
-
     # As the lean launcher does: selective recompute (layernorm, moe_act) without
     # Transformer Engine otherwise raises NameError in Megatron's CheckpointWithoutOutput.
     fp8_off_in_checkpoint_without_output_when_te_absent()
@@ -423,6 +437,7 @@ def _model_classes() -> tuple[type, type]:
     global _MODEL_CLASSES
     if _MODEL_CLASSES is not None:
         return _MODEL_CLASSES
+    # deferred: Megatron loads only after find_megatron_lm (module doc)
     from megatron.training import get_args
     from megatron.training.models import GPTModelBuilder, GPTModelConfig
 
@@ -441,8 +456,8 @@ def _model_classes() -> tuple[type, type]:
 
         def build_model(self, pg_collection: Any, pre_process: bool | None = None,
                         post_process: bool | None = None, vp_stage: int | None = None):
+            # deferred: Megatron (module doc)
             from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
-            from megatron_lrmoe.megatron_privates import builder_model_config
 
             config = builder_model_config(self).transformer
             if not (isinstance(config, LRMoETransformerConfig) and config.moe_lrmoe):
@@ -494,6 +509,7 @@ def lrmoe_builder(base: Builder) -> Builder:
         if not getattr(args, "moe_lrmoe", False):
             return base(args, pre_process, post_process, vp_stage, config=config,
                         pg_collection=pg_collection)
+        # deferred: Megatron (module doc)
         from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
 
         if config is None:
@@ -520,11 +536,8 @@ def _specs_converted(owner: Callable[..., Any]) -> Iterator[None]:
     with --moe-layer-freq, --spec, MTP block) and pass it straight to GPTModel:
     converting there covers every flavour without repeating Megatron-LM's choice.
     """
+    # deferred: Megatron loads only after find_megatron_lm (module doc)
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
-    from megatron_lrmoe.megatron_privates import (
-        GPTModelNotFound,
-        swap_gpt_model_class,
-    )
 
     def converting(real: Any) -> Callable[..., Any]:
         def gpt_model(*args: Any, **kwargs: Any):
@@ -560,6 +573,7 @@ def _finish_build(args: argparse.Namespace, model: Any, config: Any) -> None:
 
 def _check_converted(model: Any) -> None:
     """Every MoE layer of the built model must be LRMoE's (no silent fallback)."""
+    # deferred: Megatron loads only after find_megatron_lm (module doc)
     from megatron_lrmoe.integration.step_hooks import unconverted_moe_layers
 
     missed = unconverted_moe_layers([model])
@@ -575,6 +589,7 @@ def _check_converted(model: Any) -> None:
 def _setup_step_state(args: argparse.Namespace, model: Any, config: Any) -> None:
     """Build the LRMoE planners of a model chunk at model setup (docs/design.md, "Step
     state"), before Megatron-LM loads a checkpoint into it or trains."""
+    # deferred: Megatron loads only after find_megatron_lm (module doc)
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training.utils import print_rank_0
 
@@ -589,11 +604,8 @@ def install_lrmoe_hooks() -> None:
     """Once per process: the step boundary and statistics after Megatron-LM's
     ``training_log``, the step-state flag in its checkpoint metadata, and the LRMoE
     state in its re-run state machine's snapshots."""
+    # deferred: Megatron loads only after find_megatron_lm (module doc)
     from megatron_lrmoe.integration.step_hooks import chain_to_rerun_state_machine
-    from megatron_lrmoe.megatron_privates import (
-        wrap_sharded_state_dict_metadata,
-        wrap_training_log,
-    )
 
     chain_to_rerun_state_machine(built_models)
     wrap_training_log(_training_log_wrapper)
@@ -607,6 +619,7 @@ def _training_log_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def training_log(*a: Any, **kw: Any):
+        # deferred: Megatron (module doc)
         from megatron_lrmoe.integration.step_hooks import (
             chain_to_rerun_state_machine,
             finish_lrmoe_step,
@@ -636,6 +649,7 @@ def _sharded_state_dict_metadata_wrapper(original: Callable[..., Any]) -> Callab
 
     @functools.wraps(original)
     def sharded_state_dict_metadata(*a: Any, **kw: Any) -> dict:
+        # deferred: Megatron (module doc)
         from megatron_lrmoe.integration.step_hooks import STEP_STATE_FLAG
 
         # An LRMoE checkpoint says it holds the step state, a plain one does not.
@@ -650,6 +664,7 @@ def _sharded_state_dict_metadata_wrapper(original: Callable[..., Any]) -> Callab
 def log_lrmoe_stats(iteration: int) -> dict[str, float]:
     """Reduce and write the LRMoE statistics at the LRMoE log interval (collective:
     every rank calls it at the same iteration, as Megatron-LM's training loop does)."""
+    # deferred: Megatron loads only after find_megatron_lm (module doc)
     from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
 
     from megatron_lrmoe.integration.step_hooks import write_lrmoe_stats
@@ -663,6 +678,7 @@ def log_lrmoe_stats(iteration: int) -> dict[str, float]:
 
 def format_lrmoe_line(iteration: int, stats: dict[str, float]) -> str:
     """The one-line summary (``step_hooks.format_lrmoe_line``)."""
+    # deferred: Megatron loads only after find_megatron_lm (module doc)
     from megatron_lrmoe.integration.step_hooks import format_lrmoe_line as line
 
     return line(iteration, stats)
@@ -679,6 +695,7 @@ def run_pretrain_gpt() -> None:
     ``scripts/pretrain_gpt_lrmoe.py``); Megatron parses ``sys.argv`` itself."""
     start = time.time()
     find_megatron_lm()
+    # deferred: Megatron-LM's modules, from the checkout find_megatron_lm put first
     import pretrain_gpt
     from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
@@ -687,8 +704,6 @@ def run_pretrain_gpt() -> None:
         pretrain_cfg_container_from_args,
     )
     from megatron.training.arguments import parse_and_validate_args
-
-    from megatron_lrmoe.megatron_privates import mark_datasets_provider_distributed
 
     set_startup_timestamps(program_start=start, main_entry=time.time())
     datasets = pretrain_gpt.train_valid_test_datasets_provider
@@ -722,8 +737,6 @@ def config_to_flags(path: str, lrmoe: bool = True) -> list[str]:
     The file is first read by the launcher's own parser, so it stays valid for both
     entry points. ``lrmoe=False`` leaves out every ``moe-lrmoe*`` key (the baseline).
     """
-    import yaml
-
     load_yaml_config(path, build_parser())  # same checks as --config
     with open(path) as f:
         raw = yaml.safe_load(f) or {}

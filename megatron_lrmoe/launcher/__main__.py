@@ -35,6 +35,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(torchrun's options, the launcher's flags): torchrun's options come first, each
     matched exactly against torchrun's own parser; the first other token starts the
     launcher's flags (an optional ``--`` in between is dropped)."""
+    # deferred: torch takes seconds to import, and --help answers without it
     from torch.distributed.run import get_args_parser
 
     actions = get_args_parser()._option_string_actions
@@ -60,6 +61,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def world_size_of(torchrun: Sequence[str]) -> int | None:
     """The world size torchrun will start (None for an elastic node range)."""
+    # deferred: torch, as in split_argv
     from torch.distributed.run import determine_local_world_size, get_args_parser
 
     args, _ = get_args_parser().parse_known_args([*torchrun, "megatron_lrmoe.launcher.pretrain"])
@@ -77,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     torchrun, flags = split_argv(argv)
     world_size = world_size_of(torchrun)
     if world_size is not None:
+        # deferred: they import torch, as in split_argv
         from megatron_lrmoe.integration.runtime.cpu import (
             quiet_known_warnings,
             skip_torch_compile_of_functions,

@@ -34,10 +34,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import json
+import os
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from megatron_lrmoe.integration.runtime.compat import stub_bridge_imports_of_absent_modules
+from megatron_lrmoe.integration.runtime.cpu import enable_bridge_cpu_runtime
+from megatron_lrmoe.megatron_privates import (
+    clear_mtp_loss_tracker,
+    swapped_bridge_mtp_block_spec,
+)
 
 QWEN3_30B_A3B_8GPU = "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config"
 QWEN3_30B_A3B_16GPU = "qwen3_30b_a3b_pretrain_config"   # Bridge's alias of the 16 x H100 one
@@ -176,6 +187,7 @@ def save_text_tokenizer(directory: str) -> None:
     split on whitespace, with pad, bos, eos and unk tokens) saved to ``directory``
     (``text_tokenizer_overrides`` use it). SFT datasets need a text tokenizer with those
     special tokens, which ``NullTokenizer`` lacks; the recipes' own come from the Hub."""
+    # deferred: optional packages (the SFT tests' tokenizer)
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -199,10 +211,6 @@ def write_sft_dataset(root: str, examples: int = 64, seed: int = 0) -> None:
     """A prompt-completion SFT dataset in ``root`` (``training.jsonl``, ``validation.jsonl``
     in Bridge's local format, fields ``input`` and ``output``) of words of
     ``save_text_tokenizer``: six random numbers, answered by each plus 100."""
-    import json
-    import os
-    import random
-
     draw = random.Random(seed)
     os.makedirs(root, exist_ok=True)
     for name, count in (("training.jsonl", examples), ("validation.jsonl", examples // 8)):
@@ -224,6 +232,7 @@ def sft_dataset_overrides(root: str) -> list[str]:
 
 def recipe_function(name: str) -> Callable[[], Any]:
     """The recipe function Bridge exports as ``megatron.bridge.recipes.<name>``."""
+    # deferred: Bridge is optional, imported after the stubs (build_recipe)
     import megatron.bridge.recipes as recipes
 
     fn = getattr(recipes, name, None)
@@ -243,6 +252,7 @@ def use_local_spec(cfg: Any) -> None:
     (testing/local_hybrid.py). With multi-latent attention, the
     MLA core attention is ``testing.local_mla``'s (megatron-core's local one cannot be built
     for MLA)."""
+    # deferred: Bridge (optional, after the stubs) and megatron.core (after the CPU runtime)
     from megatron.bridge.models.exaone.exaone_moe import exaone_moe_provider
     from megatron.bridge.models.gpt_provider import default_layer_spec, local_layer_spec
     from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
@@ -253,6 +263,7 @@ def use_local_spec(cfg: Any) -> None:
 
     spec = getattr(cfg.model, "transformer_layer_spec", None)
     if isinstance(cfg.model, HybridModelProvider) and cfg.model.hybrid_stack_spec is None:
+        # deferred: hybrid recipes only (it loads Megatron's ModelOpt hybrid specs)
         from megatron_lrmoe.testing.local_hybrid import local_hybrid_stack_spec
 
         cfg.model.hybrid_stack_spec = local_hybrid_stack_spec
@@ -279,6 +290,7 @@ def use_local_spec(cfg: Any) -> None:
 def local_olmoe_layer_spec(config: Any) -> Any:
     """Bridge's ``olmoe_layer_spec`` on the local layer: OLMoE's self-attention (its QK norms
     span all heads) in Bridge's ``local_layer_spec`` in place of its TE one."""
+    # deferred: Bridge is optional, imported after the stubs (build_recipe)
     from megatron.bridge.models.gpt_provider import local_layer_spec
     from megatron.bridge.models.olmoe.olmoe_provider import OLMoESelfAttention
 
@@ -289,6 +301,7 @@ def local_olmoe_layer_spec(config: Any) -> Any:
 
 def local_mtp_block_spec(config: Any, vp_stage: int | None = None) -> Any:
     """Bridge's MTP block spec with megatron-core's local backend (Bridge hard-codes TE)."""
+    # deferred: megatron.core loads after the CPU runtime is on (train)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     if not getattr(config, "mtp_num_layers", None):
@@ -300,8 +313,6 @@ def local_mtp_block_spec(config: Any, vp_stage: int | None = None) -> Any:
 
 
 def _takes_vp_stage(fn: Callable[..., Any]) -> bool:
-    import inspect
-
     return "vp_stage" in inspect.signature(fn).parameters
 
 
@@ -310,9 +321,8 @@ def build_recipe(recipe: str, overrides: Sequence[str] = (),
     """Bridge's ``recipe`` config: built, on CPU given its local spec, ``convert(cfg)``
     (e.g. ``enable_lrmoe``), then ``recipe_overrides(recipe, overrides)`` through Bridge's
     ``process_config_with_overrides``. Not finalized (``pretrain`` does that)."""
-    from megatron_lrmoe.integration.runtime.compat import stub_bridge_imports_of_absent_modules
-
     stub_bridge_imports_of_absent_modules()
+    # deferred: Bridge is optional, imported after the stubs
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     cfg = recipe_function(recipe)()
@@ -334,6 +344,7 @@ class BridgeRun:
 
 
 def _recorder(run: BridgeRun) -> Any:
+    # deferred: Bridge is optional, imported after the stubs (build_recipe)
     from megatron.bridge.training.callbacks import Callback
 
     class Record(Callback):
@@ -354,13 +365,12 @@ def run_pretrain(cfg: Any, callbacks: Sequence[Any] = (), finetune: bool = False
     """Bridge's ``pretrain(cfg, gpt_step.forward_step, callbacks)`` on this rank (its
     ``finetune`` with ``finetune``), with the CPU runtime (and Bridge's CPU fixes) on a
     machine without CUDA."""
+    # deferred: Bridge (optional, after the stubs) and megatron.core (after the CPU runtime)
     from megatron.bridge.training import finetune as bridge_finetune
     from megatron.bridge.training import pretrain as bridge_pretrain
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.initialize import destroy_global_state
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
-
-    from megatron_lrmoe.megatron_privates import clear_mtp_loss_tracker
 
     pretrain = bridge_finetune.finetune if finetune else bridge_pretrain.pretrain
 
@@ -375,8 +385,6 @@ def run_pretrain(cfg: Any, callbacks: Sequence[Any] = (), finetune: bool = False
     if not cpu():
         pretrain(cfg, forward_step, callbacks=every)
         return run
-    from megatron_lrmoe.megatron_privates import swapped_bridge_mtp_block_spec
-
     with swapped_bridge_mtp_block_spec(local_mtp_block_spec):
         pretrain(cfg, forward_step, callbacks=every)
     return run
@@ -388,8 +396,6 @@ def train(recipe: str, overrides: Sequence[str] = (),
     """A pool task: ``build_recipe(recipe, overrides, convert)`` and ``run_pretrain`` on this
     rank. ``convert`` and ``callbacks`` (a factory of Bridge ``Callback`` objects) must be
     module-level functions, since the pool sends them by reference."""
-    from megatron_lrmoe.integration.runtime.cpu import enable_bridge_cpu_runtime
-
     enable_bridge_cpu_runtime()
     cfg = build_recipe(recipe, overrides, convert)
     return run_pretrain(cfg, callbacks() if callbacks is not None else ())

@@ -77,10 +77,33 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
+
+from megatron_lrmoe.data.routing_traces import read_routing_trace
+from megatron_lrmoe.integration.runtime.cpu import cpu_runtime_active
+from megatron_lrmoe.layer.region import (
+    PARAM_KINDS,
+    ExpertWeights,
+    RegionContext,
+    _LRMoERegion,
+    lrmoe_region,
+)
+from megatron_lrmoe.megatron_privates import (
+    installed_cuda_rng_tracker,
+    model_parallel_rng_tracker_name,
+    swapped_dispatcher_dtoh_stream,
+)
+from megatron_lrmoe.ops import set_debug_checks
+from megatron_lrmoe.planning.plan_types import PlannerSettings
+from megatron_lrmoe.planning.planner import LayerPlanner
+from megatron_lrmoe.planning.retention import RetentionPlan
+from megatron_lrmoe.planning.shapes import InstanceRows
+from megatron_lrmoe.testing.host_reads import HostReadDetector
+from megatron_lrmoe.tools.simulate import MODELS, ModelSpec, source_batches
 
 __all__ = ["TORCH_PIN", "Case", "CaseResult", "DeviceRun", "GemmCall", "LayerCaseResult",
            "TraceCountsExchange", "backward_through_node", "case_counts", "case_planner",
@@ -401,10 +424,8 @@ def memory_record(mem, base: int, at_backward: int, saved: int) -> dict:
 def fake_cuda_session(rank: int, world_size: int) -> Iterator[_HostReal]:
     """Fake CUDA device, real host, fake process group of ``world_size`` (this is rank
     ``rank``); see the module docstring. Yields the recorder of what the device saw."""
+    # deferred: importing it registers torch's fake process-group backend process-wide
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from megatron_lrmoe.integration.runtime.cpu import cpu_runtime_active
-    from megatron_lrmoe.ops import set_debug_checks
 
     check_torch_pin()
     if cpu_runtime_active():
@@ -440,9 +461,6 @@ def trace_counts(ep_size: int, pairs_per_rank: int, call: int = 0, seed: int = 0
     """[R, E] int64 counts of one micro-batch at ``ep_size`` sources, from the qwen3 trace,
     formed and resampled to ``pairs_per_rank`` as the simulator does (call ``call`` of its
     sequence for the trace's ``layer_index``-th MoE layer)."""
-    from megatron_lrmoe.data.routing_traces import read_routing_trace
-    from megatron_lrmoe.tools.simulate import source_batches
-
     trace = read_routing_trace(TRACE)
     layer = trace.layer(trace.layers[layer_index])
     batches = source_batches(layer, ep_size, pairs_per_rank,
@@ -529,9 +547,6 @@ def case_planner(case: Case, counts: torch.Tensor, num_experts: int):
     """The case's planner, before the call's counts are observed: ``static`` (Megatron's
     layout), or ``popularity`` with two more slots per rank after one step observed
     ``counts`` (replicas of the hottest experts)."""
-    from megatron_lrmoe.planning.plan_types import PlannerSettings
-    from megatron_lrmoe.planning.planner import LayerPlanner
-
     per_rank = num_experts // case.ep
     settings = PlannerSettings("popularity" if case.replicas else "static", case.ep,
                                num_experts, capacity_factor=case.gamma,
@@ -550,8 +565,6 @@ def _read(read) -> list:
 
 def case_counts(case: Case, model: str = "qwen3-30b-a3b") -> torch.Tensor:
     """The case's [R, E] counts: the trace at ``model``'s pairs per rank."""
-    from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
-
     shape = ModelSpec.from_config(model, MODELS[model]).shape(case.ep)
     return trace_counts(case.ep, shape.source_pairs)
 
@@ -564,15 +577,6 @@ def _dims(t: torch.Tensor | None) -> list | None:
 def run_case(case: Case, rank: int, model: str = "qwen3-30b-a3b") -> CaseResult:
     """The region of ``model``'s shape as rank ``rank`` of a fake EP group of ``case.ep``:
     counts exchange (trace hook), plan, forward, then backward through the node."""
-    from megatron_lrmoe.layer.region import (
-        PARAM_KINDS,
-        ExpertWeights,
-        RegionContext,
-        lrmoe_region,
-    )
-    from megatron_lrmoe.testing.host_reads import HostReadDetector
-    from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
-
     spec = ModelSpec.from_config(model, MODELS[model])
     shape = spec.shape(case.ep)
     h, f, t, e = spec.hidden_size, spec.ffn_hidden_size, shape.tokens_per_rank, spec.num_experts
@@ -716,9 +720,8 @@ def _fake_rng_tracker():
     driver): ``add`` keeps the checks (unique seeds and names), the seed standing for
     the state; ``fork`` checks the name, switches the current name and records it in
     ``forks``, so a test sees under which state each weight was initialised."""
+    # deferred: Megatron-Core, for the layer cases only (the region's processes skip it)
     from megatron.core.tensor_parallel import random as megatron_random
-
-    from megatron_lrmoe.megatron_privates import model_parallel_rng_tracker_name
 
     class FakeCudaRNGStatesTracker(megatron_random.CudaRNGStatesTracker):
         def __init__(self) -> None:
@@ -750,14 +753,10 @@ def _fake_rng_tracker():
 def megatron_fake_cuda(rank: int, ep_size: int, seed: int = 123):
     """``fake_cuda_session`` plus Megatron's process-wide set-up as a training run makes
     it (the section comment above says what each needs): yields (recorder, tracker)."""
+    # deferred: Megatron-Core, for the layer cases only (the region's processes skip it)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
-
-    from megatron_lrmoe.megatron_privates import (
-        installed_cuda_rng_tracker,
-        swapped_dispatcher_dtoh_stream,
-    )
 
     with fake_cuda_session(rank, ep_size) as device:
         current_device = torch.cuda.current_device
@@ -801,8 +800,6 @@ def region_node(output: torch.Tensor) -> tuple[object, list[str]]:
     """The LRMoE region's autograd node below the layer's ``output``, and the names of
     the nodes on the way (each with one input: the layer's output is a view of the
     region's)."""
-    from megatron_lrmoe.layer.region import _LRMoERegion
-
     chain, node = [], output.grad_fn
     while getattr(node, "_forward_cls", None) is not _LRMoERegion:
         if node is None:
@@ -819,10 +816,8 @@ def qwen3_layer_config(case: Case, model: str = "qwen3-30b-a3b"):
     """The LRMoE config of ``model``'s MoE layer as configs/qwen3_30b_a3b.yaml and
     scripts/qwen3_30b_a3b_lrmoe.sh set it (bf16, grouped GEMMs, the all-to-all
     dispatcher, softmax top-k router in fp32 with the aux loss), for ``case``."""
-    import torch.nn.functional as F
-
+    # deferred: Megatron-Core, for the layer cases only (the region's processes skip it)
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
-    from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
 
     spec = ModelSpec.from_config(model, MODELS[model])
     per_rank = spec.num_experts // case.ep
@@ -885,12 +880,12 @@ def run_layer_case(case: Case, rank: int, model: str = "qwen3-30b-a3b",
     and the measured forward refreshes them (``case_planner``'s sequence). Phases of
     the ops the device saw: "router" (Megatron's router), "forward" (the rest of the
     layer's forward), "backward" (the region's node)."""
+    # deferred: Megatron-Core, for the layer cases only (the region's processes skip it)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
 
+    from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
-    from megatron_lrmoe.testing.host_reads import HostReadDetector
-    from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
 
     spec = ModelSpec.from_config(model, MODELS[model])
     h, f, e = spec.hidden_size, spec.ffn_hidden_size, spec.num_experts
@@ -905,7 +900,6 @@ def run_layer_case(case: Case, rank: int, model: str = "qwen3-30b-a3b",
         forks = list(tracker.forks)
         moved = move_parameters_to_fake_cuda(layer)
         seconds["build"] = time.perf_counter() - started
-        from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
         setup_lrmoe_layers([layer], t, 1)
         layer.counts_exchange = TraceCountsExchange(counts, rank)
         x = torch.empty(t // batch, batch, h, device="cuda", dtype=torch.bfloat16,
@@ -1012,6 +1006,7 @@ def _wrap_experts(layer, wrap: str):
     wrapped in Megatron's DistributedDataParallel without / with the distributed
     optimizer's parameter buffer; ``separate`` each expert weight in a storage of its
     own (as every parameter was before the layer shared one buffer)."""
+    # deferred: Megatron-Core, for the layer cases only (the region's processes skip it)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     if wrap in ("ddp", "distopt"):
@@ -1032,10 +1027,11 @@ def run_weight_copy_case(case: Case, rank: int, wrap: str,
     """Bytes of expert weights copied in one LRMoELayer call, forward and backward, at
     ``model``'s shape as rank ``rank`` of a fake EP group (``megatron_fake_cuda``), the
     experts held as ``wrap`` says (``_wrap_experts``)."""
+    # deferred: Megatron-Core, for the layer cases only (the region's processes skip it)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
-    from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
 
     spec = ModelSpec.from_config(model, MODELS[model])
     t = spec.shape(case.ep).tokens_per_rank
@@ -1047,7 +1043,6 @@ def run_weight_copy_case(case: Case, rank: int, wrap: str,
         layer.set_layer_number(1)
         move_parameters_to_fake_cuda(layer)
         module = _wrap_experts(layer, wrap)
-        from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
         setup_lrmoe_layers([layer], t, 1)
         layer.counts_exchange = TraceCountsExchange(counts, rank)
         x = torch.empty(t // 2, 2, spec.hidden_size, device="cuda", dtype=torch.bfloat16,
@@ -1090,8 +1085,6 @@ def rank_view_plan(plan, rank: int):
     """A 1-rank ``RetentionPlan`` of what rank ``rank`` computes in ``plan``: its
     instances, each with the rows (counts and quotas summed over the sources) it
     receives; the GEMMs' rows per instance are the EP plan's for that rank."""
-    from megatron_lrmoe.planning.retention import RetentionPlan
-
     local = [i for i, r in enumerate(plan.instance_rank) if r == rank]
     return RetentionPlan(
         counts=plan.counts[:, local].sum(0, keepdim=True),
@@ -1208,15 +1201,6 @@ def run_case_on_device(case: Case, rank: int, device: str | torch.device = "cuda
     Inputs are drawn in fp32 from ``seed`` and rounded to bf16 first, so that a run in
     another dtype (the CPU fp32 reference) sees the same values. ``reps`` > 0: then
     forward and backward timed (CUDA events), median of ``reps`` after ``warmup``."""
-    from megatron_lrmoe.layer.region import (
-        PARAM_KINDS,
-        ExpertWeights,
-        RegionContext,
-        lrmoe_region,
-    )
-    from megatron_lrmoe.testing.host_reads import HostReadDetector
-    from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
-
     device = torch.device(device)
     spec = ModelSpec.from_config(model, MODELS[model])
     h, f, e = hidden or spec.hidden_size, ffn or spec.ffn_hidden_size, spec.num_experts
@@ -1363,8 +1347,6 @@ def check_device_record(record: dict, plan) -> list[str]:
     (on CUDA: the pinned staging buffer aside) in the design's dtypes; no host read and
     no sync in the region; each grouped GEMM got rank r's routed rows (forward) and
     retained rows (backward) of ``plan`` (``InstanceRows.of_plan``)."""
-    from megatron_lrmoe.planning.shapes import InstanceRows
-
     bad: list[str] = []
 
     def need(ok: bool, what: str) -> None:

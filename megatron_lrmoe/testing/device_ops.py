@@ -41,9 +41,28 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
+from megatron_lrmoe.layer.counts_exchange import RoutedCountsExchange
+from megatron_lrmoe.layer.region import _LRMoERegion
+from megatron_lrmoe.layer.spec import to_lrmoe_spec
+from megatron_lrmoe.megatron_privates import replaced_dispatcher_dtoh
+from megatron_lrmoe.testing.cuda_harness import (
+    Case,
+    case_counts,
+    megatron_fake_cuda,
+    move_parameters_to_fake_cuda,
+    node_grad,
+    qwen3_layer_config,
+    releasing_saved_tensors,
+)
+from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
 
 __all__ = ["DeviceOpCounter", "LayerOps", "Stages", "count_layer_ops", "op_kind"]
 
@@ -125,8 +144,6 @@ _LRMOE = "megatron_lrmoe/"
 def _region_experts_line() -> int:
     """The line of ``_LRMoERegion.forward`` that calls the experts: the region's forward
     ops above it are its dispatch, those below its combine."""
-    from megatron_lrmoe.layer.region import _LRMoERegion
-
     lines, first = inspect.getsourcelines(_LRMoERegion.forward)
     for offset, line in enumerate(lines):
         if "experts_forward(" in line:
@@ -335,8 +352,6 @@ class _TraceSplits:
 def _trace_counts_exchange(counts: torch.Tensor, ep_group):
     """The layer's own counts exchange (its device ops, all-gather and host read), returning
     the trace's counts: a fake all-gather has none."""
-    from megatron_lrmoe.layer.counts_exchange import RoutedCountsExchange
-
     class TraceCounts(RoutedCountsExchange):
         def gather_counts(self, routing_map: torch.Tensor) -> torch.Tensor:
             super().gather_counts(routing_map)
@@ -365,10 +380,6 @@ class LayerOps:
 def _megatron_config(case, model: str):
     """Megatron's TransformerConfig with every field of the LRMoE layer's config
     (``qwen3_layer_config``) but the LRMoE ones."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_lrmoe.testing.cuda_harness import qwen3_layer_config
-
     lrmoe = qwen3_layer_config(case, model)
     names = {f.name for f in dataclasses.fields(TransformerConfig) if f.init}
     return TransformerConfig(**{n: getattr(lrmoe, n) for n in names})
@@ -382,21 +393,6 @@ def count_layer_ops(layer_kind: str, case, rank: int, model: str = "qwen3-30b-a3
     SequentialMLP experts, all-to-all dispatcher), as rank ``rank`` of a fake EP group of
     ``case.ep``. One unmeasured forward first (with ``finish_step`` for LRMoE: the
     measured call is a step's first, with its replica refresh)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    from megatron_lrmoe.layer.spec import to_lrmoe_spec
-    from megatron_lrmoe.megatron_privates import replaced_dispatcher_dtoh
-    from megatron_lrmoe.testing.cuda_harness import (
-        case_counts,
-        megatron_fake_cuda,
-        move_parameters_to_fake_cuda,
-        node_grad,
-        qwen3_layer_config,
-        releasing_saved_tensors,
-    )
-    from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
-
     spec = ModelSpec.from_config(model, MODELS[model])
     h, e = spec.hidden_size, spec.num_experts
     t = spec.shape(case.ep).tokens_per_rank
@@ -414,7 +410,6 @@ def count_layer_ops(layer_kind: str, case, rank: int, model: str = "qwen3-30b-a3
         layer.set_layer_number(1)
         move_parameters_to_fake_cuda(layer)
         if layer_kind == "lrmoe":
-            from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
             setup_lrmoe_layers([layer], t, 1)
             layer.counts_exchange = _trace_counts_exchange(counts, layer.ep_group)
         x = torch.empty(t // batch, batch, h, device="cuda", dtype=torch.bfloat16,
@@ -449,8 +444,6 @@ def count_layer_ops(layer_kind: str, case, rank: int, model: str = "qwen3-30b-a3
 def main(argv: list[str] | None = None) -> int:
     """``python -m megatron_lrmoe.testing.device_ops RANK KIND:EP:GAMMA:SELECTION:REPLICAS
     ...``: one JSON list of ``LayerOps`` on stdout (KIND: lrmoe or megatron)."""
-    from megatron_lrmoe.testing.cuda_harness import Case
-
     argv = sys.argv[1:] if argv is None else argv
     rank = int(argv[0])
     results = []

@@ -153,8 +153,24 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from megatron_lrmoe.integration.runtime.compat import (
+    fp8_off_in_checkpoint_without_output_when_te_absent,
+    stub_bridge_imports_of_absent_modules,
+)
+from megatron_lrmoe.megatron_privates import (
+    async_preload_tensors,
+    persistent_async_loop,
+    replace_async_preload_tensors,
+    replace_cuda_rng_state_functions,
+    replace_dispatcher_move_to_cpu,
+    replace_persistent_async_loop,
+    run_recompute_under,
+    wrap_bridge_compile_helpers,
+    wrap_bridge_initialize_megatron,
+    wrap_bridge_set_random_seed,
+)
 from megatron_lrmoe.options.megatron_support import check_megatron_core_version
 
 logger = logging.getLogger(__name__)
@@ -263,8 +279,6 @@ class _DropTrackerCpuStateWarning(logging.Filter):
 
 
 def _fix_cpu_rng_for_megatron_tracker() -> None:
-    from megatron_lrmoe.megatron_privates import replace_cuda_rng_state_functions
-
     replace_cuda_rng_state_functions(_get_cpu_rng_state, _set_cpu_rng_state)
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore
     torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)  # type: ignore
@@ -279,10 +293,6 @@ def _fix_cpu_rng_for_megatron_tracker() -> None:
 
 
 def _fix_checkpoint_without_output_without_te() -> None:
-    from megatron_lrmoe.integration.runtime.compat import (
-        fp8_off_in_checkpoint_without_output_when_te_absent,
-    )
-
     fp8_off_in_checkpoint_without_output_when_te_absent()
 
 
@@ -302,8 +312,6 @@ def _move_to_cpu_as_on_gpu(move_to_cpu: Callable[..., Any]) -> Callable[..., Any
 
 
 def _fix_numpy_split_sizes_for_gloo() -> None:
-    from megatron_lrmoe.megatron_privates import replace_dispatcher_move_to_cpu
-
     replace_dispatcher_move_to_cpu(_move_to_cpu_as_on_gpu)
 
 
@@ -354,8 +362,6 @@ def _fix_cpu_device_mode() -> None:
 @contextlib.contextmanager
 def _device_mode_on():
     """The CPU device mode, pushed again unless it is active already."""
-    from torch.overrides import _get_current_function_mode_stack
-
     if _device_mode is None or _device_mode in _get_current_function_mode_stack():
         yield
         return
@@ -364,8 +370,6 @@ def _device_mode_on():
 
 
 def _fix_recompute_under_cpu_device_mode() -> None:
-    from megatron_lrmoe.megatron_privates import run_recompute_under
-
     run_recompute_under(_device_mode_on)
 
 
@@ -538,8 +542,6 @@ def _allow_no_cuda(initialize_megatron: Callable[..., Any]) -> Callable[..., Any
 
 
 def _fix_bridge_allow_no_cuda() -> None:
-    from megatron_lrmoe.megatron_privates import wrap_bridge_initialize_megatron
-
     wrap_bridge_initialize_megatron(_allow_no_cuda)
 
 
@@ -553,8 +555,6 @@ def _unless_prebuilt(compile_helpers: Callable[[], None]) -> Callable[[], None]:
 
 
 def _fix_bridge_prebuilt_dataset_helpers() -> None:
-    from megatron_lrmoe.megatron_privates import wrap_bridge_compile_helpers
-
     wrap_bridge_compile_helpers(_unless_prebuilt)
 
 
@@ -572,8 +572,6 @@ def _with_one_device_counted(set_random_seed: Callable[..., Any]) -> Callable[..
 
 
 def _fix_bridge_model_parallel_seed() -> None:
-    from megatron_lrmoe.megatron_privates import wrap_bridge_set_random_seed
-
     wrap_bridge_set_random_seed(_with_one_device_counted)
 
 
@@ -584,8 +582,6 @@ def async_checkpoint_worker(rank: int, *args: Any, **kwargs: Any) -> None:
     it enables the CPU runtime itself (the writer's ``torch.cuda.synchronize()`` calls), and
     megatron-core's loop picks its GPU as ``rank % torch.cuda.device_count()``, which it
     then finds as the one device of its rank, an inert ``set_device``."""
-    from megatron_lrmoe.megatron_privates import persistent_async_loop
-
     enable_cpu_runtime()
     # This process only writes checkpoints; the patch ends with it.
     torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
@@ -599,19 +595,12 @@ def preload_as_copies(write_buckets: list[Any], non_blocking: bool = True) -> li
     device-to-host copy, which training cannot change. On CPU ``.to("cpu")`` returns the
     live tensor (shared with the worker), which the next optimizer step would overwrite
     while the worker writes it; the copy keeps the saved step's values."""
-    from megatron_lrmoe.megatron_privates import async_preload_tensors
-
     staged = async_preload_tensors()(write_buckets, non_blocking)
     return [(path, key, (data, [(item, tensor.clone()) for item, tensor in tensors]))
             for path, key, (data, tensors) in staged]
 
 
 def _fix_bridge_async_checkpoint_worker() -> None:
-    from megatron_lrmoe.megatron_privates import (
-        replace_async_preload_tensors,
-        replace_persistent_async_loop,
-    )
-
     replace_persistent_async_loop(async_checkpoint_worker)
     replace_async_preload_tensors(preload_as_copies)
 
@@ -668,8 +657,6 @@ def enable_bridge_cpu_runtime() -> bool:
         return False
     if _enabled_bridge_fixes:
         return True
-    from megatron_lrmoe.integration.runtime.compat import stub_bridge_imports_of_absent_modules
-
     stub_bridge_imports_of_absent_modules()
     for name, fix in BRIDGE_FIXES.items():
         fix()

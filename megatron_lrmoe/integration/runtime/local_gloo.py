@@ -25,6 +25,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_lrmoe.integration.runtime.cpu import enable_cpu_runtime
+
 __all__ = ["LocalRanksFailed", "free_port", "init_local_rank", "run_on_local_ranks"]
 
 
@@ -46,20 +52,13 @@ def init_local_rank(rank: int, world_size: int, port: int) -> None:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
     )
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
-    from megatron_lrmoe.integration.runtime.cpu import enable_cpu_runtime
-
     enable_cpu_runtime()
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
                kwargs: dict, results) -> None:
-    import torch.distributed as dist
-
     try:
         init_local_rank(rank, world_size, port)
         results.put((rank, True, fn(*args, **kwargs)))
@@ -74,8 +73,6 @@ def run_on_local_ranks(fn: Callable, world_size: int, *args: Any, timeout: float
                        **kwargs: Any) -> list[Any]:
     """``fn(*args, **kwargs)`` on ``world_size`` fresh local gloo ranks; the results by
     rank (module doc)."""
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
