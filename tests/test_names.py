@@ -24,12 +24,12 @@ def test_each_name_is_defined_once_in_the_package():
 def test_micro_batches_per_step_are_derived_in_one_place():
     """``launcher.arguments.fill_derived_args`` (``args.num_microbatches``) is the one place
     the package divides the global batch into micro-batches per step; the
-    simulator's model presets (``tools/simulate.py``'s ``ModelSpec``), which are no flags,
+    simulator's model presets (``planning/models.py``'s ``ModelSpec``), which are no flags,
     carry their own."""
     division = re.compile(r"global_batch_size\s*//\s*\(")
     where = [str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py"))
              if division.search(p.read_text())]
-    assert where == ["launcher/arguments.py", "tools/simulate.py"], where
+    assert where == ["launcher/arguments.py", "planning/models.py"], where
 
 
 def test_no_world_size_is_written_to_steer_a_parse():

@@ -56,7 +56,7 @@ from megatron_lrmoe.tools.provenance import code_version
 
 ROOT = Path(__file__).resolve().parents[2]
 
-MODELS = {"qwen3": "configs/qwen3_30b_a3b.yaml", "glm45": "configs/glm45_air.yaml"}
+CONFIGS = {"qwen3": "configs/qwen3_30b_a3b.yaml", "glm45": "configs/glm45_air.yaml"}
 TITLES = {"qwen3": "Qwen3-30B-A3B router (128 experts, top-8, softmax, aux loss 1e-3)",
           "glm45": "GLM-4.5-Air router (128 + 1 shared, top-8, sigmoid + expert bias, "
                    "seq aux loss 1e-4)"}
@@ -95,7 +95,7 @@ MODEL_SHAPE = {"glm45": ["--moe-shared-expert-intermediate-size", "64",
 def record_command(model: str, out: Path, train_iters: int, port: int) -> list[str]:
     from megatron_lrmoe.integration.megatron_lm import config_to_flags
 
-    flags = config_to_flags(str(ROOT / MODELS[model]), lrmoe=False)
+    flags = config_to_flags(str(ROOT / CONFIGS[model]), lrmoe=False)
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-port", str(port), "-m", "megatron_lrmoe.launcher.pretrain", *flags,
             *TRACE_SHAPE, *MODEL_SHAPE.get(model, []), "--train-iters", str(train_iters),
@@ -369,7 +369,7 @@ def plot(summaries: dict[str, dict], traces: dict[str, RoutingTrace], path: Path
 
 def table(out: Path, command: str) -> str:
     traces = {}
-    for name in MODELS:
+    for name in CONFIGS:
         if (TRACES / name / "trace").is_dir():
             traces[name] = read_routing_trace(TRACES / name / "trace")
     if not traces:
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     sub = p.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record", help="train a small model with a config's router, recording")
-    rec.add_argument("--model", choices=tuple(MODELS), required=True)
+    rec.add_argument("--model", choices=tuple(CONFIGS), required=True)
     rec.add_argument("--train-iters", type=int, default=400)
     rec.add_argument("--port", type=int, default=29571)
     rec.add_argument("--force", action="store_true", help="replace an existing recording")

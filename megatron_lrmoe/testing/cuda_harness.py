@@ -98,12 +98,13 @@ from megatron_lrmoe.megatron_privates import (
     swapped_dispatcher_dtoh_stream,
 )
 from megatron_lrmoe.ops import set_debug_checks
+from megatron_lrmoe.planning.models import MODELS
 from megatron_lrmoe.planning.plan_types import PlannerSettings
 from megatron_lrmoe.planning.planner import LayerPlanner
 from megatron_lrmoe.planning.retention import RetentionPlan
 from megatron_lrmoe.planning.shapes import InstanceRows
 from megatron_lrmoe.testing.host_reads import HostReadDetector
-from megatron_lrmoe.tools.simulate import MODELS, ModelSpec, source_batches
+from megatron_lrmoe.tools.simulate import source_batches
 
 __all__ = ["TORCH_PIN", "Case", "CaseResult", "DeviceRun", "GemmCall", "LayerCaseResult",
            "TraceCountsExchange", "backward_through_node", "case_counts", "case_planner",
@@ -565,7 +566,7 @@ def _read(read) -> list:
 
 def case_counts(case: Case, model: str = "qwen3-30b-a3b") -> torch.Tensor:
     """The case's [R, E] counts: the trace at ``model``'s pairs per rank."""
-    shape = ModelSpec.from_config(model, MODELS[model]).shape(case.ep)
+    shape = MODELS[model].shape(case.ep)
     return trace_counts(case.ep, shape.source_pairs)
 
 
@@ -577,7 +578,7 @@ def _dims(t: torch.Tensor | None) -> list | None:
 def run_case(case: Case, rank: int, model: str = "qwen3-30b-a3b") -> CaseResult:
     """The region of ``model``'s shape as rank ``rank`` of a fake EP group of ``case.ep``:
     counts exchange (trace hook), plan, forward, then backward through the node."""
-    spec = ModelSpec.from_config(model, MODELS[model])
+    spec = MODELS[model]
     shape = spec.shape(case.ep)
     h, f, t, e = spec.hidden_size, spec.ffn_hidden_size, shape.tokens_per_rank, spec.num_experts
     f1 = 2 * f if spec.gated else f
@@ -819,7 +820,7 @@ def qwen3_layer_config(case: Case, model: str = "qwen3-30b-a3b"):
     # deferred: Megatron-Core, for the layer cases only (the region's processes skip it)
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
 
-    spec = ModelSpec.from_config(model, MODELS[model])
+    spec = MODELS[model]
     per_rank = spec.num_experts // case.ep
     return LRMoETransformerConfig(
         num_layers=1, hidden_size=spec.hidden_size, num_attention_heads=32,
@@ -887,7 +888,7 @@ def run_layer_case(case: Case, rank: int, model: str = "qwen3-30b-a3b",
     from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
 
-    spec = ModelSpec.from_config(model, MODELS[model])
+    spec = MODELS[model]
     h, f, e = spec.hidden_size, spec.ffn_hidden_size, spec.num_experts
     t = spec.shape(case.ep).tokens_per_rank
     counts = case_counts(case, model)
@@ -1033,7 +1034,7 @@ def run_weight_copy_case(case: Case, rank: int, wrap: str,
     from megatron_lrmoe.integration.step_hooks import setup_lrmoe_layers
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
 
-    spec = ModelSpec.from_config(model, MODELS[model])
+    spec = MODELS[model]
     t = spec.shape(case.ep).tokens_per_rank
     counts = case_counts(case, model)
     with megatron_fake_cuda(rank, case.ep):
@@ -1202,7 +1203,7 @@ def run_case_on_device(case: Case, rank: int, device: str | torch.device = "cuda
     another dtype (the CPU fp32 reference) sees the same values. ``reps`` > 0: then
     forward and backward timed (CUDA events), median of ``reps`` after ``warmup``."""
     device = torch.device(device)
-    spec = ModelSpec.from_config(model, MODELS[model])
+    spec = MODELS[model]
     h, f, e = hidden or spec.hidden_size, ffn or spec.ffn_hidden_size, spec.num_experts
     t = tokens or spec.shape(case.ep).tokens_per_rank
     f1 = 2 * f if spec.gated else f

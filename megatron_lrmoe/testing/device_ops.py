@@ -53,6 +53,7 @@ from megatron_lrmoe.layer.counts_exchange import RoutedCountsExchange
 from megatron_lrmoe.layer.region import _LRMoERegion
 from megatron_lrmoe.layer.spec import to_lrmoe_spec
 from megatron_lrmoe.megatron_privates import replaced_dispatcher_dtoh
+from megatron_lrmoe.planning.models import MODELS
 from megatron_lrmoe.testing.cuda_harness import (
     Case,
     case_counts,
@@ -62,7 +63,6 @@ from megatron_lrmoe.testing.cuda_harness import (
     qwen3_layer_config,
     releasing_saved_tensors,
 )
-from megatron_lrmoe.tools.simulate import MODELS, ModelSpec
 
 __all__ = ["DeviceOpCounter", "LayerOps", "Stages", "count_layer_ops", "op_kind"]
 
@@ -393,7 +393,7 @@ def count_layer_ops(layer_kind: str, case, rank: int, model: str = "qwen3-30b-a3
     SequentialMLP experts, all-to-all dispatcher), as rank ``rank`` of a fake EP group of
     ``case.ep``. One unmeasured forward first (with ``finish_step`` for LRMoE: the
     measured call is a step's first, with its replica refresh)."""
-    spec = ModelSpec.from_config(model, MODELS[model])
+    spec = MODELS[model]
     h, e = spec.hidden_size, spec.num_experts
     t = spec.shape(case.ep).tokens_per_rank
     counts = case_counts(case, model)

@@ -234,7 +234,7 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     flags parsed for ``world_size`` ranks.
 
     ``steps``: the steps the MoE time is the mean of, replayed after the warm-up
-    (``simulate``'s window). ``cluster``: the simulator's ``CLUSTERS`` entry whose figures
+    (``simulate``'s window). ``cluster``: the ``planning.clusters.CLUSTERS`` entry whose figures
     price the MoE layers (``calibration``, which may be None, overrides them).
     ``overrides``: parsed launcher arguments set after parsing, for settings of a GPU run
     the launcher's parser has no flag for (e.g. ``accumulate_allreduce_grads_in_fp32``:
@@ -247,7 +247,9 @@ def predict(base_flags: list[str], candidate: Candidate, device_gib: float,
     from megatron_lrmoe.integration.planner_inputs import device_memory_bytes, memory_account
     from megatron_lrmoe.launcher import builders
     from megatron_lrmoe.launcher.run_config import build_config
-    from megatron_lrmoe.tools.simulate import CLUSTERS, ModelSpec, simulate
+    from megatron_lrmoe.planning.clusters import CLUSTERS
+    from megatron_lrmoe.planning.models import ModelSpec
+    from megatron_lrmoe.tools.simulate import simulate
     from megatron_lrmoe.tools.simulator_validation import run_setting
 
     flags = [*base_flags, *candidate.flags, "--device-memory-gb", f"{device_gib:.6g}"]
@@ -322,9 +324,10 @@ def budget_slots(base_flags: list[str], policy_flags: list[str], device_gib: flo
     most over its configurations without fewer slots (full recompute leaves more of the
     device to the MoE layers); E/R where the budget is below its floor."""
     from megatron_lrmoe.config.flags import ConfigError
+    from megatron_lrmoe.planning.clusters import CLUSTERS, cluster_machine_constants
     from megatron_lrmoe.planning.cost_model import CostModel
     from megatron_lrmoe.planning.planner import PlannerSettings
-    from megatron_lrmoe.tools.simulate import CLUSTERS, cluster_machine_constants, layer_shape
+    from megatron_lrmoe.tools.simulate import layer_shape
     from megatron_lrmoe.tools.simulator_validation import run_setting
 
     args = _parse(base_flags, world_size)

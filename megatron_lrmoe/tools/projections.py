@@ -71,12 +71,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from megatron_lrmoe.planning.clusters import CLUSTERS
 from megatron_lrmoe.planning.memory_account import GIB
 from megatron_lrmoe.tools import fitting as F
 from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.simulate import (
-    CLUSTERS,
-    MODELS,
     ROOT,
     STEPS_TO_TARGET_FILE,
     WARMUP_STEPS,
@@ -121,7 +120,7 @@ class Preset:
     config: Path
     """The model's recipe in ``configs/`` (its ``moe-lrmoe*`` keys are left out)."""
     cluster: str
-    """``simulate.CLUSTERS`` key: the MoE layers' machine and the peak FLOP/s."""
+    """``planning.clusters.CLUSTERS`` key: the MoE layers' machine and the peak FLOP/s."""
     gpus: int
     device_gib: float
     """The device's memory as CUDA reports it (GiB)."""
@@ -141,6 +140,13 @@ class Preset:
     sources: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
 
+
+CONFIGS: dict[str, Path] = {
+    "qwen3-30b-a3b": ROOT / "configs" / "qwen3_30b_a3b.yaml",
+    "glm45-air": ROOT / "configs" / "glm45_air.yaml",
+}
+"""The recipes' launcher configs (their model and batch flags) by model name (the names of
+``planning.models.MODELS``)."""
 
 # H100 SXM 80 GB: CUDA reports 81,559 MiB (79.6 GiB); A100 SXM 40 GB: 40,960 MiB (40 GiB).
 H100_GIB = 81559 / 1024
@@ -166,7 +172,7 @@ GLM45_VOCAB = 151552
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(
-        "qwen3-30b-a3b-8xh100", MODELS["qwen3-30b-a3b"], "h100", 8, H100_GIB,
+        "qwen3-30b-a3b-8xh100", CONFIGS["qwen3-30b-a3b"], "h100", 8, H100_GIB,
         layout=("--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
                 "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
                 "--sequence-parallel", "--seq-length", "4096",
@@ -182,7 +188,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
             "the recipe's dispatcher: flex (DeepEP) via apply_flex_dispatcher_backend",
         )),
     Preset(
-        "qwen3-30b-a3b-16xh100", MODELS["qwen3-30b-a3b"], "h100", 16, H100_GIB,
+        "qwen3-30b-a3b-16xh100", CONFIGS["qwen3-30b-a3b"], "h100", 16, H100_GIB,
         layout=("--expert-model-parallel-size", "16", "--expert-tensor-parallel-size", "1",
                 "--seq-length", "4096", "--micro-batch-size", "1",
                 "--global-batch-size", "1024"),
@@ -199,7 +205,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
             "preprocess, TP comm overlap; precision-aware optimizer with fp32 states",
         )),
     Preset(
-        "glm45-air-32xh100", MODELS["glm45-air"], "h100", 32, H100_GIB,
+        "glm45-air-32xh100", CONFIGS["glm45-air"], "h100", 32, H100_GIB,
         layout=("--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "8",
                 "--expert-tensor-parallel-size", "1", "--seq-length", "4096",
                 "--micro-batch-size", "1", "--global-batch-size", "2048"),
@@ -224,7 +230,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
             "MTP (1 layer, on the last stage) is not modelled.",
         )),
     Preset(
-        "qwen3-30b-a3b-32xa100-40", MODELS["qwen3-30b-a3b"], "a100-40", 32, A100_40_GIB,
+        "qwen3-30b-a3b-32xa100-40", CONFIGS["qwen3-30b-a3b"], "a100-40", 32, A100_40_GIB,
         layout=("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
                 "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
                 "--sequence-parallel", "--seq-length", "4096",
@@ -241,7 +247,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
             "balanced routing; TP 4 layouts leave 6-13 GiB)",
         )),
     Preset(
-        "glm45-air-64xa100-40", MODELS["glm45-air"], "a100-40", 64, A100_40_GIB,
+        "glm45-air-64xa100-40", CONFIGS["glm45-air"], "a100-40", 64, A100_40_GIB,
         layout=("--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "4",
                 "--expert-model-parallel-size", "16", "--expert-tensor-parallel-size", "1",
                 "--sequence-parallel", "--seq-length", "4096",

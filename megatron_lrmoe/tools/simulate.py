@@ -43,14 +43,15 @@ import torch
 import yaml
 
 from megatron_lrmoe.data.routing_traces import read_routing_trace, regroup_sources
+from megatron_lrmoe.planning.clusters import CLUSTERS, ClusterSpec, cluster_machine_constants
 from megatron_lrmoe.planning.cost_model import CostModel
-from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.megatron_baseline import (
     MegatronMoEMemory,
     megatron_kept_counts,
     steps_moe_memory,
 )
 from megatron_lrmoe.planning.memory_account import GIB
+from megatron_lrmoe.planning.models import MODELS, ModelSpec
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
 from megatron_lrmoe.planning.retention import RetentionPlan, default_retention_in_forward
@@ -58,12 +59,10 @@ from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
 from megatron_lrmoe.tools.figures import FiguresUnavailable, pyplot, save_png
 from megatron_lrmoe.tools.provenance import code_version
 
-__all__ = ["CLUSTERS", "MODELS", "POLICIES", "STEPS_TO_TARGET_FILE", "WARMUP_STEPS",
-           "ClusterSpec", "ModelSpec", "Policy", "StepsPair", "StepsToTarget",
-           "call_memory_levels",
-           "layer_shape", "load_steps_to_target", "read_steps_to_target",
-           "cluster_machine_constants", "node_calibration", "policy_planner", "simulate",
-           "source_batches", "steps_ratios"]
+__all__ = ["POLICIES", "STEPS_TO_TARGET_FILE", "WARMUP_STEPS", "Policy", "StepsPair",
+           "StepsToTarget", "call_memory_levels", "layer_shape", "load_steps_to_target",
+           "model_from_config", "node_calibration", "policy_planner", "read_steps_to_target",
+           "simulate", "source_batches", "steps_ratios"]
 
 ROOT = Path(__file__).resolve().parents[2]
 WARMUP_STEPS = 1
@@ -71,75 +70,6 @@ WARMUP_STEPS = 1
 placement with no smoothed counts; ``LayerPlanner.next_step`` folds step 0's loads, so
 step 1 is the first whose placement is chosen from measured loads. Every policy alike:
 the warm-up is left out of the times, never out of the memory."""
-
-
-# ----------------------------------------------------------------------------- clusters
-@dataclass(frozen=True)
-class ClusterSpec:
-    """One node type of a GPU cluster: vendor peak figures and achieved-over-peak
-    efficiencies (the efficiencies are assumptions; a calibration file overrides any
-    field, or the derived ``MachineConstants`` directly)."""
-
-    name: str
-    gpu: str
-    peak_flops: float
-    """Dense bf16 peak FLOP/s of one GPU."""
-    memory_gib: float
-    hbm_bytes_per_s: float
-    nvlink_bytes_per_s: float
-    """NVLink bandwidth per GPU inside a node, one direction: half the datasheet's
-    bidirectional total (an all-to-all's rank sends and receives at once)."""
-    network_bytes_per_s: float
-    """InfiniBand bandwidth per GPU between nodes, one direction (one NIC per GPU)."""
-    gpus_per_node: int = 8
-    gemm_efficiency: float = 0.6
-    """Achieved over peak for the grouped expert GEMMs (assumption: an 8192^3 bf16 GEMM
-    reached ~0.80 of peak on one H200; expert GEMMs of a few thousand rows by 2048 x
-    768 are smaller and grouped, so less)."""
-    nvlink_efficiency: float = 0.7
-    """Achieved over peak of an all-to-all inside a node (assumption)."""
-    network_efficiency: float = 0.8
-    """Achieved over peak of an all-to-all between nodes (assumption)."""
-    nvlink_latency_s: float = 15e-6
-    """Fixed cost of one all-to-all call inside a node (assumption)."""
-    network_latency_s: float = 30e-6
-    """Fixed cost of one all-to-all call that crosses nodes (assumption)."""
-    memory_efficiency: float = 0.7
-    """Achieved over the HBM peak for the memory-bound row work (gathers, reorders,
-    combine, activation): assumption; a plain device copy reached ~0.9 (4.3 of 4.8 TB/s)
-    on one H200, indexed gathers and small elementwise kernels reach less."""
-    layer_forward_fixed_s: float = 200e-6
-    """Fixed cost of a layer's forward besides the all-to-all latencies (assumption: the
-    one host read of the routed counts drains the device, then ~40 kernel launches of
-    ~5 us each run ahead of little device work)."""
-    layer_backward_fixed_s: float = 100e-6
-    """Fixed cost of a layer's backward besides the all-to-all latencies (assumption:
-    ~20 kernel launches not hidden behind device work; no host read)."""
-
-
-# Datasheet figures (NVIDIA H100 Tensor Core GPU datasheet, SXM column; H200 datasheet,
-# SXM column; A100 datasheet, 40 GB SXM column; DGX H100/H200 and DGX A100 user guides
-# for the compute fabric):
-# - peak_flops: dense BF16 Tensor Core (the datasheets' 1,979 / 624 TFLOPS are with
-#   sparsity): H100/H200 SXM 989 TFLOPS, A100 312 TFLOPS.
-# - hbm_bytes_per_s: H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 40 GB 1,555 GB/s (1.6e12).
-# - nvlink_bytes_per_s: the datasheets give the bidirectional total per GPU, H100/H200
-#   900 GB/s (18 NVLink 4 links x 25 GB/s each way), A100 600 GB/s (12 NVLink 3 links x
-#   25 GB/s each way); one direction is half (the totals taken as one
-#   direction would price NVLink bytes at twice the rate).
-# - network_bytes_per_s: one ConnectX-7 400 Gb/s NDR port per GPU on DGX H100/H200,
-#   one ConnectX-6 200 Gb/s HDR port per GPU on DGX A100; Gb/s per direction / 8.
-CLUSTERS: dict[str, ClusterSpec] = {
-    "h100": ClusterSpec("h100", "8 x H100 SXM 80 GB", peak_flops=989e12, memory_gib=80,
-                        hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=900e9 / 2,
-                        network_bytes_per_s=400e9 / 8),
-    "h200": ClusterSpec("h200", "8 x H200 141 GB", peak_flops=989e12, memory_gib=141,
-                        hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=900e9 / 2,
-                        network_bytes_per_s=400e9 / 8),
-    "a100-40": ClusterSpec("a100-40", "8 x A100 40 GB SXM", peak_flops=312e12,
-                           memory_gib=40, hbm_bytes_per_s=1.6e12,
-                           nvlink_bytes_per_s=600e9 / 2, network_bytes_per_s=200e9 / 8),
-}
 
 
 # What one machine measures of itself (``calibrate`` on one GPU): its expert GEMMs and
@@ -165,96 +95,20 @@ def node_calibration(calibration: dict) -> dict:
     return kept
 
 
-def cluster_machine_constants(cluster: ClusterSpec, ep_size: int,
-                      calibration: dict | None = None) -> MachineConstants:
-    """The cost model's constants for one rank of an EP group of ``ep_size`` GPUs.
-
-    GEMM rate: peak x efficiency. All-to-all: with traffic spread evenly over the other
-    ranks, a share (g - 1) / (R - 1) of a rank's bytes stays inside its node of g GPUs
-    (NVLink) and the rest crosses the network; both links carry their share at once,
-    so one byte costs max(intra share / NVLink rate, inter share / network rate). The
-    latency is the network's once the group spans nodes. ``calibration``: fields of
-    ``ClusterSpec`` to replace, and/or ``MachineConstants`` fields that replace the
-    derived values.
-    """
-    calibration = dict(calibration or {})
-    calibration.pop("details", None)          # a calibration file's measurement settings
-    calibrated_by = calibration.pop("source", "")
-    cluster_fields = {k: calibration.pop(k) for k in list(calibration)
-                      if k in ClusterSpec.__dataclass_fields__}
-    c = replace(cluster, **cluster_fields)
-    gemm = c.peak_flops * c.gemm_efficiency
-    if ep_size <= 1:
-        bandwidth, latency = math.inf, 0.0
-    else:
-        in_node = min(ep_size, c.gpus_per_node)
-        intra = (in_node - 1) / (ep_size - 1)
-        per_byte = max(intra / (c.nvlink_bytes_per_s * c.nvlink_efficiency),
-                       (1 - intra) / (c.network_bytes_per_s * c.network_efficiency))
-        bandwidth = 1.0 / per_byte
-        latency = c.nvlink_latency_s if ep_size <= c.gpus_per_node else c.network_latency_s
-    machine = MachineConstants(gemm_flops_per_s=gemm, alltoall_bytes_per_s=bandwidth,
-                               alltoall_latency_s=latency,
-                               source=f"{c.gpu}, EP={ep_size}: derived (docs/simulate.md)",
-                               memory_bytes_per_s=c.hbm_bytes_per_s * c.memory_efficiency,
-                               layer_forward_fixed_s=c.layer_forward_fixed_s,
-                               layer_backward_fixed_s=c.layer_backward_fixed_s)
-    unknown = set(calibration) - set(MachineConstants.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"--calibration: unknown field(s) {sorted(unknown)}; use fields of "
-                         f"ClusterSpec or MachineConstants")
-    if calibration:
-        machine = replace(machine, **calibration,
-                          source=f"{machine.source}; overridden by the calibration file"
-                          + (f" ({calibrated_by})" if calibrated_by else ""))
-    return machine
-
-
 # ------------------------------------------------------------------------------- models
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the simulator needs of a model recipe (read from ``configs/``)."""
-
-    name: str
-    num_layers: int
-    """MoE layers (``--moe-layer-freq`` applied to ``--num-layers``)."""
-    hidden_size: int
-    ffn_hidden_size: int
-    num_experts: int
-    topk: int
-    gated: bool
-    seq_length: int
-    micro_batch_size: int
-    global_batch_size: int
-
-    @classmethod
-    def from_config(cls, name: str, path: Path) -> ModelSpec:
-        with open(path) as f:
-            c = yaml.safe_load(f)
-        layers = int(c["num-layers"])
-        return cls(name=name, num_layers=_moe_layer_count(c.get("moe-layer-freq", 1), layers),
-                   hidden_size=int(c["hidden-size"]),
-                   ffn_hidden_size=int(c["moe-ffn-hidden-size"]),
-                   num_experts=int(c["num-experts"]), topk=int(c["moe-router-topk"]),
-                   gated=bool(c.get("swiglu", False)), seq_length=int(c["seq-length"]),
-                   micro_batch_size=int(c["micro-batch-size"]),
-                   global_batch_size=int(c["global-batch-size"]))
-
-    def microbatches_per_step(self, data_parallel: int) -> int:
-        return max(1, self.global_batch_size // (self.micro_batch_size * data_parallel))
-
-    def shape(self, ep_size: int, pipeline: int = 1) -> MoEShape:
-        """One EP rank's layer shape: EP inside data parallelism (DP = EP, TP = CP = 1),
-        the layers of one pipeline stage, bf16 with fp32 replica gradients, the region's
-        grouped GEMMs (its CUDA path)."""
-        return MoEShape(hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
-                        num_experts=self.num_experts, topk=self.topk, gated=self.gated,
-                        dtype_bytes=2, tokens_per_rank=self.seq_length * self.micro_batch_size,
-                        num_layers=max(1, self.num_layers // pipeline),
-                        microbatches_in_flight=pipeline,
-                        microbatches_per_step=self.microbatches_per_step(ep_size),
-                        grad_dtype_bytes=4, expert_parallel_size=ep_size,
-                        grouped_gemm=True)   # the region's CUDA path
+def model_from_config(name: str, path: Path) -> ModelSpec:
+    """The ``ModelSpec`` of a launcher config (a flat YAML of flag names, as ``configs/``
+    holds): ``--model-config``'s model."""
+    with open(path) as f:
+        c = yaml.safe_load(f)
+    layers = int(c["num-layers"])
+    return ModelSpec(name=name, num_layers=_moe_layer_count(c.get("moe-layer-freq", 1), layers),
+                     hidden_size=int(c["hidden-size"]),
+                     ffn_hidden_size=int(c["moe-ffn-hidden-size"]),
+                     num_experts=int(c["num-experts"]), topk=int(c["moe-router-topk"]),
+                     gated=bool(c.get("swiglu", False)), seq_length=int(c["seq-length"]),
+                     micro_batch_size=int(c["micro-batch-size"]),
+                     global_batch_size=int(c["global-batch-size"]))
 
 
 def _moe_layer_count(freq: int | str, num_layers: int) -> int:
@@ -268,12 +122,6 @@ def _moe_layer_count(freq: int | str, num_layers: int) -> int:
         raise ValueError(f"moe-layer-freq {freq!r} lists {len(pattern)} layers, the model "
                          f"has {num_layers}")
     return moe_layers_per_stage(num_layers, pattern, 1)
-
-
-MODELS: dict[str, Path] = {
-    "qwen3-30b-a3b": ROOT / "configs" / "qwen3_30b_a3b.yaml",
-    "glm45-air": ROOT / "configs" / "glm45_air.yaml",
-}
 
 
 # ----------------------------------------------------------------------------- policies
@@ -739,7 +587,11 @@ def load_traces(path: Path, num_experts: int, layers: int,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_lrmoe.tools.simulate",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b",
+                    help="a model the package ships (planning/models.py)")
+    ap.add_argument("--model-config", type=Path, default=None, metavar="FILE",
+                    help="another model: a launcher config (flat YAML of flag names, as "
+                         "the repository's configs/ hold), instead of --model")
     ap.add_argument("--cluster", choices=sorted(CLUSTERS), default="h100")
     ap.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--trace", type=Path, default=None,
@@ -788,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="directory for simulate_<model>_<cluster>.md and .png")
     args = ap.parse_args(argv)
 
-    model = ModelSpec.from_config(args.model, MODELS[args.model])
+    model = (MODELS[args.model] if args.model_config is None
+             else model_from_config(args.model_config.stem, args.model_config))
     if args.global_batch_size is not None:
         if args.global_batch_size < 1:
             raise SystemExit(f"--global-batch-size {args.global_batch_size}: expected >= 1")
@@ -827,19 +680,19 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"simulate_{args.model}_{args.cluster}"
+        stem = f"simulate_{model.name}_{args.cluster}"
         machine = {ep: asdict(cluster_machine_constants(cluster, ep, calibration))
                    for ep in args.ep}
         command = " ".join(shlex.quote(a) for a in
                            ["python", "-m", "megatron_lrmoe.tools.simulate",
                             *(sys.argv[1:] if argv is None else argv)])
-        title = f"{args.model} on {cluster.gpu} nodes: projected MoE time ({source[:60]})"
+        title = f"{model.name} on {cluster.gpu} nodes: projected MoE time ({source[:60]})"
         try:
             plot(by_ep, steps_ratio, args.out / f"{stem}.png", title)
         except FiguresUnavailable as exc:     # the tables are the result; the figure is extra
             print(f"note: no {stem}.png: {exc}", file=sys.stderr)
         (args.out / f"{stem}.md").write_text("\n".join([
-            f"# Simulated MoE time: {args.model} on {cluster.gpu} nodes", "",
+            f"# Simulated MoE time: {model.name} on {cluster.gpu} nodes", "",
             f"- command: `{command}`", f"- code: {code_version(('megatron_lrmoe', 'configs'))}",
             f"- routing: {source}; {args.layers} layer(s) x {args.steps} step(s) per policy "
             f"after {args.warmup_steps} warm-up step(s) (left out of the times; the memory "

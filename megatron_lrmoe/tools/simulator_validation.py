@@ -16,9 +16,11 @@ import statistics
 from pathlib import Path
 
 from megatron_lrmoe.data.routing_traces import read_routing_trace
+from megatron_lrmoe.planning.clusters import CLUSTERS
+from megatron_lrmoe.planning.models import ModelSpec
 from megatron_lrmoe.planning.shapes import MoEShape
 from megatron_lrmoe.tools import run_log
-from megatron_lrmoe.tools.simulate import CLUSTERS, ModelSpec, Policy, simulate
+from megatron_lrmoe.tools.simulate import Policy, simulate
 
 # The launcher's worker module; runs recorded before the package was laid out by role
 # name it ``megatron_lrmoe.pretrain``.

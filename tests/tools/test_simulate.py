@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 
 from megatron_lrmoe.data import routing_traces as rt
+from megatron_lrmoe.planning.clusters import CLUSTERS, cluster_machine_constants
 from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.models import ModelSpec
 from megatron_lrmoe.tools.simulate import (
-    CLUSTERS,
     POLICIES,
     STEPS_TO_TARGET_FILE,
-    ModelSpec,
     Policy,
-    cluster_machine_constants,
     layer_shape,
     load_steps_to_target,
     load_traces,
@@ -348,13 +347,18 @@ def test_recorded_trace_is_replayed(tmp_path, capsys):
     assert "recorded trace" in (out / "simulate_qwen3-30b-a3b_h100.md").read_text()
 
 
-def test_model_specs_count_moe_layers():
-    from megatron_lrmoe.tools.simulate import MODELS
-
-    glm = ModelSpec.from_config("glm45-air", MODELS["glm45-air"])
-    qwen = ModelSpec.from_config("qwen3-30b-a3b", MODELS["qwen3-30b-a3b"])
-    assert (glm.num_layers, qwen.num_layers) == (45, 48)   # GLM's first layer is dense
-    assert (qwen.num_experts, qwen.topk, qwen.ffn_hidden_size) == (128, 8, 768)
+def test_another_model_from_its_launcher_config(tmp_path):
+    # --model-config: a model the package does not ship, from a launcher config.
+    config = tmp_path / "small_moe.yaml"
+    config.write_text("num-layers: 4\nmoe-layer-freq: \"([0]*1+[1]*3)\"\nhidden-size: 64\n"
+                      "moe-ffn-hidden-size: 32\nnum-experts: 16\nmoe-router-topk: 2\n"
+                      "swiglu: true\nseq-length: 128\nmicro-batch-size: 1\n"
+                      "global-batch-size: 16\n")
+    out = tmp_path / "out"
+    assert main(["--model-config", str(config), "--ep", "4", "--steps", "1", "--layers", "1",
+                 "--out", str(out)]) == 0
+    text = (out / "simulate_small_moe_h100.md").read_text()
+    assert "'num_layers': 3" in text and "'num_experts': 16" in text
 
 
 # The time-to-loss study's steps to the 100% target as simulate.py held them before they
