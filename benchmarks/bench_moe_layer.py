@@ -101,7 +101,7 @@ def run_benchmark(cfg: dict) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(0)
     rank = dist.get_rank()
-    megatron, lrmoe = build_layers(cfg)
+    megatron, lrmoe = build_layers({**cfg, "selection": SELECTION})
     dtype = DTYPES[cfg["dtype"]]
     gc.collect()
     gc.freeze()  # Megatron's import heap: a full collection would cost ~0.5 s per step
@@ -318,12 +318,17 @@ def buffer_bytes(plan, rank: int, hidden: int, elem: int, positions: bool) -> in
     return k_s * row + k_r * row + k_r * row + k_s * row + INDEX_BYTES * (pos_s + pos_r)
 
 
-def default_retention_in_forward() -> bool:
-    """Whether the LRMoE layers (the default rule) draw the retained set in forward: then
-    the positions travel in forward, not with the backward rows."""
-    from megatron_lrmoe.planning.retention import default_retention_in_forward as drawn
+SELECTION = "uniform"
+"""The LRMoE layer's rule here: the byte model (``backward_bytes``) is its, and the stored
+results ran it."""
 
-    return drawn()
+
+def default_retention_in_forward() -> bool:
+    """Whether the bench's LRMoE layers (``SELECTION``) draw the retained set in forward:
+    then the positions travel in forward, not with the backward rows."""
+    from megatron_lrmoe.planning.retention import retention_in_forward
+
+    return retention_in_forward(SELECTION, "grad_act")
 
 
 def positioned_pairs(plan, rank: int) -> tuple[int, int]:

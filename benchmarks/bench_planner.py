@@ -64,7 +64,7 @@ from megatron_lrmoe.layer.stats import LRMoELayerStats
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import default_machine_constants
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
-from megatron_lrmoe.planning.retention import default_retention_in_forward
+from megatron_lrmoe.planning.retention import retention_in_forward
 from megatron_lrmoe.planning.shapes import MoEShape
 from megatron_lrmoe.tools.provenance import code_version
 
@@ -139,7 +139,7 @@ def measure(path: str, ranks: int, args, machine, batches_of) -> dict:
     shape = MoEShape(2048, 768, args.experts, args.topk, gated=True, dtype_bytes=2,
                      tokens_per_rank=args.tokens, num_layers=48, microbatches_in_flight=1,
                      microbatches_per_step=8, expert_parallel_size=ranks, grouped_gemm=True,
-                     forward_retention=default_retention_in_forward())
+                     forward_retention=retention_in_forward("uniform", "grad_act"))
     cost = CostModel(shape, machine)
     per_layer = cost.balanced_dropless_need() / shape.num_layers
     budget = (per_layer + args.budget_replicas * shape.instance_bytes) * shape.num_layers

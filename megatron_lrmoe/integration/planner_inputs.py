@@ -142,8 +142,9 @@ def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
         # failed probe falls back to the loop, which holds less: the model errs safe).
         grouped_gemm=bool(config.moe_grouped_gemm) or torch.cuda.is_available(),
         forward_retention=stored_in_forward(selection, metric),
-        store_factor=(float(config.moe_lrmoe_store_factor) if selection == TWO_STAGE
-                      else None),
+        store_factor=(float(getattr(config, "moe_lrmoe_store_factor",
+                                    option("moe_lrmoe_store_factor").default))
+                      if selection == TWO_STAGE else None),
         recompute_moe=recompute_moe,
         full_recompute_layers=full_recompute_layers,
     )

@@ -77,14 +77,13 @@ from typing import Final
 import numpy as np
 import torch
 
-from megatron_lrmoe.options.lrmoe import check_capacity_factor, check_fraction, option
+from megatron_lrmoe.options.lrmoe import check_capacity_factor, check_fraction
 
 __all__ = [
     "UNLIMITED_CAPACITY",
     "RetentionPlan",
     "capacity_for_factor",
     "decimal_fraction",
-    "default_retention_in_forward",
     "factor_for_capacity",
     "plan_retention",
     "retention_in_forward",
@@ -656,10 +655,3 @@ def stored_counts(counts: np.ndarray, quotas: np.ndarray, store_factor: float) -
         raise ValueError(f"store_factor {store_factor!r} has too many decimals for exact "
                          "integer arithmetic at these quotas")
     return np.minimum(counts, quotas * rho.numerator // rho.denominator)
-
-
-def default_retention_in_forward() -> bool:
-    """``retention_in_forward`` of the option table's default rule and metric (for tools
-    that model an LRMoE layer at its defaults)."""
-    return retention_in_forward(option("moe_lrmoe_selection").default,
-                                option("moe_lrmoe_metric").default)

@@ -60,6 +60,7 @@ from megatron_lrmoe.data.routing_traces import (
 )
 from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools.provenance import code_version
+from megatron_lrmoe.tools.simulator_validation import recorded_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/ep_study.yaml"
@@ -198,7 +199,7 @@ def record(ep: int, train_iters: int, port: int, data_path: str, force: bool) ->
     pss = [v[1] / 1024 for v in sampler.peak.values()]
     display = [Path(command[0]).name, *command[1:]]
     record = {
-        "command": shlex.join(display), "code": code_version(),
+        "command": shlex.join(display), "code": code_version(), "defaults": recorded_defaults(),
         "date": datetime.date.today().isoformat(), "ep": ep, "train_iters": train_iters,
         "wall_s": wall, "cores": cores,
         "step_s_median": statistics.median(steps[1:]),

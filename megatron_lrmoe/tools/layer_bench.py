@@ -47,6 +47,7 @@ def layer_config_kwargs(cfg: dict) -> dict:
 def build_layers(cfg: dict, variants: dict[str, dict] | None = None) -> tuple:
     """Megatron's MoELayer and an LRMoELayer with the same weights, on this rank
     (collective: every rank of the EP group calls it, the variants in the same order).
+    The LRMoE layer runs the default rule unless ``cfg["selection"]`` names another.
 
     ``variants``: more LRMoE layers (name -> extra LRMoETransformerConfig fields), same
     weights, returned as a third value (a dict) when given."""
@@ -59,9 +60,11 @@ def build_layers(cfg: dict, variants: dict[str, dict] | None = None) -> tuple:
     spec = _fresh_layer_spec(cfg)
     common = layer_config_kwargs(cfg)
     megatron = spec(config=TransformerConfig(**common))
+    # cfg["selection"]: a rule other than the default (a benchmark's byte model is one rule's).
+    rule = {"moe_lrmoe_selection": cfg["selection"]} if "selection" in cfg else {}
     lrmoe = to_lrmoe_spec(spec)(config=LRMoETransformerConfig(
         **common, moe_lrmoe=True, moe_lrmoe_bwd_capacity_factor=math.inf,
-        moe_lrmoe_kernels=cfg["kernels"]))
+        moe_lrmoe_kernels=cfg["kernels"], **rule))
     lrmoe.load_state_dict(megatron.state_dict())  # same keys: interchangeable experts
     lrmoe.grouped_gemm = {"auto": None, "on": True, "off": False}[cfg["grouped_gemm"]]
     # Planners built at setup; one micro-batch per step (one_step ends each step).

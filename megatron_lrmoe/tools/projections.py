@@ -297,7 +297,9 @@ POLICIES: dict[str, tuple[str, tuple[str, ...], str | None]] = {
     "megatron-dropless": ("Megatron dropless", (), "dropless"),
     "megatron-capacity-1.0": ("Megatron capacity drop, cf 1.0",
                               ("--moe-expert-capacity-factor", "1.0"), "capacity-drop"),
+    # SYMI-style drops nothing: uniform at gamma inf keeps no bookkeeping of a drop.
     "symi": ("SYMI-style", ("--moe-lrmoe", "--moe-lrmoe-placement", "popularity",
+                            "--moe-lrmoe-selection", "uniform",
                             "--moe-lrmoe-bwd-capacity-factor", "inf",
                             "--moe-lrmoe-memory-budget-gb", "auto"), "symi"),
     # No measured pair of uniform gamma 1.0 without replicas: the memory-aware run's ratio

@@ -54,7 +54,7 @@ from megatron_lrmoe.planning.memory_account import GIB
 from megatron_lrmoe.planning.models import MODELS, ModelSpec
 from megatron_lrmoe.planning.placement import Placement
 from megatron_lrmoe.planning.planner import LayerPlanner, PlannerSettings
-from megatron_lrmoe.planning.retention import RetentionPlan, default_retention_in_forward
+from megatron_lrmoe.planning.retention import RetentionPlan, retention_in_forward
 from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
 from megatron_lrmoe.tools.figures import FiguresUnavailable, pyplot, save_png
 from megatron_lrmoe.tools.provenance import code_version
@@ -125,6 +125,12 @@ def _moe_layer_count(freq: int | str, num_layers: int) -> int:
 
 
 # ----------------------------------------------------------------------------- policies
+SIMULATED_SELECTION = "uniform"
+"""The selection rule of the simulator's LRMoE layer: its policies (``POLICIES``) name a
+placement and gamma only, and were fitted and stored with this rule's shape (nothing
+stored beyond the retained rows); the layer's default rule is ``two-stage``."""
+
+
 @dataclass(frozen=True)
 class Policy:
     """One way a Megatron user can run the MoE layers."""
@@ -152,11 +158,14 @@ class Policy:
 
 
 def layer_shape(shape: MoEShape, runs_planner: bool) -> MoEShape:
-    """``shape`` as the policy's layer runs it. LRMoE's layer (its default rule, uniform)
-    draws the retained set in forward and recomputes the activation in backward;
-    Megatron's saved its output instead. Every budgeted policy runs LRMoE's layer, so
-    ``layer_shape(shape, True)`` is the one shape that defines the budget."""
-    return replace(shape, forward_retention=runs_planner and default_retention_in_forward(),
+    """``shape`` as the policy's layer runs it. LRMoE's layer, as the simulator prices it
+    (the uniform rule, whatever the layer's default), draws the retained set in forward and
+    recomputes the activation in backward; Megatron's saved its output instead. Every
+    budgeted policy runs LRMoE's layer, so ``layer_shape(shape, True)`` is the one shape
+    that defines the budget."""
+    return replace(shape, forward_retention=runs_planner
+                   and retention_in_forward(SIMULATED_SELECTION, "grad_act"),
+                   store_factor=shape.store_factor if runs_planner else None,
                    megatron_layer=not runs_planner)
 
 
@@ -167,7 +176,7 @@ POLICIES: tuple[Policy, ...] = (
     Policy("symi", placement="popularity", budget=True, label="SYMI-style"),
     Policy("lrmoe-drop", capacity_factor=0.75, budget=True, label="LRMoE drop only, 0.75"),
     Policy("lrmoe-ma", placement="memory-aware", capacity_factor=1.0, budget=True,
-           label="LRMoE memory-aware + drop, 1.0 (default gamma)"),
+           label="LRMoE memory-aware + drop, 1.0"),
 )
 
 

@@ -60,7 +60,7 @@ from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, megatron_kept_counts
 from megatron_lrmoe.planning.planner import PlannerSettings
-from megatron_lrmoe.planning.retention import TWO_STAGE, stored_in_forward
+from megatron_lrmoe.planning.retention import TWO_STAGE, retention_in_forward, stored_in_forward
 from megatron_lrmoe.planning.shapes import MoEShape
 from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools.provenance import code_version
@@ -242,7 +242,11 @@ def replay_calls(replay: RunReplay) -> list[CallCounts]:
     groups of a layer share one planner state: their pooled observations), and
     ``next_step`` at each step's end."""
     trace, shape = replay.trace, replay.shape
-    forward_retention = layer_shape(shape, True).forward_retention
+    # Where the run's rule draws its kept pairs in backward, the kept positions are sent
+    # there (a run of Megatron's layer sends none).
+    options = replay.lrmoe_options
+    forward_retention = not options or retention_in_forward(options["moe_lrmoe_selection"],
+                                                            options["moe_lrmoe_metric"])
     megatron = MegatronMoEMemory(replay.cost.shape, grouped=shape.grouped_gemm)
     out = []
     for number in trace.layers:

@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 
 from megatron_lrmoe.data.routing_traces import read_routing_trace
+from megatron_lrmoe.options.lrmoe import option
 from megatron_lrmoe.planning.clusters import CLUSTERS
 from megatron_lrmoe.planning.models import ModelSpec
 from megatron_lrmoe.planning.shapes import MoEShape
@@ -27,14 +28,38 @@ from megatron_lrmoe.tools.simulate import Policy, simulate
 LAUNCHER_MODULES = ("megatron_lrmoe.launcher.pretrain", "megatron_lrmoe.pretrain")
 
 
+MOVED_DEFAULTS = {"--moe-lrmoe-selection": "uniform", "--moe-lrmoe-bwd-capacity-factor": "1.0"}
+"""The LRMoE options whose defaults have moved, at the values every run recorded before
+the move ran under (docs/decisions.md, "The LRMoE layer"). A record written since holds
+its own (``recorded_defaults``, the record's ``defaults``)."""
+
+
+def recorded_defaults() -> dict[str, str]:
+    """Today's defaults of the moved options (``MOVED_DEFAULTS``' flags), for a run's record:
+    its command, replayed later, then reads as it ran whatever the defaults are by then."""
+    out = {}
+    for flag in MOVED_DEFAULTS:
+        default = option(flag.removeprefix("--").replace("-", "_")).default
+        out[flag] = f"{default:g}" if isinstance(default, float) else str(default)
+    return out
+
+
 def run_flags(done: Path) -> list[str]:
-    """The launcher flags of a finished run (after ``-m <the launcher's worker module>``)."""
-    command = shlex.split(json.loads(done.read_text())["command"])
+    """The launcher flags of a finished run (after ``-m <the launcher's worker module>``).
+    An LRMoE run's command gets the moved options it does not name, at the defaults it ran
+    under (its record's ``defaults``; ``MOVED_DEFAULTS`` for a record written before)."""
+    record = json.loads(done.read_text())
+    command = shlex.split(record["command"])
     module = next((m for m in LAUNCHER_MODULES if m in command), None)
     if module is None:
         raise ValueError(f"{done}: no launcher module ({' or '.join(LAUNCHER_MODULES)}) "
                          "in its command")
-    return command[command.index(module) + 1:]
+    flags = command[command.index(module) + 1:]
+    if "--moe-lrmoe" in flags:
+        defaults = record.get("defaults", MOVED_DEFAULTS)
+        flags += [word for flag, value in defaults.items() if flag not in flags
+                  for word in (flag, value)]
+    return flags
 
 
 # Flags of a recorded run that are not the model's or the batch's.

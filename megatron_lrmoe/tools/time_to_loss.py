@@ -88,6 +88,7 @@ from megatron_lrmoe.config.flags import ConfigError
 from megatron_lrmoe.launcher.arguments import parse_args as parse_run_flags
 from megatron_lrmoe.tools import run_log, time_to_loss_curve
 from megatron_lrmoe.tools.figures import pyplot, save_png
+from megatron_lrmoe.tools.simulator_validation import recorded_defaults
 from megatron_lrmoe.tools.time_to_loss_policies import (
     LRMOE_NAME,
     REFERENCE,
@@ -237,7 +238,8 @@ def run_one(run_dir: Path, flags: list[str], port: int, segment: int | None = No
             _keep_latest(checkpoint, reached)
             _write_atomic(walls_file, {"wall_s": walls})
             return None
-    record = {"command": shlex.join(command), "wall_s": sum(walls), "code": launched}
+    record = {"command": shlex.join(command), "wall_s": sum(walls), "code": launched,
+              "defaults": recorded_defaults()}
     if segment:
         record["rounds"] = {"steps_per_round": segment, "wall_s": walls}
     if code != 0:

@@ -118,7 +118,9 @@ class Policies(Mapping[str, list[str]]):
         if name in BASELINE_POLICIES:
             return {REFERENCE: [],
                     "megatron-capacity-1.0": ["--moe-expert-capacity-factor", "1.0"],
+                    # Drops nothing: uniform at gamma inf keeps no bookkeeping of a drop.
                     "symi": ["--moe-lrmoe", "--moe-lrmoe-placement", "popularity",
+                             "--moe-lrmoe-selection", "uniform",
                              "--moe-lrmoe-bwd-capacity-factor", "inf", *self.budget]}[name]
         try:
             return LRMoEPolicy.parse(name).flags(self.budget)
@@ -148,6 +150,9 @@ def policies(budget_gb: float | str) -> Policies:
     return Policies(budget_gb)
 
 
+_DATA_FLAGS = ("--data-path", "--data-cache-path")
+
+
 def study_budget_gb(base_flags: list[str], extra_instances: float) -> float:
     """Balanced dropless need of the configured shape plus ``extra_instances`` expert
     instances per layer and rank (GiB), from the cost model (memory only)."""
@@ -158,7 +163,10 @@ def study_budget_gb(base_flags: list[str], extra_instances: float) -> float:
     from megatron_lrmoe.planning.memory_account import GIB
 
     # Validate as the runs will be: one rank per expert-parallel rank.
-    args = parse_args(base_flags + ["--moe-lrmoe"], world_size(base_flags))
+    # The shape only: mock data, so that the corpus need not be prepared yet.
+    model = [f for i, f in enumerate(base_flags) if f not in _DATA_FLAGS
+             and (i == 0 or base_flags[i - 1] not in _DATA_FLAGS)]
+    args = parse_args(model + ["--moe-lrmoe", "--mock-data"], world_size(base_flags))
     shape = moe_shape(transformer_config_from_args(args),
                       args.micro_batch_size * args.seq_length)
     cost = CostModel(shape, machine_constants(None, "cpu"))

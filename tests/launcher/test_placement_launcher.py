@@ -168,8 +168,8 @@ def test_budget_below_the_floor_is_refused(gloo1, corpus):
 def test_budget_between_floor_and_dropless_need_trains_with_gamma_lowered(
         gloo1, corpus, tmp_path, compute_bound_calibration):
     # TINY's MoE layers on one rank (fp32, 4 x 64 tokens per micro-batch): between the
-    # floor and the balanced dropless need even balanced routing does not fit at gamma 1,
-    # so the run starts and every call's plan lowers gamma.
+    # floor and the balanced dropless need even balanced routing does not fit at gamma 1
+    # (the default rule), so the run starts and every call's plan lowers gamma.
     from megatron_lrmoe.config.transformer_config import LRMoETransformerConfig
     from megatron_lrmoe.integration.planner_inputs import machine_constants, moe_shape
     from megatron_lrmoe.planning.cost_model import CostModel
@@ -179,15 +179,16 @@ def test_budget_between_floor_and_dropless_need_trains_with_gamma_lowered(
     config = LRMoETransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
         num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, gated_linear_unit=True,
-        moe_token_dispatcher_type="alltoall", add_bias_linear=False, moe_lrmoe=True)
+        moe_token_dispatcher_type="alltoall", add_bias_linear=False, moe_lrmoe=True,
+        moe_lrmoe_bwd_capacity_factor=1.0)
     cost = CostModel(moe_shape(config, 4 * 64, 1, 1),
                      machine_constants(compute_bound_calibration, "cpu"))
     floor, need = budget_floor(cost), cost.balanced_dropless_need()
     budget = (floor + need) / 2 / GIB
     log = tmp_path / "log.jsonl"
     results = gloo1.run(_train, TINY + [
-        "--moe-lrmoe", "--moe-lrmoe-placement", "memory-aware",
-        "--moe-lrmoe-memory-budget-gb", f"{budget:.9g}",
+        "--moe-lrmoe", "--moe-lrmoe-bwd-capacity-factor", "1.0",
+        "--moe-lrmoe-placement", "memory-aware", "--moe-lrmoe-memory-budget-gb", f"{budget:.9g}",
         "--moe-lrmoe-calibration", compute_bound_calibration, "--data-path", corpus,
         "--train-iters", "3", "--log-interval", "1", "--log-json", str(log)], timeout=120)
     assert all(map(math.isfinite, results[0]["losses"]))

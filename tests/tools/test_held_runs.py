@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_lrmoe.launcher.arguments import parse_args
 from megatron_lrmoe.tools import held_runs as hr
+from megatron_lrmoe.tools.simulator_validation import MOVED_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREEN = Path("benchmarks/results/time_to_loss/ep_study_ep16/held/screen")
@@ -21,7 +23,8 @@ SCREEN = Path("benchmarks/results/time_to_loss/ep_study_ep16/held/screen")
 def test_a_named_run_gets_the_flags_the_drivers_run_of_that_name_had(name, corpus,
                                                                      monkeypatch):
     # Oracle: the command the time-to-loss driver ran for the EP 16 screen's run of that
-    # name (its done.json), the corpus path aside.
+    # name (its done.json), the corpus path aside, read by the launcher's parser with the
+    # defaults it ran under (the options whose defaults moved since, at their old values).
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("WORLD_SIZE", raising=False)     # the flags' own world size
     run_dir = SCREEN / "runs" / f"{name}-s1"
@@ -29,8 +32,11 @@ def test_a_named_run_gets_the_flags_the_drivers_run_of_that_name_had(name, corpu
     ran = command[command.index("megatron_lrmoe.launcher.pretrain") + 1:
                   command.index("--log-json")]
     ran[ran.index("--data-path") + 1] = corpus
+    ran += [word for flag, value in MOVED_DEFAULTS.items() if flag not in ran
+            for word in (flag, value)]
     base = hr.base_flags("configs/ep_study.yaml", 16, 300, 50, 20, data_path=corpus)
-    assert hr.run_flags(name, base, 1, 0.0457, run_dir) == ran
+    assert vars(parse_args(hr.run_flags(name, base, 1, 0.0457, run_dir), 16)) == vars(
+        parse_args(ran, 16))
 
 
 def test_a_name_the_fitting_has_no_configuration_for_is_refused(corpus, monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 
 from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools import simulator_counts as sc
+from megatron_lrmoe.tools import simulator_validation as vs
 
 RUNS = Path(__file__).resolve().parents[2] / "benchmarks/results/time_to_loss/validate/runs"
 
@@ -102,8 +103,10 @@ def test_a_fresh_runs_per_rank_dispatch_matches_the_replay(gloo2, corpus, tmp_pa
              "--data-path", corpus, "--record-routing", str(run / "routing"),
              "--log-json", str(run / "log.jsonl")]
     gloo2.run(_train, flags, timeout=300)
+    # Recorded as the time-to-loss driver records: with the defaults it ran under.
     (run / "done.json").write_text(json.dumps({"command": shlex.join(
-        ["python", "-m", "megatron_lrmoe.launcher.pretrain", *flags])}))
+        ["python", "-m", "megatron_lrmoe.launcher.pretrain", *flags]),
+        "defaults": vs.recorded_defaults()}))
     result = sc.compare_run(run)
     assert result["mismatches"] == []
     for family, count in families.items():          # 2 layers x 2 log intervals

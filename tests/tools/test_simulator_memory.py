@@ -67,7 +67,7 @@ def test_measured_layers_receive_the_forced_counts(gloo2):
     from megatron_lrmoe.planning.cost_model import CostModel
     from megatron_lrmoe.planning.machine import MachineConstants
     from megatron_lrmoe.planning.planner import PlannerSettings
-    from megatron_lrmoe.planning.retention import default_retention_in_forward, plan_retention
+    from megatron_lrmoe.planning.retention import plan_retention
     from megatron_lrmoe.tools.simulator_memory import measure_calls
 
     cfg = dict(device="cpu", dtype="fp32", ep=2, seed=7, hidden=32, ffn=16, experts=8,
@@ -81,7 +81,7 @@ def test_measured_layers_receive_the_forced_counts(gloo2):
             {"counts": counts.tolist(), "capacity_factor": None, "lrmoe": static}]
     results = gloo2.run(measure_calls, cfg, jobs, timeout=300)
     shape = MoEShape(cfg["hidden"], cfg["ffn"], 8, 2, True, 4, cfg["tokens"],
-                     expert_parallel_size=2, forward_retention=default_retention_in_forward())
+                     expert_parallel_size=2, forward_retention=True)
     cost = CostModel(shape, MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0))
     plan = plan_retention(torch.from_numpy(counts), 2, float("inf"))
     models = [MegatronMoEMemory(shape).rank_memory(counts), cost.plan_levels(plan, np.zeros(2))]

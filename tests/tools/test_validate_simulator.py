@@ -5,12 +5,14 @@ simulator's, tested in test_simulate.py)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
 
 import pytest
 
+from megatron_lrmoe.launcher.arguments import parse_args
 from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools import simulator_validation as vs
 
@@ -72,11 +74,36 @@ def test_run_flags_reads_recorded_runs_of_either_launcher_module(tmp_path):
     # A run of today's launcher.
     done = tmp_path / "done.json"
     done.write_text('{"command": "torchrun --nproc-per-node 2 -m '
-                    'megatron_lrmoe.launcher.pretrain --seed 3 --moe-lrmoe"}')
-    assert vs.run_flags(done) == ["--seed", "3", "--moe-lrmoe"]
+                    'megatron_lrmoe.launcher.pretrain --seed 3"}')
+    assert vs.run_flags(done) == ["--seed", "3"]
     done.write_text('{"command": "torchrun -m something_else --seed 3"}')
     with pytest.raises(ValueError, match="no launcher module"):
         vs.run_flags(done)
+
+
+def test_an_lrmoe_runs_flags_name_the_defaults_it_ran_under(tmp_path):
+    # Oracle: the launcher's parser on the flags the runs were launched with.
+    done = tmp_path / "done.json"
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "time_to_loss.yaml")
+    launched = ["torchrun", "-m", "megatron_lrmoe.launcher.pretrain", "--config", config,
+                "--train-iters", "100", "--moe-lrmoe", "--mock-data"]
+
+    def ran(record: dict) -> dict:
+        done.write_text(json.dumps({"command": " ".join(launched)} | record))
+        args = parse_args(vs.run_flags(done), 2)
+        return {"selection": args.moe_lrmoe_selection,
+                "gamma": args.moe_lrmoe_bwd_capacity_factor}
+
+    # A record from before the defaults moved: uniform at 1.0, as those runs ran.
+    assert ran({}) == {"selection": "uniform", "gamma": 1.0}
+    # A record since holds its defaults; the flags it names win over them.
+    old = {"--moe-lrmoe-selection": "sample", "--moe-lrmoe-bwd-capacity-factor": "0.6"}
+    assert ran({"defaults": old}) == {"selection": "sample", "gamma": 0.6}
+    launched += ["--moe-lrmoe-selection", "topk"]
+    assert ran({"defaults": old}) == {"selection": "topk", "gamma": 0.6}
+    # What a record written today holds: today's defaults, so it reads as today's parse.
+    assert ran({"defaults": vs.recorded_defaults()})["gamma"] == parse_args(
+        launched[3:], 2).moe_lrmoe_bwd_capacity_factor
 
 
 def test_run_setting_resolves_a_held_runs_auto_budget_as_its_launcher_did(monkeypatch):
@@ -117,4 +144,4 @@ def test_reference_flags_keep_the_model_and_batch_only(tmp_path):
                "megatron_lrmoe.launcher.pretrain", *flags, "--log-json", "run/log.jsonl"]
     (run / "done.json").write_text(json.dumps({"command": " ".join(command)}))
     assert vs.reference_flags(run) == ["--config", "c.yaml", "--hidden-size", "384",
-                                       "--moe-lrmoe"]
+                                       "--moe-lrmoe", *itertools.chain(*vs.MOVED_DEFAULTS.items())]
