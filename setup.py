@@ -128,7 +128,8 @@ setup(
     name="megatron-lrmoe",
     version=read_version(),
     description="Load-recalibrated Mixture-of-Experts training for Megatron-Core",
-    packages=find_packages(exclude=["tests", "tests.*"]),
+    # The product only: the workshop (workshop/: studies, test harness) is not shipped.
+    packages=find_packages(include=["megatron_lrmoe", "megatron_lrmoe.*"]),
     python_requires=">=3.12",
     # Ranges, not pins: a GPU machine keeps its own CUDA build of torch.
     install_requires=[

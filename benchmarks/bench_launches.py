@@ -5,7 +5,7 @@ Usage:
 
 Qwen3-30B-A3B's MoE layer (H 2048, F 768, E 128, top-8, bf16, 4096 tokens per rank) as
 rank 3 of a fake EP group of 8, counts from the recorded routing trace
-(megatron_lrmoe/testing/device_ops.py: what a device op is, how ops are attributed to
+(workshop/lrmoe_testing/device_ops.py: what a device op is, how ops are attributed to
 stages, and why Megatron's baseline is SequentialMLP). A count, not a timing: the table
 does not depend on the machine's load. Runs the harness in its own process.
 """
@@ -41,7 +41,7 @@ PHASES = ("forward", "backward")
 
 def measure() -> list[dict]:
     run = subprocess.run(
-        [sys.executable, "-m", "megatron_lrmoe.testing.device_ops", str(RANK),
+        [sys.executable, "-m", "lrmoe_testing.device_ops", str(RANK),
          *(spec for _, spec in CASES)],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
         capture_output=True, text=True, timeout=900)
@@ -110,7 +110,7 @@ def main() -> None:
         "- H 2048, F 768 (SwiGLU), E 128, top-8, bf16, 4096 tokens per rank; counts from "
         "benchmarks/results/routing_traces/qwen3; one training call: forward, then the whole "
         "backward (router included) from the output to the input and parameters",
-        "- device op: a dispatched op that writes device memory (megatron_lrmoe/testing/"
+        "- device op: a dispatched op that writes device memory (workshop/lrmoe_testing/"
         "device_ops.py, op_kind); views, metadata and allocations excluded; collectives and "
         "device-to-host copies counted apart",
         "- Megatron: MoELayer from its local GPT spec, all-to-all dispatcher, SequentialMLP "

@@ -25,7 +25,7 @@ backward = out.backward(dy), each started after a barrier; per repetition the
 slowest rank's time (it sets the pace under expert parallelism), then the median
 over repetitions; warm-up repetitions are excluded; the order of the settings
 rotates every repetition. On CPU: one gloo process per rank, one thread each
-(megatron_lrmoe.testing.gloo_pool.GlooPool). On CUDA: one process with a 1-rank
+(lrmoe_testing.gloo_pool.GlooPool). On CUDA: one process with a 1-rank
 process group, and torch.cuda.synchronize() before every clock read.
 
 CPU workers run with glibc malloc tunables that keep freed memory in the heap (like a
@@ -44,7 +44,7 @@ forward+backward (``layer_bench.measure_memory``), beside the cost model's predi
 both (``CostModel`` for LRMoE, ``MegatronMoEMemory`` for Megatron's layer), checked within
 5%;
 and the host reads of device data in one forward and one backward
-(``megatron_lrmoe.testing.host_reads``; on a GPU each is a stall).
+(``lrmoe_testing.host_reads``; on a GPU each is a stall).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_lrmoe.tools.layer_bench import (
+from lrmoe_studies.layer_bench import (
     DTYPES,
     GLIBC_CACHING_TUNABLES,
     build_layers,
@@ -85,7 +85,7 @@ TARGET_SLACK = 0.05  # target: backward time <= (r + 0.05) x dropless backward t
 
 # -----------------------------------------------------------------------------
 # Worker side (runs on every rank; module-level so GlooPool workers can import it;
-# the building blocks it shares with the other benchmarks: megatron_lrmoe.tools.layer_bench)
+# the building blocks it shares with the other benchmarks: lrmoe_studies.layer_bench)
 # -----------------------------------------------------------------------------
 
 
@@ -200,9 +200,9 @@ def run_benchmark(cfg: dict) -> dict:
 
 def _count_host_reads(layer, x, dy, barrier) -> dict[str, int]:
     """Host reads of device data in one forward and one backward of the layer
-    (megatron_lrmoe.testing.host_reads: the layer's input and weights are the device
+    (lrmoe_testing.host_reads: the layer's input and weights are the device
     data; ops inside compiled kernels are not seen)."""
-    from megatron_lrmoe.testing.host_reads import HostReadDetector
+    from lrmoe_testing.host_reads import HostReadDetector
 
     for p in layer.parameters():
         p.grad = None
@@ -645,7 +645,7 @@ def report(cfg: dict, per_rank: list[dict], command: str) -> tuple[str, list[dic
         "and the largest relative error against the measurement over the ranks "
         f"(checked: within {MODEL_TOLERANCE:.0%})",
         "- host reads fwd/bwd: reads of device data on the host in one forward and one "
-        "backward of the layer (megatron_lrmoe.testing.host_reads: data flow from the "
+        "backward of the layer (lrmoe_testing.host_reads: data flow from the "
         "layer's input and weights; syncs inside compiled kernels are not seen), busiest "
         "rank; on a GPU each one stalls the CPU until the device drains",
         "",
@@ -842,7 +842,7 @@ def _run_cuda(cfg: dict) -> list[dict]:
     """One process, one GPU: a 1-rank process group (the CPU runtime is not used)."""
     import torch.distributed as dist
 
-    from megatron_lrmoe.testing.gloo_pool import free_port
+    from lrmoe_testing.gloo_pool import free_port
 
     if not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device visible to torch")
@@ -879,7 +879,7 @@ def main(argv=None) -> int:
         tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
         os.environ["GLIBC_TUNABLES"] = ":".join([*tunables, *GLIBC_CACHING_TUNABLES])
     if args.device == "cpu":
-        from megatron_lrmoe.testing.gloo_pool import GlooPool
+        from lrmoe_testing.gloo_pool import GlooPool
 
         pool = GlooPool(args.ep)
         try:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_lrmoe.tools.layer_bench import (
+from lrmoe_studies.layer_bench import (
     DTYPES,
     GLIBC_CACHING_TUNABLES,
     build_layers,
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
                                                  *(sys.argv[1:] if argv is None else argv)])
     tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
     os.environ["GLIBC_TUNABLES"] = ":".join([*tunables, *GLIBC_CACHING_TUNABLES])
-    from megatron_lrmoe.testing.gloo_pool import GlooPool
+    from lrmoe_testing.gloo_pool import GlooPool
 
     start = time.perf_counter()
     pool = GlooPool(args.ep)

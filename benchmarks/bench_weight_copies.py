@@ -2,7 +2,7 @@
 
 One LRMoELayer of Qwen3-30B-A3B's MoE shape (H 2048, 128 experts, top-8, F 768 SwiGLU,
 4096 tokens per rank, bf16, grouped GEMMs) as rank 3 of a fake EP group of 8
-(``megatron_lrmoe.testing.cuda_harness.run_weight_copy_case``), forward then backward; a
+(``lrmoe_testing.cuda_harness.run_weight_copy_case``), forward then backward; a
 dispatch mode adds up the bytes every copy op (stack, cat, clone, copy_, ``.to``, ...)
 writes from a tensor that aliases an expert weight's storage. One subprocess per way of
 holding the experts (the fake process group is process-wide): as built (one buffer per
@@ -39,7 +39,7 @@ MB = 1e6
 
 def measure(wrap: str, cases: list[str]) -> list[dict]:
     run = subprocess.run(
-        [sys.executable, "-m", "megatron_lrmoe.testing.cuda_harness", "weights", "3", wrap,
+        [sys.executable, "-m", "lrmoe_testing.cuda_harness", "weights", "3", wrap,
          *cases], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True, text=True, timeout=1200, check=False)
     if run.returncode:

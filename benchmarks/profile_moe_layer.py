@@ -49,8 +49,8 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_lrmoe.tools.moe_layer_profile import new_call, summarise
-from megatron_lrmoe.tools.time_to_loss_policies import (
+from lrmoe_studies.moe_layer_profile import new_call, summarise
+from lrmoe_studies.time_to_loss_policies import (
     STUDY_CONFIG,
     config_value,
     policies,

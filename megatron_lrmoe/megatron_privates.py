@@ -53,14 +53,14 @@ The internals, each read from the version named (``MEGATRON_CORE``: megatron-cor
 * the module globals ``_CUDA_RNG_STATE_TRACKER``, ``_CUDA_RNG_STATE_TRACKER_INITIALIZED``
   and ``_MODEL_PARALLEL_RNG_TRACKER_NAME`` of ``megatron.core.tensor_parallel.random``
   (megatron-core 0.19.2; swapped by ``installed_cuda_rng_tracker``, read by
-  ``model_parallel_rng_tracker_name``): the fake-CUDA harness (testing/cuda_harness.py)
+  ``model_parallel_rng_tracker_name``): the fake-CUDA harness (lrmoe_testing/cuda_harness.py)
   installs a tracker without a CUDA generator, which needs a driver.
 * the class attribute ``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`` (megatron-core
   0.19.2; swapped by ``swapped_dispatcher_dtoh_stream``): its constructor makes a CUDA
   stream once per process, which needs a driver; the fake-CUDA harness presets it.
 * ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` (megatron-core 0.19.2;
   replaced on one instance by ``replaced_dispatcher_dtoh``): the device-op count
-  (testing/device_ops.py) runs Megatron's own layer on fake CUDA, where the split sizes
+  (lrmoe_testing/device_ops.py) runs Megatron's own layer on fake CUDA, where the split sizes
   it reads on the host have no values and its stream and event need a driver.
 * the module global ``initialize_megatron`` of ``megatron.bridge.training.setup`` (looked
   up by ``setup``), and ``compile_helpers`` and the private ``_set_random_seed`` of
@@ -72,7 +72,7 @@ The internals, each read from the version named (``MEGATRON_CORE``: megatron-cor
 * the module global ``mtp_block_spec`` of ``megatron.bridge.models.gpt_provider`` (looked
   up by ``GPTModelProvider.provide``; Megatron-Bridge 0.6.2, which builds the MTP block
   with Transformer Engine hard-coded; swapped by ``swapped_bridge_mtp_block_spec``): the
-  test harness's local MTP spec on CPU (testing/bridge.py).
+  test harness's local MTP spec on CPU (lrmoe_testing/bridge.py).
 * ``PersistentAsyncCaller.async_loop`` of
   ``megatron.core.dist_checkpointing.strategies.async_utils`` and
   ``FileSystemWriterAsync.preload_tensors`` of ``...strategies.filesystem_async``
@@ -84,7 +84,7 @@ The internals, each read from the version named (``MEGATRON_CORE``: megatron-cor
 * ``MTPLossLoggingHelper.tracker`` of ``megatron.core.transformer.multi_token_prediction``
   (megatron-core 0.19.2; a class-level dict, emptied by ``clear_mtp_loss_tracker``): its
   tensors are sized by the first model's MTP depth and never reset, so the test harness
-  (testing/bridge.py) empties it before each of a worker's Bridge runs.
+  (lrmoe_testing/bridge.py) empties it before each of a worker's Bridge runs.
 * ``torch.nn.Module._forward_pre_hooks`` of an expert linear (torch 2.13; read by
   ``forward_pre_hooks``): the hooks that megatron-core 0.19.2's
   ``DistributedDataParallel`` registers there (distributed_data_parallel.py:408,

@@ -14,7 +14,9 @@
 # Then installs the package in editable mode, which compiles megatron_lrmoe._kernels
 # against the torch in the environment: the CPU backend, plus the CUDA one when torch
 # is a CUDA build and nvcc is found (for TORCH_CUDA_ARCH_LIST, default 9.0 when no GPU
-# is visible). A second run with nothing changed only checks and returns.
+# is visible); and the workshop (workshop/: the studies and the test harness), editable,
+# which the product's wheel leaves out. A second run with nothing changed only checks
+# and returns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,10 +49,11 @@ fi
 PY=.venv/bin/python
 
 # Everything that decides what gets installed or compiled.
-fingerprint=$(cat requirements/*.txt setup.py pyproject.toml kernels/* 2>/dev/null | sha256sum | cut -c1-16)
+fingerprint=$(cat requirements/*.txt setup.py pyproject.toml workshop/pyproject.toml kernels/* \
+  2>/dev/null | sha256sum | cut -c1-16)
 stamp=.venv/.lrmoe-setup-${LRMOE_GPU:-0}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ] \
-   && "$PY" -c 'import torch, megatron_lrmoe._kernels' 2>/dev/null; then
+   && "$PY" -c 'import torch, megatron_lrmoe._kernels, lrmoe_studies, lrmoe_testing' 2>/dev/null; then
   exit 0
 fi
 
@@ -82,6 +85,7 @@ source scripts/lib/cuda_home.sh
 lrmoe_export_cuda_home "setup: "
 # --no-build-isolation: compile against the torch installed above, never a second one.
 "$PY" -m pip install -q --no-build-isolation "${deps[@]}"
+"$PY" -m pip install -q --no-build-isolation --no-deps -e workshop
 "$PY" -c 'import torch, megatron_lrmoe._kernels' || { echo "error: kernel extension did not build" >&2; exit 1; }
 echo "$fingerprint" > "$stamp"
 echo "setup: done ($("$PY" -W ignore -c 'import torch; from megatron.core import package_info as m; print("torch", torch.__version__, "megatron-core", m.__shortversion__)'))"

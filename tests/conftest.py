@@ -8,8 +8,8 @@ import tempfile
 import pytest
 from hypothesis import settings
 
-from megatron_lrmoe.testing.gloo_pool import GlooPool
-from megatron_lrmoe.testing.hf_cache import offline_hf_environment, prefilled_hf_cache
+from lrmoe_testing.gloo_pool import GlooPool
+from lrmoe_testing.hf_cache import offline_hf_environment, prefilled_hf_cache
 
 # Property tests draw the same examples on every run (CI gates on them; a new random
 # counterexample should not fail a change that did not cause it). To search new ones:

@@ -158,7 +158,7 @@ def test_setup_builds_against_nvccs_toolkit(tmp_path):
     top, wrap = _toolkit(tmp_path)
     repo = _repo_copy(tmp_path, "scripts/setup.sh")
     for name in ("requirements/lock.txt", "requirements/bridge.txt", "setup.py",
-                 "pyproject.toml", "kernels/k.cu"):
+                 "pyproject.toml", "workshop/pyproject.toml", "kernels/k.cu"):
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
         (repo / name).write_text("")
     python = _executable(tmp_path / "fake" / "python", FAKE_PYTHON)

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/studies/ep_regime.py record --ep 8     # ~2.5 min
     .venv/bin/python benchmarks/studies/ep_regime.py table             # seconds
 
-What is measured and how: ``megatron_lrmoe.tools.ep_regime`` (its docstring), where the
+What is measured and how: ``lrmoe_studies.ep_regime`` (its docstring), where the
 tests import it; this file is its command line.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from megatron_lrmoe.tools.ep_regime import main
+from lrmoe_studies.ep_regime import main
 
 if __name__ == "__main__":
     sys.exit(main())

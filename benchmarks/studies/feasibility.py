@@ -6,7 +6,7 @@
 For the time-to-loss study's GEMM-bound shape (hidden 384, expert FFN 1024, 4
 micro-batches per step, EP 2), from one measured dropless run of it (its flags, its
 recorded routing and its time outside the MoE layers), every policy's candidate
-configurations (``megatron_lrmoe.tools.fitting``: Megatron's means) are predicted at two
+configurations (``lrmoe_studies.fitting``: Megatron's means) are predicted at two
 device sizes chosen from the same predictions:
 
 * D1: the dropless hot rank's MoE peak exceeds the MoE share the device leaves by 15%;
@@ -44,11 +44,11 @@ import shlex
 import sys
 from pathlib import Path
 
+from lrmoe_studies import fitting as F
+from lrmoe_studies.simulator_validation import reference_flags
+from lrmoe_studies.time_to_loss_policies import world_size
 from megatron_lrmoe.planning.memory_account import GIB
-from megatron_lrmoe.tools import fitting as F
 from megatron_lrmoe.tools.provenance import code_version
-from megatron_lrmoe.tools.simulator_validation import reference_flags
-from megatron_lrmoe.tools.time_to_loss_policies import world_size
 
 ROOT = Path(__file__).resolve().parents[2]
 

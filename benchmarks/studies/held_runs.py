@@ -4,7 +4,7 @@ benchmarks/results/planner_ep16_cpu/).
     .venv/bin/python benchmarks/studies/held_runs.py --ep 16 --train-iters 60 \
         --device-gib 0.0457 --out-dir DIR --policies lrmoe-uniform-g1.0-ma,symi@slots_14
 
-What is run and tabulated: ``megatron_lrmoe.tools.held_runs`` (its docstring), where the
+What is run and tabulated: ``lrmoe_studies.held_runs`` (its docstring), where the
 tests import it; this file is its command line. The corpus: prepare it first
 (``python -m megatron_lrmoe.data.prepare --output-prefix data/stdlib``).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from megatron_lrmoe.tools.held_runs import main
+from lrmoe_studies.held_runs import main
 
 if __name__ == "__main__":
     sys.exit(main())

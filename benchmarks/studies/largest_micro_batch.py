@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/studies/largest_micro_batch.py --device-gib 0.4391 \\
         --out-dir benchmarks/results/largest_micro_batch/d2
 
-What is measured and how: ``megatron_lrmoe.tools.largest_micro_batch`` (its docstring),
+What is measured and how: ``lrmoe_studies.largest_micro_batch`` (its docstring),
 where the tests import it; this file is its command line.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from megatron_lrmoe.tools.largest_micro_batch import main
+from lrmoe_studies.largest_micro_batch import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,9 +18,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from lrmoe_studies.time_to_loss import speed_blocks
 from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools.provenance import code_version
-from megatron_lrmoe.tools.time_to_loss import speed_blocks
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,7 +60,7 @@ from pathlib import Path
 
 # The measurement and its tables; the pool's workers import the task and unpickle its
 # Config by this module name.
-from megatron_lrmoe.tools import retention_bias as rb
+from lrmoe_studies import retention_bias as rb
 from megatron_lrmoe.tools.provenance import code_version
 
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated setting labels (default: all)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    from megatron_lrmoe.testing.gloo_pool import GlooPool
+    from lrmoe_testing.gloo_pool import GlooPool
 
     settings = rb.SETTINGS if args.only is None else tuple(
         s for s in rb.SETTINGS if s.label in args.only.split(",") or math.isinf(s.gamma))

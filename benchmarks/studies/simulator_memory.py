@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/studies/simulator_memory.py RUN_DIR... [--out DIR]
 
-What is measured and compared: ``megatron_lrmoe.tools.simulator_memory`` (its docstring),
+What is measured and compared: ``lrmoe_studies.simulator_memory`` (its docstring),
 where the tests import it; this file is its command line and hands it the gloo ranks
 (the test harness's ``GlooPool``, which the package's tools do not import).
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from megatron_lrmoe.testing.gloo_pool import GlooPool
-from megatron_lrmoe.tools.simulator_memory import main
+from lrmoe_studies.simulator_memory import main
+from lrmoe_testing.gloo_pool import GlooPool
 
 
 def make_pool(ranks: int) -> GlooPool:

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_lrmoe.tools import projections as P
+from lrmoe_studies import projections as P
 from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.simulate import WARMUP_STEPS, load_traces
 

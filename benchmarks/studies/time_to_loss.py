@@ -5,8 +5,8 @@
     bash benchmarks/studies/time_to_loss.sh --stage ci --out-dir /tmp/ttl   # a few minutes
     bash benchmarks/studies/time_to_loss.sh --stage curve --config configs/ep_study.yaml --ep 8
 
-The study's driver is ``megatron_lrmoe.tools.time_to_loss`` (what is measured and how:
-its docstring; the policies: ``megatron_lrmoe.tools.time_to_loss_policies``), where the
+The study's driver is ``lrmoe_studies.time_to_loss`` (what is measured and how:
+its docstring; the policies: ``lrmoe_studies.time_to_loss_policies``), where the
 tests and ``benchmarks/profile_moe_layer.py`` import it; this file is its command line,
 which ``time_to_loss.sh`` runs once the corpora are prepared.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from megatron_lrmoe.tools.time_to_loss import main
+from lrmoe_studies.time_to_loss import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -43,10 +43,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from lrmoe_studies.simulator_validation import distinct_runs, summary_table, validate_run
 from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.tools.provenance import code_version
 from megatron_lrmoe.tools.simulate import PART_NAMES
-from megatron_lrmoe.tools.simulator_validation import distinct_runs, summary_table, validate_run
 
 
 def main(argv: list[str] | None = None) -> int:

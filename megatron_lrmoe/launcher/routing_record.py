@@ -23,7 +23,7 @@ local expert, after any capacity drop). ``end_step(..., interval_end=True)`` gat
 their sums since the last interval end as ``routing/layer<N>/instance-rows`` ([W][L]
 by global rank): what the dispatch delivered, which the simulator's
 replay of the recorded counts must reproduce exactly
-(``megatron_lrmoe.tools.simulator_counts``). LRMoE's layer does not call its experts
+(``lrmoe_studies.simulator_counts``). LRMoE's layer does not call its experts
 module; its dispatch is counted by its own statistics (``lrmoe/layer<N>/instance-rows``).
 
 Without a trace directory (``start_recording(args, model, path=None)``) nothing is

@@ -45,7 +45,7 @@ def build_config(args: argparse.Namespace, vocab_size: int | None = None) -> Tra
 
     ``vocab_size``: the padded vocabulary for an ``auto`` budget's memory account, where
     the tokenizer cannot give it (a projection of a run with a Hugging Face tokenizer,
-    tools/fitting.py); None: the tokenizer's, padded as the model pads it."""
+    lrmoe_studies/fitting.py); None: the tokenizer's, padded as the model pads it."""
     auto = _auto_budget(args)
     try:
         config = transformer_config_from_args(

@@ -193,7 +193,7 @@ def _dispatch_per_rank(layers, num_layers: int) -> dict[str, list]:
     ``rank-kept-sent-pairs`` [W], ``instance-rows`` and ``instance-kept-rows`` [W][L]
     (L: the most local instances of any layer's call, fewer zero-padded).
     What the region handed its all-to-alls, for the simulator's exact per-rank
-    comparison (``megatron_lrmoe.tools.simulator_counts``). Collective."""
+    comparison (``lrmoe_studies.simulator_counts``). Collective."""
     counts = {layer.layer_number or 0: layer.lrmoe_stats.dispatch_counts() for layer in layers}
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -1,2 +1,3 @@
-"""Host tools: calibrate, simulate, report, routing traces, provenance, and what the
-benchmarks and studies share (layer_bench, time_to_loss, retention_bias, ...)."""
+"""The user commands that run on the host: calibrate (machine constants), simulate (the
+at-scale projection), report (a run's figures), and what they share (run logs,
+provenance, figures). The studies' machinery is the workshop's (lrmoe_studies)."""

@@ -19,9 +19,10 @@ the replica refresh per step (means over the counted steps, after ``WARMUP_STEPS
 MoE memory per rank against the budget (the most over every step, the warm-up included,
 of that step's own levels and replicas), the MoE time per optimizer step and, with
 steps-to-target ratios measured by the time-to-loss study (an assumption, stated in the
-report; the measured steps are read from ``--steps-to-target``, by default
-``STEPS_TO_TARGET_FILE`` under benchmarks/results/), the projected cumulative MoE time to
-the target relative to dropless and to SYMI-style. docs/simulate.md describes the
+report; the measured steps are read from ``--steps-to-target FILE``, e.g. the study's
+benchmarks/results/time_to_loss/h384_f1024_mb4/steps_to_target.json in a checkout, or
+given per policy by ``--steps-ratio``), the projected cumulative MoE time to the target
+relative to dropless and to SYMI-style. docs/simulate.md describes the
 assumptions.
 """
 
@@ -59,12 +60,11 @@ from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
 from megatron_lrmoe.tools.figures import FiguresUnavailable, pyplot, save_png
 from megatron_lrmoe.tools.provenance import code_version
 
-__all__ = ["POLICIES", "STEPS_TO_TARGET_FILE", "WARMUP_STEPS", "Policy", "StepsPair",
+__all__ = ["POLICIES", "WARMUP_STEPS", "Policy", "StepsPair",
            "StepsToTarget", "call_memory_levels", "layer_shape", "load_steps_to_target",
            "model_from_config", "node_calibration", "policy_planner", "read_steps_to_target",
            "simulate", "source_batches", "steps_ratios"]
 
-ROOT = Path(__file__).resolve().parents[2]
 WARMUP_STEPS = 1
 """Steps replayed before the counted window: the planner's step 0 runs Megatron's static
 placement with no smoothed counts; ``LayerPlanner.next_step`` folds step 0's loads, so
@@ -406,12 +406,10 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, ep_size: int, traces: list[
 
 # ------------------------------------------------------------------------------ report
 # The steps-to-target figures are measured data, so they live with the study they come
-# from, not here: steps_to_target.json lists, per policy, (policy's steps, the same seed's
-# dropless steps) to the dropless run's 100% loss target with the runs and the commit of
-# each (docs/simulate.md, "Outputs"). A policy's ratio is the median of its per-pair
-# ratios: an assumption at other scales; --steps-ratio overrides single policies.
-STEPS_TO_TARGET_FILE = (ROOT / "benchmarks" / "results" / "time_to_loss" / "h384_f1024_mb4"
-                        / "steps_to_target.json")
+# from, not in the package: a steps_to_target.json lists, per policy, (policy's steps, the
+# same seed's dropless steps) to the dropless run's 100% loss target with the runs and the
+# commit of each (docs/simulate.md, "Outputs"). A policy's ratio is the median of its
+# per-pair ratios: an assumption at other scales; --steps-ratio sets single policies.
 
 
 def _steps(value: object) -> bool:
@@ -441,7 +439,8 @@ class StepsToTarget:
 
 def read_steps_to_target(path: Path, flag: str = "--steps-to-target",
                          wanted: tuple[str, ...] | None = None) -> StepsToTarget:
-    """A steps-to-target file (``STEPS_TO_TARGET_FILE`` is the shipped one; its ``"what"``
+    """A steps-to-target file (the time-to-loss study's: ``lrmoe_studies.steps_to_target``
+    writes them; its ``"what"``
     and ``"fields"`` describe the format) with the policies of ``wanted`` (default: every
     simulator policy other than dropless), in that order; others of ``POLICIES`` may be
     present and are read too. Raises ValueError naming ``flag`` and the file when it is
@@ -527,7 +526,9 @@ def report_table(model: ModelSpec, cluster: ClusterSpec, by_ep: dict[int, list[P
         symi = (base["symi"].step_moe_s * steps_ratio.get("symi", 1.0)
                 if "symi" in base else math.nan)
         for r in results:
-            to_target = r.step_moe_s * steps_ratio.get(r.policy, math.nan)
+            # Dropless is the reference: its ratio is 1 whether measured or not.
+            to_target = r.step_moe_s * steps_ratio.get(
+                r.policy, 1.0 if r.policy == "dropless" else math.nan)
             lines.append(
                 f"| {ep} | {r.label} | {r.forward_s * 1e3:.2f} | {r.backward_s * 1e3:.2f} | "
                 f"{parts_text(r.parts, 'forward')} | {parts_text(r.parts, 'backward')} | "
@@ -632,12 +633,12 @@ def main(argv: list[str] | None = None) -> int:
                          "(GEMM rate and tables, memory rate, a measured layer fixed cost); "
                          "the interconnect stays the cluster's (a one-GPU calibration's "
                          "all-to-all is a memory copy)")
-    ap.add_argument("--steps-to-target", type=Path, default=STEPS_TO_TARGET_FILE,
-                    metavar="FILE",
+    ap.add_argument("--steps-to-target", type=Path, default=None, metavar="FILE",
                     help="JSON of measured steps to the loss target per policy and seed, "
                          "whose per-policy median ratio to dropless scales the projection "
-                         "(default: the time-to-loss study's, "
-                         f"{STEPS_TO_TARGET_FILE.relative_to(ROOT)})")
+                         "(in a checkout, the time-to-loss study's: benchmarks/results/"
+                         "time_to_loss/h384_f1024_mb4/steps_to_target.json); without it "
+                         "only --steps-ratio's policies get a time to target")
     ap.add_argument("--steps-ratio", nargs="*", default=[], metavar="POLICY=RATIO",
                     help="steps to target relative to dropless, replacing --steps-to-target's "
                          "for the policies given")
@@ -659,15 +660,18 @@ def main(argv: list[str] | None = None) -> int:
     calibration = json.loads(args.calibration.read_text()) if args.calibration else None
     if calibration is not None and args.calibration_scope == "node":
         calibration = node_calibration(calibration)
-    try:
-        steps_ratio = steps_ratios(load_steps_to_target(args.steps_to_target))
-    except ValueError as e:
-        raise SystemExit(str(e)) from e
+    steps_ratio: dict[str, float] = {}
+    if args.steps_to_target is not None:
+        try:
+            steps_ratio = steps_ratios(load_steps_to_target(args.steps_to_target))
+        except ValueError as e:
+            raise SystemExit(str(e)) from e
+    names = sorted(p.name for p in POLICIES)
     for item in args.steps_ratio:
         name, _, value = item.partition("=")
-        if name not in steps_ratio or not value:
+        if name not in names or not value:
             raise SystemExit(f"--steps-ratio {item!r}: expected POLICY=RATIO with POLICY in "
-                             f"{sorted(steps_ratio)}")
+                             f"{names}")
         steps_ratio[name] = float(value)
     if args.trace is not None:
         traces, source = load_traces(args.trace, model.num_experts, args.layers,
@@ -718,8 +722,10 @@ def main(argv: list[str] | None = None) -> int:
             ("- planner host time: measured per call on the machine that ran the simulation "
              "(its CPU stands for the cluster's hosts)" if args.planner_ms is None else
              f"- planner host time: {args.planner_ms:g} ms per call (--planner-ms)"),
-            "- steps to target relative to dropless (assumed, from the time-to-loss study): "
-            + ", ".join(f"{k} {v:.3f}" for k, v in steps_ratio.items()),
+            ("- steps to target relative to dropless (assumed, from the time-to-loss study): "
+             + ", ".join(f"{k} {v:.3f}" for k, v in steps_ratio.items()) if steps_ratio
+             else "- steps to target: none given (--steps-to-target, --steps-ratio); the "
+             "table's to-target columns are per step for dropless and SYMI-style only"),
             "- all-to-all beyond 2 ranks is not validated against measurements "
             "(docs/simulate.md)", "", table, "", f"![plot]({stem}.png)", ""]))
         print(f"written to {args.out / stem}.md and .png")

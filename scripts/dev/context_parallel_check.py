@@ -25,7 +25,7 @@ lm loss: X |`` of the last rank):
 
 Run with the repository on ``PYTHONPATH`` (scripts/gpu_check.sh sets it). Exit status 0
 when every check passes, 1 when one fails, 2 when a launch fails. The HF config of the
-recipe comes from the shipped fixtures (offline, ``testing/hf_cache.py``).
+recipe comes from the shipped fixtures (offline, ``lrmoe_testing/hf_cache.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_lrmoe.testing.hf_cache import offline_hf_environment, prefilled_hf_cache
+from lrmoe_testing.hf_cache import offline_hf_environment, prefilled_hf_cache
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,7 +72,7 @@ _RETAINED = re.compile(r"\[LRMoE\] iteration\s+\d+ \| retained ([0-9.]+)")
 def launcher_argv(name: str) -> list[str]:
     """The Bridge launcher's arguments of launch ``name``."""
     # The harness imports torch: not where only logs are compared (--compare).
-    from megatron_lrmoe.testing.bridge import QWEN3_30B_A3B_8GPU, SMALL
+    from lrmoe_testing.bridge import QWEN3_30B_A3B_8GPU, SMALL
 
     flags, lrmoe = LAUNCHES[name]
     return ["--recipe", QWEN3_30B_A3B_8GPU, "--adapt", *flags, *SMALL, *OVERRIDES, *lrmoe]

@@ -235,7 +235,7 @@ def _check_expert_gemms(device: torch.device, dtype: torch.dtype, small: bool,
 def _layer_grads(cfg: dict, gamma: float, megatron_flag: bool, torch_flag: bool
                  ) -> list[torch.Tensor]:
     """A fresh LRMoE layer's gradients after one training step (dx, router, weights)."""
-    from megatron_lrmoe.tools.layer_bench import DTYPES, build_layers, skewed_routing
+    from lrmoe_studies.layer_bench import DTYPES, build_layers, skewed_routing
 
     _, lrmoe = build_layers(cfg)
     lrmoe.config.deterministic_mode = megatron_flag
@@ -277,7 +277,7 @@ def check_layer_determinism(device: str = "cuda", small: bool = False,
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        from megatron_lrmoe.testing.gloo_pool import free_port
+        from lrmoe_testing.gloo_pool import free_port
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))

@@ -39,7 +39,7 @@ import traceback
 
 import torch
 
-from megatron_lrmoe.tools.layer_bench import DTYPES, build_layers, skewed_routing
+from lrmoe_studies.layer_bench import DTYPES, build_layers, skewed_routing
 
 
 def _cfg(dtype: str, grouped: str) -> dict:
@@ -202,7 +202,7 @@ def _stack_cost() -> None:
 def main() -> int:
     import torch.distributed as dist
 
-    from megatron_lrmoe.testing.gloo_pool import free_port
+    from lrmoe_testing.gloo_pool import free_port
 
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")

@@ -66,7 +66,7 @@ for run in lrmoe memory_aware megatron; do
   echo "$run: $(wc -l < "$out/$run.jsonl") steps logged ($out/$run.log)"
 done
 rm -rf "$out/cache"
-OMP_NUM_THREADS=1 .venv/bin/python -m megatron_lrmoe.tools.projections \
+OMP_NUM_THREADS=1 .venv/bin/python -m lrmoe_studies.projections \
   --preset qwen3-30b-a3b-8xh100 --steps 3 --planner-ms 0.1 --largest-limit 0 \
   --out "$out/projection" > "$out/projection.log" 2>&1
 mv "$out/projection/projections_qwen3-30b-a3b-8xh100.json" "$out/projection.json"

@@ -6,7 +6,7 @@
 The cases of tests/layer/test_region_fake_cuda.py (gamma inf, 1.0,
 0.75; uniform and topk; static and with replicas; and its case with expert biases,
 ``--biased``), the same plan from the qwen3 routing
-trace's counts, run on real tensors by ``megatron_lrmoe.testing.cuda_harness
+trace's counts, run on real tensors by ``lrmoe_testing.cuda_harness
 .run_case_on_device``: rank r's share of the EP plan as a 1-rank region (one process
 cannot be rank r of a real group of 8; why, in that module). What it checks:
 
@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from megatron_lrmoe.testing.cuda_harness import (
+from lrmoe_testing.cuda_harness import (
     Case,
     check_device_record,
     compare_values,

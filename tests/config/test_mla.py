@@ -5,7 +5,7 @@ The model is DeepSeek-V3's shape in miniature (MLA with q/kv latent norms and Ya
 dense first layer, then MoE layers with a shared expert and a sigmoid router with expert
 bias over expert groups), built from Megatron's own local block spec (its core attention
 taking MLA's head dims, which megatron-core 0.19.2's local one does not:
-megatron_lrmoe/testing/local_mla.py); the LRMoE model is the same spec through
+workshop/lrmoe_testing/local_mla.py); the LRMoE model is the same spec through
 ``to_lrmoe_spec`` with Megatron's model's weights. "Equal" as
 docs/design.md, "Exactness", defines it (fp32, rtol 1e-5, atol 1e-6).
 """
@@ -79,15 +79,15 @@ def _model(lrmoe: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from lrmoe_testing.local_mla import with_local_mla_attention
     from megatron_lrmoe.config.transformer_config import LRMoEMLATransformerConfig
     from megatron_lrmoe.layer.spec import to_lrmoe_spec
-    from megatron_lrmoe.testing.local_mla import with_local_mla_attention
 
     config = LRMoEMLATransformerConfig(**MLA, activation_func=F.silu, moe_lrmoe=lrmoe,
                                        moe_lrmoe_bwd_capacity_factor=math.inf,
                                        expert_model_parallel_size=2)
     # Megatron's local MLA spec with a core attention that takes MLA's head dims (its own
-    # does not: testing/local_mla.py).
+    # does not: lrmoe_testing/local_mla.py).
     spec = with_local_mla_attention(
         get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0))
     return GPTModel(config, to_lrmoe_spec(spec) if lrmoe else spec, vocab_size=64,

@@ -419,7 +419,7 @@ HF_CONFIG = {QWEN_16: "Qwen--Qwen3-30B-A3B", GLM_AIR: "zai-org--GLM-4.5-Air",
 
 def _user_env(**extra: str) -> dict[str, str]:
     """A bare environment plus the offline Hub cache conftest filled (HF_HUB_CACHE)."""
-    from megatron_lrmoe.testing.hf_cache import offline_hf_environment
+    from lrmoe_testing.hf_cache import offline_hf_environment
 
     return {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "OMP_NUM_THREADS": "1",
             **offline_hf_environment(os.environ["HF_HUB_CACHE"]), **extra}

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from megatron_lrmoe.testing import bridge as harness
+from lrmoe_testing import bridge as harness
 from tests.layer.test_lrmoe_layer import ATOL, RTOL
 
 GPT_OSS_20B = "gpt_oss_20b_pretrain_config"

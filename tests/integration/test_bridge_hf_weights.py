@@ -47,8 +47,8 @@ def _hf_config(family: str):
 
 def _cpu_provider(provider, lrmoe: bool):
     """Bridge's provider for this CPU test: local spec, fp32, EP 2, nothing fused."""
+    from lrmoe_testing.bridge import use_local_spec
     from megatron_lrmoe.integration.bridge import enable_lrmoe
-    from megatron_lrmoe.testing.bridge import use_local_spec
 
     holder = types.SimpleNamespace(model=provider, ddp=None, dist=None)
     use_local_spec(holder)

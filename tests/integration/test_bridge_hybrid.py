@@ -22,7 +22,7 @@ and resumed: bitwise its losses, parameters and step state.
 Mamba layers cannot run here: Megatron's MambaMixer runs the GPU kernels of mamba_ssm and
 causal_conv1d and refuses to be built without mamba_ssm, which is not installed on this CPU
 machine. So the shrunk pattern holds attention and MoE layers only (``*E*E``, in the local
-flavour of testing/local_hybrid.py), with one MTP layer (``*E``, as Nemotron-3.5 Lightning
+flavour of lrmoe_testing/local_hybrid.py), with one MTP layer (``*E``, as Nemotron-3.5 Lightning
 adds).
 """
 
@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_lrmoe.testing import bridge as harness
+from lrmoe_testing import bridge as harness
 from tests.integration.test_bridge_config import _built, _fields
 from tests.integration.test_bridge_training import _enable, _equal
 from tests.integration.test_bridge_training import _recorder as training_recorder

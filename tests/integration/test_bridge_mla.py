@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from megatron_lrmoe.testing import bridge as harness
+from lrmoe_testing import bridge as harness
 from tests.integration.test_bridge_training import _enable, _equal, _recorder
 from tests.layer.test_lrmoe_layer import ATOL, RTOL
 

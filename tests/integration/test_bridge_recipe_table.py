@@ -126,7 +126,7 @@ def test_the_table_is_well_formed():
 def test_trained_rows_name_the_test_that_trains_them():
     """A row trained on CPU names its test file, which trains that recipe (by its name or
     the harness constant holding it) or the variant of it the row names."""
-    from megatron_lrmoe.testing import bridge as harness
+    from lrmoe_testing import bridge as harness
 
     constants = {value: name for name, value in vars(harness).items()
                  if name.isupper() and isinstance(value, str)}

@@ -1,7 +1,7 @@
 """Megatron-Bridge's Qwen3-30B-A3B (8 x H100) and GLM-4.5-Air pretraining recipes, shrunk in
 width and depth by overrides, trained 20 steps by Bridge's own ``pretrain()`` with
 ``gpt_step`` at expert parallelism 2 on two gloo ranks (the test harness,
-megatron_lrmoe/testing/bridge.py, on Megatron's MoE layer: no LRMoE here).
+workshop/lrmoe_testing/bridge.py, on Megatron's MoE layer: no LRMoE here).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import statistics
 import pytest
 import torch
 
-from megatron_lrmoe.testing import bridge as harness
+from lrmoe_testing import bridge as harness
 
 
 @pytest.mark.parametrize("recipe, mlps", [

@@ -1,5 +1,5 @@
 """The accepted Megatron-Bridge recipes beyond the ones the other Bridge tests train, each
-shrunk (``testing/bridge.py``: its ``SHAPES`` entry, the local flavour of its layer spec),
+shrunk (``lrmoe_testing/bridge.py``: its ``SHAPES`` entry, the local flavour of its layer spec),
 converted with ``enable_lrmoe(cfg, adapt=True)`` and trained 10 steps by Bridge's own
 ``pretrain()`` on two gloo ranks at EP 2: with LRMoE at gamma = inf and, after the same
 conversion, with Megatron's layer (``model.moe_lrmoe=false``), the same losses within the
@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from megatron_lrmoe.testing import bridge as harness
+from lrmoe_testing import bridge as harness
 from tests.integration.test_bridge_gpt_oss import _callbacks
 from tests.integration.test_bridge_training import _enable
 from tests.layer.test_lrmoe_layer import ATOL, RTOL

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 
-from megatron_lrmoe.testing import bridge as harness
+from lrmoe_testing import bridge as harness
 from tests.integration.test_bridge_training import _enable, _recorder
 
 SFT = harness.QWEN3_30B_A3B_SFT_8GPU

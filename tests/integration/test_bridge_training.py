@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lrmoe.testing import bridge as harness
+from lrmoe_testing import bridge as harness
 from tests.layer.test_lrmoe_layer import ATOL, RTOL
 
 QWEN_8 = harness.QWEN3_30B_A3B_8GPU

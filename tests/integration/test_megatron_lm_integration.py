@@ -475,7 +475,7 @@ def test_multi_latent_attention_gives_an_lrmoe_mla_config():
     makes it an LRMoEMLATransformerConfig (one config, the flags' values); auto is refused
     by name. The model itself cannot be built here with or without --moe-lrmoe:
     megatron-core 0.19's local MLA spec passes k_channels to the local DotProductAttention,
-    which does not take it (megatron_lrmoe/testing/local_mla.py), and Transformer Engine is
+    which does not take it (workshop/lrmoe_testing/local_mla.py), and Transformer Engine is
     absent; tests/config/test_mla.py builds the same spec with a core attention that does."""
     parsed = _probe_result(_probe("parse", "--", *DEEPSEEK_ARGS, *LRMOE_ARGS))
     assert parsed["transformer_config"] == "LRMoEMLATransformerConfig"

@@ -176,7 +176,7 @@ def test_torchrun_command_line(tmp_path):
 
 
 def _free_port() -> int:
-    from megatron_lrmoe.testing.gloo_pool import free_port
+    from lrmoe_testing.gloo_pool import free_port
 
     return free_port()
 

@@ -156,7 +156,7 @@ def test_replicas_without_drops_equal_megatron_on_4_ranks_ep2(gloo4, corpus, tmp
 def test_budget_below_the_floor_is_refused(gloo1, corpus):
     # The floor: balanced routing with nothing retained (planning.plan_types.budget_floor);
     # above it the planner lowers gamma instead (tests/integration/test_planner_inputs.py).
-    from megatron_lrmoe.testing.gloo_pool import TaskFailed
+    from lrmoe_testing.gloo_pool import TaskFailed
 
     with pytest.raises(TaskFailed, match=r"ConfigError: --moe-lrmoe-memory-budget-gb 1e-06 is "
                                          r"below the floor of [0-9.e-]+ GiB per rank"):

@@ -1,5 +1,5 @@
 """Device ops per layer call: LRMoE's layer against Megatron's own MoELayer, at
-Qwen3-30B-A3B's MoE size on fake CUDA (EP 8, rank 3; megatron_lrmoe/testing/device_ops.py).
+Qwen3-30B-A3B's MoE size on fake CUDA (EP 8, rank 3; workshop/lrmoe_testing/device_ops.py).
 
 The ceiling is relative to Megatron's classes, measured in the same run: Megatron's
 MoELayer with the all-to-all dispatcher and its ``SequentialMLP`` experts (megatron-core
@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_lrmoe.testing.device_ops import DeviceOpCounter, op_kind
-from megatron_lrmoe.testing.host_reads import HostReadDetector
+from lrmoe_testing.device_ops import DeviceOpCounter, op_kind
+from lrmoe_testing.host_reads import HostReadDetector
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK = 3
@@ -41,7 +41,7 @@ PHASES = ("forward", "backward")
 @pytest.fixture(scope="module")
 def counts() -> dict[str, dict]:
     run = subprocess.run(
-        [sys.executable, "-m", "megatron_lrmoe.testing.device_ops", str(RANK),
+        [sys.executable, "-m", "lrmoe_testing.device_ops", str(RANK),
          *CASES.values()],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
         text=True, timeout=TIMEOUT_S)

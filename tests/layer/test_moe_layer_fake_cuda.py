@@ -10,7 +10,7 @@ Megatron's TopKRouter (softmax top-8 in fp32, aux loss) computing the routing in
 forward. Counts come from the trace (``TraceCountsExchange``: a fake all-gather has
 none); the backward runs through the region's node below the layer's output. What had
 to be set up or worked around, and why: the harness's section "The layer at size"
-(megatron_lrmoe/testing/cuda_harness.py).
+(workshop/lrmoe_testing/cuda_harness.py).
 
 One subprocess for all cases (the fake process group and the modes never enter this
 process). The checks judge its record against what this process derives on its own: the
@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 import torch
 
+from lrmoe_testing.cuda_harness import Case, case_counts, case_planner
 from megatron_lrmoe.planning.shapes import InstanceRows
-from megatron_lrmoe.testing.cuda_harness import Case, case_counts, case_planner
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK = 3
@@ -55,7 +55,7 @@ def results() -> dict[str, dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
     run = subprocess.run(
-        [sys.executable, "-m", "megatron_lrmoe.testing.cuda_harness", "layer", str(RANK),
+        [sys.executable, "-m", "lrmoe_testing.cuda_harness", "layer", str(RANK),
          *(_arg(c) for c in CASES)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-6000:]

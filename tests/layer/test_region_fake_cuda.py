@@ -1,6 +1,6 @@
 """The LRMoE region's CUDA path at Qwen3-30B-A3B's size, on fake CUDA tensors.
 
-One subprocess (``python -m megatron_lrmoe.testing.cuda_harness``; the fake process group and
+One subprocess (``python -m lrmoe_testing.cuda_harness``; the fake process group and
 the fake-tensor modes never enter this process) runs every case as rank r of a fake EP
 group of 8 and of 64: hidden 2048, 128 experts, top-8, expert FFN 768 (SwiGLU), 4096
 tokens per rank, bf16, grouped GEMMs, the CUDA kernel backend; counts from the qwen3
@@ -26,11 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lrmoe.options.lrmoe import option
-from megatron_lrmoe.planning.cost_model import CostModel
-from megatron_lrmoe.planning.machine import MachineConstants
-from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
-from megatron_lrmoe.testing.cuda_harness import (
+from lrmoe_testing.cuda_harness import (
     Case,
     case_counts,
     case_planner,
@@ -38,6 +34,10 @@ from megatron_lrmoe.testing.cuda_harness import (
     node_grad,
     releasing_saved_tensors,
 )
+from megatron_lrmoe.options.lrmoe import option
+from megatron_lrmoe.planning.cost_model import CostModel
+from megatron_lrmoe.planning.machine import MachineConstants
+from megatron_lrmoe.planning.shapes import InstanceRows, MoEShape
 
 ROOT = Path(__file__).resolve().parents[2]
 RANKS = {8: 3, 64: 37}
@@ -67,7 +67,7 @@ def results() -> dict[str, dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
     runs = {ep: subprocess.Popen(
-        [sys.executable, "-m", "megatron_lrmoe.testing.cuda_harness", str(rank),
+        [sys.executable, "-m", "lrmoe_testing.cuda_harness", str(rank),
          *(_arg(c) for c in CASES if c.ep == ep)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for ep, rank in RANKS.items()}
@@ -300,7 +300,7 @@ def test_real_device_mode_on_cpu_matches_the_plan(case):
     """``run_case_on_device`` (the device script's runner) on CPU tensors: rank r's share
     of the plan as a 1-rank region; its GEMMs get the plan's rows, ``check_device_record``
     passes, and a doctored record fails it."""
-    from megatron_lrmoe.testing.cuda_harness import check_device_record, run_case_on_device
+    from lrmoe_testing.cuda_harness import check_device_record, run_case_on_device
 
     rank = RANKS[case.ep]
     run = run_case_on_device(case, rank, "cpu", tokens=64, hidden=64, ffn=32)

@@ -299,7 +299,7 @@ def copies() -> dict[str, dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # One process per wrap (each its own fake group), started together: one thread each.
     runs = {wrap: subprocess.Popen(
-        [sys.executable, "-m", "megatron_lrmoe.testing.cuda_harness", "weights", "3", wrap,
+        [sys.executable, "-m", "lrmoe_testing.cuda_harness", "weights", "3", wrap,
          "8:inf:uniform:0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True) for wrap in WRAPS}
     for wrap, run in runs.items():

@@ -685,7 +685,7 @@ def _measure_skewed_call(cfg: dict, layer: torch.nn.Module) -> dict:
     tokens (probabilities that need a gradient), and one measured forward+backward."""
     import torch.distributed as dist
 
-    from megatron_lrmoe.tools.layer_bench import measure_memory, skewed_routing
+    from lrmoe_studies.layer_bench import measure_memory, skewed_routing
 
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(cfg["seed"] + 1000 + rank)
@@ -702,7 +702,7 @@ def _measure_lrmoe_layer(cfg: dict, name: str) -> dict:
     """On each gloo rank: the LRMoE layer of the variant (same weights as Megatron's), the
     skewed routing forced, one measured forward+backward (``measure_memory``) and the
     planner's ``rank_memory`` of that call's plan for every rank."""
-    from megatron_lrmoe.tools.layer_bench import build_layers
+    from lrmoe_studies.layer_bench import build_layers
 
     fields = {**_LRMOE_VARIANTS[name], "moe_lrmoe_memory_budget_gb": 64.0}
     _, _, variants = build_layers(cfg, {name: fields})
@@ -736,8 +736,8 @@ def _measure_replicated_layer(cfg: dict, replicas: tuple[tuple[int, int], ...]) 
     micro-batch per step) whose placement is forced to ``replicas``, one measured
     forward+backward (the step's first and last micro-batch: the replica refresh and the
     replicas' gradients sent home both inside it), and the model's figures of the call."""
+    from lrmoe_studies.layer_bench import build_layers
     from megatron_lrmoe.planning.placement import Placement
-    from megatron_lrmoe.tools.layer_bench import build_layers
 
     name = "replicas"
     fields = {"moe_lrmoe_bwd_capacity_factor": 1.0, "moe_lrmoe_memory_budget_gb": 64.0}

@@ -245,7 +245,7 @@ def _measure_megatron_layer(cfg: dict, name: str) -> dict:
     routed counts of that call (after the router's capacity drop)."""
     import torch.distributed as dist
 
-    from megatron_lrmoe.tools.layer_bench import (
+    from lrmoe_studies.layer_bench import (
         build_megatron_layer,
         gather_counts,
         measure_memory,

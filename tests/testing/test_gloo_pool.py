@@ -1,4 +1,4 @@
-"""The gloo test pool (megatron_lrmoe/testing/gloo_pool.py) releases what a task built.
+"""The gloo test pool (workshop/lrmoe_testing/gloo_pool.py) releases what a task built.
 
 Its workers live for the whole suite, so every process group a task leaves alive keeps
 its gloo threads (one TCP loop and two run loops each, all polling) until the end: one
@@ -25,7 +25,7 @@ TINY = [
 def _threads_and_groups() -> tuple[int, int]:
     import torch.distributed as dist
 
-    from megatron_lrmoe.testing.gloo_pool import thread_count
+    from lrmoe_testing.gloo_pool import thread_count
 
     return thread_count(), len(dist.distributed_c10d._world.pg_map)
 

@@ -2,7 +2,7 @@
 
 A GPU stalls the CPU on every device-to-host read; the region is written to make none
 but the counts exchange, once per layer forward. On this CPU-only machine
-``megatron_lrmoe.testing.host_reads.HostReadDetector`` finds such reads by data flow
+``lrmoe_testing.host_reads.HostReadDetector`` finds such reads by data flow
 (what would be device data on a GPU, and which ops would read it on the host); these
 tests check the detector itself, then run one training step of an EP=2 model under it.
 The compiled kernels are opaque to it: scripts/gpu_check.sh runs the region under
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lrmoe.testing.host_reads import HostReadDetector
+from lrmoe_testing.host_reads import HostReadDetector
 from tests.launcher.test_launcher import TINY
 
 

@@ -52,7 +52,7 @@ def _tracked() -> list[Path]:
 
 
 def _resolves(token: str, citing: Path) -> bool:
-    candidates = [ROOT / token, PACKAGE / token, citing.parent / token]
+    candidates = [ROOT / token, PACKAGE / token, ROOT / "workshop" / token, citing.parent / token]
     return any(c.exists() for c in candidates)
 
 

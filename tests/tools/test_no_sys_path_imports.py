@@ -1,8 +1,9 @@
 """Scripts and tests share code through the package, not through each other.
 
-Code that more than one script (or a test) needs lives in ``megatron_lrmoe`` (the
-benchmark helpers in ``megatron_lrmoe.tools``), which is installed; no file under
-``benchmarks/``, ``scripts/`` or ``tests/`` puts a directory on the module search path
+Code that more than one script (or a test) needs lives in ``megatron_lrmoe`` or, for the
+studies and the test harness, in the workshop's ``lrmoe_studies`` and ``lrmoe_testing``,
+all installed (the workshop editable); no file under ``benchmarks/``, ``scripts/``,
+``tests/`` or ``workshop/`` puts a directory on the module search path
 to reach a sibling script, nor imports a script by its bare module name (which works
 only while the importer happens to run from the script's directory). Every Python file
 is parsed with ``ast`` (nothing is imported), so strings and comments never count.
@@ -14,7 +15,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = ("benchmarks", "scripts", "tests")
+SCANNED = ("benchmarks", "scripts", "tests", "workshop")
 SCRIPT_DIRS = ("benchmarks", "scripts")
 # Recorded results are data, not code.
 SKIPPED = (ROOT / "benchmarks" / "results",)
@@ -26,6 +27,9 @@ ALLOWED: dict[str, str] = {
         "the Megatron-LM wrapper runs from a source tree without the package installed "
         "(next to a Megatron-LM checkout): it puts the repository root, not a sibling "
         "script, on the path so that `import megatron_lrmoe` resolves"),
+    "workshop/lrmoe_testing/gloo_pool.py": (
+        "a pool worker imports the caller's task by module name from the caller's search "
+        "path (a test module under tests/), which the worker process did not start with"),
 }
 
 _PATH_METHODS = {"insert", "append", "extend"}
@@ -139,7 +143,7 @@ def test_the_checks_see_what_they_forbid():
         "from time_to_loss import policies",
         "import importlib",
         "rb = importlib.import_module('retention_bias')",
-        "from megatron_lrmoe.tools import time_to_loss",   # the package's: fine
+        "from lrmoe_studies import time_to_loss",   # the package's: fine
         "from .time_to_loss import x",                      # relative: fine
     ])
     scripts = {"bench_moe_layer", "time_to_loss", "retention_bias"}

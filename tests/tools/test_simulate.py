@@ -9,13 +9,13 @@ import math
 import numpy as np
 import pytest
 
+from lrmoe_studies.paths import STEPS_TO_TARGET_FILE
 from megatron_lrmoe.data import routing_traces as rt
 from megatron_lrmoe.planning.clusters import CLUSTERS, cluster_machine_constants
 from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.models import ModelSpec
 from megatron_lrmoe.tools.simulate import (
     POLICIES,
-    STEPS_TO_TARGET_FILE,
     Policy,
     layer_shape,
     load_steps_to_target,
@@ -363,7 +363,7 @@ def test_another_model_from_its_launcher_config(tmp_path):
 
 # The time-to-loss study's steps to the 100% target as simulate.py held them before they
 # moved to STEPS_TO_TARGET_FILE (commit 5857613): data, so written out here as the
-# independent check that the shipped file still says the same.
+# independent check that the stored file still says the same.
 STUDY_STEPS = {
     "capacity-drop": ((171, 150), (165, 145), (108, 128), (189, 141)),
     "symi": ((143, 150), (142, 145), (108, 128), (139, 141)),

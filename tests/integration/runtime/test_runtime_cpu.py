@@ -70,7 +70,7 @@ _BLOCKERS = textwrap.dedent(
 
 
 def test_blockers_exist_without_runtime():
-    from megatron_lrmoe.testing.gloo_pool import free_port
+    from lrmoe_testing.gloo_pool import free_port
 
     env = {"PORT": str(free_port()), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", _BLOCKERS], capture_output=True, text=True,
@@ -194,7 +194,7 @@ _CUDA_HOME = "/nonexistent/cuda-home"
 
 
 def _run_warnings_script(mode: str) -> subprocess.CompletedProcess:
-    from megatron_lrmoe.testing.gloo_pool import free_port
+    from lrmoe_testing.gloo_pool import free_port
 
     env = {"PORT": str(free_port()), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
            "CUDA_HOME": _CUDA_HOME}
