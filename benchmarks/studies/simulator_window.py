@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lrmoe_studies import projections as P
 from megatron_lrmoe.tools.provenance import code_version
-from megatron_lrmoe.tools.simulate import WARMUP_STEPS, load_traces
+from megatron_lrmoe.tools.simulate import WARMUP_STEPS
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, nargs="+", default=[2, 4, 8],
                     help="counted steps n, each compared with 2n")
     ap.add_argument("--policies", nargs="+", choices=list(P.POLICIES), default=list(P.POLICIES))
-    ap.add_argument("--layers", type=int, default=2, help="trace layers replayed")
-    ap.add_argument("--skip-fraction", type=float, default=0.5)
+    ap.add_argument("--layers", type=int, default=P.TRACE_LAYERS, help="trace layers replayed")
+    ap.add_argument("--skip-fraction", type=float, default=P.SKIP_FRACTION)
     ap.add_argument("--planner-ms", type=float, default=0.1,
                     help="the planner's host time per call, fixed (a measured one moves "
                          "with the machine, not with the window)")
@@ -54,9 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="markdown report")
     a = ap.parse_args(argv)
     preset = P.PRESETS[a.preset]
-    args = P._parse(preset, P.base_flags(preset))
-    traces, source = load_traces(P._TRACES / preset.trace / "trace", args.num_experts,
-                                 a.layers, a.skip_fraction)
+    traces, source = P.preset_traces(preset, layers=a.layers, skip_fraction=a.skip_fraction)
     started = time.perf_counter()
     rows = [r for n in a.windows for r in P.window_check(
         preset, traces, n, tuple(a.policies), a.reserve_gib, a.planner_ms / 1e3,

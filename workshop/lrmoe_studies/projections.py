@@ -337,6 +337,22 @@ def _parse(preset: Preset, flags: list[str]) -> argparse.Namespace:
     return args
 
 
+TRACE_LAYERS = 2
+"""Trace layers replayed per preset (``--layers``)."""
+SKIP_FRACTION = 0.5
+"""The share of a trace's first steps left out (``--skip-fraction``): the routing of
+training's start is not the steady routing a projection is for."""
+
+
+def preset_traces(preset: Preset, trace_dir: Path | None = None, layers: int = TRACE_LAYERS,
+                  skip_fraction: float = SKIP_FRACTION) -> tuple[list, str]:
+    """The routing ``preset`` is projected on (``load_traces``' traces and their source):
+    its stored trace under benchmarks/results/routing_traces/ unless ``trace_dir``."""
+    args = _parse(preset, base_flags(preset))
+    return load_traces(trace_dir or _TRACES / preset.trace / "trace", args.num_experts,
+                       layers, skip_fraction)
+
+
 # ------------------------------------------------------------------ outside the MoE layers
 def outside_flops(args: argparse.Namespace, vocab_size: int) -> dict[str, float]:
     """FLOPs per token of the whole model outside the MoE layers, forward and backward
@@ -679,10 +695,12 @@ GOAL_PRESET = "qwen3-30b-a3b-16xh100"
 GOAL = 0.70
 """LRMoE's cumulative MoE-layer time to target over the fastest fitted SYMI-style and
 dropless configuration's, at ``GOAL_PRESET``: at most this over the ratio's range."""
-_LEVELS = ("not met", "met at the best seed only", "met at the median only", "met")
+GOAL_LEVELS = ("not met", "met at the best seed only", "met at the median only", "met")
 
 
-def _level(r: Range, goal: float) -> int:
+def goal_level(r: Range, goal: float) -> int:
+    """The index in ``GOAL_LEVELS`` of a time-to-target ratio's range ``r`` against
+    ``goal``: met over the range, at the median only, at the best seed only, or not."""
     return 3 if r.high <= goal else 2 if r.median <= goal else 1 if r.low <= goal else 0
 
 
@@ -710,12 +728,12 @@ def goal_check(rows: list[Projection], steps: StepsToTarget | None,
                 "not projected" if base not in found else "fits nothing")}
             continue
         r = ranges[f"moe_vs_{name}"]
-        levels.append(_level(r, goal))
+        levels.append(goal_level(r, goal))
         baselines[base] = {"moe_vs": asdict(r), "how": ranges[f"steps_vs_{name}_how"],
                            "fitted": found[base].choice.candidate.fitted,
-                           "verdict": _LEVELS[levels[-1]]}
+                           "verdict": GOAL_LEVELS[levels[-1]]}
     out["baselines"] = baselines
-    out["verdict"] = _LEVELS[min(levels)] if levels else "not assessed (no baseline fits)"
+    out["verdict"] = GOAL_LEVELS[min(levels)] if levels else "not assessed (no baseline fits)"
     return out
 
 
@@ -1020,12 +1038,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, default=None,
                     help="a routing trace directory (default: the preset's under "
                          "benchmarks/results/routing_traces/)")
-    ap.add_argument("--layers", type=int, default=2, help="trace layers replayed")
+    ap.add_argument("--layers", type=int, default=TRACE_LAYERS, help="trace layers replayed")
     ap.add_argument("--steps", type=int, default=WINDOW_STEPS,
                     help="optimizer steps per layer the MoE time is the mean of, replayed "
                          "after the simulator's warm-up step (Megatron's placement, before "
                          "any measured load), which counts in the memory only")
-    ap.add_argument("--skip-fraction", type=float, default=0.5)
+    ap.add_argument("--skip-fraction", type=float, default=SKIP_FRACTION)
     ap.add_argument("--efficiency", type=float, default=0.45,
                     help="achieved over peak FLOP/s outside the MoE layers (assumption)")
     ap.add_argument("--largest-limit", type=int, default=8,
@@ -1074,9 +1092,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios = {"dropless": 1.0} | {key: ratio_range(pairs).median
                                       for key, pairs in steps.pairs.items()}
         started = time.perf_counter()
-        trace_dir = a.trace or _TRACES / preset.trace / "trace"
-        args = _parse(preset, base_flags(preset))
-        traces, source = load_traces(trace_dir, args.num_experts, a.layers, a.skip_fraction)
+        traces, source = preset_traces(preset, a.trace, a.layers, a.skip_fraction)
         context, rows = project(preset, traces, steps=a.steps, efficiency=a.efficiency,
                                 ratios=ratios, policies=tuple(a.policies),
                                 largest_limit=a.largest_limit, reserve_gib=a.reserve_gib,

@@ -82,11 +82,8 @@ def project_curve(names: list[str], steps: int, planner_s: float | None,
                   log=lambda _: None) -> tuple[dict, dict[str, P.Projection]]:
     """The preset's context and each policy's projection (``policy_table``) at
     ``projections.GOAL_PRESET``."""
-    from megatron_lrmoe.tools.simulate import load_traces
-
     preset = P.PRESETS[P.GOAL_PRESET]
-    args = P._parse(preset, P.base_flags(preset))
-    traces, source = load_traces(P._TRACES / preset.trace / "trace", args.num_experts, 2, 0.5)
+    traces, source = P.preset_traces(preset)
     table = policy_table(names)
     context, rows = P.project(preset, traces, steps=steps, policies=tuple(table),
                               largest_limit=0, planner_s=planner_s, log=log, table=table)
@@ -171,7 +168,7 @@ def goal_verdict(f: dict, dropless_over_symi: float) -> str:
     range its seeds' fits span there, against both baselines: the weaker of the two."""
     seeds = list(f["seeds_at_minimum"].values())
     span = Range(f["minimum"], min(seeds + [f["minimum"]]), max(seeds + [f["minimum"]]))
-    return P._LEVELS[min(P._level(span.scale(s), GOAL) for s in (1.0, dropless_over_symi))]
+    return P.GOAL_LEVELS[min(P.goal_level(span.scale(s), GOAL) for s in (1.0, dropless_over_symi))]
 
 
 def compose_curve(curve: dict, choices: Mapping[str, F.Prediction | None]) -> dict:
