@@ -31,10 +31,10 @@ The annotations are evaluated (no ``from __future__ import annotations``): the f
 types are the objects (``int | None``), as the config class and Bridge's providers,
 which inherit them, report them.
 
-The backward capacity (0.45) and the selection (two-stage) defaults were chosen by the
-deep-drop curve's composed time to target (docs/benchmarks.md, "Time to a fixed loss";
-docs/decisions.md, "The LRMoE layer"). Defaults change only by measurement; stored runs'
-replays name the defaults they ran under (``simulator_validation.MOVED_DEFAULTS``).
+The backward capacity (1.0) and the selection (uniform) defaults were chosen by the
+time-to-loss studies; the deep-drop curve's choice (two-stage at 0.45) did not confirm at
+EP 16 (docs/decisions.md, "The LRMoE layer"). Defaults change only by measurement; stored
+runs' replays name the defaults they ran under (``lrmoe_studies.simulator_validation``).
 """
 
 import dataclasses
@@ -264,7 +264,7 @@ class LRMoEOptions:
     """Use the LRMoE layer (needs the all-to-all dispatcher)."""
 
     moe_lrmoe_bwd_capacity_factor: float = flag_field(
-        0.45, check=check_capacity_factor,
+        1.0, check=check_capacity_factor,
         help="backward capacity gamma, > 0: each EP rank keeps at most ceil(gamma x mean "
              "routed pairs per rank) pairs in backward; inf drops nothing")
     """Backward capacity gamma, > 0; ``inf`` drops nothing."""
@@ -282,7 +282,7 @@ class LRMoEOptions:
     """Per-pair contribution metric."""
 
     moe_lrmoe_selection: str = flag_field(
-        "two-stage", choices=("topk", "sample", "uniform", "hybrid", "two-stage"),
+        "uniform", choices=("topk", "sample", "uniform", "hybrid", "two-stage"),
         help="how each (source, expert) cell keeps its quota: topk, sample (1/pi-scaled), "
              "uniform (a uniform subset, n/q-scaled), hybrid (a share by top metric, the "
              "rest uniform and scaled to stay unbiased), two-stage (forward stores a "

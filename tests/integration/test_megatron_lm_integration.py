@@ -75,8 +75,8 @@ def test_qwen3_dry_run_prints_the_full_single_node_command():
                                           "--nproc-per-node", "8"]
     assert any(c.endswith("scripts/pretrain_gpt_lrmoe.py") for c in cmd)
     assert _after(cmd, "--num-experts") == "128" and _after(cmd, "--num-layers") == "48"
-    assert "--moe-lrmoe" in cmd and _after(cmd, "--moe-lrmoe-bwd-capacity-factor") == "0.45"
-    assert _after(cmd, "--moe-lrmoe-selection") == "two-stage"
+    assert "--moe-lrmoe" in cmd and _after(cmd, "--moe-lrmoe-bwd-capacity-factor") == "1.0"
+    assert _after(cmd, "--moe-lrmoe-selection") == "uniform"
     assert _after(cmd, "--expert-model-parallel-size") == "8"
     assert _after(cmd, "--expert-tensor-parallel-size") == "1"
     assert _after(cmd, "--data-path") == "/data/a_text_document"

@@ -480,7 +480,7 @@ def test_config_inherits_the_option_fields():
     assert [(o.field, o.annotation, o.default) for o in OPTIONS] == [
         (f.name, f.type, f.default) for f in lrmoe]
     built = LRMoETransformerConfig(**LRMOE_CONFIG)
-    assert (built.moe_lrmoe_bwd_capacity_factor, built.moe_lrmoe_selection) == (0.45, "two-stage")
+    assert (built.moe_lrmoe_bwd_capacity_factor, built.moe_lrmoe_selection) == (1.0, "uniform")
     assert {f.name: getattr(built, f.name) for f in lrmoe[1:]} == {
         f.name: f.default for f in lrmoe[1:]}
 

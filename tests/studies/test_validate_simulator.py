@@ -101,6 +101,14 @@ def test_an_lrmoe_runs_flags_name_the_defaults_it_ran_under(tmp_path):
     assert ran({"defaults": old}) == {"selection": "sample", "gamma": 0.6}
     launched += ["--moe-lrmoe-selection", "topk"]
     assert ran({"defaults": old}) == {"selection": "topk", "gamma": 0.6}
+    # A config that names a moved option (or LRMoE itself) is read as it ran: not pinned.
+    named = tmp_path / "named.yaml"
+    named.write_text(Path(config).read_text() + "moe-lrmoe: true\nmoe-lrmoe-selection: hybrid\n")
+    launched[launched.index(config)] = str(named)
+    launched.remove("--moe-lrmoe")
+    launched.remove("--moe-lrmoe-selection")
+    launched.remove("topk")
+    assert ran({}) == {"selection": "hybrid", "gamma": 1.0}
     # What a record written today holds: today's defaults, so it reads as today's parse.
     assert ran({"defaults": vs.recorded_defaults()})["gamma"] == parse_args(
         launched[3:], 2).moe_lrmoe_bwd_capacity_factor

@@ -15,6 +15,8 @@ import shlex
 import statistics
 from pathlib import Path
 
+import yaml
+
 from megatron_lrmoe.data.routing_traces import read_routing_trace
 from megatron_lrmoe.options.lrmoe import option
 from megatron_lrmoe.planning.clusters import CLUSTERS
@@ -29,9 +31,9 @@ LAUNCHER_MODULES = ("megatron_lrmoe.launcher.pretrain", "megatron_lrmoe.pretrain
 
 
 MOVED_DEFAULTS = {"--moe-lrmoe-selection": "uniform", "--moe-lrmoe-bwd-capacity-factor": "1.0"}
-"""The LRMoE options whose defaults have moved, at the values every run recorded before
-the move ran under (docs/decisions.md, "The LRMoE layer"). A record written since holds
-its own (``recorded_defaults``, the record's ``defaults``)."""
+"""The LRMoE options whose defaults have moved (and moved back: docs/decisions.md, "The
+LRMoE layer"), at the values the runs recorded without a ``defaults`` ran under. A record
+written since holds its own (``recorded_defaults``)."""
 
 
 def recorded_defaults() -> dict[str, str]:
@@ -44,10 +46,22 @@ def recorded_defaults() -> dict[str, str]:
     return out
 
 
+def _config_values(flags: list[str]) -> dict:
+    """The YAML of the ``--config`` the flags name (the last; relative to the working
+    folder, as the launcher reads it): flag names without ``--`` -> values; {} without
+    one."""
+    configs = [Path(flags[i + 1]) for i, f in enumerate(flags[:-1]) if f == "--config"]
+    # One not found here reads as none: the launcher's parse of the flags names it.
+    if not configs or not configs[-1].is_file():
+        return {}
+    return yaml.safe_load(configs[-1].read_text()) or {}
+
+
 def run_flags(done: Path) -> list[str]:
     """The launcher flags of a finished run (after ``-m <the launcher's worker module>``).
-    An LRMoE run's command gets the moved options it does not name, at the defaults it ran
-    under (its record's ``defaults``; ``MOVED_DEFAULTS`` for a record written before)."""
+    An LRMoE run's command gets the moved options that neither it nor its ``--config``
+    names, at the defaults it ran under (its record's ``defaults``; ``MOVED_DEFAULTS``
+    for a record written before)."""
     record = json.loads(done.read_text())
     command = shlex.split(record["command"])
     module = next((m for m in LAUNCHER_MODULES if m in command), None)
@@ -55,9 +69,11 @@ def run_flags(done: Path) -> list[str]:
         raise ValueError(f"{done}: no launcher module ({' or '.join(LAUNCHER_MODULES)}) "
                          "in its command")
     flags = command[command.index(module) + 1:]
-    if "--moe-lrmoe" in flags:
+    config = _config_values(flags)
+    if "--moe-lrmoe" in flags or config.get("moe-lrmoe"):
         defaults = record.get("defaults", MOVED_DEFAULTS)
-        flags += [word for flag, value in defaults.items() if flag not in flags
+        flags += [word for flag, value in defaults.items()
+                  if flag not in flags and flag.removeprefix("--") not in config
                   for word in (flag, value)]
     return flags
 
