@@ -309,7 +309,7 @@ def buffer_bytes(plan, rank: int, hidden: int, elem: int, positions: bool) -> in
     counted here.
     """
     quotas = plan.quotas if positions else plan.counts
-    positions = positions and not default_retention_in_forward()   # else sent in forward
+    positions = positions and not bench_retention_in_forward()   # else sent in forward
     matrix = torch.zeros(plan.num_ranks, plan.num_ranks, dtype=torch.int64)
     matrix.index_add_(1, torch.tensor(plan.instance_rank), quotas)
     k_s, k_r = int(matrix[rank].sum()), int(matrix[:, rank].sum())
@@ -323,7 +323,7 @@ SELECTION = "uniform"
 results ran it."""
 
 
-def default_retention_in_forward() -> bool:
+def bench_retention_in_forward() -> bool:
     """Whether the bench's LRMoE layers (``SELECTION``) draw the retained set in forward:
     then the positions travel in forward, not with the backward rows."""
     from megatron_lrmoe.planning.retention import retention_in_forward
@@ -420,7 +420,7 @@ def summarize_routing(cfg: dict, per_rank: list[dict], routing: str) -> list[dic
         row["r_all"] = row["retained"] / max(row["routed"], 1)
         row["bytes_expected"] = row["retained"] * hidden * elem + (
             INDEX_BYTES * sum(positioned_pairs(plan, s)[0] for s in range(ep))
-            if name == "lrmoe" and not default_retention_in_forward() else 0)
+            if name == "lrmoe" and not bench_retention_in_forward() else 0)
         rows.append(row)
     dropless = next((r for r in rows if r["name"] == "lrmoe" and math.isinf(r["gamma"])
                      and "error" not in r), None)
@@ -468,7 +468,7 @@ def predicted_memory(cfg: dict, plan, counts: torch.Tensor,
                      dtype_bytes=elem, tokens_per_rank=cfg["tokens"],
                      expert_parallel_size=cfg["ep"], grouped_gemm=grouped,
                      # The LRMoE layers run the default rule (drawn in forward or not).
-                     forward_retention=default_retention_in_forward())
+                     forward_retention=bench_retention_in_forward())
     # Memory needs no machine constants; these only satisfy the constructor.
     cost = CostModel(shape, MachineConstants(gemm_flops_per_s=1.0, alltoall_bytes_per_s=1.0))
     saved = cost.saved_memory(plan.routed_per_rank.numpy(), plan.retained_per_rank.numpy())

@@ -121,8 +121,10 @@ def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
     recompute_moe, full_recompute_layers = recomputed_moe_layers(config)
     # A plain Megatron config (the simulator's baselines) has no LRMoE fields: the option
     # table's defaults then.
-    selection = getattr(config, "moe_lrmoe_selection", option("moe_lrmoe_selection").default)
-    metric = getattr(config, "moe_lrmoe_metric", option("moe_lrmoe_metric").default)
+    def lrmoe(field: str):
+        return getattr(config, field, option(field).default)
+
+    selection, metric = lrmoe("moe_lrmoe_selection"), lrmoe("moe_lrmoe_metric")
     return MoEShape(
         hidden_size=config.hidden_size,
         ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
@@ -142,9 +144,8 @@ def moe_shape(config, tokens_per_rank: int, microbatches_per_step: int = 1,
         # failed probe falls back to the loop, which holds less: the model errs safe).
         grouped_gemm=bool(config.moe_grouped_gemm) or torch.cuda.is_available(),
         forward_retention=stored_in_forward(selection, metric),
-        store_factor=(float(getattr(config, "moe_lrmoe_store_factor",
-                                    option("moe_lrmoe_store_factor").default))
-                      if selection == TWO_STAGE else None),
+        store_factor=(float(lrmoe("moe_lrmoe_store_factor")) if selection == TWO_STAGE
+                      else None),
         recompute_moe=recompute_moe,
         full_recompute_layers=full_recompute_layers,
     )

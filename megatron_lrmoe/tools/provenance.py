@@ -19,17 +19,17 @@ def code_version(paths: tuple[str, ...] = CODE_PATHS) -> str:
     commit). The checkout is the git work tree the package is imported from (an editable
     install); an installed package outside one gives ``commit unknown``."""
 
-    def git(*args: str) -> str:    # rstrip: porcelain lines start with a space
+    def git(cwd: Path | str, *args: str) -> str:    # rstrip: porcelain lines start with a space
         try:
-            return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent,
-                                  capture_output=True, text=True, timeout=30,
-                                  check=True).stdout.rstrip()
+            return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                                  timeout=30, check=True).stdout.rstrip()
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    changed = git("status", "--porcelain", "--", *(f":(top){p}" if not p.startswith(":(")
-                                                   else p.replace(":(", ":(top,", 1)
-                                                   for p in paths)).splitlines()
+    top = git(Path(__file__).resolve().parent, "rev-parse", "--show-toplevel")
+    if not top:
+        return "commit unknown"
+    commit = git(top, "rev-parse", "--short", "HEAD") or "unknown"
+    changed = git(top, "status", "--porcelain", "--", *paths).splitlines()
     files = ", ".join(line[3:] for line in changed)
     return f"commit {commit}" + (f" + uncommitted changes in {files}" if files else "")

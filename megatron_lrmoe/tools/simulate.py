@@ -526,9 +526,7 @@ def report_table(model: ModelSpec, cluster: ClusterSpec, by_ep: dict[int, list[P
         symi = (base["symi"].step_moe_s * steps_ratio.get("symi", 1.0)
                 if "symi" in base else math.nan)
         for r in results:
-            # Dropless is the reference: its ratio is 1 whether measured or not.
-            to_target = r.step_moe_s * steps_ratio.get(
-                r.policy, 1.0 if r.policy == "dropless" else math.nan)
+            to_target = r.step_moe_s * steps_ratio.get(r.policy, math.nan)
             lines.append(
                 f"| {ep} | {r.label} | {r.forward_s * 1e3:.2f} | {r.backward_s * 1e3:.2f} | "
                 f"{parts_text(r.parts, 'forward')} | {parts_text(r.parts, 'backward')} | "
@@ -660,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     calibration = json.loads(args.calibration.read_text()) if args.calibration else None
     if calibration is not None and args.calibration_scope == "node":
         calibration = node_calibration(calibration)
-    steps_ratio: dict[str, float] = {}
+    steps_ratio = {"dropless": 1.0}       # the reference, measured or not
     if args.steps_to_target is not None:
         try:
             steps_ratio = steps_ratios(load_steps_to_target(args.steps_to_target))
@@ -723,9 +721,10 @@ def main(argv: list[str] | None = None) -> int:
              "(its CPU stands for the cluster's hosts)" if args.planner_ms is None else
              f"- planner host time: {args.planner_ms:g} ms per call (--planner-ms)"),
             ("- steps to target relative to dropless (assumed, from the time-to-loss study): "
-             + ", ".join(f"{k} {v:.3f}" for k, v in steps_ratio.items()) if steps_ratio
-             else "- steps to target: none given (--steps-to-target, --steps-ratio); the "
-             "table's to-target columns are per step for dropless and SYMI-style only"),
+             + ", ".join(f"{k} {v:.3f}" for k, v in steps_ratio.items())
+             if len(steps_ratio) > 1 else
+             "- steps to target: none given (--steps-to-target, --steps-ratio); the "
+             "table's to-target columns hold dropless's only"),
             "- all-to-all beyond 2 ranks is not validated against measurements "
             "(docs/simulate.md)", "", table, "", f"![plot]({stem}.png)", ""]))
         print(f"written to {args.out / stem}.md and .png")

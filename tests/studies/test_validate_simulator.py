@@ -101,9 +101,13 @@ def test_an_lrmoe_runs_flags_name_the_defaults_it_ran_under(tmp_path):
     assert ran({"defaults": old}) == {"selection": "sample", "gamma": 0.6}
     launched += ["--moe-lrmoe-selection", "topk"]
     assert ran({"defaults": old}) == {"selection": "topk", "gamma": 0.6}
-    # A config that names a moved option (or LRMoE itself) is read as it ran: not pinned.
+    launched += ["--moe-lrmoe-bwd-capacity-factor=0.8"]       # argparse's = form
+    assert ran({"defaults": old}) == {"selection": "topk", "gamma": 0.8}
+    launched.pop()
+    # A config that names a moved option (or LRMoE itself; either spelling of a key) is
+    # read as it ran: not pinned.
     named = tmp_path / "named.yaml"
-    named.write_text(Path(config).read_text() + "moe-lrmoe: true\nmoe-lrmoe-selection: hybrid\n")
+    named.write_text(Path(config).read_text() + "moe-lrmoe: true\nmoe_lrmoe_selection: hybrid\n")
     launched[launched.index(config)] = str(named)
     launched.remove("--moe-lrmoe")
     launched.remove("--moe-lrmoe-selection")

@@ -61,7 +61,7 @@ from megatron_lrmoe.planning.cost_model import CostModel
 from megatron_lrmoe.planning.machine import MachineConstants
 from megatron_lrmoe.planning.megatron_baseline import MegatronMoEMemory, megatron_kept_counts
 from megatron_lrmoe.planning.planner import PlannerSettings
-from megatron_lrmoe.planning.retention import TWO_STAGE, retention_in_forward, stored_in_forward
+from megatron_lrmoe.planning.retention import retention_in_forward
 from megatron_lrmoe.planning.shapes import MoEShape
 from megatron_lrmoe.tools import run_log
 from megatron_lrmoe.tools.provenance import code_version
@@ -207,12 +207,9 @@ def run_replay(run: Path, flags_after: tuple[str, ...] = ()) -> RunReplay:
                                                    source="unused: memory only")
     shape = dataclasses.replace(shape, expert_parallel_size=ep)
     modelled = layer_shape(shape, policy.runs_planner)
-    if args.moe_lrmoe:      # the rows the run's rule saves (the simulator's default: uniform)
-        modelled = dataclasses.replace(
-            modelled, forward_retention=stored_in_forward(config.moe_lrmoe_selection,
-                                                       config.moe_lrmoe_metric),
-            store_factor=(config.moe_lrmoe_store_factor
-                          if config.moe_lrmoe_selection == TWO_STAGE else None))
+    if args.moe_lrmoe:      # the rows the run's rule saves (moe_shape's, not the simulator's)
+        modelled = dataclasses.replace(modelled, forward_retention=shape.forward_retention,
+                                       store_factor=shape.store_factor)
     cost = CostModel(modelled, machine)
     budget = 0.0 if budget_gib is None else budget_gib * 2**30   # 0: no budget
     mismatches = []

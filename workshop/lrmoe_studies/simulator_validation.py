@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from lrmoe_studies.time_to_loss_policies import without_flags
 from megatron_lrmoe.data.routing_traces import read_routing_trace
 from megatron_lrmoe.options.lrmoe import option
 from megatron_lrmoe.planning.clusters import CLUSTERS
@@ -36,25 +37,32 @@ LRMoE layer"), at the values the runs recorded without a ``defaults`` ran under.
 written since holds its own (``recorded_defaults``)."""
 
 
+def _dest(name: str) -> str:
+    """A flag or config key as the launcher's parser names it (``--moe-lrmoe`` and
+    ``moe_lrmoe`` are both ``moe_lrmoe``)."""
+    return name.split("=", 1)[0].lstrip("-").replace("-", "_")
+
+
 def recorded_defaults() -> dict[str, str]:
     """Today's defaults of the moved options (``MOVED_DEFAULTS``' flags), for a run's record:
     its command, replayed later, then reads as it ran whatever the defaults are by then."""
     out = {}
     for flag in MOVED_DEFAULTS:
-        default = option(flag.removeprefix("--").replace("-", "_")).default
+        default = option(_dest(flag)).default
         out[flag] = f"{default:g}" if isinstance(default, float) else str(default)
     return out
 
 
-def _config_values(flags: list[str]) -> dict:
-    """The YAML of the ``--config`` the flags name (the last; relative to the working
-    folder, as the launcher reads it): flag names without ``--`` -> values; {} without
-    one."""
+def _named(flags: list[str]) -> dict[str, object]:
+    """What the flags and the ``--config`` they name (the last; relative to the working
+    folder, as the launcher reads it) set, by parser name; a flag with a value maps to
+    True. A config not found here reads as none: the launcher's parse names it."""
     configs = [Path(flags[i + 1]) for i, f in enumerate(flags[:-1]) if f == "--config"]
-    # One not found here reads as none: the launcher's parse of the flags names it.
-    if not configs or not configs[-1].is_file():
-        return {}
-    return yaml.safe_load(configs[-1].read_text()) or {}
+    named = {}
+    if configs and configs[-1].is_file():
+        named = {_dest(str(k)): v for k, v in (yaml.safe_load(configs[-1].read_text())
+                                                or {}).items()}
+    return named | {_dest(f): True for f in flags if f.startswith("--")}
 
 
 def run_flags(done: Path) -> list[str]:
@@ -69,11 +77,10 @@ def run_flags(done: Path) -> list[str]:
         raise ValueError(f"{done}: no launcher module ({' or '.join(LAUNCHER_MODULES)}) "
                          "in its command")
     flags = command[command.index(module) + 1:]
-    config = _config_values(flags)
-    if "--moe-lrmoe" in flags or config.get("moe-lrmoe"):
+    named = _named(flags)
+    if named.get("moe_lrmoe"):
         defaults = record.get("defaults", MOVED_DEFAULTS)
-        flags += [word for flag, value in defaults.items()
-                  if flag not in flags and flag.removeprefix("--") not in config
+        flags += [word for flag, value in defaults.items() if _dest(flag) not in named
                   for word in (flag, value)]
     return flags
 
@@ -98,15 +105,7 @@ def run_record(run: Path) -> Path:
 def reference_flags(run: Path) -> list[str]:
     """A measured run's launcher flags less its per-run ones (``RUN_ONLY``): the model and
     the batch that predictions, and runs compared with it, are made of."""
-    out, skip = [], False
-    for f in run_flags(run_record(run)):
-        if skip:
-            skip = False
-        elif f in RUN_ONLY:
-            skip = True
-        else:
-            out.append(f)
-    return out
+    return without_flags(run_flags(run_record(run)), RUN_ONLY)
 
 
 def run_setting(flags: list[str], world_size: int

@@ -150,9 +150,6 @@ def policies(budget_gb: float | str) -> Policies:
     return Policies(budget_gb)
 
 
-_DATA_FLAGS = ("--data-path", "--data-cache-path")
-
-
 def study_budget_gb(base_flags: list[str], extra_instances: float) -> float:
     """Balanced dropless need of the configured shape plus ``extra_instances`` expert
     instances per layer and rank (GiB), from the cost model (memory only)."""
@@ -164,9 +161,8 @@ def study_budget_gb(base_flags: list[str], extra_instances: float) -> float:
 
     # Validate as the runs will be: one rank per expert-parallel rank.
     # The shape only: mock data, so that the corpus need not be prepared yet.
-    model = [f for i, f in enumerate(base_flags) if f not in _DATA_FLAGS
-             and (i == 0 or base_flags[i - 1] not in _DATA_FLAGS)]
-    args = parse_args(model + ["--moe-lrmoe", "--mock-data"], world_size(base_flags))
+    args = parse_args(without_flags(base_flags, ("--data-path", "--data-cache-path"))
+                      + ["--moe-lrmoe", "--mock-data"], world_size(base_flags))
     shape = moe_shape(transformer_config_from_args(args),
                       args.micro_batch_size * args.seq_length)
     cost = CostModel(shape, machine_constants(None, "cpu"))
@@ -185,6 +181,19 @@ def _study_config(config: str) -> dict:
     import yaml
 
     return yaml.safe_load((ROOT / config).read_text())
+
+
+def without_flags(flags: list[str], names: tuple[str, ...]) -> list[str]:
+    """``flags`` less each flag of ``names`` and the value that follows it."""
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f in names:
+            skip = True
+        else:
+            out.append(f)
+    return out
 
 
 def _last(flags: list[str], flag: str) -> str | None:
