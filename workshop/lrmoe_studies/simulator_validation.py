@@ -32,9 +32,9 @@ LAUNCHER_MODULES = ("megatron_lrmoe.launcher.pretrain", "megatron_lrmoe.pretrain
 
 
 MOVED_DEFAULTS = {"--moe-lrmoe-selection": "uniform", "--moe-lrmoe-bwd-capacity-factor": "1.0"}
-"""The LRMoE options whose defaults have moved (and moved back: docs/decisions.md, "The
-LRMoE layer"), at the values the runs recorded without a ``defaults`` ran under. A record
-written since holds its own (``recorded_defaults``)."""
+"""The LRMoE options whose defaults may move (docs/decisions.md, "The LRMoE layer"), at
+the values every run recorded without a ``defaults`` field ran under; a record with one
+holds its own (``recorded_defaults``)."""
 
 
 def _dest(name: str) -> str:
